@@ -1,0 +1,5 @@
+import sys
+
+from flannelpy.cli import main
+
+sys.exit(main())

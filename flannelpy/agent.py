@@ -1,0 +1,422 @@
+"""The node agent: the composition root and the loops that keep the node in shape.
+
+Start-up order matters and is the whole of ``NodeAgent.start``: validate
+everything before touching the host; acquire our lease; wait for the first
+full lease snapshot (never program an empty peer set over a live one); one
+synchronous reconcile; only then write subnet.env and report ready. After
+that, threads keep it so: lease watch, reconciler, kernel event watch,
+firewall resync and lease renewal, all under one stop event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Interface, IPv4Network
+from pathlib import Path
+
+from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.registry import get_backend
+from flannelpy.config import AgentSettings, NetworkConfig
+from flannelpy.dataplane.kernel import Kernel
+from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
+from flannelpy.dataplane.state import Unreachable
+from flannelpy.errors import ConfigError, FlannelpyError, StoreError
+from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet_env import SubnetEnv, read_previous_subnet, write_subnet_env
+from flannelpy.survey import check_no_overlap
+
+log = logging.getLogger("flannelpy.agent")
+
+FIRST_SNAPSHOT_TIMEOUT = 30.0  # seconds to wait for the first lease list after acquiring
+RENEW_RETRY_SECONDS = 60.0  # Flannel's retry interval for a failed renewal
+THREAD_GRACE_SECONDS = 5.0
+
+
+def node_name_default(settings: AgentSettings) -> str:
+    return settings.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Firewall:
+    """What the agent needs of the iptables adapter (flannelpy.dataplane.firewall)."""
+
+    sync: Callable[[], object]
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        manager: SubnetManager,
+        kernel: Kernel,
+        backend: Backend,
+        ctx: NodeContext,
+        vtep_mac: str | None,
+        firewall_factory: Callable[[list[IPv4Network]], Callable[[], object]] | None,
+    ) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.kernel = kernel
+        self.backend = backend
+        self.ctx = ctx
+        self.vtep_mac = vtep_mac
+        self._firewall_factory = firewall_factory
+        self._firewall_sync: Callable[[], object] | None = None
+        self.stop = threading.Event()
+        self._lease_lock = threading.Lock()
+        self.lease: Lease | None = None
+        self._leases: Mapping[str, Lease] = {}
+        self._first_snapshot = threading.Event()
+        self._lease_lost = threading.Event()
+        self._unreachable: frozenset[Unreachable] = frozenset()
+        self.reconciler = Reconciler(kernel, settings.resync_interval, self._on_reconciled)
+        self._threads: list[threading.Thread] = []
+        self._failure: BaseException | None = None
+        self.ready = False
+
+    @property
+    def config(self) -> NetworkConfig:
+        return self.ctx.config
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def _acquire(self, previous: IPv4Network | None) -> Lease:
+        attrs = self.backend.lease_attrs(self.ctx, self.vtep_mac)
+        lease = self.manager.acquire_lease(attrs, previous)
+        log.info(
+            "lease acquired subnet=%s public_ip=%s backend=%s",
+            lease.subnet, attrs.public_ip, attrs.backend_type,
+        )
+        return lease
+
+    def _on_leases(self, leases: Mapping[str, Lease], revision: int) -> None:
+        with self._lease_lock:
+            self._leases = dict(leases)
+            own = self.lease
+        if own is not None:
+            current = leases.get(own.key)
+            if current is None or current.attrs.public_ip != own.attrs.public_ip:
+                self._lease_lost.set()
+        self._replan()
+        self._first_snapshot.set()
+
+    def _replan(self) -> None:
+        with self._lease_lock:
+            own = self.lease
+            leases = self._leases
+        if own is None:
+            return
+        peers = [lease for key, lease in leases.items() if key != own.key]
+        desired = self.backend.plan(self.ctx, [own], peers, self.vtep_mac)
+        stale_links = frozenset(
+            name for name in _all_backend_devices(self.ctx) if name not in
+            {link.name for link in desired.links}
+        )
+        if desired.unreachable != self._unreachable:
+            for peer in sorted(desired.unreachable - self._unreachable, key=lambda u: u.subnet):
+                log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
+            self._unreachable = desired.unreachable
+        self.reconciler.set_desired(desired, stale_links)
+
+    def _reacquire(self) -> None:
+        with self._lease_lock:
+            old = self.lease
+        previous = old.subnet if old else None
+        log.warning("own lease disappeared from the store; re-acquiring subnet=%s", previous)
+        lease = self._acquire(previous)
+        with self._lease_lock:
+            self.lease = lease
+        self._replan()
+        if old is None or lease.subnet != old.subnet:
+            log.warning("lease changed old=%s new=%s", previous, lease.subnet)
+            self._write_subnet_env()
+            self._setup_firewall()
+
+    def _renew_loop(self, stop: threading.Event) -> None:
+        margin = self.settings.subnet_lease_renew_margin * 60.0
+        while not stop.is_set():
+            with self._lease_lock:
+                lease = self.lease
+            assert lease is not None
+            expiration = lease.expiration or (time.time() + RENEW_RETRY_SECONDS + margin)
+            if stop.wait(max(0.0, expiration - margin - time.time())):
+                return
+            try:
+                renewed = self.manager.renew_lease(lease)
+            except StoreError as e:
+                log.warning("lease renewal failed, retrying in %ss: %s", RENEW_RETRY_SECONDS, e)
+                if stop.wait(RENEW_RETRY_SECONDS):
+                    return
+                continue
+            with self._lease_lock:
+                if self.lease is not None and self.lease.key == renewed.key:
+                    self.lease = renewed
+            log.info("lease renewed subnet=%s expires=%s", renewed.subnet, renewed.expiration)
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def _write_subnet_env(self) -> None:
+        assert self.lease is not None and self.config.network is not None
+        env = SubnetEnv(
+            network=self.config.network,
+            subnet=IPv4Interface(f"{self.lease.gateway}/{self.lease.subnet.prefixlen}"),
+            mtu=self.backend.mtu(self.ctx),
+            ipmasq=self.settings.ip_masq,
+        )
+        write_subnet_env(self.settings.subnet_file, env)
+
+    def _setup_firewall(self) -> None:
+        if self._firewall_factory is None or self.lease is None:
+            return
+        self._firewall_sync = self._firewall_factory([self.lease.subnet])
+        self._firewall_sync()
+
+    def _firewall_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.settings.iptables_resync):
+            if self._firewall_sync is not None:
+                try:
+                    self._firewall_sync()
+                except FlannelpyError as e:
+                    log.warning("firewall resync failed: %s", e)
+
+    def _on_reconciled(self, result: ReconcileResult) -> None:
+        self._write_status(result)
+
+    def _write_status(self, result: ReconcileResult | None) -> None:
+        """A small JSON file for `lab status` and operators: what this node holds and lacks."""
+        with self._lease_lock:
+            lease = self.lease
+            peers = len(self._leases) - 1
+        doc = {
+            "node": self.ctx.node_name,
+            "backend": self.backend.type_name,
+            "lease": str(lease.subnet) if lease else None,
+            "public_ip": str(self.ctx.public_ip),
+            "mtu": self.backend.mtu(self.ctx),
+            "peers": max(peers, 0),
+            "unreachable": [
+                {"subnet": str(u.subnet), "public_ip": str(u.public_ip), "reason": u.reason}
+                for u in sorted(self._unreachable, key=lambda u: u.subnet)
+            ],
+            "converged": result.converged if result else None,
+            "failures": list(result.failures[:20]) if result else [],
+            "last_reconcile": result.finished_at if result else None,
+            "ready": self.ready,
+        }
+        path = Path(self.settings.run_dir) / "status.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        def supervised() -> None:
+            try:
+                target(self.stop)
+            except BaseException as e:  # a root task died: stop them all
+                if not self.stop.is_set():
+                    log.exception("task failed task=%s", name)
+                    self._failure = e
+                    self.stop.set()
+
+        thread = threading.Thread(target=supervised, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def start(self) -> None:
+        previous = read_previous_subnet(self.settings.subnet_file)
+        lease = self._acquire(previous)
+        with self._lease_lock:
+            self.lease = lease
+        self.kernel.set_sysctl("net.ipv4.ip_forward", "1")
+        self._spawn("lease-watch", lambda stop: self.manager.watch_leases(self._on_leases, stop))
+        if not self._first_snapshot.wait(FIRST_SNAPSHOT_TIMEOUT):
+            raise StoreError(
+                f"no lease list from the store within {FIRST_SNAPSHOT_TIMEOUT:.0f} s; "
+                "check that the store is reachable and healthy"
+            )
+        result = self.reconciler.reconcile_once("start")
+        if result is not None and not result.converged:
+            log.warning("initial reconcile incomplete failures=%d", len(result.failures))
+        self._write_subnet_env()
+        self._setup_firewall()
+        self._spawn("reconciler", self.reconciler.run)
+        self._spawn("kernel-watch", lambda stop: self.kernel.watch(self.reconciler.trigger, stop))
+        self._spawn("renew", self._renew_loop)
+        if self._firewall_factory is not None:
+            self._spawn("firewall", self._firewall_loop)
+        self.ready = True
+        self._write_status(result)
+        log.info("agent ready subnet=%s mtu=%s", lease.subnet, self.backend.mtu(self.ctx))
+
+    def run_until_stopped(self) -> None:
+        while not self.stop.is_set():
+            if self._lease_lost.wait(0.5):
+                self._lease_lost.clear()
+                try:
+                    self._reacquire()
+                except StoreError as e:
+                    log.warning("re-acquiring the lease failed, retrying: %s", e)
+                    self._lease_lost.set()
+                    self.stop.wait(1.0)
+        self.shutdown()
+        if self._failure is not None:
+            raise self._failure
+
+    def shutdown(self) -> None:
+        """Stop loops; leave the data plane and the lease in place (a restart must not
+        disturb traffic, and the lease is reused by PublicIP)."""
+        self.stop.set()
+        self.reconciler.trigger("stopping")  # wakes its loop, which then sees stop
+        deadline = time.monotonic() + THREAD_GRACE_SECONDS
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("task did not stop in time task=%s", thread.name)
+        self.manager.close()
+
+
+def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
+    from flannelpy.backend.vxlan import device_name
+
+    return (device_name(ctx.config.backend.vni),)
+
+
+def load_vtep_mac(kernel: Kernel, state_dir: str, device: str) -> str:
+    """A stable VTEP MAC: the live device's, else the one we recorded, else a new one.
+
+    Peers hold our MAC in their neighbour and FDB tables; a new MAC after a
+    restart would leave them stale until they see our lease change.
+    """
+    path = Path(state_dir) / f"vtep-mac-{device}"
+    mac = kernel.link_mac(device)
+    if mac is None and path.exists():
+        mac = path.read_text().strip().lower() or None
+    if mac is None:
+        octets = [random.randrange(256) for _ in range(6)]
+        octets[0] = (octets[0] & 0xFE) | 0x02  # unicast, locally administered
+        mac = ":".join(f"{o:02x}" for o in octets)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text().strip() != mac:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(mac + "\n")
+        os.replace(tmp, path)
+    return mac
+
+
+def build_agent(settings: AgentSettings) -> NodeAgent:
+    """Wire the parts together. Everything that can be refused is refused here, before
+    anything on the host changes."""
+    from flannelpy.dataplane.netlink import NetlinkKernel
+
+    if settings.kube_subnet_mgr:
+        raise ConfigError(
+            "--kube-subnet-mgr is not available in this version; use etcd mode (--etcd-endpoints)"
+        )
+    from flannelpy.subnet.etcd import EtcdSubnetManager, connect_etcd
+
+    manager = EtcdSubnetManager(connect_etcd(settings), settings)
+    try:
+        config = manager.get_network_config()
+        if config.enable_ipv6:
+            raise ConfigError(
+                "net-conf.json: EnableIPv6 is not supported by flannelpy yet; set it to false"
+            )
+        if not config.enable_ipv4 or config.network is None:
+            raise ConfigError("net-conf.json: EnableIPv4 must be true and Network set")
+        if config.backend_defaulted:
+            log.warning("net-conf.json has no Backend; using vxlan")
+        backend = get_backend(config.backend.type)
+        kernel = NetlinkKernel()
+        underlay = kernel.find_underlay(
+            settings.iface, settings.iface_regex,
+            _ip_or_none(settings.iface_can_reach), settings.public_ip,
+        )
+        ctx = NodeContext(
+            config=config,
+            underlay=underlay,
+            public_ip=settings.public_ip or underlay.ip,
+            node_name=node_name_default(settings),
+        )
+        ours = {*_all_backend_devices(ctx), "cni0"}
+        check_no_overlap(config.network, kernel.survey(ours), settings.allow_overlap)
+        vtep_mac = None
+        if backend.type_name == "vxlan":
+            vtep_mac = load_vtep_mac(kernel, settings.state_dir, backend.device_names(ctx)[0])
+        log.info(
+            "starting node=%s backend=%s iface=%s public_ip=%s mtu=%s",
+            ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, backend.mtu(ctx),
+        )
+    except BaseException:
+        manager.close()
+        raise
+
+    firewall_factory = _firewall_factory(settings, config.network)
+    return NodeAgent(settings, manager, kernel, backend, ctx, vtep_mac, firewall_factory)
+
+
+def _ip_or_none(value: str | None):  # type: ignore[no-untyped-def]
+    from ipaddress import IPv4Address
+
+    return IPv4Address(value) if value else None
+
+
+def _firewall_factory(
+    settings: AgentSettings, network: IPv4Network
+) -> Callable[[list[IPv4Network]], Callable[[], object]] | None:
+    if not settings.ip_masq and not settings.iptables_forward_rules:
+        return None
+    from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
+
+    firewall = IptablesFirewall()
+
+    def make(subnets: list[IPv4Network]) -> Callable[[], object]:
+        rule_sets = []
+        if settings.ip_masq:
+            rule_sets.append(masq_rules(network, subnets, firewall.random_fully))
+        if settings.iptables_forward_rules:
+            rule_sets.append(forward_rules(network))
+
+        def sync() -> None:
+            for rules in rule_sets:
+                firewall.sync(rules)  # logs what it repaired
+
+        return sync
+
+    return make
+
+
+def run_agent(settings: AgentSettings) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit code; errors become one sentence."""
+    try:
+        agent = build_agent(settings)
+    except FlannelpyError as e:
+        log.error("%s", e)
+        return e.exit_code
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("stopping signal=%s", signal.Signals(signum).name)
+        agent.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+        agent.run_until_stopped()
+    except FlannelpyError as e:
+        log.error("%s", e)
+        agent.shutdown()
+        return e.exit_code
+    return 0

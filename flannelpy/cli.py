@@ -1,0 +1,50 @@
+"""The `flannelpy` command: `agent` runs the node agent; `lab` drives the netns lab."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from flannelpy import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flannelpy.config import add_agent_arguments
+    from flannelpy.lab.cli import add_lab_parser
+
+    parser = argparse.ArgumentParser(prog="flannelpy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    agent = sub.add_parser("agent", help="run the node agent (one per node)")
+    add_agent_arguments(agent)
+    add_lab_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "agent":
+        import os
+
+        from flannelpy.agent import run_agent
+        from flannelpy.config import settings_from_args
+        from flannelpy.errors import FlannelpyError
+        from flannelpy.log import setup_logging
+
+        try:
+            settings = settings_from_args(args, os.environ)
+        except FlannelpyError as e:
+            print(f"flannelpy: {e}", file=sys.stderr)
+            return e.exit_code
+        setup_logging(settings.log_format, settings.log_level)
+        return run_agent(settings)
+    if args.command == "lab":
+        from flannelpy.lab.cli import run
+
+        return run(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Desired minus observed: the pure heart of reconciliation.
+
+Identity per kind: links by name, routes by destination, neighbours by
+(device, IP), FDB entries by (device, MAC, dst), addresses by value. A link
+whose immutable attributes differ (VNI, local address, port, ...) is deleted
+and created again, and everything on it is then treated as missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flannelpy.dataplane.state import (
+    Address,
+    Changes,
+    DesiredState,
+    FdbEntry,
+    Neighbour,
+    ObservedState,
+    Route,
+    VxlanLink,
+)
+
+
+def _immutable(link: VxlanLink) -> tuple[object, ...]:
+    return (link.vni, link.local_ip, link.underlay, link.port, link.gbp, link.learning)
+
+
+def diff(desired: DesiredState, observed: ObservedState) -> Changes:
+    observed_links = {link.name: link for link in observed.links}
+    desired_links = {link.name: link for link in desired.links}
+
+    to_delete: list[str] = [name for name in observed_links if name not in desired_links]
+    to_create: list[VxlanLink] = []
+    to_update: list[VxlanLink] = []
+    for name, want in sorted(desired_links.items()):
+        have = observed_links.get(name)
+        if have is None:
+            to_create.append(want)
+        elif _immutable(have) != _immutable(want):
+            to_delete.append(name)
+            to_create.append(want)
+        elif have.mtu != want.mtu or (want.mac is not None and have.mac != want.mac):
+            to_update.append(want)
+
+    # A created (or re-created) device starts empty, whatever the dump said.
+    fresh = {link.name for link in to_create} | set(to_delete)
+    observed = _without_devices(observed, fresh)
+
+    routes_by_dst = {route.dst: route for route in observed.routes}
+    desired_dsts = {route.dst for route in desired.routes}
+    routes_to_delete = sorted(
+        (r for r in observed.routes if r.dst not in desired_dsts), key=_route_key
+    )
+    routes_to_set = sorted(
+        (r for r in desired.routes if routes_by_dst.get(r.dst) != r), key=_route_key
+    )
+
+    neigh_by_key = {(n.ifname, n.ip): n for n in observed.neighbours}
+    desired_neigh_keys = {(n.ifname, n.ip) for n in desired.neighbours}
+    neighbours_to_delete = sorted(
+        (n for n in observed.neighbours if (n.ifname, n.ip) not in desired_neigh_keys),
+        key=_neigh_key,
+    )
+    neighbours_to_set = sorted(
+        (n for n in desired.neighbours if neigh_by_key.get((n.ifname, n.ip)) != n),
+        key=_neigh_key,
+    )
+
+    fdb_to_delete = sorted(observed.fdb - desired.fdb, key=_fdb_key)
+    fdb_to_set = sorted(desired.fdb - observed.fdb, key=_fdb_key)
+
+    addresses_to_add = sorted(desired.addresses - observed.addresses, key=_addr_key)
+    addresses_to_delete = sorted(observed.addresses - desired.addresses, key=_addr_key)
+
+    counts = {
+        "link": len(to_create) + len(to_update),
+        "address": len(addresses_to_add),
+        "route": len(routes_to_set),
+        "neighbour": len(neighbours_to_set),
+        "fdb": len(fdb_to_set),
+        "stale": len(routes_to_delete)
+        + len(neighbours_to_delete)
+        + len(fdb_to_delete)
+        + len(addresses_to_delete),
+    }
+    return Changes(
+        links_to_delete=tuple(to_delete),
+        links_to_create=tuple(to_create),
+        links_to_update=tuple(to_update),
+        routes_to_delete=tuple(routes_to_delete),
+        neighbours_to_delete=tuple(neighbours_to_delete),
+        fdb_to_delete=tuple(fdb_to_delete),
+        addresses_to_add=tuple(addresses_to_add),
+        addresses_to_delete=tuple(addresses_to_delete),
+        neighbours_to_set=tuple(neighbours_to_set),
+        fdb_to_set=tuple(fdb_to_set),
+        routes_to_set=tuple(routes_to_set),
+        counts=counts,
+    )
+
+
+def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:
+    if not devices:
+        return observed
+    return replace(
+        observed,
+        addresses=frozenset(a for a in observed.addresses if a.ifname not in devices),
+        routes=frozenset(r for r in observed.routes if r.ifname not in devices),
+        neighbours=frozenset(n for n in observed.neighbours if n.ifname not in devices),
+        fdb=frozenset(f for f in observed.fdb if f.ifname not in devices),
+    )
+
+
+def _route_key(route: Route) -> tuple[int, int]:
+    return (int(route.dst.network_address), route.dst.prefixlen)
+
+
+def _neigh_key(neigh: Neighbour) -> tuple[str, int]:
+    return (neigh.ifname, int(neigh.ip))
+
+
+def _fdb_key(entry: FdbEntry) -> tuple[str, str, int]:
+    return (entry.ifname, entry.mac, int(entry.dst))
+
+
+def _addr_key(addr: Address) -> tuple[str, int]:
+    return (addr.ifname, int(addr.address))

@@ -1,0 +1,71 @@
+"""The kernel adapter protocol: everything above the dataplane sees only this.
+
+The real implementation is :mod:`flannelpy.dataplane.netlink` (pyroute2, plus a
+batched fast path for bulk writes); unit tests pass a recording fake.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+from typing import Protocol
+
+from flannelpy.dataplane.state import Changes, ObservedState, UnderlayInterface
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """How many entries of each kind were written, and the failures (never raised mid-batch)."""
+
+    applied: dict[str, int]
+    failures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ForeignRoute:
+    """A route or address on the node that is not ours, for the overlap survey."""
+
+    network: IPv4Network
+    description: str  # e.g. "route 10.244.0.0/16 dev eth1" or "address 10.244.3.7/24 on eth0"
+
+
+class Kernel(Protocol):
+    def find_underlay(
+        self,
+        ifaces: Iterable[str] = (),
+        iface_regexes: Iterable[str] = (),
+        can_reach: IPv4Address | None = None,
+        public_ip: IPv4Address | None = None,
+    ) -> UnderlayInterface:
+        """Flannel's interface choice: explicit names, then regexes, then the route to
+        ``can_reach``, else the default route's interface. Raises InterfaceNotFound."""
+        ...
+
+    def survey(self, ignore_devices: Iterable[str]) -> list[ForeignRoute]:
+        """Routes (main table, not ours, not default) and addresses not on ``ignore_devices``."""
+        ...
+
+    def observe(self, link_names: Iterable[str], owned_devices: Iterable[str]) -> ObservedState:
+        """Dump links named ``link_names`` (vxlan ones), their addresses, routes with our
+        protocol, and permanent neighbours/FDB entries on ``owned_devices``."""
+        ...
+
+    def apply(self, changes: Changes) -> ApplyResult:
+        """Apply in Changes' field order. Idempotent: a missing entry on delete and an
+        existing one on set are success."""
+        ...
+
+    def link_mac(self, name: str) -> str | None:
+        """The MAC of link ``name``, or None when it does not exist."""
+        ...
+
+    def watch(self, on_event: Callable[[str], None], stop: threading.Event) -> None:
+        """Block until ``stop``: call ``on_event(kind)`` ("route", "neighbour", "fdb", "link",
+        "address") when one of ours may have been deleted or changed by someone else."""
+        ...
+
+    def set_sysctl(self, name: str, value: str) -> None:
+        """Write /proc/sys/<name with dots as slashes> (e.g. net.ipv4.ip_forward)."""
+        ...

@@ -1,0 +1,123 @@
+"""The one path by which kernel state changes: observe, diff, apply.
+
+It runs when the desired state changes (lease events), when the kernel reports
+that something of ours changed (another tool deleted a route), and on a timer.
+Triggers that arrive while a pass runs coalesce into one more pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.kernel import Kernel
+from flannelpy.dataplane.state import Changes, DesiredState
+
+log = logging.getLogger("flannelpy.reconciler")
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    reason: str
+    changes: Changes
+    failures: tuple[str, ...]
+    duration_seconds: float
+    finished_at: float = field(default_factory=time.time)
+
+    @property
+    def converged(self) -> bool:
+        return not self.failures
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kernel: Kernel,
+        interval: float,
+        on_result: Callable[[ReconcileResult], None] | None = None,
+    ) -> None:
+        self._kernel = kernel
+        self._interval = interval
+        self._on_result = on_result
+        self._lock = threading.Lock()
+        self._desired: DesiredState | None = None
+        self._stale_links: frozenset[str] = frozenset()
+        self._wake = threading.Event()
+        self._reasons: set[str] = set()
+        self.last_result: ReconcileResult | None = None
+
+    @property
+    def desired(self) -> DesiredState | None:
+        with self._lock:
+            return self._desired
+
+    def set_desired(self, desired: DesiredState, stale_links: frozenset[str] = frozenset()) -> None:
+        """Replace the desired state. ``stale_links`` are devices of ours to remove if present
+        (e.g. the vxlan device after switching to host-gw)."""
+        with self._lock:
+            changed = desired != self._desired or stale_links != self._stale_links
+            self._desired = desired
+            self._stale_links = stale_links
+        if changed:
+            self.trigger("desired state changed")
+
+    def trigger(self, reason: str) -> None:
+        with self._lock:
+            self._reasons.add(reason)
+        self._wake.set()
+
+    def reconcile_once(self, reason: str = "requested") -> ReconcileResult | None:
+        """One pass. Returns None while no desired state is known (never act blind:
+        programming an empty peer set at start-up would delete live routes)."""
+        with self._lock:
+            desired = self._desired
+            stale = self._stale_links
+        if desired is None:
+            return None
+        started = time.monotonic()
+        link_names = {link.name for link in desired.links} | stale
+        observed = self._kernel.observe(link_names, desired.owned_devices | stale)
+        changes = diff(desired, observed)
+        failures: tuple[str, ...] = ()
+        if not changes.empty:
+            result = self._kernel.apply(changes)
+            failures = result.failures
+            repaired = {k: v for k, v in changes.counts.items() if v}
+            log.info(
+                "reconciled reason=%r %s",
+                reason,
+                " ".join(f"{k}={v}" for k, v in sorted(repaired.items())),
+            )
+            for failure in failures[:10]:
+                log.warning("reconcile failure: %s", failure)
+        outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
+        self.last_result = outcome
+        if self._on_result is not None:
+            self._on_result(outcome)
+        return outcome
+
+    def run(self, stop: threading.Event) -> None:
+        """Loop until ``stop``: a pass on every trigger, and at least every ``interval``."""
+        while not stop.is_set():
+            self._wake.wait(self._interval)
+            if stop.is_set():
+                return
+            # Let a burst of kernel events (one deletion often brings several) arrive,
+            # so that it costs one pass rather than one per event.
+            stop.wait(0.02)
+            self._wake.clear()
+            with self._lock:
+                reasons = sorted(self._reasons) or ["periodic resync"]
+                self._reasons.clear()
+            try:
+                self.reconcile_once(", ".join(reasons))
+            except Exception:
+                # A failed pass (netlink hiccup) must not end the loop; the next
+                # trigger or tick retries, and readiness reports the failure.
+                log.exception("reconcile pass failed")
+                self._wake.set()
+                stop.wait(1.0)

@@ -1,0 +1,155 @@
+"""Kernel state as plain values: what the planner wants and what a netlink dump finds.
+
+Both sides use the same frozen types so that reconciling is set arithmetic
+(:mod:`flannelpy.dataplane.diff`). Interfaces are named, not indexed: an index
+changes when a device is re-created, a name does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+
+# Routes we own carry this protocol number (see /etc/iproute2/rt_protos), so that
+# stale ones from a previous run or a removed peer are garbage-collected without
+# touching anything another tool installed. Not used by any routing daemon we know.
+ROUTE_PROTOCOL = 75
+
+
+@dataclass(frozen=True)
+class VxlanLink:
+    """The VXLAN device (Flannel: ``flannel.<VNI>``, learning off)."""
+
+    name: str
+    vni: int
+    local_ip: IPv4Address
+    underlay: str  # name of the underlay interface
+    port: int  # UDP destination port; 8472 is the kernel's (and Flannel's) default
+    mtu: int
+    mac: str | None  # None: keep whatever the kernel chose (read back and advertised)
+    gbp: bool = False
+    learning: bool = False
+
+
+@dataclass(frozen=True)
+class Address:
+    ifname: str
+    address: IPv4Interface  # e.g. 10.244.1.0/32 on flannel.1
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route in the main table with protocol :data:`ROUTE_PROTOCOL`. Keyed by ``dst``."""
+
+    dst: IPv4Network
+    gateway: IPv4Address
+    ifname: str
+    onlink: bool = False
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """A permanent ARP entry. Keyed by ``(ifname, ip)``."""
+
+    ifname: str
+    ip: IPv4Address
+    mac: str
+
+
+@dataclass(frozen=True)
+class FdbEntry:
+    """A permanent bridge FDB entry on a vxlan device: send frames for ``mac`` to ``dst``."""
+
+    ifname: str
+    mac: str
+    dst: IPv4Address
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """A peer the backend cannot reach (host-gw to a peer that is not on our L2 segment)."""
+
+    subnet: IPv4Network
+    public_ip: IPv4Address
+    reason: str
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """Everything the agent owns in the kernel. Anything of ours not listed here is stale.
+
+    ``owned_devices`` are devices whose permanent neighbours and FDB entries are
+    entirely ours (the vxlan device): entries there that are not desired are removed.
+    """
+
+    links: frozenset[VxlanLink] = frozenset()
+    addresses: frozenset[Address] = frozenset()
+    routes: frozenset[Route] = frozenset()
+    neighbours: frozenset[Neighbour] = frozenset()
+    fdb: frozenset[FdbEntry] = frozenset()
+    owned_devices: frozenset[str] = frozenset()
+    unreachable: frozenset[Unreachable] = frozenset()
+
+
+@dataclass(frozen=True)
+class ObservedState:
+    """What a netlink dump found of the things we may own."""
+
+    links: frozenset[VxlanLink] = frozenset()
+    addresses: frozenset[Address] = frozenset()
+    routes: frozenset[Route] = frozenset()  # only routes with ROUTE_PROTOCOL
+    neighbours: frozenset[Neighbour] = frozenset()  # only permanent ones on owned devices
+    fdb: frozenset[FdbEntry] = frozenset()  # only permanent ones with a dst on owned devices
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What to do to turn observed into desired. Applied in field order, removals first."""
+
+    links_to_delete: tuple[str, ...] = ()  # names; re-created because immutable attrs differ
+    links_to_create: tuple[VxlanLink, ...] = ()
+    links_to_update: tuple[VxlanLink, ...] = ()  # MTU / MAC changes applied in place
+    routes_to_delete: tuple[Route, ...] = ()
+    neighbours_to_delete: tuple[Neighbour, ...] = ()
+    fdb_to_delete: tuple[FdbEntry, ...] = ()
+    addresses_to_add: tuple[Address, ...] = ()
+    addresses_to_delete: tuple[Address, ...] = ()
+    # Per peer the kernel recipe is neighbour, then FDB, then route (the route
+    # last so the kernel never has to ARP); the applier keeps that order.
+    neighbours_to_set: tuple[Neighbour, ...] = ()
+    fdb_to_set: tuple[FdbEntry, ...] = ()
+    routes_to_set: tuple[Route, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def empty(self) -> bool:
+        return not any(
+            (
+                self.links_to_delete,
+                self.links_to_create,
+                self.links_to_update,
+                self.routes_to_delete,
+                self.neighbours_to_delete,
+                self.fdb_to_delete,
+                self.addresses_to_add,
+                self.addresses_to_delete,
+                self.neighbours_to_set,
+                self.fdb_to_set,
+                self.routes_to_set,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class UnderlayInterface:
+    """The interface that carries overlay traffic between nodes (Flannel's external interface)."""
+
+    name: str
+    index: int
+    ip: IPv4Address  # the interface's own address: the vxlan local address (--public-ip may differ)
+    networks: tuple[IPv4Network, ...]  # subnets directly connected on this interface
+    mtu: int
+
+    def on_link(self, peer: IPv4Address) -> bool:
+        """True when ``peer`` is on one of our connected subnets: reachable without a gateway."""
+        return any(peer in net for net in self.networks)

@@ -1,0 +1,229 @@
+"""Which subnet a node should lease: Flannel's acquire order, as pure functions.
+
+Given the network config, every lease in the store and what we advertise,
+:func:`choose_lease` decides, in this order:
+
+1. a lease whose PublicIP is ours: reuse it if it still fits the config,
+   otherwise mark it for deletion (Flannel);
+1b. a lease whose NodeName is ours (flannelpy extension): the same node came
+   back with a new address; take it over and rewrite it with the new PublicIP,
+   so peers stop routing to the old address at once instead of after 24 h;
+2. the previous subnet from subnet.env, if it fits and nobody holds it;
+3. a random pick among the first 100 free subnets from SubnetMin (random, so
+   nodes starting together rarely race for the same key).
+
+The etcd manager does the I/O; this module only decides.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
+
+from flannelpy.config import NetworkConfig
+from flannelpy.errors import ConfigError, PoolExhausted
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+
+FREE_CANDIDATES = 100  # Flannel collects this many free subnets, then picks one at random
+
+
+@dataclass(frozen=True)
+class LeaseChoice:
+    """The decision. ``existing`` set: rewrite that lease (same key); else create ``subnet``."""
+
+    subnet: IPv4Network
+    ipv6_subnet: IPv6Network | None
+    reason: str  # "public-ip" | "node-name" | "previous" | "free"
+    existing: Lease | None = None
+    delete: tuple[Lease, ...] = ()  # our own leases that no longer fit the config
+
+
+def lease_fits(
+    config: NetworkConfig, subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None
+) -> bool:
+    """True if a lease on ``subnet`` (and ``ipv6_subnet``) is one this config could hand out."""
+    if not config.enable_ipv4 or config.network is None:
+        return False
+    if not _in_range(
+        subnet, config.network, config.subnet_len, config.subnet_min, config.subnet_max
+    ):
+        return False
+    if not config.enable_ipv6:
+        # Flannel drops a dual-stack lease once IPv6 is switched off.
+        return ipv6_subnet is None
+    if ipv6_subnet is None or config.ipv6_network is None:
+        return False
+    assert config.ipv6_subnet_len is not None
+    assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
+    return _in_range(
+        ipv6_subnet,
+        config.ipv6_network,
+        config.ipv6_subnet_len,
+        config.ipv6_subnet_min,
+        config.ipv6_subnet_max,
+    )
+
+
+def _in_range(
+    subnet: IPv4Network | IPv6Network,
+    network: IPv4Network | IPv6Network,
+    subnet_len: int,
+    low: IPv4Address | IPv6Address,
+    high: IPv4Address | IPv6Address,
+) -> bool:
+    # An ip_network is aligned to its own prefix by construction, so checking the
+    # prefix length and the bounds is enough.
+    return (
+        subnet.version == network.version
+        and subnet.prefixlen == subnet_len
+        and subnet.subnet_of(network)  # type: ignore[arg-type]
+        and low <= subnet.network_address <= high  # type: ignore[operator]
+    )
+
+
+def choose_lease(
+    config: NetworkConfig,
+    leases: Sequence[Lease],
+    attrs: LeaseAttrs,
+    previous_subnet: IPv4Network | None,
+    rng: random.Random,
+) -> LeaseChoice:
+    """Apply the acquire order above. Raises PoolExhausted when no subnet is free."""
+    if not config.enable_ipv4 or config.network is None:
+        raise ConfigError(
+            "net-conf.json: EnableIPv4 is false, but etcd leases are keyed by an IPv4 "
+            "subnet; enable IPv4 (dual stack is supported)"
+        )
+    delete: list[Lease] = []
+
+    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
+    if mine is not None:
+        if lease_fits(config, mine.subnet, mine.ipv6_subnet):
+            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", existing=mine)
+        delete.append(mine)
+
+    if attrs.node_name is not None:
+        named = _find(
+            leases,
+            lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
+        )
+        if named is not None:
+            if lease_fits(config, named.subnet, named.ipv6_subnet):
+                return LeaseChoice(
+                    named.subnet, named.ipv6_subnet, "node-name", existing=named,
+                    delete=tuple(delete),
+                )  # fmt: skip
+            delete.append(named)
+
+    held = _Held([lease for lease in leases if all(lease is not d for d in delete)])
+    if previous_subnet is not None:
+        previous_v6 = _paired_v6(config, previous_subnet)
+        if lease_fits(config, previous_subnet, previous_v6) and held.is_free(
+            previous_subnet, previous_v6
+        ):
+            return LeaseChoice(previous_subnet, previous_v6, "previous", delete=tuple(delete))
+
+    free = []
+    for v4, v6 in candidate_subnets(config):
+        if held.is_free(v4, v6):
+            free.append((v4, v6))
+            if len(free) >= FREE_CANDIDATES:
+                break
+    if not free:
+        raise PoolExhausted(_exhausted_message(config))
+    v4, v6 = rng.choice(free)
+    return LeaseChoice(v4, v6, "free", delete=tuple(delete))
+
+
+def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | None:
+    return next((lease for lease in leases if match(lease)), None)
+
+
+def candidate_subnets(
+    config: NetworkConfig,
+) -> Iterator[tuple[IPv4Network, IPv6Network | None]]:
+    """Every subnet the config can lease, from SubnetMin up, v4 and v6 walked in step
+    (as Flannel pairs them for dual stack)."""
+    assert config.network is not None
+    v4_size = 1 << (32 - config.subnet_len)
+    v4_first = int(config.subnet_min)
+    v4_last = int(config.subnet_max)
+    v6_first = v6_last = v6_size = 0
+    if config.enable_ipv6:
+        assert config.ipv6_subnet_len is not None
+        assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
+        v6_size = 1 << (128 - config.ipv6_subnet_len)
+        v6_first, v6_last = int(config.ipv6_subnet_min), int(config.ipv6_subnet_max)
+    index = 0
+    while True:
+        v4_addr = v4_first + index * v4_size
+        if v4_addr > v4_last:
+            return
+        v6: IPv6Network | None = None
+        if config.enable_ipv6:
+            v6_addr = v6_first + index * v6_size
+            if v6_addr > v6_last:
+                return
+            v6 = IPv6Network((v6_addr, config.ipv6_subnet_len))
+        yield IPv4Network((v4_addr, config.subnet_len)), v6
+        index += 1
+
+
+def _paired_v6(config: NetworkConfig, subnet: IPv4Network) -> IPv6Network | None:
+    """The IPv6 subnet Flannel's paired walk gives the same index as ``subnet``."""
+    if not config.enable_ipv6:
+        return None
+    assert config.ipv6_subnet_len is not None and config.ipv6_subnet_min is not None
+    index = (int(subnet.network_address) - int(config.subnet_min)) >> (32 - config.subnet_len)
+    if index < 0:
+        return None
+    addr = int(config.ipv6_subnet_min) + (index << (128 - config.ipv6_subnet_len))
+    try:
+        net = ip_network((addr, config.ipv6_subnet_len))
+    except ValueError:
+        return None
+    return net if isinstance(net, IPv6Network) else None
+
+
+class _Held:
+    """The subnets other leases hold, grouped by prefix length for fast lookups."""
+
+    def __init__(self, leases: Sequence[Lease]) -> None:
+        self._by_len: dict[tuple[int, int], set[IPv4Network | IPv6Network]] = {}
+        for lease in leases:
+            for net in (lease.subnet, lease.ipv6_subnet):
+                if net is not None:
+                    self._by_len.setdefault((net.version, net.prefixlen), set()).add(net)
+
+    def is_free(self, v4: IPv4Network, v6: IPv6Network | None) -> bool:
+        return not self._overlaps(v4) and (v6 is None or not self._overlaps(v6))
+
+    def _overlaps(self, net: IPv4Network | IPv6Network) -> bool:
+        # Overlap, not equality: a lease written under another SubnetLen (or by
+        # hand) still blocks every subnet it covers. Aligned networks overlap iff
+        # the shorter contains the longer, so one lookup per held length suffices.
+        for (version, length), held in self._by_len.items():
+            if version != net.version:
+                continue
+            if length <= net.prefixlen:
+                if net.supernet(new_prefix=length) in held:
+                    return True
+            elif any(h.subnet_of(net) for h in held):  # type: ignore[arg-type]
+                return True
+        return False
+
+
+def count_candidates(config: NetworkConfig) -> int:
+    """How many subnets the IPv4 range holds (for messages)."""
+    size = 1 << (32 - config.subnet_len)
+    return (int(config.subnet_max) - int(config.subnet_min)) // size + 1
+
+
+def _exhausted_message(config: NetworkConfig) -> str:
+    return (
+        f"no free subnet in {config.network}: all {count_candidates(config)} subnets of "
+        f"length /{config.subnet_len} between {config.subnet_min} and {config.subnet_max} "
+        "are leased; free some leases or enlarge Network"
+    )

@@ -1,0 +1,146 @@
+"""The lease model, and Flannel's etcd key and JSON formats for it.
+
+A lease is one node's claim on one subnet of the network. The value format is
+Flannel's ``LeaseAttrs`` so that flanneld and flannelpy nodes can share one
+etcd; our own additions live under the ``"Flannelpy"`` key, which Go's JSON
+decoder ignores.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
+from typing import Any
+
+EXTENSION_KEY = "Flannelpy"
+
+
+@dataclass(frozen=True)
+class LeaseAttrs:
+    """What a node advertises with its lease (Flannel's LeaseAttrs plus extensions)."""
+
+    public_ip: IPv4Address
+    backend_type: str
+    backend_data: Mapping[str, Any] | None = None
+    public_ipv6: str | None = None
+    backend_v6_data: Mapping[str, Any] | None = None
+    # Extensions (Flannel ignores them): the node's name, used to recognise a
+    # node re-created with a new address, and its overlay MTU.
+    node_name: str | None = None
+    mtu: int | None = None
+
+    @property
+    def vtep_mac(self) -> str | None:
+        data = self.backend_data or {}
+        mac = data.get("VtepMAC")
+        return str(mac).lower() if mac else None
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {
+            "PublicIP": str(self.public_ip),
+            "PublicIPv6": self.public_ipv6,
+            "BackendType": self.backend_type,
+        }
+        if self.backend_data is not None:
+            doc["BackendData"] = dict(self.backend_data)
+        if self.backend_v6_data is not None:
+            doc["BackendV6Data"] = dict(self.backend_v6_data)
+        ext: dict[str, Any] = {}
+        if self.node_name is not None:
+            ext["NodeName"] = self.node_name
+        if self.mtu is not None:
+            ext["MTU"] = self.mtu
+        if ext:
+            doc[EXTENSION_KEY] = ext
+        return json.dumps(doc, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> LeaseAttrs:
+        """Parse a lease value; raises ValueError naming what is wrong."""
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"lease value is not JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise ValueError("lease value is not a JSON object")
+        try:
+            public_ip = IPv4Address(doc["PublicIP"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"lease value has no valid PublicIP: {doc.get('PublicIP')!r}") from e
+        ext = doc.get(EXTENSION_KEY) or {}
+        if not isinstance(ext, dict):
+            ext = {}
+        mtu = ext.get("MTU")
+        return cls(
+            public_ip=public_ip,
+            backend_type=str(doc.get("BackendType") or ""),
+            backend_data=_object_or_none(doc.get("BackendData")),
+            public_ipv6=doc.get("PublicIPv6"),
+            backend_v6_data=_object_or_none(doc.get("BackendV6Data")),
+            node_name=ext.get("NodeName"),
+            mtu=int(mtu) if isinstance(mtu, int) else None,
+        )
+
+
+def _object_or_none(value: Any) -> Mapping[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A subnet held by a node. ``expiration`` is a unix time, None for a reservation."""
+
+    subnet: IPv4Network
+    attrs: LeaseAttrs
+    expiration: float | None = None
+    ipv6_subnet: IPv6Network | None = None
+    # Store bookkeeping: etcd mod revision and lease id (0/None when not from etcd).
+    revision: int = field(default=0, compare=False)
+    store_lease_id: int | None = field(default=None, compare=False)
+
+    @property
+    def key(self) -> str:
+        return subnet_to_key(self.subnet, self.ipv6_subnet)
+
+    @property
+    def vtep_ip(self) -> IPv4Address:
+        """The VTEP address Flannel puts on the vxlan device: the subnet's network address."""
+        return self.subnet.network_address
+
+    @property
+    def gateway(self) -> IPv4Address:
+        """The first usable address of the subnet: the bridge gateway, FLANNEL_SUBNET's address."""
+        return self.subnet.network_address + 1
+
+
+def subnet_to_key(subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None) -> str:
+    """``10.244.1.0/24`` → ``10.244.1.0-24``; dual stack joins both with ``&``."""
+    key = f"{subnet.network_address}-{subnet.prefixlen}"
+    if ipv6_subnet is not None:
+        key += f"&{ipv6_subnet.network_address}-{ipv6_subnet.prefixlen}"
+    return key
+
+
+def key_to_subnet(key: str) -> tuple[IPv4Network, IPv6Network | None]:
+    """Inverse of :func:`subnet_to_key`; raises ValueError for a key that is not a lease."""
+    v4_part, _, v6_part = key.partition("&")
+    v4 = _parse_key_part(v4_part, 4)
+    v6 = _parse_key_part(v6_part, 6) if v6_part else None
+    assert v4 is None or isinstance(v4, IPv4Network)
+    assert v6 is None or isinstance(v6, IPv6Network)
+    if v4 is None:
+        raise ValueError(f"lease key {key!r} has no IPv4 subnet")
+    return v4, v6
+
+
+def _parse_key_part(part: str, version: int) -> IPv4Network | IPv6Network | None:
+    addr, sep, plen = part.rpartition("-")
+    if not sep or not plen.isdigit():
+        raise ValueError(f"lease key part {part!r} is not ADDRESS-PREFIXLEN")
+    net = ipaddress.ip_network(f"{addr}/{plen}", strict=True)
+    if net.version != version:
+        raise ValueError(f"lease key part {part!r} is not IPv{version}")
+    return net

@@ -1,0 +1,41 @@
+"""The subnet manager protocol: the only thing the agent knows of its lease store.
+
+etcd mode (:mod:`flannelpy.subnet.etcd`) is the reference; Kubernetes mode
+implements the same protocol with what the API server gives. Keep it small.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from ipaddress import IPv4Network
+from typing import Protocol
+
+from flannelpy.config import NetworkConfig
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+
+# Called with every lease in the store (our own included), keyed by lease key,
+# and the store revision that snapshot reflects. Called once after the initial
+# list and again after every batch of watch events.
+LeasesCallback = Callable[[Mapping[str, Lease], int], None]
+
+
+class SubnetManager(Protocol):
+    def get_network_config(self) -> NetworkConfig:
+        """Read and validate the network config. Raises ConfigError / StoreError."""
+        ...
+
+    def acquire_lease(self, attrs: LeaseAttrs, previous_subnet: IPv4Network | None) -> Lease:
+        """Reuse or create our lease (Flannel's order). Raises PoolExhausted / StoreError."""
+        ...
+
+    def renew_lease(self, lease: Lease) -> Lease:
+        """Extend the lease's expiry and rewrite its attrs. Raises StoreError."""
+        ...
+
+    def watch_leases(self, on_leases: LeasesCallback, stop: threading.Event) -> None:
+        """Block until ``stop`` is set: list, then watch, re-listing on compaction and
+        reconnecting with backoff. Store outages never end the call; they are retried."""
+        ...
+
+    def close(self) -> None: ...

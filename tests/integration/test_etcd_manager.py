@@ -1,0 +1,802 @@
+"""The etcd subnet manager against a real etcd, and the Store contract.
+
+The contract tests run once against FakeStore and once against EtcdStore on a
+private etcd, so the fake the unit tests rely on behaves like the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any, cast
+
+import pytest
+
+from flannelpy.config import AgentSettings
+from flannelpy.errors import (
+    ConfigError,
+    KeyExists,
+    PoolExhausted,
+    RevisionCompacted,
+    StoreError,
+    StoreUnavailable,
+)
+from flannelpy.subnet.etcd import (
+    EtcdStore,
+    EtcdSubnetManager,
+    connect_etcd,
+    put_network_config,
+)
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.store import FakeStore, Store, WatchBatch, WatchStream
+from tests.etcd_server import EtcdServer, free_port, make_tls_files
+
+NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
+FLANNELD_VALUE = (
+    '{"PublicIP":"192.168.64.3","PublicIPv6":null,"BackendType":"vxlan",'
+    '"BackendData":{"VNI":1,"VtepMAC":"c6:d2:32:6f:8f:44"}}'
+)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+# =============================================================================
+# Store contract: FakeStore and EtcdStore behave the same
+# =============================================================================
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Kv:
+    store: Store
+    prefix: str
+    advance: Callable[[float], None]  # let TTLs run out (fake: move the clock)
+    go_down: Callable[[], None]  # make the store unreachable
+
+
+@pytest.fixture(params=["fake", "etcd"])
+def kv(request: pytest.FixtureRequest, etcd_factory: Callable[..., EtcdServer]) -> Iterator[Kv]:
+    if request.param == "fake":
+        clock = ManualClock()
+        fake = FakeStore(clock=clock)
+
+        def advance(seconds: float) -> None:
+            clock.now += seconds
+
+        yield Kv(fake, "/contract/", advance, lambda: fake.set_available(False))
+        return
+    server = etcd_factory()
+    store = EtcdStore([server.endpoint], timeout=2.0)
+    try:
+        yield Kv(store, "/contract/", time.sleep, server.kill)
+    finally:
+        store.close()
+
+
+def test_contract_get_put_and_revisions(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    assert s.get(p + "a") is None
+    r1 = s.put(p + "a", b"one")
+    r2 = s.put(p + "a", b"two")
+    assert r2 == r1 + 1
+    got = s.get(p + "a")
+    assert got is not None
+    assert (got.key, got.value, got.mod_revision, got.create_revision, got.lease_id) == (
+        p + "a", b"two", r2, r1, 0
+    )  # fmt: skip
+
+
+def test_contract_get_prefix_is_sorted_scoped_and_carries_the_revision(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    s.put(p + "sub/b", b"2")
+    s.put(p + "sub/a", b"1")
+    last = s.put(p + "sub-sibling", b"x")  # shares the string prefix "sub" but not "sub/"
+    items, revision = s.get_prefix(p + "sub/")
+    assert [(kv.key, kv.value) for kv in items] == [(p + "sub/a", b"1"), (p + "sub/b", b"2")]
+    assert revision == last
+    assert s.get_prefix(p + "nothing/") == ([], revision)
+
+
+def test_contract_create_only_if_absent(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    revision = s.create(p + "k", b"first")
+    with pytest.raises(KeyExists):
+        s.create(p + "k", b"second")
+    got = s.get(p + "k")
+    assert got is not None and (got.value, got.mod_revision) == (b"first", revision)
+
+
+def test_contract_compare_and_swap_on_mod_revision(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    r1 = s.put(p + "k", b"v1")
+    r2 = s.put(p + "k", b"v2")
+    assert s.put_if_mod_revision(p + "k", b"stale", r1) is None
+    assert s.put_if_mod_revision(p + "absent", b"x", r1) is None
+    assert s.get(p + "absent") is None
+    r3 = s.put_if_mod_revision(p + "k", b"v3", r2)
+    assert r3 == r2 + 1
+    got = s.get(p + "k")
+    assert got is not None and got.value == b"v3"
+    assert s.delete_if_mod_revision(p + "k", r2) is False
+    assert s.get(p + "k") is not None
+    assert s.delete_if_mod_revision(p + "k", r3) is True
+    assert s.get(p + "k") is None
+    assert s.delete_if_mod_revision(p + "k", r3) is False
+
+
+def test_contract_key_on_a_lease_expires_and_the_watch_sees_a_delete(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    granted = s.grant_lease(1)
+    assert granted.ttl >= 1
+    created = s.create(p + "ttl", b"v", granted.id)
+    got = s.get(p + "ttl")
+    assert got is not None and got.lease_id == granted.id
+    stop = threading.Event()
+    stream = s.watch_prefix(p, created + 1, stop)
+    kv.advance(granted.ttl + 0.1)
+    batch = next(iter(stream))
+    assert [(e.kind, e.key) for e in batch.events] == [("delete", p + "ttl")]
+    assert batch.revision == batch.events[-1].mod_revision > created
+    assert s.get(p + "ttl") is None
+    stop.set()
+    with pytest.raises(StoreError):
+        s.refresh_lease(granted.id)
+
+
+def test_contract_revoke_deletes_attached_keys_and_refresh_keeps_a_lease(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    granted = s.grant_lease(30)
+    s.put(p + "a", b"1", granted.id)
+    s.put(p + "b", b"2", granted.id)
+    assert s.refresh_lease(granted.id) >= 29
+    s.revoke_lease(granted.id)
+    assert s.get_prefix(p)[0] == []
+    s.revoke_lease(granted.id)  # already gone: still fine
+
+
+def test_contract_write_with_an_unknown_lease_is_a_store_error_not_key_exists(kv: Kv) -> None:
+    with pytest.raises(StoreError) as err:
+        kv.store.create(kv.prefix + "k", b"v", lease_id=0x7EADBEEF)
+    assert not isinstance(err.value, KeyExists | StoreUnavailable)
+
+
+def test_contract_watch_replays_from_a_past_revision_in_order(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    first = s.put(p + "a", b"1")
+    s.put(p + "b", b"2")
+    s.put("/elsewhere/x", b"not watched")
+    s.delete_if_mod_revision(p + "a", first)
+    stop = threading.Event()
+    stream = s.watch_prefix(p, first, stop)
+    seen: list[tuple[str, str, bytes]] = []
+    batches: list[WatchBatch] = []
+    for batch in stream:
+        batches.append(batch)
+        seen += [(e.kind, e.key, e.value) for e in batch.events]
+        if len(seen) >= 3:
+            break
+    stop.set()
+    assert seen == [("put", p + "a", b"1"), ("put", p + "b", b"2"), ("delete", p + "a", b"")]
+    assert all(b.revision == b.events[-1].mod_revision for b in batches)
+
+
+def test_contract_watch_from_a_compacted_revision_raises(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    early = s.put(p + "k", b"1")
+    s.put(p + "k", b"2")
+    current = s.put(p + "k", b"3")
+    s.compact(current)
+    stop = threading.Event()
+    with pytest.raises(RevisionCompacted) as err:
+        next(iter(s.watch_prefix(p, early, stop)))
+    assert err.value.compacted_revision == current
+    # Watching from the compaction point itself is still possible.
+    stream = s.watch_prefix(p, current, stop)
+    batch = next(iter(stream))
+    assert [e.value for e in batch.events] == [b"3"]
+    stop.set()
+
+
+def test_contract_watch_ends_soon_after_stop(kv: Kv) -> None:
+    stop = threading.Event()
+    stream = kv.store.watch_prefix(kv.prefix, 1, stop)
+    done = threading.Event()
+
+    def drain() -> None:
+        for _ in stream:
+            pass
+        done.set()
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    stop.set()
+    assert done.wait(2.0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_contract_outage_raises_store_unavailable_for_calls_and_open_watches(kv: Kv) -> None:
+    s, p = kv.store, kv.prefix
+    revision = s.put(p + "k", b"v")
+    stop = threading.Event()
+    stream = s.watch_prefix(p, revision + 1, stop)
+    kv.go_down()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        next(iter(stream))
+    with pytest.raises(StoreUnavailable):
+        s.get(p + "k")
+    with pytest.raises(StoreUnavailable):
+        s.watch_prefix(p, revision + 1, stop)
+    assert time.monotonic() - started < 10
+    stop.set()
+
+
+# =============================================================================
+# EtcdSubnetManager against a real etcd
+# =============================================================================
+
+
+def settings_for(endpoints: list[str], prefix: str, **overrides: Any) -> AgentSettings:
+    return AgentSettings(
+        etcd_endpoints=tuple(endpoints), etcd_prefix=prefix, subnet_lease_ttl=60, **overrides
+    )
+
+
+def attrs(ip: str, node: str | None = None) -> LeaseAttrs:
+    return LeaseAttrs(
+        public_ip=IPv4Address(ip),
+        backend_type="vxlan",
+        backend_data={"VNI": 1, "VtepMAC": "c6:d2:32:6f:8f:44"},
+        node_name=node,
+    )
+
+
+@pytest.fixture
+def raw_store(etcd_server: EtcdServer) -> Iterator[EtcdStore]:
+    """A store for the test itself, to write and inspect keys behind the managers' backs."""
+    store = EtcdStore([etcd_server.endpoint])
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def managers(
+    etcd_server: EtcdServer, etcd_prefix: str, raw_store: EtcdStore
+) -> Iterator[Callable[..., EtcdSubnetManager]]:
+    """``managers()`` gives a manager (own connection) on the shared etcd and test prefix,
+    with net-conf.json written there; every one is closed at the end."""
+    put_network_config(raw_store, etcd_prefix, NETCONF)
+    made: list[EtcdSubnetManager] = []
+
+    def make(store: Store | None = None, **overrides: Any) -> EtcdSubnetManager:
+        settings = settings_for([etcd_server.endpoint], etcd_prefix, **overrides)
+        manager = EtcdSubnetManager(store or connect_etcd(settings), settings)
+        made.append(manager)
+        return manager
+
+    try:
+        yield make
+    finally:
+        for manager in made:
+            manager.close()
+
+
+class Recorder:
+    """Collects the snapshots watch_leases reports."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[tuple[dict[str, Lease], int]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, leases: Mapping[str, Lease], revision: int) -> None:
+        with self._cond:
+            self.snapshots.append((dict(leases), revision))
+            self._cond.notify_all()
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Lease]], bool], timeout: float
+    ) -> dict[str, Lease]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.snapshots and predicate(self.snapshots[-1][0]):
+                    return self.snapshots[-1][0]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    last = self.snapshots[-1][0] if self.snapshots else None
+                    raise AssertionError(f"no matching snapshot in {timeout} s; last: {last}")
+                self._cond.wait(remaining)
+
+
+@contextmanager
+def watching(manager: EtcdSubnetManager) -> Iterator[Recorder]:
+    recorder = Recorder()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            manager.watch_leases(recorder, stop)
+        except BaseException as e:  # surfaced in the test below
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield recorder
+        assert thread.is_alive(), f"watch_leases returned early: {errors}"
+    finally:
+        stopped_at = time.monotonic()
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive(), "watch_leases did not return after stop"
+    assert time.monotonic() - stopped_at < 1.5
+    assert errors == []
+
+
+def test_missing_config_is_a_config_error_with_the_fix(etcd_server: EtcdServer) -> None:
+    settings = settings_for([etcd_server.endpoint], "/coreos.com/network")
+    manager = EtcdSubnetManager(connect_etcd(settings), settings)
+    try:
+        with pytest.raises(ConfigError) as err:
+            manager.get_network_config()
+    finally:
+        manager.close()
+    assert str(err.value) == (
+        "network config not found in etcd at /coreos.com/network/config; write net-conf.json "
+        "there (etcdctl put /coreos.com/network/config '{\"Network\": ...}')"
+    )
+
+
+def test_config_is_read_from_etcd(managers: Callable[..., EtcdSubnetManager]) -> None:
+    config = managers().get_network_config()
+    assert (str(config.network), config.subnet_len, config.backend.type) == (
+        "10.244.0.0/16", 24, "vxlan"
+    )  # fmt: skip
+
+
+def test_invalid_config_in_etcd_names_the_key(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    raw_store.put(f"{etcd_prefix}/config", b'{"Network": "not-a-cidr"}')
+    with pytest.raises(ConfigError, match=f"read from etcd key {etcd_prefix}/config"):
+        managers().get_network_config()
+
+
+def test_acquire_writes_flannels_key_and_json_on_a_ttl_lease(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    before = time.time()
+    lease = managers().acquire_lease(attrs("192.168.64.3"), None)
+    assert lease.expiration is not None and before + 59 <= lease.expiration <= time.time() + 61
+    kv = raw_store.get(f"{etcd_prefix}/subnets/{lease.key}")
+    assert kv is not None
+    assert kv.value.decode() == FLANNELD_VALUE  # byte-identical to what flanneld writes
+    assert kv.lease_id == lease.store_lease_id and kv.lease_id != 0
+    assert kv.mod_revision == lease.revision
+    assert 55 <= raw_store.refresh_lease(kv.lease_id) <= 60
+
+
+def test_renew_rewrites_the_key_on_a_new_etcd_lease(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    manager = managers()
+    lease = manager.acquire_lease(attrs("192.168.64.3"), None)
+    assert lease.expiration is not None
+    time.sleep(0.05)
+    renewed = manager.renew_lease(lease)
+    assert renewed.key == lease.key and renewed.subnet == lease.subnet
+    assert renewed.expiration is not None and renewed.expiration > lease.expiration
+    assert renewed.revision > lease.revision
+    assert renewed.store_lease_id != lease.store_lease_id
+    kv = raw_store.get(f"{etcd_prefix}/subnets/{lease.key}")
+    assert kv is not None and kv.lease_id == renewed.store_lease_id
+    assert lease.store_lease_id is not None
+    with pytest.raises(StoreError):  # the old etcd lease was revoked
+        raw_store.refresh_lease(lease.store_lease_id)
+
+
+def test_restarted_node_gets_the_same_subnet_back_by_public_ip(
+    managers: Callable[..., EtcdSubnetManager],
+) -> None:
+    first = managers().acquire_lease(attrs("192.168.64.3"), None)
+    managers().acquire_lease(attrs("192.168.64.4"), None)
+    again = managers().acquire_lease(attrs("192.168.64.3"), None)  # a new process
+    assert again.subnet == first.subnet
+
+
+def test_our_lease_outside_the_config_is_deleted_and_replaced(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    stale_key = f"{etcd_prefix}/subnets/10.5.7.0-24"  # written under an older Network
+    raw_store.put(stale_key, FLANNELD_VALUE.encode())
+    lease = managers().acquire_lease(attrs("192.168.64.3"), None)
+    assert lease.subnet.subnet_of(IPv4Network("10.244.0.0/16"))
+    assert raw_store.get(stale_key) is None
+
+
+def test_previous_subnet_from_subnet_env_is_reused(
+    managers: Callable[..., EtcdSubnetManager],
+) -> None:
+    lease = managers().acquire_lease(attrs("192.168.64.9"), IPv4Network("10.244.77.0/24"))
+    assert lease.subnet == IPv4Network("10.244.77.0/24")
+
+
+def test_recreated_node_takes_over_its_lease_by_node_name(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    old = managers().acquire_lease(attrs("192.168.64.3", node="node-a"), None)
+    new = managers().acquire_lease(attrs("192.168.64.30", node="node-a"), None)
+    assert new.subnet == old.subnet
+    items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
+    assert [(kv.key.rsplit("/", 1)[1], json.loads(kv.value)["PublicIP"]) for kv in items] == [
+        (old.key, "192.168.64.30")
+    ]
+
+
+def test_reservation_without_etcd_lease_is_reused_and_stays_permanent(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    key = f"{etcd_prefix}/subnets/10.244.5.0-24"
+    raw_store.put(key, FLANNELD_VALUE.encode())
+    lease = managers().acquire_lease(attrs("192.168.64.3", node="n"), None)
+    assert (str(lease.subnet), lease.expiration, lease.store_lease_id) == (
+        "10.244.5.0/24",
+        None,
+        None,
+    )
+    kv = raw_store.get(key)
+    assert (
+        kv is not None and kv.lease_id == 0 and json.loads(kv.value)["Flannelpy"]["NodeName"] == "n"
+    )
+
+
+def test_twenty_nodes_acquiring_at_once_get_distinct_subnets(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    nodes = [managers() for _ in range(20)]
+    barrier = threading.Barrier(len(nodes))
+    results: dict[int, Lease] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(5)
+            results[i] = nodes[i].acquire_lease(attrs(f"192.168.65.{i + 1}"), None)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len({lease.subnet for lease in results.values()}) == 20
+    items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
+    owners = {kv.key.rsplit("/", 1)[1]: json.loads(kv.value)["PublicIP"] for kv in items}
+    assert owners == {lease.key: str(lease.attrs.public_ip) for lease in results.values()}
+
+
+def test_full_pool_raises_pool_exhausted(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    put_network_config(raw_store, etcd_prefix, '{"Network": "10.10.0.0/22"}')  # 3 subnets
+    for i in range(3):
+        managers().acquire_lease(attrs(f"192.168.66.{i + 1}"), None)
+    with pytest.raises(PoolExhausted) as err:
+        managers().acquire_lease(attrs("192.168.66.9"), None)
+    assert str(err.value) == (
+        "no free subnet in 10.10.0.0/22: all 3 subnets of length /24 between 10.10.1.0 and "
+        "10.10.3.0 are leased; free some leases or enlarge Network"
+    )
+
+
+def test_renew_recreates_our_lease_if_it_vanished_and_refuses_if_taken(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    manager = managers()
+    lease = manager.acquire_lease(attrs("192.168.64.3"), None)
+    key = f"{etcd_prefix}/subnets/{lease.key}"
+    assert raw_store.delete_if_mod_revision(key, lease.revision)
+    renewed = manager.renew_lease(lease)  # gone: re-created on the same subnet
+    kv = raw_store.get(key)
+    assert kv is not None and kv.mod_revision == renewed.revision
+    raw_store.put(key, attrs("192.168.64.99").to_json().encode())  # someone else's now
+    with pytest.raises(StoreError, match=re.escape("is now held by PublicIP 192.168.64.99")):
+        manager.renew_lease(renewed)
+
+
+def test_release_deletes_the_key(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    manager = managers()
+    lease = manager.acquire_lease(attrs("192.168.64.3"), None)
+    assert manager.release_lease(lease) is True
+    assert raw_store.get(f"{etcd_prefix}/subnets/{lease.key}") is None
+
+
+def test_watch_reports_all_leases_then_puts_and_deletes_within_a_second(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    me = managers()
+    mine = me.acquire_lease(attrs("192.168.64.1"), None)
+    raw_store.put(f"{etcd_prefix}/subnets/10.244.200.0-24", FLANNELD_VALUE.encode())
+    with watching(me) as seen:
+        first = seen.wait_for(lambda m: len(m) == 2, 2.0)
+        assert set(first) == {mine.key, "10.244.200.0-24"}  # our own lease included
+        assert first["10.244.200.0-24"].attrs.vtep_mac == "c6:d2:32:6f:8f:44"
+
+        started = time.monotonic()
+        peer = managers().acquire_lease(attrs("192.168.64.2"), None)
+        seen.wait_for(lambda m: peer.key in m, 1.0)
+        assert time.monotonic() - started < 1.0
+
+        started = time.monotonic()
+        managers().release_lease(peer)
+        seen.wait_for(lambda m: peer.key not in m and len(m) == 2, 1.0)
+        assert time.monotonic() - started < 1.0
+
+
+def test_watch_ignores_keys_that_are_not_leases_and_warns_once(
+    managers: Callable[..., EtcdSubnetManager],
+    raw_store: EtcdStore,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    subnets = f"{etcd_prefix}/subnets/"
+    raw_store.put(subnets + "garbage", b"{}")
+    raw_store.put(subnets + "10.244.3.0-24", b"not json")
+    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd")
+    with watching(managers()) as seen:
+        seen.wait_for(lambda m: True, 2.0)
+        raw_store.put(subnets + "garbage", b"{}")  # seen again through the watch
+        raw_store.put(subnets + "10.244.4.0-24", FLANNELD_VALUE.encode())
+        assert set(seen.wait_for(lambda m: len(m) == 1, 2.0)) == {"10.244.4.0-24"}
+    warnings = [r.getMessage() for r in caplog.records if "not a lease" in r.getMessage()]
+    assert len(warnings) == 2
+    assert any("garbage" in w for w in warnings) and any("10.244.3.0-24" in w for w in warnings)
+
+
+class GatedStore:
+    """Delegates to a real store, but the first watch waits for ``gate``: a watcher
+    that is disconnected while others write and etcd compacts."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.watch_starts: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> WatchStream:
+        self.watch_starts.append(start_revision)
+        if len(self.watch_starts) == 1:
+            assert self.gate.wait(10)
+        return self.inner.watch_prefix(prefix, start_revision, stop)
+
+
+def test_watch_relists_after_compaction_without_losing_state(
+    etcd_factory: Callable[..., EtcdServer], etcd_prefix: str
+) -> None:
+    server = etcd_factory()
+    settings = settings_for([server.endpoint], etcd_prefix)
+    admin = EtcdStore([server.endpoint])
+    put_network_config(admin, etcd_prefix, NETCONF)
+    writer = EtcdSubnetManager(EtcdStore([server.endpoint]), settings)
+    gated = GatedStore(EtcdStore([server.endpoint]))
+    watcher = EtcdSubnetManager(cast(Store, gated), settings)
+    try:
+        gone = writer.acquire_lease(attrs("192.168.64.1"), None)
+        with watching(watcher) as seen:
+            seen.wait_for(lambda m: set(m) == {gone.key}, 2.0)
+            listed_at = seen.snapshots[0][1]
+            # While the watcher is "disconnected": one lease added, one removed, history gone.
+            added = writer.acquire_lease(attrs("192.168.64.2"), None)
+            writer.release_lease(gone)
+            _, now = admin.get_prefix(etcd_prefix)
+            admin.compact(now)
+            gated.gate.set()
+            seen.wait_for(lambda m: set(m) == {added.key}, 3.0)
+            assert gated.watch_starts[0] == listed_at + 1
+            assert gated.watch_starts[1] > now  # re-listed, then watched from the new revision
+            later = writer.acquire_lease(attrs("192.168.64.3"), None)
+            seen.wait_for(lambda m: set(m) == {added.key, later.key}, 2.0)
+    finally:
+        for closable in (writer, watcher, admin):
+            closable.close()
+
+
+def test_watch_survives_etcd_restart_and_delivers_later_changes(
+    etcd_factory: Callable[..., EtcdServer], etcd_prefix: str
+) -> None:
+    server = etcd_factory()
+    settings = settings_for([server.endpoint], etcd_prefix)
+    admin = EtcdStore([server.endpoint])
+    put_network_config(admin, etcd_prefix, NETCONF)
+    writer = EtcdSubnetManager(EtcdStore([server.endpoint]), settings)
+    watcher = EtcdSubnetManager(connect_etcd(settings), settings)
+    try:
+        first = writer.acquire_lease(attrs("192.168.64.1"), None)
+        with watching(watcher) as seen:
+            seen.wait_for(lambda m: set(m) == {first.key}, 2.0)
+            server.kill()
+            time.sleep(1.0)  # the watch fails and backs off meanwhile
+            server.start()
+            later = wait_until(
+                lambda: _try(lambda: writer.acquire_lease(attrs("192.168.64.2"), None)),
+                10.0,
+                "etcd to accept writes again",
+            )
+            seen.wait_for(lambda m: set(m) == {first.key, later.key}, 5.0)
+    finally:
+        for closable in (writer, watcher, admin):
+            closable.close()
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except StoreUnavailable:
+        return None
+
+
+def test_watch_backs_off_while_the_store_is_down_and_resets_after() -> None:
+    fake = FakeStore()
+    settings = AgentSettings(etcd_prefix="/p")
+    put_network_config(fake, "/p", NETCONF)
+    delays: list[float] = []
+
+    def sleep(stop: threading.Event, seconds: float) -> None:
+        delays.append(seconds)
+        stop.wait(0.01)
+
+    manager = EtcdSubnetManager(fake, settings, sleep=sleep)
+    with watching(manager) as seen:
+        seen.wait_for(lambda m: True, 2.0)
+        fake.set_available(False)
+        wait_until(lambda: len(delays) >= 9, 5.0, "nine reconnect attempts")
+        fake.set_available(True)
+        count = len(delays)
+        lease = EtcdSubnetManager(fake, settings).acquire_lease(attrs("192.168.64.1"), None)
+        seen.wait_for(lambda m: lease.key in m, 2.0)
+        fake.set_available(False)
+        wait_until(lambda: len(delays) > count, 5.0, "a reconnect attempt after the reset")
+        fake.set_available(True)
+    assert delays[:9] == [0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0, 10.0]
+    assert delays[count] == 0.2
+
+
+def test_unreachable_endpoints_fail_fast_with_a_clear_message() -> None:
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    store = connect_etcd(AgentSettings(etcd_endpoints=tuple(dead)))
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable) as err:
+            store.get_prefix("/coreos.com/network/subnets/")
+    finally:
+        store.close()
+    assert time.monotonic() - started < 10
+    message = str(err.value)
+    assert dead[0] in message and dead[1] in message
+    assert "no endpoint answered" in message and "--etcd-endpoints" in message
+
+
+def test_fails_over_to_the_second_endpoint_when_the_first_is_dead(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = settings_for([dead, etcd_server.endpoint], etcd_prefix)
+    store = connect_etcd(settings)
+    manager = EtcdSubnetManager(store, settings)
+    try:
+        put_network_config(store, etcd_prefix, NETCONF)
+        lease = manager.acquire_lease(attrs("192.168.64.1"), None)
+        time.sleep(2.5)  # the token expires: the store must authenticate again
+        assert set(manager.list_leases()[0]) == {lease.key}
+        leases, _ = manager.list_leases()
+        assert set(leases) == {lease.key}
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["127.0.0.1:2379:x", "ftp://127.0.0.1:2379", "http://:2379", ""],
+)
+def test_bad_endpoint_urls_are_config_errors(bad: str) -> None:
+    with pytest.raises(ConfigError, match="--etcd-endpoints"):
+        EtcdStore([bad] if bad else [])
+
+
+def test_tls_etcd_with_client_certificates(
+    etcd_factory: Callable[..., EtcdServer], etcd_prefix: str, tmp_path: Any
+) -> None:
+    tls = make_tls_files(str(tmp_path))
+    server = etcd_factory(tls=tls)
+    assert server.endpoint.startswith("https://")
+    settings = settings_for(
+        [server.endpoint], etcd_prefix,
+        etcd_cafile=tls.ca, etcd_certfile=tls.client_cert, etcd_keyfile=tls.client_key,
+    )  # fmt: skip
+    manager = EtcdSubnetManager(connect_etcd(settings), settings)
+    without_cert = EtcdStore([server.endpoint], cafile=tls.ca, timeout=2.0)
+    try:
+        put_network_config(connect_etcd(settings), etcd_prefix, NETCONF)
+        lease = manager.acquire_lease(attrs("192.168.64.1"), None)
+        time.sleep(2.5)  # the token expires: the store must authenticate again
+        assert set(manager.list_leases()[0]) == {lease.key}
+        assert set(manager.list_leases()[0]) == {lease.key}
+        with pytest.raises(StoreUnavailable):  # the server insists on a client certificate
+            without_cert.get(f"{etcd_prefix}/config")
+    finally:
+        manager.close()
+        without_cert.close()
+
+
+def test_username_and_password(etcd_factory: Callable[..., EtcdServer], etcd_prefix: str) -> None:
+    from pyetcd import etcdrpc
+
+    server = etcd_factory(extra_args=["--auth-token-ttl", "1"])  # tokens expire after 1 s
+    admin = EtcdStore([server.endpoint])
+    put_network_config(admin, etcd_prefix, NETCONF)
+
+    def enable_auth(c: Any) -> None:
+        c.authstub.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="s3cret"), 5)
+        c.authstub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), 5)
+        c.authstub.AuthEnable(etcdrpc.AuthEnableRequest(), 5)
+
+    admin._call("enable auth", enable_auth)
+    admin.close()
+    good = settings_for(
+        [server.endpoint], etcd_prefix, etcd_username="root", etcd_password="s3cret"
+    )
+    bad = settings_for([server.endpoint], etcd_prefix, etcd_username="root", etcd_password="nope")
+    manager = EtcdSubnetManager(connect_etcd(good), good)
+    anonymous = EtcdStore([server.endpoint])
+    wrong = connect_etcd(bad)
+    try:
+        lease = manager.acquire_lease(attrs("192.168.64.1"), None)
+        time.sleep(2.5)  # the token expires: the store must authenticate again
+        assert set(manager.list_leases()[0]) == {lease.key}
+        # A restart forgets etcd's auth tokens: the store must authenticate again.
+        server.kill()
+        server.start()
+        leases = wait_until(lambda: _try(manager.list_leases), 10.0, "etcd back")
+        assert set(leases[0]) == {lease.key}
+        with pytest.raises(StoreError, match="--etcd-username"):
+            wrong.get(f"{etcd_prefix}/config")
+        with pytest.raises(StoreError, match="set --etcd-username and --etcd-password") as err:
+            anonymous.get(f"{etcd_prefix}/config")
+        assert not isinstance(err.value, StoreUnavailable)
+    finally:
+        manager.close()
+        anonymous.close()
+        wrong.close()

@@ -1,0 +1,485 @@
+"""NetlinkKernel against a real kernel, each test in network namespaces it creates."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+
+import pytest
+
+from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
+from flannelpy.dataplane.netlink import (
+    Interface,
+    NetlinkKernel,
+    choose_underlay,
+    event_kinds,
+    sysctl_path,
+)
+from flannelpy.dataplane.netns import run_in_netns
+from flannelpy.dataplane.state import (
+    Address,
+    Changes,
+    FdbEntry,
+    Neighbour,
+    ObservedState,
+    Route,
+    VxlanLink,
+)
+from flannelpy.errors import DataplaneError, InterfaceNotFound
+from tests.netns_util import Netns, is_root, temp_netns
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(not is_root(), reason="network namespaces need root"),
+]
+
+DEV = "flannel.1"
+LOCAL = IPv4Address("192.168.50.2")
+VTEP = Address(DEV, IPv4Interface("10.244.1.0/32"))
+
+
+def vxlan(**over: object) -> VxlanLink:
+    link = VxlanLink(DEV, 1, LOCAL, "u0", 8472, 1450, None)
+    return replace(link, **over)  # type: ignore[arg-type]
+
+
+def peer(i: int) -> tuple[Neighbour, FdbEntry, Route]:
+    """Peer ``i``: subnet 10.(100+i/256).(i%256).0/24 behind public IP 192.168.x.y."""
+    subnet = IPv4Network(f"10.{100 + i // 256}.{i % 256}.0/24")
+    mac = f"02:aa:00:00:{i // 256:02x}:{i % 256:02x}"
+    public = IPv4Address(int(IPv4Address("192.168.50.10")) + i)
+    return (
+        Neighbour(DEV, subnet.network_address, mac),
+        FdbEntry(DEV, mac, public),
+        Route(subnet, subnet.network_address, DEV, onlink=True),
+    )
+
+
+def add_peers(peers: list[tuple[Neighbour, FdbEntry, Route]], **extra: object) -> Changes:
+    return Changes(
+        neighbours_to_set=tuple(p[0] for p in peers),
+        fdb_to_set=tuple(p[1] for p in peers),
+        routes_to_set=tuple(p[2] for p in peers),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def remove_peers(peers: list[tuple[Neighbour, FdbEntry, Route]]) -> Changes:
+    return Changes(
+        routes_to_delete=tuple(p[2] for p in peers),
+        neighbours_to_delete=tuple(p[0] for p in peers),
+        fdb_to_delete=tuple(p[1] for p in peers),
+    )
+
+
+def expected(
+    ns: Netns, peers: list[tuple[Neighbour, FdbEntry, Route]], link: VxlanLink | None = None
+) -> ObservedState:
+    """What observe must return; the MAC the kernel chose is read back with `ip`."""
+    link = link or vxlan()
+    mac = re.search(r"link/ether (\S+)", ns.ip(f"link show {link.name}"))
+    assert mac is not None
+    return ObservedState(
+        links=frozenset({replace(link, mac=link.mac or mac.group(1))}),
+        addresses=frozenset({VTEP}),
+        neighbours=frozenset(p[0] for p in peers),
+        fdb=frozenset(p[1] for p in peers),
+        routes=frozenset(p[2] for p in peers),
+    )
+
+
+@pytest.fixture
+def kernel() -> NetlinkKernel:
+    return NetlinkKernel()
+
+
+@pytest.fixture
+def node() -> Iterator[Netns]:
+    """A namespace with underlay u0 (192.168.50.2/24) and a default route through it."""
+    with temp_netns("nl") as ns:
+        ns.veth("u0", "192.168.50.2/24")
+        ns.ip("route add default via 192.168.50.1")
+        yield ns
+
+
+@pytest.fixture
+def overlay(node: Netns, kernel: NetlinkKernel) -> Netns:
+    """``node`` with flannel.1 and its VTEP address, no peers."""
+    result = node.call(kernel.apply, Changes(links_to_create=(vxlan(),), addresses_to_add=(VTEP,)))
+    assert result.failures == ()
+    return node
+
+
+def observe(ns: Netns, kernel: NetlinkKernel) -> ObservedState:
+    return ns.call(kernel.observe, [DEV], [DEV])
+
+
+# --- pure helpers ----------------------------------------------------------------------
+
+ETH0 = Interface("eth0", 2, 1500, (IPv4Interface("192.168.1.5/24"),))
+ETH1 = Interface("eth1", 3, 9000, (IPv4Interface("10.0.0.7/16"), IPv4Interface("10.1.0.7/16")))
+BARE = Interface("eth2", 4, 1500, ())
+LO = Interface("lo", 1, 65536, (IPv4Interface("127.0.0.1/8"),))
+IFACES = [LO, ETH0, ETH1, BARE]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "ip"),
+    [
+        ({"default_oif": 2}, "eth0", "192.168.1.5"),
+        ({"ifaces": ["eth1"], "default_oif": 2}, "eth1", "10.0.0.7"),
+        ({"ifaces": ["10.1.0.7"]}, "eth1", "10.1.0.7"),
+        ({"ifaces": ["eth9", "eth2", "eth0"]}, "eth0", "192.168.1.5"),
+        # explicit names win over regexes, whatever the order of flags
+        ({"ifaces": ["eth1"], "iface_regexes": ["^eth0$"]}, "eth1", "10.0.0.7"),
+        # a regex is tried against addresses before names
+        ({"iface_regexes": [r"^10\.1\."]}, "eth1", "10.1.0.7"),
+        ({"iface_regexes": ["nomatch", "th0"]}, "eth0", "192.168.1.5"),
+        (
+            {"can_reach": IPv4Address("10.0.9.9"), "reach_route": (3, IPv4Address("10.1.0.7"))},
+            "eth1",
+            "10.1.0.7",
+        ),
+        # --public-ip is only advertised: the vxlan local address stays the interface's own
+        ({"default_oif": 3, "public_ip": IPv4Address("203.0.113.9")}, "eth1", "10.0.0.7"),
+    ],
+)
+def test_choose_underlay(kwargs: dict[str, object], name: str, ip: str) -> None:
+    chosen = choose_underlay(IFACES, **kwargs)  # type: ignore[arg-type]
+    assert (chosen.name, chosen.ip) == (name, IPv4Address(ip))
+    iface = next(i for i in IFACES if i.name == name)
+    assert chosen.mtu == iface.mtu and chosen.index == iface.index
+    assert chosen.networks == tuple(a.network for a in iface.addresses)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"ifaces": ["eth9", "eth2"], "default_oif": 2},
+            "no interface matches --iface eth9 or --iface eth2 (eth2 has no IPv4 address);"
+            " the node has lo, eth0, eth1, eth2",
+        ),
+        ({"iface_regexes": ["^wl"]}, "no interface matches --iface-regex ^wl; the node has"),
+        ({}, "there is no IPv4 default route"),
+        ({"can_reach": IPv4Address("10.9.9.9")}, "no route to --iface-can-reach 10.9.9.9"),
+        ({"iface_regexes": ["("]}, "is not a valid regular expression"),
+    ],
+)
+def test_choose_underlay_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(InterfaceNotFound, match=re.escape(message)):
+        choose_underlay(IFACES, **kwargs)  # type: ignore[arg-type]
+
+
+def test_event_kinds_and_sysctl_path() -> None:
+    assert event_kinds(b"") == []
+    assert sysctl_path("net.ipv4.ip_forward") == "/proc/sys/net/ipv4/ip_forward"
+    assert sysctl_path("net/ipv4/conf/flannel.1/rp_filter") == (
+        "/proc/sys/net/ipv4/conf/flannel.1/rp_filter"
+    )
+
+
+# --- namespaces --------------------------------------------------------------------------
+
+
+def test_run_in_netns_returns_and_raises(node: Netns) -> None:
+    assert node.call(NetlinkKernel().find_underlay).name == "u0"  # the namespace's links
+
+    def boom() -> None:
+        raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        node.call(boom)
+    with pytest.raises(DataplaneError, match="cannot be opened"):
+        run_in_netns("fp-no-such-netns", lambda: None)
+
+
+def test_find_underlay(node: Netns, kernel: NetlinkKernel) -> None:
+    node.veth("u1", "10.77.0.5/16")
+    node.ip("addr add 10.78.0.5/24 dev u1")
+    node.ip("route add 172.31.0.0/16 via 10.77.0.1")
+
+    default = node.call(kernel.find_underlay)
+    assert (default.name, default.ip, default.mtu) == ("u0", LOCAL, 1500)
+    assert default.networks == (IPv4Network("192.168.50.0/24"),)
+    assert default.on_link(IPv4Address("192.168.50.77"))
+
+    by_name = node.call(kernel.find_underlay, ["u1"])
+    assert (by_name.name, by_name.ip) == ("u1", IPv4Address("10.77.0.5"))
+    assert by_name.networks == (IPv4Network("10.77.0.0/16"), IPv4Network("10.78.0.0/24"))
+
+    by_ip = node.call(kernel.find_underlay, ["10.78.0.5"])
+    assert (by_ip.name, by_ip.ip) == ("u1", IPv4Address("10.78.0.5"))
+
+    by_regex = node.call(kernel.find_underlay, [], [r"^u1$"])
+    assert by_regex.name == "u1"
+
+    reach = node.call(kernel.find_underlay, [], [], IPv4Address("172.31.4.4"))
+    assert (reach.name, reach.ip) == ("u1", IPv4Address("10.77.0.5"))
+
+    public = node.call(kernel.find_underlay, ["u1"], [], None, IPv4Address("203.0.113.1"))
+    assert (public.name, public.ip) == ("u1", IPv4Address("203.0.113.1"))
+
+    with pytest.raises(InterfaceNotFound, match=r"no interface matches --iface eth9; .*lo, .*u0"):
+        node.call(kernel.find_underlay, ["eth9"])
+    node.ip("route del default")
+    with pytest.raises(InterfaceNotFound, match="no IPv4 default route"):
+        node.call(kernel.find_underlay)
+
+
+def test_survey(overlay: Netns, kernel: NetlinkKernel) -> None:
+    overlay.ip("route add 10.96.0.0/12 via 192.168.50.1 proto static")
+    overlay.call(kernel.apply, add_peers([peer(0)]))
+    found = overlay.call(kernel.survey, ["lo", DEV])
+    assert set(found) == {
+        ForeignRoute(IPv4Network("10.96.0.0/12"), "route 10.96.0.0/12 via 192.168.50.1 dev u0"),
+        ForeignRoute(IPv4Network("192.168.50.0/24"), "route 192.168.50.0/24 dev u0"),
+        ForeignRoute(IPv4Network("192.168.50.0/24"), "address 192.168.50.2/24 on u0"),
+    }  # not the default route, not our proto-75 route, not flannel.1's address, not lo
+
+
+# --- apply / observe --------------------------------------------------------------------
+
+
+def test_create_overlay_with_three_peers_observe_exact(node: Netns, kernel: NetlinkKernel) -> None:
+    peers = [peer(i) for i in range(3)]
+    changes = add_peers(peers, links_to_create=(vxlan(),), addresses_to_add=(VTEP,))
+
+    result = node.call(kernel.apply, changes)
+
+    assert result.failures == ()
+    assert result.applied == {
+        "links_to_create": 1,
+        "addresses_to_add": 1,
+        "neighbours_to_set": 3,
+        "fdb_to_set": 3,
+        "routes_to_set": 3,
+    }
+    assert observe(node, kernel) == expected(node, peers)
+    details = node.ip(f"-d link show {DEV}")
+    assert "nolearning" in details and "dstport 8472" in details
+    assert "vxlan id 1 local 192.168.50.2 dev u0" in details
+    assert "state UP" in details or "<BROADCAST,MULTICAST,UP" in details
+    routes = node.ip("route show")
+    assert "10.100.1.0/24 via 10.100.1.0 dev flannel.1 proto 75 onlink" in routes
+    assert (
+        "00:00 dst 192.168.50.10 self permanent" in node.exec(f"bridge fdb show dev {DEV}").stdout
+    )
+    (link,) = expected(node, peers).links
+    assert node.call(kernel.link_mac, DEV) == link.mac
+    assert node.call(kernel.link_mac, "nonexistent0") is None
+
+    # Idempotent: the same changes again succeed and leave the kernel as it was.
+    again = node.call(kernel.apply, changes)
+    assert again.failures == () and again.applied == result.applied
+    assert observe(node, kernel) == expected(node, peers)
+
+
+def test_route_deleted_by_hand_is_observed_and_watched(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    peers = [peer(i) for i in range(3)]
+    overlay.call(kernel.apply, add_peers(peers))
+    events: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    watcher = overlay.start(kernel.watch, events.put, stop)
+    try:
+        time.sleep(0.2)  # let the watcher subscribe
+        overlay.ip("route del 10.100.1.0/24")
+        assert _next_event(events, {"route"}) == "route"
+        assert observe(overlay, kernel) == replace(
+            expected(overlay, peers), routes=frozenset({peers[0][2], peers[2][2]})
+        )
+        overlay.ip(f"neigh del 10.100.2.0 dev {DEV}")
+        assert _next_event(events, {"neighbour"}) == "neighbour"
+        overlay.exec(f"bridge fdb del 02:aa:00:00:00:02 dev {DEV} dst 192.168.50.12")
+        assert _next_event(events, {"fdb"}) == "fdb"
+        overlay.ip(f"addr del {VTEP.address} dev {DEV}")
+        assert _next_event(events, {"address"}) == "address"
+    finally:
+        stopped = time.monotonic()
+        stop.set()
+        watcher.join(timeout=5)
+    assert not watcher.is_alive() and time.monotonic() - stopped < 1.5
+
+
+def _next_event(events: queue.Queue[str], wanted: set[str], timeout: float = 3.0) -> str:
+    """The first event of a wanted kind (link events from the set-up may come first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kind = events.get(timeout=max(0.01, deadline - time.monotonic()))
+        if kind in wanted:
+            return kind
+
+
+def test_removals_are_idempotent(overlay: Netns, kernel: NetlinkKernel) -> None:
+    peers = [peer(i) for i in range(3)]
+    overlay.call(kernel.apply, add_peers(peers))
+    removal = remove_peers(peers[1:2])
+
+    first = overlay.call(kernel.apply, removal)
+    second = overlay.call(kernel.apply, removal)  # all already gone: still success
+
+    for result in (first, second):
+        assert result.failures == ()
+        assert result.applied == {
+            "routes_to_delete": 1,
+            "neighbours_to_delete": 1,
+            "fdb_to_delete": 1,
+        }
+    assert observe(overlay, kernel) == expected(overlay, [peers[0], peers[2]])
+
+
+def test_foreign_routes_are_never_observed_or_deleted(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    overlay.ip("route add 10.100.0.0/24 via 192.168.50.1 proto static")
+    overlay.ip(f"route add 10.200.0.0/24 via 10.200.0.0 dev {DEV} onlink proto 76")
+
+    assert observe(overlay, kernel).routes == frozenset()
+    # Deleting "our" route for those prefixes must leave the foreign ones alone.
+    stale = Route(IPv4Network("10.100.0.0/24"), IPv4Address("10.100.0.0"), DEV, True)
+    result = overlay.call(kernel.apply, Changes(routes_to_delete=(stale,)))
+    assert result.failures == ()
+    assert "10.100.0.0/24 via 192.168.50.1 dev u0 proto static" in overlay.ip("route show")
+    assert "10.200.0.0/24 via 10.200.0.0 dev flannel.1 proto 76 onlink" in overlay.ip("route show")
+
+
+def test_changed_fdb_dst_and_neighbour_mac(overlay: Netns, kernel: NetlinkKernel) -> None:
+    neigh, fdb, route = peer(0)
+    overlay.call(kernel.apply, add_peers([(neigh, fdb, route)]))
+    moved = replace(fdb, dst=IPv4Address("192.168.50.99"))
+    new_neigh = replace(neigh, mac="02:bb:00:00:00:01")
+    new_fdb = replace(moved, mac=new_neigh.mac)
+    changes = Changes(fdb_to_delete=(fdb,), neighbours_to_set=(new_neigh,), fdb_to_set=(new_fdb,))
+
+    assert overlay.call(kernel.apply, changes).failures == ()
+
+    seen = observe(overlay, kernel)
+    assert seen.fdb == {new_fdb}
+    assert seen.neighbours == {new_neigh}
+    assert seen.routes == {route}
+
+
+def test_failures_are_collected_per_entry(overlay: Netns, kernel: NetlinkKernel) -> None:
+    good = [peer(i) for i in range(3)]
+    # Not onlink, and the gateway is not on any connected network: the kernel refuses it.
+    bad_route = Route(IPv4Network("10.150.0.0/24"), IPv4Address("10.150.0.0"), DEV, onlink=False)
+    ghost = Neighbour("nosuchdev0", IPv4Address("10.9.9.9"), "02:00:00:00:00:09")
+    changes = Changes(
+        neighbours_to_set=(good[0][0], ghost, good[1][0], good[2][0]),
+        fdb_to_set=tuple(p[1] for p in good),
+        routes_to_set=(good[0][2], bad_route, good[1][2], good[2][2]),
+    )
+
+    result = overlay.call(kernel.apply, changes)
+
+    assert result.applied == {"neighbours_to_set": 3, "fdb_to_set": 3, "routes_to_set": 3}
+    assert len(result.failures) == 2
+    assert any(
+        f.startswith("could not set neighbour 10.9.9.9") and "nosuchdev0 does not exist" in f
+        for f in result.failures
+    )
+    assert any(
+        f.startswith("could not set route 10.150.0.0/24 via 10.150.0.0 dev flannel.1:")
+        for f in result.failures
+    )
+    assert observe(overlay, kernel).routes == {p[2] for p in good}
+
+
+def test_link_update_in_place_and_recreate_on_vni_change(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    index_before = overlay.ip(f"-o link show {DEV}").split(":")[0]
+    updated = vxlan(mtu=1400, mac="02:ff:00:00:00:01")
+    result = overlay.call(kernel.apply, Changes(links_to_update=(updated,)))
+    assert result.failures == () and result.applied == {"links_to_update": 1}
+    assert overlay.ip(f"-o link show {DEV}").split(":")[0] == index_before
+    assert {link for link in observe(overlay, kernel).links} == {updated}
+
+    # Creating over an existing device with another VNI replaces it.
+    vni2 = vxlan(vni=2, mac="02:ff:00:00:00:02")
+    assert overlay.call(kernel.apply, Changes(links_to_create=(vni2,))).failures == ()
+    assert observe(overlay, kernel).links == {vni2}
+
+    with pytest.raises(DataplaneError, match="underlay interface nosuch0 does not exist"):
+        overlay.call(kernel.apply, Changes(links_to_create=(vxlan(underlay="nosuch0"),)))
+    deleted = overlay.call(kernel.apply, Changes(links_to_delete=(DEV, DEV)))
+    assert deleted.failures == () and deleted.applied == {"links_to_delete": 2}
+    assert observe(overlay, kernel) == ObservedState()
+
+
+def test_bulk_2000_peers_round_trip(overlay: Netns, kernel: NetlinkKernel) -> None:
+    peers = [peer(i) for i in range(2000)]
+
+    result = overlay.call(kernel.apply, add_peers(peers))
+
+    assert result.failures == ()
+    assert result.applied == {"neighbours_to_set": 2000, "fdb_to_set": 2000, "routes_to_set": 2000}
+    assert observe(overlay, kernel) == expected(overlay, peers)
+    removed = overlay.call(kernel.apply, remove_peers(peers[:1500]))
+    assert removed.failures == ()
+    assert observe(overlay, kernel) == expected(overlay, peers[1500:])
+
+
+def test_watch_overrun_asks_for_resync_and_keeps_going(overlay: Netns) -> None:
+    kernel = NetlinkKernel(watch_buffer=4096)
+    peers = [peer(i) for i in range(500)]
+    overlay.call(kernel.apply, add_peers(peers))
+    events: queue.Queue[str] = queue.Queue()
+    release = threading.Event()
+
+    def slow_consumer(kind: str) -> None:
+        events.put(kind)
+        release.wait(5)  # hold the watcher while the kernel fills its queue
+
+    stop = threading.Event()
+    watcher = overlay.start(kernel.watch, slow_consumer, stop)
+    try:
+        time.sleep(0.2)
+        overlay.ip("route del 10.100.0.0/24")  # the first event blocks the consumer
+        assert events.get(timeout=3) == "route"
+        overlay.call(kernel.apply, remove_peers(peers[1:]))  # ~1500 notifications
+        release.set()
+        assert _next_event(events, {"resync"}) == "resync"
+        overlay.ip(f"link set {DEV} mtu 1300")
+        assert _next_event(events, {"link"}) == "link"
+    finally:
+        release.set()
+        stop.set()
+        watcher.join(timeout=5)
+    assert not watcher.is_alive()
+
+
+def test_sysctl_is_set_in_the_callers_namespace(node: Netns, kernel: NetlinkKernel) -> None:
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        host_before = f.read()
+    value = "0" if node.exec("cat /proc/sys/net/ipv4/ip_forward").stdout.strip() == "1" else "1"
+
+    node.call(kernel.set_sysctl, "net.ipv4.ip_forward", value)
+    node.call(kernel.set_sysctl, "net/ipv4/conf/u0/rp_filter", "2")
+
+    assert node.exec("cat /proc/sys/net/ipv4/ip_forward").stdout.strip() == value
+    assert node.exec("cat /proc/sys/net/ipv4/conf/u0/rp_filter").stdout.strip() == "2"
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        assert f.read() == host_before
+    with pytest.raises(DataplaneError, match=r"cannot set sysctl net\.ipv4\.no_such_knob"):
+        node.call(kernel.set_sysctl, "net.ipv4.no_such_knob", "1")
+
+
+def test_apply_works_from_inside_an_event_loop(overlay: Netns, kernel: NetlinkKernel) -> None:
+    extra = Address(DEV, IPv4Interface("10.244.1.1/32"))
+
+    async def apply_in_loop() -> ApplyResult:
+        return kernel.apply(Changes(addresses_to_add=(extra,)))
+
+    result = overlay.call(asyncio.run, apply_in_loop())
+
+    assert result.failures == () and result.applied == {"addresses_to_add": 1}
+    assert observe(overlay, kernel).addresses == {VTEP, extra}  # in the namespace, not the host
