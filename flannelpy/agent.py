@@ -29,7 +29,7 @@ from flannelpy.config import AgentSettings, NetworkConfig
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.dataplane.state import Unreachable
-from flannelpy.errors import ConfigError, FlannelpyError, StoreError
+from flannelpy.errors import ConfigError, FlannelpyError, StoreError, StoreUnavailable
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet_env import SubnetEnv, read_previous_subnet, write_subnet_env
@@ -259,7 +259,10 @@ class NodeAgent:
             self._spawn("firewall", self._firewall_loop)
         self.ready = True
         self._write_status(result)
-        log.info("agent ready subnet=%s mtu=%s", lease.subnet, self.backend.mtu(self.ctx))
+        log.info(
+            "agent ready subnet=%s mtu=%s program_seconds=%.3f",
+            lease.subnet, self.backend.mtu(self.ctx), result.duration_seconds if result else 0.0,
+        )
 
     def run_until_stopped(self) -> None:
         while not self.stop.is_set():
@@ -329,7 +332,7 @@ def build_agent(settings: AgentSettings) -> NodeAgent:
 
     manager = EtcdSubnetManager(connect_etcd(settings), settings)
     try:
-        config = manager.get_network_config()
+        config = _read_config_patiently(manager, settings.startup_timeout)
         if config.enable_ipv6:
             raise ConfigError(
                 "net-conf.json: EnableIPv6 is not supported by flannelpy yet; set it to false"
@@ -365,6 +368,25 @@ def build_agent(settings: AgentSettings) -> NodeAgent:
 
     firewall_factory = _firewall_factory(settings, config.network)
     return NodeAgent(settings, manager, kernel, backend, ctx, vtep_mac, firewall_factory)
+
+
+def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkConfig:
+    """The network config, retrying an unreachable store for up to ``timeout`` seconds.
+
+    Many agents start at once after a cluster-wide restart; a store slow to answer
+    the first request is normal then, and crash-looping would only add load.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return manager.get_network_config()
+        except StoreUnavailable as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("store unavailable, retrying in %.1fs: %s", delay, e)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _ip_or_none(value: str | None):  # type: ignore[no-untyped-def]

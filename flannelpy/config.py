@@ -126,6 +126,7 @@ class AgentSettings:
     run_dir: str = "/run/flannelpy"
     allow_overlap: bool = False
     resync_interval: float = 10.0  # seconds between full reconciles (events trigger sooner)
+    startup_timeout: float = 30.0  # seconds to keep retrying an unreachable store at start
     subnet_lease_ttl: int = 24 * 3600  # seconds; Flannel's is fixed at 24 h
     log_format: str = "text"  # text | json
     log_level: str = "info"  # debug | info | warning | error
@@ -513,6 +514,7 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("run_dir", "str", "directory for the CNI socket and other runtime files"),
     _Flag("allow_overlap", "bool", "start even if Network overlaps a route on this node"),
     _Flag("resync_interval", "float", "seconds between full kernel reconciles"),
+    _Flag("startup_timeout", "float", "seconds to retry an unreachable store before giving up"),
     _Flag("subnet_lease_ttl", "int", "lifetime of a subnet lease in seconds"),
     _Flag("log_format", "str", "log format: text or json"),
     _Flag("log_level", "str", "log level: debug, info, warning or error"),
@@ -741,6 +743,7 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "healthz_ip": _check_ip,
     "healthz_port": _in_range(0, 65535, "(0 turns the server off)"),
     "resync_interval": _positive("seconds"),
+    "startup_timeout": _positive("seconds"),
     "subnet_lease_ttl": _positive("seconds"),
     "log_format": _check_log_format,
     "log_level": _check_log_level,

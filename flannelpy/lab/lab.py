@@ -263,6 +263,24 @@ class Lab:
         src, dst = self.node(src_node), self.node(dst_node)
         return status.ping(src, str(src.ip), str(dst.ip))
 
+    # -- etcd -------------------------------------------------------------
+
+    def stop_etcd(self) -> None:
+        """Stop the lab's etcd (an outage, for tests); agents keep running."""
+        s = self.state
+        if s.etcd_pid:
+            procs.stop([procs.ProcessRef(s.etcd_pid, s.etcd_start_ticks or 0)])
+        s.etcd_pid = s.etcd_start_ticks = None
+        self._save()
+
+    def start_etcd(self) -> None:
+        """Start the lab's etcd again on the same address and data."""
+        s = self.state
+        ref = etcd.start(s)
+        s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
+        self._save()
+        etcd.wait_answering(s, ref)
+
     # -- agents -----------------------------------------------------------
 
     def start_agent(self, node: str) -> NodeInfo:

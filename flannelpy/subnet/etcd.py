@@ -59,6 +59,9 @@ WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 # grows to 120 s), and detect a silently dead peer on long-lived watch streams.
 # etcd refuses keepalive pings more often than every 5 s, hence 10 s.
 _GRPC_OPTIONS = [
+    # etcd is always reached directly: an HTTP proxy set in the environment (for image
+    # pulls, say) must not carry lease traffic, nor take lab traffic off the machine.
+    ("grpc.enable_http_proxy", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

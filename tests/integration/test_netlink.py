@@ -223,8 +223,9 @@ def test_find_underlay(node: Netns, kernel: NetlinkKernel) -> None:
     reach = node.call(kernel.find_underlay, [], [], IPv4Address("172.31.4.4"))
     assert (reach.name, reach.ip) == ("u1", IPv4Address("10.77.0.5"))
 
+    # --public-ip is only advertised; the interface keeps its own address for vxlan.
     public = node.call(kernel.find_underlay, ["u1"], [], None, IPv4Address("203.0.113.1"))
-    assert (public.name, public.ip) == ("u1", IPv4Address("203.0.113.1"))
+    assert (public.name, public.ip) == ("u1", IPv4Address("10.77.0.5"))
 
     with pytest.raises(InterfaceNotFound, match=r"no interface matches --iface eth9; .*lo, .*u0"):
         node.call(kernel.find_underlay, ["eth9"])

@@ -56,8 +56,8 @@ class FakeKernel:
             changes.addresses_to_add
         )
         failures: tuple[str, ...] = ()
-        neighbours = {n for n in neighbours
-                      if (n.ifname, n.ip) not in {(m.ifname, m.ip) for m in changes.neighbours_to_set}}
+        replaced = {(m.ifname, m.ip) for m in changes.neighbours_to_set}
+        neighbours = {n for n in neighbours if (n.ifname, n.ip) not in replaced}
         neighbours |= set(changes.neighbours_to_set)
         fdb |= set(changes.fdb_to_set)
         if self.fail_next_routes:
