@@ -46,7 +46,7 @@ from bench.common import (
     table,
 )
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
-from flannelpy.lab import Lab
+from flannelpy.lab import Lab, agents
 from flannelpy.subnet.etcd import EtcdStore, put_network_config
 
 NETWORK = IPv4Network("10.0.0.0/8")
@@ -181,9 +181,8 @@ def time_agent_start(lab: Lab, node: str) -> AgentRun:
     wall0, t0 = time.time(), time.monotonic()
     lab.start_agent(node)
     deadline = t0 + READY_TIMEOUT
-    ready_at = None
     polls = 0
-    while ready_at is None:
+    while True:
         try:
             if os.stat(info.subnet_env).st_mtime >= wall0:
                 ready_at = time.monotonic()
@@ -191,8 +190,10 @@ def time_agent_start(lab: Lab, node: str) -> AgentRun:
         except FileNotFoundError:
             pass
         polls += 1
-        if polls % 50 == 0 and time.monotonic() > deadline:
-            lab.wait_ready(node, timeout=0)  # raises with the agent's last log lines
+        if polls % 50 == 0:
+            agents.check_ready(info)  # raises, with the log's tail, if the agent exited
+            if time.monotonic() > deadline:
+                raise agents.not_ready_error([info], READY_TIMEOUT)
         time.sleep(READY_POLL)
     assert info.agent_pid is not None
     rss = _rss_kib(info.agent_pid)
@@ -334,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    results = [run_one(n, args.repeat, say) for n in args.peers]
+    try:
+        results = [run_one(n, args.repeat, say) for n in args.peers]
+    except KeyboardInterrupt:  # the labs and the reference namespace are gone already
+        return 130
     print(report(results))
     return 0
 

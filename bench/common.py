@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address, IPv4Network
@@ -208,15 +207,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
+        if math.isnan(value):
+            return "-"  # not measured (e.g. no log line for it)
         return "inf" if math.isinf(value) else f"{value:.3f}"
     return str(value)
-
-
-def wait_for(probe_interval: float, deadline: float) -> Iterator[float]:
-    """Yield monotonic times every ``probe_interval`` until ``deadline`` (monotonic)."""
-    while True:
-        now = time.monotonic()
-        if now > deadline:
-            return
-        yield now
-        time.sleep(probe_interval)

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         subnets = free_subnets(lab, args.leases)
         peers = fake_peers(args.leases, subnets, first_index=FAKE_INDEX_BASE)
         trials = run_trials(lab, peers, say)
+    except KeyboardInterrupt:
+        return 130
     finally:
         lab.down()
     text, ok = report(trials, [n.name for n in lab.nodes])
