@@ -80,6 +80,7 @@ class NodeAgent:
         self._lease_lost = threading.Event()
         self._unreachable: frozenset[Unreachable] = frozenset()
         self.reconciler = Reconciler(kernel, settings.resync_interval, self._on_reconciled)
+        self.cni = PodAttachments(settings, lambda: self.backend.mtu(self.ctx), lambda: self.ready)
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         self.ready = False
@@ -128,6 +129,9 @@ class NodeAgent:
             self._unreachable = desired.unreachable
         self.reconciler.set_desired(desired, stale_links)
 
+    def _own_subnets(self) -> list[IPv4Network]:
+        return [self.lease.subnet] if self.lease else []
+
     def _reacquire(self) -> None:
         with self._lease_lock:
             old = self.lease
@@ -139,6 +143,8 @@ class NodeAgent:
         self._replan()
         if old is None or lease.subnet != old.subnet:
             log.warning("lease changed old=%s new=%s", previous, lease.subnet)
+            # Pods on the old subnet keep their addresses on disk; new pods use the new one.
+            self.cni.use_leases(self._own_subnets())
             self._write_subnet_env()
             self._setup_firewall()
 
@@ -241,6 +247,7 @@ class NodeAgent:
         with self._lease_lock:
             self.lease = lease
         self.kernel.set_sysctl("net.ipv4.ip_forward", "1")
+        self.cni.use_leases(self._own_subnets())
         self._spawn("lease-watch", lambda stop: self.manager.watch_leases(self._on_leases, stop))
         if not self._first_snapshot.wait(FIRST_SNAPSHOT_TIMEOUT):
             raise StoreError(
@@ -250,6 +257,7 @@ class NodeAgent:
         result = self.reconciler.reconcile_once("start")
         if result is not None and not result.converged:
             log.warning("initial reconcile incomplete failures=%d", len(result.failures))
+        self.cni.start()  # before subnet.env: a runtime that sees subnet.env may call ADD
         self._write_subnet_env()
         self._setup_firewall()
         self._spawn("reconciler", self.reconciler.run)
@@ -283,12 +291,57 @@ class NodeAgent:
         disturb traffic, and the lease is reused by PublicIP)."""
         self.stop.set()
         self.reconciler.trigger("stopping")  # wakes its loop, which then sees stop
+        self.cni.stop()
         deadline = time.monotonic() + THREAD_GRACE_SECONDS
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning("task did not stop in time task=%s", thread.name)
         self.manager.close()
+
+
+class PodAttachments:
+    """The agent's CNI side: node IPAM, the pod bridge and the socket the executable calls."""
+
+    def __init__(
+        self, settings: AgentSettings, mtu: Callable[[], int], ready: Callable[[], bool]
+    ) -> None:
+        from flannelpy.cni.handler import CniHandler, CniSettings
+        from flannelpy.cni.podnet import PodNetwork
+        from flannelpy.cni.records import RecordStore
+        from flannelpy.cni.server import CniServer
+        from flannelpy.ipam.manager import NodeIpam
+
+        self._mtu = mtu
+        self.ipam = NodeIpam(os.path.join(settings.state_dir, "ipam"))
+        self.pods = PodNetwork()
+        records = RecordStore(os.path.join(settings.state_dir, "cni"))
+        self.handler = CniHandler(
+            self.ipam, self.pods, records, CniSettings(mtu_provider=mtu, ready=ready)
+        )
+        self.socket_path = os.path.join(settings.run_dir, "cni.sock")
+        self.server = CniServer(self.socket_path, self.handler.handle)
+        self._started = False
+
+    def use_leases(self, subnets: list[IPv4Network]) -> None:
+        """Allocate from ``subnets``; the bridge carries each one's gateway from now on,
+        so the node has an address in its lease before the first pod lands."""
+        self.ipam.set_leases(subnets)
+        gateways = [IPv4Interface(f"{net.network_address + 1}/{net.prefixlen}") for net in subnets]
+        self.pods.ensure_bridge(gateways, self._mtu())
+
+    def start(self) -> None:
+        released = self.handler.gc_dead()
+        if released:
+            log.info("released addresses of pods that are gone count=%d", len(released))
+        self.server.start()
+        self._started = True
+        log.info("CNI server listening socket=%s", self.socket_path)
+
+    def stop(self) -> None:
+        if self._started:
+            self.server.stop()
+            self._started = False
 
 
 def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:

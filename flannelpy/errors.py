@@ -7,6 +7,12 @@ library error underneath (``raise ... from e``) so logs keep the cause.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flannelpy.ipam.allocator import Accounting
+
 
 class FlannelpyError(Exception):
     """Base class: a user-facing sentence plus a process exit code."""
@@ -56,3 +62,17 @@ class DataplaneError(FlannelpyError):
 
 class InterfaceNotFound(DataplaneError):
     """No interface matches what --iface / --iface-regex / --public-ip ask for."""
+
+
+class IpamExhausted(FlannelpyError):
+    """No allocatable lease of this node has an address outside cooldown.
+
+    ``accounting`` holds the per-lease numbers the message was built from, so
+    callers (CNI error details, metrics) never re-derive them.
+    """
+
+    exit_code = 6
+
+    def __init__(self, message: str, accounting: Sequence[Accounting] = ()) -> None:
+        super().__init__(message)
+        self.accounting: list[Accounting] = list(accounting)

@@ -24,7 +24,7 @@ def add_lab_parser(subparsers: Any) -> argparse.ArgumentParser:
         "switch (optionally two segments and a router), etcd, and one agent per node.",
     )
     lab.set_defaults(func=run)
-    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{up,status,down}")
+    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{up,status,pod,down}")
 
     up = sub.add_parser("up", help="build a lab and wait until every agent is ready")
     up.add_argument("--name", required=True, help="lab name: 1-6 lower-case letters or digits")
@@ -61,6 +61,25 @@ def add_lab_parser(subparsers: Any) -> argparse.ArgumentParser:
     up.add_argument(
         "--no-agents", action="store_true", help="build the underlay and etcd only, start no agents"
     )
+    up.add_argument(
+        "--pods-per-node", type=int, default=2,
+        help="pods created on each node through the CNI executable (default 2)",
+    )
+    up.add_argument(
+        "--cni-exec", choices=("auto", "static", "python"), default="auto",
+        help="the CNI executable's form: the static build (no Python on the node) or the "
+        "Python launcher; auto prefers the static build (default auto)",
+    )
+
+    pod = sub.add_parser("pod", help="add or delete a pod through the real CNI executable")
+    pod_sub = pod.add_subparsers(dest="pod_command", required=True, metavar="{add,del}")
+    pod_add = pod_sub.add_parser("add", help="create a pod on a node (CNI ADD)")
+    pod_add.add_argument("--name", required=True, help="the lab")
+    pod_add.add_argument("--node", required=True, help="the node, e.g. n1")
+    pod_add.add_argument("--pod", help="pod name (default <node>-p<N>)")
+    pod_del = pod_sub.add_parser("del", help="delete a pod (CNI DEL)")
+    pod_del.add_argument("--name", required=True, help="the lab")
+    pod_del.add_argument("--pod", required=True, help="pod name, e.g. n1-p1")
 
     st = sub.add_parser("status", help="leases, overlay addresses and a node reachability matrix")
     st.add_argument("--name", required=True)
@@ -80,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             return _up(args)
         if args.lab_command == "status":
             return _status(args)
+        if args.lab_command == "pod":
+            return _pod(args)
         return _down(args)
     except FlannelpyError as e:
         print(f"flannelpy lab {args.lab_command}: {e}", file=sys.stderr)
@@ -104,6 +125,8 @@ def _up(args: argparse.Namespace) -> int:
         network=args.network,
         etcd_prefix=args.etcd_prefix,
         start_agents=not args.no_agents,
+        pods_per_node=0 if args.no_agents else args.pods_per_node,
+        cni_exec=args.cni_exec,
         timeout=args.timeout,
         progress=_progress,
     )
@@ -147,6 +170,19 @@ def _status(args: argparse.Namespace) -> int:
     doc = Lab.load(args.name).status()
     print(json.dumps(doc, indent=2) if args.json else status.render_text(doc))
     return 0 if doc["ok"] else 1
+
+
+def _pod(args: argparse.Namespace) -> int:
+    from flannelpy.lab.lab import Lab
+
+    lab = Lab.load(args.name)
+    if args.pod_command == "add":
+        pod = lab.add_pod(args.node, args.pod)
+        print(f"pod {pod.name} on {pod.node}: {pod.address} (netns {pod.namespace})")
+    else:
+        lab.delete_pod(args.pod)
+        print(f"pod {args.pod} deleted")
+    return 0
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -21,11 +21,11 @@ from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
-from flannelpy.lab import agents, etcd, plan, procs, status, topology
+from flannelpy.lab import agents, etcd, plan, pods, procs, status, topology
 from flannelpy.lab import state as state_io
 from flannelpy.lab.agents import SubnetEnv
 from flannelpy.lab.errors import LabError
-from flannelpy.lab.state import LabState, NodeInfo
+from flannelpy.lab.state import LabState, NodeInfo, PodInfo
 
 Progress = Callable[[str], None]
 UP_STEPS = 6
@@ -120,7 +120,9 @@ class Lab:
         etcd_prefix: str = plan.DEFAULT_ETCD_PREFIX,
         *,
         start_agents: bool = True,
-        overlay_bridge: bool = True,
+        overlay_bridge: bool = False,
+        pods_per_node: int = 0,
+        cni_exec: str = "auto",
         timeout: float = agents.READY_TIMEOUT,
         progress: Progress | None = None,
         lab_root: str = plan.LAB_ROOT,
@@ -143,6 +145,8 @@ class Lab:
         lab = cls(state)
         try:
             lab._build(start_agents, timeout, say)
+            if start_agents and pods_per_node:
+                lab._add_initial_pods(pods_per_node, cni_exec, say)
         except BaseException:
             say("lab up failed; removing what was built")
             try:
@@ -180,6 +184,48 @@ class Lab:
             agents.start(s, node)
         self._save()
         self._wait_all_ready(s.nodes, timeout, say)
+
+    def _add_initial_pods(self, per_node: int, cni_exec: str, say: Progress) -> None:
+        form = self.install_cni(cni_exec)
+        total = per_node * len(self.state.nodes)
+        say(f"[7/{UP_STEPS}] creating {total} pods through the CNI executable ({form} build)")
+        for node in self.state.nodes:
+            for _ in range(per_node):
+                self.add_pod(node.name)
+
+    def install_cni(self, form: str = "auto") -> str:
+        """Install the CNI executable and every node's conflist; returns the form installed."""
+        installed = pods.install_executable(self.state, form)
+        for node in self.state.nodes:
+            pods.write_conflist(node)
+        self.state.extra["cni_exec"] = installed
+        self._save()
+        return installed
+
+    def add_pod(
+        self, node: str, name: str | None = None,
+        port_mappings: list[dict[str, Any]] | None = None,
+    ) -> PodInfo:
+        """A new pod on ``node`` through the real CNI executable (ADD of the node's conflist)."""
+        if "cni_exec" not in self.state.extra:
+            self.install_cni()
+        try:
+            return pods.add_pod(self.state, node, name, port_mappings)
+        finally:
+            self._save()
+
+    def delete_pod(self, name: str) -> None:
+        try:
+            pods.delete_pod(self.state, name)
+        finally:
+            self._save()
+
+    @property
+    def pods(self) -> list[PodInfo]:
+        return list(self.state.pods)
+
+    def pod(self, name: str) -> PodInfo:
+        return self.state.pod(name)
 
     def _wait_all_ready(self, nodes: list[NodeInfo], timeout: float, say: Progress) -> None:
         pending = list(nodes)

@@ -49,6 +49,43 @@ class NodeInfo:
     def overlay_ip(self) -> IPv4Address | None:
         return IPv4Interface(self.overlay_address).ip if self.overlay_address else None
 
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.node_dir, "run")
+
+    @property
+    def cni_socket(self) -> str:
+        return os.path.join(self.run_dir, "cni.sock")
+
+    @property
+    def conflist(self) -> str:
+        """The conflist a container runtime on this node reads (its /etc/cni/net.d)."""
+        return os.path.join(self.node_dir, "cni", "net.d", "10-flannelpy.conflist")
+
+    @property
+    def cni_cache_dir(self) -> str:
+        return os.path.join(self.node_dir, "cni", "cache")
+
+
+@dataclass
+class PodInfo:
+    """A pod: a network namespace attached through the real CNI executable."""
+
+    name: str  # unique in the lab, e.g. "n1-p1"
+    node: str
+    namespace: str  # its netns name, e.g. "fpl-demo-n1-p1"
+    container_id: str
+    ifname: str = "eth0"
+    address: str | None = None  # "10.244.3.5/24", from the CNI result
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.namespace}"
+
+    @property
+    def ip(self) -> IPv4Address | None:
+        return IPv4Interface(self.address).ip if self.address else None
+
 
 @dataclass
 class SegmentInfo:
@@ -83,6 +120,23 @@ class LabState:
     etcd_start_ticks: int | None = None
     version: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    pods: list[PodInfo] = field(default_factory=list)
+
+    @property
+    def cni_bin_dir(self) -> str:
+        return os.path.join(self.lab_dir, "cni", "bin")
+
+    @property
+    def cni_path(self) -> str:
+        """CNI_PATH on every lab node: our executable, then the reference plugins."""
+        return f"{self.cni_bin_dir}:/usr/lib/cni"
+
+    def pod(self, name: str) -> PodInfo:
+        for pod in self.pods:
+            if pod.name == name:
+                return pod
+        known = ", ".join(p.name for p in self.pods) or "none"
+        raise LabError(f"lab {self.name} has no pod {name!r}; its pods are {known}")
 
     @property
     def state_path(self) -> str:
@@ -106,6 +160,9 @@ class LabState:
                 SegmentInfo(**_only_fields(SegmentInfo, s, source)) for s in doc["segments"]
             ]
             data["nodes"] = [NodeInfo(**_only_fields(NodeInfo, n, source)) for n in doc["nodes"]]
+            data["pods"] = [
+                PodInfo(**_only_fields(PodInfo, p, source)) for p in doc.get("pods", [])
+            ]
             return cls(**data)
         except (KeyError, TypeError) as e:
             raise LabError(f"{source} is not a lab state file ({e}); remove the lab by name") from e

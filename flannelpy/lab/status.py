@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flannelpy.lab import agents, etcd, procs, topology
+from flannelpy.lab import agents, etcd, pods, procs, topology
 from flannelpy.lab.state import LabState, NodeInfo
 
 PING_WORKERS = 32
@@ -77,9 +77,19 @@ def collect(state: LabState) -> dict[str, Any]:
                 "segment": node.segment,
                 "agent_pid": node.agent_pid,
                 "agent_running": procs.alive(agents.agent_ref(node)),
+                # What a container runtime on this node would use: point any CNI tool here.
+                "conflist": node.conflist,
+                "cni_path": state.cni_path,
+                "cni_socket": node.cni_socket,
+                "pods": [
+                    {"name": p.name, "namespace": p.namespace, "address": p.address,
+                     "container_id": p.container_id}
+                    for p in state.pods if p.node == node.name
+                ],
             }
         )
     reach = matrix(state.nodes, overlay)
+    pod_reach = pods.pod_matrix(state.pods)
     return {
         "name": state.name,
         "backend": state.backend,
@@ -89,8 +99,10 @@ def collect(state: LabState) -> dict[str, Any]:
         "etcd_error": etcd_error,
         "nodes": nodes,
         "matrix": reach,
+        "pod_matrix": pod_reach,
+        "cni_exec": state.extra.get("cni_exec"),
         "leases": leases,
-        "ok": all_reach(reach),
+        "ok": all_reach(reach) and all_reach(pod_reach),
     }
 
 
@@ -157,6 +169,19 @@ def render_text(doc: dict[str, Any]) -> str:
         else f"{failed} of {len(pairs)} node pairs do not reach"
     )
     lines += ["", verdict]
+    pod_reach = doc.get("pod_matrix") or {}
+    if pod_reach:
+        rows = [["POD", "NODE", "ADDRESS", "NAMESPACE"]]
+        for n in doc["nodes"]:
+            for p in n.get("pods", []):
+                rows.append([p["name"], n["name"], p["address"] or "-", p["namespace"]])
+        lines += ["", f"pods ({doc.get('cni_exec') or '?'} CNI executable):", *_table(rows)]
+        lines += ["", "pod-to-pod reachability (ping from row to column):"]
+        lines += render_matrix(pod_reach)
+        pairs = [ok for row in pod_reach.values() for ok in row.values()]
+        failed = pairs.count(False)
+        lines += ["", f"all {len(pairs)} pod pairs reach each other" if not failed
+                  else f"{failed} of {len(pairs)} pod pairs do not reach"]
     return "\n".join(lines)
 
 

@@ -400,3 +400,25 @@ def test_twenty_agents_started_together_get_distinct_leases() -> None:
         assert len(leases) == 20 and len(set(subnets)) == 20
         assert {lease["node_name"] for lease in leases} == {f"n{i}" for i in range(1, 21)}
         assert lab.ping("n1", "n20") and lab.ping("n13", "n7")
+
+
+def test_network_overlapping_a_route_on_the_node_is_refused_before_touching_it(
+    vxlan_lab: Lab,
+) -> None:
+    lab = vxlan_lab
+    kv = store(lab)
+    lab.exec("n1", ["ip", "route", "add", "10.98.0.0/24", "dev", "eth0"])
+    try:
+        kv.put("/overlap/config",
+               b'{"Network": "10.98.0.0/16", "Backend": {"Type": "vxlan", "VNI": 7}}')
+        refused = run_agent_once(lab, "n1", "--etcd-endpoints", lab.etcd_endpoint,
+                                 "--etcd-prefix", "/overlap")
+        assert refused.returncode == 2, refused.stderr
+        line = _last_line(refused)
+        assert "10.98.0.0/16 overlaps route 10.98.0.0/24" in line and "--allow-overlap" in line
+        assert "flannel.7" not in lab.exec("n1", ["ip", "link", "show"]).stdout
+        leases, _ = kv.get_prefix("/overlap/subnets/")
+        assert leases == []
+    finally:
+        lab.exec("n1", ["ip", "route", "del", "10.98.0.0/24", "dev", "eth0"], check=False)
+        kv.close()

@@ -264,9 +264,11 @@ def _write_subnet_env(node: NodeInfo, subnet: str) -> None:
 @pytest.mark.netns
 @pytest.mark.lab
 def test_agent_lifecycle_with_a_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Readiness, cni0, the status matrix and kill/start, with `sleep` as the agent."""
+    """Readiness, cni0, the status matrix and kill/start, with `sleep` as the agent.
+
+    The real agent makes cni0 itself; a stand-in needs the lab's overlay_bridge."""
     monkeypatch.setattr(agents, "agent_argv", lambda state, node: ["sleep", "60"])
-    with running_lab(nodes=2, backend="host-gw", start_agents=False) as lab:
+    with running_lab(nodes=2, backend="host-gw", start_agents=False, overlay_bridge=True) as lab:
         for i, node in enumerate(lab.nodes, start=1):
             lab.start_agent(node.name)
             _write_subnet_env(node, f"10.244.{i}.1/24")

@@ -1,0 +1,494 @@
+"""CNI commands in the agent: ADD, DEL, CHECK, GC, STATUS, VERSION.
+
+Every request ends as ``(exit code, stdout)``: a result or nothing with 0, the
+spec's error JSON with 1. Nothing else escapes :meth:`CniHandler.handle`.
+
+Ordering and locks:
+
+* ADD acquires in this order, each step registering its undo: the address
+  (IPAM), the bridge (shared, never undone), the veth pair; then the record is
+  written (fsync'd) before the result is returned. A failure anywhere runs
+  the undos in reverse, so nothing of a failed ADD remains.
+* DEL is best effort and idempotent, and reads the record, not the current
+  config: veth (by its host end), address (into cooldown), record. A missing
+  namespace, link, address or record is success.
+* Requests for one (container ID, ifname) are serialised by a lock per key;
+  different pods run in parallel (the server gives each request a thread).
+  IPAM and the bridge lock themselves.
+
+CHECK failures use code 999, as the reference plugins' do (the spec defines no
+code for "the attachment is broken").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from ipaddress import IPv4Interface
+from typing import Any
+
+from cni_plugin.spec import (
+    CniError,
+    Code,
+    Interface,
+    IPConfig,
+    Request,
+    Result,
+    RouteEntry,
+    parse_request,
+    parse_result,
+    render_result,
+    reply_version,
+    version_reply,
+)
+from flannelpy.cni.podnet import (
+    NetnsMissing,
+    PodInterfaceExists,
+    PodNetwork,
+    gateway_of,
+    host_veth_name,
+)
+from flannelpy.cni.records import Record, RecordStore
+from flannelpy.errors import ConfigError, DataplaneError, IpamExhausted, StoreError
+from flannelpy.ipam import Allocation, NodeIpam
+
+log = logging.getLogger(__name__)
+
+STORED_VERSION = "1.1.0"  # records keep results in this format; re-rendered per request
+VALID_ATTACHMENTS = "cni.dev/valid-attachments"
+MAX_WAIT_SECONDS = 300.0  # an ipWaitSeconds beyond this would outlast any runtime's timeout
+CHECK_FAILED = Code.INTERNAL
+_BRIDGE_NAME = re.compile(r"^[^/:\s]{1,15}$")
+
+Key = tuple[str, str]  # (container_id, ifname): what IPAM and the runtime key on
+
+
+@dataclass(frozen=True)
+class CniSettings:
+    """What the agent tells the CNI handler; every field with its unit."""
+
+    mtu_provider: Callable[[], int | None]  # the overlay MTU in bytes; None: not known yet
+    ready: Callable[[], bool] = lambda: True  # lease held and data plane programmed
+    bridge: str = "cni0"  # the CNI config key "bridge" overrides it
+    hairpin: bool = True  # a pod reaches itself through a service IP (hairpin mode on its port)
+    cooldown_seconds: float = 30.0  # default of the config key ipCooldownSeconds
+    wait_seconds: float = 0.0  # default of the config key ipWaitSeconds
+
+
+class KeyLocks:
+    """One lock per key, created on demand and dropped when nobody holds or waits."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[Hashable, list[Any]] = {}  # key -> [lock, users]
+
+    @contextmanager
+    def hold(self, key: Hashable) -> Iterator[None]:
+        with self._guard:
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        entry[0].acquire()
+        try:
+            yield
+        finally:
+            entry[0].release()
+            with self._guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locks[key]
+
+
+class Undo:
+    """Undo actions of a half-done ADD, run newest first; their own failures are logged."""
+
+    def __init__(self) -> None:
+        self._actions: list[tuple[str, Callable[[], object]]] = []
+
+    def push(self, what: str, action: Callable[[], object]) -> None:
+        self._actions.append((what, action))
+
+    def run(self) -> None:
+        while self._actions:
+            what, action = self._actions.pop()
+            try:
+                action()
+            except Exception as e:
+                log.error("could not undo a failed ADD step=%s reason=%s", what, e)
+
+
+class CniHandler:
+    def __init__(
+        self,
+        ipam: NodeIpam,
+        pods: PodNetwork,
+        records: RecordStore,
+        settings: CniSettings,
+        netns_exists: Callable[[str], bool] = os.path.exists,
+    ) -> None:
+        self.ipam = ipam
+        self.pods = pods
+        self.records = records
+        self.settings = settings
+        self.netns_exists = netns_exists
+        self.locks = KeyLocks()
+
+    # -- entry point
+
+    def handle(self, env: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+        version = reply_version(stdin)
+        try:
+            req = parse_request(env, stdin)
+            version = req.cni_version
+            return 0, self._dispatch(req)
+        except CniError as e:
+            log.info(
+                "CNI request refused command=%s code=%s msg=%s",
+                env.get("CNI_COMMAND"),
+                e.code,
+                e.msg,
+            )
+            return 1, e.to_json(version)
+        except Exception as e:
+            log.exception("CNI request failed command=%s", env.get("CNI_COMMAND"))
+            err = CniError(Code.INTERNAL, f"the flannelpy agent failed unexpectedly: {e}")
+            return 1, err.to_json(version)
+
+    def _dispatch(self, req: Request) -> bytes:
+        command = req.command
+        if command == "ADD":
+            return self.add(req)
+        if command == "DEL":
+            self.delete(req)
+            return b""
+        if command == "CHECK":
+            self.check(req)
+            return b""
+        if command == "GC":
+            self.gc(req)
+            return b""
+        if command == "STATUS":
+            self.status()
+            return b""
+        if command == "VERSION":
+            return version_reply(req.cni_version)
+        raise CniError(Code.INVALID_ENVIRONMENT, f"unknown CNI_COMMAND {command!r}")
+
+    # -- ADD
+
+    def add(self, req: Request) -> bytes:
+        self._require_netns(req)
+        if not self.settings.ready():
+            raise CniError(
+                Code.TRY_AGAIN_LATER,
+                "the flannelpy agent has no subnet lease or data plane yet; try again later",
+            )
+        bridge = self._bridge(req)
+        cooldown = self._seconds(req, "ipCooldownSeconds", self.settings.cooldown_seconds)
+        wait = self._seconds(req, "ipWaitSeconds", self.settings.wait_seconds)
+        if wait > MAX_WAIT_SECONDS:
+            raise CniError(
+                Code.INVALID_NETWORK_CONFIG,
+                f"ipWaitSeconds must be at most {MAX_WAIT_SECONDS:g}, got {wait:g}",
+            )
+        mtu = self._mtu()
+        key = (req.container_id, req.ifname)
+        with self.locks.hold(key), _cni_errors():
+            existing = self.records.read(req.network_name, *key)
+            if existing is not None and self._still_there(existing, req):
+                return render_result(parse_result(existing.result, STORED_VERSION), req.cni_version)
+            undo = Undo()
+            try:
+                result = self._add_steps(req, existing, bridge, mtu, cooldown, wait, undo)
+            except BaseException:
+                undo.run()
+                raise
+        return render_result(result, req.cni_version)
+
+    def _add_steps(
+        self,
+        req: Request,
+        existing: Record | None,
+        bridge: str,
+        mtu: int,
+        cooldown: float,
+        wait: float,
+        undo: Undo,
+    ) -> Result:
+        cid, ifname = req.container_id, req.ifname
+        if existing is not None:  # its veth is gone or it was for another namespace
+            self.pods.delete_host_veth(existing.host_veth)
+        had = self.ipam.find(cid, ifname)
+        alloc = self.ipam.allocate(cid, ifname, cooldown=cooldown, wait=wait)
+        if had is None:
+            undo.push("release address", lambda: self.ipam.release(cid, ifname))
+        index = self.pods.ensure_bridge(self._gateways(alloc), mtu, bridge)
+        host = host_veth_name(req.netns, cid, ifname)
+        link = self.pods.add_pod(
+            req.netns,
+            ifname,
+            host,
+            index,
+            alloc.interface,
+            alloc.gateway,
+            mtu,
+            self.settings.hairpin,
+        )
+        undo.push("delete veth", lambda: self.pods.delete_host_veth(host))
+        result = Result(
+            cni_version=req.cni_version,
+            interfaces=(
+                Interface(name=link.host_veth, mac=link.host_mac),
+                Interface(name=link.ifname, mac=link.pod_mac, sandbox=req.netns),
+            ),
+            ips=(IPConfig(address=str(alloc.interface), gateway=str(alloc.gateway), interface=1),),
+            routes=(RouteEntry(dst="0.0.0.0/0", gw=str(alloc.gateway)),),
+            dns=_dns(req.config),
+        )
+        stored = json.loads(render_result(result, STORED_VERSION))
+        self.records.write(
+            Record(
+                network=req.network_name,
+                container_id=cid,
+                ifname=ifname,
+                netns=req.netns,
+                host_veth=host,
+                bridge=bridge,
+                address=alloc.interface,
+                gateway=alloc.gateway,
+                result=stored,
+            )
+        )
+        return result
+
+    def _still_there(self, record: Record, req: Request) -> bool:
+        """An earlier ADD's record still describes a live attachment in this namespace."""
+        if record.netns != req.netns:
+            return False
+        alloc = self.ipam.find(req.container_id, req.ifname)
+        if alloc is None or alloc.interface != record.address:
+            return False
+        return self.pods.link(record.host_veth) is not None
+
+    def _gateways(self, alloc: Allocation) -> list[IPv4Interface]:
+        """The gateway of every lease that has or may get pods, this allocation's first
+        (the first one also names the bridge's MAC when the bridge is created)."""
+        gateways = [gateway_of(alloc.subnet)]
+        for acc in self.ipam.accounting():
+            gw = gateway_of(acc.subnet)
+            if gw not in gateways:
+                gateways.append(gw)
+        return gateways
+
+    # -- DEL
+
+    def delete(self, req: Request) -> None:
+        key = (req.container_id, req.ifname)
+        with self.locks.hold(key):
+            record = self.records.read(req.network_name, *key)
+            with _cni_errors():
+                self._teardown(record, req.netns or None, *key)
+                self.records.delete(req.network_name, *key)
+
+    def _teardown(
+        self, record: Record | None, netns: str | None, container_id: str, ifname: str
+    ) -> None:
+        """Veth first, then the address: an address is never free while a veth holds it."""
+        if record is not None:
+            self.pods.delete_host_veth(record.host_veth)
+        elif netns:
+            self.pods.delete_in_netns(netns, ifname)
+        self.ipam.release(container_id, ifname)
+
+    # -- CHECK
+
+    def check(self, req: Request) -> None:
+        self._require_netns(req)
+        key = (req.container_id, req.ifname)
+        with self.locks.hold(key):
+            record = self.records.read(req.network_name, *key)
+            if record is None:
+                raise CniError(
+                    Code.UNKNOWN_CONTAINER,
+                    f"network {req.network_name} has no attachment for container"
+                    f" {req.container_id} interface {req.ifname}; run ADD first",
+                )
+            problems = []
+            if record.netns != req.netns:
+                problems.append(f"the attachment was made in {record.netns}, not {req.netns}")
+            alloc = self.ipam.find(*key)
+            if alloc is None or alloc.interface != record.address:
+                problems.append(f"IPAM no longer assigns {record.address} to this container")
+            with _cni_errors():
+                problems += self.pods.check_pod(
+                    req.netns,
+                    req.ifname,
+                    record.host_veth,
+                    record.bridge,
+                    record.address,
+                    record.gateway,
+                    self.settings.mtu_provider(),
+                )
+        if problems:
+            raise CniError(CHECK_FAILED, "; ".join(problems))
+
+    # -- GC and start-up clean-up
+
+    def gc(self, req: Request) -> None:
+        """CNI GC: drop every attachment of this network the runtime no longer lists."""
+        valid = _valid_attachments(req.config)
+        for record in self.records.list(req.network_name):
+            key = (record.container_id, record.ifname)
+            if key not in valid:
+                self._forget(record.network, key)
+        for alloc in self.ipam.allocations():
+            key = (alloc.container_id, alloc.ifname)
+            if key not in valid:
+                self._release_orphan(key)
+
+    def gc_dead(self, exists: Callable[[str], bool] = os.path.exists) -> list[Key]:
+        """At agent start: forget attachments whose namespace is gone, and release
+        addresses no record explains (an ADD that died half-way). Run it before
+        the server accepts requests. Returns the keys released."""
+        released: list[Key] = []
+        for record in self.records.list():
+            if not exists(record.netns):
+                key = (record.container_id, record.ifname)
+                if self._forget(record.network, key):
+                    released.append(key)
+        for alloc in self.ipam.allocations():
+            key = (alloc.container_id, alloc.ifname)
+            if self._release_orphan(key):
+                released.append(key)
+        if released:
+            log.info("released addresses of gone pods count=%d", len(released))
+        return released
+
+    def _forget(self, network: str, key: Key) -> bool:
+        with self.locks.hold(key):
+            record = self.records.read(network, *key)
+            if record is None:
+                return False
+            try:
+                self._teardown(record, None, *key)
+            except (DataplaneError, StoreError, OSError) as e:
+                log.warning("GC could not remove an attachment key=%s reason=%s", key, e)
+                return False
+            self.records.delete(network, *key)
+            return True
+
+    def _release_orphan(self, key: Key) -> bool:
+        """Release ``key``'s address if no network has a record for it (checked under
+        the key's lock, so an ADD in flight is waited for, then seen)."""
+        with self.locks.hold(key):
+            if any(self.records.read(n, *key) for n in self.records.networks()):
+                return False
+            return self.ipam.release(*key) is not None
+
+    # -- STATUS
+
+    def status(self) -> None:
+        if not self.settings.ready():
+            raise CniError(
+                Code.NOT_AVAILABLE,
+                "the flannelpy agent is not ready: it has no subnet lease or its data plane"
+                " is not programmed yet",
+            )
+
+    # -- request checks
+
+    def _require_netns(self, req: Request) -> None:
+        if not self.netns_exists(req.netns):
+            raise CniError(
+                Code.INVALID_ENVIRONMENT,
+                f"CNI_NETNS {req.netns} does not exist; pass the path of the container's"
+                " network namespace",
+            )
+
+    def _bridge(self, req: Request) -> str:
+        name = req.config.get("bridge", self.settings.bridge)
+        if not isinstance(name, str) or not _BRIDGE_NAME.match(name) or len(name.encode()) > 15:
+            raise CniError(
+                Code.INVALID_NETWORK_CONFIG,
+                f'"bridge" must be an interface name of 1 to 15 bytes, got {name!r}',
+            )
+        return name
+
+    @staticmethod
+    def _seconds(req: Request, key: str, default: float) -> float:
+        value = req.config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise CniError(
+                Code.INVALID_NETWORK_CONFIG,
+                f"{key} must be a number of seconds >= 0, got {json.dumps(value)}",
+            )
+        return float(value)
+
+    def _mtu(self) -> int:
+        mtu = self.settings.mtu_provider()
+        if not mtu:
+            raise CniError(
+                Code.TRY_AGAIN_LATER,
+                "the flannelpy agent does not know the overlay MTU yet; try again later",
+            )
+        return mtu
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+@contextmanager
+def _cni_errors() -> Iterator[None]:
+    """Turn our failures into spec errors; anything unexpected passes through (handle()
+    reports it as code 999 and logs the traceback)."""
+    try:
+        yield
+    except CniError:
+        raise
+    except Exception as e:
+        mapped = _as_cni_error(e)
+        if mapped is None:
+            raise
+        raise mapped from e
+
+
+def _as_cni_error(e: BaseException) -> CniError | None:
+    if isinstance(e, IpamExhausted):
+        hint = "ipWaitSeconds in the network config lets ADD wait for a cooling address"
+        return CniError(Code.NO_ADDRESS, str(e), hint)
+    if isinstance(e, NetnsMissing | PodInterfaceExists):
+        return CniError(Code.INVALID_ENVIRONMENT, str(e))
+    if isinstance(e, ConfigError):
+        return CniError(Code.INVALID_NETWORK_CONFIG, str(e))
+    if isinstance(e, StoreError):
+        return CniError(Code.IO_FAILURE, f"the node's IPAM state cannot be used: {e}")
+    if isinstance(e, OSError):
+        return CniError(Code.IO_FAILURE, f"the flannelpy agent cannot write its state: {e}")
+    if isinstance(e, DataplaneError):
+        return CniError(Code.INTERNAL, str(e))
+    return None
+
+
+def _valid_attachments(config: Mapping[str, Any]) -> set[Key]:
+    raw = config.get(VALID_ATTACHMENTS)
+    if not isinstance(raw, list) or not all(
+        isinstance(a, dict)
+        and isinstance(a.get("containerID"), str)
+        and isinstance(a.get("ifname"), str)
+        for a in raw
+    ):
+        raise CniError(
+            Code.INVALID_NETWORK_CONFIG,
+            f'GC needs "{VALID_ATTACHMENTS}": a list of {{"containerID", "ifname"}} objects',
+        )
+    return {(a["containerID"], a["ifname"]) for a in raw}
+
+
+def _dns(config: Mapping[str, Any]) -> dict[str, Any]:
+    dns = config.get("dns")
+    return dict(dns) if isinstance(dns, dict) else {}

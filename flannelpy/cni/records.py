@@ -1,0 +1,183 @@
+"""What each ADD did, on disk, so DEL never depends on the current config.
+
+One JSON file per attachment: ``<dir>/<network>/<container_id>@<ifname>.json``.
+A container ID cannot contain ``@`` (the spec's validation allows only
+``[A-Za-z0-9_.-]``), so the name splits back unambiguously; the network name
+and ``ifname`` are validated the same way before they get here, and checked
+again below so no name can leave the directory.
+
+Writes are atomic (temp file, fsync, ``os.replace``, fsync of the directory):
+ADD returns only once its record is durable. Deletes are not fsync'd: a record
+that comes back after a power loss names a veth and an allocation that are
+already gone, and DEL or the start-up GC removes it again harmlessly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from ipaddress import IPv4Address, IPv4Interface
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+SUFFIX = ".json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Record:
+    """One attachment: enough for DEL, CHECK, GC and an idempotent ADD."""
+
+    network: str
+    container_id: str
+    ifname: str
+    netns: str
+    host_veth: str
+    bridge: str
+    address: IPv4Interface  # the pod's address with the lease prefix, e.g. 10.244.1.5/24
+    gateway: IPv4Address
+    result: dict[str, Any]  # the ADD result as rendered for cniVersion 1.1.0
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.network, self.container_id, self.ifname)
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["address"] = str(self.address)
+        doc["gateway"] = str(self.gateway)
+        doc["version"] = FORMAT_VERSION
+        return doc
+
+    @staticmethod
+    def from_doc(doc: Any) -> Record:
+        """Raises ValueError naming what is missing or wrong."""
+        if not isinstance(doc, dict):
+            raise ValueError("a record must be a JSON object")
+        wanted = ("network", "container_id", "ifname", "netns", "host_veth", "bridge")
+        missing = [k for k in (*wanted, "address", "gateway", "result") if k not in doc]
+        if missing:
+            raise ValueError(f"record lacks {', '.join(missing)}")
+        if not all(isinstance(doc[k], str) for k in wanted) or not isinstance(doc["result"], dict):
+            raise ValueError("record fields have the wrong types")
+        return Record(
+            network=doc["network"],
+            container_id=doc["container_id"],
+            ifname=doc["ifname"],
+            netns=doc["netns"],
+            host_veth=doc["host_veth"],
+            bridge=doc["bridge"],
+            address=IPv4Interface(doc["address"]),
+            gateway=IPv4Address(doc["gateway"]),
+            result=doc["result"],
+            created_at=float(doc.get("created_at", 0.0)),
+        )
+
+
+def _check_names(network: str, container_id: str, ifname: str) -> None:
+    if not _SAFE.match(network) or not _SAFE.match(container_id):
+        raise ValueError(f"unsafe network name or container ID: {network!r} {container_id!r}")
+    if not ifname or "/" in ifname or ifname in (".", "..") or "\0" in ifname:
+        raise ValueError(f"unsafe interface name {ifname!r}")
+
+
+class RecordStore:
+    """Records under ``directory`` (created 0700 when missing). Thread-safe: every
+    write goes through its own temp file; callers serialise per attachment."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+
+    def path(self, network: str, container_id: str, ifname: str) -> str:
+        _check_names(network, container_id, ifname)
+        return os.path.join(self.directory, network, f"{container_id}@{ifname}{SUFFIX}")
+
+    def write(self, record: Record) -> None:
+        """Durably store ``record`` (replacing any earlier one for its key)."""
+        final = self.path(*record.key)
+        folder = os.path.dirname(final)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        tmp = f"{final}.tmp.{os.getpid()}.{threading.get_ident()}"
+        data = json.dumps(record.to_doc(), sort_keys=True).encode()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        _fsync_dir(folder)
+
+    def read(self, network: str, container_id: str, ifname: str) -> Record | None:
+        """The record, or None when there is none or it is unreadable (logged)."""
+        return self._load(self.path(network, container_id, ifname))
+
+    def delete(self, network: str, container_id: str, ifname: str) -> bool:
+        return _unlink(self.path(network, container_id, ifname))
+
+    def networks(self) -> list[str]:
+        try:
+            return sorted(
+                n
+                for n in os.listdir(self.directory)
+                if _SAFE.match(n) and os.path.isdir(os.path.join(self.directory, n))
+            )
+        except FileNotFoundError:
+            return []
+
+    def list(self, network: str | None = None) -> list[Record]:
+        """Every readable record, of one network or of all."""
+        names = [network] if network is not None else self.networks()
+        return [r for n in names for r in self._in_network(n)]
+
+    def _in_network(self, network: str) -> Iterator[Record]:
+        folder = os.path.join(self.directory, network)
+        try:
+            entries = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.endswith(SUFFIX) and "@" in entry:
+                record = self._load(os.path.join(folder, entry))
+                if record is not None:
+                    yield record
+
+    def _load(self, path: str) -> Record | None:
+        try:
+            with open(path, "rb") as f:
+                return Record.from_doc(json.loads(f.read()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            log.warning("ignoring unreadable CNI record path=%s reason=%s", path, e)
+            return None
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

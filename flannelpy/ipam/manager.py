@@ -1,0 +1,232 @@
+"""The node's IPAM: one PoolAllocator per lease, persisted before every answer.
+
+Each operation takes a thread lock, then the state directory's file lock,
+re-reads any pool file another process changed, applies the change and writes
+the pool's file before returning. So an answer given to a CNI request is on
+disk: a SIGKILLed agent restarts with every allocation it handed out and every
+cooldown it started (cooldowns are wall-clock times, so a restart does not
+free cooling addresses early).
+
+Pools of leases the node no longer holds stay loaded and on disk, so their
+pods can still be found, released and garbage-collected; they get no new
+allocations.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from ipaddress import IPv4Network
+from types import TracebackType
+
+from flannelpy.errors import ConfigError, IpamExhausted
+from flannelpy.ipam.allocator import Accounting, Allocation, PoolAllocator, exhaustion_message
+from flannelpy.ipam.store import IpamStore
+
+# Lower bound of one wait step, so a clock that rounds cannot spin the loop.
+_MIN_WAIT_STEP = 0.001
+
+
+class NodeIpam:
+    """Thread-safe pod address management for the leases of one node."""
+
+    def __init__(
+        self,
+        state_dir: str,
+        cooldown_seconds: float = 30,
+        wait_seconds: float = 0,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        fsync: bool = True,
+    ) -> None:
+        _check_seconds("ipCooldownSeconds", cooldown_seconds)
+        _check_seconds("ipWaitSeconds", wait_seconds)
+        self.cooldown_seconds = cooldown_seconds
+        self.wait_seconds = wait_seconds
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._store = IpamStore(state_dir, fsync=fsync)
+        self._pools: dict[IPv4Network, PoolAllocator] = {}
+        self._leases: list[IPv4Network] = []
+        self._allocatable: list[IPv4Network] = []
+        # Load every pool on disk: DEL and GC must work before the lease is known.
+        with self._lock, self._store.locked():
+            for subnet in self._store.subnets():
+                self._pools[subnet] = self._load(subnet)
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.close()
+
+    def __enter__(self) -> NodeIpam:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def set_leases(
+        self,
+        subnets: Sequence[IPv4Network],
+        allocatable: Sequence[IPv4Network] | None = None,
+    ) -> None:
+        """The node's leases in preference order; ``allocatable`` (default: all) may
+        receive new addresses. Pools of leases not listed keep their allocations."""
+        chosen = list(subnets) if allocatable is None else list(allocatable)
+        unknown = [s for s in chosen if s not in subnets]
+        if unknown:
+            raise ValueError(f"allocatable subnets {unknown} are not among the leases {subnets}")
+        with self._lock, self._store.locked():
+            for subnet in subnets:
+                if subnet not in self._pools:
+                    self._pools[subnet] = self._load(subnet)
+            self._leases = list(subnets)
+            self._allocatable = chosen
+
+    def allocate(
+        self,
+        container_id: str,
+        ifname: str,
+        cooldown: float | None = None,
+        wait: float | None = None,
+    ) -> Allocation:
+        """The existing allocation of (container_id, ifname), or a new one from the
+        first allocatable lease with a free address, on disk before returning.
+
+        When every address is assigned or cooling, waits for the next cooling
+        address if it frees within ``wait`` seconds; otherwise raises
+        IpamExhausted at once (a wait that cannot succeed is not slept).
+        """
+        cooldown = self.cooldown_seconds if cooldown is None else cooldown
+        wait = self.wait_seconds if wait is None else wait
+        _check_seconds("ipCooldownSeconds", cooldown)
+        _check_seconds("ipWaitSeconds", wait)
+        deadline = self._clock() + wait
+        while True:
+            with self._lock, self._store.locked():
+                self._refresh()
+                found = self._find(container_id, ifname)
+                if found is not None:
+                    return found
+                now = self._clock()
+                for subnet in self._allocatable:
+                    pool = self._pools[subnet]
+                    if pool.accounting(now, cooldown).free > 0:
+                        allocation = pool.allocate(container_id, ifname, now, cooldown)
+                        self._save(subnet)
+                        return allocation
+                accounting = [self._pools[s].accounting(now, cooldown) for s in self._allocatable]
+                step = _next_free_in(accounting)
+                if step is None or now + step > deadline:
+                    raise IpamExhausted(exhaustion_message(accounting), accounting)
+            # Sleep without the locks so releases and other requests proceed.
+            self._sleep(max(step, _MIN_WAIT_STEP))
+
+    def release(self, container_id: str, ifname: str) -> Allocation | None:
+        """Put (container_id, ifname)'s address into cooldown; None when it has none."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            for subnet, pool in self._pools.items():
+                released = pool.release(container_id, ifname, self._clock())
+                if released is not None:
+                    self._save(subnet)
+                    return released
+            return None
+
+    def find(self, container_id: str, ifname: str) -> Allocation | None:
+        with self._lock, self._store.locked():
+            self._refresh()
+            return self._find(container_id, ifname)
+
+    def allocations(self) -> list[Allocation]:
+        """Every allocation on every pool (current or former leases), by address."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            return self._allocations()
+
+    def accounting(self) -> list[Accounting]:
+        """Per current lease, then per former lease that still has pods, with the
+        default cooldown. Cooling addresses are never counted as free."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            now = self._clock()
+            result = [self._pools[s].accounting(now, self.cooldown_seconds) for s in self._leases]
+            for subnet, pool in sorted(self._pools.items()):
+                if subnet not in self._leases:
+                    former = pool.accounting(now, self.cooldown_seconds)
+                    if former.assigned:
+                        result.append(former)
+            return result
+
+    def gc(self, keep: Callable[[Allocation], bool]) -> list[Allocation]:
+        """Release (into cooldown) every allocation ``keep`` rejects; returns them.
+
+        ``keep`` runs without the locks (it may be slow, e.g. ask the runtime), so an
+        allocation re-made meanwhile for the same container is left alone.
+        """
+        rejected = [a for a in self.allocations() if not keep(a)]
+        released: list[Allocation] = []
+        with self._lock, self._store.locked():
+            self._refresh()
+            now = self._clock()
+            changed: set[IPv4Network] = set()
+            for old in rejected:
+                pool = self._pools.get(old.subnet)
+                if pool is None or pool.find(old.container_id, old.ifname) != old:
+                    continue
+                if pool.release(old.container_id, old.ifname, now) is not None:
+                    released.append(old)
+                    changed.add(old.subnet)
+            for subnet in sorted(changed):
+                self._save(subnet)
+        return released
+
+    # --- internals (called with both locks held) ---------------------------------
+
+    def _find(self, container_id: str, ifname: str) -> Allocation | None:
+        for pool in self._pools.values():
+            found = pool.find(container_id, ifname)
+            if found is not None:
+                return found
+        return None
+
+    def _allocations(self) -> list[Allocation]:
+        every = [a for pool in self._pools.values() for a in pool.allocations()]
+        return sorted(every, key=lambda a: a.ip)
+
+    def _load(self, subnet: IPv4Network) -> PoolAllocator:
+        doc = self._store.load(subnet)
+        if doc is None:
+            return PoolAllocator(subnet)
+        try:
+            pool = PoolAllocator.from_doc(doc)
+        except ValueError as e:
+            raise self._store.corrupt(subnet, str(e)) from e
+        if pool.subnet != subnet:
+            raise self._store.corrupt(subnet, f"it holds the state of {pool.subnet}")
+        return pool
+
+    def _refresh(self) -> None:
+        # Another agent process on the same directory may have written a pool.
+        for subnet in list(self._pools):
+            if self._store.changed(subnet):
+                self._pools[subnet] = self._load(subnet)
+
+    def _save(self, subnet: IPv4Network) -> None:
+        self._store.save(subnet, self._pools[subnet].to_json())
+
+
+def _next_free_in(accounting: Sequence[Accounting]) -> float | None:
+    waits = [a.next_free_in for a in accounting if a.next_free_in is not None]
+    return min(waits) if waits else None
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")

@@ -1,0 +1,181 @@
+"""IPAM state on disk: one JSON file per lease subnet, written atomically.
+
+Layout of the state directory (mode 0700)::
+
+    lock                  flock(2)ed for the duration of every operation
+    10.244.1.0_24.json    PoolAllocator.to_doc() of lease 10.244.1.0/24
+    .10.244.1.0_24.json.tmp   the next version while it is being written
+
+A write goes to the temp file, which is renamed over the real one with
+``os.replace``: a reader (or an agent restarted after SIGKILL) sees the old or
+the new version, never a mix. That is all a process crash needs. ``fsync``
+(the file, then the directory) additionally makes the rename survive a power
+loss; it costs about 0.5 ms per write on this kind of disk.
+
+Every read and write happens under the lock, and the store remembers the bytes
+it last read or wrote per file, so a caller can tell cheaply whether another
+process (a second agent on the same directory) changed a file since.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from ipaddress import IPv4Network
+from typing import Any
+
+from flannelpy.errors import StoreError
+
+LOCK_NAME = "lock"
+_POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})_(\d{1,2})\.json$")
+
+
+def pool_file_name(subnet: IPv4Network) -> str:
+    return f"{subnet.network_address}_{subnet.prefixlen}.json"
+
+
+class IpamStore:
+    """The IPAM state directory; use every method inside ``with store.locked():``."""
+
+    def __init__(self, directory: str | os.PathLike[str], fsync: bool = True) -> None:
+        self.directory = os.fspath(directory)
+        self.fsync = fsync
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            self._lock_fd: int | None = os.open(
+                os.path.join(self.directory, LOCK_NAME),
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                0o600,
+            )
+        except OSError as e:
+            raise StoreError(
+                f"cannot open the IPAM state directory {self.directory}: {e.strerror}; "
+                "check that it is a writable directory"
+            ) from e
+        self._held = False
+        # Bytes last read or written per file (None: the file was absent).
+        # A subnet missing here is unknown, so changed() reports True.
+        self._seen: dict[IPv4Network, bytes | None] = {}
+        self._paths: dict[IPv4Network, str] = {}
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's exclusive lock: no other process reads or writes meanwhile."""
+        if self._lock_fd is None:
+            raise RuntimeError("the IPAM store is closed")
+        # flock locks belong to the open file description, so two stores in one
+        # process exclude each other as two processes do.
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def path(self, subnet: IPv4Network) -> str:
+        path = self._paths.get(subnet)
+        if path is None:
+            path = self._paths[subnet] = os.path.join(self.directory, pool_file_name(subnet))
+        return path
+
+    def subnets(self) -> list[IPv4Network]:
+        """The subnets that have a state file, in address order."""
+        self._require_lock()
+        found = []
+        for name in os.listdir(self.directory):
+            match = _POOL_FILE.match(name)
+            if match:
+                try:
+                    found.append(IPv4Network(f"{match[1]}/{match[2]}"))
+                except ValueError:
+                    continue  # not one of ours (a host address with a prefix, say)
+        return sorted(found)
+
+    def load(self, subnet: IPv4Network) -> dict[str, Any] | None:
+        """The subnet's state document, or None when it has no file yet."""
+        data = self._read(subnet)
+        self._seen[subnet] = data
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self.corrupt(subnet, f"not JSON ({e})") from e
+        if not isinstance(doc, dict):
+            raise self.corrupt(subnet, "not a JSON object")
+        return doc
+
+    def changed(self, subnet: IPv4Network) -> bool:
+        """Whether the file differs from what this store last read or wrote."""
+        if subnet not in self._seen:
+            return True
+        return self._read(subnet) != self._seen[subnet]
+
+    def save(self, subnet: IPv4Network, data: bytes) -> None:
+        """Replace the subnet's file with ``data`` (a JSON document) atomically,
+        and durably when ``fsync``."""
+        self._require_lock()
+        path = self.path(subnet)
+        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.tmp")
+        try:
+            self._write_file(tmp, data)
+            os.replace(tmp, path)
+            if self.fsync:
+                self._fsync_directory()
+        except OSError as e:
+            # Whether the rename happened is unknown: force a re-read next time.
+            self._seen.pop(subnet, None)
+            raise StoreError(
+                f"cannot write IPAM state file {path}: {e.strerror}; "
+                "check free space and permissions of the state directory"
+            ) from e
+        self._seen[subnet] = data
+
+    def corrupt(self, subnet: IPv4Network, why: str) -> StoreError:
+        """The error for a state file that cannot be used as it is."""
+        return StoreError(
+            f"IPAM state file {self.path(subnet)} is invalid: {why}; restore it from a backup "
+            "or move it away once no pod uses addresses of that lease"
+        )
+
+    def _read(self, subnet: IPv4Network) -> bytes | None:
+        self._require_lock()
+        try:
+            with open(self.path(subnet), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(
+                f"cannot read IPAM state file {self.path(subnet)}: {e.strerror}; "
+                "check the state directory's permissions"
+            ) from e
+
+    def _write_file(self, path: str, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+
+    def _fsync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _require_lock(self) -> None:
+        if not self._held:
+            raise RuntimeError("IpamStore used outside 'with store.locked()'")

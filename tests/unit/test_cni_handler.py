@@ -1,0 +1,551 @@
+"""CniHandler without a kernel: real IPAM and records on disk, a recording fake PodNetwork."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flannelpy.cni.handler import CniHandler, CniSettings, KeyLocks
+from flannelpy.cni.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
+from flannelpy.cni.records import Record, RecordStore
+from flannelpy.errors import DataplaneError
+from flannelpy.ipam import NodeIpam
+
+SUBNET = IPv4Network("10.244.1.0/24")
+POD_NS = "/run/netns/pod1"
+NETWORK = "fpnet"
+
+
+@dataclass
+class FakePods:
+    """PodNetwork's surface, recording calls; links live in ``veths`` (host name → netns)."""
+
+    veths: dict[str, str] = field(default_factory=dict)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    bridges: dict[str, set[IPv4Interface]] = field(default_factory=dict)
+    fail: dict[str, BaseException] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def _maybe_fail(self, name: str) -> None:
+        if name in self.fail:
+            raise self.fail[name]
+
+    def ensure_bridge(self, gateways: list[IPv4Interface], mtu: int, bridge: str = "cni0") -> int:
+        self._maybe_fail("ensure_bridge")
+        self.bridges.setdefault(bridge, set()).update(gateways)
+        return 7
+
+    def add_pod(
+        self,
+        netns: str,
+        ifname: str,
+        host_veth: str,
+        bridge_index: int,
+        address: IPv4Interface,
+        gateway: IPv4Address,
+        mtu: int,
+        hairpin: bool = True,
+    ) -> PodLink:
+        self.calls.append(("add_pod", netns, ifname, host_veth, str(address), str(gateway), mtu))
+        assert hairpin
+        self._maybe_fail("add_pod")
+        self.veths[host_veth] = netns
+        return PodLink(host_veth, "02:00:00:00:00:01", ifname, "0a:58:0a:f4:01:02")
+
+    def delete_host_veth(self, host_veth: str) -> None:
+        self.calls.append(("delete_host_veth", host_veth))
+        self._maybe_fail("delete_host_veth")
+        self.veths.pop(host_veth, None)
+
+    def delete_in_netns(self, netns: str, ifname: str) -> None:
+        self.calls.append(("delete_in_netns", netns, ifname))
+        for name, ns in list(self.veths.items()):
+            if ns == netns:
+                del self.veths[name]
+
+    def link(self, name: str) -> LinkInfo | None:
+        if name not in self.veths:
+            return None
+        return LinkInfo(3, name, True, 1400, "02:00:00:00:00:01", "veth", 7)
+
+    def check_pod(self, *args: object) -> list[str]:
+        self.calls.append(("check_pod", *args))
+        self._maybe_fail("check_pod")
+        return list(self.problems)
+
+
+@dataclass
+class Env:
+    handler: CniHandler
+    ipam: NodeIpam
+    records: RecordStore
+    pods: FakePods
+    namespaces: set[str]
+    state: dict[str, Any]
+
+    def call(
+        self,
+        command: str,
+        cid: str = "c1",
+        netns: str = POD_NS,
+        ifname: str = "eth0",
+        **config: Any,
+    ) -> tuple[int, Any]:
+        env = {
+            "CNI_COMMAND": command,
+            "CNI_CONTAINERID": cid,
+            "CNI_NETNS": netns,
+            "CNI_IFNAME": ifname,
+            "CNI_PATH": "/opt/cni/bin",
+        }
+        doc = {"cniVersion": "1.1.0", "name": NETWORK, "type": "flannelpy", **config}
+        code, out = self.handler.handle(env, json.dumps(doc).encode())
+        return code, (json.loads(out) if out else None)
+
+
+def make_env(directory: str, subnet: IPv4Network = SUBNET) -> Env:
+    ipam = NodeIpam(os.path.join(directory, "ipam"), fsync=False)
+    ipam.set_leases([subnet])
+    records = RecordStore(os.path.join(directory, "records"))
+    pods = FakePods()
+    namespaces = {POD_NS, "/run/netns/pod2"}
+    state: dict[str, Any] = {"ready": True, "mtu": 1400}
+    cni = CniSettings(mtu_provider=lambda: state["mtu"], ready=lambda: bool(state["ready"]))
+    handler = CniHandler(
+        ipam,
+        pods,  # type: ignore[arg-type]
+        records,
+        cni,
+        netns_exists=namespaces.__contains__,
+    )
+    return Env(handler, ipam, records, pods, namespaces, state)
+
+
+@pytest.fixture
+def env(tmp_path: Any) -> Iterator[Env]:
+    e = make_env(str(tmp_path))
+    try:
+        yield e
+    finally:
+        e.ipam.close()
+
+
+def attachments(e: Env) -> tuple[list[Any], list[Any], dict[str, str]]:
+    return e.ipam.allocations(), e.records.list(), dict(e.pods.veths)
+
+
+# --- ADD ------------------------------------------------------------------------------
+
+
+def test_add_allocates_plumbs_and_records(env: Env) -> None:
+    code, result = env.call("ADD")
+    assert code == 0
+    host = host_veth_name(POD_NS, "c1", "eth0")
+    assert result == {
+        "cniVersion": "1.1.0",
+        "interfaces": [
+            {"name": host, "mac": "02:00:00:00:00:01"},
+            {"name": "eth0", "mac": "0a:58:0a:f4:01:02", "sandbox": POD_NS},
+        ],
+        "ips": [{"interface": 1, "address": "10.244.1.2/24", "gateway": "10.244.1.1"}],
+        "routes": [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"}],
+        "dns": {},
+    }
+    assert env.pods.calls == [
+        ("add_pod", POD_NS, "eth0", host, "10.244.1.2/24", "10.244.1.1", 1400)
+    ]
+    assert env.pods.bridges == {"cni0": {IPv4Interface("10.244.1.1/24")}}
+    record = env.records.read(NETWORK, "c1", "eth0")
+    assert record is not None and record.host_veth == host and record.netns == POD_NS
+    assert record.address == IPv4Interface("10.244.1.2/24")
+
+
+def test_add_uses_the_configured_bridge_and_passes_dns_through(env: Env) -> None:
+    dns = {"nameservers": ["10.96.0.10"]}
+    code, result = env.call("ADD", bridge="cbr9", dns=dns)
+    assert code == 0 and result["dns"] == dns
+    assert set(env.pods.bridges) == {"cbr9"}
+
+
+def test_add_twice_is_idempotent_and_renders_the_requested_version(env: Env) -> None:
+    _, first = env.call("ADD")
+    code, again = env.call("ADD", cniVersion="0.4.0")
+    assert code == 0
+    assert again["cniVersion"] == "0.4.0"
+    assert again["ips"] == [{"version": "4", **first["ips"][0]}]
+    assert [c[0] for c in env.pods.calls] == ["add_pod"]
+
+
+def test_add_rebuilds_a_vanished_veth_with_the_same_address(env: Env) -> None:
+    _, first = env.call("ADD")
+    env.pods.veths.clear()
+    code, second = env.call("ADD")
+    assert code == 0 and second["ips"] == first["ips"]
+    assert [c[0] for c in env.pods.calls] == ["add_pod", "delete_host_veth", "add_pod"]
+
+
+def test_add_in_a_new_namespace_replaces_the_old_attachment(env: Env) -> None:
+    env.call("ADD")
+    code, second = env.call("ADD", netns="/run/netns/pod2")
+    assert code == 0 and second["interfaces"][1]["sandbox"] == "/run/netns/pod2"
+    assert list(env.pods.veths.values()) == ["/run/netns/pod2"]
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "code"),
+    [
+        ("ensure_bridge", DataplaneError("bridge broke"), 999),
+        ("add_pod", DataplaneError("veth broke"), 999),
+        ("add_pod", NetnsMissing("namespace went away"), 4),
+    ],
+)
+def test_a_failed_add_undoes_its_steps(env: Env, step: str, error: Exception, code: int) -> None:
+    env.pods.fail[step] = error
+    status, err = env.call("ADD")
+    assert status == 1 and err["code"] == code and err["msg"] == str(error)
+    assert attachments(env) == ([], [], {})
+
+
+def test_a_record_that_cannot_be_written_undoes_the_veth_and_address(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(record: Record) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(env.records, "write", full)
+    status, err = env.call("ADD")
+    assert status == 1 and err["code"] == 5 and "No space left" in err["msg"]
+    assert attachments(env) == ([], [], {})
+    assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+
+
+def test_a_failed_retry_keeps_the_address_it_did_not_acquire(env: Env) -> None:
+    _, first = env.call("ADD")
+    env.pods.veths.clear()
+    env.pods.fail["add_pod"] = DataplaneError("veth broke")
+    assert env.call("ADD")[0] == 1
+    assert [str(a.interface) for a in env.ipam.allocations()] == [first["ips"][0]["address"]]
+
+
+def test_exhaustion_is_code_100_with_the_exact_sentence(tmp_path: Any) -> None:
+    e = make_env(str(tmp_path), IPv4Network("10.244.9.0/30"))  # one pod address: .2
+    try:
+        assert e.call("ADD", cid="a")[0] == 0
+        assert e.call("DEL", cid="a")[0] == 0
+        status, err = e.call("ADD", cid="b")
+        assert status == 1 and err["code"] == 100
+        assert err["msg"] == (
+            "no free address in 10.244.9.0/30: 0 assigned, 1 cooling down (next free in 30 s)"
+        )
+        assert "ipWaitSeconds" in err["details"]
+        assert e.records.list() == [] and e.ipam.find("b", "eth0") is None
+        assert e.call("ADD", cid="b", ipCooldownSeconds=0)[0] == 0
+    finally:
+        e.ipam.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "code"),
+    [
+        ({"ipCooldownSeconds": -1}, 7),
+        ({"ipCooldownSeconds": True}, 7),
+        ({"ipCooldownSeconds": "30"}, 7),
+        ({"ipWaitSeconds": 301}, 7),
+        ({"bridge": ""}, 7),
+        ({"bridge": "a-very-long-bridge"}, 7),
+        ({"bridge": "br 0"}, 7),
+        ({"bridge": 5}, 7),
+    ],
+)
+def test_bad_settings_in_the_config_are_refused(
+    env: Env, config: dict[str, Any], code: int
+) -> None:
+    status, err = env.call("ADD", **config)
+    assert status == 1 and err["code"] == code and err["msg"]
+    assert attachments(env) == ([], [], {})
+
+
+def test_add_before_the_agent_is_ready_says_try_again(env: Env) -> None:
+    env.state["ready"] = False
+    assert env.call("ADD")[1]["code"] == 11
+    env.state["ready"] = True
+    env.state["mtu"] = None
+    assert env.call("ADD")[1]["code"] == 11
+    assert attachments(env) == ([], [], {})
+
+
+def test_add_needs_an_existing_namespace(env: Env) -> None:
+    status, err = env.call("ADD", netns="/run/netns/gone")
+    assert status == 1 and err["code"] == 4 and "/run/netns/gone" in err["msg"]
+
+
+def test_bridge_gets_the_gateway_of_every_lease(tmp_path: Any) -> None:
+    e = make_env(str(tmp_path))
+    try:
+        second = IPv4Network("10.244.7.0/24")
+        e.ipam.set_leases([SUBNET, second])
+        e.call("ADD")
+        assert e.pods.bridges["cni0"] == {gateway_of(SUBNET), gateway_of(second)}
+    finally:
+        e.ipam.close()
+
+
+# --- DEL --------------------------------------------------------------------------------
+
+
+def test_del_uses_the_record_and_is_idempotent(env: Env) -> None:
+    env.call("ADD")
+    env.namespaces.clear()  # DEL works without the namespace
+    assert env.call("DEL", ifname="eth0", bridge="other") == (0, None)
+    assert attachments(env) == ([], [], {})
+    assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+    assert env.call("DEL") == (0, None)
+    assert env.call("DEL", netns="") == (0, None)
+
+
+def test_del_without_a_record_releases_and_cleans_the_namespace(env: Env) -> None:
+    env.call("ADD")
+    env.records.delete(NETWORK, "c1", "eth0")
+    assert env.call("DEL") == (0, None)
+    assert env.pods.calls[-1] == ("delete_in_netns", POD_NS, "eth0")
+    assert attachments(env) == ([], [], {})
+
+
+def test_del_with_an_unreadable_record_still_cleans_up(env: Env) -> None:
+    env.call("ADD")
+    with open(env.records.path(NETWORK, "c1", "eth0"), "w") as f:
+        f.write("{not json")
+    assert env.call("DEL") == (0, None)
+    assert env.ipam.allocations() == []
+    assert not os.path.exists(env.records.path(NETWORK, "c1", "eth0"))
+
+
+def test_del_that_cannot_remove_the_veth_keeps_the_address_for_a_retry(env: Env) -> None:
+    env.call("ADD")
+    env.pods.fail["delete_host_veth"] = DataplaneError("cannot delete veth: busy")
+    status, err = env.call("DEL")
+    assert status == 1 and err["code"] == 999
+    assert len(env.ipam.allocations()) == 1 and len(env.records.list()) == 1
+    del env.pods.fail["delete_host_veth"]
+    assert env.call("DEL") == (0, None)
+    assert attachments(env) == ([], [], {})
+
+
+# --- CHECK, STATUS, VERSION -------------------------------------------------------------
+
+
+def test_check(env: Env) -> None:
+    assert env.call("CHECK")[1]["code"] == 3
+    env.call("ADD")
+    assert env.call("CHECK") == (0, None)
+    env.pods.problems = ["eth0 lacks address 10.244.1.2/24 in /run/netns/pod1"]
+    status, err = env.call("CHECK")
+    assert status == 1 and err["code"] == 999 and err["msg"] == env.pods.problems[0]
+    env.pods.problems = []
+    env.ipam.release("c1", "eth0")
+    assert "IPAM no longer assigns 10.244.1.2/24" in env.call("CHECK")[1]["msg"]
+    assert env.call("CHECK", cniVersion="0.3.1")[1]["code"] == 1
+
+
+def test_status_and_version(env: Env) -> None:
+    assert env.call("STATUS") == (0, None)
+    env.state["ready"] = False
+    status, err = env.call("STATUS")
+    assert status == 1 and err["code"] == 50
+    code, out = env.call("VERSION", cniVersion="0.4.0")
+    assert code == 0 and out["cniVersion"] == "0.4.0" and "1.1.0" in out["supportedVersions"]
+
+
+# --- GC -------------------------------------------------------------------------------
+
+
+def test_gc_keeps_listed_attachments_and_other_networks(env: Env) -> None:
+    env.call("ADD", cid="keep")
+    env.call("ADD", cid="drop", netns="/run/netns/pod2")
+    env.call("ADD", cid="other", ifname="net1", name="othernet")
+    env.ipam.allocate("orphan", "eth0")  # an ADD that died before its record
+    config: dict[str, Any] = {
+        "cni.dev/valid-attachments": [{"containerID": "keep", "ifname": "eth0"}]
+    }
+    assert env.call("GC", **config) == (0, None)
+    assert sorted(a.container_id for a in env.ipam.allocations()) == ["keep", "other"]
+    assert sorted(r.container_id for r in env.records.list()) == ["keep", "other"]
+    assert host_veth_name("/run/netns/pod2", "drop", "eth0") not in env.pods.veths
+
+
+@pytest.mark.parametrize("valid", [None, "keep", [{"containerID": "keep"}], [1]])
+def test_gc_without_a_usable_valid_list_deletes_nothing(env: Env, valid: Any) -> None:
+    env.call("ADD")
+    config: dict[str, Any] = {} if valid is None else {"cni.dev/valid-attachments": valid}
+    status, err = env.call("GC", **config)
+    assert status == 1 and err["code"] == 7
+    assert len(env.ipam.allocations()) == 1
+
+
+def test_gc_dead(env: Env) -> None:
+    env.call("ADD", cid="alive")
+    env.call("ADD", cid="dead", netns="/run/netns/pod2")
+    env.ipam.allocate("orphan", "eth0")
+    released = env.handler.gc_dead(exists=lambda path: path == POD_NS)
+    assert sorted(released) == [("dead", "eth0"), ("orphan", "eth0")]
+    assert [a.container_id for a in env.ipam.allocations()] == ["alive"]
+    assert [r.container_id for r in env.records.list()] == ["alive"]
+
+
+# --- building blocks ----------------------------------------------------------------------
+
+
+def test_key_locks_serialise_one_key_and_not_others() -> None:
+    locks = KeyLocks()
+    inside = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def holder() -> None:
+        with locks.hold(("c1", "eth0")):
+            inside.set()
+            release.wait(5)
+            order.append("first")
+
+    def waiter() -> None:
+        with locks.hold(("c1", "eth0")):
+            order.append("second")
+
+    t1 = threading.Thread(target=holder)
+    t1.start()
+    inside.wait(5)
+    t2 = threading.Thread(target=waiter)
+    t2.start()
+    with locks.hold(("c2", "eth0")):  # another key is free meanwhile
+        order.append("other")
+    time.sleep(0.05)
+    release.set()
+    t1.join(5)
+    t2.join(5)
+    assert order == ["other", "first", "second"]
+    assert locks._locks == {}
+
+
+def test_record_round_trip_and_validation(tmp_path: Any) -> None:
+    store = RecordStore(str(tmp_path))
+    record = Record(
+        network=NETWORK,
+        container_id="abc.1-x_y",
+        ifname="net@1",
+        netns=POD_NS,
+        host_veth="veth12345678",
+        bridge="cni0",
+        address=IPv4Interface("10.244.1.9/24"),
+        gateway=IPv4Address("10.244.1.1"),
+        result={"cniVersion": "1.1.0"},
+    )
+    store.write(record)
+    assert store.read(NETWORK, "abc.1-x_y", "net@1") == record
+    assert store.list() == [record] and store.list("othernet") == []
+    assert os.stat(store.path(*record.key)).st_mode & 0o777 == 0o600
+    for bad in [("../x", "c", "eth0"), (NETWORK, "../c", "eth0"), (NETWORK, "c", "a/b")]:
+        with pytest.raises(ValueError):
+            store.path(*bad)
+    with pytest.raises(ValueError, match="lacks gateway, result"):
+        Record.from_doc(
+            {k: v for k, v in record.to_doc().items() if k not in ("gateway", "result")}
+        )
+    assert store.delete(*record.key) and not store.delete(*record.key)
+
+
+# --- anything goes in, a spec answer comes out, and a refusal changes nothing -------------
+
+# Valid values are listed several times so that many examples get past the first check.
+_names = st.sampled_from(["c1"] * 20 + ["", "../x", "a" * 300, "c 1", "c1;rm", "ÿ"])
+_ifnames = st.sampled_from(["eth0"] * 20 + ["", "e" * 16, "a/b", "a:b", ".", "..", "eth 0"])
+_netns = st.sampled_from([POD_NS] * 12 + ["", "/run/netns/gone", "../../etc"])
+_commands = st.sampled_from(["ADD"] * 4 + ["DEL", "CHECK", "GC", "STATUS", "VERSION", "", "X"])
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=8,
+)
+
+
+def _mostly(valid: list[Any], other: list[Any]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(valid * 6 + other) | _json_values
+
+
+_configs = st.builds(
+    lambda base, extra: {**base, **extra},
+    st.fixed_dictionaries(
+        {
+            "cniVersion": _mostly(["1.1.0", "1.0.0", "0.3.1"], ["0.2.0", "", "x"]),
+            "name": _mostly([NETWORK], ["", "../up", "a/b"]),
+            "type": _mostly(["flannelpy"], [""]),
+        },
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "bridge": _mostly(["cni0"], ["", "x" * 20, "a b"]),
+            "ipCooldownSeconds": _mostly([0, 30, 2.5], [-1, "30"]),
+            "ipWaitSeconds": _mostly([0, 1], [-1, 1e9]),
+            "prevResult": _json_values,
+            "dns": _json_values,
+            "cni.dev/valid-attachments": _json_values,
+        },
+    ),
+)
+_stdin = (
+    _configs.map(lambda d: json.dumps(d).encode())
+    | st.binary(max_size=64)
+    | st.sampled_from([b"", b"{", b"[]", b"null", b'{"cniVersion": 1}', b"\xff\xfe"])
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    command=_commands,
+    cid=_names,
+    ifname=_ifnames,
+    netns=_netns,
+    stdin=_stdin,
+    args=st.sampled_from([""] * 6 + ["K=V", "K=V;A=B", "bad", "K=V=W", ";"]),
+)
+def test_fuzzed_requests_get_a_spec_answer_and_refusals_change_nothing(
+    command: str, cid: str, ifname: str, netns: str, stdin: bytes, args: str
+) -> None:
+    directory = tempfile.mkdtemp(prefix="fpcnifuzz")
+    e = make_env(directory)
+    try:
+        env = {
+            "CNI_COMMAND": command,
+            "CNI_CONTAINERID": cid,
+            "CNI_NETNS": netns,
+            "CNI_IFNAME": ifname,
+            "CNI_PATH": "/opt/cni/bin",
+            "CNI_ARGS": args,
+        }
+        code, out = e.handler.handle(env, stdin)
+        assert code in (0, 1)
+        if code == 1:
+            err = json.loads(out)
+            assert isinstance(err["code"], int) and err["code"] != 999, err
+            assert isinstance(err["msg"], str) and err["msg"]
+            assert attachments(e) == ([], [], {})
+            assert e.pods.calls == [] and e.pods.bridges == {}
+        elif command in ("ADD", "VERSION"):
+            assert isinstance(json.loads(out), dict)
+        else:
+            assert out == b""
+    finally:
+        e.ipam.close()
+        shutil.rmtree(directory, ignore_errors=True)
