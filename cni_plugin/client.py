@@ -12,11 +12,12 @@ later) and STATUS with code 50 (not available); DEL succeeds silently, because
 the agent reconciles leftovers when it returns.
 
 Start-up time is the point of this file, so it is self-contained (no package
-imports: write_launcher() copies it verbatim behind an absolute interpreter
-path, run as ``python -I -S``) and imports only built-in C modules: ``socket``
-and ``json`` would pull in enum, selectors and re, doubling the start-up time
-(~16 ms against ~8 ms on the measured machine). forwarder.c is the same
-program in C and must stay byte-for-byte equivalent in its output.
+imports: write_launcher() embeds it, precompiled, in one executable file that
+names its interpreter by absolute path and runs it as ``python -I -S``) and
+imports only C modules: ``socket`` and ``json`` would pull in enum, selectors
+and re, doubling the start-up time (~16 ms against ~8 ms on the measured
+machine). forwarder.c is the same program in C and must stay byte-for-byte
+equivalent in its output (tests/integration/test_cni_client.py checks both).
 """
 
 import _json
@@ -260,6 +261,8 @@ def write_launcher(dest_path: str, python: str = sys.executable) -> None:
         )
     with open(__file__, encoding="utf-8") as f:
         source = f.read()
+    if source.startswith("#!"):
+        raise ValueError("write_launcher needs the cni_plugin package's client.py, not a launcher")
     text = launcher_text(python, source, sys.implementation.cache_tag)
     directory = os.path.dirname(os.path.abspath(dest_path))
     tmp = os.path.join(directory, f".{os.path.basename(dest_path)}.{os.getpid()}.tmp")

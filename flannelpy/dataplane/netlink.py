@@ -196,12 +196,16 @@ def _choose_explicit(
     )
 
 
+OWN_LINK_PREFIX = "flannel"  # flannel.<VNI> and flannel-v6.<VNI>: the devices we own
+
+
 def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
     """What a datagram of rtnetlink notifications means to the reconciler (pure).
 
-    Deletions of our kinds of entries, and any link appearing or changing. Route
-    deletions of other protocols, IPv6 and ARP-cache churn are dropped: the
-    reconciler would only find nothing to do.
+    Deletions of our kinds of entries, and our vxlan devices appearing, changing or
+    going. Route deletions of other protocols, IPv6, ARP-cache churn and other links
+    (every pod's veth, the cni0 bridge) are dropped: the reconciler would only find
+    nothing to do, and on a busy node pod churn would keep it dumping for nothing.
     """
     kinds: list[str] = []
     for offset, length, msg_type, _flags, _seq in nl.messages(buf):
@@ -213,7 +217,8 @@ def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
 
 def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: int) -> str | None:
     if msg_type in (nl.RTM_NEWLINK, nl.RTM_DELLINK):
-        return "link"
+        name = nl.decode_link(buf, offset, length).name
+        return "link" if name.startswith(OWN_LINK_PREFIX) else None
     if msg_type == nl.RTM_DELADDR:
         return "address" if buf[offset + nl.HDR.size] == nl.AF_INET else None
     if msg_type == nl.RTM_DELROUTE:

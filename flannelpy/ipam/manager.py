@@ -47,6 +47,7 @@ class NodeIpam:
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
+        self._waiters: list[object] = []  # tickets of allocate() calls waiting, oldest first
         self._store = IpamStore(state_dir, fsync=fsync)
         self._pools: dict[IPv4Network, PoolAllocator] = {}
         self._leases: list[IPv4Network] = []
@@ -108,25 +109,42 @@ class NodeIpam:
         _check_seconds("ipCooldownSeconds", cooldown)
         _check_seconds("ipWaitSeconds", wait)
         deadline = self._clock() + wait
-        while True:
-            with self._lock, self._store.locked():
-                self._refresh()
-                found = self._find(container_id, ifname)
-                if found is not None:
-                    return found
-                now = self._clock()
-                for subnet in self._allocatable:
-                    pool = self._pools[subnet]
-                    if pool.accounting(now, cooldown).free > 0:
-                        allocation = pool.allocate(container_id, ifname, now, cooldown)
-                        self._save(subnet)
-                        return allocation
-                accounting = [self._pools[s].accounting(now, cooldown) for s in self._allocatable]
-                step = _next_free_in(accounting)
-                if step is None or now + step > deadline:
-                    raise IpamExhausted(exhaustion_message(accounting), accounting)
-            # Sleep without the locks so releases and other requests proceed.
-            self._sleep(max(step, _MIN_WAIT_STEP))
+        ticket = object()  # our place among waiting requests, once we wait
+        try:
+            while True:
+                with self._lock, self._store.locked():
+                    self._refresh()
+                    found = self._find(container_id, ifname)
+                    if found is not None:
+                        return found
+                    now = self._clock()
+                    # Freed addresses go to waiting requests in arrival order: an ADD that
+                    # came later must not take the address a bounded wait is waiting for.
+                    # A request that will not wait takes any free one (it would fail else).
+                    ahead = self._ahead(ticket) if wait > 0 else 0
+                    for subnet in self._allocatable:
+                        pool = self._pools[subnet]
+                        free = pool.accounting(now, cooldown).free
+                        if free > ahead:
+                            allocation = pool.allocate(container_id, ifname, now, cooldown)
+                            self._save(subnet)
+                            return allocation
+                        ahead -= free
+                    accounting = [
+                        self._pools[s].accounting(now, cooldown) for s in self._allocatable
+                    ]
+                    step = _next_free_in(accounting)
+                    owed = sum(a.free for a in accounting) > 0  # to earlier waiters, soon taken
+                    if (step is None and not owed) or now + (step or 0) > deadline:
+                        raise IpamExhausted(exhaustion_message(accounting), accounting)
+                    if ticket not in self._waiters:
+                        self._waiters.append(ticket)
+                # Sleep without the locks so releases and other requests proceed.
+                self._sleep(max(step or 0, _MIN_WAIT_STEP))
+        finally:
+            with self._lock:
+                if ticket in self._waiters:
+                    self._waiters.remove(ticket)
 
     def release(self, container_id: str, ifname: str) -> Allocation | None:
         """Put (container_id, ifname)'s address into cooldown; None when it has none."""
@@ -188,6 +206,12 @@ class NodeIpam:
         return released
 
     # --- internals (called with both locks held) ---------------------------------
+
+    def _ahead(self, ticket: object) -> int:
+        """How many waiting requests are served before ``ticket``'s."""
+        if ticket in self._waiters:
+            return self._waiters.index(ticket)
+        return len(self._waiters)
 
     def _find(self, container_id: str, ifname: str) -> Allocation | None:
         for pool in self._pools.values():

@@ -13,11 +13,12 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import flannelpy
-from flannelpy.lab import topology
+from flannelpy.lab import agents, procs, topology
 from flannelpy.lab.errors import LabError
 from flannelpy.lab.runtime import Attachment, CniRuntime
 from flannelpy.lab.state import LabState, NodeInfo, PodInfo
@@ -25,6 +26,7 @@ from flannelpy.lab.state import LabState, NodeInfo, PodInfo
 PLUGIN_NAME = "flannelpy"  # the conflist "type", i.e. the file name in CNI_PATH
 NETWORK_NAME = "cbr0"  # Flannel's conflist name
 PING_WORKERS = 32
+CNI_READY_TIMEOUT = 30.0  # seconds for a running agent to start serving ADD
 
 
 def source_root() -> str:
@@ -103,12 +105,41 @@ def next_pod_name(state: LabState, node: str) -> str:
     return f"{node}-p{i}"
 
 
+def cni_status(state: LabState, node: NodeInfo) -> subprocess.CompletedProcess[bytes]:
+    """CNI STATUS of our plugin on ``node`` (exit 0: it serves ADD)."""
+    conf = {"cniVersion": "1.1.0", "name": NETWORK_NAME, "type": PLUGIN_NAME,
+            "agentSocket": node.cni_socket}
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+           "CNI_COMMAND": "STATUS", "CNI_PATH": state.cni_path}
+    binary = os.path.join(state.cni_bin_dir, PLUGIN_NAME)
+    return subprocess.run(topology.exec_argv(node.namespace, [binary]), env=env,
+                          input=json.dumps(conf).encode(), capture_output=True, timeout=30)
+
+
+def wait_cni_ready(state: LabState, node: NodeInfo, timeout: float = CNI_READY_TIMEOUT) -> None:
+    """Wait while the node's running agent answers STATUS "not ready", as a CNI 1.1
+    runtime does before creating pods (the agent writes subnet.env a moment before it
+    serves ADD). A stopped agent is not waited for: ADD then reports it."""
+    deadline = time.monotonic() + timeout
+    while procs.alive(agents.agent_ref(node)):
+        proc = cni_status(state, node)
+        if proc.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"the agent of node {node.name} does not serve CNI requests after {timeout:g} s "
+                f"(STATUS: {proc.stdout.decode(errors='replace').strip()}); see {node.agent_log}"
+            )
+        time.sleep(0.05)
+
+
 def add_pod(
     state: LabState, node_name: str, name: str | None = None,
     port_mappings: list[dict[str, Any]] | None = None,
 ) -> PodInfo:
     """Create a pod namespace and run CNI ADD for it, as a runtime on ``node_name`` would."""
     node = state.node(node_name)
+    wait_cni_ready(state, node)
     name = name or next_pod_name(state, node_name)
     pod = PodInfo(
         name=name, node=node_name, namespace=f"fpl-{state.name}-{name}",

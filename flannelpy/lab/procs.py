@@ -71,7 +71,18 @@ def alive(ref: ProcessRef | None) -> bool:
         if done == ref.pid:  # our own child, now reaped
             return False
     st = _stat(ref.pid)
-    return st is not None and st[0] not in ("Z", "X") and st[1] == ref.start_ticks
+    if st is None or st[1] != ref.start_ticks:
+        return False
+    # A killed multi-threaded process's leader turns zombie first; its other threads,
+    # which still hold its files and sockets, take a few more milliseconds to exit.
+    return st[0] not in ("Z", "X") or _thread_count(ref.pid) > 1
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
 def ref_of(pid: int | None, start_ticks: int | None) -> ProcessRef | None:

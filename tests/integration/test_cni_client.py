@@ -133,6 +133,36 @@ def test_forwards_cni_env_and_stdin_byte_exact(exes: Exes, sockdir: str) -> None
             assert got.env["CNI_COMMAND"] == "ADD"
 
 
+DUP_ENV_EXEC = r"""
+#include <unistd.h>
+int main(int argc, char **argv) {
+    (void)argc;
+    char *envp[] = {"CNI_COMMAND=ADD", "CNI_X=first", "CNI_COMMAND=VERSION", "CNI_X=second",
+                    "CNI_ARGS=a", "CNI_NOEQUALS", 0};
+    execve(argv[1], argv + 1, envp);
+    return 127;
+}
+"""
+
+
+def test_duplicate_environment_entries_first_wins(exes: Exes, sockdir: str) -> None:
+    # A raw execve may pass a name twice; os.environ and getenv() both take the first.
+    helper = os.path.join(sockdir, "dupenv")
+    source = helper + ".c"
+    Path(source).write_text(DUP_ENV_EXEC)
+    subprocess.run(["gcc", "-o", helper, source], check=True, timeout=120)
+    path = os.path.join(sockdir, "agent.sock")
+    stdin = config(path)
+    block = b"CNI_ARGS=a\0CNI_COMMAND=ADD\0CNI_X=first\0"
+    with FakeAgent(path, reply=(0, b"ok")) as agent:
+        for kind, exe in exes.both():
+            agent.clear()
+            proc = subprocess.run([helper, exe], input=stdin, capture_output=True, timeout=30)
+            assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"ok", b""), kind
+            [got] = agent.requests
+            assert got.raw == wire.MAGIC + len(block).to_bytes(4, "big") + block + stdin, kind
+
+
 @pytest.mark.parametrize(
     ("agent_code", "exit_code"), [(0, 0), (1, 1), (7, 7), (255, 255), (256, 1), (2**32 - 1, 1)]
 )

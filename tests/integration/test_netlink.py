@@ -484,3 +484,25 @@ def test_apply_works_from_inside_an_event_loop(overlay: Netns, kernel: NetlinkKe
 
     assert result.failures == () and result.applied == {"addresses_to_add": 1}
     assert observe(overlay, kernel).addresses == {VTEP, extra}  # in the namespace, not the host
+
+
+def test_watch_ignores_pod_links_and_reports_our_device(overlay: Netns) -> None:
+    """Every pod's veth and the cni0 bridge come and go on a busy node; none of it is ours."""
+    kernel = NetlinkKernel()
+    events: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    watcher = overlay.start(kernel.watch, events.put, stop)
+    try:
+        time.sleep(0.2)
+        overlay.ip("link add vethpod1 type veth peer name vethpod2")
+        overlay.ip("link add cni0 type bridge")
+        overlay.ip("link set vethpod1 master cni0")
+        overlay.ip("link del vethpod1")
+        overlay.ip("link del cni0")
+        time.sleep(0.3)
+        assert events.empty(), list(events.queue)
+        overlay.ip(f"link set {DEV} mtu 1300")
+        assert events.get(timeout=3) == "link"
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
