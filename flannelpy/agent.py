@@ -257,15 +257,17 @@ class NodeAgent:
         result = self.reconciler.reconcile_once("start")
         if result is not None and not result.converged:
             log.warning("initial reconcile incomplete failures=%d", len(result.failures))
-        self.cni.start()  # before subnet.env: a runtime that sees subnet.env may call ADD
-        self._write_subnet_env()
         self._setup_firewall()
         self._spawn("reconciler", self.reconciler.run)
         self._spawn("kernel-watch", lambda stop: self.kernel.watch(self.reconciler.trigger, stop))
         self._spawn("renew", self._renew_loop)
         if self._firewall_factory is not None:
             self._spawn("firewall", self._firewall_loop)
+        self.cni.start()
+        # Ready before subnet.env appears: runtimes (and the lab) take subnet.env as the
+        # sign that ADD works, so nothing may be left to do once it is written.
         self.ready = True
+        self._write_subnet_env()
         self._write_status(result)
         log.info(
             "agent ready subnet=%s mtu=%s program_seconds=%.3f",
