@@ -26,10 +26,19 @@ from pathlib import Path
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
 from flannelpy.config import AgentSettings, NetworkConfig
+from flannelpy.dataplane.ethtool import set_tx_checksum
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.dataplane.state import Unreachable
-from flannelpy.errors import ConfigError, FlannelpyError, StoreError, StoreUnavailable
+from flannelpy.errors import (
+    ConfigError,
+    DataplaneError,
+    FlannelpyError,
+    StoreError,
+    StoreUnavailable,
+)
+from flannelpy.ops.mtu import MtuReport, mtu_mismatches
+from flannelpy.ops.prober import IcmpTransport, Prober
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet_env import SubnetEnv, read_previous_subnet, write_subnet_env
@@ -40,6 +49,7 @@ log = logging.getLogger("flannelpy.agent")
 FIRST_SNAPSHOT_TIMEOUT = 30.0  # seconds to wait for the first lease list after acquiring
 RENEW_RETRY_SECONDS = 60.0  # Flannel's retry interval for a failed renewal
 THREAD_GRACE_SECONDS = 5.0
+STATUS_INTERVAL_SECONDS = 2.0  # how often <run-dir>/status.json is refreshed
 
 
 def node_name_default(settings: AgentSettings) -> str:
@@ -82,6 +92,9 @@ class NodeAgent:
         self.reconciler = Reconciler(kernel, settings.resync_interval, self._on_reconciled)
         self.cni = PodAttachments(settings, lambda: self.backend.mtu(self.ctx), lambda: self.ready)
         self._threads: list[threading.Thread] = []
+        self.prober: Prober | None = None
+        self._probe_transport: IcmpTransport | None = None
+        self._mtu_report: MtuReport | None = None
         self._failure: BaseException | None = None
         self.ready = False
 
@@ -118,6 +131,13 @@ class NodeAgent:
         if own is None:
             return
         peers = [lease for key, lease in leases.items() if key != own.key]
+        self._check_mtu(peers)
+        if self.prober is not None:
+            # Each node's overlay address is its lease's first address (on its cni0).
+            self.prober.set_peers(
+                {str(p.subnet): (p.gateway, p.attrs.node_name or str(p.attrs.public_ip))
+                 for p in peers}
+            )
         desired = self.backend.plan(self.ctx, [own], peers, self.vtep_mac)
         stale_links = frozenset(
             name for name in _all_backend_devices(self.ctx) if name not in
@@ -128,6 +148,14 @@ class NodeAgent:
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
             self._unreachable = desired.unreachable
         self.reconciler.set_desired(desired, stale_links)
+
+    def _check_mtu(self, peers: list[Lease]) -> None:
+        """Peers must agree on the overlay MTU, or large packets vanish silently between them."""
+        report = mtu_mismatches(self.backend.mtu(self.ctx), peers)
+        if self._mtu_report is None or report.mismatched != self._mtu_report.mismatched:
+            for sentence in report.sentences():
+                log.warning("MTU mismatch: %s", sentence)
+        self._mtu_report = report
 
     def _own_subnets(self) -> list[IPv4Network]:
         return [self.lease.subnet] if self.lease else []
@@ -196,7 +224,15 @@ class NodeAgent:
                     log.warning("firewall resync failed: %s", e)
 
     def _on_reconciled(self, result: ReconcileResult) -> None:
+        if self.settings.vxlan_tx_checksum_off and result.changes.links_to_create:
+            # A (re-)created device starts with offload on again.
+            for link in result.changes.links_to_create:
+                set_tx_checksum(link.name, False)
         self._write_status(result)
+
+    def _status_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(STATUS_INTERVAL_SECONDS):
+            self._write_status(self.reconciler.last_result)
 
     def _write_status(self, result: ReconcileResult | None) -> None:
         """A small JSON file for `lab status` and operators: what this node holds and lacks."""
@@ -218,6 +254,14 @@ class NodeAgent:
             "failures": list(result.failures[:20]) if result else [],
             "last_reconcile": result.finished_at if result else None,
             "ready": self.ready,
+            "probes": (
+                {key: r.as_status() for key, r in self.prober.results().items()}
+                if self.prober is not None else {}
+            ),
+            "mtu_mismatch": [
+                {"subnet": str(p.subnet), "public_ip": str(p.public_ip), "mtu": p.advertised}
+                for p in (self._mtu_report.mismatched if self._mtu_report else [])
+            ],
         }
         path = Path(self.settings.run_dir) / "status.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +307,8 @@ class NodeAgent:
         self._spawn("renew", self._renew_loop)
         if self._firewall_factory is not None:
             self._spawn("firewall", self._firewall_loop)
+        self._start_prober()
+        self._spawn("status", self._status_loop)
         self.cni.start()
         # Ready before subnet.env appears: runtimes (and the lab) take subnet.env as the
         # sign that ADD works, so nothing may be left to do once it is written.
@@ -273,6 +319,21 @@ class NodeAgent:
             "agent ready subnet=%s mtu=%s program_seconds=%.3f",
             lease.subnet, self.backend.mtu(self.ctx), result.duration_seconds if result else 0.0,
         )
+
+    def _start_prober(self) -> None:
+        try:
+            transport = IcmpTransport()
+        except DataplaneError as e:
+            log.warning("peer prober disabled: %s", e)
+            return
+        self._probe_transport = transport
+        self.prober = Prober(
+            transport,
+            mtu_provider=lambda: self.backend.mtu(self.ctx),
+            own_address_provider=lambda: self.lease.gateway if self.lease else None,
+        )
+        self._replan()  # hands it the peers known so far
+        self._spawn("prober", self.prober.run)
 
     def run_until_stopped(self) -> None:
         while not self.stop.is_set():
@@ -294,6 +355,8 @@ class NodeAgent:
         self.stop.set()
         self.reconciler.trigger("stopping")  # wakes its loop, which then sees stop
         self.cni.stop()
+        if self._probe_transport is not None:
+            self._probe_transport.close()
         deadline = time.monotonic() + THREAD_GRACE_SECONDS
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))

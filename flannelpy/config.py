@@ -130,6 +130,11 @@ class AgentSettings:
     subnet_lease_ttl: int = 24 * 3600  # seconds; Flannel's is fixed at 24 h
     log_format: str = "text"  # text | json
     log_level: str = "info"  # debug | info | warning | error
+    # HOST:PORT of /metrics, /healthz and /readyz; None ("off"): no server. Port 0: any free one.
+    metrics_addr: str | None = "127.0.0.1:9403"
+    # Turn off tx checksum offload on the vxlan device: Flannel's documented fix for
+    # the kernel bug that corrupts VXLAN UDP checksums on some NICs and drivers.
+    vxlan_tx_checksum_off: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -518,6 +523,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("subnet_lease_ttl", "int", "lifetime of a subnet lease in seconds"),
     _Flag("log_format", "str", "log format: text or json"),
     _Flag("log_level", "str", "log level: debug, info, warning or error"),
+    _Flag("metrics_addr", "str", "HOST:PORT of /metrics, /healthz and /readyz, or off"),
+    _Flag("vxlan_tx_checksum_off", "bool",
+          "turn off tx checksum offload on the vxlan device (VXLAN checksum bug fix)"),
 )
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AgentSettings)}
@@ -730,6 +738,26 @@ def _check_can_reach(value: str, source: str) -> str:
     return str(_check_ipv4(value, source))
 
 
+def _check_listen_addr(value: str, source: str) -> str | None:
+    """``IP:PORT`` or ``[IPv6]:PORT``, normalised; "off" turns the server off (None)."""
+    if value.lower() == "off":
+        return None
+    host, sep, port = value.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ValueError("no port")
+        addr = ip_address(host[1:-1] if bracketed else host)
+        if addr.version == 6 and not bracketed:
+            raise ValueError("IPv6 needs brackets")
+    except ValueError:
+        raise ConfigError(
+            f"{source} {value!r} is not IP:PORT; write it like 127.0.0.1:9403 or [::1]:9403, "
+            "or off"
+        ) from None
+    return f"[{addr}]:{int(port)}" if addr.version == 6 else f"{addr}:{int(port)}"
+
+
 # Per-field checks on converted values; each returns the (normalised) value.
 _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "etcd_endpoints": _check_endpoints,
@@ -747,6 +775,7 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "subnet_lease_ttl": _positive("seconds"),
     "log_format": _check_log_format,
     "log_level": _check_log_level,
+    "metrics_addr": _check_listen_addr,
 }
 
 

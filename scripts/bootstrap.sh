@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containernetworking-plugins
-              procps psmisc python3-venv podman runc busybox-static)
+              procps psmisc python3-venv podman runc busybox-static ethtool
+              prometheus)  # prometheus: promtool validates manifests/prometheusrule.yaml
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -34,10 +34,8 @@ class SubnetEnv:
 def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
     """The agent's command line (run inside the node namespace)."""
     run_dir = os.path.join(node.node_dir, "run")
-    return [
+    argv = [
         sys.executable, "-m", "flannelpy", "agent",
-        "--etcd-endpoints", state.etcd_endpoint,
-        "--etcd-prefix", state.etcd_prefix,
         "--iface", node.underlay_iface,
         "--node-name", node.name,
         "--subnet-file", node.subnet_env,
@@ -46,6 +44,19 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         "--ip-masq",
         "--log-level", "info",
     ]  # fmt: skip
+    kube_api = state.extra.get("kube_api_url")
+    if kube_api:
+        # Kubernetes mode: leases come from Node objects at that API server; the
+        # network config is the ConfigMap's net-conf.json, here a file of the lab.
+        argv += ["--kube-subnet-mgr", "--kube-api-url", kube_api,
+                 "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
+    else:
+        argv += ["--etcd-endpoints", state.etcd_endpoint, "--etcd-prefix", state.etcd_prefix]
+    return argv + list(state.extra.get("agent_args", []))
+
+
+def kube_net_conf_path(state: LabState) -> str:
+    return os.path.join(state.lab_dir, "net-conf.json")
 
 
 def agent_env() -> dict[str, str]:
@@ -64,11 +75,13 @@ def prepare_dirs(node: NodeInfo) -> None:
 def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
     """Start the node's agent detached; record its pid and start time in ``node``."""
     prepare_dirs(node)
+    env = agent_env()
+    env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
     with open(node.agent_log, "a", encoding="utf-8") as log:
         log.write(f"--- lab: agent starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     ref = procs.spawn_detached(
-        topology.exec_argv(node.namespace, agent_argv(state, node)), node.agent_log, agent_env()
+        topology.exec_argv(node.namespace, agent_argv(state, node)), node.agent_log, env
     )
     node.agent_pid, node.agent_start_ticks = ref.pid, ref.start_ticks
     node.agent_started_at = started_at

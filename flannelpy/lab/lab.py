@@ -309,6 +309,32 @@ class Lab:
         src, dst = self.node(src_node), self.node(dst_node)
         return status.ping(src, str(src.ip), str(dst.ip))
 
+    # -- agents' store and arguments ---------------------------------------
+
+    def use_kube_api(self, url: str) -> None:
+        """Run the agents in Kubernetes mode against the API server at ``url`` (reachable
+        from the nodes, e.g. on the host's lab address): Node objects hold the podCIDRs, the
+        network config is a file (the ConfigMap's net-conf.json). Agents started from now on
+        use it."""
+        path = agents.kube_net_conf_path(self.state)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(plan.net_conf_json(self.state.network, self.state.backend,
+                                       self.state.direct_routing))
+        self.state.extra["kube_api_url"] = url
+        self._save()
+
+    def set_agent_args(self, args: list[str]) -> None:
+        """Extra flags for every agent started from now on (e.g. a shorter resync)."""
+        self.state.extra["agent_args"] = list(args)
+        self._save()
+
+    def start_agents(self, timeout: float = agents.READY_TIMEOUT) -> None:
+        """Start every node's agent and wait until all are ready."""
+        for node in self.state.nodes:
+            agents.start(self.state, node)
+        self._save()
+        self._wait_all_ready(self.state.nodes, timeout, _quiet)
+
     # -- etcd -------------------------------------------------------------
 
     def stop_etcd(self) -> None:

@@ -7,6 +7,8 @@ on the JSON document, which is also what ``--json`` prints and what
 
 from __future__ import annotations
 
+import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -57,10 +59,13 @@ def matrix(
 def collect(state: LabState) -> dict[str, Any]:
     """The status document (see module doc); never raises for an unreachable etcd."""
     etcd_error = None
-    try:
-        leases = etcd.read_leases(state.etcd_endpoint, state.etcd_prefix)
-    except Exception as e:  # pyetcd's errors share no base worth naming; report any
-        leases, etcd_error = [], f"etcd at {state.etcd_endpoint} did not answer: {e}"
+    if state.extra.get("kube_api_url"):
+        leases = leases_from_agents(state)  # Kubernetes mode: Node objects, not etcd
+    else:
+        try:
+            leases = etcd.read_leases(state.etcd_endpoint, state.etcd_prefix)
+        except Exception as e:  # pyetcd's errors share no base worth naming; report any
+            leases, etcd_error = [], f"etcd at {state.etcd_endpoint} did not answer: {e}"
     overlay = {n.name: overlay_address(n) for n in state.nodes}
     nodes = []
     for node in state.nodes:
@@ -104,6 +109,22 @@ def collect(state: LabState) -> dict[str, Any]:
         "leases": leases,
         "ok": all_reach(reach) and all_reach(pod_reach),
     }
+
+
+def leases_from_agents(state: LabState) -> list[dict[str, Any]]:
+    """Each agent's own lease as it reports it in <run dir>/status.json."""
+    leases = []
+    for node in state.nodes:
+        try:
+            with open(os.path.join(node.run_dir, "status.json"), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if doc.get("lease"):
+            leases.append({"key": doc["lease"], "subnet": doc["lease"],
+                           "public_ip": doc.get("public_ip"), "backend": doc.get("backend"),
+                           "node_name": doc.get("node"), "error": None})
+    return leases
 
 
 def lease_of(node: NodeInfo, leases: list[dict[str, Any]]) -> dict[str, Any] | None:

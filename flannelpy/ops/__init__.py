@@ -1,0 +1,1 @@
+"""Operations: the prober, MTU consistency, doctor, disruption policy and rollout."""

@@ -1,0 +1,78 @@
+"""MTU consistency between this node and its peers (pure).
+
+Every flannelpy node advertises its overlay MTU with its lease (the
+``"Flannelpy": {"MTU": ...}`` extension). Two nodes with different overlay MTUs
+exchange packets that fit one side and not the other, and the larger ones are
+dropped without an error (field notes §1). flanneld does not advertise an MTU,
+so its leases are "unknown": never reported as a mismatch, only listed, and the
+prober's DF probe is what verifies those paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from typing import NamedTuple
+
+from flannelpy.subnet.lease import Lease
+
+
+class PeerMtu(NamedTuple):
+    """One peer lease's MTU advertisement (``advertised`` is None when it has none)."""
+
+    subnet: IPv4Network
+    public_ip: IPv4Address
+    advertised: int | None
+
+
+@dataclass(frozen=True)
+class MtuReport:
+    """Peers whose advertised overlay MTU differs from ours, and peers that advertise none."""
+
+    own_mtu: int
+    mismatched: list[PeerMtu] = field(default_factory=list)
+    unknown: list[PeerMtu] = field(default_factory=list)
+
+    @property
+    def consistent(self) -> bool:
+        """No peer advertises an MTU different from ours (unknown peers do not count)."""
+        return not self.mismatched
+
+    def sentences(self) -> list[str]:
+        """One sentence per mismatched, then per unknown peer, for logs and ``doctor``."""
+        return [describe_mismatch(self.own_mtu, p) for p in self.mismatched] + [
+            describe_unknown(p) for p in self.unknown
+        ]
+
+
+def mtu_mismatches(own_mtu: int, peers: Iterable[Lease]) -> MtuReport:
+    """Compare our overlay MTU with what each peer lease advertises.
+
+    Output is sorted by subnet so logs and metrics are stable between runs.
+    """
+    mismatched: list[PeerMtu] = []
+    unknown: list[PeerMtu] = []
+    for lease in sorted(peers, key=lambda lease: lease.subnet):
+        peer = PeerMtu(lease.subnet, lease.attrs.public_ip, lease.attrs.mtu)
+        if peer.advertised is None:
+            unknown.append(peer)
+        elif peer.advertised != own_mtu:
+            mismatched.append(peer)
+    return MtuReport(own_mtu, mismatched, unknown)
+
+
+def describe_mismatch(own_mtu: int, peer: PeerMtu) -> str:
+    smaller = min(own_mtu, peer.advertised or own_mtu)
+    return (
+        f"peer {peer.subnet} ({peer.public_ip}) advertises overlay MTU {peer.advertised} "
+        f"but this node uses {own_mtu}, so packets over {smaller} bytes between the two are "
+        "dropped silently; give every node the same underlay MTU (or the same Backend MTU)"
+    )
+
+
+def describe_unknown(peer: PeerMtu) -> str:
+    return (
+        f"peer {peer.subnet} ({peer.public_ip}) advertises no overlay MTU (flanneld or an "
+        "older flannelpy), so only the prober's full-size DF probe can verify that path"
+    )

@@ -1,0 +1,77 @@
+"""MTU consistency between our overlay MTU and what peer leases advertise."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address, IPv4Network
+
+import pytest
+
+from flannelpy.ops.mtu import PeerMtu, mtu_mismatches
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+
+
+def lease(third_octet: int, mtu: int | None) -> Lease:
+    return Lease(
+        IPv4Network(f"10.244.{third_octet}.0/24"),
+        LeaseAttrs(IPv4Address(f"192.168.50.{third_octet}"), "vxlan", mtu=mtu),
+    )
+
+
+def peer(third_octet: int, mtu: int | None) -> PeerMtu:
+    return PeerMtu(
+        IPv4Network(f"10.244.{third_octet}.0/24"), IPv4Address(f"192.168.50.{third_octet}"), mtu
+    )
+
+
+@pytest.mark.parametrize(
+    ("own", "peers", "mismatched", "unknown"),
+    [
+        (1450, [], [], []),
+        (1450, [(2, 1450), (3, 1450)], [], []),
+        (1450, [(2, 1400)], [(2, 1400)], []),
+        (1450, [(2, 9000), (3, 1450)], [(2, 9000)], []),
+        (1450, [(2, None)], [], [(2, None)]),  # flanneld: unknown, never a mismatch
+        (1450, [(4, None), (3, 1400), (2, 1450)], [(3, 1400)], [(4, None)]),
+        (1500, [(5, 1450), (2, 1400)], [(2, 1400), (5, 1450)], []),  # sorted by subnet
+    ],
+)
+def test_mtu_mismatches(
+    own: int,
+    peers: list[tuple[int, int | None]],
+    mismatched: list[tuple[int, int | None]],
+    unknown: list[tuple[int, int | None]],
+) -> None:
+    report = mtu_mismatches(own, [lease(o, m) for o, m in peers])
+    assert report.own_mtu == own
+    assert report.mismatched == [peer(o, m) for o, m in mismatched]
+    assert report.unknown == [peer(o, m) for o, m in unknown]
+    assert report.consistent is (not mismatched)
+    assert len(report.sentences()) == len(mismatched) + len(unknown)
+
+
+def test_peer_mtu_unpacks_as_a_triple() -> None:
+    subnet, public_ip, advertised = mtu_mismatches(1450, [lease(2, 1400)]).mismatched[0]
+    assert (str(subnet), str(public_ip), advertised) == ("10.244.2.0/24", "192.168.50.2", 1400)
+
+
+def test_sentences_say_what_is_wrong_and_what_to_do() -> None:
+    report = mtu_mismatches(1450, [lease(2, 1400), lease(3, None)])
+    mismatch, unknown = report.sentences()
+    assert mismatch.startswith("peer 10.244.2.0/24 (192.168.50.2) advertises overlay MTU 1400")
+    assert "this node uses 1450" in mismatch and "over 1400 bytes" in mismatch
+    assert "same underlay MTU" in mismatch
+    assert unknown.startswith("peer 10.244.3.0/24 (192.168.50.3) advertises no overlay MTU")
+    assert "\n" not in mismatch + unknown
+
+
+def test_advertised_mtu_round_trips_through_the_lease_json() -> None:
+    # what a flannelpy peer writes is what mtu_mismatches reads; flanneld's JSON has none
+    ours = LeaseAttrs.from_json(LeaseAttrs(IPv4Address("192.168.50.2"), "vxlan", mtu=1400)
+                                .to_json())
+    flanneld = LeaseAttrs.from_json('{"PublicIP":"192.168.50.3","BackendType":"vxlan"}')
+    report = mtu_mismatches(1450, [
+        Lease(IPv4Network("10.244.2.0/24"), ours),
+        Lease(IPv4Network("10.244.3.0/24"), flanneld),
+    ])
+    assert [p.advertised for p in report.mismatched] == [1400]
+    assert [str(p.subnet) for p in report.unknown] == ["10.244.3.0/24"]

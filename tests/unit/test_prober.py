@@ -1,0 +1,521 @@
+"""The prober's pure parts: scheduling, phase spreading, windowed statistics, verdicts.
+
+A fake clock and a fake transport that models a network: per-target reachability,
+a path that silently drops packets over some size, a local route MTU that makes
+the kernel refuse (EMSGSIZE), and a deterministic loss pattern.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flannelpy.errors import ConfigError
+from flannelpy.ops.prober import (
+    SMALL_PROBE_BYTES,
+    Prober,
+    ProbeResult,
+    Reply,
+    RoundOutcome,
+    echo_request,
+    first_slot,
+    icmp_checksum,
+    mtu_verdict,
+    phase_seconds,
+    slot_after,
+    summarize,
+)
+
+T0 = 1_700_000_000.0
+OWN = IPv4Address("10.244.1.0")
+MTU = 1450
+
+
+class FakeClock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Sent:
+    at: float
+    source: IPv4Address
+    target: IPv4Address
+    size: int
+    ticket: int
+
+
+@dataclass
+class FakeNet:
+    """A transport whose answers follow a model of the network, timed on the fake clock."""
+
+    clock: FakeClock
+    rtt: float = 0.002
+    down: set[IPv4Address] = field(default_factory=set)
+    path_mtu: dict[IPv4Address, int] = field(default_factory=dict)  # silent drop above
+    local_mtu: int | None = None  # EMSGSIZE above
+    drop_small: Callable[[IPv4Address, int], bool] = lambda target, n: False
+    icmp_error: dict[IPv4Address, Reply] = field(default_factory=dict)
+    sent: list[Sent] = field(default_factory=list)
+    cancelled: set[int] = field(default_factory=set)
+    answered: set[int] = field(default_factory=set)
+    max_outstanding: int = 0
+    _due: list[tuple[float, Reply]] = field(default_factory=list)
+    _small_count: Counter[IPv4Address] = field(default_factory=Counter)
+
+    def send(self, source: IPv4Address, target: IPv4Address, size: int) -> int:
+        if self.local_mtu is not None and size > self.local_mtu:
+            raise OSError(errno.EMSGSIZE, "Message too long")
+        ticket = len(self.sent) + 1
+        self.sent.append(Sent(self.clock(), source, target, size, ticket))
+        self.max_outstanding = max(self.max_outstanding, self.outstanding())
+        if target in self.icmp_error:
+            self._due.append((self.clock() + self.rtt, self.icmp_error[target]._replace(
+                ticket=ticket)))
+            return ticket
+        if target in self.down or size > self.path_mtu.get(target, 65535):
+            return ticket
+        if size == SMALL_PROBE_BYTES:
+            self._small_count[target] += 1
+            if self.drop_small(target, self._small_count[target]):
+                return ticket
+        self._due.append((self.clock() + self.rtt, Reply(ticket, self.rtt)))
+        return ticket
+
+    def take_replies(self) -> list[Reply]:
+        now = self.clock()
+        ready = [r for at, r in self._due if at <= now and r.ticket not in self.cancelled]
+        self._due = [(at, r) for at, r in self._due if at > now]
+        self.answered |= {r.ticket for r in ready}
+        return ready
+
+    def cancel(self, ticket: int) -> None:
+        self.cancelled.add(ticket)
+
+    def outstanding(self) -> int:
+        return len(self.sent) - len(self.cancelled) - len(self.answered)
+
+    def small_sends(self, target: IPv4Address | None = None) -> list[Sent]:
+        return [
+            s for s in self.sent
+            if s.size == SMALL_PROBE_BYTES and (target is None or s.target == target)
+        ]
+
+
+def peer_ip(i: int) -> IPv4Address:
+    return IPv4Address("10.244.0.0") + 256 * (i + 2)
+
+
+def make(
+    n_peers: int = 1,
+    *,
+    mtu: int | None = MTU,
+    own: IPv4Address | None = OWN,
+    **kwargs: object,
+) -> tuple[Prober, FakeNet, FakeClock, list[tuple[str, ProbeResult]]]:
+    clock = FakeClock()
+    net = FakeNet(clock)
+    seen: list[tuple[str, ProbeResult]] = []
+    options: dict = {"interval_seconds": 5.0, "timeout_seconds": 1.0, **kwargs}
+    prober = Prober(
+        net,
+        clock,
+        mtu_provider=lambda: mtu,
+        own_address_provider=lambda: own,
+        on_result=lambda key, result: seen.append((key, result)),
+        **options,
+    )
+    prober.set_peers({f"p{i}": (peer_ip(i), f"node{i}") for i in range(n_peers)})
+    return prober, net, clock, seen
+
+
+def rounds(prober: Prober, clock: FakeClock, n: int, key: str = "p0") -> ProbeResult:
+    """Tick as the prober asks until ``key`` has completed ``n`` more rounds."""
+    start = prober.results()[key].probes if key in prober.results() else 0
+    for _ in range(10_000):
+        result = prober.results().get(key)
+        if result is not None and result.probes >= start + n:
+            assert result.probes == start + n
+            return result
+        clock.t = max(prober.tick(), clock.t)
+    raise AssertionError(f"{key} did not complete {n} rounds")
+
+
+def advance(prober: Prober, clock: FakeClock, seconds: float) -> None:
+    """Tick exactly at every time the prober asks for, up to now + seconds."""
+    until = clock.t + seconds
+    while True:
+        wake = prober.tick()
+        if wake > until:
+            clock.t = until
+            prober.tick()
+            return
+        clock.t = max(wake, clock.t)
+
+
+# --- statistics (table-driven) ----------------------------------------------------
+
+OK = RoundOutcome(True, 0.001, "answered")
+LOST = RoundOutcome(False, None, "lost", "timeout")  # small and big both lost
+STRIKE = RoundOutcome(True, 0.001, "lost", "big lost")  # small answered, big not
+REFUSED = RoundOutcome(True, 0.001, "refused", "message too long")
+SMALL_ONLY = RoundOutcome(True, 0.001, "not-sent")
+
+
+@pytest.mark.parametrize(
+    ("history", "expected"),
+    [
+        ([], None),
+        ([OK], True),
+        ([STRIKE], None),
+        ([STRIKE, STRIKE], None),
+        ([STRIKE, STRIKE, STRIKE], False),
+        ([OK, STRIKE, STRIKE, STRIKE], False),
+        ([STRIKE, STRIKE, STRIKE, OK], True),  # repaired: the newest evidence wins
+        ([STRIKE, LOST, STRIKE, LOST, STRIKE], False),  # fully lost rounds say nothing
+        ([OK, STRIKE, STRIKE], True),
+        ([REFUSED], False),  # a local refusal is conclusive at once
+        ([OK, REFUSED], False),
+        ([SMALL_ONLY, SMALL_ONLY], None),
+        ([LOST, LOST, LOST], None),
+    ],
+)
+def test_mtu_verdict(history: list[RoundOutcome], expected: bool | None) -> None:
+    assert mtu_verdict(history, strikes=3) is expected
+
+
+@pytest.mark.parametrize(
+    ("history", "reachable", "loss", "rtt"),
+    [
+        ([OK] * 4, True, 0.0, 0.001),
+        ([OK, LOST, OK, LOST], True, 0.5, 0.001),
+        ([OK, LOST, LOST], True, 2 / 3, 0.001),  # OK is within the last 3 rounds
+        ([OK, LOST, LOST, LOST], False, 0.75, None),  # down: no RTT shown
+        ([LOST, LOST, LOST, OK], True, 0.75, 0.001),
+        ([RoundOutcome(False, None, "answered")] * 3, True, 1.0, None),  # big got through
+        ([], False, 0.0, None),
+    ],
+)
+def test_summarize(
+    history: list[RoundOutcome], reachable: bool, loss: float, rtt: float | None
+) -> None:
+    result = summarize(history, probes=len(history), down_after=3)
+    assert result.reachable is reachable
+    assert result.loss_ratio == pytest.approx(loss)
+    assert result.rtt_seconds == rtt
+    assert result.probes == len(history)
+
+
+def test_as_status_has_the_keys_status_json_uses() -> None:
+    r = ProbeResult(True, 0.0012345, 0.25, False, "message too long", 7)
+    assert r.as_status() == {
+        "reachable": True,
+        "rtt_ms": 1.234,
+        "loss": 0.25,
+        "mtu_ok": False,
+        "error": "message too long",
+        "probes": 7,
+    }
+
+
+# --- the prober against the fake network -------------------------------------------
+
+
+def test_healthy_peer() -> None:
+    prober, net, clock, seen = make()
+    result = rounds(prober, clock, 3)
+    assert result.reachable and result.mtu_ok is True and result.last_error is None
+    assert result.rtt_seconds == pytest.approx(0.002)
+    assert result.loss_ratio == 0.0
+    assert result.label == "node0" and result.target == peer_ip(0)
+    # each round: one small echo and one echo of exactly the overlay MTU, from our address
+    assert sorted(s.size for s in net.sent) == sorted([SMALL_PROBE_BYTES, MTU] * result.probes)
+    assert {s.source for s in net.sent} == {OWN}
+    assert [key for key, _ in seen] == ["p0"] * result.probes
+
+
+def test_silent_drop_of_full_size_packets() -> None:
+    prober, net, clock, _ = make()
+    net.path_mtu[peer_ip(0)] = 1400
+    result = rounds(prober, clock, 2)
+    assert result.reachable and result.mtu_ok is None  # two strikes are not yet a verdict
+    result = rounds(prober, clock, 1)
+    assert result.reachable and result.loss_ratio == 0.0
+    assert result.mtu_ok is False
+    assert f"{MTU}-byte DF echo" in (result.last_error or "")
+    net.path_mtu.clear()  # the operator fixed the MTU
+    assert rounds(prober, clock, 1).mtu_ok is True
+
+
+def test_local_refusal_is_conclusive_at_once() -> None:
+    prober, net, clock, _ = make()
+    net.local_mtu = 1400
+    result = rounds(prober, clock, 1)
+    assert result.reachable and result.mtu_ok is False
+    assert (result.last_error or "").startswith("message too long")
+
+
+def test_icmp_fragmentation_needed_is_conclusive() -> None:
+    prober, net, clock, _ = make()
+    net.icmp_error[peer_ip(0)] = Reply(0, None, "fragmentation needed", too_big=True)
+    result = rounds(prober, clock, 1)
+    assert result.mtu_ok is False and result.last_error is not None
+    assert "fragmentation needed" in result.last_error
+
+
+def test_loss_over_the_window() -> None:
+    prober, net, clock, _ = make(window=20)
+    net.drop_small = lambda target, n: n % 4 == 0  # every fourth small echo
+    result = rounds(prober, clock, 40)
+    assert result.loss_ratio == pytest.approx(0.25)
+    assert result.reachable
+    # random loss of small echoes does not pass for an MTU problem
+    assert result.mtu_ok is True
+    net.drop_small = lambda target, n: False
+    # rounds 31..50 are in the window now: 32, 36 and 40 lost
+    assert rounds(prober, clock, 10).loss_ratio == pytest.approx(3 / 20)
+    assert rounds(prober, clock, 10).loss_ratio == 0.0
+
+
+def test_peer_goes_down_after_down_after_rounds() -> None:
+    prober, net, clock, seen = make(down_after=3)
+    rounds(prober, clock, 2)
+    net.down.add(peer_ip(0))
+    states = [rounds(prober, clock, 1).reachable for _ in range(4)]
+    assert states == [True, True, False, False]
+    result = prober.results()["p0"]
+    assert result.rtt_seconds is None and result.loss_ratio == pytest.approx(4 / 6)
+    assert result.last_error is not None and "no reply from 10.244.2.0" in result.last_error
+    # timed-out echoes are cancelled at the transport, so late replies are ignored
+    assert len(net.cancelled) == 2 * 4 and net.outstanding() == 0
+    net.down.clear()
+    assert rounds(prober, clock, 1).reachable
+    assert seen[-1][1].reachable
+
+
+def test_icmp_error_is_the_reported_error() -> None:
+    prober, net, clock, _ = make()
+    net.icmp_error[peer_ip(0)] = Reply(0, None, "host unreachable: reported by 10.244.1.0")
+    result = rounds(prober, clock, 1)
+    assert (result.last_error or "").startswith("host unreachable")
+
+
+def test_no_mtu_known_sends_only_small_echoes() -> None:
+    prober, net, clock, _ = make(mtu=None)
+    result = rounds(prober, clock, 2)
+    assert {s.size for s in net.sent} == {SMALL_PROBE_BYTES}
+    assert result.reachable and result.mtu_ok is None
+
+
+def test_no_own_address_no_probes() -> None:
+    prober, net, clock, _ = make(own=None)
+    advance(prober, clock, 11.0)
+    assert net.sent == [] and prober.results() == {}
+
+
+def test_own_address_change_moves_phases_and_source() -> None:
+    own = [OWN]
+    clock = FakeClock()
+    net = FakeNet(clock)
+    prober = Prober(net, clock, mtu_provider=lambda: MTU, own_address_provider=lambda: own[0])
+    prober.set_peers({"p0": (peer_ip(0), "n0")})
+    advance(prober, clock, 10.0)
+    own[0] = IPv4Address("10.244.9.0")
+    advance(prober, clock, 10.0)
+    sends = net.small_sends()
+    assert {s.source for s in sends} == {OWN, own[0]}
+    new = [s.at for s in sends if s.source == own[0]]
+    phase = phase_seconds(str(own[0]), "p0", 5.0)
+    assert all(math.isclose((t - phase) % 5.0, 0.0, abs_tol=1e-6) or
+               math.isclose((t - phase) % 5.0, 5.0, abs_tol=1e-6) for t in new)
+
+
+def test_set_peers_add_remove_change() -> None:
+    prober, net, clock, _ = make(n_peers=3)
+    advance(prober, clock, 10.0)
+    before = prober.results()
+    assert set(before) == {"p0", "p1", "p2"}
+    # p0 keeps its address with a new label, p1 moves, p2 leaves, p3 joins
+    prober.set_peers({
+        "p0": (peer_ip(0), "renamed"),
+        "p1": (IPv4Address("10.244.77.0"), "node1"),
+        "p3": (peer_ip(3), "node3"),
+    })
+    assert set(prober.results()) == {"p0"}  # p1 starts over, p2 is gone
+    advance(prober, clock, 10.0)
+    after = prober.results()
+    assert set(after) == {"p0", "p1", "p3"}
+    assert after["p0"].label == "renamed" and after["p0"].probes > before["p0"].probes
+    assert after["p1"].target == IPv4Address("10.244.77.0") and after["p1"].probes <= 2
+    assert not [s for s in net.sent if s.target == peer_ip(2) and s.at > T0 + 10.0]
+
+
+def test_removing_a_peer_cancels_its_echoes() -> None:
+    prober, net, clock, _ = make()
+    net.down.add(peer_ip(0))
+    for _ in range(10):  # tick until a round has started and its echoes are out
+        if net.outstanding():
+            break
+        clock.t = prober.tick()
+    assert net.outstanding() == 2
+    prober.set_peers({})
+    assert net.outstanding() == 0 and prober.results() == {}
+
+
+def test_in_flight_is_bounded() -> None:
+    # 100 silent peers, 1 s timeouts, 5 s interval: unbounded, ~40 echoes would be out
+    prober, net, clock, _ = make(n_peers=100, max_in_flight=10)
+    net.down.update(peer_ip(i) for i in range(100))
+    advance(prober, clock, 30.0)
+    assert net.max_outstanding == 10
+    assert len(prober.results()) > 50  # still makes progress over the peers
+
+
+def test_a_peer_kept_waiting_for_capacity_is_not_caught_up_in_a_burst() -> None:
+    prober, net, clock, _ = make(n_peers=50, max_in_flight=2)
+    net.down.update(peer_ip(i) for i in range(50))
+    advance(prober, clock, 60.0)
+    per_peer = Counter(s.target for s in net.small_sends())
+    # never more than one round per interval for any peer
+    assert max(per_peer.values()) <= 12
+
+
+def test_clock_jumping_back_does_not_stall() -> None:
+    prober, net, clock, _ = make()
+    advance(prober, clock, 10.0)
+    clock.t -= 3600.0
+    n = len(net.small_sends())
+    advance(prober, clock, 10.0)
+    assert len(net.small_sends()) - n == 2
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="timeout shorter"):
+        make(interval_seconds=1.0, timeout_seconds=1.0)
+    with pytest.raises(ConfigError, match="at least"):
+        make(window=0)
+
+
+def test_run_stops_promptly() -> None:
+    clock_net = FakeClock()
+    net = FakeNet(clock_net)
+    prober = Prober(net, time.monotonic, mtu_provider=lambda: MTU,
+                    own_address_provider=lambda: OWN, interval_seconds=0.2,
+                    timeout_seconds=0.1)
+    prober.set_peers({"p0": (peer_ip(0), "n0")})
+    stop = threading.Event()
+    thread = threading.Thread(target=prober.run, args=(stop,))
+    thread.start()
+    time.sleep(0.5)
+    stop.set()
+    thread.join(timeout=1.0)
+    assert not thread.is_alive()
+    assert 1 <= len(net.small_sends()) <= 4
+
+
+# --- scheduling properties ------------------------------------------------------------
+
+names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-./", min_size=1, max_size=20)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    peers=st.sets(names, min_size=1, max_size=25),
+    interval=st.sampled_from([0.5, 1.0, 5.0, 7.5, 30.0]),
+    start=st.floats(min_value=0, max_value=2e9),
+)
+def test_each_peer_is_probed_once_per_interval_at_its_phase(
+    peers: set[str], interval: float, start: float
+) -> None:
+    clock = FakeClock(start)
+    net = FakeNet(clock)
+    prober = Prober(net, clock, mtu_provider=lambda: MTU, own_address_provider=lambda: OWN,
+                    interval_seconds=interval, timeout_seconds=interval / 5)
+    keyed = {p: (peer_ip(i), p) for i, p in enumerate(sorted(peers))}
+    prober.set_peers(keyed)
+    advance(prober, clock, 6 * interval)
+    for key, (target, _) in keyed.items():
+        times = [s.at for s in net.small_sends(target)]
+        assert len(times) in (6, 7)  # 6 whole intervals, plus one if the phase hit the edge
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert all(math.isclose(g, interval, rel_tol=1e-9, abs_tol=1e-5) for g in gaps)
+        phase = phase_seconds(str(OWN), key, interval)
+        offset = (times[0] - phase) % interval
+        assert min(offset, interval - offset) < 1e-5
+
+
+@settings(max_examples=30, deadline=None)
+@given(peers=st.sets(names, min_size=64, max_size=300), interval=st.floats(0.5, 60.0))
+def test_phases_spread_peers_evenly(peers: set[str], interval: float) -> None:
+    n = len(peers)
+    bins = Counter(int(phase_seconds("10.244.1.0", p, interval) / interval * 4) for p in peers)
+    assert set(bins) <= {0, 1, 2, 3}
+    # Binomial(n, 1/4): six standard deviations of slack, so a false alarm is ~1e-9
+    slack = 6 * math.sqrt(n * 3 / 16)
+    assert all(abs(bins[b] - n / 4) <= slack for b in range(4))
+
+
+@settings(max_examples=20, deadline=None)
+@given(n_nodes=st.integers(12, 40))
+def test_all_pairs_probes_of_a_cluster_do_not_collide(n_nodes: int) -> None:
+    # N nodes each probing N-1 peers: in no tenth of the interval more than twice the mean
+    nodes = [str(IPv4Address("10.244.0.0") + 256 * (i + 1)) for i in range(n_nodes)]
+    phases = [phase_seconds(a, b, 5.0) for a in nodes for b in nodes if a != b]
+    per_tenth = Counter(int(p / 0.5) for p in phases)
+    mean = len(phases) / 10
+    assert max(per_tenth.values()) <= 2 * mean
+
+
+def test_phase_is_stable_and_depends_on_both_ends() -> None:
+    assert phase_seconds("a", "b", 5.0) == phase_seconds("a", "b", 5.0)
+    assert phase_seconds("a", "b", 5.0) != phase_seconds("b", "a", 5.0)
+    assert 0 <= phase_seconds("a", "b", 5.0) < 5.0
+
+
+@pytest.mark.parametrize(
+    ("now", "phase", "interval", "first", "after"),
+    [
+        (100.0, 2.0, 5.0, 102.0, 107.0),
+        (102.0, 2.0, 5.0, 102.0, 107.0),  # exactly on the slot: probe now
+        (102.5, 2.0, 5.0, 107.0, 112.0),
+        (0.0, 4.9, 5.0, 4.9, 9.9),
+    ],
+)
+def test_slots(now: float, phase: float, interval: float, first: float, after: float) -> None:
+    assert first_slot(now, phase, interval) == pytest.approx(first)
+    assert slot_after(first, first, interval) == pytest.approx(after)
+
+
+def test_slot_after_skips_missed_slots() -> None:
+    assert slot_after(100.0, 123.0, 5.0) == pytest.approx(125.0)
+    assert slot_after(100.0, 125.0, 5.0) == pytest.approx(130.0)
+
+
+# --- ICMP encoding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", [0, 1, 56, 1422])
+def test_echo_request_checksum_verifies(payload: int) -> None:
+    packet = echo_request(0x1234, 7, payload)
+    assert len(packet) == 8 + payload
+    assert packet[0] == 8 and packet[1] == 0
+    assert icmp_checksum(packet) == 0  # a correct checksum sums to zero
+
+
+def test_checksum_known_value() -> None:
+    # RFC 1071's example words 0001 f203 f4f5 f6f7 sum to ddf2 (one's complement 220d)
+    assert icmp_checksum(bytes.fromhex("0001f203f4f5f6f7")) == 0x220D
