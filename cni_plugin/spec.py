@@ -24,6 +24,7 @@ from typing import Any
 SUPPORTED_VERSIONS: tuple[str, ...] = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST_VERSION = SUPPORTED_VERSIONS[-1]
 COMMANDS: tuple[str, ...] = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
+MAX_CONTAINER_ID = 200  # characters; see _check_env
 
 
 class Code(enum.IntEnum):
@@ -222,6 +223,14 @@ def _check_env(command: str, env: Mapping[str, str]) -> tuple[str, str, str, tup
             _ENV_CODE,
             f"CNI_CONTAINERID {container_id[:80]!r} is not a valid container ID; it must start "
             "with a letter or digit followed by letters, digits, '_', '.' or '-'",
+        )
+    if len(container_id) > MAX_CONTAINER_ID:
+        # The ID names per-attachment state files (ours and the runtime's CNI cache),
+        # and a file name holds at most 255 bytes; runtimes use 64.
+        raise CniError(
+            _ENV_CODE,
+            f"CNI_CONTAINERID is {len(container_id)} characters long; at most "
+            f"{MAX_CONTAINER_ID} are supported",
         )
     ifname = env.get("CNI_IFNAME", "")
     if ifname:

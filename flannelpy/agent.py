@@ -290,7 +290,7 @@ class NodeAgent:
         lease = self._acquire(previous)
         with self._lease_lock:
             self.lease = lease
-        self.kernel.set_sysctl("net.ipv4.ip_forward", "1")
+        ensure_ip_forwarding(self.kernel)
         self.cni.use_leases(self._own_subnets())
         self._spawn("lease-watch", lambda stop: self.manager.watch_leases(self._on_leases, stop))
         if not self._first_snapshot.wait(FIRST_SNAPSHOT_TIMEOUT):
@@ -363,6 +363,25 @@ class NodeAgent:
             if thread.is_alive():
                 log.warning("task did not stop in time task=%s", thread.name)
         self.manager.close()
+
+
+def ensure_ip_forwarding(kernel: Kernel) -> None:
+    """Pods' traffic is routed through the node. Write the sysctl only when needed: in an
+    unprivileged container /proc/sys is read-only, and kubeadm requires it on anyway."""
+    path = "/proc/sys/net/ipv4/ip_forward"
+    try:
+        with open(path) as f:
+            if f.read().strip() == "1":
+                return
+    except OSError:
+        pass
+    try:
+        kernel.set_sysctl("net.ipv4.ip_forward", "1")
+    except DataplaneError as e:
+        raise DataplaneError(
+            "IPv4 forwarding is off on this node and cannot be turned on from here "
+            f"({e}); set net.ipv4.ip_forward=1 on the node"
+        ) from e
 
 
 class PodAttachments:

@@ -86,6 +86,7 @@ ERROR_TABLE: list[tuple[str, dict[str, Any], dict[str, Any] | bytes, int]] = [
     ("containerid-slash", {"CNI_CONTAINERID": "a/b"}, {}, 4),
     ("containerid-leading-dot", {"CNI_CONTAINERID": ".hidden"}, {}, 4),
     ("containerid-leading-dash", {"CNI_CONTAINERID": "-x"}, {}, 4),
+    ("containerid-too-long", {"CNI_CONTAINERID": "a" * 201}, {}, 4),
     ("containerid-newline", {"CNI_CONTAINERID": "abc\n"}, {}, 4),
     ("containerid-space", {"CNI_CONTAINERID": "a b"}, {}, 4),
     ("name-escape", {}, {"name": "../net"}, 7),
