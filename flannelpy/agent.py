@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 
@@ -37,6 +36,8 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
+from flannelpy.health import HealthServer, Heartbeats, readiness
+from flannelpy.metrics import AgentMetrics, NetlinkLinkStats
 from flannelpy.ops.mtu import MtuReport, mtu_mismatches
 from flannelpy.ops.prober import IcmpTransport, Prober
 from flannelpy.subnet.lease import Lease
@@ -56,13 +57,6 @@ def node_name_default(settings: AgentSettings) -> str:
     return settings.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
-@dataclass(frozen=True)
-class Firewall:
-    """What the agent needs of the iptables adapter (flannelpy.dataplane.firewall)."""
-
-    sync: Callable[[], object]
-
-
 class NodeAgent:
     def __init__(
         self,
@@ -72,16 +66,21 @@ class NodeAgent:
         backend: Backend,
         ctx: NodeContext,
         vtep_mac: str | None,
-        firewall_factory: Callable[[list[IPv4Network]], Callable[[], object]] | None,
+        firewall_factory: Callable[[list[IPv4Network]], Callable[[], bool]] | None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or AgentMetrics()
+        self.beats = Heartbeats()
         self.manager = manager
         self.kernel = kernel
         self.backend = backend
         self.ctx = ctx
         self.vtep_mac = vtep_mac
         self._firewall_factory = firewall_factory
-        self._firewall_sync: Callable[[], object] | None = None
+        self._firewall_sync: Callable[[], bool] | None = None
+        self._rules_in_place = firewall_factory is None
+        self._subnet_env_written = False
         self.stop = threading.Event()
         self._lease_lock = threading.Lock()
         self.lease: Lease | None = None
@@ -89,8 +88,14 @@ class NodeAgent:
         self._first_snapshot = threading.Event()
         self._lease_lost = threading.Event()
         self._unreachable: frozenset[Unreachable] = frozenset()
-        self.reconciler = Reconciler(kernel, settings.resync_interval, self._on_reconciled)
-        self.cni = PodAttachments(settings, lambda: self.backend.mtu(self.ctx), lambda: self.ready)
+        self.reconciler = Reconciler(
+            kernel, settings.resync_interval, self._on_reconciled, self.metrics.reconcile_error
+        )
+        self.cni = PodAttachments(
+            settings, lambda: self.backend.mtu(self.ctx), lambda: self.ready, self.metrics
+        )
+        self._servers: list[HealthServer] = []
+        self._loops_running = False
         self._threads: list[threading.Thread] = []
         self.prober: Prober | None = None
         self._probe_transport: IcmpTransport | None = None
@@ -107,6 +112,7 @@ class NodeAgent:
     def _acquire(self, previous: IPv4Network | None) -> Lease:
         attrs = self.backend.lease_attrs(self.ctx, self.vtep_mac)
         lease = self.manager.acquire_lease(attrs, previous)
+        self.metrics.lease(lease.subnet, lease.expiration)
         log.info(
             "lease acquired subnet=%s public_ip=%s backend=%s",
             lease.subnet, attrs.public_ip, attrs.backend_type,
@@ -131,6 +137,7 @@ class NodeAgent:
         if own is None:
             return
         peers = [lease for key, lease in leases.items() if key != own.key]
+        self.metrics.peers(peers)
         self._check_mtu(peers)
         if self.prober is not None:
             # Each node's overlay address is its lease's first address (on its cni0).
@@ -171,6 +178,8 @@ class NodeAgent:
         self._replan()
         if old is None or lease.subnet != old.subnet:
             log.warning("lease changed old=%s new=%s", previous, lease.subnet)
+            if old is not None:
+                self.metrics.drop_lease(old.subnet)
             # Pods on the old subnet keep their addresses on disk; new pods use the new one.
             self.cni.use_leases(self._own_subnets())
             self._write_subnet_env()
@@ -188,10 +197,13 @@ class NodeAgent:
             try:
                 renewed = self.manager.renew_lease(lease)
             except StoreError as e:
+                self.metrics.renewal("failure")
                 log.warning("lease renewal failed, retrying in %ss: %s", RENEW_RETRY_SECONDS, e)
                 if stop.wait(RENEW_RETRY_SECONDS):
                     return
                 continue
+            self.metrics.renewal("success")
+            self.metrics.lease(renewed.subnet, renewed.expiration)
             with self._lease_lock:
                 if self.lease is not None and self.lease.key == renewed.key:
                     self.lease = renewed
@@ -208,22 +220,28 @@ class NodeAgent:
             ipmasq=self.settings.ip_masq,
         )
         write_subnet_env(self.settings.subnet_file, env)
+        self._subnet_env_written = True
 
     def _setup_firewall(self) -> None:
         if self._firewall_factory is None or self.lease is None:
             return
         self._firewall_sync = self._firewall_factory([self.lease.subnet])
-        self._firewall_sync()
+        self._rules_in_place = self._firewall_sync()
 
     def _firewall_loop(self, stop: threading.Event) -> None:
         while not stop.wait(self.settings.iptables_resync):
+            self.beats.beat("firewall")
             if self._firewall_sync is not None:
                 try:
-                    self._firewall_sync()
+                    self._rules_in_place = self._firewall_sync()
                 except FlannelpyError as e:
+                    self._rules_in_place = False
                     log.warning("firewall resync failed: %s", e)
 
     def _on_reconciled(self, result: ReconcileResult) -> None:
+        self.metrics.observe_reconcile(result)
+        if self._loops_running:  # the start reconcile comes before the heartbeats exist
+            self.beats.beat("reconciler")
         if self.settings.vxlan_tx_checksum_off and result.changes.links_to_create:
             # A (re-)created device starts with offload on again.
             for link in result.changes.links_to_create:
@@ -232,7 +250,34 @@ class NodeAgent:
 
     def _status_loop(self, stop: threading.Event) -> None:
         while not stop.wait(STATUS_INTERVAL_SECONDS):
+            self.beats.beat("status")
             self._write_status(self.reconciler.last_result)
+
+    # -- health -----------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        desired = self.reconciler.desired
+        return readiness(
+            lease_held=self.lease is not None,
+            subnet_env_written=self._subnet_env_written,
+            last_reconcile=self.reconciler.last_result,
+            rules_in_place=self._rules_in_place,
+            unprogrammed_peers=len(desired.unreachable) if desired else 0,
+        )
+
+    def _start_servers(self) -> None:
+        """/metrics, /healthz and /readyz: on --metrics-addr, and on Flannel's
+        --healthz-ip/--healthz-port when set (what the DaemonSet's probes use). Up before
+        the lease, so liveness holds while we wait for the store or a podCIDR."""
+        addrs = []
+        if self.settings.metrics_addr:  # None: --metrics-addr=off
+            addrs.append(self.settings.metrics_addr)
+        if self.settings.healthz_port:
+            addrs.append(f"{self.settings.healthz_ip}:{self.settings.healthz_port}")
+        for addr in addrs:
+            server = HealthServer(addr, self.metrics.registry, self.readiness, self.beats.live)
+            server.start()
+            self._servers.append(server)
 
     def _write_status(self, result: ReconcileResult | None) -> None:
         """A small JSON file for `lab status` and operators: what this node holds and lacks."""
@@ -254,6 +299,8 @@ class NodeAgent:
             "failures": list(result.failures[:20]) if result else [],
             "last_reconcile": result.finished_at if result else None,
             "ready": self.ready,
+            "ip_masq": self.settings.ip_masq,
+            "iptables_forward_rules": self.settings.iptables_forward_rules,
             "probes": (
                 {key: r.as_status() for key, r in self.prober.results().items()}
                 if self.prober is not None else {}
@@ -286,6 +333,11 @@ class NodeAgent:
         self._threads.append(thread)
 
     def start(self) -> None:
+        self.metrics.overlay_mtu(self.backend.mtu(self.ctx))
+        self._link_stats = NetlinkLinkStats(underlay=self.ctx.underlay.name)
+        self.metrics.set_link_provider(self._link_stats)
+        self.metrics.set_ipam_provider(self.cni.ipam.accounting)
+        self._start_servers()
         previous = read_previous_subnet(self.settings.subnet_file)
         lease = self._acquire(previous)
         with self._lease_lock:
@@ -302,6 +354,12 @@ class NodeAgent:
         if result is not None and not result.converged:
             log.warning("initial reconcile incomplete failures=%d", len(result.failures))
         self._setup_firewall()
+        # Liveness: each loop must turn within a few of its periods.
+        self.beats.register("reconciler", self.settings.resync_interval * 3 + 5)
+        self.beats.register("status", STATUS_INTERVAL_SECONDS * 5 + 5)
+        if self._firewall_factory is not None:
+            self.beats.register("firewall", self.settings.iptables_resync * 3 + 5)
+        self._loops_running = True
         self._spawn("reconciler", self.reconciler.run)
         self._spawn("kernel-watch", lambda stop: self.kernel.watch(self.reconciler.trigger, stop))
         self._spawn("renew", self._renew_loop)
@@ -331,6 +389,9 @@ class NodeAgent:
             transport,
             mtu_provider=lambda: self.backend.mtu(self.ctx),
             own_address_provider=lambda: self.lease.gateway if self.lease else None,
+            on_result=lambda key, r: self.metrics.probe(
+                key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok
+            ),
         )
         self._replan()  # hands it the peers known so far
         self._spawn("prober", self.prober.run)
@@ -357,6 +418,8 @@ class NodeAgent:
         self.cni.stop()
         if self._probe_transport is not None:
             self._probe_transport.close()
+        for server in self._servers:
+            server.stop()
         deadline = time.monotonic() + THREAD_GRACE_SECONDS
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -388,7 +451,11 @@ class PodAttachments:
     """The agent's CNI side: node IPAM, the pod bridge and the socket the executable calls."""
 
     def __init__(
-        self, settings: AgentSettings, mtu: Callable[[], int], ready: Callable[[], bool]
+        self,
+        settings: AgentSettings,
+        mtu: Callable[[], int],
+        ready: Callable[[], bool],
+        metrics: AgentMetrics,
     ) -> None:
         from flannelpy.cni.handler import CniHandler, CniSettings
         from flannelpy.cni.podnet import PodNetwork
@@ -404,8 +471,23 @@ class PodAttachments:
             self.ipam, self.pods, records, CniSettings(mtu_provider=mtu, ready=ready)
         )
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
-        self.server = CniServer(self.socket_path, self.handler.handle)
+        self._metrics = metrics
+        self.server = CniServer(self.socket_path, self._handle)
         self._started = False
+
+    def _handle(self, env: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+        started = time.monotonic()
+        exit_code, out = self.handler.handle(env, stdin)
+        code = 0
+        if exit_code:
+            try:
+                code = int(json.loads(out).get("code", 999))
+            except (ValueError, AttributeError):
+                code = 999
+        self._metrics.cni_request(
+            env.get("CNI_COMMAND", "?"), code, time.monotonic() - started
+        )
+        return exit_code, out
 
     def use_leases(self, subnets: list[IPv4Network]) -> None:
         """Allocate from ``subnets``; the bridge carries each one's gateway from now on,
@@ -434,14 +516,17 @@ def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
     return (device_name(ctx.config.backend.vni),)
 
 
-def load_vtep_mac(kernel: Kernel, state_dir: str, device: str) -> str:
-    """A stable VTEP MAC: the live device's, else the one we recorded, else a new one.
+def load_vtep_mac(
+    kernel: Kernel, state_dir: str, device: str, advertised: str | None = None
+) -> str:
+    """A stable VTEP MAC: the live device's, else the one we last advertised (our Node's
+    backend-data annotation in Kubernetes mode), else the one we recorded, else a new one.
 
     Peers hold our MAC in their neighbour and FDB tables; a new MAC after a
     restart would leave them stale until they see our lease change.
     """
     path = Path(state_dir) / f"vtep-mac-{device}"
-    mac = kernel.link_mac(device)
+    mac = kernel.link_mac(device) or advertised
     if mac is None and path.exists():
         mac = path.read_text().strip().lower() or None
     if mac is None:
@@ -461,13 +546,20 @@ def build_agent(settings: AgentSettings) -> NodeAgent:
     anything on the host changes."""
     from flannelpy.dataplane.netlink import NetlinkKernel
 
+    metrics = AgentMetrics()
+    kube = None
+    manager: SubnetManager
     if settings.kube_subnet_mgr:
-        raise ConfigError(
-            "--kube-subnet-mgr is not available in this version; use etcd mode (--etcd-endpoints)"
-        )
-    from flannelpy.subnet.etcd import EtcdSubnetManager, connect_etcd
+        from flannelpy.subnet.kube import KubeSubnetManager
 
-    manager = EtcdSubnetManager(connect_etcd(settings), settings)
+        manager = kube = KubeSubnetManager(settings)
+    else:
+        from flannelpy.subnet.etcd import EtcdSubnetManager, connect_etcd
+
+        manager = EtcdSubnetManager(
+            connect_etcd(settings, on_error=metrics.store_error), settings,
+            on_watch_restart=metrics.watch_restart,
+        )
     try:
         config = _read_config_patiently(manager, settings.startup_timeout)
         if config.enable_ipv6:
@@ -487,14 +579,18 @@ def build_agent(settings: AgentSettings) -> NodeAgent:
         ctx = NodeContext(
             config=config,
             underlay=underlay,
-            public_ip=settings.public_ip or underlay.ip,
-            node_name=node_name_default(settings),
+            # Kubernetes mode: the node-public-ip annotation acts as --public-ip.
+            public_ip=settings.public_ip or (kube and kube.node_public_ip()) or underlay.ip,
+            node_name=kube.node_name if kube else node_name_default(settings),
         )
         ours = {*_all_backend_devices(ctx), "cni0"}
         check_no_overlap(config.network, kernel.survey(ours), settings.allow_overlap)
         vtep_mac = None
         if backend.type_name == "vxlan":
-            vtep_mac = load_vtep_mac(kernel, settings.state_dir, backend.device_names(ctx)[0])
+            vtep_mac = load_vtep_mac(
+                kernel, settings.state_dir, backend.device_names(ctx)[0],
+                advertised=kube.own_vtep_mac() if kube else None,
+            )
         log.info(
             "starting node=%s backend=%s iface=%s public_ip=%s mtu=%s",
             ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, backend.mtu(ctx),
@@ -503,8 +599,10 @@ def build_agent(settings: AgentSettings) -> NodeAgent:
         manager.close()
         raise
 
-    firewall_factory = _firewall_factory(settings, config.network)
-    return NodeAgent(settings, manager, kernel, backend, ctx, vtep_mac, firewall_factory)
+    firewall_factory = _firewall_factory(settings, config.network, metrics)
+    return NodeAgent(
+        settings, manager, kernel, backend, ctx, vtep_mac, firewall_factory, metrics
+    )
 
 
 def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkConfig:
@@ -533,24 +631,27 @@ def _ip_or_none(value: str | None):  # type: ignore[no-untyped-def]
 
 
 def _firewall_factory(
-    settings: AgentSettings, network: IPv4Network
-) -> Callable[[list[IPv4Network]], Callable[[], object]] | None:
+    settings: AgentSettings, network: IPv4Network, metrics: AgentMetrics
+) -> Callable[[list[IPv4Network]], Callable[[], bool]] | None:
     if not settings.ip_masq and not settings.iptables_forward_rules:
         return None
     from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
 
     firewall = IptablesFirewall()
 
-    def make(subnets: list[IPv4Network]) -> Callable[[], object]:
+    def make(subnets: list[IPv4Network]) -> Callable[[], bool]:
         rule_sets = []
         if settings.ip_masq:
             rule_sets.append(masq_rules(network, subnets, firewall.random_fully))
         if settings.iptables_forward_rules:
             rule_sets.append(forward_rules(network))
 
-        def sync() -> None:
+        def sync() -> bool:
+            """True once every chain is as desired (sync raises when it cannot repair)."""
             for rules in rule_sets:
-                firewall.sync(rules)  # logs what it repaired
+                result = firewall.sync(rules)  # logs what it repaired
+                metrics.firewall_sync(result.repaired)
+            return True
 
         return sync
 
@@ -568,6 +669,10 @@ def run_agent(settings: AgentSettings) -> int:
     def on_signal(signum: int, _frame: object) -> None:
         log.info("stopping signal=%s", signal.Signals(signum).name)
         agent.stop.set()
+        if not agent.ready:
+            # Still acquiring (e.g. waiting for the controller-manager to assign a
+            # podCIDR): closing the manager ends that wait.
+            agent.manager.close()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -12,6 +12,7 @@ from flannelpy import __version__
 def build_parser() -> argparse.ArgumentParser:
     from flannelpy.config import add_agent_arguments
     from flannelpy.lab.cli import add_lab_parser
+    from flannelpy.ops.doctor_cli import add_doctor_parser
 
     parser = argparse.ArgumentParser(prog="flannelpy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run the node agent (one per node)")
     add_agent_arguments(agent)
     add_lab_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
@@ -39,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.exit_code
         setup_logging(settings.log_format, settings.log_level)
         return run_agent(settings)
+    if args.command == "doctor":
+        from flannelpy.ops.doctor_cli import run as run_doctor
+
+        return run_doctor(args)
     if args.command == "lab":
         from flannelpy.lab.cli import run
 

@@ -39,10 +39,12 @@ class Reconciler:
         kernel: Kernel,
         interval: float,
         on_result: Callable[[ReconcileResult], None] | None = None,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
         self._kernel = kernel
         self._interval = interval
         self._on_result = on_result
+        self._on_error = on_error
         self._lock = threading.Lock()
         self._desired: DesiredState | None = None
         self._stale_links: frozenset[str] = frozenset()
@@ -119,5 +121,7 @@ class Reconciler:
                 # A failed pass (netlink hiccup) must not end the loop; the next
                 # trigger or tick retries, and readiness reports the failure.
                 log.exception("reconcile pass failed")
+                if self._on_error is not None:
+                    self._on_error()
                 self._wake.set()
                 stop.wait(1.0)

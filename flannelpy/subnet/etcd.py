@@ -142,6 +142,12 @@ def _rpc_details(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def _error_kind(error: BaseException) -> str:
+    """A failed request's gRPC status in snake case ("permission_denied"), else "request"."""
+    code = _rpc_code(error.__cause__) if error.__cause__ is not None else None
+    return code.name.lower() if code is not None else "request"
+
+
 def _rpc_code(error: BaseException) -> grpc.StatusCode | None:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         code = error.code()
@@ -167,8 +173,12 @@ class EtcdStore:
         username: str | None = None,
         password: str | None = None,
         timeout: float = REQUEST_TIMEOUT,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self._endpoints = parse_endpoints(endpoints)
+        # Told the kind of every failed request, for metrics: "unavailable" (no
+        # endpoint answered) or the gRPC status in snake case ("permission_denied").
+        self._on_error = on_error
         if (certfile is None) != (keyfile is None):
             raise ConfigError(
                 "--etcd-certfile and --etcd-keyfile go together; give both or neither"
@@ -248,13 +258,21 @@ class EtcdStore:
             except StoreUnavailable as e:
                 failures.append(f"{self._endpoints[index].url}: {e}")
                 continue
+            except StoreError as e:
+                self._report(_error_kind(e))
+                raise
             with self._lock:
                 self._current = index
             return result
+        self._report("unavailable")
         raise StoreUnavailable(
             f"etcd {what}: no endpoint answered ({'; '.join(failures)}); check that etcd "
             "runs and that --etcd-endpoints and the TLS flags point at it"
         )
+
+    def _report(self, kind: str) -> None:
+        if self._on_error is not None:
+            self._on_error(kind)
 
     def _call_one(
         self, index: int, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]
@@ -497,7 +515,11 @@ def _event(e: Any) -> WatchEvent:
     )
 
 
-def connect_etcd(settings: AgentSettings, timeout: float = REQUEST_TIMEOUT) -> EtcdStore:
+def connect_etcd(
+    settings: AgentSettings,
+    timeout: float = REQUEST_TIMEOUT,
+    on_error: Callable[[str], None] | None = None,
+) -> EtcdStore:
     """An EtcdStore for the agent's ``--etcd-*`` flags. Connects lazily; raises ConfigError."""
     return EtcdStore(
         settings.etcd_endpoints,
@@ -507,6 +529,7 @@ def connect_etcd(settings: AgentSettings, timeout: float = REQUEST_TIMEOUT) -> E
         username=settings.etcd_username,
         password=settings.etcd_password,
         timeout=timeout,
+        on_error=on_error,
     )
 
 
@@ -555,6 +578,8 @@ class EtcdSubnetManager:
 
     ``clock`` gives unix time for lease expirations; ``sleep(stop, seconds)``
     waits between watch reconnects and must return early once ``stop`` is set.
+    ``on_watch_restart(reason)`` is told each time the watch must re-list:
+    "compacted" or "unavailable" (for metrics).
     """
 
     def __init__(
@@ -564,8 +589,10 @@ class EtcdSubnetManager:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[threading.Event, float], None] = _wait,
         rng: random.Random | None = None,
+        on_watch_restart: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
+        self._on_watch_restart = on_watch_restart
         self._prefix = settings.etcd_prefix.rstrip("/")
         self._config_key = config_key(self._prefix)
         self._subnets = subnets_prefix(self._prefix)
@@ -825,6 +852,7 @@ class EtcdSubnetManager:
                     "lease watch fell behind a compaction; re-listing revision=%d compacted=%d",
                     revision, e.compacted_revision,
                 )  # fmt: skip
+                self._watch_restarted("compacted")
                 leases = None
             except StoreUnavailable as e:
                 delay = backoff.next()
@@ -832,8 +860,13 @@ class EtcdSubnetManager:
                     "lease store unavailable; re-listing after a delay delay=%.1f error=%s",
                     delay, e,
                 )  # fmt: skip
+                self._watch_restarted("unavailable")
                 leases = None
                 self._sleep(stop, delay)
+
+    def _watch_restarted(self, reason: str) -> None:
+        if self._on_watch_restart is not None:
+            self._on_watch_restart(reason)
 
     def _apply(self, leases: dict[str, Lease], event: WatchEvent) -> None:
         suffix = event.key[len(self._subnets) :]

@@ -103,7 +103,7 @@ def run_agent_once(
     argv = ["ip", "netns", "exec", info.namespace, *_python(), "-m", "flannelpy", "agent",
             "--iface", info.underlay_iface, "--node-name", f"{node}-probe",
             "--subnet-file", f"{scratch}/subnet.env", "--state-dir", f"{scratch}/state",
-            "--run-dir", f"{scratch}/run", *extra]
+            "--run-dir", f"{scratch}/run", "--metrics-addr", "off", *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 

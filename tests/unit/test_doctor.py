@@ -1,0 +1,476 @@
+"""diagnose() on synthetic node facts: a healthy node is all ok, each fault its finding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from typing import Any
+
+import pytest
+
+from flannelpy.backend.base import NodeContext
+from flannelpy.backend.registry import get_backend
+from flannelpy.config import AgentSettings
+from flannelpy.dataplane.firewall import forward_rules, masq_rules
+from flannelpy.dataplane.kernel import ForeignRoute
+from flannelpy.dataplane.state import (
+    ROUTE_PROTOCOL,
+    Address,
+    FdbEntry,
+    Neighbour,
+    ObservedState,
+    Route,
+    UnderlayInterface,
+    VxlanLink,
+)
+from flannelpy.errors import ConfigError
+from flannelpy.ops.doctor import (
+    CounterSnapshot,
+    Finding,
+    LinkCounters,
+    LinkInfo,
+    NodeFacts,
+    diagnose,
+    exit_code,
+    parse_snapshot,
+    render_json,
+    render_line,
+    render_text,
+    snapshot_json,
+)
+from flannelpy.ops.doctor_cli import resolve_target
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+from tests.unit.fakes import network_config, underlay
+
+NOW = 1_700_000_000.0
+NET = "10.244.0.0/16"
+MAC = {1: "02:00:00:00:00:01", 2: "02:00:00:00:00:02", 3: "02:00:00:00:00:03"}
+COUNTS = LinkCounters(rx_dropped=5, tx_dropped=1, rx_errors=0, tx_errors=0)
+
+
+def node_lease(n: int, mtu: int | None = 1450, lease_id: int | None = 100) -> Lease:
+    return Lease(
+        subnet=IPv4Network(f"10.244.{n}.0/24"),
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address(f"100.64.0.{n}"), backend_type="vxlan",
+            backend_data={"VNI": 1, "VtepMAC": MAC[n]}, node_name=f"n{n}", mtu=mtu,
+        ),
+        store_lease_id=lease_id,
+    )  # fmt: skip
+
+
+OWN, N2, N3 = node_lease(1), node_lease(2), node_lease(3)
+SETTINGS = AgentSettings(node_name="n1", ip_masq=True)
+
+
+def firewall_lines() -> dict[str, tuple[str, ...]]:
+    """`iptables -S` of each chain, as the agent leaves them."""
+    rules = masq_rules(IPv4Network(NET), [OWN.subnet], True) + forward_rules(IPv4Network(NET))
+    chains: dict[str, list[str]] = {
+        "nat/POSTROUTING": ["-P POSTROUTING ACCEPT"],
+        "nat/FLANNEL-POSTRTG": ["-N FLANNEL-POSTRTG"],
+        "filter/FORWARD": ["-P FORWARD DROP"],
+        "filter/FLANNEL-FWD": ["-N FLANNEL-FWD"],
+    }
+    for rule in rules:
+        chains[f"{rule.table}/{rule.chain}"].append(rule.line)
+    chains["nat/POSTROUTING"].append("-A POSTROUTING -s 192.0.2.0/24 -j MASQUERADE")
+    return {key: tuple(lines) for key, lines in chains.items()}
+
+
+def healthy_facts(backend: str = "vxlan") -> NodeFacts:
+    """A node exactly as its agent leaves it, with two vxlan peers."""
+    config = network_config(backend)
+    under = underlay("100.64.0.1", ("100.64.0.0/24",))
+    ctx = NodeContext(config, under, under.ip, "n1")
+    mac = MAC[1] if backend == "vxlan" else None
+    desired = get_backend(backend).plan(ctx, [OWN], [N2, N3], mac)
+    observed = ObservedState(
+        links=desired.links, addresses=desired.addresses, routes=desired.routes,
+        neighbours=desired.neighbours, fdb=desired.fdb,
+    )  # fmt: skip
+    mtu = 1450 if backend == "vxlan" else 1500
+    links = [
+        LinkInfo("lo", None, 65536, True),
+        LinkInfo("eth0", None, 1500, True, counters=COUNTS),
+        LinkInfo("cni0", "bridge", mtu, True, counters=COUNTS),
+        LinkInfo("veth1", "veth", mtu, True, "cni0", COUNTS),
+        LinkInfo("veth2", "veth", mtu, True, "cni0", COUNTS),
+    ]
+    if backend == "vxlan":
+        links.append(LinkInfo("flannel.1", "vxlan", 1450, True, counters=COUNTS))
+    facts = NodeFacts(
+        settings=SETTINGS,
+        now=NOW,
+        config=config,
+        leases=(OWN, N2, N3),
+        own_lease_ttl=20 * 3600.0,
+        underlay=under,
+        vtep_mac=mac,
+        observed=observed,
+        links=tuple(links),
+        foreign=(ForeignRoute(IPv4Network("100.64.0.0/24"), "route 100.64.0.0/24 dev eth0"),),
+        chains=firewall_lines(),
+        random_fully=True,
+        status={
+            "node": "n1", "backend": backend, "lease": "10.244.1.0/24", "mtu": mtu,
+            "ready": True, "converged": True, "failures": [], "last_reconcile": NOW - 3,
+            "probes": {
+                str(p.subnet): {"reachable": True, "rtt_ms": 0.2, "loss": 0.0, "mtu_ok": True,
+                                "error": None, "probes": 20}
+                for p in (N2, N3)
+            },
+        },
+    )  # fmt: skip
+    return replace(facts, previous=parse_snapshot(snapshot_json(facts)))
+
+
+def problems(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity != "ok"]
+
+
+@pytest.mark.parametrize("backend", ["vxlan", "host-gw"])
+def test_a_healthy_node_is_all_ok_and_exits_0(backend: str) -> None:
+    facts = healthy_facts(backend)
+    if backend == "host-gw":  # peers advertise the underlay MTU under host-gw
+        peers = tuple(replace(p, attrs=replace(p.attrs, mtu=1500)) for p in facts.leases)
+        facts = replace(facts, leases=peers)
+    findings = diagnose(facts)
+    assert problems(findings) == []
+    checks = {f.check for f in findings}
+    assert {"store", "lease", "agent", "links", "mtu", "routes", "firewall", "overlap", "drops",
+            "peers"} <= checks  # fmt: skip
+    assert exit_code(findings) == 0
+    assert render_text("n1", findings).splitlines()[-1].startswith("n1: healthy")
+
+
+def obs(facts: NodeFacts) -> ObservedState:
+    assert facts.observed is not None
+    return facts.observed
+
+
+def und(facts: NodeFacts) -> UnderlayInterface:
+    assert facts.underlay is not None
+    return facts.underlay
+
+
+def _route(n: int) -> Route:
+    return Route(IPv4Network(f"10.244.{n}.0/24"), IPv4Address(f"10.244.{n}.0"), "flannel.1", True)
+
+
+def _observed(facts: NodeFacts, **changes: Any) -> NodeFacts:
+    assert facts.observed is not None
+    return replace(facts, observed=replace(facts.observed, **changes))
+
+
+def _link(facts: NodeFacts, name: str, **changes: Any) -> NodeFacts:
+    links = tuple(replace(link, **changes) if link.name == name else link for link in facts.links)
+    return replace(facts, links=links)
+
+
+def _status(facts: NodeFacts, **changes: Any) -> NodeFacts:
+    return replace(facts, status={**(facts.status or {}), **changes})
+
+
+def _probe(subnet: str, **result: Any) -> Callable[[NodeFacts], NodeFacts]:
+    def apply(facts: NodeFacts) -> NodeFacts:
+        probes = dict((facts.status or {})["probes"])
+        probes[subnet] = {**probes[subnet], **result}
+        return _status(facts, probes=probes)
+
+    return apply
+
+
+def _without_link(name: str) -> Callable[[NodeFacts], NodeFacts]:
+    return lambda f: replace(f, links=tuple(link for link in f.links if link.name != name))
+
+
+def _peer(n: int, **attrs: Any) -> Callable[[NodeFacts], NodeFacts]:
+    def apply(facts: NodeFacts) -> NodeFacts:
+        leases = tuple(
+            replace(lease, attrs=replace(lease.attrs, **attrs)) if lease.attrs.node_name == f"n{n}"
+            else lease for lease in facts.leases
+        )  # fmt: skip
+        return replace(facts, leases=leases)
+
+    return apply
+
+
+def _chain(key: str, lines: tuple[str, ...]) -> Callable[[NodeFacts], NodeFacts]:
+    return lambda f: replace(f, chains={**(f.chains or {}), key: lines})
+
+
+def _swap_first_two_rules(f: NodeFacts) -> NodeFacts:
+    lines = list((f.chains or {})["nat/FLANNEL-POSTRTG"])
+    lines[1], lines[2] = lines[2], lines[1]
+    return _chain("nat/FLANNEL-POSTRTG", tuple(lines))(f)
+
+
+def _counters(f: NodeFacts, name: str, **deltas: int) -> NodeFacts:
+    old = next(link.counters for link in f.links if link.name == name)
+    new = replace(old, **{k: getattr(old, k) + v for k, v in deltas.items()})
+    return _link(f, name, counters=new)
+
+
+STALE_ROUTE = Route(IPv4Network("10.244.250.0/24"), IPv4Address("10.244.250.0"), "flannel.1",
+                    True)  # fmt: skip
+WRONG_VNI = VxlanLink("flannel.1", 7, IPv4Address("100.64.0.1"), "eth0", 8472, 1450, MAC[1])
+
+# (case, fault, severity, check, words in the message, words in the subject)
+FAULTS: list[tuple[str, Callable[[NodeFacts], NodeFacts], str, str, tuple[str, ...], str]] = [
+    ("etcd down", lambda f: replace(f, store_error="no endpoint answered", config=None,
+                                    leases=()), "error", "store", ("no endpoint",), ""),
+    ("netlink fails", lambda f: replace(f, kernel_error="Operation not permitted"),
+     "error", "kernel", ("not permitted",), ""),
+    ("no underlay", lambda f: replace(f, underlay=None, underlay_error="no interface matches"),
+     "error", "underlay", ("no interface matches",), ""),
+    ("no own lease", lambda f: _status(replace(f, leases=(N2, N3)), lease=None),
+     "error", "lease", ("holds no lease",), ""),
+    ("stale twin lease", lambda f: replace(f, leases=(*f.leases, replace(
+        node_lease(1), subnet=IPv4Network("10.244.9.0/24")))),
+     "warning", "lease", ("advertise this node's address",), "10.244.9.0/24"),
+    ("lease about to expire", lambda f: replace(f, own_lease_ttl=240.0),
+     "error", "lease", ("expires in 4 min",), "10.244.1.0/24"),
+    ("renewal overdue", lambda f: replace(f, own_lease_ttl=1800.0),
+     "warning", "lease", ("renewals are failing",), "10.244.1.0/24"),
+    ("no status.json", lambda f: replace(f, status=None, status_error="x does not exist"),
+     "warning", "agent", ("does not exist",), ""),
+    ("agent stopped", lambda f: _status(f, last_reconcile=NOW - 600),
+     "warning", "agent", ("10 min ago",), ""),
+    ("agent not ready", lambda f: _status(f, ready=False), "error", "agent", ("not ready",), ""),
+    ("reconcile failing", lambda f: _status(f, converged=False, failures=["route x: EPERM"]),
+     "error", "agent", ("route x: EPERM",), ""),
+    ("blocked change", lambda f: _status(f, blocked=[{"change": "backend vxlan -> host-gw"}]),
+     "warning", "agent", ("backend vxlan -> host-gw",), ""),
+    ("vxlan device missing", _without_link("flannel.1"),
+     "error", "links", ("flannel.1 does not exist",), "flannel.1"),
+    ("bridge down", lambda f: _link(f, "cni0", up=False), "error", "links", ("cni0 is down",),
+     "cni0"),
+    ("underlay without carrier", lambda f: _link(f, "eth0", carrier=False),
+     "error", "links", ("eth0 has no carrier",), "eth0"),
+    ("veth down", lambda f: _link(f, "veth2", up=False), "warning", "links", ("veth2",), "veth2"),
+    ("vxlan device MTU", lambda f: _link(f, "flannel.1", mtu=1500),
+     "error", "mtu", ("flannel.1 1500", "overlay MTU 1450"), "flannel.1"),
+    ("veth MTU", lambda f: _link(f, "veth1", mtu=1500), "error", "mtu", ("veth1 1500",), "veth1"),
+    ("underlay MTU lowered", lambda f: replace(f, underlay=replace(und(f), mtu=1400)),
+     "error", "mtu", ("agent runs with overlay MTU 1450", "gives 1350"), ""),
+    ("peer MTU differs", _peer(2, mtu=1350), "error", "mtu", ("n2 1350",), "n2"),
+    ("route deleted", lambda f: _observed(f, routes=frozenset({_route(2)})),
+     "error", "routes", ("1 peer has no route (10.244.3.0/24 via n3 100.64.0.3)",), "n3"),
+    ("route hijacked", lambda f: _observed(f, routes=frozenset({_route(2), Route(
+        IPv4Network("10.244.3.0/24"), IPv4Address("100.64.0.99"), "eth0")})),
+     "error", "routes", ("wrong way",), "n3"),
+    ("stale route", lambda f: _observed(f, routes=obs(f).routes | {STALE_ROUTE}),
+     "warning", "routes", ("stale", "10.244.250.0/24"), "10.244.250.0/24"),
+    ("neighbour deleted", lambda f: _observed(f, neighbours=frozenset(
+        n for n in obs(f).neighbours if n.ip != IPv4Address("10.244.2.0"))),
+     "error", "neighbours", ("10.244.2.0", "(n2)"), "n2"),
+    ("stale neighbour", lambda f: _observed(f, neighbours=obs(f).neighbours | {
+        Neighbour("flannel.1", IPv4Address("10.244.7.0"), "02:00:00:00:00:07")}),
+     "warning", "neighbours", ("10.244.7.0",), "10.244.7.0"),
+    ("fdb entry deleted", lambda f: _observed(f, fdb=frozenset(
+        e for e in obs(f).fdb if e.mac != MAC[3])),
+     "error", "fdb", (MAC[3], "(n3)"), "n3"),
+    ("stale fdb entry", lambda f: _observed(f, fdb=obs(f).fdb | {
+        FdbEntry("flannel.1", "02:00:00:00:00:07", IPv4Address("100.64.0.7"))}),
+     "warning", "fdb", ("100.64.0.7",), "02:00:00:00:00:07"),
+    ("vtep address missing", lambda f: _observed(f, addresses=frozenset()),
+     "error", "addresses", ("10.244.1.0/32 on flannel.1",), ""),
+    ("vxlan device re-made wrong", lambda f: _observed(f, links=frozenset({WRONG_VNI})),
+     "error", "links", ("wrong VNI",), "flannel.1"),
+    ("masq chain flushed", _chain("nat/FLANNEL-POSTRTG", ("-N FLANNEL-POSTRTG",)),
+     "error", "firewall", ("nat/FLANNEL-POSTRTG: missing", "not masqueraded"),
+     "nat/FLANNEL-POSTRTG"),
+    ("forward jump gone", _chain("filter/FORWARD", ("-P FORWARD DROP",)),
+     "error", "firewall", ("filter/FORWARD: missing", "FORWARD policy"), "filter/FORWARD"),
+    ("masq rules out of order", _swap_first_two_rules,
+     "error", "firewall", ("wrong order",), "nat/FLANNEL-POSTRTG"),
+    ("iptables unavailable", lambda f: replace(f, chains=None, firewall_error="not installed"),
+     "warning", "firewall", ("not installed",), ""),
+    ("network overlaps a route", lambda f: replace(f, foreign=(*f.foreign, ForeignRoute(
+        IPv4Network("10.244.0.0/20"), "route 10.244.0.0/20 dev eth1"))),
+     "error", "overlap", ("route 10.244.0.0/20 dev eth1",), "10.244.0.0/20"),
+    ("drops rising on the vxlan device", lambda f: _counters(f, "flannel.1", tx_dropped=12),
+     "warning", "drops", ("flannel.1 tx_dropped +12",), "flannel.1"),
+    ("drops rising on pod veths", lambda f: _counters(f, "veth2", rx_errors=3),
+     "warning", "drops", ("pod veths rx_errors +3",), "pod veths"),
+    ("peer unreachable", _probe("10.244.3.0/24", reachable=False, error="timed out"),
+     "error", "peers", ("n3 (10.244.3.0/24): timed out",), "n3"),
+    ("full-size probe fails", _probe("10.244.2.0/24", mtu_ok=False),
+     "error", "peers", ("full-size packets do not reach n2",), "n2"),
+    ("probe loss", _probe("10.244.2.0/24", loss=0.3), "warning", "peers", ("n2 (10.244.2.0/24) "
+                                                                           "30%",), "n2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fault", "severity", "check", "words", "subject"),
+    [pytest.param(*case[1:], id=case[0]) for case in FAULTS],
+)
+def test_each_fault_is_named_by_its_check(
+    fault: Callable[[NodeFacts], NodeFacts], severity: str, check: str,
+    words: tuple[str, ...], subject: str,
+) -> None:  # fmt: skip
+    findings = diagnose(fault(healthy_facts()))
+    matching = [
+        f for f in problems(findings)
+        if f.check == check and f.severity == severity and all(w in f.message for w in words)
+    ]  # fmt: skip
+    assert matching, f"no {severity} {check} finding saying {words} in {problems(findings)}"
+    finding = matching[0]
+    assert finding.action, "every problem says what to do"
+    if subject:
+        assert subject in (finding.subject or "")
+    assert exit_code(findings) == 1
+
+
+def test_route_finding_reads_as_one_runbook_line() -> None:
+    facts = _observed(healthy_facts(), routes=frozenset({_route(2)}))
+    (finding,) = [f for f in diagnose(facts) if f.check == "routes"]
+    assert render_line(finding) == (
+        "ERROR  routes: 1 peer has no route (10.244.3.0/24 via n3 100.64.0.3): the agent has "
+        "not programmed it or something deleted it; pods there are unreachable from here; "
+        "check the agent log, it repairs within a second when running"
+    )
+
+
+def test_a_fault_leaves_the_other_checks_ok() -> None:
+    facts = _observed(healthy_facts(), routes=frozenset({_route(2)}))
+    findings = diagnose(facts)
+    assert [(f.severity, f.check) for f in problems(findings)] == [("error", "routes")]
+    text = render_text("n1", findings)
+    assert text.splitlines()[-1] == f"n1: 1 error(s), 0 warning(s), {len(findings) - 1} ok"
+
+
+def test_many_missing_routes_are_counted_not_all_listed() -> None:
+    facts = healthy_facts()
+    extra = [
+        replace(N2, subnet=IPv4Network(f"10.244.{n}.0/24"),
+                attrs=replace(N2.attrs, public_ip=IPv4Address(f"100.64.0.{n}"), node_name=f"n{n}"))
+        for n in range(10, 20)
+    ]  # fmt: skip
+    findings = diagnose(replace(facts, leases=(*facts.leases, *extra)))
+    routes = next(f for f in findings if f.check == "routes" and f.severity == "error")
+    assert "10 peers have no route" in routes.message and "and 6 more" in routes.message
+    assert routes.subject is not None and routes.subject.count(",") == 9
+
+
+def test_a_reservation_never_expires_and_unknown_expiry_is_not_a_problem() -> None:
+    own = node_lease(1, lease_id=None)
+    facts = replace(healthy_facts(), leases=(own, N2, N3), own_lease_ttl=None)
+    (lease,) = [f for f in diagnose(facts) if f.check == "lease"]
+    assert lease.severity == "ok" and "reservation" in lease.message
+
+
+def test_a_peer_advertising_no_mtu_is_unknown_not_a_mismatch() -> None:
+    facts = _peer(3, mtu=None)(healthy_facts())
+    mtu = [f for f in diagnose(facts) if f.check == "mtu"]
+    assert [f.severity for f in mtu] == ["ok"] and "1 advertise none" in mtu[0].message
+
+
+def test_configured_backend_mtu_sets_the_expected_device_mtu() -> None:
+    facts = healthy_facts()
+    facts = replace(facts, config=network_config("vxlan", mtu=1400))
+    mtu = [f for f in diagnose(facts) if f.check == "mtu" and f.severity == "error"]
+    assert any("net-conf.json's MTU 1400" in f.message and "1350" in f.message for f in mtu)
+
+
+def test_backend_mtu_above_the_underlays_is_named() -> None:
+    facts = replace(healthy_facts(), config=network_config("vxlan", mtu=9000))
+    mtu = [f for f in diagnose(facts) if f.check == "mtu" and f.severity == "error"]
+    assert any("Backend.MTU 9000 is larger than eth0's MTU 1500" in f.message for f in mtu)
+
+
+def test_overlap_is_a_warning_when_the_agent_allows_it() -> None:
+    facts = replace(healthy_facts(), settings=replace(SETTINGS, allow_overlap=True))
+    facts = replace(facts, foreign=(ForeignRoute(IPv4Network("10.244.5.0/24"), "route x"),))
+    (overlap,) = [f for f in diagnose(facts) if f.check == "overlap"]
+    assert overlap.severity == "warning"
+
+
+def test_a_few_drops_are_noise_but_any_error_is_not() -> None:
+    facts = _counters(healthy_facts(), "eth0", rx_dropped=3)
+    assert problems(diagnose(facts)) == []
+    facts = _counters(healthy_facts(), "eth0", rx_errors=1)
+    assert [f.subject for f in problems(diagnose(facts))] == ["eth0"]
+
+
+def test_counters_that_fall_are_a_restart_not_drops() -> None:
+    facts = _link(healthy_facts(), "flannel.1", counters=LinkCounters())
+    (drops,) = [f for f in diagnose(facts) if f.check == "drops"]
+    assert drops.severity == "ok"
+
+
+def test_one_probe_lost_at_start_up_is_not_loss() -> None:
+    facts = _probe("10.244.2.0/24", loss=1 / 9, probes=9)(healthy_facts())
+    assert problems(diagnose(facts)) == []
+    facts = _probe("10.244.2.0/24", loss=1 / 3, probes=3)(healthy_facts())
+    assert problems(diagnose(facts)) == []
+
+
+def test_first_run_records_a_baseline() -> None:
+    facts = replace(healthy_facts(), previous=None)
+    (drops,) = [f for f in diagnose(facts) if f.check == "drops"]
+    assert drops.severity == "ok" and "recorded" in drops.message
+
+
+def test_snapshot_round_trips_and_garbage_starts_a_new_baseline() -> None:
+    facts = healthy_facts()
+    snap = parse_snapshot(snapshot_json(facts))
+    assert snap == CounterSnapshot(NOW, {"flannel.1": COUNTS, "eth0": COUNTS, "cni0": COUNTS,
+                                         "pod veths": COUNTS + COUNTS})  # fmt: skip
+    for garbage in ("", "[]", '{"counters": {}}', '{"taken_at": 1, "counters": {"x": 3}}'):
+        assert parse_snapshot(garbage) is None
+
+
+def test_masq_rules_are_not_expected_when_the_agent_does_not_masquerade() -> None:
+    facts = replace(healthy_facts(), settings=replace(SETTINGS, ip_masq=False))
+    facts = _chain("nat/FLANNEL-POSTRTG", ())(facts)
+    facts = _chain("nat/POSTROUTING", ("-P POSTROUTING ACCEPT",))(facts)
+    (fw,) = [f for f in diagnose(facts) if f.check == "firewall"]
+    assert fw.severity == "ok" and "FLANNEL-FWD" in fw.message and "POSTRTG" not in fw.message
+
+
+def test_masq_rules_are_checked_when_the_chain_exists_whatever_our_flags() -> None:
+    facts = replace(healthy_facts(), settings=replace(SETTINGS, ip_masq=False))
+    facts = _chain("nat/FLANNEL-POSTRTG", ("-N FLANNEL-POSTRTG",))(facts)
+    (fw,) = [f for f in diagnose(facts) if f.check == "firewall"]
+    assert fw.severity == "error" and "nat/FLANNEL-POSTRTG: missing" in fw.message
+
+
+def test_host_gw_reports_a_left_over_vxlan_device_and_peers_off_segment() -> None:
+    facts = healthy_facts("host-gw")
+    leases = tuple(replace(p, attrs=replace(p.attrs, mtu=1500)) for p in facts.leases)
+    far = replace(node_lease(3), subnet=IPv4Network("10.244.30.0/24"),
+                  attrs=replace(N3.attrs, public_ip=IPv4Address("100.65.0.3"), mtu=1500))
+    link = VxlanLink("flannel.1", 1, IPv4Address("100.64.0.1"), "eth0", 8472, 1450, MAC[1])
+    facts = replace(facts, leases=(*leases, far))
+    facts = _observed(facts, links=frozenset({link}),
+                      addresses=frozenset({Address("flannel.1", IPv4Interface("10.244.1.0/32"))}))
+    found = {(f.severity, f.check, f.subject) for f in problems(diagnose(facts))}
+    assert ("warning", "links", "flannel.1") in found
+    assert ("error", "routes", "10.244.30.0/24") in found
+
+
+def test_route_protocol_is_ours() -> None:
+    assert ROUTE_PROTOCOL == 75  # stale-route findings say "protocol 75"
+
+
+def test_json_output_is_machine_readable() -> None:
+    findings = diagnose(_observed(healthy_facts(), routes=frozenset({_route(2)})))
+    doc = json.loads(render_json("n1", findings))
+    assert doc["node"] == "n1" and doc["healthy"] is False
+    errors = [f for f in doc["findings"] if f["severity"] == "error"]
+    assert errors == [{
+        "severity": "error", "check": "routes", "subject": "n3",
+        "message": errors[0]["message"], "action": errors[0]["action"],
+    }]  # fmt: skip
+
+
+def test_lab_and_node_go_together() -> None:
+    args = argparse.Namespace(lab="demo", node=None)
+    with pytest.raises(ConfigError, match="--lab and --node go together"):
+        resolve_target(args, {})
