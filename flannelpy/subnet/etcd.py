@@ -42,6 +42,7 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
+from flannelpy.subnet.backoff import Backoff
 from flannelpy.subnet.choose import LeaseChoice, choose_lease
 from flannelpy.subnet.lease import Lease, LeaseAttrs, key_to_subnet, subnet_to_key
 from flannelpy.subnet.manager import LeasesCallback
@@ -51,8 +52,6 @@ log = logging.getLogger("flannelpy.subnet.etcd")
 
 REQUEST_TIMEOUT = 5.0  # seconds per etcd request, so a dead member never hangs a call
 RACE_RETRIES = 10  # Flannel's: acquire re-lists and chooses again after a lost race
-BACKOFF_FIRST = 0.2  # seconds; the watch reconnect delay doubles up to BACKOFF_MAX
-BACKOFF_MAX = 10.0
 WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 
 # gRPC channel options: reconnect soon after etcd comes back (the default backoff
@@ -554,21 +553,6 @@ def put_network_config(store: Store, prefix: str, raw_json: str | bytes) -> Netw
 # ---------------------------------------------------------------------------
 
 
-class _Backoff:
-    """Reconnect delays: BACKOFF_FIRST doubling up to BACKOFF_MAX; reset on success."""
-
-    def __init__(self) -> None:
-        self._next = BACKOFF_FIRST
-
-    def reset(self) -> None:
-        self._next = BACKOFF_FIRST
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._next * 2, BACKOFF_MAX)
-        return delay
-
-
 def _wait(stop: threading.Event, seconds: float) -> None:
     stop.wait(seconds)
 
@@ -832,7 +816,7 @@ class EtcdSubnetManager:
         (an etcd restored from an older backup), which would hang us forever.
         Exceptions raised by ``on_leases`` propagate.
         """
-        backoff = _Backoff()
+        backoff = Backoff()
         leases: dict[str, Lease] | None = None
         revision = 0
         while not stop.is_set():

@@ -44,6 +44,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from flannelpy.config import AgentSettings, NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.subnet import kube_node as kn
+from flannelpy.subnet.backoff import BACKOFF_FIRST, BACKOFF_MAX, Backoff
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import LeasesCallback
 
@@ -61,8 +62,6 @@ REQUEST_TIMEOUT = 15.0  # seconds for a get, a list page or a patch
 WATCH_TIMEOUT_SECONDS = 300  # server-side end of one watch request (client-go: 5-10 min)
 WATCH_READ_SLACK = 30.0  # seconds past the server's timeout before the read gives up
 LIST_PAGE_SIZE = 500  # client-go's default page size
-BACKOFF_FIRST = 0.2  # seconds; doubles up to BACKOFF_MAX
-BACKOFF_MAX = 10.0
 PODCIDR_POLL_MAX = 5.0  # seconds between reads of our Node while its podCIDR is missing
 PODCIDR_LOG_EVERY = 30.0  # seconds between "pod cidr not assigned" warnings
 STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
@@ -212,19 +211,6 @@ def _read_json(what: str, fn: Callable[[], Any]) -> dict[str, Any]:
 def _rv_number(rv: str | None) -> int:
     # resourceVersions are opaque strings; in practice etcd revisions.
     return int(rv) if rv and rv.isdigit() else 0
-
-
-class _Backoff:
-    def __init__(self) -> None:
-        self._next = BACKOFF_FIRST
-
-    def reset(self) -> None:
-        self._next = BACKOFF_FIRST
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._next * 2, BACKOFF_MAX)
-        return delay
 
 
 # ---------------------------------------------------------------------------
@@ -526,7 +512,7 @@ class KubeSubnetManager:
         """
         config = self._network_config()
         state = _LeaseMap(self.node_name)
-        backoff = _Backoff()
+        backoff = Backoff()
         with _StreamCloser(stop) as closer:
             while not stop.is_set():
                 try:
