@@ -445,7 +445,9 @@ def check_mtu(facts: NodeFacts, plan: _Plan) -> list[Finding]:
         findings.append(
             Finding("error", "mtu", f"the agent runs with overlay MTU {running} but {basis} "
                     f"gives {want}: the underlay changed since the agent started",
-                    "restart the agent so that it applies and advertises the new MTU")
+                    "restart the agent so that it applies and advertises the new MTU; if the "
+                    "underlay MTU was put back instead, run `ip route flush cache`: the kernel "
+                    "keeps the smaller path MTU it learnt for 10 minutes")
         )  # fmt: skip
     report = mtu_check.mtu_mismatches(want, plan.peers)
     findings += _peer_mtus(plan, report)
