@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from ipaddress import IPv4Interface, IPv4Network
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from pathlib import Path
 
 from flannelpy.backend.base import Backend, NodeContext
@@ -624,9 +624,7 @@ def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkCon
             delay = min(delay * 2, 5.0)
 
 
-def _ip_or_none(value: str | None):  # type: ignore[no-untyped-def]
-    from ipaddress import IPv4Address
-
+def _ip_or_none(value: str | None) -> IPv4Address | None:
     return IPv4Address(value) if value else None
 
 
