@@ -135,6 +135,13 @@ class AgentSettings:
     # Turn off tx checksum offload on the vxlan device: Flannel's documented fix for
     # the kernel bug that corrupts VXLAN UDP checksums on some NICs and drivers.
     vxlan_tx_checksum_off: bool = False
+    probe_interval: float = 5.0  # seconds between two probe rounds to one peer
+    # This cluster's name for cluster-scoped address pools (flannelpy.io/cluster/<name>);
+    # None: only pools shared by every cluster.
+    cluster_name: str | None = None
+    # seconds between status records in the store (etcd mode) when nothing changed;
+    # a change, and every probe round while a change settles, is written at once
+    status_publish_interval: float = 10.0
 
 
 # ---------------------------------------------------------------------------
@@ -526,6 +533,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("metrics_addr", "str", "HOST:PORT of /metrics, /healthz and /readyz, or off"),
     _Flag("vxlan_tx_checksum_off", "bool",
           "turn off tx checksum offload on the vxlan device (VXLAN checksum bug fix)"),
+    _Flag("probe_interval", "float", "seconds between probe rounds to each peer"),
+    _Flag("cluster_name", "str",
+          "this cluster's name, for address pools tagged flannelpy.io/cluster/<name>"),
+    _Flag("status_publish_interval", "float",
+          "seconds between this node's status records in etcd when nothing changed"),
 )
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AgentSettings)}
@@ -700,6 +712,12 @@ def _positive(unit: str) -> Callable[[Any, str], Any]:
     return check
 
 
+def _check_cluster_name(value: str, source: str) -> str:
+    from flannelpy.subnet.pools import check_cluster_name
+
+    return check_cluster_name(value, source)
+
+
 def _check_log_format(value: str, source: str) -> str:
     folded = value.lower()
     if folded not in ("text", "json"):
@@ -771,6 +789,9 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "healthz_ip": _check_ip,
     "healthz_port": _in_range(0, 65535, "(0 turns the server off)"),
     "resync_interval": _positive("seconds"),
+    "probe_interval": _in_range(0.2, 3600, "seconds"),
+    "cluster_name": _check_cluster_name,
+    "status_publish_interval": _in_range(1, 3600, "seconds"),
     "startup_timeout": _positive("seconds"),
     "subnet_lease_ttl": _positive("seconds"),
     "log_format": _check_log_format,

@@ -73,6 +73,7 @@ CHANGE_KINDS = ("link", "address", "route", "neighbour", "fdb", "stale", "rule")
 PROGRAMMING_REASONS = frozenset({"start", "desired state changed"})
 
 CNI_COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
+LEASE_STATES = ("serving", "draining")  # flannelpy_leases{state}
 RENEWAL_RESULTS = ("success", "failure")
 WATCH_RESTART_REASONS = ("compacted", "unavailable")
 
@@ -107,6 +108,9 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_lease_expiry_timestamp_seconds": "gauge",
     "flannelpy_lease_renewals_total": "counter",
     "flannelpy_peers": "gauge",
+    # warm capacity and pools
+    "flannelpy_leases": "gauge",
+    "flannelpy_pool_utilisation_ratio": "gauge",
     # reconciler
     "flannelpy_reconciler_changes_total": "counter",
     "flannelpy_reconciler_repairs_total": "counter",
@@ -314,6 +318,7 @@ class AgentMetrics:
         self._backends: set[str] = set()
         self._probed: set[str] = set()
         self._leases: set[str] = set()
+        self._pools: set[str] = set()
         r = self.registry
 
         self._build = Gauge(
@@ -344,6 +349,18 @@ class AgentMetrics:
         self._peers = Gauge(
             "flannelpy_peers", "Peer leases (other nodes) by backend type.", ["backend"],
             registry=r,
+        )  # fmt: skip
+
+        self._lease_count = Gauge(
+            "flannelpy_leases",
+            "Leases this node holds, by state: serving (may get new pod addresses) or "
+            "draining (its pool is excluded; released when its last pod ends).",
+            ["state"], registry=r,
+        )  # fmt: skip
+        self._pool_utilisation = Gauge(
+            "flannelpy_pool_utilisation_ratio",
+            "Share (0..1) of the address pool's leasable subnets that nodes hold, by pool CIDR.",
+            ["pool"], registry=r,
         )  # fmt: skip
 
         self._changes = Counter(
@@ -442,6 +459,8 @@ class AgentMetrics:
             self._scrape_errors.labels(provider)
         self._mtu_mismatch.set(0)
         self._mtu_unknown.set(0)
+        for state in LEASE_STATES:
+            self._lease_count.labels(state).set(0)
         r.register(_ScrapeCollector(self))
         r.register(self._scrape_errors)
 
@@ -478,6 +497,23 @@ class AgentMetrics:
         with self._lock:
             self._leases.discard(key)
         self._lease_expiry.remove(key)
+
+    def lease_counts(self, serving: int, draining: int) -> None:
+        """How many leases this node holds that serve new pods, and how many drain."""
+        self._lease_count.labels("serving").set(serving)
+        self._lease_count.labels("draining").set(draining)
+
+    def pool_utilisation(self, ratios: Mapping[IPv4Network | str, float]) -> None:
+        """Every known pool's utilisation by CIDR (``PoolCapacity.utilisation`` of
+        ``subnet.pools.capacity``); pools not in ``ratios`` any more lose their series.
+        Values are clamped to 0..1."""
+        values = {str(pool): min(1.0, max(0.0, ratio)) for pool, ratio in ratios.items()}
+        with self._lock:  # two callers must not interleave set and remove
+            for pool in self._pools - values.keys():
+                self._pool_utilisation.remove(pool)
+            self._pools = set(values)
+            for pool, ratio in values.items():
+                self._pool_utilisation.labels(pool).set(ratio)
 
     def renewal(self, result: str) -> None:
         """A lease renewal attempt: "success" or "failure"."""

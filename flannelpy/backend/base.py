@@ -2,18 +2,35 @@
 
 It advertises what peers need to reach this node (LeaseAttrs) and turns our
 leases plus peer leases into a :class:`DesiredState`. It never touches the
-kernel; the reconciler does.
+kernel; the reconciler does. Every backend plans its peers through
+:func:`plan_peers`, so a cluster of mixed backends agrees on each pair's path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv4Interface
 from typing import Protocol
 
+from flannelpy.backend.paths import (
+    Capabilities,
+    NoPath,
+    choose_path,
+    own_capabilities,
+    peer_capabilities,
+)
 from flannelpy.config import NetworkConfig
-from flannelpy.dataplane.state import DesiredState, Route, UnderlayInterface, Unreachable
+from flannelpy.dataplane.state import (
+    Address,
+    DesiredState,
+    FdbEntry,
+    Neighbour,
+    Route,
+    UnderlayInterface,
+    Unreachable,
+    VxlanLink,
+)
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 
@@ -38,7 +55,13 @@ class Backend(Protocol):
         """Devices this backend creates and owns entirely."""
         ...
 
-    def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs: ...
+    def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
+        """What we advertise; BackendData carries the VTEP only when ``vtep_mac`` is given."""
+        ...
+
+    def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
+        """Whether this node must have a VTEP now (pass ``vtep_mac`` to plan/lease_attrs)."""
+        ...
 
     def plan(
         self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
@@ -60,16 +83,60 @@ def routable_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease
     ]
 
 
-def direct_route(ctx: NodeContext, peer: Lease) -> Route | Unreachable:
-    """host-gw's path: the peer's subnet via its address, if that address is on our L2 segment."""
-    if ctx.underlay.on_link(peer.attrs.public_ip):
-        return Route(dst=peer.subnet, gateway=peer.attrs.public_ip, ifname=ctx.underlay.name)
-    return Unreachable(
-        subnet=peer.subnet,
-        public_ip=peer.attrs.public_ip,
-        reason=(
-            f"peer {peer.attrs.public_ip} is not on a subnet of {ctx.underlay.name} "
-            f"({', '.join(str(n) for n in ctx.underlay.networks) or 'none'}); host-gw needs "
-            "every node on one L2 segment: use vxlan, or vxlan with DirectRouting"
+def plan_peers(
+    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], link: VxlanLink | None
+) -> DesiredState:
+    """The one planner behind every backend: a path per peer, chosen by
+    :func:`~flannelpy.backend.paths.choose_path` from both ends' capabilities.
+
+    ``link`` is our VTEP (always under vxlan; under host-gw only while a peer is
+    still vxlan), or None. Direct paths are a route via the peer's address on the
+    underlay; vxlan paths are the three entries of the recipe in
+    :mod:`flannelpy.backend.vxlan`. A peer without a path is reported, never
+    routed into a black hole.
+    """
+    # Our VTEP is the link we create; whether we prefer direct follows from the config.
+    caps = Capabilities(
+        prefers_direct=own_capabilities(ctx.config.backend, None).prefers_direct,
+        vni=link.vni if link else None,
+        vtep_mac=link.mac if link else None,
+    )
+    routes: set[Route] = set()
+    neighbours: set[Neighbour] = set()
+    fdb: set[FdbEntry] = set()
+    unreachable: set[Unreachable] = set()
+    for peer in routable_peers(ctx, own, peers):
+        ip = peer.attrs.public_ip
+        on_link = ctx.underlay.on_link(ip)
+        peer_caps = peer_capabilities(peer)
+        path = choose_path(caps, peer_caps, on_link)
+        if isinstance(path, NoPath):
+            networks = ", ".join(str(n) for n in ctx.underlay.networks) or "none"
+            where = (f"on a subnet of {ctx.underlay.name}" if on_link
+                     else f"not on a subnet of {ctx.underlay.name} ({networks})")
+            unreachable.add(Unreachable(
+                subnet=peer.subnet, public_ip=ip,
+                reason=f"no path to peer {ip}, which is {where}: {path.reason}",
+            ))
+        elif path == "direct":
+            routes.add(Route(dst=peer.subnet, gateway=ip, ifname=ctx.underlay.name))
+        else:
+            # choose_path answers vxlan only when both ends have a VTEP (a peer's needs its MAC).
+            assert link is not None and peer_caps.vtep_mac is not None
+            neighbours.add(Neighbour(link.name, peer.vtep_ip, peer_caps.vtep_mac))
+            fdb.add(FdbEntry(link.name, peer_caps.vtep_mac, ip))
+            routes.add(Route(dst=peer.subnet, gateway=peer.vtep_ip, ifname=link.name, onlink=True))
+    links = [link] if link else []
+    return DesiredState(
+        links=frozenset(links),
+        addresses=frozenset(
+            Address(dev.name, IPv4Interface(f"{lease.vtep_ip}/32"))
+            for dev in links
+            for lease in own
         ),
+        routes=frozenset(routes),
+        neighbours=frozenset(neighbours),
+        fdb=frozenset(fdb),
+        owned_devices=frozenset(dev.name for dev in links),
+        unreachable=frozenset(unreachable),
     )

@@ -1,6 +1,7 @@
 """vxlan: Flannel's VXLAN data path, with DirectRouting as the hybrid mode.
 
-The kernel recipe, per peer lease (subnet S, VTEP MAC M, public IP P):
+The kernel recipe, per peer reached through vxlan (subnet S, VTEP MAC M,
+public IP P):
 
 1. neighbour  ``S.network → M`` on flannel.<VNI>, permanent;
 2. FDB entry  ``M → dst P`` on flannel.<VNI>, permanent;
@@ -8,30 +9,27 @@ The kernel recipe, per peer lease (subnet S, VTEP MAC M, public IP P):
 
 The route goes last: once it exists the kernel may send to S, and with the
 neighbour and FDB entry already there it never has to ARP or flood. The
-device has learning off and carries our own lease's network address as /32,
-a source address for host-to-pod traffic that peers can route back to.
+device (the VTEP) has learning off, MTU underlay−50, and carries our own
+lease's network address as /32, a source address for host-to-pod traffic that
+peers can route back to.
 
-DirectRouting: a peer whose public IP is on our L2 segment gets host-gw's
-direct route instead, and no vxlan entries. A peer that advertises no VTEP
-(a host-gw node) is reached directly when it is on our segment, else reported.
+Which peers get this recipe and which get a direct route
+``S via P dev <underlay>`` is decided per pair by the symmetric rule in
+:mod:`flannelpy.backend.paths`: a peer on our L2 segment is routed directly when
+either end prefers it (we have DirectRouting, or the peer is host-gw or
+advertises DirectRouting) or either end has no VTEP; any other peer is
+encapsulated when it advertises a VTEP with our VNI, else reported unreachable.
+The same planner (:func:`~flannelpy.backend.base.plan_peers`) serves host-gw
+nodes, which borrow this module's device while a peer is still vxlan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from ipaddress import IPv4Interface
 
-from flannelpy.backend.base import NodeContext, direct_route, routable_peers
+from flannelpy.backend.base import NodeContext, plan_peers
 from flannelpy.config import VXLAN_ENCAP_OVERHEAD
-from flannelpy.dataplane.state import (
-    Address,
-    DesiredState,
-    FdbEntry,
-    Neighbour,
-    Route,
-    Unreachable,
-    VxlanLink,
-)
+from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 
@@ -39,11 +37,31 @@ def device_name(vni: int) -> str:
     return f"flannel.{vni}"
 
 
+def vtep_mtu(ctx: NodeContext) -> int:
+    return (ctx.config.backend.mtu or ctx.underlay.mtu) - VXLAN_ENCAP_OVERHEAD
+
+
+def vtep_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink:
+    """The VTEP device, the same under vxlan and (during a transition) under host-gw."""
+    backend = ctx.config.backend
+    return VxlanLink(
+        name=device_name(backend.vni),
+        vni=backend.vni,
+        local_ip=ctx.underlay.ip,
+        underlay=ctx.underlay.name,
+        port=backend.effective_port,
+        mtu=vtep_mtu(ctx),
+        mac=vtep_mac,
+        gbp=backend.gbp,
+        learning=backend.learning,
+    )
+
+
 class VxlanBackend:
     type_name = "vxlan"
 
     def mtu(self, ctx: NodeContext) -> int:
-        return (ctx.config.backend.mtu or ctx.underlay.mtu) - VXLAN_ENCAP_OVERHEAD
+        return vtep_mtu(ctx)
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
         return (device_name(ctx.config.backend.vni),)
@@ -55,52 +73,14 @@ class VxlanBackend:
             backend_data={"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac},
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
+            # Peers on our segment route to us directly too, so both directions match.
+            direct_routing=True if ctx.config.backend.direct_routing else None,
         )
 
-    def link(self, ctx: NodeContext, vtep_mac: str | None) -> VxlanLink:
-        backend = ctx.config.backend
-        return VxlanLink(
-            name=device_name(backend.vni),
-            vni=backend.vni,
-            local_ip=ctx.underlay.ip,
-            underlay=ctx.underlay.name,
-            port=backend.effective_port,
-            mtu=self.mtu(ctx),
-            mac=vtep_mac,
-            gbp=backend.gbp,
-            learning=backend.learning,
-        )
+    def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
+        return True
 
     def plan(
         self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
     ) -> DesiredState:
-        link = self.link(ctx, vtep_mac)
-        dev = link.name
-        addresses = {Address(dev, IPv4Interface(f"{lease.vtep_ip}/32")) for lease in own}
-        routes: set[Route] = set()
-        neighbours: set[Neighbour] = set()
-        fdb: set[FdbEntry] = set()
-        unreachable: set[Unreachable] = set()
-        direct_routing = ctx.config.backend.direct_routing
-        for peer in routable_peers(ctx, own, peers):
-            peer_mac = peer.attrs.vtep_mac if peer.attrs.backend_type == "vxlan" else None
-            on_link = ctx.underlay.on_link(peer.attrs.public_ip)
-            if peer_mac is None or (direct_routing and on_link):
-                path = direct_route(ctx, peer)
-                if isinstance(path, Route):
-                    routes.add(path)
-                else:
-                    unreachable.add(path)
-                continue
-            neighbours.add(Neighbour(dev, peer.vtep_ip, peer_mac))
-            fdb.add(FdbEntry(dev, peer_mac, peer.attrs.public_ip))
-            routes.add(Route(dst=peer.subnet, gateway=peer.vtep_ip, ifname=dev, onlink=True))
-        return DesiredState(
-            links=frozenset({link}),
-            addresses=frozenset(addresses),
-            routes=frozenset(routes),
-            neighbours=frozenset(neighbours),
-            fdb=frozenset(fdb),
-            owned_devices=frozenset({dev}),
-            unreachable=frozenset(unreachable),
-        )
+        return plan_peers(ctx, own, peers, vtep_link(ctx, vtep_mac))

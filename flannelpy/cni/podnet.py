@@ -162,7 +162,7 @@ def hairpin_request(port: str, on: bool) -> nl.Request:
     )
 
 
-def address_request(index: int, address: IPv4Interface) -> nl.Request:
+def address_request(index: int, address: IPv4Interface, delete: bool = False) -> nl.Request:
     net = address.network
     body = (
         _IFADDR.pack(socket.AF_INET, net.prefixlen, 0, nl.RT_SCOPE_UNIVERSE, index)
@@ -171,6 +171,8 @@ def address_request(index: int, address: IPv4Interface) -> nl.Request:
     )
     if net.prefixlen < 31:
         body += nl.attr(IFA_BROADCAST, net.broadcast_address.packed)
+    if delete:
+        return nl.Request(nl.RTM_DELADDR, 0, body)
     return nl.Request(nl.RTM_NEWADDR, nl.NLM_F_CREATE | nl.NLM_F_REPLACE, body)
 
 
@@ -287,6 +289,18 @@ class PodNetwork:
                 expires = time.monotonic() + BRIDGE_RECHECK_SECONDS
                 self._bridges[bridge] = (index, wanted, expires)
                 return index
+
+    def remove_gateway(self, gateway: IPv4Interface, bridge: str = "cni0") -> None:
+        """Take a released lease's gateway off the bridge. Its on-link route goes with
+        it, so the node no longer takes that subnet (soon another node's) for local."""
+        with nl.NetlinkSocket() as sock, self._bridge_lock:
+            self._bridges.pop(bridge, None)
+            link = get_link(sock, bridge)
+            if link is None:
+                return
+            replies = sock.batch([address_request(link.index, gateway, delete=True)])
+            if replies[0].error not in (0, errno.EADDRNOTAVAIL):
+                _check(replies, [f"remove gateway address {gateway} from {bridge}"])
 
     def _ensure_bridge(
         self, sock: nl.NetlinkSocket, bridge: str, gateways: Sequence[IPv4Interface], mtu: int

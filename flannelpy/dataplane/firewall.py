@@ -98,14 +98,24 @@ class SyncResult:
 
 
 def masq_rules(
-    network: IPv4Network, node_subnets: Sequence[IPv4Network], random_fully: bool
+    network: IPv4Network | Sequence[IPv4Network],
+    node_subnets: Sequence[IPv4Network],
+    random_fully: bool,
 ) -> list[Rule]:
-    """Flannel's masquerade rules for this node; one RETURN pair per subnet the node holds."""
+    """Flannel's masquerade rules for this node; one RETURN pair per subnet the node holds.
+
+    ``network`` may be several pod ranges (the primary Network first, then the other
+    address pools): traffic between any two of them keeps its source. With one
+    range the rules are exactly Flannel's.
+    """
+    networks = _networks(network)
+    primary = str(networks[0])
     subnets = list(dict.fromkeys(node_subnets))  # order kept, duplicates dropped
     for subnet in subnets:
-        if not subnet.subnet_of(network):
-            raise ConfigError(f"node subnet {subnet} is outside the network {network}")
-    net = str(network)
+        if not any(subnet.subnet_of(net) for net in networks):
+            raise ConfigError(
+                f"node subnet {subnet} is outside the network {_names(networks)}"
+            )
     masq = ("-j", "MASQUERADE", RANDOM_FULLY) if random_fully else ("-j", "MASQUERADE")
     comment = ("-m", "comment", "--comment", MASQ_COMMENT)
 
@@ -117,24 +127,42 @@ def masq_rules(
         rule("-m", "mark", "--mark", KUBE_PROXY_MARK, *comment, "-j", "RETURN"),
     ]
     for subnet in subnets:
-        rules.append(rule("-s", str(subnet), "-d", net, *comment, "-j", "RETURN"))
-        rules.append(rule("-s", net, "-d", str(subnet), *comment, "-j", "RETURN"))
+        for net in map(str, networks):
+            rules.append(rule("-s", str(subnet), "-d", net, *comment, "-j", "RETURN"))
+            rules.append(rule("-s", net, "-d", str(subnet), *comment, "-j", "RETURN"))
     for subnet in subnets:
-        rules.append(rule("!", "-s", net, "-d", str(subnet), *comment, "-j", "RETURN"))
-    rules.append(rule("-s", net, "!", "-d", MULTICAST, *comment, *masq))
-    rules.append(rule("!", "-s", net, "-d", net, *comment, *masq))
+        # Sources in any pod range returned above; what is left comes from outside.
+        rules.append(rule("!", "-s", primary, "-d", str(subnet), *comment, "-j", "RETURN"))
+    for src in map(str, networks):
+        for dst in map(str, networks):
+            if src != dst:
+                rules.append(rule("-s", src, "-d", dst, *comment, "-j", "RETURN"))
+    for net in map(str, networks):
+        rules.append(rule("-s", net, "!", "-d", MULTICAST, *comment, *masq))
+    for net in map(str, networks):
+        rules.append(rule("!", "-s", net, "-d", net, *comment, *masq))
     return rules
 
 
-def forward_rules(network: IPv4Network) -> list[Rule]:
-    """Flannel's forward rules: accept anything to or from the network."""
+def forward_rules(network: IPv4Network | Sequence[IPv4Network]) -> list[Rule]:
+    """Flannel's forward rules: accept anything to or from the network (every pod range)."""
     comment = ("-m", "comment", "--comment", FORWARD_COMMENT)
-    net = str(network)
-    return [
-        Rule("filter", "FORWARD", (*comment, "-j", FORWARD_CHAIN)),
-        Rule("filter", FORWARD_CHAIN, ("-s", net, *comment, "-j", "ACCEPT")),
-        Rule("filter", FORWARD_CHAIN, ("-d", net, *comment, "-j", "ACCEPT")),
-    ]
+    rules = [Rule("filter", "FORWARD", (*comment, "-j", FORWARD_CHAIN))]
+    for net in map(str, _networks(network)):
+        rules.append(Rule("filter", FORWARD_CHAIN, ("-s", net, *comment, "-j", "ACCEPT")))
+        rules.append(Rule("filter", FORWARD_CHAIN, ("-d", net, *comment, "-j", "ACCEPT")))
+    return rules
+
+
+def _networks(network: IPv4Network | Sequence[IPv4Network]) -> list[IPv4Network]:
+    nets = [network] if isinstance(network, IPv4Network) else list(network)
+    if not nets:
+        raise ConfigError("no pod network given for the firewall rules; set Network")
+    return list(dict.fromkeys(nets))
+
+
+def _names(networks: Sequence[IPv4Network]) -> str:
+    return " or ".join(str(n) for n in networks)
 
 
 def without_random_fully(rules: Iterable[Rule]) -> list[Rule]:

@@ -46,6 +46,7 @@ class Reconciler:
         self._on_result = on_result
         self._on_error = on_error
         self._lock = threading.Lock()
+        self._pass_lock = threading.Lock()  # one pass at a time: the loop, or a caller's
         self._desired: DesiredState | None = None
         self._stale_links: frozenset[str] = frozenset()
         self._wake = threading.Event()
@@ -75,6 +76,10 @@ class Reconciler:
     def reconcile_once(self, reason: str = "requested") -> ReconcileResult | None:
         """One pass. Returns None while no desired state is known (never act blind:
         programming an empty peer set at start-up would delete live routes)."""
+        with self._pass_lock:
+            return self._pass(reason)
+
+    def _pass(self, reason: str) -> ReconcileResult | None:
         with self._lock:
             desired = self._desired
             stale = self._stale_links

@@ -9,11 +9,18 @@ free cooling addresses early).
 
 Pools of leases the node no longer holds stay loaded and on disk, so their
 pods can still be found, released and garbage-collected; they get no new
-allocations.
+allocations. A lease leaves IPAM for good only through ``remove_lease_if_empty``,
+which refuses while any of its addresses is assigned or cooling.
+
+Warm capacity (``ipam.capacity``): ``set_low_free_watch`` names a threshold and a
+callback; the allocation that leaves fewer free addresses than that (or an ADD
+that finds none) calls it before returning, so the agent asks for another lease
+while addresses remain instead of waiting for a periodic loop (field-notes §2).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +29,13 @@ from types import TracebackType
 
 from flannelpy.errors import ConfigError, IpamExhausted
 from flannelpy.ipam.allocator import Accounting, Allocation, PoolAllocator, exhaustion_message
+from flannelpy.ipam.capacity import LeaseUsage
 from flannelpy.ipam.store import IpamStore
+
+log = logging.getLogger("flannelpy.ipam")
+
+# Called with the free addresses left on serving leases (cooling ones not counted).
+LowFreeCallback = Callable[[int], None]
 
 # Lower bound of one wait step, so a clock that rounds cannot spin the loop.
 _MIN_WAIT_STEP = 0.001
@@ -52,6 +65,10 @@ class NodeIpam:
         self._pools: dict[IPv4Network, PoolAllocator] = {}
         self._leases: list[IPv4Network] = []
         self._allocatable: list[IPv4Network] = []
+        self._low_free: tuple[int, LowFreeCallback | None] = (0, None)
+        # The longest cooldown any request asked for (a CNI config may set its own):
+        # emptiness, which decides a lease's release, must not end a cooldown early.
+        self._longest_cooldown = cooldown_seconds
         # Load every pool on disk: DEL and GC must work before the lease is known.
         with self._lock, self._store.locked():
             for subnet in self._store.subnets():
@@ -77,18 +94,73 @@ class NodeIpam:
         subnets: Sequence[IPv4Network],
         allocatable: Sequence[IPv4Network] | None = None,
     ) -> None:
-        """The node's leases in preference order; ``allocatable`` (default: all) may
-        receive new addresses. Pools of leases not listed keep their allocations."""
+        """The node's leases in preference order (oldest first); ``allocatable``
+        (default: all) may receive new addresses, walked in the leases' order; the
+        others are draining. Pools of leases not listed keep their allocations."""
         chosen = list(subnets) if allocatable is None else list(allocatable)
         unknown = [s for s in chosen if s not in subnets]
         if unknown:
             raise ValueError(f"allocatable subnets {unknown} are not among the leases {subnets}")
+        # One order for everything: the leases'. A caller's set decides only which.
+        chosen = [s for s in subnets if s in chosen]
         with self._lock, self._store.locked():
             for subnet in subnets:
                 if subnet not in self._pools:
                     self._pools[subnet] = self._load(subnet)
             self._leases = list(subnets)
             self._allocatable = chosen
+
+    def set_low_free_watch(self, threshold: int, callback: LowFreeCallback | None) -> None:
+        """Call ``callback(free)`` whenever an allocation leaves fewer than ``threshold``
+        free addresses on the serving leases, or an ADD finds none.
+
+        It runs in the CNI request's thread, without IPAM's locks, after the
+        allocation is on disk and before the answer is sent: it must only wake
+        whoever acquires the lease (set an event), never do I/O itself. An
+        exception it raises is logged, not passed to the CNI request.
+        Threshold 0 or callback None: off.
+        """
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"threshold must be a whole number >= 0, got {threshold!r}")
+        self._low_free = (threshold, callback)
+
+    def usage(self) -> list[LeaseUsage]:
+        """Per current lease, in the leases' order: assigned, cooling and free (cooling
+        never counts as free) with the default cooldown, and whether it is serving."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            now = self._clock()
+            return [
+                LeaseUsage.of(
+                    self._pools[s].accounting(now, self.cooldown_seconds), s in self._allocatable
+                )
+                for s in self._leases
+            ]
+
+    def is_empty(self, subnet: IPv4Network) -> bool:
+        """No address of ``subnet`` is assigned or cooling (by the longest cooldown any
+        request used): only then may its lease be released."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            return self._is_empty(subnet, self._clock())
+
+    def remove_lease_if_empty(self, subnet: IPv4Network) -> bool:
+        """Forget ``subnet`` and delete its state file if no address of it is assigned
+        or cooling; False (and nothing changes) otherwise.
+
+        Check and removal happen under IPAM's locks, so no ADD can land on the
+        lease in between: call this first and release the lease in the store only
+        when it returns True. A subnet IPAM never knew is removed trivially.
+        """
+        with self._lock, self._store.locked():
+            self._refresh()
+            if not self._is_empty(subnet, self._clock()):
+                return False
+            self._leases = [s for s in self._leases if s != subnet]
+            self._allocatable = [s for s in self._allocatable if s != subnet]
+            self._pools.pop(subnet, None)
+            self._store.delete(subnet)
+            return True
 
     def allocate(
         self,
@@ -110,6 +182,11 @@ class NodeIpam:
         _check_seconds("ipWaitSeconds", wait)
         deadline = self._clock() + wait
         ticket = object()  # our place among waiting requests, once we wait
+        threshold, on_low = self._low_free
+        watching = threshold > 0 and on_low is not None
+        left: int | None = None  # free addresses after this request, when watched
+        allocation: Allocation | None = None
+        exhausted: IpamExhausted | None = None
         try:
             while True:
                 with self._lock, self._store.locked():
@@ -117,6 +194,7 @@ class NodeIpam:
                     found = self._find(container_id, ifname)
                     if found is not None:
                         return found
+                    self._longest_cooldown = max(self._longest_cooldown, cooldown)
                     now = self._clock()
                     # Freed addresses go to waiting requests in arrival order: an ADD that
                     # came later must not take the address a bounded wait is waiting for.
@@ -128,15 +206,20 @@ class NodeIpam:
                         if free > ahead:
                             allocation = pool.allocate(container_id, ifname, now, cooldown)
                             self._save(subnet)
-                            return allocation
+                            break
                         ahead -= free
+                    if allocation is not None:
+                        if watching:
+                            left = self._free(now, cooldown)
+                        break
                     accounting = [
                         self._pools[s].accounting(now, cooldown) for s in self._allocatable
                     ]
                     step = _next_free_in(accounting)
                     owed = sum(a.free for a in accounting) > 0  # to earlier waiters, soon taken
                     if (step is None and not owed) or now + (step or 0) > deadline:
-                        raise IpamExhausted(exhaustion_message(accounting), accounting)
+                        exhausted = IpamExhausted(exhaustion_message(accounting), accounting)
+                        break
                     if ticket not in self._waiters:
                         self._waiters.append(ticket)
                 # Sleep without the locks so releases and other requests proceed.
@@ -145,6 +228,14 @@ class NodeIpam:
             with self._lock:
                 if ticket in self._waiters:
                     self._waiters.remove(ticket)
+        if allocation is None:
+            assert exhausted is not None
+            if watching:
+                self._notify_low(on_low, 0)
+            raise exhausted
+        if left is not None and left < threshold:
+            self._notify_low(on_low, left)
+        return allocation
 
     def release(self, container_id: str, ifname: str) -> Allocation | None:
         """Put (container_id, ifname)'s address into cooldown; None when it has none."""
@@ -205,7 +296,28 @@ class NodeIpam:
                 self._save(subnet)
         return released
 
-    # --- internals (called with both locks held) ---------------------------------
+    # --- internals (called with both locks held, unless said otherwise) -----------
+
+    def _free(self, now: float, cooldown: float) -> int:
+        return sum(self._pools[s].accounting(now, cooldown).free for s in self._allocatable)
+
+    def _is_empty(self, subnet: IPv4Network, now: float) -> bool:
+        pool = self._pools.get(subnet)
+        if pool is None:  # perhaps another process's file
+            pool = self._load(subnet)
+        acc = pool.accounting(now, self._longest_cooldown)
+        return acc.assigned == 0 and acc.cooling == 0
+
+    @staticmethod
+    def _notify_low(callback: LowFreeCallback | None, free: int) -> None:
+        # Without the locks: the callback may read usage() (it should not, but must not
+        # deadlock if it does). The allocation is on disk whatever the callback does.
+        if callback is None:
+            return
+        try:
+            callback(free)
+        except Exception:
+            log.exception("low free-address callback failed free=%d", free)
 
     def _ahead(self, ticket: object) -> int:
         """How many waiting requests are served before ``ticket``'s."""

@@ -141,6 +141,25 @@ class IpamStore:
             ) from e
         self._seen[subnet] = data
 
+    def delete(self, subnet: IPv4Network) -> None:
+        """Remove the subnet's file (a missing one is success), durably when ``fsync``."""
+        self._require_lock()
+        path = self.path(subnet)
+        try:
+            os.unlink(path)
+            if self.fsync:
+                self._fsync_directory()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            # Whether the unlink happened is unknown: force a re-read next time.
+            self._seen.pop(subnet, None)
+            raise StoreError(
+                f"cannot delete IPAM state file {path}: {e.strerror}; "
+                "check the state directory's permissions"
+            ) from e
+        self._seen[subnet] = None
+
     def corrupt(self, subnet: IPv4Network, why: str) -> StoreError:
         """The error for a state file that cannot be used as it is."""
         return StoreError(

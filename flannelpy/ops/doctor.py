@@ -51,6 +51,8 @@ from flannelpy.dataplane.state import (
 )
 from flannelpy.errors import ConfigError
 from flannelpy.ops import mtu as mtu_check
+from flannelpy.ops.config_change import wanted_config
+from flannelpy.ops.node_records import NodeOverride
 from flannelpy.subnet.lease import Lease
 from flannelpy.survey import find_overlaps
 
@@ -163,22 +165,29 @@ def _plan(facts: NodeFacts) -> _Plan | str:
         return "the network config is unknown"
     if facts.underlay is None:
         return "the underlay interface is unknown"
+    config = facts.config
+    running = (facts.status or {}).get("backend_config")
     try:
-        backend = get_backend(facts.config.backend.type)
+        if isinstance(running, Mapping):
+            # The node may run an override (a rollout in progress): judge it by what it
+            # runs; the change itself is the rollout's and the policy's business.
+            config = wanted_config(json.dumps(config.raw).encode(), NodeOverride(running, 0))
+        backend = get_backend(config.backend.type)
     except ConfigError as e:
         return str(e)
     settings = facts.settings
     ctx = NodeContext(
-        config=facts.config,
+        config=config,
         underlay=facts.underlay,
         public_ip=settings.public_ip or facts.underlay.ip,
         node_name=settings.node_name or "",
     )
     own = own_lease(facts, ctx.public_ip)
     peers = tuple(lease for lease in facts.leases if own is None or lease.key != own.key)
-    desired = backend.plan(ctx, [own], list(peers), facts.vtep_mac) if own else None
+    vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
+    desired = backend.plan(ctx, [own], list(peers), vtep_mac) if own else None
     return _Plan(
-        backend, ctx, own, peers, backend.mtu(ctx), desired, device_name(facts.config.backend.vni)
+        backend, ctx, own, peers, backend.mtu(ctx), desired, device_name(config.backend.vni)
     )
 
 
@@ -354,7 +363,7 @@ def check_agent(facts: NodeFacts) -> list[Finding]:
 
 def _blocked_text(item: object) -> str:
     if isinstance(item, Mapping):
-        return str(item.get("change") or item.get("operation") or item.get("reason") or item)
+        return str(item.get("sentence") or item.get("change") or item.get("reason") or item)
     return str(item)
 
 

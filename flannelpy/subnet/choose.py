@@ -12,6 +12,13 @@ Given the network config, every lease in the store and what we advertise,
 3. a random pick among the first 100 free subnets from SubnetMin (random, so
    nodes starting together rarely race for the same key).
 
+With address pools (field-notes §3, :mod:`flannelpy.subnet.pools`) passed as
+``pools=``, steps 1 and 1b accept a lease in any pool, whatever its tags (fail
+open: a drained or untagged pool keeps serving what it has); step 2 only takes
+the previous subnet if its pool may receive new leases; step 3 is
+:func:`choose_new_subnet`: the primary pool first, then the others in CIDR
+order, each walked as Flannel walks Network.
+
 The etcd manager does the I/O; this module only decides.
 """
 
@@ -25,6 +32,14 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_net
 from flannelpy.config import NetworkConfig
 from flannelpy.errors import ConfigError, PoolExhausted
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.pools import (
+    ROLE_EXCLUDED,
+    ROLE_KEY,
+    ROLE_OPT_IN,
+    Pool,
+    eligibility,
+    leasable_range,
+)
 
 FREE_CANDIDATES = 100  # Flannel collects this many free subnets, then picks one at random
 
@@ -38,6 +53,16 @@ class LeaseChoice:
     reason: str  # "public-ip" | "node-name" | "previous" | "free"
     existing: Lease | None = None
     delete: tuple[Lease, ...] = ()  # our own leases that no longer fit the config
+    pool: Pool | None = None  # the pool ``subnet`` lies in (only when pools were given)
+
+
+@dataclass(frozen=True)
+class PoolChoice:
+    """Where a new lease goes: ``subnet`` (and its IPv6 pair) in ``pool``."""
+
+    subnet: IPv4Network
+    ipv6_subnet: IPv6Network | None
+    pool: Pool
 
 
 def lease_fits(
@@ -83,19 +108,56 @@ def _in_range(
     )
 
 
+def lease_fits_pools(
+    config: NetworkConfig,
+    pools: Sequence[Pool],
+    subnet: IPv4Network,
+    ipv6_subnet: IPv6Network | None = None,
+) -> Pool | None:
+    """The pool a lease on ``subnet`` belongs to, or None if no pool could have leased it.
+
+    Tags do not matter here: a lease in a drained or untagged pool still fits (it keeps
+    serving until its pods end). Pools other than the primary are IPv4 only.
+    """
+    for pool in _creation_order(config, pools):
+        if pool.primary:
+            if lease_fits(config, subnet, ipv6_subnet):
+                return pool
+            continue
+        if ipv6_subnet is not None or config.enable_ipv6:
+            continue
+        rng = leasable_range(pool, config)
+        if subnet.prefixlen != rng.length or not subnet.subnet_of(pool.network):
+            continue
+        index = (int(subnet.network_address) - int(rng.first)) // rng.step
+        if int(subnet.network_address) >= int(rng.first) and index < rng.count:
+            return pool
+    return None
+
+
 def choose_lease(
     config: NetworkConfig,
     leases: Sequence[Lease],
     attrs: LeaseAttrs,
     previous_subnet: IPv4Network | None,
     rng: random.Random,
+    *,
+    pools: Sequence[Pool] | None = None,
+    cluster: str | None = None,
 ) -> LeaseChoice:
-    """Apply the acquire order above. Raises PoolExhausted when no subnet is free."""
+    """Apply the acquire order above. Raises PoolExhausted when no subnet is free.
+
+    ``pools`` None: the config's Network alone, exactly as Flannel. Otherwise the
+    store's pools (see the module docstring) as seen by ``cluster`` (None: an agent
+    without a cluster name).
+    """
     if not config.enable_ipv4 or config.network is None:
         raise ConfigError(
             "net-conf.json: EnableIPv4 is false, but etcd leases are keyed by an IPv4 "
             "subnet; enable IPv4 (dual stack is supported)"
         )
+    if pools is not None:
+        return _choose_lease_in_pools(config, pools, cluster, leases, attrs, previous_subnet, rng)
     delete: list[Lease] = []
 
     mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
@@ -135,6 +197,143 @@ def choose_lease(
         raise PoolExhausted(_exhausted_message(config))
     v4, v6 = rng.choice(free)
     return LeaseChoice(v4, v6, "free", delete=tuple(delete))
+
+
+def _choose_lease_in_pools(
+    config: NetworkConfig,
+    pools: Sequence[Pool],
+    cluster: str | None,
+    leases: Sequence[Lease],
+    attrs: LeaseAttrs,
+    previous_subnet: IPv4Network | None,
+    rng: random.Random,
+) -> LeaseChoice:
+    """choose_lease's order over several pools (same steps, pool-aware fit)."""
+    delete: list[Lease] = []
+    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
+    if mine is not None:
+        pool = lease_fits_pools(config, pools, mine.subnet, mine.ipv6_subnet)
+        if pool is not None:
+            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", mine, pool=pool)
+        delete.append(mine)
+    if attrs.node_name is not None:
+        named = _find(
+            leases,
+            lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
+        )
+        if named is not None:
+            pool = lease_fits_pools(config, pools, named.subnet, named.ipv6_subnet)
+            if pool is not None:
+                return LeaseChoice(
+                    named.subnet, named.ipv6_subnet, "node-name", named, tuple(delete), pool
+                )
+            delete.append(named)
+
+    others = [lease for lease in leases if all(lease is not d for d in delete)]
+    if previous_subnet is not None:
+        # The previous subnet would be a new key: its pool must accept new leases.
+        previous_v6 = _paired_v6(config, previous_subnet)
+        pool = lease_fits_pools(config, pools, previous_subnet, previous_v6)
+        if (
+            pool is not None
+            and eligibility(pool, cluster).create_leases
+            and _Held(others).is_free(previous_subnet, previous_v6)
+        ):
+            return LeaseChoice(previous_subnet, previous_v6, "previous", None, tuple(delete), pool)
+
+    new = choose_new_subnet(config, pools, cluster, others, rng)
+    return LeaseChoice(new.subnet, new.ipv6_subnet, "free", None, tuple(delete), new.pool)
+
+
+def choose_new_subnet(
+    config: NetworkConfig,
+    pools: Sequence[Pool],
+    cluster: str | None,
+    leases: Sequence[Lease],
+    rng: random.Random,
+) -> PoolChoice:
+    """The subnet for a NEW lease (field-notes §3), chosen among ``pools``.
+
+    Only pools where :func:`~flannelpy.subnet.pools.eligibility` allows creating
+    leases are walked: the primary pool first (added from the config if ``pools``
+    lacks it), then the others in CIDR order. Within the first pool with room,
+    Flannel's rule: collect up to 100 free subnets from its start, pick one at
+    random. ``leases`` is every lease in the store; each blocks what it overlaps.
+    Raises PoolExhausted naming every pool and why it could not be used.
+    """
+    if not config.enable_ipv4 or config.network is None:
+        raise ConfigError(
+            "net-conf.json: EnableIPv4 is false, but etcd leases are keyed by an IPv4 "
+            "subnet; enable IPv4 (dual stack is supported)"
+        )
+    held = _Held(leases)
+    refusals = []
+    for pool in _creation_order(config, pools):
+        if not eligibility(pool, cluster).create_leases:
+            refusals.append(_not_eligible(pool, cluster))
+            continue
+        if not pool.primary and config.enable_ipv6:
+            refusals.append(f"{pool.network} is IPv4 only, but the network config enables IPv6")
+            continue
+        free = []
+        for v4, v6 in _pool_candidates(config, pool):
+            if held.is_free(v4, v6):
+                free.append((v4, v6))
+                if len(free) >= FREE_CANDIDATES:
+                    break
+        if free:
+            v4, v6 = rng.choice(free)
+            return PoolChoice(v4, v6, pool)
+        span = leasable_range(pool, config)
+        if span.count:
+            refusals.append(
+                f"{pool.network} is full (all {span.count} /{span.length} subnets leased)"
+            )
+        else:
+            refusals.append(f"{pool.network} holds no /{span.length} subnet to lease")
+    raise PoolExhausted(
+        "no pool can take a new lease: " + "; ".join(refusals) + f"; free some leases, or "
+        f"add a pool (flannelpy pools add CIDR) and tag it {ROLE_KEY}={ROLE_OPT_IN}"
+    )
+
+
+def _creation_order(config: NetworkConfig, pools: Sequence[Pool]) -> list[Pool]:
+    """The primary pool (from ``pools``, else the config's Network untagged), then the
+    others in CIDR order."""
+    assert config.network is not None
+    primary = next((p for p in pools if p.primary), None)
+    if primary is None:
+        primary = Pool(config.network, {}, primary=True, subnet_len=config.subnet_len)
+    others = sorted(
+        (p for p in pools if not p.primary),
+        key=lambda p: (int(p.network.network_address), p.network.prefixlen),
+    )
+    return [primary, *others]
+
+
+def _pool_candidates(
+    config: NetworkConfig, pool: Pool
+) -> Iterator[tuple[IPv4Network, IPv6Network | None]]:
+    if pool.primary:
+        yield from candidate_subnets(config)  # SubnetMin..SubnetMax, IPv6 paired
+        return
+    span = leasable_range(pool, config)
+    for index in range(span.count):
+        yield span.subnet(index), None
+
+
+def _not_eligible(pool: Pool, cluster: str | None) -> str:
+    """Why ``pool`` takes no new lease, in a few words (eligibility() decided it)."""
+    name = "the primary pool " if pool.primary else ""
+    if pool.clusters and (cluster is None or cluster not in pool.clusters):
+        scope = ", ".join(sorted(pool.clusters))
+        whom = f"not {cluster}" if cluster is not None else "and this agent has no cluster name"
+        return f"{name}{pool.network} belongs to cluster(s) {scope}, {whom}"
+    if pool.role == ROLE_EXCLUDED:
+        return f"{name}{pool.network} is tagged {ROLE_KEY}={ROLE_EXCLUDED} (draining)"
+    if pool.role is None:
+        return f"{pool.network} has no {ROLE_KEY} tag (untagged pools take no new leases)"
+    return f"{pool.network} has {ROLE_KEY}={pool.role!r}, which is neither 1 nor 0"
 
 
 def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | None:

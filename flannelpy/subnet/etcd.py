@@ -43,9 +43,10 @@ from flannelpy.errors import (
     StoreUnavailable,
 )
 from flannelpy.subnet.backoff import Backoff
-from flannelpy.subnet.choose import LeaseChoice, choose_lease
+from flannelpy.subnet.choose import LeaseChoice, choose_lease, choose_new_subnet
 from flannelpy.subnet.lease import Lease, LeaseAttrs, key_to_subnet, subnet_to_key
 from flannelpy.subnet.manager import LeasesCallback
+from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.store import GrantedLease, KeyValue, Store, WatchBatch, WatchEvent
 
 log = logging.getLogger("flannelpy.subnet.etcd")
@@ -647,11 +648,20 @@ class EtcdSubnetManager:
 
     # -- acquire / renew / release ------------------------------------------
 
-    def acquire_lease(self, attrs: LeaseAttrs, previous_subnet: IPv4Network | None) -> Lease:
+    def acquire_lease(
+        self,
+        attrs: LeaseAttrs,
+        previous_subnet: IPv4Network | None,
+        pools: Sequence[Pool] | None = None,
+        cluster: str | None = None,
+    ) -> Lease:
         config = self.get_network_config()
         for attempt in range(1, RACE_RETRIES + 1):
             leases, _ = self.list_leases()
-            choice = choose_lease(config, list(leases.values()), attrs, previous_subnet, self._rng)
+            choice = choose_lease(
+                config, list(leases.values()), attrs, previous_subnet, self._rng,
+                pools=pools, cluster=cluster,
+            )  # fmt: skip
             for stale in choice.delete:
                 if self._store.delete_if_mod_revision(self._key(stale), stale.revision):
                     log.info(
@@ -670,6 +680,28 @@ class EtcdSubnetManager:
         raise StoreError(
             f"could not acquire a lease in {RACE_RETRIES} attempts: other nodes kept taking "
             "the chosen subnets first; retry, and check for many nodes starting at once"
+        )
+
+    def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
+        """One more lease for this node, in the first eligible pool with room (field
+        notes §3). Raises PoolExhausted naming every pool and why, or StoreError."""
+        config = self.get_network_config()
+        for attempt in range(1, RACE_RETRIES + 1):
+            leases, _ = self.list_leases()
+            new = choose_new_subnet(config, pools, cluster, list(leases.values()), self._rng)
+            choice = LeaseChoice(new.subnet, new.ipv6_subnet, "free", pool=new.pool)
+            lease = self._write_choice(choice, attrs)
+            if lease is not None:
+                log.info(
+                    "additional lease acquired subnet=%s pool=%s public_ip=%s",
+                    lease.subnet, new.pool.network, attrs.public_ip,
+                )  # fmt: skip
+                return lease
+            log.info("lost a race for a subnet; choosing again subnet=%s attempt=%d",
+                     new.subnet, attempt)  # fmt: skip
+        raise StoreError(
+            f"could not acquire another lease in {RACE_RETRIES} attempts: other nodes kept "
+            "taking the chosen subnets first; it is retried"
         )
 
     def _write_choice(self, choice: LeaseChoice, attrs: LeaseAttrs) -> Lease | None:

@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
@@ -47,6 +47,7 @@ from flannelpy.subnet import kube_node as kn
 from flannelpy.subnet.backoff import BACKOFF_FIRST, BACKOFF_MAX, Backoff
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import LeasesCallback
+from flannelpy.subnet.pools import Pool
 
 log = logging.getLogger("flannelpy.subnet.kube")
 
@@ -55,7 +56,10 @@ RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "pods", ("get",)),
     ("", "nodes", ("get", "list", "watch")),
     ("", "nodes/status", ("patch",)),
+    ("", "events", ("create",)),  # a record of each change forced past the policy
 )
+
+OVERRIDE_ANNOTATION = "flannelpy.io/override"  # this node's Backend, like etcd's override key
 
 CONNECT_TIMEOUT = 5.0  # seconds
 REQUEST_TIMEOUT = 15.0  # seconds for a get, a list page or a patch
@@ -348,6 +352,9 @@ class KubeSubnetManager:
         self._node_name = self._identity.node_name
         self._config: NetworkConfig | None = None
         self._attrs: LeaseAttrs | None = None  # what the agent asked us to advertise
+        # Our Node's override annotation as the node watch last saw it (None: absent).
+        self.own_override: str | None = None
+        self.own_override_seen = threading.Event()
         self._warned: dict[str, str] = {}
 
     # -- identity and config ---------------------------------------------------------------
@@ -444,8 +451,15 @@ class KubeSubnetManager:
 
     # -- acquire / renew ---------------------------------------------------------------------
 
-    def acquire_lease(self, attrs: LeaseAttrs, previous_subnet: IPv4Network | None) -> Lease:
-        """Our podCIDR as a lease, once the controller-manager has assigned it.
+    def acquire_lease(
+        self,
+        attrs: LeaseAttrs,
+        previous_subnet: IPv4Network | None,
+        pools: Sequence[Pool] | None = None,
+        cluster: str | None = None,
+    ) -> Lease:
+        """Our podCIDR as a lease, once the controller-manager has assigned it (address
+        pools do not apply: the controller-manager owns pod CIDRs).
 
         Waits (forever, logging every PODCIDR_LOG_EVERY s) while it is not assigned:
         crash-looping would not make it come sooner. Raises ConfigError when it lies
@@ -482,6 +496,15 @@ class KubeSubnetManager:
                 )  # fmt: skip
             self._pause(delay)
             delay = min(delay * 2, PODCIDR_POLL_MAX)
+
+    def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
+        raise ConfigError(
+            "address pools and MaxLeasesPerNode > 1 do not apply in Kubernetes mode: the "
+            "controller-manager owns pod CIDRs (--cluster-cidr); use etcd mode for pools"
+        )
+
+    def release_lease(self, lease: Lease) -> bool:
+        return False  # our podCIDR is the controller-manager's to take back
 
     def renew_lease(self, lease: Lease) -> Lease:
         """Re-check our annotations (patching only what differs) and the podCIDR.
@@ -631,7 +654,11 @@ class KubeSubnetManager:
                 raise RevisionCompacted(f"node watch: {message} (410 Gone)", 0)
             raise StoreUnavailable(f"node watch error {code}: {message}")
         if kind in ("ADDED", "MODIFIED"):
-            state.put(kn.node_name(obj), self._lease_of(obj, config))
+            name = kn.node_name(obj)
+            if name == state.own_node:
+                self.own_override = kn.node_annotations(obj).get(OVERRIDE_ANNOTATION)
+                self.own_override_seen.set()
+            state.put(name, self._lease_of(obj, config))
         elif kind == "DELETED":
             name = kn.node_name(obj)
             state.put(name, None)
@@ -649,6 +676,24 @@ class KubeSubnetManager:
             return None
         self._warned.pop(name, None)
         return lease
+
+    def create_node_event(self, reason: str, message: str, kind: str = "Warning") -> None:
+        """A core/v1 Event about our Node (``kubectl describe node`` shows it)."""
+        name = self.node_name
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._clock()))
+        body: Any = {
+            "metadata": {"generateName": f"{name}.flannelpy-", "namespace": "default"},
+            "involvedObject": {"kind": "Node", "name": name, "uid": name, "apiVersion": "v1"},
+            "reason": reason, "message": message, "type": kind,
+            "source": {"component": "flannelpy", "host": name},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }  # fmt: skip
+        _call(
+            "create event",
+            lambda: self._api.create_namespaced_event(
+                "default", body, _preload_content=False, _request_timeout=self._timeout()
+            ),
+        )
 
     # -- plumbing ----------------------------------------------------------------------------
 

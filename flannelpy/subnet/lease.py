@@ -28,9 +28,11 @@ class LeaseAttrs:
     public_ipv6: str | None = None
     backend_v6_data: Mapping[str, Any] | None = None
     # Extensions (Flannel ignores them): the node's name, used to recognise a
-    # node re-created with a new address, and its overlay MTU.
+    # node re-created with a new address, its overlay MTU, and whether a vxlan
+    # node routes on-link peers directly (peers choose the same path back).
     node_name: str | None = None
     mtu: int | None = None
+    direct_routing: bool | None = None  # True, or None: written only when True
 
     @property
     def vtep_mac(self) -> str | None:
@@ -53,6 +55,8 @@ class LeaseAttrs:
             ext["NodeName"] = self.node_name
         if self.mtu is not None:
             ext["MTU"] = self.mtu
+        if self.direct_routing:
+            ext["DirectRouting"] = True
         if ext:
             doc[EXTENSION_KEY] = ext
         return json.dumps(doc, separators=(",", ":"))
@@ -82,6 +86,7 @@ class LeaseAttrs:
             backend_v6_data=_object_or_none(doc.get("BackendV6Data")),
             node_name=ext.get("NodeName"),
             mtu=int(mtu) if isinstance(mtu, int) else None,
+            direct_routing=True if ext.get("DirectRouting") is True else None,
         )
 
 

@@ -7,12 +7,13 @@ implements the same protocol with what the API server gives. Keep it small.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from ipaddress import IPv4Network
 from typing import Protocol
 
 from flannelpy.config import NetworkConfig
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.pools import Pool
 
 # Called with every lease in the store (our own included), keyed by lease key,
 # and the store revision that snapshot reflects. Called once after the initial
@@ -25,8 +26,25 @@ class SubnetManager(Protocol):
         """Read and validate the network config. Raises ConfigError / StoreError."""
         ...
 
-    def acquire_lease(self, attrs: LeaseAttrs, previous_subnet: IPv4Network | None) -> Lease:
-        """Reuse or create our lease (Flannel's order). Raises PoolExhausted / StoreError."""
+    def acquire_lease(
+        self,
+        attrs: LeaseAttrs,
+        previous_subnet: IPv4Network | None,
+        pools: Sequence[Pool] | None = None,
+        cluster: str | None = None,
+    ) -> Lease:
+        """Reuse or create our (first) lease, Flannel's order; ``pools`` None: the
+        config's Network alone. Raises PoolExhausted / StoreError."""
+        ...
+
+    def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
+        """Another lease for this node, in an eligible pool (etcd mode only: in
+        Kubernetes mode the controller-manager owns pod CIDRs). Raises PoolExhausted,
+        StoreError, or ConfigError where pools do not apply."""
+        ...
+
+    def release_lease(self, lease: Lease) -> bool:
+        """Delete our lease (only if still ours). True if it went."""
         ...
 
     def renew_lease(self, lease: Lease) -> Lease:

@@ -17,9 +17,18 @@ pod addresses is never released, whatever the tags say.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Network
+from ipaddress import IPv4Address, IPv4Network
+from typing import TYPE_CHECKING, Any
+
+from flannelpy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flannelpy.config import NetworkConfig
+    from flannelpy.subnet.lease import Lease
 
 ROLE_KEY = "flannelpy.io/role"
 CLUSTER_KEY_PREFIX = "flannelpy.io/cluster/"
@@ -32,6 +41,9 @@ class Pool:
     network: IPv4Network
     tags: Mapping[str, str] = field(default_factory=dict)
     primary: bool = False  # the network config's Network
+    # Prefix length of the leases cut from this pool; None: the config's SubnetLen
+    # (always so for the primary pool, whose SubnetLen follows the config).
+    subnet_len: int | None = None
 
     @property
     def role(self) -> str | None:
@@ -85,3 +97,258 @@ def may_release_lease(pool: Pool, cluster: str | None, assigned: int, cooling: i
     if assigned or cooling:
         return False
     return not eligibility(pool, cluster).allocate_addresses
+
+
+# ---------------------------------------------------------------------------
+# Tags: what `flannelpy pools tag` accepts (stored records are read leniently:
+# an unknown role value already fails closed in eligibility()).
+# ---------------------------------------------------------------------------
+
+# A cluster name as a Kubernetes label value: it often is one.
+_CLUSTER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+
+
+def check_cluster_name(name: str, source: str = "--cluster-name") -> str:
+    """``name`` if it can be a cluster scope; raises ConfigError."""
+    if not _CLUSTER_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source} {name!r} is not a cluster name; use 1-63 letters, digits, '-', '_' "
+            "or '.', starting and ending with a letter or digit"
+        )
+    return name
+
+
+def check_tag(key: str, value: str | None) -> None:
+    """Refuse a tag §3 does not define. ``value`` None: only the key is checked (untag)."""
+    if key == ROLE_KEY:
+        if value is not None and value not in (ROLE_OPT_IN, ROLE_EXCLUDED):
+            raise ConfigError(
+                f"{ROLE_KEY}={value} is not a role; use {ROLE_KEY}=1 (new leases may be "
+                f"created) or {ROLE_KEY}=0 (drain: nothing new lands)"
+            )
+        return
+    if key.startswith(CLUSTER_KEY_PREFIX):
+        check_cluster_name(key[len(CLUSTER_KEY_PREFIX) :], f"tag {key}: the cluster name")
+        return
+    raise ConfigError(
+        f"{key!r} is not a pool tag; pools take {ROLE_KEY} (1 or 0) and "
+        f"{CLUSTER_KEY_PREFIX}<cluster-name>"
+    )
+
+
+def parse_tag(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` → (key, value), checked with :func:`check_tag`."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"{text!r} is not KEY=VALUE; write it like {ROLE_KEY}=1")
+    check_tag(key, value)
+    return key, value
+
+
+def parse_pool_cidr(text: str) -> IPv4Network:
+    """A pool's CIDR as the user typed it; raises ConfigError naming the fix."""
+    text = text.strip()
+    if "/" not in text:
+        raise ConfigError(f"{text!r} is not a CIDR; write it as address/prefix, like 10.250.0.0/16")
+    try:
+        return IPv4Network(text, strict=True)
+    except ValueError as e:
+        try:
+            network = IPv4Network(text, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"{text!r} is not an IPv4 CIDR; pools are IPv4 ranges like 10.250.0.0/16"
+            ) from e
+        raise ConfigError(f"{text} has host bits set; write the network address, {network}") from e
+
+
+# ---------------------------------------------------------------------------
+# Records: <prefix>/flannelpy/pools/<10.250.0.0-16> holds
+#   {"Network": "10.250.0.0/16", "SubnetLen": 24, "Tags": {"flannelpy.io/role": "1"}}
+# ---------------------------------------------------------------------------
+
+
+def pool_record(pool: Pool, subnet_len: int) -> bytes:
+    """The stored JSON of ``pool`` (``subnet_len``: its own, else the config's)."""
+    doc = {
+        "Network": str(pool.network),
+        "SubnetLen": pool.subnet_len if pool.subnet_len is not None else subnet_len,
+        "Tags": dict(sorted(pool.tags.items())),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def parse_pool_record(value: bytes | str) -> Pool:
+    """A stored record → a non-primary Pool; raises ValueError naming what is wrong."""
+    try:
+        doc: Any = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"pool record is not JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ValueError("pool record is not a JSON object")
+    try:
+        network = IPv4Network(str(doc.get("Network")), strict=True)
+    except ValueError as e:
+        raise ValueError(f"pool record has no valid Network: {doc.get('Network')!r}") from e
+    length = doc.get("SubnetLen")
+    if length is not None and (
+        not isinstance(length, int) or isinstance(length, bool) or not 0 < length <= 32
+    ):
+        raise ValueError(f"pool record has an invalid SubnetLen: {length!r}")
+    tags = doc.get("Tags") or {}
+    if not isinstance(tags, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tags.items()
+    ):
+        raise ValueError("pool record Tags is not an object of strings")
+    return Pool(network, dict(tags), primary=False, subnet_len=length)
+
+
+def assemble_pools(config: NetworkConfig, records: Iterable[Pool]) -> list[Pool]:
+    """The pools of a store: the config's Network first (carrying the tags of its
+    record, if it has one), then every other record in CIDR order.
+
+    A record for the primary network keeps only its tags: its SubnetLen follows the
+    config. A record left from an older Network is an ordinary pool, so leases there
+    keep serving and a drain is one ``tag`` away.
+    """
+    if config.network is None:
+        raise ConfigError("net-conf.json has no IPv4 Network; pools are IPv4 ranges")
+    primary = Pool(config.network, {}, primary=True, subnet_len=config.subnet_len)
+    others = []
+    for record in records:
+        if record.network == config.network:
+            primary = Pool(config.network, dict(record.tags), True, config.subnet_len)
+        else:
+            others.append(record)
+    return [primary, *sorted(others, key=lambda p: _network_order(p.network))]
+
+
+def _network_order(network: IPv4Network) -> tuple[int, int]:
+    return int(network.network_address), network.prefixlen
+
+
+def effective_subnet_len(pool: Pool, config: NetworkConfig) -> int:
+    if pool.primary or pool.subnet_len is None:
+        return config.subnet_len
+    return pool.subnet_len
+
+
+@dataclass(frozen=True)
+class LeasableRange:
+    """The subnets a pool can lease: ``count`` subnets of ``/length`` from ``first``."""
+
+    first: IPv4Address
+    length: int
+    count: int
+
+    @property
+    def step(self) -> int:
+        return 1 << (32 - self.length)
+
+    def subnet(self, index: int) -> IPv4Network:
+        return IPv4Network((int(self.first) + index * self.step, self.length))
+
+
+def leasable_range(pool: Pool, config: NetworkConfig) -> LeasableRange:
+    """The primary pool leases SubnetMin..SubnetMax; another pool every subnet but the
+    first (Flannel's default SubnetMin rule: the first's address is the pool's own)."""
+    length = effective_subnet_len(pool, config)
+    if pool.primary:
+        step = 1 << (32 - length)
+        count = (int(config.subnet_max) - int(config.subnet_min)) // step + 1
+        return LeasableRange(config.subnet_min, length, count)
+    if length < pool.network.prefixlen:
+        return LeasableRange(pool.network.network_address, length, 0)
+    step = 1 << (32 - length)
+    subnets = 1 << (length - pool.network.prefixlen)
+    return LeasableRange(pool.network.network_address + step, length, subnets - 1)
+
+
+def check_new_pool(network: IPv4Network, config: NetworkConfig, pools: Sequence[Pool]) -> None:
+    """Refuse a pool that overlaps another (the primary included) or cannot hold one
+    leasable subnet. ``pools``: what :func:`assemble_pools` returned."""
+    length = config.subnet_len
+    if network.prefixlen >= length:
+        raise ConfigError(
+            f"{network} is too small for SubnetLen {length}: a pool needs at least two "
+            f"/{length} subnets (the first is skipped, as in Flannel); use a "
+            f"/{length - 1} or larger"
+        )
+    for pool in pools:
+        if pool.network == network:
+            what = "the primary pool (the config's Network)" if pool.primary else "a pool already"
+            raise ConfigError(f"{network} is {what}; see the pools with `flannelpy pools list`")
+        if pool.network.overlaps(network):
+            what = "the primary pool (the config's Network)" if pool.primary else "pool"
+            raise ConfigError(
+                f"{network} overlaps {what} {pool.network}; choose a range that overlaps no pool"
+            )
+
+
+# ---------------------------------------------------------------------------
+# Capacity: field-notes §2, plan for twice the expected need.
+# ---------------------------------------------------------------------------
+
+WARN_UTILISATION = 0.5  # more than half used: the pool no longer has 2x headroom
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    pool: Pool
+    length: int  # prefix length of the pool's leases
+    size: int  # leasable subnets
+    taken: int  # of those, how many a lease covers
+    leases: int  # lease keys inside the pool (any length)
+
+    @property
+    def free(self) -> int:
+        return self.size - self.taken
+
+    @property
+    def utilisation(self) -> float:
+        """Taken / size, 0..1; an empty range counts as full (no room at all)."""
+        return self.taken / self.size if self.size else 1.0
+
+    @property
+    def warning(self) -> str | None:
+        if self.utilisation <= WARN_UTILISATION:
+            return None
+        return (
+            f"{self.pool.network} is {self.utilisation:.0%} used ({self.taken} of "
+            f"{self.size} /{self.length} subnets): plan for twice the expected need, so add "
+            f"a pool (flannelpy pools add CIDR) and tag it {ROLE_KEY}=1"
+        )
+
+
+def capacity(
+    config: NetworkConfig, pools: Sequence[Pool], leases: Sequence[Lease]
+) -> list[PoolCapacity]:
+    """Per pool: leasable subnets, how many a lease covers, how many lease keys lie in it.
+
+    A lease covers every subnet it overlaps, so one written under another SubnetLen
+    (or by hand) counts as what it really blocks.
+    """
+    return [_pool_capacity(pool, config, leases) for pool in pools]
+
+
+def _pool_capacity(pool: Pool, config: NetworkConfig, leases: Sequence[Lease]) -> PoolCapacity:
+    rng = leasable_range(pool, config)
+    start = int(rng.first)
+    end = start + rng.count * rng.step - 1  # last address of the last leasable subnet
+    spans = []
+    inside = 0
+    for lease in leases:
+        net = lease.subnet
+        if net.overlaps(pool.network):
+            inside += 1
+        low, high = int(net.network_address), int(net.broadcast_address)
+        if rng.count and low <= end and high >= start:
+            first = (max(low, start) - start) // rng.step
+            spans.append((first, (min(high, end) - start) // rng.step))
+    taken = 0
+    reach = -1  # highest index counted so far: merge overlapping spans
+    for low_i, high_i in sorted(spans):
+        if high_i > reach:
+            taken += high_i - max(low_i, reach + 1) + 1
+            reach = high_i
+    return PoolCapacity(pool, rng.length, rng.count, taken, inside)

@@ -12,8 +12,17 @@ from hypothesis import strategies as st
 
 from flannelpy.config import NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError, PoolExhausted
-from flannelpy.subnet.choose import LeaseChoice, candidate_subnets, choose_lease, lease_fits
+from flannelpy.subnet.choose import (
+    LeaseChoice,
+    PoolChoice,
+    candidate_subnets,
+    choose_lease,
+    choose_new_subnet,
+    lease_fits,
+    lease_fits_pools,
+)
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.pools import Pool, eligibility, leasable_range
 
 NET16 = parse_network_config('{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}')
 
@@ -263,3 +272,257 @@ def test_choice_is_always_inside_the_range_aligned_and_not_held_by_another(
     for stale in choice.delete:  # only ever our own leases are deleted
         assert stale.attrs.public_ip == me.public_ip or stale.attrs.node_name == me.node_name
         assert not lease_fits(SMALL, stale.subnet)
+
+
+# --- several pools (field-notes §3) --------------------------------------------------------
+
+ROLE = "flannelpy.io/role"
+
+
+def pool(cidr: str, primary: bool = False, **tags: str) -> Pool:
+    keyed = {ROLE if k == "role" else f"flannelpy.io/cluster/{k[len('cluster_'):]}": v
+             for k, v in tags.items()}  # fmt: skip
+    return Pool(net(cidr), keyed, primary, 24)
+
+
+def fill(cidr: str, first: int = 1) -> list[Lease]:
+    """A lease on every /24 of ``cidr`` from its ``first``-th subnet."""
+    network = net(cidr)
+    return [
+        lease(str(s), f"192.168.{i // 250}.{i % 250 + 1}")
+        for i, s in enumerate(network.subnets(new_prefix=24))
+        if i >= first
+    ]
+
+
+SMALL_PRIMARY = config(Network="10.244.0.0/22")  # leasable: .1 .2 .3
+
+
+def new_subnet(pools: list[Pool], leases: list[Lease], cluster: str | None = None,
+               cfg: NetworkConfig = SMALL_PRIMARY, seed: int = 1) -> PoolChoice:  # fmt: skip
+    return choose_new_subnet(cfg, pools, cluster, leases, random.Random(seed))
+
+
+def test_new_subnet_comes_from_the_primary_pool_first() -> None:
+    pools = [pool("10.250.0.0/22", role="1"), pool("10.244.0.0/22", primary=True)]
+    picks = {new_subnet(pools, [], seed=s).subnet for s in range(50)}
+    assert picks == {net("10.244.1.0/24"), net("10.244.2.0/24"), net("10.244.3.0/24")}
+    assert new_subnet(pools, []).pool.primary
+
+
+def test_without_pools_the_config_network_is_the_primary_pool() -> None:
+    taken = [lease(f"10.244.{i}.0/24", f"192.168.2.{i}") for i in range(1, 11)]
+    picks = {choose_new_subnet(NET16, [], None, taken, random.Random(s)).subnet
+             for s in range(200)}  # fmt: skip
+    assert picks <= {net(f"10.244.{i}.0/24") for i in range(11, 111)}  # Flannel's 100
+    assert len(picks) > 20
+
+
+def test_a_full_primary_overflows_into_opted_in_pools_in_cidr_order() -> None:
+    pools = [
+        pool("10.244.0.0/22", primary=True),
+        pool("10.252.0.0/22", role="1"),
+        pool("10.250.0.0/22", role="1"),
+        pool("10.248.0.0/22"),  # untagged: first in CIDR order, but never used for new leases
+    ]
+    choice = new_subnet(pools, fill("10.244.0.0/22"))
+    assert choice.pool.network == net("10.250.0.0/22")
+    assert choice.subnet in {net("10.250.1.0/24"), net("10.250.2.0/24"), net("10.250.3.0/24")}
+    # 10.250 full too: the next opted-in pool.
+    choice = new_subnet(pools, fill("10.244.0.0/22") + fill("10.250.0.0/22"))
+    assert choice.pool.network == net("10.252.0.0/22")
+
+
+def test_the_random_pick_stays_within_the_first_100_free_of_the_pool() -> None:
+    pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/16", role="1")]
+    held = [*fill("10.244.0.0/22"), lease("10.250.5.0/24", "192.168.9.9")]
+    picks = {new_subnet(pools, held, seed=s).subnet for s in range(300)}
+    first_free = {net(f"10.250.{i}.0/24") for i in range(1, 102) if i != 5}
+    assert picks <= first_free
+    assert len(picks) > 30
+
+
+def test_a_primary_tagged_0_takes_nothing_new() -> None:
+    pools = [pool("10.244.0.0/22", primary=True, role="0"), pool("10.250.0.0/22", role="1")]
+    assert new_subnet(pools, []).pool.network == net("10.250.0.0/22")
+
+
+@pytest.mark.parametrize(
+    ("cluster", "expected"),
+    [("a", "10.250.0.0/22"), ("b", "10.252.0.0/22"), (None, "10.252.0.0/22")],
+)
+def test_a_cluster_scoped_pool_serves_only_its_cluster(cluster: str | None, expected: str) -> None:
+    pools = [
+        pool("10.244.0.0/22", primary=True),
+        pool("10.250.0.0/22", role="1", cluster_a="true"),
+        pool("10.252.0.0/22", role="1"),  # no scope: shared by every cluster
+    ]
+    assert new_subnet(pools, fill("10.244.0.0/22"), cluster).pool.network == net(expected)
+
+
+def test_a_lease_anywhere_blocks_what_it_overlaps_in_every_pool() -> None:
+    pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", role="1")]
+    wide = lease("10.250.0.0/23", "192.168.7.7")  # covers 10.250.1.0/24
+    picks = {new_subnet(pools, [*fill("10.244.0.0/22"), wide], seed=s).subnet
+             for s in range(50)}  # fmt: skip
+    assert picks == {net("10.250.2.0/24"), net("10.250.3.0/24")}
+
+
+def test_exhaustion_names_every_pool_and_why() -> None:
+    pools = [
+        pool("10.244.0.0/22", primary=True),
+        pool("10.250.0.0/22"),
+        pool("10.251.0.0/22", role="0"),
+        pool("10.252.0.0/22", role="1", cluster_b="true"),
+        pool("10.253.0.0/22", role="yes"),
+        pool("10.254.0.0/22", role="1"),
+    ]
+    with pytest.raises(PoolExhausted) as err:
+        new_subnet(pools, fill("10.244.0.0/22") + fill("10.254.0.0/22"), cluster="a")
+    assert str(err.value) == (
+        "no pool can take a new lease: "
+        "10.244.0.0/22 is full (all 3 /24 subnets leased); "
+        "10.250.0.0/22 has no flannelpy.io/role tag (untagged pools take no new leases); "
+        "10.251.0.0/22 is tagged flannelpy.io/role=0 (draining); "
+        "10.252.0.0/22 belongs to cluster(s) b, not a; "
+        "10.253.0.0/22 has flannelpy.io/role='yes', which is neither 1 nor 0; "
+        "10.254.0.0/22 is full (all 3 /24 subnets leased); "
+        "free some leases, or add a pool (flannelpy pools add CIDR) and tag it "
+        "flannelpy.io/role=1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("pools", "cluster", "says"),
+    [
+        ([pool("10.244.0.0/22", primary=True, role="0")], None,
+         "the primary pool 10.244.0.0/22 is tagged flannelpy.io/role=0 (draining)"),
+        ([pool("10.244.0.0/22", primary=True, cluster_b="1")], None,
+         "the primary pool 10.244.0.0/22 belongs to cluster(s) b, and this agent has no "
+         "cluster name"),
+        ([pool("10.244.0.0/22", primary=True), Pool(net("10.250.0.0/24"), {ROLE: "1"})],
+         None, "10.250.0.0/24 holds no /24 subnet to lease"),
+    ],
+)  # fmt: skip
+def test_exhaustion_reasons_for_the_primary_and_empty_pools(
+    pools: list[Pool], cluster: str | None, says: str
+) -> None:
+    with pytest.raises(PoolExhausted) as err:
+        new_subnet(pools, fill("10.244.0.0/22"), cluster)
+    assert says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_dual_stack_pairs_the_primary_and_skips_ipv4_only_pools() -> None:
+    cfg = config(Network="10.244.0.0/22", EnableIPv6=True, IPv6Network="fd00:10:244::/56")
+    pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", role="1")]
+    choice = new_subnet(pools, [], cfg=cfg, seed=3)
+    index = (int(choice.subnet.network_address) - int(net("10.244.0.0/22").network_address)) >> 8
+    assert choice.ipv6_subnet == IPv6Network(f"fd00:10:244:{index:x}::/64")
+    with pytest.raises(PoolExhausted) as err:
+        new_subnet(pools, fill("10.244.0.0/22"), cfg=cfg)
+    assert "10.250.0.0/22 is IPv4 only, but the network config enables IPv6" in str(err.value)
+
+
+# --- choose_lease with pools ---------------------------------------------------------------
+
+TWO_POOLS = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22")]
+
+
+def choose_in(pools: list[Pool], leases: list[Lease], me: LeaseAttrs,
+              previous: str | None = None, seed: int = 1) -> LeaseChoice:  # fmt: skip
+    return choose_lease(SMALL_PRIMARY, leases, me, net(previous) if previous else None,
+                        random.Random(seed), pools=pools)  # fmt: skip
+
+
+def test_our_lease_in_an_untagged_pool_keeps_serving() -> None:
+    mine = lease("10.250.2.0/24", "192.168.1.5")
+    choice = choose_in(TWO_POOLS, [mine], attrs("192.168.1.5"))
+    assert (choice.existing, choice.reason, choice.delete) == (mine, "public-ip", ())
+    assert choice.pool == TWO_POOLS[1]
+    # Without pools, Flannel's rule would drop it: it lies outside Network.
+    assert choose(SMALL_PRIMARY, [mine], attrs("192.168.1.5")).delete == (mine,)
+
+
+def test_node_name_takeover_works_in_any_pool() -> None:
+    old = lease("10.250.3.0/24", "192.168.1.5", node="node-a")
+    choice = choose_in(TWO_POOLS, [old], attrs("192.168.1.99", node="node-a"))
+    assert (choice.existing, choice.reason) == (old, "node-name")
+
+
+def test_our_lease_in_no_pool_is_deleted_and_a_new_one_chosen() -> None:
+    stale = lease("10.9.1.0/24", "192.168.1.5")
+    choice = choose_in(TWO_POOLS, [stale], attrs("192.168.1.5"))
+    assert choice.delete == (stale,)
+    assert (choice.reason, choice.existing, choice.pool) == ("free", None, TWO_POOLS[0])
+
+
+@pytest.mark.parametrize(
+    ("previous", "role", "taken"),
+    [("10.250.2.0/24", "1", True), ("10.250.2.0/24", None, False),
+     ("10.250.2.0/24", "0", False), ("10.250.0.0/24", "1", False)],  # the first is skipped
+)  # fmt: skip
+def test_the_previous_subnet_is_a_new_lease_so_its_pool_must_take_new_ones(
+    previous: str, role: str | None, taken: bool
+) -> None:
+    tags = {"role": role} if role else {}
+    pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", **tags)]
+    choice = choose_in(pools, [], attrs("192.168.1.5"), previous=previous)
+    assert (choice.reason == "previous") is taken
+    assert (choice.subnet == net(previous)) is taken
+
+
+def test_choose_lease_with_pools_raises_the_pool_sentence_when_all_are_full() -> None:
+    with pytest.raises(PoolExhausted) as err:
+        choose_in(TWO_POOLS, fill("10.244.0.0/22"), attrs("192.168.100.1"))
+    assert str(err.value).startswith("no pool can take a new lease: 10.244.0.0/22 is full")
+
+
+@pytest.mark.parametrize(
+    ("subnet", "fits"),
+    [("10.244.1.0/24", "10.244.0.0/22"), ("10.244.0.0/24", None),
+     ("10.250.3.0/24", "10.250.0.0/22"), ("10.250.0.0/24", None),
+     ("10.250.1.0/25", None), ("10.251.0.0/24", None)],
+)  # fmt: skip
+def test_lease_fits_pools_names_the_pool_whatever_its_tags(subnet: str, fits: str | None) -> None:
+    found = lease_fits_pools(SMALL_PRIMARY, TWO_POOLS, net(subnet))
+    assert (str(found.network) if found else None) == fits
+
+
+@st.composite
+def pool_scenarios(draw: st.DrawFn) -> tuple[list[Pool], list[Lease], str | None, int]:
+    roles = st.sampled_from([None, "0", "1", "x"])
+    pools = [pool("10.244.0.0/22", primary=True, **({"role": r} if (r := draw(roles)) else {}))]
+    for third in draw(st.lists(st.sampled_from([248, 250, 252]), unique=True, max_size=3)):
+        tags = {"role": r} if (r := draw(roles)) else {}
+        if draw(st.booleans()):
+            tags[f"cluster_{draw(st.sampled_from(['a', 'b']))}"] = "true"
+        pools.append(pool(f"10.{third}.0.0/22", **tags))
+    subnets = draw(st.lists(st.sampled_from(
+        [f"10.{t}.{i}.0/24" for t in (244, 248, 250, 252) for i in range(4)]), unique=True))
+    leases = [lease(s, f"192.168.3.{i + 1}") for i, s in enumerate(subnets)]
+    return pools, leases, draw(st.sampled_from([None, "a", "b"])), draw(st.integers(0, 2**32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pool_scenarios())
+def test_a_new_subnet_is_free_aligned_and_in_the_first_eligible_pool_with_room(
+    scenario: tuple[list[Pool], list[Lease], str | None, int],
+) -> None:
+    pools, leases, cluster, seed = scenario
+    order = [p for p in pools if p.primary] + sorted(
+        (p for p in pools if not p.primary), key=lambda p: int(p.network.network_address))
+    def room(p: Pool) -> list[IPv4Network]:
+        span = leasable_range(p, SMALL_PRIMARY)
+        return [span.subnet(i) for i in range(span.count)
+                if not any(h.subnet.overlaps(span.subnet(i)) for h in leases)]
+    usable = [p for p in order if eligibility(p, cluster).create_leases and room(p)]
+    try:
+        choice = new_subnet(pools, leases, cluster, seed=seed)
+    except PoolExhausted as e:
+        assert usable == []
+        for p in pools:
+            assert str(p.network) in str(e)
+        return
+    assert choice.pool == usable[0]
+    assert choice.subnet in room(choice.pool)

@@ -87,6 +87,39 @@ def test_masq_rules_reject_a_subnet_outside_the_network() -> None:
         masq_rules(NET, [IPv4Network("10.9.1.0/24")], random_fully=True)
 
 
+def test_masq_rules_over_several_pools_keep_pod_to_pod_sources() -> None:
+    pool = IPv4Network("10.250.0.0/16")
+    new = IPv4Network("10.250.3.0/24")
+    lines = [r.line for r in masq_rules([NET, pool], [SUBNET, new], random_fully=False)]
+    r = f"{M} -j RETURN"
+    assert lines[2:] == [
+        f"-A FLANNEL-POSTRTG -s 10.244.1.0/24 -d 10.244.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.244.0.0/16 -d 10.244.1.0/24 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.244.1.0/24 -d 10.250.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.250.0.0/16 -d 10.244.1.0/24 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.250.3.0/24 -d 10.244.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.244.0.0/16 -d 10.250.3.0/24 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.250.3.0/24 -d 10.250.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.250.0.0/16 -d 10.250.3.0/24 {r}",
+        f"-A FLANNEL-POSTRTG ! -s 10.244.0.0/16 -d 10.244.1.0/24 {r}",
+        f"-A FLANNEL-POSTRTG ! -s 10.244.0.0/16 -d 10.250.3.0/24 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.244.0.0/16 -d 10.250.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.250.0.0/16 -d 10.244.0.0/16 {r}",
+        f"-A FLANNEL-POSTRTG -s 10.244.0.0/16 ! -d 224.0.0.0/4 {M} -j MASQUERADE",
+        f"-A FLANNEL-POSTRTG -s 10.250.0.0/16 ! -d 224.0.0.0/4 {M} -j MASQUERADE",
+        f"-A FLANNEL-POSTRTG ! -s 10.244.0.0/16 -d 10.244.0.0/16 {M} -j MASQUERADE",
+        f"-A FLANNEL-POSTRTG ! -s 10.250.0.0/16 -d 10.250.0.0/16 {M} -j MASQUERADE",
+    ]
+    with pytest.raises(ConfigError, match=r"10\.9\.1\.0/24"):
+        masq_rules([NET, pool], [IPv4Network("10.9.1.0/24")], random_fully=True)
+
+
+def test_forward_rules_cover_every_pool() -> None:
+    lines = [r.line for r in forward_rules([NET, IPv4Network("10.250.0.0/16")])]
+    assert lines == [*FLANNEL_FORWARD_LINES, f"-A FLANNEL-FWD -s 10.250.0.0/16 {F} -j ACCEPT",
+                     f"-A FLANNEL-FWD -d 10.250.0.0/16 {F} -j ACCEPT"]
+
+
 def test_forward_rules_are_flannels() -> None:
     rules = forward_rules(NET)
     assert [r.line for r in rules] == FLANNEL_FORWARD_LINES

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from flannelpy.errors import ConfigError, IpamExhausted, StoreError
-from flannelpy.ipam import Accounting, Allocation, IpamStore, NodeIpam
+from flannelpy.ipam import Accounting, Allocation, IpamStore, LeaseUsage, NodeIpam
 from flannelpy.ipam.store import pool_file_name
 
 T0 = 1_700_000_000.0
@@ -172,6 +172,160 @@ def test_lease_that_went_away_keeps_allocations(tmp_path: Path, clock: FakeClock
         again.release("kept", "eth0")
         assert [a.subnet for a in again.accounting()] == [B]  # no pods left on A
         assert (tmp_path / pool_file_name(A)).exists()  # its cooldowns stay on disk
+
+
+def test_allocation_walks_serving_leases_in_the_leases_order(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_ipam(tmp_path, clock) as node:
+        # The allocatable set says which leases serve; the leases' order (oldest
+        # first) says in which order, whatever order the set came in.
+        node.set_leases([ONE, TINY, A], allocatable=[A, ONE])
+        got = [node.allocate(f"c{i}", "eth0").subnet for i in range(3)]
+        assert got == [ONE, A, A]  # TINY drains: skipped although it has room
+        assert [(u.subnet, u.allocatable) for u in node.usage()] == [
+            (ONE, True), (TINY, False), (A, True)
+        ]  # fmt: skip
+
+
+def test_usage_per_lease_never_counts_cooling_as_free(tmp_path: Path, clock: FakeClock) -> None:
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY, A])
+        for i in range(5):
+            node.allocate(f"t{i}", "eth0")
+        node.allocate("a0", "eth0")
+        node.release("t0", "eth0")
+        node.release("t1", "eth0")
+        node.set_leases([TINY, A], allocatable=[A])  # TINY's pool is excluded now
+        assert node.usage() == [
+            LeaseUsage(TINY, total=5, assigned=3, cooling=2, free=0, allocatable=False),
+            LeaseUsage(A, total=253, assigned=1, cooling=0, free=252, allocatable=True),
+        ]
+        clock.now += 30
+        [tiny, _] = node.usage()
+        assert (tiny.cooling, tiny.free, tiny.state) == (0, 2, "draining")
+
+
+def test_is_empty_only_without_assigned_and_cooling(tmp_path: Path, clock: FakeClock) -> None:
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY])
+        assert node.is_empty(TINY)
+        node.allocate("c", "eth0")
+        assert not node.is_empty(TINY)
+        node.release("c", "eth0")
+        assert not node.is_empty(TINY)  # cooling: another node must not get it yet
+        clock.now += 29.9
+        assert not node.is_empty(TINY)
+        clock.now += 0.1
+        assert node.is_empty(TINY)
+        assert node.is_empty(B)  # never known: nothing on it
+
+
+def test_emptiness_honours_the_longest_cooldown_requested(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY])
+        node.allocate("c", "eth0", cooldown=90)  # a CNI config's own ipCooldownSeconds
+        node.release("c", "eth0")
+        clock.now += 60
+        assert not node.is_empty(TINY)
+        assert not node.remove_lease_if_empty(TINY)
+        clock.now += 30
+        assert node.remove_lease_if_empty(TINY)
+
+
+def test_remove_lease_only_when_empty(tmp_path: Path, clock: FakeClock) -> None:
+    with open_ipam(tmp_path, clock) as node, open_ipam(tmp_path, clock) as other:
+        node.set_leases([A, TINY])
+        node.allocate("a", "eth0")
+        node.set_leases([A, TINY], allocatable=[TINY])
+        t = node.allocate("t", "eth0")
+        assert t.subnet == TINY
+        assert not node.remove_lease_if_empty(A)  # an assigned address: refused
+        node.release("a", "eth0")
+        assert not node.remove_lease_if_empty(A)  # a cooling address: refused
+        assert [u.subnet for u in node.usage()] == [A, TINY]
+        clock.now += 30
+        assert node.remove_lease_if_empty(A)
+        assert not (tmp_path / pool_file_name(A)).exists()
+        assert [u.subnet for u in node.usage()] == [TINY]
+        assert [a.subnet for a in node.accounting()] == [TINY]
+        assert node.remove_lease_if_empty(A)  # already gone: idempotent
+        # Another process on the directory sees the removal too.
+        other.set_leases([TINY])
+        assert other.find("t", "eth0") == t
+        assert other.is_empty(A)
+        # The subnet acquired again later starts afresh.
+        node.set_leases([TINY, A])
+        assert node.usage()[1] == LeaseUsage(A, 253, 0, 0, 253, True)
+
+
+def test_remove_lease_checks_the_file_of_a_pool_it_never_loaded(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_ipam(tmp_path, clock) as early:  # opened before TINY's file exists
+        with open_ipam(tmp_path, clock) as writer:
+            writer.set_leases([TINY])
+            writer.allocate("c", "eth0")
+        assert not early.is_empty(TINY)
+        assert not early.remove_lease_if_empty(TINY)
+        assert (tmp_path / pool_file_name(TINY)).exists()
+
+
+# --- low free-address watch (warm capacity) ---------------------------------------
+
+
+def test_low_free_watch_fires_on_the_allocation_that_crosses(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    seen: list[tuple[int, bool, list[LeaseUsage]]] = []
+    with open_ipam(tmp_path, clock) as node:
+
+        def on_low(free: int) -> None:
+            # Runs without IPAM's locks, after the allocation reached the disk.
+            on_disk = json.loads((tmp_path / pool_file_name(TINY)).read_text())
+            seen.append((free, len(on_disk["allocations"]) == 5 - free, node.usage()))
+
+        node.set_leases([A, TINY], allocatable=[TINY])  # A drains: its room never counts
+        node.set_low_free_watch(3, on_low)
+        node.allocate("c0", "eth0")
+        node.allocate("c1", "eth0")
+        assert seen == []  # 4, then 3 free: not below 3
+        node.allocate("c2", "eth0")
+        assert [(free, on_disk) for free, on_disk, _ in seen] == [(2, True)]
+        assert seen[0][2][1].free == 2
+        node.allocate("c2", "eth0")  # the existing allocation: nothing new, no call
+        assert len(seen) == 1
+        node.allocate("c3", "eth0")
+        node.allocate("c4", "eth0")
+        with pytest.raises(IpamExhausted):
+            node.allocate("c5", "eth0")
+        assert [free for free, _, _ in seen] == [2, 1, 0, 0]
+
+
+def test_low_free_watch_off_and_failing_callbacks(tmp_path: Path, clock: FakeClock) -> None:
+    calls: list[int] = []
+
+    def broken(free: int) -> None:
+        calls.append(free)
+        raise RuntimeError("agent bug")
+
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY])
+        node.set_low_free_watch(0, calls.append)  # threshold 0: off
+        node.allocate("c0", "eth0")
+        assert calls == []
+        node.set_low_free_watch(10, broken)
+        a = node.allocate("c1", "eth0")  # the ADD succeeds whatever the callback does
+        assert calls == [3]
+        assert node.find("c1", "eth0") == a
+        node.set_low_free_watch(10, None)
+        node.allocate("c2", "eth0")
+        assert calls == [3]
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="threshold"):
+                node.set_low_free_watch(bad, calls.append)  # type: ignore[arg-type]
 
 
 def test_no_lease_yet(tmp_path: Path, clock: FakeClock) -> None:
@@ -618,6 +772,17 @@ class IpamMachine(RuleBasedStateMachine):
         self.allocatable = allocatable
         self.ipam.set_leases([POOL_A, POOL_B], allocatable=allocatable)
 
+    @rule(subnet=st.sampled_from([POOL_A, POOL_B]))
+    def remove_and_reacquire(self, subnet: IPv4Network) -> None:
+        # The lease is released when empty and, later, the same subnet leased again.
+        pool = self.pools[subnet]
+        empty = self._cooling(pool) == 0 and all(s != subnet for s, _ in self.assigned.values())
+        assert self.ipam.is_empty(subnet) == empty
+        assert self.ipam.remove_lease_if_empty(subnet) == empty
+        if empty:
+            self.pools[subnet] = ModelPool(subnet)
+        self.ipam.set_leases([POOL_A, POOL_B], allocatable=self.allocatable)
+
     @rule()
     def restart(self) -> None:
         self.ipam.close()
@@ -646,6 +811,13 @@ class IpamMachine(RuleBasedStateMachine):
             assert (acc.total, acc.assigned, acc.cooling) == (len(pool.usable), assigned, cooling)
             assert acc.free == acc.total - assigned - cooling
             assert (acc.next_free_in is None) == (cooling == 0)
+
+    @invariant()
+    def usage_matches_accounting(self) -> None:
+        usage = self.ipam.usage()
+        assert [u.subnet for u in usage] == [POOL_A, POOL_B]
+        for u, acc in zip(usage, self.ipam.accounting(), strict=False):
+            assert u == LeaseUsage.of(acc, u.subnet in self.allocatable)
 
     @invariant()
     def allocations_match_model(self) -> None:

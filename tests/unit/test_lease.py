@@ -98,3 +98,20 @@ def test_lease_vtep_ip_and_gateway() -> None:
     lease = Lease(IPv4Network("10.244.1.0/24"), LeaseAttrs(IPv4Address("10.0.0.1"), "vxlan"))
     assert str(lease.vtep_ip) == "10.244.1.0"
     assert str(lease.gateway) == "10.244.1.1"
+
+
+def test_direct_routing_extension_is_written_only_when_true() -> None:
+    data = {"VNI": 1, "VtepMAC": "aa:bb:cc:dd:ee:ff"}
+    base = LeaseAttrs(IPv4Address("10.0.0.2"), "vxlan", data)
+    with_dr = LeaseAttrs(IPv4Address("10.0.0.2"), "vxlan", data, direct_routing=True)
+    doc = json.loads(with_dr.to_json())
+    assert doc["Flannelpy"] == {"DirectRouting": True}
+    assert {k: v for k, v in doc.items() if k != "Flannelpy"} == json.loads(base.to_json())
+    assert LeaseAttrs.from_json(with_dr.to_json()) == with_dr
+    assert "Flannelpy" not in json.loads(base.to_json())
+
+
+@pytest.mark.parametrize("ext", ['{"DirectRouting": false}', '{"DirectRouting": "yes"}', "{}"])
+def test_direct_routing_is_none_unless_the_extension_says_true(ext: str) -> None:
+    raw = f'{{"PublicIP":"10.0.0.2","BackendType":"vxlan","Flannelpy":{ext}}}'
+    assert LeaseAttrs.from_json(raw).direct_routing is None

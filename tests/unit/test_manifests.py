@@ -161,8 +161,10 @@ def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
     assert all(set(rule) == {"apiGroups", "resources", "verbs"}
                for rule in _one("ClusterRole")["rules"])
     assert _normalised(granted) == _normalised(RBAC_RULES)
-    # And those are Flannel's: a swap needs no extra permission.
-    assert _normalised(granted) == [("", "nodes", ("get", "list", "watch")),
+    # Flannel's, plus creating Events (the record of a change forced past the
+    # disruption policy); nothing else.
+    assert _normalised(granted) == [("", "events", ("create",)),
+                                    ("", "nodes", ("get", "list", "watch")),
                                     ("", "nodes/status", ("patch",)), ("", "pods", ("get",))]
 
 

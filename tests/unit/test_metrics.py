@@ -133,6 +133,8 @@ def populated() -> AgentMetrics:
     m.watch_restart("compacted")
     m.probe("10.244.2.0/24", True, 0.0005, 0.0, True)
     m.blocked_operation("backend_change")
+    m.lease_counts(serving=2, draining=1)
+    m.pool_utilisation({IPv4Network("10.244.0.0/16"): 0.25})
     return m
 
 
@@ -162,7 +164,7 @@ def test_no_label_names_a_pod_or_an_interface() -> None:
     assert not label_names & forbidden
     assert label_names <= {
         "version", "python", "role", "direction", "subnet", "command", "code", "le",
-        "result", "backend", "kind", "reason", "peer", "provider",
+        "result", "backend", "kind", "reason", "peer", "provider", "state", "pool",
     }  # fmt: skip
 
 
@@ -252,6 +254,37 @@ def test_lease_expiry_renewals_and_dropping_a_lease(metrics: AgentMetrics) -> No
     s = scrape(metrics)
     assert (expiry, frozenset({("subnet", "10.244.1.0/24")})) not in s
     assert (expiry, frozenset({("subnet", "10.244.7.0/24")})) in s
+
+
+def test_leases_by_state_exist_from_the_start(metrics: AgentMetrics) -> None:
+    s = scrape(metrics)
+    assert value(s, "flannelpy_leases", state="serving") == 0
+    assert value(s, "flannelpy_leases", state="draining") == 0
+    metrics.lease_counts(serving=2, draining=1)
+    s = scrape(metrics)
+    assert value(s, "flannelpy_leases", state="serving") == 2
+    assert value(s, "flannelpy_leases", state="draining") == 1
+    metrics.lease_counts(serving=1, draining=0)
+    s = scrape(metrics)
+    assert value(s, "flannelpy_leases", state="serving") == 1
+    assert value(s, "flannelpy_leases", state="draining") == 0
+
+
+def test_pool_utilisation_per_pool_and_pools_that_vanish(metrics: AgentMetrics) -> None:
+    name = "flannelpy_pool_utilisation_ratio"
+    metrics.pool_utilisation(
+        {IPv4Network("10.244.0.0/16"): 0.5, "10.250.0.0/16": 1.5, "10.251.0.0/16": -0.1}
+    )
+    s = scrape(metrics)
+    assert value(s, name, pool="10.244.0.0/16") == 0.5
+    assert value(s, name, pool="10.250.0.0/16") == 1.0  # clamped to a ratio
+    assert value(s, name, pool="10.251.0.0/16") == 0.0
+    metrics.pool_utilisation({"10.250.0.0/16": 0.75})
+    s = scrape(metrics)
+    assert [k for k in s if k[0] == name] == [(name, frozenset({("pool", "10.250.0.0/16")}))]
+    assert value(s, name, pool="10.250.0.0/16") == 0.75
+    metrics.pool_utilisation({})
+    assert not [k for k in scrape(metrics) if k[0] == name]
 
 
 def test_peers_by_backend_and_backends_that_vanish(metrics: AgentMetrics) -> None:

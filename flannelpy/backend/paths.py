@@ -1,0 +1,201 @@
+"""The path between two nodes, chosen from what *both* ends can do (mixed backends).
+
+This is what lets a cluster switch backends node by node while every pod keeps
+reaching every pod. A node's capabilities:
+
+- ``prefers_direct``: it routes peers on its L2 segment directly (host-gw, or
+  vxlan with DirectRouting);
+- a VTEP: a vxlan device with a VNI. A vxlan node always has one. A host-gw node
+  keeps one while any peer lease is still vxlan, because such a peer may
+  encapsulate to it (it has not seen our new lease yet, or it cannot route to us
+  directly); when no peer is vxlan any more it drops the device and stops
+  advertising VtepMAC, which ends the transition.
+
+Our own capabilities come from our backend config; a peer's from its lease:
+BackendType, BackendData ``{"VNI", "VtepMAC"}`` (a host-gw lease carries them
+while that node keeps a VTEP; Go flanneld ignores BackendData of host-gw
+leases) and our extension ``"Flannelpy": {"DirectRouting": true}``.
+
+The rule, for a pair of nodes:
+
+1. on the same L2 segment and (either end prefers direct, or either end lacks a
+   VTEP) → direct route ``peer-subnet via peer-PublicIP dev <underlay>``;
+2. else both ends have a VTEP with the same VNI → vxlan (neighbour, FDB, onlink
+   route; the recipe is in :mod:`flannelpy.backend.vxlan`);
+3. else no path, reported in one sentence.
+
+It is symmetric in the two ends, so both directions of a pair take the same
+path: a reply never comes back on another device than the request left by,
+which strict rp_filter would drop. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any, Literal
+
+from flannelpy.config import BackendConfig
+from flannelpy.subnet.lease import Lease
+
+PathKind = Literal["direct", "vxlan"]
+
+_FIX_SEGMENTS = (
+    "host-gw needs every node on one L2 segment: use vxlan, or vxlan with DirectRouting"
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one end of a path can do. ``vni`` is None when the node has no VTEP.
+
+    ``vtep_mac`` is what peers put in their FDB; it may be unknown for our own
+    device (the kernel picks one), which does not change our own choice of path.
+    """
+
+    prefers_direct: bool
+    vni: int | None
+    vtep_mac: str | None
+
+    @property
+    def has_vtep(self) -> bool:
+        return self.vni is not None
+
+
+@dataclass(frozen=True)
+class NoPath:
+    """No path between two nodes; ``reason`` is a clause saying why and what to change."""
+
+    reason: str
+
+
+def _prefers_direct(backend_type: str, direct_routing: bool) -> bool:
+    return backend_type == "host-gw" or (backend_type == "vxlan" and direct_routing)
+
+
+def own_capabilities(backend: BackendConfig, vtep_mac: str | None) -> Capabilities:
+    """Ours: a VTEP when we are given its MAC, and always under vxlan (we create the device)."""
+    backend_type = backend.type.lower()
+    has_vtep = vtep_mac is not None or backend_type == "vxlan"
+    return Capabilities(
+        prefers_direct=_prefers_direct(backend_type, backend.direct_routing),
+        vni=backend.vni if has_vtep else None,
+        vtep_mac=vtep_mac if has_vtep else None,
+    )
+
+
+def peer_capabilities(lease: Lease) -> Capabilities:
+    """A peer's, from its lease. A VTEP counts only with both VNI and VtepMAC: without the
+    MAC we could not write its FDB entry."""
+    attrs = lease.attrs
+    backend_type = attrs.backend_type.lower()
+    vni = _int_or_none((attrs.backend_data or {}).get("VNI"))
+    mac = attrs.vtep_mac
+    has_vtep = backend_type in ("vxlan", "host-gw") and vni is not None and mac is not None
+    return Capabilities(
+        prefers_direct=_prefers_direct(backend_type, attrs.direct_routing is True),
+        vni=vni if has_vtep else None,
+        vtep_mac=mac if has_vtep else None,
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def choose_path(own: Capabilities, peer: Capabilities, on_link: bool) -> PathKind | NoPath:
+    """The path between two nodes (the rule in the module docstring); symmetric in own/peer."""
+    if on_link and (
+        own.prefers_direct or peer.prefers_direct or not own.has_vtep or not peer.has_vtep
+    ):
+        return "direct"
+    if own.vni is not None and peer.vni is not None:
+        if own.vni == peer.vni:
+            return "vxlan"
+        low, high = sorted((own.vni, peer.vni))
+        if on_link:  # both encapsulate: rule 1 did not apply
+            return NoPath(
+                f"both nodes encapsulate but their VTEPs use different VNIs ({low} and {high}); "
+                "set one VNI on every node, or DirectRouting on one of them"
+            )
+        return NoPath(
+            f"the nodes are on different L2 segments and their VTEPs use different VNIs "
+            f"({low} and {high}); set one VNI on every node"
+        )
+    vteps = "neither has a VTEP" if own.vni is None and peer.vni is None else (
+        "only one of them has a VTEP"
+    )
+    return NoPath(f"the nodes are on different L2 segments and {vteps}; {_FIX_SEGMENTS}")
+
+
+def needs_vtep(backend: BackendConfig, peers: Sequence[Lease]) -> bool:
+    """Whether a node must have a VTEP: under vxlan always; under host-gw while any peer
+    lease is vxlan, since such a peer may still encapsulate to us."""
+    if backend.type.lower() == "vxlan":
+        return True
+    return any(peer.attrs.backend_type.lower() == "vxlan" for peer in peers)
+
+
+# --- cluster feasibility, for the rollout planner ---------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the rollout planner sees it (from its status, with a backend to assume).
+
+    ``has_vtep``: the node's VTEP as observed; None to predict it with the
+    :func:`needs_vtep` rule applied to the set (for a state that does not exist yet).
+    """
+
+    name: str
+    public_ip: IPv4Address
+    underlay_networks: tuple[IPv4Network, ...]
+    backend: BackendConfig
+    has_vtep: bool | None = None
+
+
+def _view_capabilities(node: NodeView, others: Sequence[NodeView]) -> Capabilities:
+    backend_type = node.backend.type.lower()
+    if node.has_vtep is not None:
+        has_vtep = node.has_vtep
+    else:
+        has_vtep = backend_type == "vxlan" or any(
+            other.backend.type.lower() == "vxlan" for other in others
+        )
+    return Capabilities(
+        prefers_direct=_prefers_direct(backend_type, node.backend.direct_routing),
+        vni=node.backend.vni if has_vtep else None,
+        vtep_mac=None,  # not needed to decide; the agents exchange it in their leases
+    )
+
+
+def pairs_without_path(nodes: Sequence[NodeView]) -> list[tuple[str, str, str]]:
+    """Every pair of nodes that would have no working path: (node a, node b, reason).
+
+    Each end decides from its own view of the segment (``b.public_ip`` in one of
+    ``a.underlay_networks``), as its agent will; if the two ends choose different
+    paths the traffic would be asymmetric, which is reported as well.
+    """
+    caps = {
+        node.name: _view_capabilities(node, [n for n in nodes if n.name != node.name])
+        for node in nodes
+    }
+    found: list[tuple[str, str, str]] = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            a_sees_b = any(b.public_ip in net for net in a.underlay_networks)
+            b_sees_a = any(a.public_ip in net for net in b.underlay_networks)
+            forward = choose_path(caps[a.name], caps[b.name], a_sees_b)
+            backward = choose_path(caps[b.name], caps[a.name], b_sees_a)
+            if isinstance(forward, NoPath):
+                found.append((a.name, b.name, forward.reason))
+            elif isinstance(backward, NoPath):
+                found.append((a.name, b.name, backward.reason))
+            elif forward != backward:
+                found.append((a.name, b.name, (
+                    f"{a.name} takes a {forward} path and {b.name} a {backward} one, because "
+                    f"only one sees the other on its underlay networks; give both underlays "
+                    "the same subnet"
+                )))
+    return found
