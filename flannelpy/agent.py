@@ -399,6 +399,7 @@ class NodeAgent:
         self.cni.use_leases(subnets, serving)
         self._ipam_view = view
         self.metrics.lease_counts(len(serving), len(subnets) - len(serving))
+        self.metrics.lease_limit(self._capacity.max_leases_per_node)
         if self._subnet_env_written and tuple(serving[:1]) != first_serving_before:
             self._write_subnet_env()
 
@@ -791,6 +792,7 @@ class NodeAgent:
                 log.info("address pools changed pools=%s", _pool_summary(pools))
             self._pools = pools
             self._capacity = capacity
+            self.metrics.lease_limit(capacity.max_leases_per_node)
             self.cni.ipam.set_low_free_watch(capacity.min_free_addresses, self._on_low_free)
             self._capacity_due = True
             self._setup_firewall()

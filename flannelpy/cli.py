@@ -13,6 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flannelpy.config import add_agent_arguments
     from flannelpy.lab.cli import add_lab_parser
     from flannelpy.ops.doctor_cli import add_doctor_parser
+    from flannelpy.ops.policy_cli import add_policy_parser
+    from flannelpy.ops.pools_cli import add_pools_parser
+    from flannelpy.ops.rollout_cli import add_rollout_parser
 
     parser = argparse.ArgumentParser(prog="flannelpy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
@@ -21,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_agent_arguments(agent)
     add_lab_parser(sub)
     add_doctor_parser(sub)
+    add_policy_parser(sub)
+    add_pools_parser(sub)
+    add_rollout_parser(sub)
     return parser
 
 
@@ -45,6 +51,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flannelpy.ops.doctor_cli import run as run_doctor
 
         return run_doctor(args)
+    if args.command == "policy":
+        from flannelpy.ops.policy_cli import run as run_policy
+
+        return run_policy(args)
+    if args.command == "pools":
+        from flannelpy.ops.pools_cli import run as run_pools
+
+        return run_pools(args)
+    if args.command == "rollout":
+        from flannelpy.ops.rollout_cli import run as run_rollout
+
+        return run_rollout(args)
     if args.command == "lab":
         from flannelpy.lab.cli import run
 

@@ -110,6 +110,7 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_peers": "gauge",
     # warm capacity and pools
     "flannelpy_leases": "gauge",
+    "flannelpy_leases_max": "gauge",
     "flannelpy_pool_utilisation_ratio": "gauge",
     # reconciler
     "flannelpy_reconciler_changes_total": "counter",
@@ -357,6 +358,13 @@ class AgentMetrics:
             "draining (its pool is excluded; released when its last pod ends).",
             ["state"], registry=r,
         )  # fmt: skip
+        self._lease_max = Gauge(
+            "flannelpy_leases_max",
+            "How many leases this node may hold (MaxLeasesPerNode): with flannelpy_leases, "
+            "how close warm capacity is to its limit.",
+            registry=r,
+        )
+        self._lease_max.set(1)
         self._pool_utilisation = Gauge(
             "flannelpy_pool_utilisation_ratio",
             "Share (0..1) of the address pool's leasable subnets that nodes hold, by pool CIDR.",
@@ -502,6 +510,10 @@ class AgentMetrics:
         """How many leases this node holds that serve new pods, and how many drain."""
         self._lease_count.labels("serving").set(serving)
         self._lease_count.labels("draining").set(draining)
+
+    def lease_limit(self, maximum: int) -> None:
+        """MaxLeasesPerNode as configured now."""
+        self._lease_max.set(maximum)
 
     def pool_utilisation(self, ratios: Mapping[IPv4Network | str, float]) -> None:
         """Every known pool's utilisation by CIDR (``PoolCapacity.utilisation`` of

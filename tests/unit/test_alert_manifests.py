@@ -225,7 +225,40 @@ tests:
     values: '1 1 0x20'
   - series: 'flannelpy_reconciler_converged{node="n2"}'
     values: '1x20'
+  # pools: 10.244.0.0/16 at 60 %, 10.250.0.0/16 at 10 % (two nodes report each)
+  - series: 'flannelpy_pool_utilisation_ratio{node="n1",pool="10.244.0.0/16"}'
+    values: '0.6x90'
+  - series: 'flannelpy_pool_utilisation_ratio{node="n2",pool="10.244.0.0/16"}'
+    values: '0.6x90'
+  - series: 'flannelpy_pool_utilisation_ratio{node="n1",pool="10.250.0.0/16"}'
+    values: '0.1x90'
+  # n1 serves from its 2 allowed leases with 10 free; n2 from 1 of 2
+  - series: 'flannelpy_leases{node="n1",state="serving"}'
+    values: '2x30'
+  - series: 'flannelpy_leases_max{node="n1"}'
+    values: '2x30'
+  - series: 'flannelpy_leases{node="n2",state="serving"}'
+    values: '1x30'
+  - series: 'flannelpy_leases_max{node="n2"}'
+    values: '2x30'
+  # n2 blocks one disruptive change at minute 5
+  - series: 'flannelpy_blocked_operations_total{node="n2",kind="backend_change"}'
+    values: '0x5 1x30'
+  - series: 'flannelpy_blocked_operations_total{node="n1",kind="backend_change"}'
+    values: '0x35'
   alert_rule_test:
+  - eval_time: 70m
+    alertname: FlannelpyAddressPoolHalfUsed
+    exp_alerts:
+    - exp_labels: {severity: warning, pool: 10.244.0.0/16}
+  - eval_time: 20m
+    alertname: FlannelpyNodeAtLeaseLimit
+    exp_alerts:
+    - exp_labels: {severity: warning, node: n1}
+  - eval_time: 10m
+    alertname: FlannelpyDisruptiveChangeBlocked
+    exp_alerts:
+    - exp_labels: {severity: warning, node: n2, kind: backend_change}
   - eval_time: 10m
     alertname: FlannelpyIPAMNearlyExhausted
     exp_alerts:
