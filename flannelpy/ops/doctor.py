@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv4Network
 from typing import Any, Literal
 
 from flannelpy.backend.base import Backend, NodeContext
@@ -124,6 +124,7 @@ class NodeFacts:
     # the store
     config: NetworkConfig | None = None
     leases: tuple[Lease, ...] = ()
+    pool_networks: tuple[IPv4Network, ...] = ()  # address pools beyond Network (etcd mode)
     store_error: str | None = None
     own_lease_ttl: float | None = None  # seconds left on our lease; None: unknown / reservation
     # the kernel
@@ -154,6 +155,7 @@ class _Plan:
     ctx: NodeContext
     own: Lease | None
     peers: tuple[Lease, ...]
+    own_all: tuple[Lease, ...]  # every lease of this node (own first); () without own
     overlay_mtu: int
     desired: DesiredState | None  # None without our own lease
     device: str  # flannel.<VNI>: ours under vxlan, stale under host-gw
@@ -183,12 +185,20 @@ def _plan(facts: NodeFacts) -> _Plan | str:
         node_name=settings.node_name or "",
     )
     own = own_lease(facts, ctx.public_ip)
-    peers = tuple(lease for lease in facts.leases if own is None or lease.key != own.key)
+    reported = (facts.status or {}).get("leases") or []
+    others = tuple(
+        lease for lease in facts.leases
+        if own is not None and lease.key != own.key and str(lease.subnet) in reported
+    )  # fmt: skip
+    own_all = (own, *others) if own is not None else ()
+    own_keys = {lease.key for lease in own_all}
+    peers = tuple(lease for lease in facts.leases if lease.key not in own_keys)
     vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
-    desired = backend.plan(ctx, [own], list(peers), vtep_mac) if own else None
+    desired = backend.plan(ctx, list(own_all), list(peers), vtep_mac) if own else None
     return _Plan(
-        backend, ctx, own, peers, backend.mtu(ctx), desired, device_name(config.backend.vni)
-    )
+        backend, ctx, own, peers, own_all, backend.mtu(ctx), desired,
+        device_name(config.backend.vni),
+    )  # fmt: skip
 
 
 def own_lease(facts: NodeFacts, public_ip: IPv4Address) -> Lease | None:
@@ -624,7 +634,7 @@ def _entry_findings(plan: _Plan, changes: Changes) -> list[Finding]:
 def firewall_rules(facts: NodeFacts, plan: _Plan) -> list[Rule]:
     """The rules the agent keeps, for what this node runs with."""
     assert facts.config is not None and facts.config.network is not None and plan.own
-    network = facts.config.network
+    networks = [facts.config.network, *facts.pool_networks]
     status = facts.status or {}
     chains = facts.chains or {}
     # The agent's flags are not always known here: its status says, else our flags do,
@@ -637,9 +647,9 @@ def firewall_rules(facts: NodeFacts, plan: _Plan) -> list[Rule]:
         forward = facts.settings.iptables_forward_rules
     rules: list[Rule] = []
     if masq:
-        rules += masq_rules(network, [plan.own.subnet], facts.random_fully)
+        rules += masq_rules(networks, [x.subnet for x in plan.own_all], facts.random_fully)
     if forward:
-        rules += forward_rules(network)
+        rules += forward_rules(networks)
     return rules
 
 

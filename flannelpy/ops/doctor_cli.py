@@ -185,6 +185,13 @@ class _Store:
                 self.manager = EtcdSubnetManager(self.store, self.settings)
                 config = self.manager.get_network_config()
                 leases, _ = self.manager.list_leases()
+                from flannelpy.subnet.pool_store import PoolStore
+
+                pools = PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
+                return {
+                    "config": config, "leases": tuple(leases.values()),
+                    "pool_networks": tuple(p.network for p in pools if not p.primary),
+                }  # fmt: skip
         except FlannelpyError as e:
             return {"store_error": str(e)}
         return {"config": config, "leases": tuple(leases.values())}

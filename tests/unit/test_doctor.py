@@ -474,3 +474,36 @@ def test_lab_and_node_go_together() -> None:
     args = argparse.Namespace(lab="demo", node=None)
     with pytest.raises(ConfigError, match="--lab and --node go together"):
         resolve_target(args, {})
+
+
+def test_a_node_with_two_leases_in_two_pools_is_healthy_and_a_missing_rule_is_named() -> None:
+    """The agent's second lease (a new pool) and its rules are expected, not stale."""
+    second = replace(OWN, subnet=IPv4Network("10.250.7.0/24"))
+    pool = IPv4Network("10.250.0.0/16")
+    facts = healthy_facts()
+    ctx = NodeContext(facts.config, facts.underlay, facts.underlay.ip, "n1")  # type: ignore[arg-type]
+    desired = get_backend("vxlan").plan(ctx, [OWN, second], [N2, N3], MAC[1])
+    rules = masq_rules([IPv4Network(NET), pool], [OWN.subnet, second.subnet], True)
+    rules += forward_rules([IPv4Network(NET), pool])
+    chains = {key: tuple(line for line in lines if not line.startswith("-A FLANNEL"))
+              for key, lines in firewall_lines().items()}  # fmt: skip
+    for rule in rules:
+        if rule.chain.startswith("FLANNEL"):
+            key = f"{rule.table}/{rule.chain}"
+            chains[key] = (*chains[key], rule.line)
+    facts = replace(
+        facts,
+        leases=(OWN, second, N2, N3),
+        pool_networks=(pool,),
+        observed=replace(facts.observed, addresses=desired.addresses),  # type: ignore[arg-type]
+        chains=chains,
+        status={**facts.status, "leases": ["10.244.1.0/24", "10.250.7.0/24"]},  # type: ignore[dict-item]
+    )
+    assert problems(diagnose(facts)) == []
+    # Without the pool's forward rules, the doctor says the chain is not as the agent keeps it.
+    broken = dict(chains)
+    broken["filter/FLANNEL-FWD"] = tuple(
+        line for line in chains["filter/FLANNEL-FWD"] if "10.250.0.0/16" not in line
+    )
+    found = problems(diagnose(replace(facts, chains=broken)))
+    assert [f.check for f in found] == ["firewall"]
