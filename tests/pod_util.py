@@ -407,6 +407,16 @@ def in_use(node: NodeInfo, cooldown: float, now: float) -> int:
     return total
 
 
+def in_use_per_lease(node: NodeInfo, cooldown: float, now: float) -> dict[IPv4Network, int]:
+    """Assigned plus cooling addresses per lease in the IPAM state on disk at ``now``
+    (a lease whose state file does not exist yet is missing: nothing in use)."""
+    return {
+        subnet: len(doc["allocations"])
+        + sum(1 for r in doc["released"] if float(r["released_at"]) + cooldown > now)
+        for subnet, doc in ipam_state(node).items()
+    }
+
+
 def run_conflist(
     conflist: dict[str, Any],
     cni_path: str,
