@@ -361,6 +361,9 @@ class NodeAgent:
             # Wake at least every minute: the set of leases may have changed meanwhile.
             if stop.wait(min(RENEW_RETRY_SECONDS, max(0.0, due(lease) - time.time()))):
                 return
+            # The main loop may have rewritten the lease (new attrs) while we waited:
+            # renew the current version, or the renewal would write the old attrs back.
+            lease = next((x for x in self.own_leases() if x.key == lease.key), lease)
             if time.time() < due(lease) or lease.key not in {x.key for x in self.own_leases()}:
                 continue
             try:
@@ -839,7 +842,8 @@ class NodeAgent:
         self._rewrite_lease_attrs()
         mtu = backend.mtu(ctx)
         self.metrics.overlay_mtu(mtu)
-        self.cni.use_leases(self._own_subnets())  # the bridge takes the new MTU
+        self._ipam_view = ()  # hand IPAM and the bridge (its new MTU) the leases again
+        self._sync_ipam()
         self._write_subnet_env()
         generation = override.generation if override else None
         self._applied_generation = generation
