@@ -57,6 +57,7 @@ from flannelpy.ops.node_records import (
     NodeStatus,
     PeerProbe,
 )
+from flannelpy.ops.policy import ETCD_REMEDY, KUBE_REMEDY
 from flannelpy.ops.prober import IcmpTransport, Prober, ProbeResult
 from flannelpy.subnet.choose import lease_fits_pools
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -760,6 +761,7 @@ class NodeAgent:
         decision = decide_change(
             self.config, self.backend.mtu(self.ctx), wanted, backend.mtu(ctx),
             snap.override, snap.rollout, datetime.now(UTC),
+            KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
         )  # fmt: skip
         if decision.action == "restart-needed":
             self._say_once(f"restart:{wanted.raw}", "%s", decision.sentence)

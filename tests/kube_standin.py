@@ -1,10 +1,11 @@
-"""A small stand-in for the Kubernetes API server: Nodes (and Pod GET) for the real client.
+"""A small stand-in for the Kubernetes API server: Nodes, Pod GET and Event create for
+the real client.
 
 No API server can run on the test machines, so Kubernetes mode is tested
 against this. It keeps what the subnet manager relies on faithful:
 
-- resourceVersions: one counter, bumped by every write; a write that changes
-  nothing bumps nothing, as in the real server.
+- resourceVersions: one counter for every kind (etcd's revision), bumped by every
+  write; a write that changes nothing bumps nothing, as in the real server.
 - ``GET /api/v1/nodes``: a list with ``metadata.resourceVersion``; ``limit`` +
   ``continue`` pages of one consistent snapshot; a continue token older than the
   compaction point is answered 410 ``Expired``.
@@ -17,10 +18,22 @@ against this. It keeps what the subnet manager relies on faithful:
 - ``PATCH /api/v1/nodes/<name>/status`` with ``application/strategic-merge-patch+json``
   (conditions and addresses merge by ``type``) or ``application/merge-patch+json``;
   like the real status subresource it ignores changes to ``spec``.
+- ``PATCH /api/v1/nodes/<name>`` with the same two patch types (``kubectl annotate``
+  sends a merge patch of ``metadata.annotations``); like the real Node strategy it
+  ignores changes to ``status``. Both PATCHes honour a ``metadata.resourceVersion``
+  precondition (409 Conflict) and produce a MODIFIED watch event when they change
+  something.
+- ``POST /api/v1/namespaces/<ns>/events``: 201 with the created Event (``generateName``
+  gets 5 random characters, as the API server's name generator does); the v1
+  validation for events without ``reportingController``: the namespace in the body,
+  if any, must be the path's, an event about a cluster-scoped object (no
+  ``involvedObject.namespace``, e.g. a Node) lives in ``default``, else in the
+  object's namespace (422 Invalid otherwise). Events are not watched here.
 
 Controls for tests: add_node, set_pod_cidr, set_annotations, delete_node,
 add_pod, compact, inject_watch_410, set_unreachable (listener closed, open
-connections cut), and ``requests`` (every request seen).
+connections cut), ``requests`` (every request seen) and ``events`` (every Event
+created).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import base64
 import contextlib
 import copy
 import json
+import random
 import socket
 import threading
 import time
@@ -43,6 +57,8 @@ Json = dict[str, Any]
 
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
+# The API server's generateName suffix: 5 characters from an alphabet without vowels.
+_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 # patchMergeKey of the Node lists a strategic-merge patch merges instead of replacing.
 _MERGE_KEYS = {
     ("status", "conditions"): "type",
@@ -186,6 +202,7 @@ class KubeStandin:
         self._rv = 100
         self._nodes: dict[str, Json] = {}
         self._pods: dict[tuple[str, str], Json] = {}
+        self._events: dict[tuple[str, str], Json] = {}  # (namespace, name) -> Event
         self._history: list[_Event] = []
         self._compacted = 0
         self._gone_epoch = 0
@@ -325,6 +342,12 @@ class KubeStandin:
             return copy.deepcopy(node) if node else None
 
     @property
+    def events(self) -> list[Json]:
+        """Every Event created so far, in creation order."""
+        with self._cond:
+            return [copy.deepcopy(e) for e in self._events.values()]
+
+    @property
     def resource_version(self) -> int:
         with self._cond:
             return self._rv
@@ -450,24 +473,72 @@ class KubeStandin:
         return {"kind": "NodeList", "apiVersion": "v1", "metadata": meta,
                 "items": items[offset:end]}  # fmt: skip
 
-    def _patch_status(self, name: str, content_type: str, body: bytes) -> Json:
-        try:
-            patch = json.loads(body)
-        except ValueError as e:
-            raise _HttpError(400, "BadRequest", f"invalid JSON in the patch: {e}") from e
-        if not isinstance(patch, dict):
-            raise _HttpError(400, "BadRequest", "the patch must be a JSON object")
+    def _patch_node(self, name: str, content_type: str, body: bytes, status: bool) -> Json:
+        """PATCH the Node (``status``: its status subresource). Each side keeps the other's
+        part: the status subresource ignores ``spec``, the Node itself ``status``."""
+        patch = _json_object(body, "the patch")
         with self._cond:
             node = self._get_node(name)
             want_rv = (patch.get("metadata") or {}).get("resourceVersion")
             if want_rv is not None and want_rv != node["metadata"]["resourceVersion"]:
                 raise _HttpError(409, "Conflict", "the object has been modified; retry")
             merged = (strategic_merge if content_type == STRATEGIC else json_merge)(node, patch)
-            merged["spec"] = node["spec"]  # the status subresource ignores spec
+            kept = "spec" if status else "status"
+            if kept in node:
+                merged[kept] = node[kept]
+            else:
+                merged.pop(kept, None)
+            merged.setdefault("metadata", {})
             for field in ("name", "uid", "creationTimestamp"):
                 merged["metadata"][field] = node["metadata"][field]
             merged["metadata"]["resourceVersion"] = node["metadata"]["resourceVersion"]
             return self._commit("MODIFIED", merged)
+
+    def _create_event(self, namespace: str, body: bytes) -> Json:
+        event = _json_object(body, "the Event")
+        if event.get("kind", "Event") != "Event" or event.get("apiVersion", "v1") != "v1":
+            raise _HttpError(
+                400, "BadRequest",
+                f"the body is a {event.get('apiVersion')}/{event.get('kind')}, not a v1 Event",
+            )  # fmt: skip
+        meta = event.setdefault("metadata", {})
+        if meta.get("namespace", namespace) != namespace:
+            raise _HttpError(
+                400, "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on "
+                "the request",
+            )  # fmt: skip
+        involved = event.get("involvedObject") or {}
+        involved_ns = involved.get("namespace") or ""
+        if (involved_ns and involved_ns != namespace) or (
+            not involved_ns and namespace != "default"
+        ):
+            raise _HttpError(
+                422, "Invalid",
+                f'Event "{meta.get("name") or meta.get("generateName") or ""}" is invalid: '
+                f"involvedObject.namespace: Invalid value: {involved_ns!r}: does not match "
+                "event.namespace",
+            )  # fmt: skip
+        with self._cond:
+            name = meta.get("name") or ""
+            if not name:
+                if not meta.get("generateName"):
+                    raise _HttpError(
+                        422, "Invalid",
+                        'Event "" is invalid: metadata.name: Required value: name or '
+                        "generateName is required",
+                    )  # fmt: skip
+                name = meta["generateName"] + "".join(random.choices(_NAME_ALPHABET, k=5))
+            if (namespace, name) in self._events:
+                raise _HttpError(409, "AlreadyExists", f'events "{name}" already exists')
+            self._rv += 1  # one revision counter across kinds, as etcd's
+            event.update({"apiVersion": "v1", "kind": "Event"})
+            meta.update({
+                "name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                "resourceVersion": str(self._rv), "creationTimestamp": _now(),
+            })  # fmt: skip
+            self._events[(namespace, name)] = event
+            return copy.deepcopy(event)
 
     def _watch_start(self, query: Mapping[str, str]) -> tuple[int, list[Json], int]:
         """(position, first events, gone epoch) for a new watch; raises _HttpError."""
@@ -527,6 +598,16 @@ class KubeStandin:
     def _watch_counter(self, delta: int) -> None:
         with self._cond:
             self._watches += delta
+
+
+def _json_object(body: bytes, what: str) -> Json:
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise _HttpError(400, "BadRequest", f"invalid JSON in {what}: {e}") from e
+    if not isinstance(doc, dict):
+        raise _HttpError(400, "BadRequest", f"{what} must be a JSON object")
+    return doc
 
 
 def _without_rv(node: Json) -> Json:
@@ -589,7 +670,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _run(self, fn: Callable[[], Json | None]) -> None:
+    def _run(self, fn: Callable[[], Json | None], code: int = 200) -> None:
         try:
             doc = fn()
         except _HttpError as e:
@@ -599,7 +680,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if doc is not None:
-            self._send_json(200, doc)
+            self._send_json(code, doc)
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def do_GET(self) -> None:
         parts, query = self._parse()
@@ -620,23 +704,42 @@ class _Handler(BaseHTTPRequestHandler):
         self._run(route)
 
     def do_PATCH(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length)
+        body = self._body()
         parts, _ = self._parse(body)
         content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
 
         def route() -> Json:
             match parts:
-                case ["api", "v1", "nodes", name, "status"]:
+                case ["api", "v1", "nodes", name, *sub] if sub in ([], ["status"]):
                     if content_type not in (STRATEGIC, MERGE):
                         raise _HttpError(
                             415, "UnsupportedMediaType",
                             f"the stand-in does not implement {content_type!r} patches",
                         )  # fmt: skip
-                    return self.standin._patch_status(name, content_type, body)
+                    return self.standin._patch_node(name, content_type, body, status=bool(sub))
             raise _HttpError(405, "MethodNotAllowed", f"PATCH {self.path} is not served")
 
         self._run(route)
+
+    def do_POST(self) -> None:
+        body = self._body()
+        parts, _ = self._parse(body)
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+
+        def route() -> Json:
+            match parts:
+                case ["api", "v1", "namespaces", namespace, "events"]:
+                    # No Content-Type is read as JSON, the server's first serializer
+                    # (the generated client sends none on create).
+                    if content_type not in ("", "application/json"):
+                        raise _HttpError(
+                            415, "UnsupportedMediaType",
+                            f"the stand-in does not implement {content_type!r} bodies",
+                        )  # fmt: skip
+                    return self.standin._create_event(namespace, body)
+            raise _HttpError(405, "MethodNotAllowed", f"POST {self.path} is not served")
+
+        self._run(route, code=201)
 
     def _stream_watch(self, query: Mapping[str, str]) -> None:
         standin = self.standin

@@ -459,7 +459,11 @@ def _cni_errors() -> Iterator[None]:
 
 def _as_cni_error(e: BaseException) -> CniError | None:
     if isinstance(e, IpamExhausted):
-        hint = "ipWaitSeconds in the network config lets ADD wait for a cooling address"
+        if e.accounting:
+            hint = "ipWaitSeconds in the network config lets ADD wait for a cooling address"
+        else:  # nothing to wait for: no lease of this node takes new pods
+            hint = ("the agent's log says why it holds no lease that takes new pods "
+                    "(e.g. every pool is drained or full: flannelpy pools list)")
         return CniError(Code.NO_ADDRESS, str(e), hint)
     if isinstance(e, NetnsMissing | PodInterfaceExists):
         return CniError(Code.INVALID_ENVIRONMENT, str(e))

@@ -24,7 +24,7 @@ from flannelpy.config import NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError
 from flannelpy.ops.node_control import rollout_vouches
 from flannelpy.ops.node_records import ForceRecord, NodeOverride
-from flannelpy.ops.policy import decide, disruptive_changes, parse_policy
+from flannelpy.ops.policy import ETCD_REMEDY, decide, disruptive_changes, parse_policy
 
 Action = Literal["none", "apply", "block", "restart-needed"]
 
@@ -68,6 +68,7 @@ def decide_change(
     override: NodeOverride | None,
     rollout: Any,
     now: datetime,
+    remedy: str = ETCD_REMEDY,
 ) -> ChangeDecision:
     if _live_fields(running) != _live_fields(wanted):
         return ChangeDecision(
@@ -86,7 +87,7 @@ def decide_change(
     if override is not None and rollout_vouches(rollout, override.rollout):
         return ChangeDecision("apply", changes, vouched=True)
     policy = parse_policy(wanted.raw)
-    decision = decide(policy, now, ", ".join(changes))
+    decision = decide(policy, now, ", ".join(changes), remedy)
     if decision.allowed:
         return ChangeDecision("apply", changes)
     return ChangeDecision("block", changes, sentence=decision.sentence)

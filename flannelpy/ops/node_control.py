@@ -228,6 +228,11 @@ class KubeNodeControl:
         self._config_path = config_path
 
     def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
+        # Decide nothing before the node list has shown our Node's override (or that
+        # there is none): deciding without it would undo an applied override.
+        while not self._manager.own_override_seen.wait(0.2):
+            if stop.is_set():
+                return
         last: ControlSnapshot | None = None
         while not stop.is_set():
             try:

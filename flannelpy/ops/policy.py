@@ -495,21 +495,33 @@ def window_state(window: MaintenanceWindow, now: datetime) -> WindowState:
     raise AssertionError("unreachable: the next window starts within two weeks")
 
 
-def decide(policy: DisruptionPolicy, now: datetime, change: str) -> Decision:
+ETCD_REMEDY = (
+    "set the policy to Allow or AllowDuringMaintenanceWindow (flannelpy policy set ...), or "
+    'pass --force --reason "..." for an emergency'
+)
+KUBE_REMEDY = (
+    "set DisruptionPolicy to Allow or AllowDuringMaintenanceWindow in the ConfigMap's "
+    "net-conf.json, or for an emergency annotate the node flannelpy.io/override with a "
+    '"Force" record'
+)
+
+
+def decide(
+    policy: DisruptionPolicy, now: datetime, change: str, remedy: str = ETCD_REMEDY
+) -> Decision:
     """May the disruptive ``change`` proceed at ``now``?
 
     ``change`` is only the phrase(s) of what changes, e.g. "backend vxlan -> host-gw"
     or ", ".join(disruptive_changes(...)): the sentence wraps it as
-    "disruptive change (<change>) blocked by DisruptionPolicy ...".
+    "disruptive change (<change>) blocked by DisruptionPolicy ...". ``remedy`` is what
+    to do under Block, in the words of where the policy lives.
     """
     if policy.mode == "Allow":
         return Decision(True, None, None, None)
     if policy.mode == "Block":
         return Decision(
             False,
-            f"disruptive change ({change}) blocked by DisruptionPolicy Block; set the policy "
-            "to Allow or AllowDuringMaintenanceWindow (flannelpy policy set ...), or pass "
-            '--force --reason "..." for an emergency',
+            f"disruptive change ({change}) blocked by DisruptionPolicy Block; {remedy}",
             None,
             None,
         )

@@ -291,9 +291,12 @@ def choose_new_subnet(
             )
         else:
             refusals.append(f"{pool.network} holds no /{span.length} subnet to lease")
+    # Say only what helps: freeing leases matters only if some usable pool is full.
+    full = any(" is full " in r for r in refusals)
+    remedy = "free some leases, or add" if full else "add"
     raise PoolExhausted(
-        "no pool can take a new lease: " + "; ".join(refusals) + f"; free some leases, or "
-        f"add a pool (flannelpy pools add CIDR) and tag it {ROLE_KEY}={ROLE_OPT_IN}"
+        "no pool can take a new lease: " + "; ".join(refusals) + f"; {remedy} a pool "
+        f"(flannelpy pools add CIDR) and tag it {ROLE_KEY}={ROLE_OPT_IN}"
     )
 
 

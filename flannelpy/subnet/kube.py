@@ -352,6 +352,7 @@ class KubeSubnetManager:
         self._node_name = self._identity.node_name
         self._config: NetworkConfig | None = None
         self._attrs: LeaseAttrs | None = None  # what the agent asked us to advertise
+        self._advertised: LeaseAttrs | None = None  # what we returned for it
         # Our Node's override annotation as the node watch last saw it (None: absent).
         self.own_override: str | None = None
         self.own_override_seen = threading.Event()
@@ -474,7 +475,7 @@ class KubeSubnetManager:
                 subnet, previous_subnet,
             )  # fmt: skip
         self._attrs = attrs
-        advertised = self._publish(node, attrs)
+        advertised = self._advertised = self._publish(node, attrs)
         return Lease(subnet=subnet, attrs=advertised, expiration=None, ipv6_subnet=ipv6_subnet)
 
     def _wait_for_pod_cidr(self, config: NetworkConfig) -> tuple[dict[str, Any], Any]:
@@ -520,7 +521,11 @@ class KubeSubnetManager:
                 f"node {self.node_name}'s pod cidr is now {now}, not {lease.subnet}; "
                 "acquire the lease again"
             )
-        advertised = self._publish(node, self._attrs or lease.attrs)
+        # Attrs other than what we returned last are the agent's new wish (a backend
+        # change); the ones we returned may carry public-ip-overwrite: keep the wish.
+        if lease.attrs != self._advertised or self._attrs is None:
+            self._attrs = lease.attrs
+        advertised = self._advertised = self._publish(node, self._attrs)
         return replace(lease, attrs=advertised)
 
     # -- watch -------------------------------------------------------------------------------
@@ -577,6 +582,9 @@ class KubeSubnetManager:
             meta = doc.get("metadata") or {}
             rv = rv or kn.resource_version(doc)
             for node in doc.get("items") or []:
+                if kn.node_name(node) == self.node_name:  # a watch replays no ADDED for it
+                    self.own_override = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
+                    self.own_override_seen.set()
                 lease = self._lease_of(node, config)
                 if lease is not None:
                     by_node[kn.node_name(node)] = lease
@@ -688,12 +696,14 @@ class KubeSubnetManager:
             "source": {"component": "flannelpy", "host": name},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }  # fmt: skip
-        _call(
+        resp: Any = _call(  # an urllib3 response: _preload_content=False
             "create event",
             lambda: self._api.create_namespaced_event(
                 "default", body, _preload_content=False, _request_timeout=self._timeout()
             ),
         )
+        resp.read()  # a response left unread never gives its connection back to the pool
+        resp.release_conn()
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -711,6 +711,7 @@ def test_rbac_rules_are_exactly_the_calls_made(
     manager.node_public_ip()
     lease = manager.acquire_lease(attrs(), None)
     manager.renew_lease(lease)
+    manager.create_node_event("DisruptionPolicyOverridden", "a forced change, for the test")
     with Watcher(manager) as w:
         standin.delete_node("node-b")
         w.wait_subnets({OWN: "10.244.1.0/24"})

@@ -393,24 +393,28 @@ def test_exhaustion_names_every_pool_and_why() -> None:
 
 
 @pytest.mark.parametrize(
-    ("pools", "cluster", "says"),
+    ("pools", "cluster", "says", "full"),
     [
         ([pool("10.244.0.0/22", primary=True, role="0")], None,
-         "the primary pool 10.244.0.0/22 is tagged flannelpy.io/role=0 (draining)"),
+         "the primary pool 10.244.0.0/22 is tagged flannelpy.io/role=0 (draining)", False),
         ([pool("10.244.0.0/22", primary=True, cluster_b="1")], None,
          "the primary pool 10.244.0.0/22 belongs to cluster(s) b, and this agent has no "
-         "cluster name"),
+         "cluster name", False),
         ([pool("10.244.0.0/22", primary=True), Pool(net("10.250.0.0/24"), {ROLE: "1"})],
-         None, "10.250.0.0/24 holds no /24 subnet to lease"),
+         None, "10.250.0.0/24 holds no /24 subnet to lease", True),
     ],
 )  # fmt: skip
 def test_exhaustion_reasons_for_the_primary_and_empty_pools(
-    pools: list[Pool], cluster: str | None, says: str
+    pools: list[Pool], cluster: str | None, says: str, full: bool
 ) -> None:
     with pytest.raises(PoolExhausted) as err:
         new_subnet(pools, fill("10.244.0.0/22"), cluster)
     assert says in str(err.value)
     assert "\n" not in str(err.value)
+    # Freeing leases is suggested only where a usable pool is full.
+    assert ("free some leases" in str(err.value)) == full
+    assert str(err.value).endswith("add a pool (flannelpy pools add CIDR) and tag it "
+                                   "flannelpy.io/role=1")
 
 
 def test_dual_stack_pairs_the_primary_and_skips_ipv4_only_pools() -> None:
