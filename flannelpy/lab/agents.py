@@ -4,6 +4,12 @@ An agent is ready when it has written a fresh ``subnet.env`` (newer than its
 start: a file left by an earlier run does not count, yet stays in place
 because the agent reuses its subnet). The lab then gives the node its overlay
 address (``topology.ensure_overlay_bridge``).
+
+Per node, the lab state may add flags (``extra["node_agent_args"]``: node ->
+flags, after the lab-wide ``extra["agent_args"]``) and a source tree to run the
+agent from (``extra["node_agent_source"]``: node -> a directory holding
+``flannelpy/``), e.g. two cluster names in one lab, or a previous release on one
+node next to this one. Both take effect at the node's next agent start.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from flannelpy.lab.state import LabState, NodeInfo
 
 READY_TIMEOUT = 60.0  # seconds for an agent to write subnet.env
 REQUIRED_ENV = ("FLANNEL_NETWORK", "FLANNEL_SUBNET", "FLANNEL_MTU")
+NODE_ARGS_KEY = "node_agent_args"  # in LabState.extra: {node: [flag, ...]}
+NODE_SOURCE_KEY = "node_agent_source"  # in LabState.extra: {node: source root}
 
 
 @dataclass(frozen=True)
@@ -52,17 +60,30 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
                  "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
     else:
         argv += ["--etcd-endpoints", state.etcd_endpoint, "--etcd-prefix", state.etcd_prefix]
-    return argv + list(state.extra.get("agent_args", []))
+    argv += list(state.extra.get("agent_args", []))
+    return argv + list(state.extra.get(NODE_ARGS_KEY, {}).get(node.name, []))
 
 
 def kube_net_conf_path(state: LabState) -> str:
     return os.path.join(state.lab_dir, "net-conf.json")
 
 
-def agent_env() -> dict[str, str]:
-    """Our environment, plus the directory holding this flannelpy so ``-m flannelpy`` finds it."""
+def agent_source(state: LabState, node: NodeInfo) -> str | None:
+    """The source root the node's agent runs from; None: this flannelpy."""
+    source: str | None = state.extra.get(NODE_SOURCE_KEY, {}).get(node.name)
+    return source
+
+
+def agent_env(source_root: str | None = None) -> dict[str, str]:
+    """Our environment, plus the directory holding the flannelpy to run (by default this
+    one) first on PYTHONPATH, so ``-m flannelpy`` finds it."""
     env = dict(os.environ)
-    source_root = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
+    if source_root is None:
+        source_root = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
+    else:
+        # ``-m`` puts the working directory before PYTHONPATH: a checkout there
+        # would shadow the tree asked for.
+        env["PYTHONSAFEPATH"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
     return env
 
@@ -75,7 +96,7 @@ def prepare_dirs(node: NodeInfo) -> None:
 def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
     """Start the node's agent detached; record its pid and start time in ``node``."""
     prepare_dirs(node)
-    env = agent_env()
+    env = agent_env(agent_source(state, node))
     env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
     with open(node.agent_log, "a", encoding="utf-8") as log:

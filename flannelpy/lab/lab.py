@@ -328,6 +328,31 @@ class Lab:
         self.state.extra["agent_args"] = list(args)
         self._save()
 
+    def set_node_agent_args(self, node: str, args: list[str]) -> None:
+        """Extra flags for ``node``'s agent alone, after the lab-wide ones (e.g.
+        ``--cluster-name a``), from its next start; ``[]`` drops them."""
+        self.node(node)
+        self.state.extra.setdefault(agents.NODE_ARGS_KEY, {})[node] = list(args)
+        self._save()
+
+    def set_node_agent_source(self, node: str, source_root: str | None) -> None:
+        """Run ``node``'s agent from another source tree, a directory holding
+        ``flannelpy/`` (e.g. a previous release extracted with ``git archive``), from
+        its next start; None: this flannelpy again. The tree is the caller's to remove."""
+        self.node(node)
+        sources = self.state.extra.setdefault(agents.NODE_SOURCE_KEY, {})
+        if source_root is None:
+            sources.pop(node, None)
+        else:
+            root = os.path.abspath(source_root)
+            if not os.path.isfile(os.path.join(root, "flannelpy", "__main__.py")):
+                raise LabError(
+                    f"{root} holds no flannelpy package (no flannelpy/__main__.py); give "
+                    "the directory that contains flannelpy/"
+                )
+            sources[node] = root
+        self._save()
+
     def start_agents(self, timeout: float = agents.READY_TIMEOUT) -> None:
         """Start every node's agent and wait until all are ready."""
         for node in self.state.nodes:
