@@ -48,7 +48,7 @@ from flannelpy.ipam.capacity import (
 )
 from flannelpy.metrics import AgentMetrics, NetlinkLinkStats
 from flannelpy.ops.config_change import ChangeDecision, decide_change, wanted_config
-from flannelpy.ops.mtu import MtuReport, mtu_mismatches
+from flannelpy.ops.mtu import MtuReport, describe_mismatch, describe_unknown, mtu_mismatches
 from flannelpy.ops.node_control import ControlSnapshot, NodeControl
 from flannelpy.ops.node_records import (
     BackendSummary,
@@ -261,11 +261,25 @@ class NodeAgent:
         self.reconciler.set_desired(desired, stale_links)
 
     def _check_mtu(self, peers: list[Lease]) -> None:
-        """Peers must agree on the overlay MTU, or large packets vanish silently between them."""
+        """Peers must agree on the overlay MTU, or large packets vanish silently between them.
+
+        Between nodes on different backends (a backend switch under way) the MTUs differ
+        by design; that is said once at info level, not warned per peer."""
         report = mtu_mismatches(self.backend.mtu(self.ctx), peers)
         if self._mtu_report is None or report.mismatched != self._mtu_report.mismatched:
-            for sentence in report.sentences():
-                log.warning("MTU mismatch: %s", sentence)
+            backend_of = {p.subnet: p.attrs.backend_type for p in peers}
+            mixed = [p for p in report.mismatched
+                     if backend_of.get(p.subnet) != self.backend.type_name]  # fmt: skip
+            for peer in report.mismatched:
+                if peer not in mixed:
+                    log.warning("MTU mismatch: %s", describe_mismatch(report.own_mtu, peer))
+            for peer in report.unknown:
+                log.warning("MTU mismatch: %s", describe_unknown(peer))
+            if mixed:
+                log.info(
+                    "overlay MTU differs from %d peer lease(s) on another backend, as expected "
+                    "while backends are mixed; pods keep their MTU until re-created", len(mixed),
+                )  # fmt: skip
         self._mtu_report = report
 
     def _own_subnets(self) -> list[IPv4Network]:
@@ -758,11 +772,15 @@ class NodeAgent:
             return
         ctx = replace(self.ctx, config=wanted)
         generation = snap.override.generation if snap.override else None
-        decision = decide_change(
-            self.config, self.backend.mtu(self.ctx), wanted, backend.mtu(ctx),
-            snap.override, snap.rollout, datetime.now(UTC),
-            KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
-        )  # fmt: skip
+        try:
+            decision = decide_change(
+                self.config, self.backend.mtu(self.ctx), wanted, backend.mtu(ctx),
+                snap.override, snap.rollout, datetime.now(UTC),
+                KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
+            )  # fmt: skip
+        except ConfigError as e:  # e.g. a DisruptionPolicy that does not parse
+            self._say_once(f"config:{e}", "not applying the new network config: %s", e)
+            return
         if decision.action == "restart-needed":
             self._say_once(f"restart:{wanted.raw}", "%s", decision.sentence)
             return

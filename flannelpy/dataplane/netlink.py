@@ -378,14 +378,17 @@ class NetlinkKernel:
         with nl.NetlinkSocket() as sock, _Batch(sock, self.protocol) as run:
             run.links(changes)
             run.entries("routes_to_delete", changes.routes_to_delete)
-            run.entries("neighbours_to_delete", changes.neighbours_to_delete)
-            run.entries("fdb_to_delete", changes.fdb_to_delete)
             run.addresses("addresses_to_add", changes.addresses_to_add)
             run.addresses("addresses_to_delete", changes.addresses_to_delete)
             # Per peer: neighbour, FDB, then the route, so the kernel never ARPs.
             run.entries("neighbours_to_set", changes.neighbours_to_set)
             run.entries("fdb_to_set", changes.fdb_to_set)
             run.entries("routes_to_set", changes.routes_to_set)
+            # A peer's stale neighbour and FDB go only once its route points elsewhere
+            # (vxlan -> direct): packets routed to a deleted neighbour wait for an ARP
+            # that never comes on the VTEP, and are dropped.
+            run.entries("neighbours_to_delete", changes.neighbours_to_delete)
+            run.entries("fdb_to_delete", changes.fdb_to_delete)
         applied = {k: v for k, v in run.applied.items() if v}
         return ApplyResult(applied=applied, failures=tuple(run.failures))
 

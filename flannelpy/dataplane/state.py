@@ -104,7 +104,13 @@ class ObservedState:
 
 @dataclass(frozen=True)
 class Changes:
-    """What to do to turn observed into desired. Applied in field order, removals first."""
+    """What to do to turn observed into desired.
+
+    The applier (``NetlinkKernel.apply``) goes: links, stale routes, addresses, then per
+    peer neighbour, FDB entry and route, and stale neighbours and FDB entries last: a
+    peer switching from vxlan to a direct route keeps its neighbour until its route no
+    longer uses it, or packets in between would wait for an ARP that never comes.
+    """
 
     links_to_delete: tuple[str, ...] = ()  # names; re-created because immutable attrs differ
     links_to_create: tuple[VxlanLink, ...] = ()
