@@ -173,22 +173,30 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def fold_keys(obj: Mapping[str, Any], prefix: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """A net-conf.json object's keys matched case-insensitively, as Go's decoder does:
+    (folded -> key as spelled, folded -> value). ``prefix`` names the object in errors
+    ("" for the top level, "Backend " inside Backend)."""
+    spelled: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    for key, value in obj.items():
+        folded = key.lower()
+        if folded in spelled:
+            raise ConfigError(
+                f'{_WHERE}: {prefix}keys "{spelled[folded]}" and "{key}" differ only in '
+                "case and Flannel reads them as one key; keep only one of them"
+            )
+        spelled[folded] = key
+        values[folded] = value
+    return spelled, values
+
+
 class _Section:
     """One JSON object of net-conf.json with keys matched case-insensitively, as Go does."""
 
     def __init__(self, obj: Mapping[str, Any], prefix: str) -> None:
         self._prefix = prefix  # "" for the top level, "Backend " inside Backend
-        self._values: dict[str, Any] = {}
-        spelled: dict[str, str] = {}
-        for key, value in obj.items():
-            folded = key.lower()
-            if folded in spelled:
-                raise ConfigError(
-                    f'{_WHERE}: {prefix}keys "{spelled[folded]}" and "{key}" differ only in '
-                    "case and Flannel reads them as one key; keep only one of them"
-                )
-            spelled[folded] = key
-            self._values[folded] = value
+        self._values = fold_keys(obj, prefix)[1]
 
     def label(self, name: str) -> str:
         return f'{self._prefix}"{name}"'

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, time, timedelta, timezone
 from typing import Any, Literal, get_args
 
-from flannelpy.config import BackendConfig, parse_network_config
+from flannelpy.config import BackendConfig, fold_keys, parse_network_config
 from flannelpy.errors import ConfigError
 
 Mode = Literal["Allow", "Block", "AllowDuringMaintenanceWindow"]
@@ -126,7 +126,7 @@ def parse_policy(doc: Mapping[str, Any]) -> DisruptionPolicy:
 
     Raises ConfigError with one sentence naming the key and an example value.
     """
-    value = _fold(doc, "")[1].get(KEY.lower())
+    value = fold_keys(doc, "")[1].get(KEY.lower())
     if value is None:  # JSON null is "not set", as elsewhere in net-conf.json
         return ALLOW
     label = f'{_WHERE}: "{KEY}"'
@@ -337,7 +337,7 @@ def _window_problem(
 def _known(obj: Mapping[str, Any], where: str, names: tuple[str, ...]) -> dict[str, Any]:
     """``obj``'s values by folded key; refuses keys we do not know (a misspelt
     "UTCOfset" must not silently mean UTC) and keys that differ only in case."""
-    spelled, values = _fold(obj, f"{where} ")
+    spelled, values = fold_keys(obj, f"{where} ")
     allowed = {n.lower() for n in names}
     for folded, key in spelled.items():
         if folded not in allowed:
@@ -345,20 +345,6 @@ def _known(obj: Mapping[str, Any], where: str, names: tuple[str, ...]) -> dict[s
             raise ConfigError(f'{_WHERE}: {where} has an unknown key "{key}"; use only {choices}')
     return values
 
-
-def _fold(obj: Mapping[str, Any], where: str) -> tuple[dict[str, str], dict[str, Any]]:
-    spelled: dict[str, str] = {}
-    values: dict[str, Any] = {}
-    for key, value in obj.items():
-        folded = key.lower()
-        if folded in spelled:
-            raise ConfigError(
-                f'{_WHERE}: {where}keys "{spelled[folded]}" and "{key}" differ only in case '
-                "and are read as one key; keep only one of them"
-            )
-        spelled[folded] = key
-        values[folded] = value
-    return spelled, values
 
 
 def _show(value: Any) -> str:

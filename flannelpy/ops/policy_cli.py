@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from flannelpy.config import _FLAGS, AgentSettings, settings_from_args
 from flannelpy.errors import ConfigError, FlannelpyError, StoreError
 from flannelpy.ops.node_records import events_prefix, node_of_key, nodes_prefix
 from flannelpy.ops.policy import (
@@ -38,9 +37,13 @@ from flannelpy.ops.policy import (
     window_state,
     with_policy,
 )
+from flannelpy.ops.store_cli import add_store_arguments, connected, store_settings
 from flannelpy.subnet.store import KeyValue, Store
 
-STORE_TIMEOUT = 3.0  # seconds per etcd request: a person is waiting
+KUBE_REFUSAL = (
+    "flannelpy policy talks to etcd only, and FLANNELD_KUBE_SUBNET_MGR selects "
+    "Kubernetes mode; edit DisruptionPolicy in the ConfigMap's net-conf.json instead"
+)
 WRITE_ATTEMPTS = 5  # compare-and-swap rounds before giving up on a busy config key
 FORCED_SHOWN = 10  # forced-change records `show` lists, newest last
 
@@ -80,7 +83,7 @@ def add_policy_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="judge the window at TIME instead of now (ISO 8601 with an offset, "
         "e.g. 2026-12-05T03:00+02:00)",
     )
-    _add_store_arguments(show)
+    add_store_arguments(show)
     set_ = verbs.add_parser(
         "set",
         help="set the policy (rewrites only the DisruptionPolicy key of the config)",
@@ -98,38 +101,15 @@ def add_policy_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the window's local time as an offset from UTC, e.g. +02:00, UTC-05:30 or "
         "--utc-offset=-05:30 (default: UTC)",
     )
-    _add_store_arguments(set_)
+    add_store_arguments(set_)
     policy.set_defaults(func=run)
     return policy
 
 
-def _add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    # The agent's own --etcd-* flags (same names, FLANNELD_* variables and checks),
-    # so the command finds the store exactly as the agent does.
-    group = parser.add_argument_group("store", "etcd as the agent reaches it; or --lab")
-    group.add_argument("--lab", metavar="NAME", help="use the etcd of the netns lab NAME")
-    defaults = AgentSettings()
-    for flag in _FLAGS:
-        if flag.field.startswith("etcd_"):
-            default = getattr(defaults, flag.field)
-            shown = ",".join(default) if isinstance(default, tuple) else default
-            help_text = f"{flag.help} (env {flag.env}"
-            help_text += f"; default {shown})" if shown is not None else ")"
-            group.add_argument(
-                flag.option,
-                default=None,
-                metavar=flag.field.removeprefix("etcd_").upper(),
-                help=help_text.replace("%", "%%"),
-            )
-
-
 def run(args: argparse.Namespace, clock: Clock = _utc_now) -> int:
     try:
-        settings = store_settings(args, os.environ)
-        from flannelpy.subnet.etcd import connect_etcd
-
-        store = connect_etcd(settings, timeout=STORE_TIMEOUT)
-        try:
+        settings = store_settings(args, os.environ, KUBE_REFUSAL)
+        with connected(settings) as store:
             if args.policy_command == "show":
                 now = parse_at(args.at) if args.at else clock()
                 report = gather(store, settings.etcd_prefix, now)
@@ -138,31 +118,10 @@ def run(args: argparse.Namespace, clock: Clock = _utc_now) -> int:
                 policy = policy_from_args(args)
                 key = set_policy(store, settings.etcd_prefix, policy)
                 sys.stdout.write(render_set(key, policy, clock()))
-        finally:
-            store.close()
     except FlannelpyError as e:
         print(f"flannelpy: {e}", file=sys.stderr)
         return e.exit_code
     return 0
-
-
-def store_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentSettings:
-    """The etcd to talk to: the lab's with ``--lab``, else the agent's flags and env."""
-    if args.lab:
-        given = [f.option for f in _FLAGS if f.field.startswith("etcd_") and getattr(args, f.field)]
-        if given:
-            raise ConfigError(f"--lab brings its own etcd; leave out {', '.join(given)}")
-        from flannelpy.lab.lab import Lab
-
-        state = Lab.load(args.lab).state
-        return AgentSettings(etcd_endpoints=(state.etcd_endpoint,), etcd_prefix=state.etcd_prefix)
-    settings = settings_from_args(args, environ)
-    if settings.kube_subnet_mgr:
-        raise ConfigError(
-            "flannelpy policy talks to etcd only, and FLANNELD_KUBE_SUBNET_MGR selects "
-            "Kubernetes mode; edit DisruptionPolicy in the ConfigMap's net-conf.json instead"
-        )
-    return settings
 
 
 def parse_at(text: str) -> datetime:

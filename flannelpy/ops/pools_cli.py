@@ -14,13 +14,13 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from flannelpy.config import AgentSettings, add_agent_arguments, settings_from_args
-from flannelpy.errors import ConfigError, FlannelpyError
+from flannelpy.config import AgentSettings
+from flannelpy.errors import FlannelpyError
+from flannelpy.ops.store_cli import connected, store_parent, store_settings
 from flannelpy.subnet.pools import (
     ROLE_EXCLUDED,
     ROLE_KEY,
@@ -37,17 +37,9 @@ from flannelpy.subnet.pools import (
 if TYPE_CHECKING:
     from flannelpy.subnet.pool_store import PoolStore
 
-STORE_TIMEOUT = 3.0  # seconds per etcd request: a person is waiting
-# The agent flags that reach the store; --kube-subnet-mgr is read (from FLANNELD_*)
-# only to refuse: pools are an etcd-mode feature.
-STORE_FLAGS = (
-    "etcd_endpoints",
-    "etcd_prefix",
-    "etcd_keyfile",
-    "etcd_certfile",
-    "etcd_cafile",
-    "etcd_username",
-    "etcd_password",
+KUBE_REFUSAL = (
+    "pools apply to etcd mode only: in Kubernetes mode the controller-manager "
+    "allocates each node's podCIDR; unset FLANNELD_KUBE_SUBNET_MGR to reach etcd"
 )
 
 DESCRIPTION = (
@@ -69,7 +61,7 @@ def add_pools_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
     )
     verbs = pools.add_subparsers(dest="pools_command", required=True, metavar="VERB")
-    store = _store_arguments()
+    store = store_parent()
     listing = verbs.add_parser(
         "list", parents=[store], description=DESCRIPTION,
         help="each pool's size, subnets taken and free, tags, and whether new leases may "
@@ -110,27 +102,9 @@ def add_pools_parser(subparsers: Any) -> argparse.ArgumentParser:
     return pools
 
 
-def _store_arguments() -> argparse.ArgumentParser:
-    """A parent parser with the agent's own ``--etcd-*`` flags (same help, same
-    FLANNELD_* variables, same validation) and ``--lab``."""
-    agent = argparse.ArgumentParser(add_help=False)
-    add_agent_arguments(agent)
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group(
-        "store", "where the pools live; each flag is also read from FLANNELD_<NAME>"
-    )
-    for action in agent._actions:
-        if action.dest in STORE_FLAGS:
-            group._add_action(action)
-    group.add_argument(
-        "--lab", metavar="NAME", help="use the etcd of the netns lab NAME (endpoint and prefix)"
-    )
-    return parent
-
-
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = resolve_settings(args, os.environ)
+        settings = store_settings(args, os.environ, KUBE_REFUSAL)
         with open_pools(settings) as pools:
             return VERBS[args.pools_command](args, pools)
     except FlannelpyError as e:
@@ -138,34 +112,12 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
 
 
-def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentSettings:
-    settings = settings_from_args(args, environ)
-    if settings.kube_subnet_mgr:
-        raise ConfigError(
-            "pools apply to etcd mode only: in Kubernetes mode the controller-manager "
-            "allocates each node's podCIDR; unset FLANNELD_KUBE_SUBNET_MGR to reach etcd"
-        )
-    if not args.lab:
-        return settings
-    if args.etcd_endpoints is not None or args.etcd_prefix is not None:
-        raise ConfigError("--lab sets the etcd endpoint and prefix; drop --etcd-endpoints "
-                          "and --etcd-prefix, or --lab")  # fmt: skip
-    from flannelpy.lab.lab import Lab
-
-    state = Lab.load(args.lab).state
-    return replace(settings, etcd_endpoints=(state.etcd_endpoint,), etcd_prefix=state.etcd_prefix)
-
-
 @contextmanager
 def open_pools(settings: AgentSettings) -> Iterator[PoolStore]:
-    from flannelpy.subnet.etcd import connect_etcd
     from flannelpy.subnet.pool_store import PoolStore
 
-    store = connect_etcd(settings, timeout=STORE_TIMEOUT)
-    try:
+    with connected(settings) as store:
         yield PoolStore(store, settings.etcd_prefix)
-    finally:
-        store.close()
 
 
 # --- verbs ------------------------------------------------------------------------------------

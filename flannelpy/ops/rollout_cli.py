@@ -26,7 +26,6 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from flannelpy.config import AgentSettings, add_agent_arguments, settings_from_args
 from flannelpy.errors import ConfigError, FlannelpyError, StoreError, StoreUnavailable
 from flannelpy.ops.node_records import ForceRecord, NodeOverride
 from flannelpy.ops.policy import parse_policy
@@ -60,8 +59,12 @@ from flannelpy.ops.rollout import (
     target_backend,
 )
 from flannelpy.ops.rollout_store import RolloutStore
+from flannelpy.ops.store_cli import connected, store_parent, store_settings
 
-STORE_TIMEOUT = 5.0  # seconds per etcd request
+KUBE_REFUSAL = (
+    "rollout works in etcd mode only (unset FLANNELD_KUBE_SUBNET_MGR); in Kubernetes mode "
+    "annotate nodes with flannelpy.io/override one at a time"
+)
 WINDOW_POLL = 30.0  # seconds between looks at the record while waiting for a window
 CAS_RETRIES = 20  # record writes racing pause/abort requests: read again and retry
 
@@ -429,9 +432,7 @@ def prepare_resume(store: RolloutStore, now: datetime, step_timeout: float | Non
 
 
 def add_rollout_parser(subparsers: Any) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--lab", metavar="NAME", help="the netns lab NAME's etcd and prefix")
-    add_agent_arguments(common)
+    common = store_parent()
 
     target = argparse.ArgumentParser(add_help=False)
     target.add_argument("--backend", required=True, metavar="TYPE", help="vxlan or host-gw")
@@ -480,14 +481,9 @@ def add_rollout_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = resolve_settings(args, os.environ)
-        from flannelpy.subnet.etcd import connect_etcd
-
-        etcd = connect_etcd(settings, timeout=STORE_TIMEOUT)
-        try:
+        settings = store_settings(args, os.environ, KUBE_REFUSAL)
+        with connected(settings) as etcd:
             return _command(args, RolloutStore(etcd, settings.etcd_prefix))
-        finally:
-            etcd.close()
     except FlannelpyError as e:
         print(f"flannelpy rollout: {e}", file=sys.stderr)
         return e.exit_code
@@ -495,19 +491,6 @@ def run(args: argparse.Namespace) -> int:
         print("flannelpy rollout: interrupted; the rollout record keeps its state: run "
               "flannelpy rollout resume to continue", file=sys.stderr)  # fmt: skip
         return 130
-
-
-def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentSettings:
-    settings = settings_from_args(args, environ)
-    if settings.kube_subnet_mgr:
-        raise ConfigError("rollout works in etcd mode only; drop --kube-subnet-mgr")
-    if args.lab:
-        from flannelpy.lab.lab import Lab
-
-        state = Lab.load(args.lab).state
-        settings = replace(settings, etcd_endpoints=(state.etcd_endpoint,),
-                           etcd_prefix=state.etcd_prefix)  # fmt: skip
-    return settings
 
 
 def _wall_clock(args: argparse.Namespace) -> WallClock:

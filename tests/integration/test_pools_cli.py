@@ -392,7 +392,7 @@ def test_lab_takes_the_etcd_endpoint_and_prefix_of_the_lab(
     cluster.capsys.readouterr()
     code = main(["pools", "list", "--lab", "lab1", "--etcd-prefix", "/x"])
     assert code == 2
-    assert "--lab sets the etcd endpoint and prefix" in one_line_refusal(
+    assert "--lab brings its own etcd; leave out --etcd-prefix" in one_line_refusal(
         cluster.capsys.readouterr().err
     )
 
