@@ -224,8 +224,12 @@ def test_policy_back_to_allow_applies_the_blocked_change_everywhere(
     forced_before = len(api.events)
     write_net_conf(lab, {"Type": "host-gw"}, {"Mode": "Allow"})
     for node in NODES:
-        wait_until(lambda n=node: status_json(lab, n)["backend"] == "host-gw", 20,
-                   what=f"{node} on host-gw")  # fmt: skip
+        try:
+            wait_until(lambda n=node: status_json(lab, n)["backend"] == "host-gw", 30,
+                       what=f"{node} on host-gw")  # fmt: skip
+        except AssertionError as e:  # say why: the agent's own account of it
+            tail = "".join(agent_log(lab, node).splitlines(keepends=True)[-25:])
+            raise AssertionError(f"{e}; last lines of {node}'s agent log:\n{tail}") from e
         wait_until(lambda n=node: node_annotation(api, n, f"{PREFIX}/backend-type") == "host-gw",
                    10, what=f"{node}'s Node to advertise host-gw")  # fmt: skip
     # No peer is vxlan any more: every VTEP goes, every route is direct.
