@@ -78,6 +78,7 @@ RENEW_RETRY_SECONDS = 60.0  # Flannel's retry interval for a failed renewal
 THREAD_GRACE_SECONDS = 5.0
 STATUS_INTERVAL_SECONDS = 2.0  # how often <run-dir>/status.json is refreshed
 BLOCKED_RECHECK_SECONDS = 30.0  # a blocked change is looked at again this often (windows open)
+CONTROL_RETRY_SECONDS = 5.0  # a config change whose application failed is retried this often
 TRANSITION_SECONDS = 60.0  # after a change, the store status follows every probe round
 APPLIED_FILE = "applied-backend.json"  # in --state-dir: the Backend this node last applied
 CAPACITY_TICK = 5.0  # seconds: drained leases empty and hold-downs end without an event
@@ -706,6 +707,7 @@ class NodeAgent:
     def run_until_stopped(self) -> None:
         """The main loop: the one thread that changes our lease and our running config."""
         last_control_check = last_capacity_check = time.monotonic()
+        control_failed = False
         while not self.stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
@@ -718,14 +720,21 @@ class NodeAgent:
                     self._lease_lost.set()
                     self.stop.wait(1.0)
                     continue
-            recheck = (
-                self._blocked is not None
-                and time.monotonic() - last_control_check >= BLOCKED_RECHECK_SECONDS
+            since_check = time.monotonic() - last_control_check
+            recheck = (self._blocked is not None and since_check >= BLOCKED_RECHECK_SECONDS) or (
+                control_failed and since_check >= CONTROL_RETRY_SECONDS
             )
             if self._control_pending or recheck:
                 self._control_pending = False
                 last_control_check = time.monotonic()
-                self._evaluate_control()
+                try:
+                    self._evaluate_control()
+                    control_failed = False
+                except Exception:
+                    # Like a failed reconcile pass: the node keeps what it runs, a retry
+                    # follows, and the log has the cause.
+                    log.exception("applying the network config failed; keeping the current one")
+                    control_failed = True
             if self._attrs_dirty:
                 self._attrs_dirty = False
                 self._rewrite_lease_attrs()
@@ -733,7 +742,7 @@ class NodeAgent:
                 last_capacity_check = time.monotonic()
                 try:
                     self._manage_capacity()
-                except (StoreError, DataplaneError) as e:
+                except (StoreError, DataplaneError, OSError) as e:
                     log.warning("lease capacity check failed, retrying: %s", e)
                     self._capacity_due = True
                     self.stop.wait(1.0)
