@@ -28,7 +28,7 @@ from flannelpy.lab.errors import LabError
 from flannelpy.lab.state import LabState, NodeInfo, PodInfo
 
 Progress = Callable[[str], None]
-UP_STEPS = 6
+UP_STEPS = 7  # the 7th, creating pods, only with --pods-per-node above 0
 
 
 def _quiet(_: str) -> None:
