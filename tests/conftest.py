@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,12 @@ def etcd_factory() -> Iterator[Callable[..., EtcdServer]]:
 def etcd_prefix() -> str:
     """A Flannel-style key prefix no other test uses."""
     return f"/test-{uuid.uuid4().hex[:12]}/coreos.com/network"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the test item (``item.rep_call``), so a fixture can
+    tell in its teardown whether the test failed (and show the agents' logs)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
