@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from ipaddress import IPv4Interface
 from typing import Any, TypeVar
 
 from flannelpy.lab import Lab
@@ -41,6 +42,25 @@ def running_lab(nodes: int = 3, backend: str = "vxlan", **kwargs: Any) -> Iterat
         yield lab
     finally:
         lab.down()
+
+
+@contextmanager
+def running_kube_lab(nodes: int = 3) -> Iterator[tuple[Lab, Any]]:
+    """A vxlan lab in Kubernetes mode against the API-server stand-in (one Node per lab
+    node, podCIDR 10.244.<i>.0/24), agents ready and one pod per node; down on exit."""
+    from tests.kube_standin import KubeStandin
+
+    with running_lab(nodes, "vxlan", start_agents=False) as lab:
+        host_ip = str(IPv4Interface(lab.state.host_address).ip)
+        with KubeStandin(host=host_ip) as api:
+            for i, node in enumerate(lab.nodes, start=1):
+                api.add_node(node.name, pod_cidr=f"10.244.{i}.0/24")
+            lab.use_kube_api(api.url)
+            lab.start_agents()
+            lab.install_cni()
+            for node in lab.nodes:
+                lab.add_pod(node.name)
+            yield lab, api
 
 
 def wait_until(

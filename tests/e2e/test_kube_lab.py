@@ -15,14 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from ipaddress import IPv4Interface
 from pathlib import Path
 
 import pytest
 
 from flannelpy.lab import Lab
 from tests.kube_standin import KubeStandin
-from tests.lab_util import running_lab, wait_until
+from tests.lab_util import running_kube_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 
@@ -31,17 +30,8 @@ PREFIX = "flannel.alpha.coreos.com"
 
 @pytest.fixture(scope="module")
 def kube_lab() -> Iterator[tuple[Lab, KubeStandin]]:
-    with running_lab(3, "vxlan", start_agents=False) as lab:
-        host_ip = str(IPv4Interface(lab.state.host_address).ip)
-        with KubeStandin(host=host_ip) as api:
-            for i, node in enumerate(lab.nodes, start=1):
-                api.add_node(node.name, pod_cidr=f"10.244.{i}.0/24")
-            lab.use_kube_api(api.url)
-            lab.start_agents()
-            lab.install_cni()
-            for node in lab.nodes:
-                lab.add_pod(node.name)
-            yield lab, api
+    with running_kube_lab() as (lab, api):
+        yield lab, api
 
 
 def our_routes(lab: Lab, node: str) -> set[str]:

@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from ipaddress import IPv4Interface
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +34,7 @@ from flannelpy.ops.node_control import KubeNodeControl
 from flannelpy.subnet.kube import OVERRIDE_ANNOTATION, KubeSubnetManager
 from tests.e2e.test_observability import scrape
 from tests.kube_standin import MERGE, KubeStandin
-from tests.lab_util import running_lab, wait_until
+from tests.lab_util import running_kube_lab, wait_until
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,17 +61,8 @@ def lab_test(fn: F) -> F:
 
 @pytest.fixture(scope="module")
 def kube_lab() -> Iterator[tuple[Lab, KubeStandin]]:
-    with running_lab(3, "vxlan", start_agents=False) as lab:
-        host_ip = str(IPv4Interface(lab.state.host_address).ip)
-        with KubeStandin(host=host_ip) as api:
-            for i, node in enumerate(lab.nodes, start=1):
-                api.add_node(node.name, pod_cidr=f"10.244.{i}.0/24")
-            lab.use_kube_api(api.url)
-            lab.start_agents()
-            lab.install_cni()
-            for node in lab.nodes:
-                lab.add_pod(node.name)
-            yield lab, api
+    with running_kube_lab() as (lab, api):
+        yield lab, api
 
 
 @pytest.fixture(autouse=True)
