@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 
+from flannelpy_lab import Lab, agents
+
 from bench.common import (
     FakePeer,
     fake_peers,
@@ -46,8 +48,7 @@ from bench.common import (
     table,
 )
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
-from flannelpy.lab import Lab, agents
-from flannelpy.subnet.etcd import EtcdStore, put_network_config
+from flannelpy.subnet.etcd.client import EtcdStore, put_network_config
 
 NETWORK = IPv4Network("10.0.0.0/8")
 NET_CONF = '{"Network":"10.0.0.0/8","SubnetLen":24,"Backend":{"Type":"vxlan"}}'

@@ -54,10 +54,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from flannelpy_lab import Lab
+
 from bench.common import median, percentile, ratio, table
 from cni_plugin.client import write_launcher
 from flannelpy.dataplane.netns import enter_netns, netns_path, run_in_netns
-from flannelpy.lab import Lab
 
 PLUGIN_TIMEOUT = 60.0  # seconds per executable run
 REF_BIN = "/usr/lib/cni"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address, IPv4Network
 
-from flannelpy.lab import etcd as lab_etcd
+from flannelpy_lab import etcd as lab_etcd
+
 from flannelpy.subnet.lease import LeaseAttrs, subnet_to_key
 
 ETCD_TXN_OPS = 128  # etcd's default --max-txn-ops

@@ -38,9 +38,9 @@ from bench.common import median, percentile, table
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.dataplane.state import Changes
-from flannelpy.health import HealthServer
 from flannelpy.ipam.manager import NodeIpam
-from flannelpy.metrics import AgentMetrics, NetlinkLinkStats
+from flannelpy.observe.health import HealthServer
+from flannelpy.observe.metrics import AgentMetrics, NetlinkLinkStats
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 GOAL_SECONDS = 0.020

@@ -34,6 +34,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 
+from flannelpy_lab import Lab
+from flannelpy_lab import etcd as lab_etcd
+
 from bench.common import (
     FakePeer,
     RouteEvent,
@@ -46,8 +49,6 @@ from bench.common import (
 )
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
-from flannelpy.lab import Lab
-from flannelpy.lab import etcd as lab_etcd
 
 GOAL_P99 = 0.5  # seconds
 WAIT_TIMEOUT = 10.0  # seconds for a route to reach every node before we call it missing

@@ -10,12 +10,13 @@ from flannelpy import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flannelpy.config import add_agent_arguments
-    from flannelpy.lab.cli import add_lab_parser
-    from flannelpy.ops.doctor_cli import add_doctor_parser
-    from flannelpy.ops.policy_cli import add_policy_parser
-    from flannelpy.ops.pools_cli import add_pools_parser
-    from flannelpy.ops.rollout_cli import add_rollout_parser
+    from flannelpy_lab.cli import add_lab_parser
+
+    from flannelpy.commands.doctor import add_doctor_parser
+    from flannelpy.commands.policy import add_policy_parser
+    from flannelpy.commands.pools import add_pools_parser
+    from flannelpy.commands.rollout import add_rollout_parser
+    from flannelpy.config.settings import add_agent_arguments
 
     parser = argparse.ArgumentParser(prog="flannelpy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
@@ -35,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "agent":
         import os
 
-        from flannelpy.agent import run_agent
-        from flannelpy.config import settings_from_args
+        from flannelpy.agent.node import run_agent
+        from flannelpy.config.settings import settings_from_args
         from flannelpy.errors import FlannelpyError
         from flannelpy.log import setup_logging
 
@@ -48,23 +49,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(settings.log_format, settings.log_level)
         return run_agent(settings)
     if args.command == "doctor":
-        from flannelpy.ops.doctor_cli import run as run_doctor
+        from flannelpy.commands.doctor import run as run_doctor
 
         return run_doctor(args)
     if args.command == "policy":
-        from flannelpy.ops.policy_cli import run as run_policy
+        from flannelpy.commands.policy import run as run_policy
 
         return run_policy(args)
     if args.command == "pools":
-        from flannelpy.ops.pools_cli import run as run_pools
+        from flannelpy.commands.pools import run as run_pools
 
         return run_pools(args)
     if args.command == "rollout":
-        from flannelpy.ops.rollout_cli import run as run_rollout
+        from flannelpy.commands.rollout import run as run_rollout
 
         return run_rollout(args)
     if args.command == "lab":
-        from flannelpy.lab.cli import run
+        from flannelpy_lab.cli import run
 
         return run(args)
     raise AssertionError(f"unhandled command {args.command}")

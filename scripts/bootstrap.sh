@@ -21,10 +21,12 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+stamp=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing flannelpy and its Python dependencies into .venv" >&2
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e '.[test,kube]'
+  # The lab is a package of its own (lab/), outside the wheel the DaemonSet image installs.
+  .venv/bin/pip install -q --no-deps -e lab
   rm -f .venv/.installed-* && touch "$stamp"
 fi

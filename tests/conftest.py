@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.etcd_server import EtcdServer, TlsFiles
+from tests.support.etcd_server import EtcdServer, TlsFiles
 
 # --- etcd --------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from flannelpy.backend.paths import (
     own_capabilities,
     peer_capabilities,
 )
-from flannelpy.config import NetworkConfig
+from flannelpy.config.netconf import NetworkConfig
 from flannelpy.dataplane.state import (
     Address,
     DesiredState,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any, Literal
 
-from flannelpy.config import BackendConfig
+from flannelpy.config.netconf import BackendConfig
 from flannelpy.subnet.lease import Lease
 
 PathKind = Literal["direct", "vxlan"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flannelpy.backend.base import NodeContext, plan_peers
-from flannelpy.config import VXLAN_ENCAP_OVERHEAD
+from flannelpy.config.netconf import VXLAN_ENCAP_OVERHEAD
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 

@@ -6,9 +6,9 @@
 """
 
 from flannelpy.cni.handler import CniHandler, CniSettings
-from flannelpy.cni.podnet import PodLink, PodNetwork, host_veth_name
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.cni.server import CniServer
+from flannelpy.dataplane.podnet import PodLink, PodNetwork, host_veth_name
 
 __all__ = [
     "CniHandler",

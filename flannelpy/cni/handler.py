@@ -47,14 +47,14 @@ from cni_plugin.spec import (
     reply_version,
     version_reply,
 )
-from flannelpy.cni.podnet import (
+from flannelpy.cni.records import Record, RecordStore
+from flannelpy.dataplane.podnet import (
     NetnsMissing,
     PodInterfaceExists,
     PodNetwork,
     gateway_of,
     host_veth_name,
 )
-from flannelpy.cni.records import Record, RecordStore
 from flannelpy.errors import ConfigError, DataplaneError, IpamExhausted, StoreError
 from flannelpy.ipam import Allocation, NodeIpam
 

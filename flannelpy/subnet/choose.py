@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 
-from flannelpy.config import NetworkConfig
+from flannelpy.config.netconf import NetworkConfig
 from flannelpy.errors import ConfigError, PoolExhausted
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import (

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ipaddress import IPv4Network
 from typing import Protocol
 
-from flannelpy.config import NetworkConfig
+from flannelpy.config.netconf import NetworkConfig
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import Pool
 

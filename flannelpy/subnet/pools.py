@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from flannelpy.errors import ConfigError
 
 if TYPE_CHECKING:
-    from flannelpy.config import NetworkConfig
+    from flannelpy.config.netconf import NetworkConfig
     from flannelpy.subnet.lease import Lease
 
 ROLE_KEY = "flannelpy.io/role"

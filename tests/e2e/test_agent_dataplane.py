@@ -16,10 +16,10 @@ from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from flannelpy.subnet.etcd import EtcdStore
-from tests.lab_util import running_lab, wait_until
+from flannelpy.subnet.etcd.client import EtcdStore
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 

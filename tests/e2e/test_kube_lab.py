@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from tests.kube_standin import KubeStandin
-from tests.lab_util import running_kube_lab, wait_until
+from tests.support.kube_standin import KubeStandin
+from tests.support.lab_util import running_kube_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 

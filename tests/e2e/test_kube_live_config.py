@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab.agents import kube_net_conf_path
 from kubernetes import client as kclient
 from kubernetes.client.exceptions import ApiException
 
-from flannelpy.config import AgentSettings
-from flannelpy.lab import Lab
-from flannelpy.lab.agents import kube_net_conf_path
-from flannelpy.ops.node_control import KubeNodeControl
-from flannelpy.subnet.kube import OVERRIDE_ANNOTATION, KubeSubnetManager
+from flannelpy.config.settings import AgentSettings
+from flannelpy.control.node_control import KubeNodeControl
+from flannelpy.subnet.kube.manager import OVERRIDE_ANNOTATION, KubeSubnetManager
 from tests.e2e.test_observability import scrape
-from tests.kube_standin import MERGE, KubeStandin
-from tests.lab_util import running_kube_lab, wait_until
+from tests.support.kube_standin import MERGE, KubeStandin
+from tests.support.lab_util import running_kube_lab, wait_until
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from ipaddress import IPv4Interface, IPv4Network
 
 import pytest
+from flannelpy_lab import Lab, LabError, agents, cli, etcd, plan, procs, status, topology
+from flannelpy_lab.state import NodeInfo
 
 from flannelpy.errors import ConfigError
-from flannelpy.lab import Lab, LabError, agents, cli, etcd, plan, procs, status, topology
-from flannelpy.lab.state import NodeInfo
-from tests.lab_util import host_snapshot, lab_residue, running_lab, unique_lab_name
+from tests.support.lab_util import host_snapshot, lab_residue, running_lab, unique_lab_name
 
 # -- pure planning ---------------------------------------------------------
 

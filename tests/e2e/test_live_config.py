@@ -15,18 +15,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from flannelpy.ops.node_records import (
+from flannelpy.control.records import (
     ForceRecord,
     NodeOverride,
     NodeStatus,
     override_key,
     status_key,
 )
-from flannelpy.subnet.etcd import EtcdStore
+from flannelpy.subnet.etcd.client import EtcdStore
 from tests.e2e.test_observability import scrape
-from tests.lab_util import running_lab, wait_until
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,

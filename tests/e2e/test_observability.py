@@ -29,12 +29,12 @@ from ipaddress import IPv4Interface
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
 from prometheus_client.parser import text_string_to_metric_families
 
 import flannelpy
-from flannelpy.lab import Lab
-from flannelpy.metrics import FAMILIES
-from tests.lab_util import running_lab, wait_until
+from flannelpy.observe.metrics import FAMILIES
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from ipaddress import IPv4Address, IPv4Interface
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from tests.lab_util import running_lab, wait_until
-from tests.podman_util import PodmanNode, node_allocations, node_pools, podman_on_nodes
+from tests.support.lab_util import running_lab, wait_until
+from tests.support.podman_util import PodmanNode, node_allocations, node_pools, podman_on_nodes
 
 pytestmark = [pytest.mark.lab]
 

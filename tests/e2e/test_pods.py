@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from ipaddress import IPv4Address, IPv4Interface
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab.runtime import Attachment, CniRuntime
 
-from flannelpy.lab import Lab
-from flannelpy.lab.runtime import Attachment, CniRuntime
-from tests import pod_util as pu
-from tests.lab_util import running_lab, wait_until
+from tests.support import pod_util as pu
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 

@@ -26,15 +26,21 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab.pods import pod_matrix
+from flannelpy_lab.state import PodInfo
 
 import flannelpy
-from flannelpy.lab import Lab
-from flannelpy.lab.pods import pod_matrix
-from flannelpy.lab.state import PodInfo
-from flannelpy.ops.node_records import NodeStatus, status_key
-from flannelpy.subnet.etcd import EtcdStore
-from tests.lab_util import host_snapshot, lab_residue, running_lab, unique_lab_name, wait_until
-from tests.traffic import PodTraffic
+from flannelpy.control.records import NodeStatus, status_key
+from flannelpy.subnet.etcd.client import EtcdStore
+from tests.support.lab_util import (
+    host_snapshot,
+    lab_residue,
+    running_lab,
+    unique_lab_name,
+    wait_until,
+)
+from tests.support.traffic import PodTraffic
 
 pytestmark = [
     pytest.mark.lab,

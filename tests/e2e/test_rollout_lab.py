@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from flannelpy.ops.node_records import NodeStatus, override_key, rollout_key
-from flannelpy.ops.rollout import RolloutRecord
-from flannelpy.ops.rollout_cli import drive, make_plan, start
-from flannelpy.ops.rollout_store import RolloutStore
-from flannelpy.subnet.etcd import EtcdStore, config_key
+from flannelpy.commands.rollout import drive, make_plan, start
+from flannelpy.control.records import NodeStatus, override_key, rollout_key
+from flannelpy.rollout.plan import RolloutRecord
+from flannelpy.rollout.store import RolloutStore
+from flannelpy.subnet.etcd.client import EtcdStore, config_key
 from tests.e2e.test_observability import scrape
-from tests.lab_util import running_lab, wait_until
-from tests.traffic import PodTraffic, TrafficReport
+from tests.support.lab_util import running_lab, wait_until
+from tests.support.traffic import PodTraffic, TrafficReport
 
 pytestmark = [
     pytest.mark.lab,

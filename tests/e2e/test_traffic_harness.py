@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab.state import PodInfo
 
-from flannelpy.lab import Lab
-from flannelpy.lab.state import PodInfo
-from tests.lab_util import running_lab
-from tests.traffic import TCP_PORT, PodTraffic, TrafficError, TrafficReport
+from tests.support.lab_util import running_lab
+from tests.support.traffic import TCP_PORT, PodTraffic, TrafficError, TrafficReport
 
 pytestmark = [
     pytest.mark.lab,

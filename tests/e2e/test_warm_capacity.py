@@ -27,14 +27,14 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab import etcd as lab_etcd
+from flannelpy_lab import plan as lab_plan
+from flannelpy_lab.state import NodeInfo
 
-from flannelpy.agent import CAPACITY_TICK
-from flannelpy.lab import Lab
-from flannelpy.lab import etcd as lab_etcd
-from flannelpy.lab import plan as lab_plan
-from flannelpy.lab.state import NodeInfo
-from tests import pod_util as pu
-from tests.lab_util import running_lab, wait_until
+from flannelpy.agent.node import CAPACITY_TICK
+from tests.support import pod_util as pu
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cni_plugin import client, spec, wire
-from tests.cni_fake_agent import FakeAgent, validating_handler
+from tests.support.cni_fake_agent import FakeAgent, validating_handler
 
 REPO = Path(__file__).resolve().parents[2]
 # str or bytes names and values, as subprocess takes them

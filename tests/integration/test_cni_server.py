@@ -31,10 +31,10 @@ import pytest
 
 from cni_plugin import client, wire
 from flannelpy.cni import CniHandler, CniServer, CniSettings, PodNetwork, RecordStore
-from flannelpy.cni.podnet import host_veth_name
+from flannelpy.dataplane.podnet import host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
-from tests.netns_util import Netns, is_root, sh, temp_netns, unique_name
+from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name
 
 pytestmark = [
     pytest.mark.netns,

@@ -16,9 +16,9 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
 
-from flannelpy.lab import Lab
-from tests.lab_util import running_lab, wait_until
+from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import pytest
 
-from flannelpy.config import AgentSettings
+from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import (
     ConfigError,
     KeyExists,
@@ -28,15 +28,15 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.subnet.etcd import (
+from flannelpy.subnet.etcd.client import (
     EtcdStore,
     EtcdSubnetManager,
     connect_etcd,
     put_network_config,
 )
+from flannelpy.subnet.etcd.kv import FakeStore, Store, WatchBatch, WatchStream
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.store import FakeStore, Store, WatchBatch, WatchStream
-from tests.etcd_server import EtcdServer, free_port, make_tls_files
+from tests.support.etcd_server import EtcdServer, free_port, make_tls_files
 
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
 FLANNELD_VALUE = (
@@ -573,7 +573,7 @@ def test_watch_ignores_keys_that_are_not_leases_and_warns_once(
     subnets = f"{etcd_prefix}/subnets/"
     raw_store.put(subnets + "garbage", b"{}")
     raw_store.put(subnets + "10.244.3.0-24", b"not json")
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd")
+    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd.client")
     with watching(managers()) as seen:
         seen.wait_for(lambda m: True, 2.0)
         raw_store.put(subnets + "garbage", b"{}")  # seen again through the watch

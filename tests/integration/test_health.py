@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flannelpy.dataplane.nlbatch import LinkStats
 from flannelpy.errors import ConfigError, StoreUnavailable
-from flannelpy.health import HealthServer, Heartbeats
-from flannelpy.metrics import AgentMetrics, NetlinkLinkStats, RoleStats
-from flannelpy.subnet.etcd import EtcdStore
-from tests.etcd_server import free_port
-from tests.netns_util import Netns, is_root, temp_netns
+from flannelpy.observe.health import HealthServer, Heartbeats
+from flannelpy.observe.metrics import AgentMetrics, NetlinkLinkStats, RoleStats
+from flannelpy.subnet.etcd.client import EtcdStore
+from tests.support.etcd_server import free_port
+from tests.support.netns_util import Netns, is_root, temp_netns
 
 needs_root = pytest.mark.skipif(not is_root(), reason="network namespaces need root")
 

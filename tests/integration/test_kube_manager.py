@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from flannelpy.config import AgentSettings
+from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, StoreError
-from flannelpy.subnet.kube import RBAC_RULES, KubeSubnetManager, build_api_client
+from flannelpy.subnet.kube.manager import RBAC_RULES, KubeSubnetManager, build_api_client
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.kube_standin import STRATEGIC, KubeStandin, Request
+from tests.support.kube_standin import STRATEGIC, KubeStandin, Request
 
 P = "flannel.alpha.coreos.com/"
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
@@ -301,7 +301,7 @@ def test_public_ip_overwrite_is_advertised(standin: KubeStandin, make_manager: M
 def test_acquire_waits_for_the_pod_cidr_and_says_why(
     standin: KubeStandin, make_manager: MakeManager, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube")
+    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube.manager")
     standin.add_node(OWN)
     manager = make_manager()
     result: list[Lease] = []
@@ -528,7 +528,7 @@ def test_410_relists_and_loses_no_event(
 def test_watch_recovers_after_the_api_is_unreachable(
     make_manager: MakeManager, gone_as: str, compact: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube")
+    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube.manager")
     with KubeStandin(bookmark_interval=0.5, gone_as=gone_as) as server:
         server.add_node(OWN, "10.244.1.0/24", peer_annotations("192.168.50.1", MAC_A))
         server.add_node("node-b", "10.244.2.0/24", peer_annotations("192.168.50.2", MAC_A))

@@ -32,7 +32,7 @@ from flannelpy.dataplane.state import (
     VxlanLink,
 )
 from flannelpy.errors import DataplaneError, InterfaceNotFound
-from tests.netns_util import Netns, is_root, temp_netns
+from tests.support.netns_util import Netns, is_root, temp_netns
 
 pytestmark = [
     pytest.mark.netns,

@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flannelpy_lab import Lab
+from flannelpy_lab import state as lab_state
 
 from flannelpy.cli import main
+from flannelpy.commands import policy as policy_cli
+from flannelpy.control.policy import DisruptionPolicy, parse_policy
 from flannelpy.errors import StoreError
-from flannelpy.lab import Lab
-from flannelpy.lab import state as lab_state
-from flannelpy.ops import policy_cli
-from flannelpy.ops.policy import DisruptionPolicy, parse_policy
-from flannelpy.subnet.etcd import EtcdStore
-from flannelpy.subnet.store import KeyValue
-from tests.etcd_server import EtcdServer, free_port
+from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.etcd.kv import KeyValue
+from tests.support.etcd_server import EtcdServer, free_port
 
 CONFIG = (
     '{"network": "10.244.0.0/16", "SubnetLen": 24, '
@@ -111,7 +111,7 @@ def test_set_writes_the_mode_and_keeps_every_other_key(
 
 
 def format_of(p: DisruptionPolicy) -> str:
-    from flannelpy.ops.policy import format_policy
+    from flannelpy.control.policy import format_policy
 
     return format_policy(p)
 

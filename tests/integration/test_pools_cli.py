@@ -21,11 +21,11 @@ from typing import Any, cast
 import pytest
 
 from flannelpy.cli import main
-from flannelpy.config import parse_network_config
-from flannelpy.subnet.etcd import EtcdStore, put_network_config
-from flannelpy.subnet.pool_store import PoolStore, pool_key
-from flannelpy.subnet.store import Store
-from tests.etcd_server import EtcdServer, free_port
+from flannelpy.config.netconf import parse_network_config
+from flannelpy.subnet.etcd.client import EtcdStore, put_network_config
+from flannelpy.subnet.etcd.kv import Store
+from flannelpy.subnet.etcd.pools import PoolStore, pool_key
+from tests.support.etcd_server import EtcdServer, free_port
 
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
 LEASE_VALUE = '{"PublicIP":"192.168.64.3","PublicIPv6":null,"BackendType":"vxlan"}'
@@ -375,7 +375,7 @@ def test_unreachable_etcd_and_missing_config_are_one_sentence(cluster: Cluster) 
 def test_lab_takes_the_etcd_endpoint_and_prefix_of_the_lab(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flannelpy.lab.lab import Lab
+    from flannelpy_lab.lab import Lab
 
     asked: list[str] = []
 

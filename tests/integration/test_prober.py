@@ -22,9 +22,9 @@ import pytest
 from flannelpy.dataplane.ethtool import set_tx_checksum, tx_checksum
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import InterfaceNotFound
-from flannelpy.ops.prober import IcmpTransport, Prober, ProbeResult
-from tests.lab_util import wait_until
-from tests.netns_util import Netns, is_root, sh, temp_netns, unique_name
+from flannelpy.observe.prober import IcmpTransport, Prober, ProbeResult
+from tests.support.lab_util import wait_until
+from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name
 
 pytestmark = [
     pytest.mark.netns,

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from flannelpy.cli import main
-from flannelpy.config import AgentSettings
-from flannelpy.ops.node_records import NodeOverride, node_of_key, nodes_prefix
-from flannelpy.ops.rollout import RolloutRecord
-from flannelpy.ops.rollout_store import RolloutStore
-from flannelpy.subnet.etcd import EtcdStore, config_key, connect_etcd
-from tests.etcd_server import EtcdServer
-from tests.rollout_agents import AgentThreads, SimCluster, config_json, five_nodes
+from flannelpy.config.settings import AgentSettings
+from flannelpy.control.records import NodeOverride, node_of_key, nodes_prefix
+from flannelpy.rollout.plan import RolloutRecord
+from flannelpy.rollout.store import RolloutStore
+from flannelpy.subnet.etcd.client import EtcdStore, config_key, connect_etcd
+from tests.support.etcd_server import EtcdServer
+from tests.support.rollout_agents import AgentThreads, SimCluster, config_json, five_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 

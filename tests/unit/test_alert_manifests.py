@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from flannelpy import metrics
+from flannelpy.observe import metrics
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 RULES = MANIFESTS / "prometheusrule.yaml"

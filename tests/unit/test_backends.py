@@ -8,7 +8,7 @@ from flannelpy.backend.registry import get_backend
 from flannelpy.dataplane.state import Address, DesiredState, FdbEntry, Neighbour, Route
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.unit.fakes import context, lease, underlay
+from tests.support.fakes import context, lease, underlay
 
 OWN = lease("10.244.1.0/24", "192.168.1.10", mac="02:00:00:00:00:01")
 PEER_SAME_SEGMENT = lease("10.244.2.0/24", "192.168.1.11", mac="02:00:00:00:00:02")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.config import NetworkConfig, parse_network_config
+from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError, PoolExhausted
 from flannelpy.subnet.choose import (
     LeaseChoice,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flannelpy.cni.handler import CniHandler, CniSettings, KeyLocks
-from flannelpy.cni.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
 from flannelpy.cni.records import Record, RecordStore
+from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
 

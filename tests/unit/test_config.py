@@ -13,15 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flannelpy.config import (
+from flannelpy.config.netconf import (
     FLANNEL_ONLY_BACKENDS,
-    AgentSettings,
     BackendConfig,
     NetworkConfig,
-    add_agent_arguments,
     parse_network_config,
-    settings_from_args,
 )
+from flannelpy.config.settings import AgentSettings, add_agent_arguments, settings_from_args
 from flannelpy.errors import ConfigError
 
 

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from flannelpy.errors import ConfigError
-from flannelpy.ops.config_change import ChangeDecision, decide_change, wanted_config
-from flannelpy.ops.node_control import rollout_vouches
-from flannelpy.ops.node_records import (
+from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
+from flannelpy.control.node_control import rollout_vouches
+from flannelpy.control.records import (
     BackendSummary,
     BlockedChange,
     ForceRecord,
@@ -22,6 +21,7 @@ from flannelpy.ops.node_records import (
     override_key,
     status_key,
 )
+from flannelpy.errors import ConfigError
 
 # A Wednesday, 12:00 UTC.
 NOON_WED = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)

@@ -5,7 +5,7 @@ from flannelpy.backend.registry import get_backend
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import ObservedState, Route
-from tests.unit.fakes import FakeKernel, context, lease
+from tests.support.fakes import FakeKernel, context, lease
 
 MAC = "02:00:00:00:00:01"
 OWN = lease("10.244.1.0/24", "192.168.1.10", mac=MAC)

@@ -13,7 +13,8 @@ import pytest
 
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.registry import get_backend
-from flannelpy.config import AgentSettings
+from flannelpy.commands.doctor import resolve_target
+from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.firewall import forward_rules, masq_rules
 from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.dataplane.state import (
@@ -26,8 +27,7 @@ from flannelpy.dataplane.state import (
     UnderlayInterface,
     VxlanLink,
 )
-from flannelpy.errors import ConfigError
-from flannelpy.ops.doctor import (
+from flannelpy.doctor.checks import (
     CounterSnapshot,
     Finding,
     LinkCounters,
@@ -41,9 +41,9 @@ from flannelpy.ops.doctor import (
     render_text,
     snapshot_json,
 )
-from flannelpy.ops.doctor_cli import resolve_target
+from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.unit.fakes import network_config, underlay
+from tests.support.fakes import network_config, underlay
 
 NOW = 1_700_000_000.0
 NET = "10.244.0.0/16"

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from flannelpy.config import parse_network_config
+from flannelpy.config.netconf import parse_network_config
 from flannelpy.errors import ConfigError
-from flannelpy.subnet import kube_node as kn
+from flannelpy.subnet.kube import node as kn
 from flannelpy.subnet.lease import LeaseAttrs
-from tests.kube_standin import json_merge, strategic_merge
+from tests.support.kube_standin import json_merge, strategic_merge
 
 KEYS = kn.annotation_keys("flannel.alpha.coreos.com")
 P = "flannel.alpha.coreos.com/"

@@ -9,12 +9,12 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
+from flannelpy_lab import agents, plan
+from flannelpy_lab import state as state_io
+from flannelpy_lab.errors import LabError
+from flannelpy_lab.lab import Lab
 
 import flannelpy
-from flannelpy.lab import agents, plan
-from flannelpy.lab import state as state_io
-from flannelpy.lab.errors import LabError
-from flannelpy.lab.lab import Lab
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
 

@@ -23,7 +23,8 @@ import yaml
 
 from cni_plugin.spec import parse_request
 from flannelpy.cli import build_parser
-from flannelpy.config import parse_network_config, settings_from_args
+from flannelpy.config.netconf import parse_network_config
+from flannelpy.config.settings import settings_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -150,7 +151,7 @@ def _normalised(rules: Any) -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
-    from flannelpy.subnet.kube import RBAC_RULES
+    from flannelpy.subnet.kube.manager import RBAC_RULES
 
     granted = [
         (group, resource, rule["verbs"])

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flannelpy.config import AgentSettings, add_agent_arguments, settings_from_args
+from flannelpy.config.settings import AgentSettings, add_agent_arguments, settings_from_args
 from flannelpy.dataplane import nlbatch
 from flannelpy.dataplane.nlbatch import LinkStats, LinkStatsRow
 from flannelpy.dataplane.reconciler import ReconcileResult
@@ -27,9 +27,9 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.health import Heartbeats, readiness, split_host_port
 from flannelpy.ipam.allocator import Accounting
-from flannelpy.metrics import (
+from flannelpy.observe.health import Heartbeats, readiness, split_host_port
+from flannelpy.observe.metrics import (
     FAMILIES,
     ROLES,
     AgentMetrics,
@@ -39,9 +39,9 @@ from flannelpy.metrics import (
     sample_names,
     store_error_kind,
 )
-from flannelpy.subnet.etcd import EtcdSubnetManager, _error_kind
+from flannelpy.subnet.etcd.client import EtcdSubnetManager, _error_kind
+from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.store import FakeStore, WatchStream
 
 Key = tuple[str, frozenset[tuple[str, str]]]
 

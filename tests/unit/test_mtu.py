@@ -6,7 +6,7 @@ from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
-from flannelpy.ops.mtu import PeerMtu, mtu_mismatches
+from flannelpy.observe.mtu import PeerMtu, mtu_mismatches
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 

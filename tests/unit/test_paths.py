@@ -18,7 +18,7 @@ from flannelpy.backend.paths import (
     pairs_without_path,
     peer_capabilities,
 )
-from flannelpy.config import BackendConfig
+from flannelpy.config.netconf import BackendConfig
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 MAC = "02:00:00:00:00:02"

@@ -12,9 +12,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from flannelpy.config import BackendConfig
-from flannelpy.errors import ConfigError
-from flannelpy.ops.policy import (
+from flannelpy.config.netconf import BackendConfig
+from flannelpy.control.policy import (
     ALLOW,
     DisruptionPolicy,
     MaintenanceWindow,
@@ -27,6 +26,7 @@ from flannelpy.ops.policy import (
     window_state,
     with_policy,
 )
+from flannelpy.errors import ConfigError
 
 MON, TUE, WED, THU, FRI, SAT, SUN = range(7)
 H = timedelta(hours=1)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.config import NetworkConfig, parse_network_config
+from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import (

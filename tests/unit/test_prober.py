@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flannelpy.errors import ConfigError
-from flannelpy.ops.prober import (
+from flannelpy.observe.prober import (
     SMALL_PROBE_BYTES,
     Prober,
     ProbeResult,

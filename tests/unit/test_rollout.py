@@ -14,17 +14,25 @@ from typing import Any
 
 import pytest
 
-from flannelpy.config import parse_network_config
-from flannelpy.errors import ConfigError
-from flannelpy.ops.node_records import (
+from flannelpy.commands.rollout import (
+    _claim,
+    drive,
+    make_plan,
+    prepare_resume,
+    request_stop,
+    start,
+)
+from flannelpy.config.netconf import parse_network_config
+from flannelpy.control.policy import ALLOW, parse_policy, window_state
+from flannelpy.control.records import (
     BackendSummary,
     NodeOverride,
     NodeStatus,
     PeerProbe,
     override_key,
 )
-from flannelpy.ops.policy import ALLOW, parse_policy, window_state
-from flannelpy.ops.rollout import (
+from flannelpy.errors import ConfigError
+from flannelpy.rollout.plan import (
     MarkApplied,
     MarkVerified,
     PauseForWindow,
@@ -40,18 +48,10 @@ from flannelpy.ops.rollout import (
     target_backend,
     with_backend,
 )
-from flannelpy.ops.rollout_cli import (
-    _claim,
-    drive,
-    make_plan,
-    prepare_resume,
-    request_stop,
-    start,
-)
-from flannelpy.ops.rollout_store import RolloutStore
-from flannelpy.subnet.etcd import config_key
-from flannelpy.subnet.store import FakeStore
-from tests.rollout_agents import SimCluster, SimNode, config_json, five_nodes
+from flannelpy.rollout.store import RolloutStore
+from flannelpy.subnet.etcd.client import config_key
+from flannelpy.subnet.etcd.kv import FakeStore
+from tests.support.rollout_agents import SimCluster, SimNode, config_json, five_nodes
 
 PREFIX = "/t/coreos.com/network"
 MONDAY_1AM = datetime(2026, 1, 5, 1, 0, tzinfo=UTC)  # 2026-01-05 is a Monday
@@ -576,7 +576,7 @@ def test_start_refuses_while_another_rollout_is_unfinished() -> None:
 
 
 def test_force_skips_a_blocking_policy_and_leaves_records() -> None:
-    from flannelpy.ops.node_records import ForceRecord
+    from flannelpy.control.records import ForceRecord
 
     env = Env(policy={"Mode": "Block"})
     force = ForceRecord("incident 42", "ops@host", "2026-01-05T01:00:00+00:00")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flannelpy.errors import ConfigError
-from flannelpy.subnet_env import (
+from flannelpy.subnet.subnet_env import (
     SubnetEnv,
     first_usable,
     read_previous_subnet,
@@ -151,6 +151,6 @@ def test_previous_subnet_unparsable_is_a_warning_not_a_crash(
         path.write_bytes(content)
     else:
         path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="flannelpy.subnet_env"):
+    with caplog.at_level(logging.WARNING, logger="flannelpy.subnet.subnet_env"):
         assert read_previous_subnet(str(path)) is None
     assert "ignoring it" in caplog.text

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.errors import ConfigError
-from flannelpy.survey import check_no_overlap, find_overlaps
+from flannelpy.subnet.survey import check_no_overlap, find_overlaps
 
 NET = IPv4Network("10.244.0.0/16")
 

@@ -4,12 +4,12 @@ stream choice and the report (the processes themselves run in tests/e2e)."""
 from __future__ import annotations
 
 import pytest
+from flannelpy_lab.state import PodInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flannelpy.lab.state import PodInfo
-from tests import traffic_probe as tp
-from tests.traffic import (
+from tests.support import traffic_probe as tp
+from tests.support.traffic import (
     TrafficError,
     TrafficReport,
     pair_counts,

@@ -1,0 +1,1 @@
+"""Configuration: net-conf.json (netconf) and the agent's flags (settings)."""

@@ -1,0 +1,258 @@
+"""The agent's control channel: what it is told to run, and what it reports back.
+
+Inputs, followed live: the network config, this node's override and the rollout
+record (an override written by a rollout is trusted only while that rollout is
+active). Outputs: this node's status record and records of forced changes. See
+:mod:`flannelpy.ops.node_records` for the formats.
+
+etcd mode follows exactly three keys and the pools prefix, each with its own
+watch: watching the whole ``flannelpy/`` prefix would deliver every node's status
+writes to every node, N² events for nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flannelpy.control.records import (
+    ForceRecord,
+    NodeOverride,
+    NodeStatus,
+    events_prefix,
+    override_key,
+    rollout_key,
+    status_key,
+)
+from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.retry import Backoff
+from flannelpy.subnet.etcd.client import config_key
+from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.subnet.etcd.pools import pools_prefix
+
+if TYPE_CHECKING:
+    from flannelpy.subnet.kube.manager import KubeSubnetManager
+
+OVERRIDE_ANNOTATION = "flannelpy.io/override"  # kept equal to flannelpy.subnet.kube's
+
+log = logging.getLogger("flannelpy.control")
+
+
+@dataclass(frozen=True)
+class ControlSnapshot:
+    """The latest of every input; ``None`` where the key does not exist."""
+
+    config: bytes | None
+    override: NodeOverride | None
+    override_error: str | None  # the override key holds something we cannot read
+    rollout: Mapping[str, Any] | None
+    pools: tuple[KeyValue, ...] = ()  # the address pool records (etcd mode)
+
+
+class NodeControl(Protocol):
+    def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
+        """Call ``on_change`` with a full snapshot now and after every change, until stop."""
+        ...
+
+    def publish_status(self, status: NodeStatus) -> None: ...
+
+    def record_forced(self, node: str, change: str, force: ForceRecord) -> None: ...
+
+
+def rollout_vouches(rollout: Mapping[str, Any] | None, rollout_id: str | None) -> bool:
+    """True when ``rollout_id`` names the active rollout: it checked the policy for the
+    step it is taking, so the node may apply the override without checking again."""
+    if rollout is None or not rollout_id:
+        return False
+    return rollout.get("id") == rollout_id and rollout.get("state") in (
+        "running", "rolling-back", "finalizing",
+    )  # fmt: skip
+
+
+def _snapshot(
+    config: bytes | None, override_raw: str | bytes | None, override_where: str,
+    rollout_raw: bytes | None, pools: tuple[KeyValue, ...] = (),
+) -> ControlSnapshot:
+    override, override_error = None, None
+    if override_raw:
+        try:
+            override = NodeOverride.from_json(override_raw)
+        except ValueError as e:
+            override_error = f"{override_where}: {e}"
+    rollout = None
+    if rollout_raw:
+        try:
+            doc = json.loads(rollout_raw)
+            rollout = doc if isinstance(doc, dict) else None
+        except ValueError:
+            rollout = None
+    return ControlSnapshot(config, override, override_error, rollout, pools)
+
+
+class EtcdNodeControl:
+    def __init__(self, store: Store, prefix: str, node: str) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._node = node
+        self._keys = {
+            "config": config_key(prefix),
+            "override": override_key(prefix, node),
+            "rollout": rollout_key(prefix),
+            "pools": pools_prefix(prefix),  # a prefix: every record under it
+        }
+        self._values: dict[str, bytes | None] = {}
+        self._pools: dict[str, KeyValue] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
+        revisions: dict[str, int] = {}
+        backoff = Backoff()
+        while not stop.is_set():
+            try:
+                for name in self._keys:
+                    revisions[name] = self._read(name)
+                break
+            except StoreError as e:
+                log.warning("control keys unreadable; retrying error=%s", e)
+                stop.wait(backoff.next())
+        if stop.is_set():
+            return
+        on_change(self.snapshot())
+        notify = threading.Lock()  # one callback at a time, in event order per key
+        threads = [
+            threading.Thread(
+                target=self._follow, args=(name, revisions[name], on_change, notify, stop),
+                name=f"control-{name}", daemon=True,
+            )
+            for name in self._keys
+        ]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _follow(
+        self,
+        name: str,
+        revision: int,
+        on_change: Callable[[ControlSnapshot], None],
+        notify: threading.Lock,
+        stop: threading.Event,
+    ) -> None:
+        key = self._keys[name]
+        backoff = Backoff()
+        while not stop.is_set():
+            try:
+                for batch in self._store.watch_prefix(key, revision + 1, stop):
+                    revision = batch.revision
+                    changed = False
+                    for event in batch.events:
+                        if name == "pools":
+                            with self._lock:
+                                if event.kind == "put":
+                                    self._pools[event.key] = KeyValue(
+                                        event.key, event.value, event.mod_revision
+                                    )
+                                else:
+                                    self._pools.pop(event.key, None)
+                            changed = True
+                            continue
+                        if event.key != key:
+                            continue  # a longer key sharing the prefix
+                        with self._lock:
+                            self._values[name] = event.value if event.kind == "put" else None
+                        changed = True
+                    if changed:
+                        with notify:
+                            on_change(self.snapshot())
+                    backoff.reset()
+            except (RevisionCompacted, StoreUnavailable) as e:
+                stop.wait(backoff.next())
+                try:
+                    revision = self._read(name)
+                except StoreError:
+                    continue
+                log.info("control watch restarted key=%s reason=%s", key, e)
+                with notify:
+                    on_change(self.snapshot())
+
+    def _read(self, name: str) -> int:
+        """Read one key into the snapshot; the revision to watch from."""
+        key = self._keys[name]
+        items, revision = self._store.get_prefix(key)
+        with self._lock:
+            if name == "pools":
+                self._pools = {kv.key: kv for kv in items}
+            else:
+                self._values[name] = next((kv.value for kv in items if kv.key == key), None)
+        return revision
+
+    def snapshot(self) -> ControlSnapshot:
+        with self._lock:
+            values = dict(self._values)
+            pools = tuple(self._pools[k] for k in sorted(self._pools))
+        return _snapshot(
+            values.get("config"), values.get("override"), self._keys["override"],
+            values.get("rollout"), pools,
+        )  # fmt: skip
+
+    def publish_status(self, status: NodeStatus) -> None:
+        self._store.put(status_key(self._prefix, self._node), status.to_json().encode())
+
+    def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
+        key = f"{events_prefix(self._prefix)}{time.time_ns()}-{node}"
+        doc = {"Node": node, "Change": change, "Reason": force.reason, "By": force.by,
+               "At": force.at}  # fmt: skip
+        self._store.put(key, json.dumps(doc, separators=(",", ":")).encode())
+
+
+class KubeNodeControl:
+    """Kubernetes mode: the ConfigMap's net-conf.json (the kubelet updates the mounted
+    file in place), and this Node's override annotation as the node watch sees it.
+
+    There is no rollout record and no status record here: ``rollout`` is an etcd-mode
+    tool. A blocked change shows in status.json, ``doctor`` and the metric; a forced
+    one leaves an Event on the Node.
+    """
+
+    POLL_SECONDS = 2.0  # the kubelet refreshes ConfigMap volumes every minute or so
+
+    def __init__(self, manager: KubeSubnetManager, config_path: str) -> None:
+        self._manager = manager
+        self._config_path = config_path
+
+    def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
+        # Decide nothing before the node list has shown our Node's override (or that
+        # there is none): deciding without it would undo an applied override.
+        while not self._manager.own_override_seen.wait(0.2):
+            if stop.is_set():
+                return
+        last: ControlSnapshot | None = None
+        while not stop.is_set():
+            try:
+                raw: bytes | None = Path(self._config_path).read_bytes()
+            except OSError:
+                raw = None  # mid-update (the kubelet swaps a symlink); read again soon
+            snap = _snapshot(
+                raw, self._manager.own_override, f"annotation {OVERRIDE_ANNOTATION}", None
+            )
+            if raw is not None and snap != last:
+                on_change(snap)
+                last = snap
+            stop.wait(self.POLL_SECONDS)
+
+    def publish_status(self, status: NodeStatus) -> None:
+        return None  # no status record in Kubernetes mode (see the class docstring)
+
+    def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
+        self._manager.create_node_event(
+            "DisruptionPolicyOverridden",
+            f"flannelpy applied a disruptive change ({change}) past the disruption policy: "
+            f"{force.reason} (by {force.by} at {force.at})",
+        )

@@ -1,0 +1,268 @@
+"""What agents and operators' tools tell each other through the store (etcd mode).
+
+Three records under ``<prefix>/flannelpy/``, all JSON that Flannel never reads:
+
+- ``nodes/<node>/override``: a node's wanted Backend, written by ``rollout`` or by
+  hand. It wins over the config's Backend for that node only.
+- ``nodes/<node>/status``: what the node's agent runs and sees (its effective
+  backend, readiness, the override generation it applied, a blocked change, its
+  probe results). ``rollout`` and ``policy show`` read it; it is how a tool off the
+  node learns that a step took effect without reaching the node itself.
+- ``events/<unix-ns>-<node>``: a record of each change forced past the policy.
+
+Parsing is strict about types and lenient about unknown keys, so a newer agent's
+status stays readable by an older tool.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flannelpy.config.netconf import BackendConfig
+
+
+def _root(prefix: str) -> str:
+    return prefix.rstrip("/") + "/flannelpy/"
+
+
+def nodes_prefix(prefix: str) -> str:
+    return _root(prefix) + "nodes/"
+
+
+def override_key(prefix: str, node: str) -> str:
+    return f"{nodes_prefix(prefix)}{node}/override"
+
+
+def status_key(prefix: str, node: str) -> str:
+    return f"{nodes_prefix(prefix)}{node}/status"
+
+
+def rollout_key(prefix: str) -> str:
+    return _root(prefix) + "rollout"
+
+
+def events_prefix(prefix: str) -> str:
+    return _root(prefix) + "events/"
+
+
+def node_of_key(prefix: str, key: str) -> tuple[str, str] | None:
+    """``(node, "override"|"status")`` for a key under ``nodes/``, else None."""
+    rest = key[len(nodes_prefix(prefix)) :] if key.startswith(nodes_prefix(prefix)) else None
+    if rest is None or rest.count("/") != 1:
+        return None
+    node, kind = rest.split("/")
+    return (node, kind) if node and kind in ("override", "status") else None
+
+
+def _decode(raw: str | bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return doc
+
+
+@dataclass(frozen=True)
+class BackendSummary:
+    """The parts of a node's running backend that peers and tools care about."""
+
+    type: str
+    vni: int
+    port: int
+    direct_routing: bool
+    mtu: int  # the overlay MTU pods get
+
+    @classmethod
+    def of(cls, backend: BackendConfig, mtu: int) -> BackendSummary:
+        return cls(
+            type=backend.type,
+            vni=backend.vni,
+            port=backend.effective_port,
+            direct_routing=backend.direct_routing,
+            mtu=mtu,
+        )
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "Type": self.type,
+            "VNI": self.vni,
+            "Port": self.port,
+            "DirectRouting": self.direct_routing,
+            "MTU": self.mtu,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> BackendSummary:
+        return cls(
+            type=str(doc["Type"]),
+            vni=int(doc["VNI"]),
+            port=int(doc["Port"]),
+            direct_routing=bool(doc["DirectRouting"]),
+            mtu=int(doc["MTU"]),
+        )
+
+    def describe(self) -> str:
+        if self.type == "vxlan":
+            dr = "+DirectRouting" if self.direct_routing else ""
+            return f"vxlan{dr} (VNI {self.vni}, port {self.port}, MTU {self.mtu})"
+        return f"{self.type} (MTU {self.mtu})"
+
+
+@dataclass(frozen=True)
+class ForceRecord:
+    reason: str
+    by: str
+    at: str  # ISO-8601 UTC
+
+    def to_doc(self) -> dict[str, str]:
+        return {"Reason": self.reason, "By": self.by, "At": self.at}
+
+
+@dataclass(frozen=True)
+class NodeOverride:
+    """``nodes/<node>/override``: the Backend this node should run instead of the config's."""
+
+    backend: Mapping[str, Any]  # a Backend object exactly as in net-conf.json
+    generation: int
+    rollout: str | None = None  # set when a rollout wrote it (the rollout checked the policy)
+    force: ForceRecord | None = None
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {"Backend": dict(self.backend), "Generation": self.generation}
+        if self.rollout:
+            doc["Rollout"] = self.rollout
+        if self.force:
+            doc["Force"] = self.force.to_doc()
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> NodeOverride:
+        doc = _decode(raw, "the node override")
+        backend = doc.get("Backend")
+        if not isinstance(backend, dict):
+            raise ValueError('the node override needs a "Backend" object like net-conf.json\'s')
+        generation = doc.get("Generation", 0)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise ValueError('the node override\'s "Generation" must be a non-negative integer')
+        rollout = doc.get("Rollout")
+        force = doc.get("Force")
+        force_record = None
+        if isinstance(force, dict):
+            force_record = ForceRecord(
+                reason=str(force.get("Reason", "")),
+                by=str(force.get("By", "")),
+                at=str(force.get("At", "")),
+            )
+        return cls(
+            backend=backend,
+            generation=generation,
+            rollout=str(rollout) if rollout else None,
+            force=force_record,
+        )
+
+
+@dataclass(frozen=True)
+class BlockedChange:
+    generation: int | None  # the override generation blocked; None for a config change
+    change: str  # "backend vxlan -> host-gw"
+    sentence: str  # what the operator reads: the policy and what to do
+    since: float
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "Generation": self.generation,
+            "Change": self.change,
+            "Sentence": self.sentence,
+            "Since": self.since,
+        }
+
+
+@dataclass(frozen=True)
+class PeerProbe:
+    reachable: bool
+    mtu_ok: bool | None
+    ok: bool  # the latest round answered both the small and the full-MTU echo
+    probes: int  # rounds completed since the peer was added
+    at: float  # when the latest round completed (unix seconds, the node's clock)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"Reachable": self.reachable, "MtuOk": self.mtu_ok, "Ok": self.ok,
+                "Probes": self.probes, "At": round(self.at, 3)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """``nodes/<node>/status``: written by the node's agent."""
+
+    node: str
+    at: float
+    ready: bool
+    public_ip: str
+    underlay_networks: tuple[str, ...]
+    backend: BackendSummary
+    vtep: bool
+    applied_generation: int | None
+    applied_at: float | None = None  # when the running backend took effect (node's clock)
+    blocked: BlockedChange | None = None
+    subnets: tuple[str, ...] = ()
+    probes: Mapping[str, PeerProbe] = field(default_factory=dict)  # by peer subnet
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "Node": self.node,
+                "At": round(self.at, 3),
+                "Ready": self.ready,
+                "PublicIP": self.public_ip,
+                "UnderlayNetworks": list(self.underlay_networks),
+                "Backend": self.backend.to_doc(),
+                "Vtep": self.vtep,
+                "AppliedGeneration": self.applied_generation,
+                "AppliedAt": self.applied_at,
+                "Blocked": self.blocked.to_doc() if self.blocked else None,
+                "Subnets": list(self.subnets),
+                "Probes": {k: p.to_doc() for k, p in sorted(self.probes.items())},
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> NodeStatus:
+        doc = _decode(raw, "the node status")
+        try:
+            blocked = doc.get("Blocked")
+            return cls(
+                node=str(doc["Node"]),
+                at=float(doc["At"]),
+                ready=bool(doc["Ready"]),
+                public_ip=str(doc["PublicIP"]),
+                underlay_networks=tuple(str(n) for n in doc.get("UnderlayNetworks", [])),
+                backend=BackendSummary.from_doc(doc["Backend"]),
+                vtep=bool(doc.get("Vtep", False)),
+                applied_generation=doc.get("AppliedGeneration"),
+                applied_at=doc.get("AppliedAt"),
+                blocked=BlockedChange(
+                    generation=blocked.get("Generation"),
+                    change=str(blocked.get("Change", "")),
+                    sentence=str(blocked.get("Sentence", "")),
+                    since=float(blocked.get("Since", 0.0)),
+                ) if isinstance(blocked, dict) else None,
+                subnets=tuple(str(s) for s in doc.get("Subnets", [])),
+                probes={
+                    str(k): PeerProbe(
+                        reachable=bool(v["Reachable"]),
+                        mtu_ok=v.get("MtuOk"),
+                        ok=bool(v.get("Ok", False)),
+                        probes=int(v.get("Probes", 0)),
+                        at=float(v.get("At", 0.0)),
+                    )
+                    for k, v in (doc.get("Probes") or {}).items()
+                },
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the node status lacks or mangles a field: {e}") from e

@@ -1,0 +1,249 @@
+"""One small HTTP server for Prometheus and the kubelet: /metrics, /healthz, /readyz.
+
+- ``/healthz`` (liveness): the process is alive *and its loops turn*. Each
+  loop beats a :class:`Heartbeats` entry; one that stopped beating for longer
+  than its allowed age makes the agent not live, and the kubelet restarts it.
+  Flannel's /healthz answers 200 whatever its loops do; ours does not.
+- ``/readyz`` (readiness): the node can carry pod traffic: lease held,
+  subnet.env written, every peer programmed (the last reconcile converged),
+  firewall rules in place. :func:`readiness` computes it from those facts.
+
+Both answer 200 ``ok`` or 503 with the reason, one line. The server is the
+standard library's threading HTTP server in a daemon thread; a scrape or a
+probe never waits for another.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+
+from flannelpy.dataplane.reconciler import ReconcileResult
+from flannelpy.errors import ConfigError
+
+log = logging.getLogger("flannelpy.observe.health")
+
+Check = Callable[[], tuple[bool, str]]
+
+STOP_TIMEOUT = 5.0  # seconds to wait for the serving thread on stop()
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"127.0.0.1:9403"`` / ``"[::1]:9403"`` → (host, port). Raises ConfigError."""
+    host, sep, port_text = addr.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(
+            f"listen address {addr!r} is not HOST:PORT; write it like 127.0.0.1:9403 or [::1]:9403"
+        )
+    return host, int(port_text)
+
+
+class Heartbeats:
+    """Last beat per named loop; live while every registered loop beat recently enough.
+
+    A loop registers with its allowed age (a few times its period: a loop that
+    waits up to ``resync_interval`` between passes gets, say, 3x that) and
+    calls :meth:`beat` once per turn. ``clock`` is monotonic seconds.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._max_age: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+
+    def register(self, name: str, max_age: float) -> None:
+        """Start watching ``name``; it counts as having just beaten."""
+        if max_age <= 0:
+            raise ValueError(f"heartbeat {name!r}: max_age must be positive, not {max_age}")
+        with self._lock:
+            self._max_age[name] = max_age
+            self._last[name] = self._clock()
+
+    def unregister(self, name: str) -> None:
+        """Stop watching ``name`` (its loop ended on purpose)."""
+        with self._lock:
+            self._max_age.pop(name, None)
+            self._last.pop(name, None)
+
+    def beat(self, name: str) -> None:
+        """``name`` completed a turn. Raises KeyError for a name never registered."""
+        with self._lock:
+            if name not in self._max_age:
+                raise KeyError(f"heartbeat {name!r} was never registered")
+            self._last[name] = self._clock()
+
+    def ages(self) -> dict[str, float]:
+        """Seconds since each registered loop's last beat."""
+        now = self._clock()
+        with self._lock:
+            return {name: now - last for name, last in self._last.items()}
+
+    def live(self) -> tuple[bool, str]:
+        """(True, "ok"), or (False, which loops are stuck and for how long)."""
+        now = self._clock()
+        with self._lock:
+            stuck = [
+                f"{name} last beat {now - self._last[name]:.0f} s ago (allowed {limit:g} s)"
+                for name, limit in sorted(self._max_age.items())
+                if now - self._last[name] > limit
+            ]
+        if stuck:
+            return False, "loop stuck: " + "; ".join(stuck)
+        return True, "ok"
+
+
+def readiness(
+    *,
+    lease_held: bool,
+    subnet_env_written: bool,
+    last_reconcile: ReconcileResult | None,
+    rules_in_place: bool = True,
+    unprogrammed_peers: int = 0,
+) -> tuple[bool, str]:
+    """Whether the node can carry pod traffic, and if not the first reason why."""
+    if not lease_held:
+        return False, "no subnet lease held yet: the store may be unreachable"
+    if last_reconcile is None:
+        return False, "the data plane has not been programmed yet"
+    if not last_reconcile.converged:
+        first = last_reconcile.failures[0]
+        more = len(last_reconcile.failures) - 1
+        extra = f" (and {more} more)" if more else ""
+        return False, f"the reconciler cannot converge: {first}{extra}"
+    if unprogrammed_peers:
+        return False, f"{unprogrammed_peers} peer(s) have no route: see `flannelpy status`"
+    if not rules_in_place:
+        return False, "firewall rules are not in place"
+    if not subnet_env_written:
+        return False, "subnet.env is not written yet"
+    return True, "ok"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client must never block stop()
+    request_queue_size = 64
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class HealthServer:
+    """``/metrics`` from ``registry``, ``/healthz`` from ``live``, ``/readyz`` from ``ready``."""
+
+    def __init__(
+        self,
+        addr: str,
+        registry: CollectorRegistry,
+        ready: Check,
+        live: Check,
+    ) -> None:
+        self._host, self._port = split_host_port(addr)
+        self._registry = registry
+        self._ready = ready
+        self._live = live
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound: the port is known after start() when given as 0."""
+        if self._server is None:
+            return self._host, self._port
+        return self._host, int(self._server.server_address[1])
+
+    def start(self) -> None:
+        """Bind and serve in a daemon thread. Raises ConfigError when the address is taken."""
+        if self._server is not None:
+            return
+        server_class = _Server6 if ":" in self._host else _Server
+        try:
+            server = server_class((self._host, self._port), self._handler_class())
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on {self._host}:{self._port} for /metrics and health "
+                f"({e.strerror}); free the port or change --metrics-addr"
+            ) from e
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="health-http",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        log.info("serving metrics and health address=%s:%d", *self.address)
+
+    def stop(self) -> None:
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(STOP_TIMEOUT)
+        self._server = self._thread = None
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "flannelpy"
+            protocol_version = "HTTP/1.1"  # keep-alive for Prometheus' repeated scrapes
+            # Headers and body leave in two writes; with Nagle on, the body waits for
+            # the client's delayed ACK of the headers (40 ms) on a kept-alive connection.
+            disable_nagle_algorithm = True
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    owner._serve_metrics(self)
+                elif path == "/healthz":
+                    owner._serve_check(self, owner._live)
+                elif path == "/readyz":
+                    owner._serve_check(self, owner._ready)
+                else:
+                    _reply(self, 404, b"not found: use /metrics, /healthz or /readyz\n")
+
+            def log_message(self, format: str, *args: object) -> None:
+                log.debug("http " + format, *args)
+
+        return Handler
+
+    def _serve_metrics(self, handler: BaseHTTPRequestHandler) -> None:
+        try:
+            body = generate_latest(self._registry)
+        except Exception as e:  # report, but keep serving health checks
+            log.warning("metrics scrape failed error=%s", e)
+            _reply(handler, 500, f"metrics scrape failed: {e}\n".encode())
+            return
+        # Text format 0.0.4: what every Prometheus version reads (our names are all
+        # legacy-valid, so the 1.0.0 format would add nothing).
+        _reply(handler, 200, body, CONTENT_TYPE_PLAIN_0_0_4)
+
+    @staticmethod
+    def _serve_check(handler: BaseHTTPRequestHandler, check: Check) -> None:
+        try:
+            ok, reason = check()
+        except Exception as e:  # a broken check is a failing check, with its reason
+            ok, reason = False, f"check failed: {e}"
+        _reply(handler, 200 if ok else 503, f"{'ok' if ok else reason}\n".encode())
+
+
+def _reply(
+    handler: BaseHTTPRequestHandler,
+    status: int,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

@@ -1,1 +1,0 @@
-"""Operations: the prober, MTU consistency, doctor, disruption policy and rollout."""

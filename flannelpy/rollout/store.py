@@ -1,0 +1,162 @@
+"""The rollout's reads and writes in the store (etcd mode), over any Store.
+
+Keys (see :mod:`flannelpy.ops.node_records`): the network config, every node's
+status and override, the rollout record and the events of forced changes. The
+record is only ever replaced with a compare-and-swap on its mod revision, so a
+``pause`` or ``abort`` written meanwhile, or a second driver, is never
+overwritten: the loser re-reads and decides again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flannelpy.config.netconf import NetworkConfig, parse_network_config
+from flannelpy.control.records import (
+    NodeOverride,
+    NodeStatus,
+    node_of_key,
+    nodes_prefix,
+    override_key,
+    rollout_key,
+)
+from flannelpy.errors import ConfigError, KeyExists, StoreError
+from flannelpy.rollout.plan import RolloutRecord, with_backend
+from flannelpy.subnet.etcd.client import config_key
+from flannelpy.subnet.etcd.kv import Store
+
+CAS_RETRIES = 5  # a config or override written by someone else meanwhile: read again
+
+
+@dataclass(frozen=True)
+class ConfigDoc:
+    raw: bytes
+    mod_revision: int
+    config: NetworkConfig
+
+
+@dataclass(frozen=True)
+class NodesSnapshot:
+    statuses: dict[str, NodeStatus] = field(default_factory=dict)
+    overrides: dict[str, NodeOverride] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # key -> why it cannot be read
+
+
+class RolloutStore:
+    def __init__(self, store: Store, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix.rstrip("/")
+        self.config_key = config_key(self.prefix)
+        self.record_key = rollout_key(self.prefix)
+
+    # -- reading ---------------------------------------------------------------
+
+    def read_config(self) -> ConfigDoc:
+        kv = self.store.get(self.config_key)
+        if kv is None:
+            raise ConfigError(
+                f"network config not found in etcd at {self.config_key}; check --etcd-prefix "
+                "(or --lab), or write net-conf.json there"
+            )
+        try:
+            config = parse_network_config(kv.value)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (read from etcd key {self.config_key})") from e
+        return ConfigDoc(kv.value, kv.mod_revision, config)
+
+    def read_nodes(self) -> NodesSnapshot:
+        items, _ = self.store.get_prefix(nodes_prefix(self.prefix))
+        snap = NodesSnapshot()
+        for kv in items:
+            found = node_of_key(self.prefix, kv.key)
+            if found is None:
+                continue
+            node, kind = found
+            try:
+                if kind == "status":
+                    snap.statuses[node] = NodeStatus.from_json(kv.value)
+                else:
+                    snap.overrides[node] = NodeOverride.from_json(kv.value)
+            except ValueError as e:
+                snap.errors[kv.key] = str(e)
+        return snap
+
+    def read_record(self) -> tuple[RolloutRecord | None, int]:
+        """The record and its mod revision; (None, 0) when there is none."""
+        kv = self.store.get(self.record_key)
+        if kv is None:
+            return None, 0
+        try:
+            return RolloutRecord.from_json(kv.value), kv.mod_revision
+        except ValueError as e:
+            raise StoreError(
+                f"{e} (etcd key {self.record_key}); if no rollout is running, delete the key"
+            ) from e
+
+    # -- the record --------------------------------------------------------------
+
+    def put_record(self, record: RolloutRecord, mod_revision: int) -> int | None:
+        """Write the record if it still has ``mod_revision`` (0: if there is none); the new
+        revision, or None when someone else wrote it first."""
+        data = record.to_json().encode()
+        if mod_revision == 0:
+            try:
+                return self.store.create(self.record_key, data)
+            except KeyExists:
+                return None
+        return self.store.put_if_mod_revision(self.record_key, data, mod_revision)
+
+    # -- overrides and events -------------------------------------------------------
+
+    def write_override(self, node: str, override: NodeOverride) -> None:
+        self.store.put(override_key(self.prefix, node), override.to_json().encode())
+
+    def delete_override(self, node: str, generation: int | None = None) -> bool:
+        """Remove ``node``'s override (only while it has ``generation``, when given);
+        False when there is none to remove."""
+        key = override_key(self.prefix, node)
+        for _ in range(CAS_RETRIES):
+            kv = self.store.get(key)
+            if kv is None:
+                return False
+            if generation is not None:
+                try:
+                    if NodeOverride.from_json(kv.value).generation != generation:
+                        return False
+                except ValueError:
+                    return False
+            if self.store.delete_if_mod_revision(key, kv.mod_revision):
+                return True
+        raise StoreError(f"{key} kept changing while being deleted; run the command again")
+
+    # -- the config --------------------------------------------------------------------
+
+    def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig:
+        """Put ``backend`` into ``<prefix>/config`` in place of its Backend, every other key
+        kept as written; validated as a whole, then compare-and-swapped."""
+        for _ in range(CAS_RETRIES):
+            current = self.read_config()
+            doc = json.loads(current.raw)  # parse_network_config accepted it: an object
+            out = with_backend(doc, backend)
+            text = current.raw.decode("utf-8", "replace")
+            if "\n" in text.strip():
+                data = json.dumps(out, indent=2, ensure_ascii=False) + "\n"
+            else:
+                data = json.dumps(out, ensure_ascii=False)
+            try:
+                config = parse_network_config(data)
+            except ConfigError as e:
+                raise ConfigError(f"the config with the target Backend is invalid: {e}") from e
+            if out == doc:
+                return config  # already there (a resumed final step)
+            if self.store.put_if_mod_revision(
+                self.config_key, data.encode(), current.mod_revision
+            ) is not None:
+                return config
+        raise StoreError(
+            f"{self.config_key} kept changing while the rollout wrote its Backend; run "
+            "flannelpy rollout resume"
+        )

@@ -1,0 +1,271 @@
+"""Address pools in etcd (field-notes §3): the store half of :mod:`flannelpy.subnet.pools`.
+
+Layout, beside Flannel's keys (flanneld never reads it)::
+
+    <prefix>/config                          net-conf.json; its Network is the primary pool
+    <prefix>/subnets/10.244.1.0-24           leases (Flannel's)
+    <prefix>/flannelpy/pools/10.250.0.0-16   {"Network": "10.250.0.0/16", "SubnetLen": 24,
+                                              "Tags": {"flannelpy.io/role": "1"}}
+
+The key is Flannel's lease-key form of the CIDR. The primary pool has no record
+until it is tagged; its record then only carries tags (its SubnetLen follows the
+config). Every edit is a compare-and-swap on the record's mod revision, retried
+on a conflict, so two people tagging one pool at once never lose an edit.
+
+Pools are an etcd-mode feature: in Kubernetes mode the controller-manager
+allocates each node's podCIDR and no pool applies.
+
+An agent that follows pools lists them with :meth:`PoolStore.list_pools`, then
+watches :func:`pools_prefix` and rebuilds the list from its records with
+:func:`records_to_pools` on every change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from ipaddress import IPv4Network
+
+from flannelpy.config.netconf import NetworkConfig
+from flannelpy.config.settings import AgentSettings
+from flannelpy.errors import ConfigError, KeyExists, StoreError
+from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.subnet.lease import Lease, key_to_subnet, subnet_to_key
+from flannelpy.subnet.pools import (
+    ROLE_EXCLUDED,
+    ROLE_KEY,
+    ROLE_OPT_IN,
+    Pool,
+    assemble_pools,
+    check_new_pool,
+    check_tag,
+    parse_pool_record,
+    pool_record,
+)
+
+# Edits ``tags`` in place; returns whether anything changed.
+_TagEdit = Callable[[dict[str, str]], bool]
+
+WRITE_RETRIES = 10  # compare-and-swap attempts before an edit gives up
+SHOWN_LEASES = 5  # leases named in a refusal; the rest are counted
+
+
+class PoolRefused(ConfigError):
+    """The request conflicts with the pools or leases in the store."""
+
+
+def pools_prefix(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/flannelpy/pools/"
+
+
+def pool_key(prefix: str, network: IPv4Network) -> str:
+    """``<prefix>/flannelpy/pools/10.250.0.0-16``."""
+    return pools_prefix(prefix) + subnet_to_key(network)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The pools (primary first) and every lease, read at one moment."""
+
+    pools: list[Pool]
+    leases: list[Lease]
+    ignored: list[str]  # records that could not be read: "KEY: why"
+
+
+@dataclass(frozen=True)
+class PoolEdit:
+    pool: Pool  # as stored after the edit
+    changed: bool  # False: the pool already looked like that (nothing written)
+
+
+def records_to_pools(
+    config: NetworkConfig, items: Iterable[KeyValue], prefix: str
+) -> tuple[list[Pool], list[str]]:
+    """Records under :func:`pools_prefix` → pools (primary first) and the unreadable ones."""
+    base = pools_prefix(prefix)
+    records = []
+    ignored = []
+    for kv in items:
+        try:
+            records.append(_parse(kv, base))
+        except ValueError as e:
+            ignored.append(f"{kv.key}: {e}")
+    return assemble_pools(config, records), ignored
+
+
+def _parse(kv: KeyValue, base: str) -> Pool:
+    suffix = kv.key[len(base) :]
+    network, ipv6 = key_to_subnet(suffix)
+    if ipv6 is not None or subnet_to_key(network) != suffix:
+        raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
+    pool = parse_pool_record(kv.value)
+    if pool.network != network:
+        raise ValueError(f"the record's Network {pool.network} does not match its key")
+    return pool
+
+
+class PoolStore:
+    """Pools over any :class:`~flannelpy.subnet.store.Store` (etcd, or the fake)."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        from flannelpy.subnet.etcd.client import EtcdSubnetManager  # etcd imports grpc: load late
+
+        self._store = store
+        self._prefix = prefix.rstrip("/")
+        # The subnet manager reads config and leases exactly as the agent does.
+        self._manager = EtcdSubnetManager(store, AgentSettings(etcd_prefix=self._prefix))
+
+    def network_config(self) -> NetworkConfig:
+        return self._manager.get_network_config()
+
+    # -- reading -------------------------------------------------------------
+
+    def list_pools(self, config: NetworkConfig) -> list[Pool]:
+        """Every readable pool, the primary first, then the others in CIDR order."""
+        items, _ = self._store.get_prefix(pools_prefix(self._prefix))
+        return records_to_pools(config, items, self._prefix)[0]
+
+    def snapshot(self, config: NetworkConfig) -> PoolSnapshot:
+        items, _ = self._store.get_prefix(pools_prefix(self._prefix))
+        pools, ignored = records_to_pools(config, items, self._prefix)
+        leases, _ = self._manager.list_leases()
+        return PoolSnapshot(pools, list(leases.values()), ignored)
+
+    # -- editing -------------------------------------------------------------
+
+    def add(self, config: NetworkConfig, network: IPv4Network) -> Pool:
+        """Create the record of a new, untagged pool (so: no new leases there yet)."""
+        if config.enable_ipv6:
+            raise PoolRefused(
+                f"cannot add {network}: the network config enables IPv6, and pools other than "
+                "Network are IPv4 only, so dual-stack leases could not be cut from it"
+            )
+        check_new_pool(network, config, self.list_pools(config))
+        pool = Pool(network, {}, primary=False, subnet_len=config.subnet_len)
+        try:
+            self._store.create(self._key(network), pool_record(pool, config.subnet_len))
+        except KeyExists as e:
+            raise PoolRefused(f"{network} is a pool already (someone added it just now)") from e
+        return pool
+
+    def tag(self, config: NetworkConfig, network: IPv4Network, key: str, value: str) -> PoolEdit:
+        """Set one tag (§3 keys only), keeping every other tag, even one set concurrently."""
+        check_tag(key, value)
+
+        def edit(tags: dict[str, str]) -> bool:
+            if tags.get(key) == value:
+                return False
+            tags[key] = value
+            return True
+
+        return self._edit(config, network, edit)
+
+    def untag(self, config: NetworkConfig, network: IPv4Network, key: str) -> PoolEdit:
+        """Drop one tag; a tag that is not there is success with nothing written."""
+
+        def edit(tags: dict[str, str]) -> bool:
+            if key not in tags:
+                check_tag(key, None)  # say so if the key could never have been set
+                return False
+            del tags[key]
+            return True
+
+        return self._edit(config, network, edit)
+
+    def remove(self, config: NetworkConfig, network: IPv4Network) -> Pool:
+        """Delete a pool's record: never the primary, one in service, or one with leases."""
+        if network == config.network:
+            raise PoolRefused(
+                f"{network} is the primary pool (the config's Network) and cannot be removed; "
+                f"to drain it, tag it {ROLE_KEY}={ROLE_EXCLUDED}"
+            )
+        for _ in range(WRITE_RETRIES):
+            kv = self._store.get(self._key(network))
+            if kv is None:
+                raise self._no_such_pool(network)
+            pool = self._read(kv)
+            if pool.role == ROLE_OPT_IN:
+                # Agents may lease there at any moment: a lease could land between the
+                # check below and the delete. Drained (or untagged), nothing new lands.
+                raise PoolRefused(
+                    f"{network} is in service ({ROLE_KEY}={ROLE_OPT_IN}); tag it "
+                    f"{ROLE_KEY}={ROLE_EXCLUDED}, wait for its leases to end, then remove it"
+                )
+            leases, _ = self._manager.list_leases()
+            inside = sorted(
+                (lease.subnet for lease in leases.values() if lease.subnet.overlaps(network)),
+                key=lambda s: int(s.network_address),
+            )
+            if inside:
+                named = ", ".join(str(s) for s in inside[:SHOWN_LEASES])
+                extra = len(inside) - SHOWN_LEASES
+                more = f" and {extra} more" if extra > 0 else ""
+                raise PoolRefused(
+                    f"{network} still holds {len(inside)} lease(s) ({named}{more}); tag it "
+                    f"{ROLE_KEY}={ROLE_EXCLUDED} and remove it once its pods have ended"
+                )
+            if self._store.delete_if_mod_revision(kv.key, kv.mod_revision):
+                return pool
+            # The record changed under us (a tag edit): look again.
+        raise self._kept_changing(network)
+
+    # -- helpers -------------------------------------------------------------
+
+    def _key(self, network: IPv4Network) -> str:
+        return pool_key(self._prefix, network)
+
+    def _read(self, kv: KeyValue) -> Pool:
+        try:
+            return _parse(kv, pools_prefix(self._prefix))
+        except ValueError as e:
+            raise StoreError(
+                f"the pool record at {kv.key} cannot be read ({e}); fix it or delete it "
+                f"(etcdctl del {kv.key})"
+            ) from e
+
+    def _edit(self, config: NetworkConfig, network: IPv4Network, edit: _TagEdit) -> PoolEdit:
+        primary = network == config.network
+        key = self._key(network)
+        for _ in range(WRITE_RETRIES):
+            kv = self._store.get(key)
+            if kv is None and not primary:
+                raise self._no_such_pool(network)
+            stored = self._read(kv) if kv is not None else None
+            tags = dict(stored.tags) if stored is not None else {}
+            changed = edit(tags)
+            if primary:
+                pool = Pool(network, tags, True, config.subnet_len)
+            else:
+                assert stored is not None
+                pool = Pool(network, tags, False, stored.subnet_len)
+            if not changed:
+                return PoolEdit(pool, False)
+            value = pool_record(pool, config.subnet_len)
+            if kv is None:
+                try:
+                    self._store.create(key, value)
+                except KeyExists:
+                    continue  # someone tagged the primary pool first: edit theirs
+                return PoolEdit(pool, True)
+            if primary and not tags:
+                # The primary pool has no record when untagged.
+                if self._store.delete_if_mod_revision(key, kv.mod_revision):
+                    return PoolEdit(pool, True)
+                continue
+            if self._store.put_if_mod_revision(key, value, kv.mod_revision) is not None:
+                return PoolEdit(pool, True)
+        raise self._kept_changing(network)
+
+    @staticmethod
+    def _no_such_pool(network: IPv4Network) -> PoolRefused:
+        return PoolRefused(
+            f"there is no pool {network}; see the pools with `flannelpy pools list`, or add it "
+            f"with `flannelpy pools add {network}`"
+        )
+
+    @staticmethod
+    def _kept_changing(network: IPv4Network) -> StoreError:
+        return StoreError(
+            f"the record of pool {network} kept changing during {WRITE_RETRIES} attempts; "
+            "retry once the other edits are done"
+        )

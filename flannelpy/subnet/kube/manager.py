@@ -1,0 +1,749 @@
+"""Kubernetes mode (``--kube-subnet-mgr``): leases are Nodes, subnets are podCIDRs.
+
+The controller-manager (``--allocate-node-cidrs``) assigns every Node a
+``spec.podCIDR``; that is the node's lease. A node advertises how to reach it
+with Flannel's annotations (see :mod:`flannelpy.subnet.kube_node`, which holds
+the pure part), written with a strategic-merge PATCH of ``nodes/<name>/status``
+only when something differs. Peers are the nodes annotated
+``kube-subnet-manager: "true"`` with a podCIDR.
+
+The watch is the usual list → watch from the list's resourceVersion, with
+bookmarks; 410 Gone re-lists, a broken connection resumes from the last
+resourceVersion after a backoff. Unlike Flannel, a node whose podCIDR or
+public-ip changes is followed, and nothing waits for an informer cache sync:
+our own Node is read directly, and the list is one consistent snapshot read in
+pages of raw JSON (no client models).
+
+Every API call the code makes is in RBAC_RULES; the manifest's ClusterRole is
+tested against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import urllib3
+from kubernetes import client as kclient
+from kubernetes import config as kconfig
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from flannelpy.config.netconf import NetworkConfig, parse_network_config
+from flannelpy.config.settings import AgentSettings
+from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.retry import BACKOFF_FIRST, BACKOFF_MAX, Backoff
+from flannelpy.subnet.kube import node as kn
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.manager import LeasesCallback
+from flannelpy.subnet.pools import Pool
+
+log = logging.getLogger("flannelpy.subnet.kube.manager")
+
+# (apiGroup, resource, verbs): exactly what this module calls. "" is the core group.
+RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("", "pods", ("get",)),
+    ("", "nodes", ("get", "list", "watch")),
+    ("", "nodes/status", ("patch",)),
+    ("", "events", ("create",)),  # a record of each change forced past the policy
+)
+
+OVERRIDE_ANNOTATION = "flannelpy.io/override"  # this node's Backend, like etcd's override key
+
+CONNECT_TIMEOUT = 5.0  # seconds
+REQUEST_TIMEOUT = 15.0  # seconds for a get, a list page or a patch
+WATCH_TIMEOUT_SECONDS = 300  # server-side end of one watch request (client-go: 5-10 min)
+WATCH_READ_SLACK = 30.0  # seconds past the server's timeout before the read gives up
+LIST_PAGE_SIZE = 500  # client-go's default page size
+PODCIDR_POLL_MAX = 5.0  # seconds between reads of our Node while its podCIDR is missing
+PODCIDR_LOG_EVERY = 30.0  # seconds between "pod cidr not assigned" warnings
+STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+
+T = TypeVar("T")
+
+
+def _wait(stop: threading.Event, seconds: float) -> None:
+    stop.wait(seconds)
+
+
+# ---------------------------------------------------------------------------
+# Client
+# ---------------------------------------------------------------------------
+
+
+def build_api_client(settings: AgentSettings) -> kclient.ApiClient:
+    """An ApiClient as Flannel builds one: ``--kubeconfig-file`` (with
+    ``--kube-api-url`` overriding its server), else ``--kube-api-url`` alone with no
+    credentials, else the in-cluster service account. Raises ConfigError."""
+    cfg = kclient.Configuration()
+    url = settings.kube_api_url
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"--kube-api-url {url!r} is not a URL; write it like https://10.96.0.1:443"
+            )
+    if settings.kubeconfig_file:
+        try:
+            kconfig.load_kube_config(
+                config_file=settings.kubeconfig_file,
+                client_configuration=cfg,
+                persist_config=False,
+            )
+        except (kconfig.ConfigException, OSError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"--kubeconfig-file {settings.kubeconfig_file}: cannot load it ({e}); "
+                "point it at a valid kubeconfig"
+            ) from e
+        if url:
+            _override_host(cfg, url.rstrip("/"))
+    elif url:
+        cfg.host = url.rstrip("/")
+    else:
+        try:
+            kconfig.load_incluster_config(client_configuration=cfg)
+        except kconfig.ConfigException as e:
+            raise ConfigError(
+                f"not running in a pod with a service account ({e}); give "
+                "--kubeconfig-file or --kube-api-url"
+            ) from e
+    # TCP keepalive (client-go's timings): a watch on a silently dead connection
+    # would otherwise wait for its read timeout.
+    cfg.keep_alive = True
+    # One quick retry covers a pooled connection the server closed; longer outages
+    # are retried by our own backoff, which logs one line per attempt.
+    cfg.retries = 1
+    return kclient.ApiClient(cfg)
+
+
+def _override_host(cfg: kclient.Configuration, host: str) -> None:
+    """Set the server, also across the kubeconfig loader's token refresh hook, which
+    copies the kubeconfig's server back before every request."""
+    cfg.host = host
+    refresh = cfg.refresh_api_key_hook
+    if refresh is None:
+        return
+
+    def refresh_keeping_host(c: kclient.Configuration) -> None:
+        refresh(c)
+        c.host = host
+
+    cfg.refresh_api_key_hook = refresh_keeping_host
+
+
+def _status_message(e: ApiException) -> str:
+    try:
+        doc = json.loads(e.body or "")
+    except (TypeError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and doc.get("message"):
+        return str(doc["message"])
+    return str(e.reason or "").strip() or f"HTTP {e.status}"
+
+
+def _api_error(what: str, e: ApiException) -> StoreError:
+    status = int(e.status or 0)
+    message = _status_message(e)
+    if status == 410:
+        return RevisionCompacted(f"kubernetes API {what}: {message} (410 Gone); re-list", 0)
+    if status == 0 or status == 429 or status >= 500:
+        return StoreUnavailable(f"kubernetes API {what}: {message}")
+    if status == 401:
+        return StoreError(
+            f"kubernetes API {what}: unauthorized ({message}); check the ServiceAccount "
+            "token or --kubeconfig-file"
+        )
+    if status == 403:
+        rules = "; ".join(f"{res}: {','.join(verbs)}" for _, res, verbs in RBAC_RULES)
+        return StoreError(
+            f"kubernetes API {what}: forbidden ({message}); the agent's ClusterRole must "
+            f"allow {rules}"
+        )
+    if status == 404:
+        return StoreError(f"kubernetes API {what}: not found ({message})")
+    return StoreError(f"kubernetes API {what} failed: HTTP {status} ({message})")
+
+
+# Raised by urllib3 and the socket layer when the API server cannot be reached.
+_UNREACHABLE = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+
+
+def _call(what: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except ApiException as e:
+        raise _api_error(what, e) from e
+    except _UNREACHABLE as e:
+        raise StoreUnavailable(
+            f"kubernetes API {what}: cannot reach the API server ({e}); check "
+            "--kube-api-url / --kubeconfig-file and the network"
+        ) from e
+
+
+def _read_json(what: str, fn: Callable[[], Any]) -> dict[str, Any]:
+    """Call an API method with ``_preload_content=False`` and decode its JSON body."""
+
+    def op() -> bytes:
+        resp = fn()
+        try:
+            return bytes(resp.data)
+        finally:
+            resp.release_conn()
+
+    raw = _call(what, op)
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise StoreUnavailable(f"kubernetes API {what}: the answer is not JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise StoreUnavailable(f"kubernetes API {what}: the answer is not a JSON object")
+    return doc
+
+
+def _rv_number(rv: str | None) -> int:
+    # resourceVersions are opaque strings; in practice etcd revisions.
+    return int(rv) if rv and rv.isdigit() else 0
+
+
+# ---------------------------------------------------------------------------
+# Watch helpers
+# ---------------------------------------------------------------------------
+
+
+class _StreamCloser:
+    """Ends a blocked watch read within STOP_POLL of ``stop``: shutting the socket
+    down wakes the reading thread, which closing the response would not."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._resp: Any = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kube-watch-stop", daemon=True)
+
+    def __enter__(self) -> _StreamCloser:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            if self._stop.wait(STOP_POLL):
+                self.abort()
+                return
+
+    def attach(self, resp: Any) -> None:
+        with self._lock:
+            self._resp = resp
+        if self._stop.is_set():
+            self.abort()
+
+    def detach(self) -> None:
+        with self._lock:
+            self._resp = None
+
+    def abort(self) -> None:
+        with self._lock:
+            resp = self._resp
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _LeaseMap:
+    """Node name → lease, the resourceVersion it reflects, and what was last delivered."""
+
+    def __init__(self, own_node: str) -> None:
+        self.own_node = own_node
+        self.by_node: dict[str, Lease] = {}
+        self.rv: str | None = None  # None: list before watching
+        self._delivered: dict[str, Lease] | None = None
+        self._dirty = False
+        self._duplicates: list[str] = []
+
+    def replace_all(self, by_node: dict[str, Lease], rv: str) -> None:
+        self.by_node = by_node
+        self.rv = rv
+        self._dirty = True
+
+    def put(self, name: str, lease: Lease | None) -> None:
+        old = self.by_node.get(name)
+        if lease is None:
+            self.by_node.pop(name, None)
+        else:
+            self.by_node[name] = lease
+        self._dirty = self._dirty or old != lease
+
+    def deliver(self, on_leases: LeasesCallback, always: bool = False) -> None:
+        if not (self._dirty or always):
+            return
+        self._dirty = False
+        leases = kn.leases_by_key(self.by_node, self.own_node)
+        duplicates = kn.duplicate_claims(self.by_node, leases)
+        if duplicates != self._duplicates:
+            self._duplicates = duplicates
+            if duplicates:
+                log.warning(
+                    "nodes claim a pod cidr another node holds; ignoring them nodes=%s",
+                    ",".join(duplicates),
+                )
+        if always or leases != self._delivered:
+            self._delivered = leases
+            on_leases(dict(leases), _rv_number(self.rv))
+
+
+# ---------------------------------------------------------------------------
+# Subnet manager
+# ---------------------------------------------------------------------------
+
+
+class KubeSubnetManager:
+    """SubnetManager over the Kubernetes API (Nodes and their annotations).
+
+    ``clock`` gives unix time (condition timestamps); ``sleep(event, seconds)``
+    waits and must return early once ``event`` is set. ``stop`` (optional) and
+    :meth:`close` interrupt a wait for the podCIDR. ``environ`` defaults to
+    ``os.environ`` (NODE_NAME, POD_NAME, POD_NAMESPACE).
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        api_client: kclient.ApiClient | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[threading.Event, float], None] = _wait,
+        *,
+        environ: Mapping[str, str] | None = None,
+        stop: threading.Event | None = None,
+        watch_timeout: int = WATCH_TIMEOUT_SECONDS,
+        page_size: int = LIST_PAGE_SIZE,
+    ) -> None:
+        self._settings = settings
+        self._keys = kn.annotation_keys(settings.kube_annotation_prefix)
+        self._identity = kn.resolve_identity(
+            settings.node_name, os.environ if environ is None else environ
+        )
+        self._owns_client = api_client is None
+        self._api_client = api_client if api_client is not None else build_api_client(settings)
+        self._api = kclient.CoreV1Api(self._api_client)
+        self._clock = clock
+        self._sleep = sleep
+        self._stop = stop
+        self._closed = threading.Event()
+        self._watch_timeout = watch_timeout
+        self._page_size = page_size
+        self._name_lock = threading.Lock()
+        self._node_name = self._identity.node_name
+        self._config: NetworkConfig | None = None
+        self._attrs: LeaseAttrs | None = None  # what the agent asked us to advertise
+        self._advertised: LeaseAttrs | None = None  # what we returned for it
+        # Our Node's override annotation as the node watch last saw it (None: absent).
+        self.own_override: str | None = None
+        self.own_override_seen = threading.Event()
+        self._warned: dict[str, str] = {}
+
+    # -- identity and config ---------------------------------------------------------------
+
+    @property
+    def node_name(self) -> str:
+        """Our Node's name; with POD_NAME/POD_NAMESPACE, read from the pod once."""
+        with self._name_lock:
+            if self._node_name is None:
+                self._node_name = self._node_of_pod()
+            return self._node_name
+
+    def _node_of_pod(self) -> str:
+        namespace, pod = self._identity.pod_namespace, self._identity.pod_name
+        assert namespace and pod
+        doc = self._patiently(
+            f"get pod {namespace}/{pod}",
+            lambda: self._api.read_namespaced_pod(
+                pod, namespace, _preload_content=False, _request_timeout=self._timeout()
+            ),
+        )
+        name = str((doc.get("spec") or {}).get("nodeName") or "")
+        if not name:
+            raise ConfigError(
+                f"pod {namespace}/{pod} has no spec.nodeName yet; set NODE_NAME from the "
+                "downward API (fieldRef spec.nodeName) instead"
+            )
+        log.info("node name from the pod node=%s pod=%s/%s", name, namespace, pod)
+        return name
+
+    def get_network_config(self) -> NetworkConfig:
+        path = self._settings.net_config_path
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read net-conf.json at {path} ({e.strerror}); mount the ConfigMap's "
+                "net-conf.json there or set --net-config-path"
+            ) from e
+        try:
+            config = parse_network_config(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (read from {path})") from e
+        self._config = config
+        return config
+
+    def _network_config(self) -> NetworkConfig:
+        return self._config or self.get_network_config()
+
+    # -- our Node ----------------------------------------------------------------------------
+
+    def own_vtep_mac(self) -> str | None:
+        """The VtepMAC our Node's backend-data annotation holds (from before a restart),
+        so the agent can keep its VXLAN device's MAC and peers' entries stay valid."""
+        return kn.own_vtep_mac(self._own_node(patient=True), self._keys)
+
+    def node_public_ip(self) -> IPv4Address | None:
+        """The ``node-public-ip`` annotation of our Node: acts as --public-ip."""
+        return kn.node_public_ip(self._own_node(patient=True), self._keys)
+
+    def _own_node(self, patient: bool) -> dict[str, Any]:
+        name = self.node_name
+
+        def get() -> Any:
+            return self._api.read_node(
+                name, _preload_content=False, _request_timeout=self._timeout()
+            )
+
+        what = f"get node {name}"
+        return self._patiently(what, get) if patient else _read_json(what, get)
+
+    def _publish(self, node: Mapping[str, Any], attrs: LeaseAttrs) -> LeaseAttrs:
+        """Patch our Node's annotations and condition where they differ from ``attrs``;
+        return what we advertise (``public-ip-overwrite`` applied)."""
+        advertised = kn.advertised_attrs(attrs, node, self._keys)
+        if advertised.public_ip != attrs.public_ip:
+            log.info(
+                "advertising the address from public-ip-overwrite public_ip=%s own=%s",
+                advertised.public_ip, attrs.public_ip,
+            )  # fmt: skip
+        patch = kn.status_patch(node, advertised, self._keys, self._clock())
+        if patch is None:
+            return advertised
+        name = kn.node_name(node)
+        _read_json(
+            f"patch node {name} status",
+            lambda: self._api.patch_node_status(
+                name, patch, _content_type=STRATEGIC_MERGE,
+                _preload_content=False, _request_timeout=self._timeout(),
+            ),
+        )  # fmt: skip
+        log.info("node updated node=%s wrote=%s", name, ",".join(kn.changed_keys(patch)))
+        return advertised
+
+    # -- acquire / renew ---------------------------------------------------------------------
+
+    def acquire_lease(
+        self,
+        attrs: LeaseAttrs,
+        previous_subnet: IPv4Network | None,
+        pools: Sequence[Pool] | None = None,
+        cluster: str | None = None,
+    ) -> Lease:
+        """Our podCIDR as a lease, once the controller-manager has assigned it (address
+        pools do not apply: the controller-manager owns pod CIDRs).
+
+        Waits (forever, logging every PODCIDR_LOG_EVERY s) while it is not assigned:
+        crash-looping would not make it come sooner. Raises ConfigError when it lies
+        outside Network, StoreError when stopped or closed while waiting.
+        """
+        config = self._network_config()
+        node, subnets = self._wait_for_pod_cidr(config)
+        subnet, ipv6_subnet = subnets
+        if previous_subnet is not None and previous_subnet != subnet:
+            log.warning(
+                "the node's pod cidr differs from the last run's subnet subnet=%s previous=%s",
+                subnet, previous_subnet,
+            )  # fmt: skip
+        self._attrs = attrs
+        advertised = self._advertised = self._publish(node, attrs)
+        return Lease(subnet=subnet, attrs=advertised, expiration=None, ipv6_subnet=ipv6_subnet)
+
+    def _wait_for_pod_cidr(self, config: NetworkConfig) -> tuple[dict[str, Any], Any]:
+        delay = BACKOFF_FIRST
+        started = time.monotonic()
+        logged_at: float | None = None
+        while True:
+            node = self._own_node(patient=True)
+            subnets = kn.own_subnets(node, config)
+            if subnets is not None:
+                return node, subnets
+            now = time.monotonic()
+            if logged_at is None or now - logged_at >= PODCIDR_LOG_EVERY:
+                logged_at = now
+                log.warning(
+                    "pod cidr not assigned to node %s yet; waiting for the controller-manager "
+                    "(is --allocate-node-cidrs set?) waited_seconds=%.0f",
+                    self.node_name, now - started,
+                )  # fmt: skip
+            self._pause(delay)
+            delay = min(delay * 2, PODCIDR_POLL_MAX)
+
+    def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
+        raise ConfigError(
+            "address pools and MaxLeasesPerNode > 1 do not apply in Kubernetes mode: the "
+            "controller-manager owns pod CIDRs (--cluster-cidr); use etcd mode for pools"
+        )
+
+    def release_lease(self, lease: Lease) -> bool:
+        return False  # our podCIDR is the controller-manager's to take back
+
+    def renew_lease(self, lease: Lease) -> Lease:
+        """Re-check our annotations (patching only what differs) and the podCIDR.
+
+        Raises StoreError when the podCIDR changed or went away: the lease must be
+        acquired again (the watch reports the same, and the agent re-acquires).
+        """
+        node = self._own_node(patient=False)
+        subnets = kn.own_subnets(node, self._network_config())
+        if subnets is None or subnets[0] != lease.subnet:
+            now = subnets[0] if subnets else "unassigned"
+            raise StoreError(
+                f"node {self.node_name}'s pod cidr is now {now}, not {lease.subnet}; "
+                "acquire the lease again"
+            )
+        # Attrs other than what we returned last are the agent's new wish (a backend
+        # change); the ones we returned may carry public-ip-overwrite: keep the wish.
+        if lease.attrs != self._advertised or self._attrs is None:
+            self._attrs = lease.attrs
+        advertised = self._advertised = self._publish(node, self._attrs)
+        return replace(lease, attrs=advertised)
+
+    # -- watch -------------------------------------------------------------------------------
+
+    def watch_leases(self, on_leases: LeasesCallback, stop: threading.Event) -> None:
+        """List, then watch from the list's resourceVersion, until ``stop`` is set.
+
+        One callback per complete list (all pages: a partial map would make the agent
+        remove routes to peers on later pages) and one per event that changes the
+        lease map. 410 Gone → re-list; connection trouble → back off and resume from
+        the last resourceVersion. Exceptions raised by ``on_leases`` propagate.
+        """
+        config = self._network_config()
+        state = _LeaseMap(self.node_name)
+        backoff = Backoff()
+        with _StreamCloser(stop) as closer:
+            while not stop.is_set():
+                try:
+                    if state.rv is None:
+                        state.replace_all(*self._list(config, stop))
+                        state.deliver(on_leases, always=True)
+                    started = time.monotonic()
+                    events = self._watch(state, config, on_leases, closer, stop)
+                    # A watch that ends at once with nothing in it (a proxy closing it,
+                    # say) must not turn into a tight reconnect loop.
+                    if events or time.monotonic() - started >= 1.0:
+                        backoff.reset()
+                    else:
+                        self._sleep(stop, backoff.next())
+                except RevisionCompacted as e:
+                    log.warning("node list or watch is too old (410 Gone); re-listing error=%s", e)
+                    state.rv = None
+                except StoreError as e:
+                    if stop.is_set():
+                        break
+                    delay = backoff.next()
+                    log.warning(
+                        "node watch failed; retrying after a delay delay=%.1f error=%s",
+                        delay, e,
+                    )  # fmt: skip
+                    self._sleep(stop, delay)
+
+    def _list(self, config: NetworkConfig, stop: threading.Event) -> tuple[dict[str, Lease], str]:
+        """One consistent snapshot of every node's lease, read page by page."""
+        by_node: dict[str, Lease] = {}
+        rv: str | None = None
+        token: str | None = None
+        pages = 0
+        while True:
+            if stop.is_set():
+                raise StoreError("node list interrupted: stopping")
+            doc = self._list_page(token)
+            pages += 1
+            meta = doc.get("metadata") or {}
+            rv = rv or kn.resource_version(doc)
+            for node in doc.get("items") or []:
+                if kn.node_name(node) == self.node_name:  # a watch replays no ADDED for it
+                    self.own_override = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
+                    self.own_override_seen.set()
+                lease = self._lease_of(node, config)
+                if lease is not None:
+                    by_node[kn.node_name(node)] = lease
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        if rv is None:
+            raise StoreUnavailable("kubernetes API list nodes: the answer has no resourceVersion")
+        log.info("nodes listed leases=%d pages=%d resource_version=%s", len(by_node), pages, rv)
+        return by_node, rv
+
+    def _list_page(self, token: str | None) -> dict[str, Any]:
+        return _read_json(
+            "list nodes",
+            lambda: self._api.list_node(
+                limit=self._page_size, _continue=token,
+                _preload_content=False, _request_timeout=self._timeout(),
+            ),
+        )  # fmt: skip
+
+    def _watch(
+        self,
+        state: _LeaseMap,
+        config: NetworkConfig,
+        on_leases: LeasesCallback,
+        closer: _StreamCloser,
+        stop: threading.Event,
+    ) -> int:
+        """One watch request, applied event by event; returns how many events came."""
+        resp: Any = _call(
+            "watch nodes",
+            lambda: self._api.list_node(
+                watch=True, resource_version=state.rv, allow_watch_bookmarks=True,
+                timeout_seconds=self._watch_timeout, _preload_content=False,
+                _request_timeout=(CONNECT_TIMEOUT, self._watch_timeout + WATCH_READ_SLACK),
+            ),
+        )  # fmt: skip
+        closer.attach(resp)
+        count = 0
+        try:
+            for event in self._events(resp, stop):
+                count += 1
+                self._apply(event, state, config)
+                state.deliver(on_leases)
+        finally:
+            closer.detach()
+            resp.close()  # a stream cut short leaves unread data: never reuse it
+            resp.release_conn()
+        return count
+
+    @staticmethod
+    def _events(resp: Any, stop: threading.Event) -> Any:
+        """Decoded watch events; transport failures become StoreUnavailable (raised
+        here, so that exceptions from the caller's loop body pass untouched)."""
+        try:
+            for line in iter_resp_lines(resp):
+                if stop.is_set():
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        except _UNREACHABLE as e:
+            if stop.is_set():
+                return
+            raise StoreUnavailable(f"node watch broke ({e})") from e
+        except ValueError as e:
+            raise StoreUnavailable(f"node watch sent a line that is not JSON ({e})") from e
+
+    def _apply(self, event: Mapping[str, Any], state: _LeaseMap, config: NetworkConfig) -> None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            code = obj.get("code")
+            message = obj.get("message") or obj.get("reason") or "no message"
+            if code == 410:
+                raise RevisionCompacted(f"node watch: {message} (410 Gone)", 0)
+            raise StoreUnavailable(f"node watch error {code}: {message}")
+        if kind in ("ADDED", "MODIFIED"):
+            name = kn.node_name(obj)
+            if name == state.own_node:
+                self.own_override = kn.node_annotations(obj).get(OVERRIDE_ANNOTATION)
+                self.own_override_seen.set()
+            state.put(name, self._lease_of(obj, config))
+        elif kind == "DELETED":
+            name = kn.node_name(obj)
+            state.put(name, None)
+            self._warned.pop(name, None)
+        state.rv = kn.resource_version(obj) or state.rv  # BOOKMARK carries only this
+
+    def _lease_of(self, node: Mapping[str, Any], config: NetworkConfig) -> Lease | None:
+        name = kn.node_name(node)
+        try:
+            lease = kn.node_to_lease(node, self._keys, config)
+        except kn.NotALease as e:
+            if self._warned.get(name) != str(e):
+                self._warned[name] = str(e)
+                log.warning("ignoring a node that is not a usable peer node=%s error=%s", name, e)
+            return None
+        self._warned.pop(name, None)
+        return lease
+
+    def create_node_event(self, reason: str, message: str, kind: str = "Warning") -> None:
+        """A core/v1 Event about our Node (``kubectl describe node`` shows it)."""
+        name = self.node_name
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._clock()))
+        body: Any = {
+            "metadata": {"generateName": f"{name}.flannelpy-", "namespace": "default"},
+            "involvedObject": {"kind": "Node", "name": name, "uid": name, "apiVersion": "v1"},
+            "reason": reason, "message": message, "type": kind,
+            "source": {"component": "flannelpy", "host": name},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }  # fmt: skip
+        resp: Any = _call(  # an urllib3 response: _preload_content=False
+            "create event",
+            lambda: self._api.create_namespaced_event(
+                "default", body, _preload_content=False, _request_timeout=self._timeout()
+            ),
+        )
+        resp.read()  # a response left unread never gives its connection back to the pool
+        resp.release_conn()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _timeout(self) -> tuple[float, float]:
+        return (CONNECT_TIMEOUT, REQUEST_TIMEOUT)
+
+    def _aborted(self) -> bool:
+        return self._closed.is_set() or (self._stop is not None and self._stop.is_set())
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``; raise StoreError at once if stopped or closed."""
+        deadline = time.monotonic() + seconds
+        while not self._aborted():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._sleep(self._closed, min(left, 0.25))
+        raise StoreError("the Kubernetes subnet manager was stopped while waiting")
+
+    def _patiently(self, what: str, fn: Callable[[], Any]) -> dict[str, Any]:
+        """``_read_json`` retrying an unreachable API for up to --startup-timeout seconds."""
+        delay = BACKOFF_FIRST
+        deadline: float | None = None
+        while True:
+            try:
+                return _read_json(what, fn)
+            except StoreUnavailable as e:
+                now = time.monotonic()
+                deadline = deadline or now + self._settings.startup_timeout
+                if now + delay > deadline:
+                    raise
+                log.warning(
+                    "kubernetes API unavailable, retrying request=%s delay=%.1f error=%s",
+                    what, delay, e,
+                )  # fmt: skip
+            self._pause(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._owns_client:
+            self._api_client.close()

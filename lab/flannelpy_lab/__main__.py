@@ -1,0 +1,7 @@
+"""``python -m flannelpy.lab up|status|down ...``."""
+
+import sys
+
+from flannelpy_lab.cli import main
+
+sys.exit(main())

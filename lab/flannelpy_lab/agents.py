@@ -1,0 +1,176 @@
+"""Agents in node namespaces: their command line, start, and readiness.
+
+An agent is ready when it has written a fresh ``subnet.env`` (newer than its
+start: a file left by an earlier run does not count, yet stays in place
+because the agent reuses its subnet). The lab then gives the node its overlay
+address (``topology.ensure_overlay_bridge``).
+
+Per node, the lab state may add flags (``extra["node_agent_args"]``: node ->
+flags, after the lab-wide ``extra["agent_args"]``) and a source tree to run the
+agent from (``extra["node_agent_source"]``: node -> a directory holding
+``flannelpy/``), e.g. two cluster names in one lab, or a previous release on one
+node next to this one. Both take effect at the node's next agent start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from ipaddress import IPv4Interface
+
+import flannelpy
+from flannelpy_lab import procs, topology
+from flannelpy_lab.errors import LabError
+from flannelpy_lab.state import LabState, NodeInfo
+
+READY_TIMEOUT = 60.0  # seconds for an agent to write subnet.env
+REQUIRED_ENV = ("FLANNEL_NETWORK", "FLANNEL_SUBNET", "FLANNEL_MTU")
+NODE_ARGS_KEY = "node_agent_args"  # in LabState.extra: {node: [flag, ...]}
+NODE_SOURCE_KEY = "node_agent_source"  # in LabState.extra: {node: source root}
+
+
+@dataclass(frozen=True)
+class SubnetEnv:
+    network: str
+    subnet: str  # the lease's first address with its prefix, "10.244.3.1/24"
+    mtu: int
+    ipmasq: bool
+
+
+def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
+    """The agent's command line (run inside the node namespace)."""
+    run_dir = os.path.join(node.node_dir, "run")
+    argv = [
+        sys.executable, "-m", "flannelpy", "agent",
+        "--iface", node.underlay_iface,
+        "--node-name", node.name,
+        "--subnet-file", node.subnet_env,
+        "--state-dir", os.path.join(node.node_dir, "state"),
+        "--run-dir", run_dir,
+        "--ip-masq",
+        "--log-level", "info",
+    ]  # fmt: skip
+    kube_api = state.extra.get("kube_api_url")
+    if kube_api:
+        # Kubernetes mode: leases come from Node objects at that API server; the
+        # network config is the ConfigMap's net-conf.json, here a file of the lab.
+        argv += ["--kube-subnet-mgr", "--kube-api-url", kube_api,
+                 "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
+    else:
+        argv += ["--etcd-endpoints", state.etcd_endpoint, "--etcd-prefix", state.etcd_prefix]
+    argv += list(state.extra.get("agent_args", []))
+    return argv + list(state.extra.get(NODE_ARGS_KEY, {}).get(node.name, []))
+
+
+def kube_net_conf_path(state: LabState) -> str:
+    return os.path.join(state.lab_dir, "net-conf.json")
+
+
+def agent_source(state: LabState, node: NodeInfo) -> str | None:
+    """The source root the node's agent runs from; None: this flannelpy."""
+    source: str | None = state.extra.get(NODE_SOURCE_KEY, {}).get(node.name)
+    return source
+
+
+def agent_env(source_root: str | None = None) -> dict[str, str]:
+    """Our environment, plus the directory holding the flannelpy to run (by default this
+    one) first on PYTHONPATH, so ``-m flannelpy`` finds it."""
+    env = dict(os.environ)
+    if source_root is None:
+        source_root = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
+    else:
+        # ``-m`` puts the working directory before PYTHONPATH: a checkout there
+        # would shadow the tree asked for.
+        env["PYTHONSAFEPATH"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def prepare_dirs(node: NodeInfo) -> None:
+    for sub in ("run/flannel", "state"):
+        os.makedirs(os.path.join(node.node_dir, sub), exist_ok=True)
+
+
+def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
+    """Start the node's agent detached; record its pid and start time in ``node``."""
+    prepare_dirs(node)
+    env = agent_env(agent_source(state, node))
+    env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
+    started_at = time.time()
+    with open(node.agent_log, "a", encoding="utf-8") as log:
+        log.write(f"--- lab: agent starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    ref = procs.spawn_detached(
+        topology.exec_argv(node.namespace, agent_argv(state, node)), node.agent_log, env
+    )
+    node.agent_pid, node.agent_start_ticks = ref.pid, ref.start_ticks
+    node.agent_started_at = started_at
+    node.overlay_address = None
+    return ref
+
+
+def agent_ref(node: NodeInfo) -> procs.ProcessRef | None:
+    return procs.ref_of(node.agent_pid, node.agent_start_ticks)
+
+
+def parse_subnet_env(text: str, source: str = "subnet.env") -> SubnetEnv:
+    """Parse Flannel's subnet.env; raise ValueError naming missing or bad keys."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    missing = [k for k in REQUIRED_ENV if k not in values]
+    if missing:
+        raise ValueError(f"{source} lacks {', '.join(missing)}")
+    try:
+        subnet = str(IPv4Interface(values["FLANNEL_SUBNET"]))
+        mtu = int(values["FLANNEL_MTU"])
+    except ValueError as e:
+        raise ValueError(f"{source} has a bad FLANNEL_SUBNET or FLANNEL_MTU: {e}") from e
+    return SubnetEnv(
+        network=values["FLANNEL_NETWORK"],
+        subnet=subnet,
+        mtu=mtu,
+        ipmasq=values.get("FLANNEL_IPMASQ", "false").lower() == "true",
+    )
+
+
+def read_subnet_env(node: NodeInfo, newer_than: float | None = None) -> SubnetEnv | None:
+    """The node's subnet.env, or None if missing, older than ``newer_than`` or half-written."""
+    try:
+        st = os.stat(node.subnet_env)
+        if newer_than is not None and st.st_mtime < newer_than:
+            return None
+        with open(node.subnet_env, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse_subnet_env(text, node.subnet_env)
+    except ValueError:
+        return None
+
+
+def check_ready(node: NodeInfo) -> SubnetEnv | None:
+    """The fresh subnet.env if the agent is ready; raise LabError if the agent has exited."""
+    env = read_subnet_env(node, newer_than=node.agent_started_at)
+    if env is not None:
+        return env
+    if not procs.alive(agent_ref(node)):
+        raise LabError(
+            f"the agent of node {node.name} exited before writing {node.subnet_env}; "
+            f"last lines of {node.agent_log}:\n{procs.log_tail(node.agent_log)}"
+        )
+    return None
+
+
+def not_ready_error(nodes: list[NodeInfo], timeout: float) -> LabError:
+    first = nodes[0]
+    names = ", ".join(n.name for n in nodes)
+    return LabError(
+        f"agents of {names} wrote no subnet.env within {timeout:g} s; "
+        f"last lines of {first.agent_log}:\n{procs.log_tail(first.agent_log)}"
+    )

@@ -1,0 +1,498 @@
+"""The ``Lab`` API: bring a lab up, drive it from tests, tear it down.
+
+``Lab.up`` plans the lab (pure, ``plan.py``), records the plan in state.json
+*before* building anything, then builds step by step, saving state after each
+process it starts. Any failure, Ctrl-C included, tears down whatever was built;
+``down`` works from the recorded state and also sweeps anything left with the
+lab's names, so it succeeds on a half-built lab and a second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from ipaddress import IPv4Interface, IPv4Network
+from typing import Any
+
+from flannelpy.dataplane.netns import netns_path
+from flannelpy.errors import ConfigError
+from flannelpy_lab import agents, etcd, plan, pods, procs, status, topology
+from flannelpy_lab import state as state_io
+from flannelpy_lab.agents import SubnetEnv
+from flannelpy_lab.errors import LabError
+from flannelpy_lab.state import LabState, NodeInfo, PodInfo
+
+Progress = Callable[[str], None]
+UP_STEPS = 7  # the 7th, creating pods, only with --pods-per-node above 0
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def lab_dir(name: str, lab_root: str = plan.LAB_ROOT) -> str:
+    return os.path.join(lab_root, plan.validate_name(name))
+
+
+def list_labs(lab_root: str = plan.LAB_ROOT) -> list[str]:
+    """Names of labs with a directory or a namespace on this host."""
+    names: set[str] = set()
+    if os.path.isdir(lab_root):
+        names.update(d for d in os.listdir(lab_root) if plan.NAME_PATTERN.fullmatch(d))
+    for ns in topology.list_netns():
+        parts = ns.split("-")
+        if len(parts) == 3 and parts[0] == "fpl" and plan.NAME_PATTERN.fullmatch(parts[1]):
+            names.add(parts[1])
+    return sorted(names)
+
+
+def used_networks(lab_root: str) -> list[IPv4Network]:
+    """What a new lab must not overlap: the host's routes and addresses, other labs' segments."""
+    used = topology.host_used_networks()
+    for name in list_labs(lab_root):
+        other = state_io.load(os.path.join(lab_root, name))
+        if other:
+            used.extend(IPv4Network(s.subnet) for s in other.segments)
+    return used
+
+
+def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
+    """Remove the lab ``name``: processes, namespaces, host link and routes, its directory.
+
+    Idempotent; works without a state file by sweeping the lab's names.
+    """
+    directory = lab_dir(name, lab_root)
+    state = None
+    with contextlib.suppress(LabError):  # unreadable state: sweep by name below
+        state = state_io.load(directory)
+    # Agents and anything else inside the lab's namespaces go first, while etcd
+    # still answers (an agent may talk to it on its way out); then etcd.
+    refs = [r for r in (agents.agent_ref(n) for n in state.nodes) if r] if state else []
+    namespaces = set(topology.lab_namespaces(name))
+    if state:
+        namespaces.update(n.namespace for n in state.nodes)
+    for ns in namespaces:
+        refs += _refs(procs.pids_in_netns(netns_path(ns)))
+    procs.stop(set(refs))
+    etcd_refs = _refs(procs.pids_with_files_under(directory))
+    if state and state.etcd_pid:
+        etcd_refs.append(procs.ProcessRef(state.etcd_pid, state.etcd_start_ticks or 0))
+    procs.stop(set(etcd_refs))
+    topology.destroy(state, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    if os.path.exists(directory):
+        raise LabError(f"cannot remove {directory}; remove it by hand")
+
+
+def down_all(lab_root: str = plan.LAB_ROOT) -> list[str]:
+    names = list_labs(lab_root)
+    for name in names:
+        down(name, lab_root)
+    return names
+
+
+def _refs(pids: list[int]) -> list[procs.ProcessRef]:
+    return [r for r in (procs.current_ref(p) for p in pids) if r]
+
+
+class Lab:
+    """A running lab, as recorded in its state file."""
+
+    def __init__(self, state: LabState) -> None:
+        self.state = state
+
+    # -- life cycle -------------------------------------------------------
+
+    @classmethod
+    def up(
+        cls,
+        name: str,
+        nodes: int = 3,
+        backend: str = "vxlan",
+        direct_routing: bool = False,
+        segments: int = 1,
+        network: str = plan.DEFAULT_NETWORK,
+        etcd_prefix: str = plan.DEFAULT_ETCD_PREFIX,
+        *,
+        start_agents: bool = True,
+        overlay_bridge: bool = False,
+        pods_per_node: int = 0,
+        cni_exec: str = "auto",
+        timeout: float = agents.READY_TIMEOUT,
+        progress: Progress | None = None,
+        lab_root: str = plan.LAB_ROOT,
+    ) -> Lab:
+        """Build a lab and wait until every agent is ready; on any failure remove it all."""
+        say = progress or _quiet
+        plan.validate_request(name, nodes, backend, direct_routing, segments, network)
+        say(f"[1/{UP_STEPS}] choosing underlay addresses")
+        state = _claim(
+            name,
+            nodes,
+            backend,
+            direct_routing,
+            segments,
+            network,
+            etcd_prefix,
+            overlay_bridge,
+            lab_root,
+        )
+        lab = cls(state)
+        try:
+            lab._build(start_agents, timeout, say)
+            if start_agents and pods_per_node:
+                lab._add_initial_pods(pods_per_node, cni_exec, say)
+        except BaseException:
+            say("lab up failed; removing what was built")
+            try:
+                down(name, lab_root)
+            except Exception as e:  # keep the original error; report this one beside it
+                say(f"removing lab {name} failed too: {e}")
+            raise
+        return lab
+
+    def _build(self, start_agents: bool, timeout: float, say: Progress) -> None:
+        s = self.state
+        say(
+            f"[2/{UP_STEPS}] building {len(s.nodes)} node namespaces on "
+            f"{len(s.segments)} segment(s)"
+        )
+        for seg in s.segments:
+            topology.build_switch(seg)
+        if s.router_namespace:
+            topology.build_router(s)
+        for node in s.nodes:
+            topology.build_node(s, node)
+        say(f"[3/{UP_STEPS}] attaching the host at {s.host_address} ({s.host_link})")
+        topology.attach_host(s)
+        topology.add_host_routes(s)
+        say(f"[4/{UP_STEPS}] starting etcd at {s.etcd_endpoint}")
+        ref = etcd.start(s)
+        s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
+        self._save()
+        etcd.wait_answering(s, ref)
+        say(f"[5/{UP_STEPS}] writing the network config to {s.etcd_prefix}/config")
+        etcd.put_config(s, plan.net_conf_json(s.network, s.backend, s.direct_routing))
+        if not start_agents:
+            return
+        for node in s.nodes:
+            agents.start(s, node)
+        self._save()
+        self._wait_all_ready(s.nodes, timeout, say)
+
+    def _add_initial_pods(self, per_node: int, cni_exec: str, say: Progress) -> None:
+        form = self.install_cni(cni_exec)
+        total = per_node * len(self.state.nodes)
+        say(f"[7/{UP_STEPS}] creating {total} pods through the CNI executable ({form} build)")
+        for node in self.state.nodes:
+            for _ in range(per_node):
+                self.add_pod(node.name)
+
+    def install_cni(self, form: str = "auto") -> str:
+        """Install the CNI executable and every node's conflist; returns the form installed."""
+        installed = pods.install_executable(self.state, form)
+        for node in self.state.nodes:
+            pods.write_conflist(node)
+        self.state.extra["cni_exec"] = installed
+        self._save()
+        return installed
+
+    def add_pod(
+        self, node: str, name: str | None = None,
+        port_mappings: list[dict[str, Any]] | None = None,
+    ) -> PodInfo:
+        """A new pod on ``node`` through the real CNI executable (ADD of the node's conflist)."""
+        if "cni_exec" not in self.state.extra:
+            self.install_cni()
+        try:
+            return pods.add_pod(self.state, node, name, port_mappings)
+        finally:
+            self._save()
+
+    def delete_pod(self, name: str) -> None:
+        try:
+            pods.delete_pod(self.state, name)
+        finally:
+            self._save()
+
+    @property
+    def pods(self) -> list[PodInfo]:
+        return list(self.state.pods)
+
+    def pod(self, name: str) -> PodInfo:
+        return self.state.pod(name)
+
+    def _wait_all_ready(self, nodes: list[NodeInfo], timeout: float, say: Progress) -> None:
+        pending = list(nodes)
+        deadline = time.monotonic() + timeout
+        total = len(nodes)
+        say(f"[6/{UP_STEPS}] starting agents 0/{total} ready")
+        while pending:
+            for node in list(pending):
+                env = agents.check_ready(node)
+                if env is not None:
+                    self._on_ready(node, env)
+                    pending.remove(node)
+                    say(f"[6/{UP_STEPS}] starting agents {total - len(pending)}/{total} ready")
+            if pending and time.monotonic() > deadline:
+                raise agents.not_ready_error(pending, timeout)
+            if pending:
+                time.sleep(0.1)
+
+    def _on_ready(self, node: NodeInfo, env: SubnetEnv) -> None:
+        if self.state.overlay_bridge:
+            topology.ensure_overlay_bridge(node.namespace, env.subnet, env.mtu)
+        node.overlay_address = env.subnet
+        self._save()
+
+    @classmethod
+    def load(cls, name: str, lab_root: str = plan.LAB_ROOT) -> Lab:
+        state = state_io.load(lab_dir(name, lab_root))
+        if state is None:
+            raise LabError(
+                f"there is no lab {name!r}; start one with `flannelpy lab up --name {name}`"
+            )
+        return cls(state)
+
+    def down(self) -> None:
+        down(self.state.name, os.path.dirname(self.state.lab_dir))
+
+    def _save(self) -> None:
+        state_io.save(self.state)
+
+    # -- inspection -------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.state.name
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return self.state.etcd_endpoint
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        return list(self.state.nodes)
+
+    def node(self, node: str) -> NodeInfo:
+        return self.state.node(node)
+
+    def status(self) -> dict[str, Any]:
+        """The ``lab status --json`` document."""
+        return status.collect(self.state)
+
+    def exec(
+        self, node: str, argv: list[str], check: bool = True, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` inside the node's namespace, capturing text output."""
+        info = self.node(node)
+        proc = topology.run_in(info.namespace, argv, timeout)
+        if check and proc.returncode != 0:
+            raise LabError(
+                f"`{' '.join(argv)}` on node {node} exited with {proc.returncode}: "
+                f"{(proc.stderr or proc.stdout).strip()[-500:]}"
+            )
+        return proc
+
+    def ping(self, src_node: str, dst_node: str, attempts: int = 1) -> bool:
+        """Does ``src_node`` reach ``dst_node`` over the overlay (cni0 address to cni0 address)?"""
+        src, dst = self.node(src_node), self.node(dst_node)
+        a, b = status.overlay_address(src), status.overlay_address(dst)
+        return status.ping(src, _ip(a), _ip(b), attempts)
+
+    def ping_underlay(self, src_node: str, dst_node: str) -> bool:
+        src, dst = self.node(src_node), self.node(dst_node)
+        return status.ping(src, str(src.ip), str(dst.ip))
+
+    # -- agents' store and arguments ---------------------------------------
+
+    def use_kube_api(self, url: str) -> None:
+        """Run the agents in Kubernetes mode against the API server at ``url`` (reachable
+        from the nodes, e.g. on the host's lab address): Node objects hold the podCIDRs, the
+        network config is a file (the ConfigMap's net-conf.json). Agents started from now on
+        use it."""
+        path = agents.kube_net_conf_path(self.state)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(plan.net_conf_json(self.state.network, self.state.backend,
+                                       self.state.direct_routing))
+        self.state.extra["kube_api_url"] = url
+        self._save()
+
+    def set_agent_args(self, args: list[str]) -> None:
+        """Extra flags for every agent started from now on (e.g. a shorter resync)."""
+        self.state.extra["agent_args"] = list(args)
+        self._save()
+
+    def set_node_agent_args(self, node: str, args: list[str]) -> None:
+        """Extra flags for ``node``'s agent alone, after the lab-wide ones (e.g.
+        ``--cluster-name a``), from its next start; ``[]`` drops them."""
+        self.node(node)
+        self.state.extra.setdefault(agents.NODE_ARGS_KEY, {})[node] = list(args)
+        self._save()
+
+    def set_node_agent_source(self, node: str, source_root: str | None) -> None:
+        """Run ``node``'s agent from another source tree, a directory holding
+        ``flannelpy/`` (e.g. a previous release extracted with ``git archive``), from
+        its next start; None: this flannelpy again. The tree is the caller's to remove."""
+        self.node(node)
+        sources = self.state.extra.setdefault(agents.NODE_SOURCE_KEY, {})
+        if source_root is None:
+            sources.pop(node, None)
+        else:
+            root = os.path.abspath(source_root)
+            if not os.path.isfile(os.path.join(root, "flannelpy", "__main__.py")):
+                raise LabError(
+                    f"{root} holds no flannelpy package (no flannelpy/__main__.py); give "
+                    "the directory that contains flannelpy/"
+                )
+            sources[node] = root
+        self._save()
+
+    def start_agents(self, timeout: float = agents.READY_TIMEOUT) -> None:
+        """Start every node's agent and wait until all are ready."""
+        for node in self.state.nodes:
+            agents.start(self.state, node)
+        self._save()
+        self._wait_all_ready(self.state.nodes, timeout, _quiet)
+
+    # -- etcd -------------------------------------------------------------
+
+    def stop_etcd(self) -> None:
+        """Stop the lab's etcd (an outage, for tests); agents keep running."""
+        s = self.state
+        if s.etcd_pid:
+            procs.stop([procs.ProcessRef(s.etcd_pid, s.etcd_start_ticks or 0)])
+        s.etcd_pid = s.etcd_start_ticks = None
+        self._save()
+
+    def start_etcd(self) -> None:
+        """Start the lab's etcd again on the same address and data."""
+        s = self.state
+        ref = etcd.start(s)
+        s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
+        self._save()
+        etcd.wait_answering(s, ref)
+
+    # -- agents -----------------------------------------------------------
+
+    def start_agent(self, node: str) -> NodeInfo:
+        """Start the node's agent (it must not be running); does not wait for it."""
+        info = self.node(node)
+        if procs.alive(agents.agent_ref(info)):
+            raise LabError(f"the agent of node {node} runs already (pid {info.agent_pid})")
+        agents.start(self.state, info)
+        self._save()
+        return info
+
+    def kill_agent(
+        self, node: str, sig: int = signal.SIGTERM, wait: bool = True, timeout: float = 10.0
+    ) -> None:
+        """Send ``sig`` to the node's agent; with ``wait``, until it has exited."""
+        info = self.node(node)
+        ref = agents.agent_ref(info)
+        if ref is None or not procs.signal_process(ref, sig):
+            return
+        if wait and procs.wait_gone([ref], timeout):
+            raise LabError(
+                f"the agent of node {node} (pid {ref.pid}) still runs {timeout:g} s after "
+                f"signal {signal.Signals(sig).name}"
+            )
+
+    def wait_ready(self, node: str, timeout: float = agents.READY_TIMEOUT) -> NodeInfo:
+        """Wait for the node's agent to write a fresh subnet.env; then set its overlay address."""
+        info = self.node(node)
+        deadline = time.monotonic() + timeout
+        while True:
+            env = agents.check_ready(info)
+            if env is not None:
+                self._on_ready(info, env)
+                return info
+            if time.monotonic() > deadline:
+                raise agents.not_ready_error([info], timeout)
+            time.sleep(0.1)
+
+    def recreate_node(
+        self, node: str, new_address: str | None = None, timeout: float = agents.READY_TIMEOUT
+    ) -> NodeInfo:
+        """Re-create a node as a new machine would be: new namespace, new underlay address.
+
+        Keeps the node directory (subnet.env, agent state); restarts the agent
+        and waits for it. ``new_address`` is an address in the node's segment
+        (with or without prefix); by default the next free one from .100.
+        """
+        info = self.node(node)
+        had_agent = info.agent_pid is not None
+        ref = agents.agent_ref(info)
+        if ref:
+            procs.stop([ref])
+        topology.delete_node(self.state, info)
+        info.underlay_address = self._new_address(info, new_address)
+        info.overlay_address = None
+        self._save()
+        topology.build_node(self.state, info)
+        if had_agent:
+            self.start_agent(node)
+            self.wait_ready(node, timeout)
+        return info
+
+    def _new_address(self, info: NodeInfo, wanted: str | None) -> str:
+        subnet = IPv4Network(self.state.segments[info.segment - 1].subnet)
+        if wanted is None:
+            used = [plan.host_number(n) for n in self.state.nodes]
+            return str(plan.address(subnet, plan.next_free_host(used)))
+        iface = IPv4Interface(wanted if "/" in wanted else f"{wanted}/{subnet.prefixlen}")
+        taken = {n.ip for n in self.state.nodes if n.name != info.name}
+        reserved = {subnet.network_address + h for h in (plan.ROUTER_HOST, plan.HOST_HOST)}
+        if (
+            iface.network != subnet
+            or iface.ip in taken | reserved
+            or iface.ip in (subnet.network_address, subnet.broadcast_address)
+        ):
+            raise ConfigError(f"address {wanted} is not a free host address of segment {subnet}")
+        return str(iface)
+
+
+def _ip(address: str | None) -> str | None:
+    return address.split("/")[0] if address else None
+
+
+def _claim(
+    name: str,
+    nodes: int,
+    backend: str,
+    direct_routing: bool,
+    segments: int,
+    network: str,
+    etcd_prefix: str,
+    overlay_bridge: bool,
+    lab_root: str,
+) -> LabState:
+    """Pick free underlay subnets and record the plan, under the lock all labs share."""
+    with state_io.root_lock(lab_root):
+        directory = lab_dir(name, lab_root)
+        leftovers = topology.lab_namespaces(name)
+        if os.path.exists(directory) or leftovers or topology.link_exists(plan.host_link(name)):
+            raise LabError(
+                f"lab {name} exists already (or left pieces behind); "
+                f"run `flannelpy lab down --name {name}` first"
+            )
+        subnets = plan.choose_subnets(used_networks(lab_root), segments)
+        state = plan.plan_lab(
+            name,
+            nodes,
+            backend,
+            direct_routing=direct_routing,
+            segments=segments,
+            network=network,
+            etcd_prefix=etcd_prefix,
+            subnets=subnets,
+            overlay_bridge=overlay_bridge,
+            lab_root=lab_root,
+        )
+        state_io.save(state)
+        return state

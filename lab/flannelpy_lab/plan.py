@@ -1,0 +1,244 @@
+"""Pure planning for a netns lab: names, address plan, segment split, net-conf.
+
+Nothing here touches the host. ``plan_lab`` turns the user's request plus the
+address ranges already in use into a complete :class:`LabState`; the I/O
+modules then build exactly that and record process ids into it.
+
+Address plan, per lab: one /24 per underlay segment, taken from 100.64.0.0/10
+(shared address space, never a real destination for these hosts). In each
+segment node ``nI`` gets host number I, the router .253 and the host's own
+attachment .254 (segment 1 only). Re-created nodes take numbers from 100 up,
+so a new address never collides with a planned one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable
+from ipaddress import IPv4Interface, IPv4Network
+from typing import Any
+
+from flannelpy.errors import ConfigError
+from flannelpy_lab.state import LabState, NodeInfo, SegmentInfo
+
+NAME_PATTERN = re.compile(r"[a-z0-9]{1,6}")
+LAB_SPACE = IPv4Network("100.64.0.0/10")
+SEGMENT_PREFIXLEN = 24
+ROUTER_HOST = 253
+HOST_HOST = 254
+RECREATE_FIRST_HOST = 100
+MAX_NODES = 99
+IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
+BACKENDS = ("vxlan", "host-gw")
+DEFAULT_NETWORK = "10.244.0.0/16"
+DEFAULT_ETCD_PREFIX = "/coreos.com/network"
+LAB_ROOT = "/run/flannelpy-lab"
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+UNDERLAY_IFACE = "eth0"
+SWITCH_BRIDGE = "br0"
+OVERLAY_BRIDGE = "cni0"
+ROUTER_LEGS = ("eth1", "eth2")  # router interface on segment 1, segment 2
+ROUTER_PORT = "rtr"  # the router's port on each switch bridge
+HOST_PORT = "host"  # the host attachment's port on the segment-1 bridge
+
+
+def validate_name(name: str) -> str:
+    if not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"lab name {name!r} is invalid; use 1 to 6 lower-case letters or digits")
+    return name
+
+
+def namespace(lab: str, role: str) -> str:
+    """``fpl-<lab>-<role>``; role is sw1, sw2, rtr or a node name."""
+    return f"fpl-{lab}-{role}"
+
+
+def namespace_prefix(lab: str) -> str:
+    return f"fpl-{lab}-"
+
+
+def host_link(lab: str) -> str:
+    return checked_ifname(f"fpl{lab}h")
+
+
+def checked_ifname(name: str) -> str:
+    if not 0 < len(name.encode()) <= IFNAMSIZ:
+        raise ConfigError(f"interface name {name!r} is longer than {IFNAMSIZ} bytes")
+    return name
+
+
+def node_names(count: int) -> list[str]:
+    return [f"n{i}" for i in range(1, count + 1)]
+
+
+def segment_of(index: int, nodes: int, segments: int) -> int:
+    """Segment (1 or 2) of the node numbered ``index`` (1-based): the first ceil(N/2) on 1."""
+    if segments == 1:
+        return 1
+    return 1 if index <= math.ceil(nodes / 2) else 2
+
+
+def choose_subnets(used: Iterable[IPv4Network], count: int) -> list[IPv4Network]:
+    """The first ``count`` /24s of LAB_SPACE that overlap nothing in ``used``.
+
+    ``used`` holds the host's routes and addresses and other labs' segments;
+    default routes must be left out by the caller (they overlap everything).
+    """
+    taken = [n for n in used if n.prefixlen > 0]
+    chosen: list[IPv4Network] = []
+    for candidate in LAB_SPACE.subnets(new_prefix=SEGMENT_PREFIXLEN):
+        if any(candidate.overlaps(n) for n in taken):
+            continue
+        chosen.append(candidate)
+        if len(chosen) == count:
+            return chosen
+    raise ConfigError(
+        f"no free /{SEGMENT_PREFIXLEN} left in {LAB_SPACE} for the lab's underlay; "
+        "run `flannelpy lab down` on labs you no longer need"
+    )
+
+
+def address(subnet: IPv4Network, host: int) -> IPv4Interface:
+    return IPv4Interface(f"{subnet.network_address + host}/{subnet.prefixlen}")
+
+
+def next_free_host(used_hosts: Iterable[int]) -> int:
+    """Host number for a re-created node: the lowest free one from RECREATE_FIRST_HOST."""
+    used = set(used_hosts)
+    for host in range(RECREATE_FIRST_HOST, ROUTER_HOST):
+        if host not in used:
+            return host
+    raise ConfigError("no free underlay address left in the segment; re-create fewer nodes")
+
+
+def pinned_mac(lab: str, role: str) -> str:
+    """A stable locally administered unicast MAC for a bridge (see design.md, trap 1)."""
+    digest = hashlib.sha256(f"{lab}/{role}".encode()).digest()
+    octets = [0x02, *digest[:5]]
+    return ":".join(f"{o:02x}" for o in octets)
+
+
+def net_conf(network: str, backend: str, direct_routing: bool) -> dict[str, Any]:
+    """Flannel's net-conf.json for the lab."""
+    backend_doc: dict[str, Any] = {"Type": backend}
+    if direct_routing:
+        backend_doc["DirectRouting"] = True
+    return {"Network": network, "Backend": backend_doc}
+
+
+def net_conf_json(network: str, backend: str, direct_routing: bool) -> str:
+    return json.dumps(net_conf(network, backend, direct_routing), separators=(",", ":"))
+
+
+def validate_request(
+    name: str, nodes: int, backend: str, direct_routing: bool, segments: int, network: str
+) -> None:
+    validate_name(name)
+    if not 1 <= nodes <= MAX_NODES:
+        raise ConfigError(f"--nodes {nodes} is out of range; use 1 to {MAX_NODES}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if direct_routing and backend != "vxlan":
+        raise ConfigError("--direct-routing needs --backend vxlan")
+    if segments not in (1, 2):
+        raise ConfigError(f"--segments {segments} is invalid; use 1 or 2")
+    if segments == 2 and nodes < 2:
+        raise ConfigError("--segments 2 needs at least 2 nodes")
+    try:
+        net = IPv4Network(network)
+    except ValueError as e:
+        raise ConfigError(f"--network {network!r} is not an IPv4 CIDR such as 10.244.0.0/16") from e
+    if net.overlaps(LAB_SPACE):
+        raise ConfigError(
+            f"--network {network} overlaps the lab underlay {LAB_SPACE}; pick another"
+        )
+
+
+def plan_lab(
+    name: str,
+    nodes: int,
+    backend: str,
+    *,
+    direct_routing: bool,
+    segments: int,
+    network: str,
+    etcd_prefix: str,
+    subnets: list[IPv4Network],
+    overlay_bridge: bool,
+    lab_root: str = LAB_ROOT,
+) -> LabState:
+    """The full description of a lab before anything is built."""
+    validate_request(name, nodes, backend, direct_routing, segments, network)
+    if len(subnets) != segments:
+        raise ValueError("one subnet per segment is needed")
+    lab_dir = f"{lab_root}/{name}"
+    segs = [
+        SegmentInfo(
+            index=i,
+            subnet=str(subnet),
+            switch_namespace=namespace(name, f"sw{i}"),
+            bridge_mac=pinned_mac(name, f"sw{i}"),
+            router_address=str(address(subnet, ROUTER_HOST)) if segments == 2 else None,
+        )
+        for i, subnet in enumerate(subnets, start=1)
+    ]
+    node_list = []
+    for i, node in enumerate(node_names(nodes), start=1):
+        seg = segment_of(i, nodes, segments)
+        node_dir = f"{lab_dir}/nodes/{node}"
+        node_list.append(
+            NodeInfo(
+                name=node,
+                namespace=namespace(name, node),
+                segment=seg,
+                underlay_iface=UNDERLAY_IFACE,
+                underlay_address=str(address(subnets[seg - 1], i)),
+                switch_port=checked_ifname(node),
+                node_dir=node_dir,
+                subnet_env=f"{node_dir}/run/flannel/subnet.env",
+                agent_log=f"{node_dir}/agent.log",
+            )
+        )
+    host_ip = address(subnets[0], HOST_HOST)
+    host_routes = []
+    if segments == 2:
+        host_routes.append(
+            {"dst": str(subnets[1]), "via": str(address(subnets[0], ROUTER_HOST).ip)}
+        )
+    return LabState(
+        name=name,
+        backend=backend,
+        direct_routing=direct_routing,
+        network=network,
+        etcd_prefix=etcd_prefix.rstrip("/") or "/",
+        lab_dir=lab_dir,
+        segments=segs,
+        router_namespace=namespace(name, "rtr") if segments == 2 else None,
+        host_link=host_link(name),
+        host_address=str(host_ip),
+        host_routes=host_routes,
+        etcd_endpoint=f"http://{host_ip.ip}:{ETCD_CLIENT_PORT}",
+        etcd_data_dir=f"{lab_dir}/etcd",
+        etcd_log=f"{lab_dir}/etcd.log",
+        overlay_bridge=overlay_bridge,
+        nodes=node_list,
+    )
+
+
+def other_segment_route(state: LabState, node: NodeInfo) -> tuple[str, str] | None:
+    """(destination, gateway) a node needs to reach the other segment, if there is one."""
+    if len(state.segments) < 2:
+        return None
+    own = state.segments[node.segment - 1]
+    other = state.segments[2 - node.segment]
+    assert own.router_address is not None
+    return other.subnet, str(IPv4Interface(own.router_address).ip)
+
+
+def host_number(node: NodeInfo) -> int:
+    iface = IPv4Interface(node.underlay_address)
+    return int(iface.ip) - int(iface.network.network_address)

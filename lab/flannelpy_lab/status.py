@@ -1,0 +1,214 @@
+"""``lab status``: leases, per-node backend and overlay address, and a ping matrix.
+
+Collecting does I/O (etcd, ping in namespaces); rendering is pure and works
+on the JSON document, which is also what ``--json`` prints and what
+``Lab.status()`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from flannelpy_lab import agents, etcd, pods, procs, topology
+from flannelpy_lab.state import LabState, NodeInfo
+
+PING_WORKERS = 32
+
+
+def ping(node: NodeInfo, source: str | None, target: str | None, attempts: int = 1) -> bool:
+    """One-packet ping from ``source`` (an address on ``node``) to ``target``, in its namespace."""
+    if not source or not target:
+        return False
+    for _ in range(attempts):
+        argv = ["ping", "-c", "1", "-W", "1", "-I", source, target]
+        if topology.run_in(node.namespace, argv, timeout=10).returncode == 0:
+            return True
+    return False
+
+
+def overlay_address(node: NodeInfo) -> str | None:
+    """The node's overlay address: FLANNEL_SUBNET's address from its subnet.env."""
+    env = agents.read_subnet_env(node)
+    return env.subnet if env else None
+
+
+def matrix(
+    nodes: list[NodeInfo], overlay: dict[str, str | None], attempts: int = 2
+) -> dict[str, dict[str, bool]]:
+    """All ordered pairs pinged in parallel: result[a][b] is True when a reaches b."""
+    pairs = [(a, b) for a in nodes for b in nodes if a.name != b.name]
+
+    def probe(pair: tuple[NodeInfo, NodeInfo]) -> bool:
+        a, b = pair
+        src, dst = overlay[a.name], overlay[b.name]
+        return ping(
+            a, src.split("/")[0] if src else None, dst.split("/")[0] if dst else None, attempts
+        )
+
+    with ThreadPoolExecutor(max_workers=max(1, min(PING_WORKERS, len(pairs)))) as pool:
+        results = list(pool.map(probe, pairs))
+    out: dict[str, dict[str, bool]] = {n.name: {} for n in nodes}
+    for (a, b), ok in zip(pairs, results, strict=True):
+        out[a.name][b.name] = ok
+    return out
+
+
+def collect(state: LabState) -> dict[str, Any]:
+    """The status document (see module doc); never raises for an unreachable etcd."""
+    etcd_error = None
+    if state.extra.get("kube_api_url"):
+        leases = leases_from_agents(state)  # Kubernetes mode: Node objects, not etcd
+    else:
+        try:
+            leases = etcd.read_leases(state.etcd_endpoint, state.etcd_prefix)
+        except Exception as e:  # pyetcd's errors share no base worth naming; report any
+            leases, etcd_error = [], f"etcd at {state.etcd_endpoint} did not answer: {e}"
+    overlay = {n.name: overlay_address(n) for n in state.nodes}
+    nodes = []
+    for node in state.nodes:
+        lease = lease_of(node, leases)
+        nodes.append(
+            {
+                "name": node.name,
+                "namespace": node.namespace,
+                "underlay_iface": node.underlay_iface,
+                "underlay_address": node.underlay_address,
+                "lease": lease["subnet"] if lease else None,
+                "backend": lease["backend"] if lease else None,
+                "overlay_address": overlay[node.name],
+                "segment": node.segment,
+                "agent_pid": node.agent_pid,
+                "agent_running": procs.alive(agents.agent_ref(node)),
+                # What a container runtime on this node would use: point any CNI tool here.
+                "conflist": node.conflist,
+                "cni_path": state.cni_path,
+                "cni_socket": node.cni_socket,
+                "pods": [
+                    {"name": p.name, "namespace": p.namespace, "address": p.address,
+                     "container_id": p.container_id}
+                    for p in state.pods if p.node == node.name
+                ],
+            }
+        )
+    reach = matrix(state.nodes, overlay)
+    pod_reach = pods.pod_matrix(state.pods)
+    return {
+        "name": state.name,
+        "backend": state.backend,
+        "direct_routing": state.direct_routing,
+        "network": state.network,
+        "etcd_endpoint": state.etcd_endpoint,
+        "etcd_error": etcd_error,
+        "nodes": nodes,
+        "matrix": reach,
+        "pod_matrix": pod_reach,
+        "cni_exec": state.extra.get("cni_exec"),
+        "leases": leases,
+        "ok": all_reach(reach) and all_reach(pod_reach),
+    }
+
+
+def leases_from_agents(state: LabState) -> list[dict[str, Any]]:
+    """Each agent's own lease as it reports it in <run dir>/status.json."""
+    leases = []
+    for node in state.nodes:
+        try:
+            with open(os.path.join(node.run_dir, "status.json"), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if doc.get("lease"):
+            leases.append({"key": doc["lease"], "subnet": doc["lease"],
+                           "public_ip": doc.get("public_ip"), "backend": doc.get("backend"),
+                           "node_name": doc.get("node"), "error": None})
+    return leases
+
+
+def lease_of(node: NodeInfo, leases: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The node's lease: by public IP (Flannel's identity of a node), else by node name."""
+    for lease in leases:
+        if lease["public_ip"] == str(node.ip):
+            return lease
+    for lease in leases:
+        if lease["node_name"] == node.name:
+            return lease
+    return None
+
+
+def all_reach(reach: dict[str, dict[str, bool]]) -> bool:
+    return all(ok for row in reach.values() for ok in row.values())
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """Human-readable status: nodes, leases, the reachability matrix and a verdict."""
+    mode = doc["backend"] + (" (DirectRouting)" if doc.get("direct_routing") else "")
+    network, endpoint = doc.get("network"), doc.get("etcd_endpoint")
+    lines = [f"lab {doc['name']}: {mode}, network {network}, etcd {endpoint}"]
+    if doc.get("etcd_error"):
+        lines.append(f"warning: {doc['etcd_error']}")
+    rows = [["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "AGENT"]]
+    for n in doc["nodes"]:
+        rows.append(
+            [
+                n["name"],
+                n["namespace"],
+                str(n["segment"]),
+                f"{n['underlay_iface']} {n['underlay_address']}",
+                n["lease"] or "-",
+                n["backend"] or "-",
+                n["overlay_address"] or "-",
+                (f"pid {n['agent_pid']}" if n.get("agent_running") else "down"),
+            ]
+        )
+    lines += ["", *_table(rows)]
+    rows = [["SUBNET", "PUBLIC IP", "BACKEND", "NODE NAME"]]
+    for lease in doc["leases"]:
+        rows.append(
+            [
+                lease["subnet"] or lease["key"],
+                lease["public_ip"] or "-",
+                lease["backend"] or "-",
+                lease["node_name"] or "-",
+            ]
+        )
+    lines += ["", f"leases in etcd: {len(doc['leases'])}", *_table(rows)]
+    lines += ["", "reachability over the overlay (ping from row to column):"]
+    lines += render_matrix(doc["matrix"])
+    pairs = [ok for row in doc["matrix"].values() for ok in row.values()]
+    failed = pairs.count(False)
+    verdict = (
+        f"all {len(pairs)} node pairs reach each other"
+        if not failed
+        else f"{failed} of {len(pairs)} node pairs do not reach"
+    )
+    lines += ["", verdict]
+    pod_reach = doc.get("pod_matrix") or {}
+    if pod_reach:
+        rows = [["POD", "NODE", "ADDRESS", "NAMESPACE"]]
+        for n in doc["nodes"]:
+            for p in n.get("pods", []):
+                rows.append([p["name"], n["name"], p["address"] or "-", p["namespace"]])
+        lines += ["", f"pods ({doc.get('cni_exec') or '?'} CNI executable):", *_table(rows)]
+        lines += ["", "pod-to-pod reachability (ping from row to column):"]
+        lines += render_matrix(pod_reach)
+        pairs = [ok for row in pod_reach.values() for ok in row.values()]
+        failed = pairs.count(False)
+        lines += ["", f"all {len(pairs)} pod pairs reach each other" if not failed
+                  else f"{failed} of {len(pairs)} pod pairs do not reach"]
+    return "\n".join(lines)
+
+
+def render_matrix(reach: dict[str, dict[str, bool]]) -> list[str]:
+    names = list(reach)
+    rows = [["", *names]]
+    for a in names:
+        rows.append([a, *("." if a == b else ("ok" if reach[a].get(b) else "--") for b in names)])
+    return _table(rows)

@@ -1,0 +1,134 @@
+"""Helpers for end-to-end tests on the netns lab.
+
+``running_lab`` brings a lab up under a unique name and always tears it down;
+``host_snapshot`` + ``lab_residue`` check that teardown left nothing of a lab
+on the host (other tests may run at the same time, so only entries that carry
+the lab's names count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from ipaddress import IPv4Interface
+from typing import Any, TypeVar
+
+from flannelpy_lab import Lab
+
+T = TypeVar("T")
+
+
+def unique_lab_name(prefix: str = "t") -> str:
+    """A lab name (``[a-z0-9]{1,6}``) unlikely to clash with a parallel run."""
+    return (prefix + secrets.token_hex(3))[:6]
+
+
+@contextmanager
+def running_lab(nodes: int = 3, backend: str = "vxlan", **kwargs: Any) -> Iterator[Lab]:
+    """``Lab.up(...)`` under a unique name (or ``name=``); ``down`` on exit, whatever happens.
+
+    ``Lab.up`` removes a lab it could not finish itself, so only a lab that
+    came up needs the ``finally``.
+    """
+    name = kwargs.pop("name", None) or unique_lab_name()
+    lab = Lab.up(name, nodes, backend, **kwargs)
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@contextmanager
+def running_kube_lab(nodes: int = 3) -> Iterator[tuple[Lab, Any]]:
+    """A vxlan lab in Kubernetes mode against the API-server stand-in (one Node per lab
+    node, podCIDR 10.244.<i>.0/24), agents ready and one pod per node; down on exit."""
+    from tests.support.kube_standin import KubeStandin
+
+    with running_lab(nodes, "vxlan", start_agents=False) as lab:
+        host_ip = str(IPv4Interface(lab.state.host_address).ip)
+        with KubeStandin(host=host_ip) as api:
+            for i, node in enumerate(lab.nodes, start=1):
+                api.add_node(node.name, pod_cidr=f"10.244.{i}.0/24")
+            lab.use_kube_api(api.url)
+            lab.start_agents()
+            lab.install_cni()
+            for node in lab.nodes:
+                lab.add_pod(node.name)
+            yield lab, api
+
+
+def wait_until(
+    probe: Callable[[], T], timeout: float = 30.0, interval: float = 0.2, what: str = "condition"
+) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s (last: {value!r})")
+        time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """What a lab may add to the host: namespaces, links, routes, processes."""
+
+    namespaces: frozenset[str]
+    links: frozenset[str]
+    routes: frozenset[str]
+    processes: frozenset[str]  # "pid cmdline" of live processes
+
+
+def _ip_json(*args: str) -> list[dict[str, Any]]:
+    out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=True).stdout
+    return list(json.loads(out or "[]"))
+
+
+def _live_processes() -> frozenset[str]:
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        found.add(f"{pid} {cmdline}")
+    return frozenset(found)
+
+
+def host_snapshot() -> HostSnapshot:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return HostSnapshot(
+        namespaces=frozenset(line.split()[0] for line in netns.stdout.splitlines() if line),
+        links=frozenset(link["ifname"] for link in _ip_json("link", "show")),
+        routes=frozenset(
+            json.dumps(r, sort_keys=True) for r in _ip_json("-4", "route", "show", "table", "all")
+        ),
+        processes=_live_processes(),
+    )
+
+
+def lab_markers(name: str) -> tuple[str, ...]:
+    """Strings that only the lab ``name`` puts into names, routes and command lines."""
+    return (f"fpl-{name}-", f"fpl{name}h", f"/flannelpy-lab/{name}/", f"fpl-{name}=")
+
+
+def lab_residue(before: HostSnapshot, after: HostSnapshot, name: str) -> list[str]:
+    """Entries new since ``before`` that belong to the lab ``name`` (empty after a clean down)."""
+    markers = lab_markers(name)
+    residue = []
+    for kind in ("namespaces", "links", "routes", "processes"):
+        new = getattr(after, kind) - getattr(before, kind)
+        residue += [f"{kind}: {item}" for item in sorted(new) if any(m in item for m in markers)]
+    return residue
