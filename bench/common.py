@@ -16,7 +16,8 @@ from ipaddress import IPv4Address, IPv4Network
 
 from flannelpy_lab import etcd as lab_etcd
 
-from flannelpy.subnet.lease import LeaseAttrs, subnet_to_key
+from flannelpy.subnet.keys import subnet_to_key, subnets_prefix
+from flannelpy.subnet.lease import LeaseAttrs
 
 ETCD_TXN_OPS = 128  # etcd's default --max-txn-ops
 FAKE_PUBLIC_BASE = IPv4Address("172.16.0.1")  # fake peers' underlay addresses (never sent to)
@@ -102,10 +103,6 @@ def fake_peers(count: int, subnets: Iterable[IPv4Network], first_index: int = 0)
     if len(peers) < count:
         raise ValueError(f"only {len(peers)} subnets for {count} fake peers")
     return peers
-
-
-def subnets_prefix(prefix: str) -> str:
-    return f"{prefix.rstrip('/')}/subnets/"
 
 
 def put_peers(endpoint: str, prefix: str, peers: Sequence[FakePeer]) -> None:

@@ -35,12 +35,13 @@ from contextlib import contextmanager
 from ipaddress import IPv4Address, IPv4Network
 
 from bench.common import median, percentile, table
+from flannelpy.dataplane.linkstats import NetlinkLinkStats
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.dataplane.state import Changes
 from flannelpy.ipam.manager import NodeIpam
 from flannelpy.observe.health import HealthServer
-from flannelpy.observe.metrics import AgentMetrics, NetlinkLinkStats
+from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 GOAL_SECONDS = 0.020

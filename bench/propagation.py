@@ -43,12 +43,12 @@ from bench.common import (
     fake_peers,
     parse_route_events,
     route_event_socket,
-    subnets_prefix,
     summary,
     table,
 )
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
+from flannelpy.subnet.keys import subnets_prefix
 
 GOAL_P99 = 0.5  # seconds
 WAIT_TIMEOUT = 10.0  # seconds for a route to reach every node before we call it missing

@@ -3,15 +3,12 @@
 Every error carries one sentence that names what is wrong and what to fix; the
 CLI prints ``str(error)`` and exits with ``exit_code``. Adapters chain the
 library error underneath (``raise ... from e``) so logs keep the cause.
+This module is a leaf: it imports nothing of flannelpy, so every layer may use it
+(an error that carries a layer's own types, e.g. ``ipam.errors.IpamExhausted``,
+lives in that layer).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from flannelpy.ipam.allocator import Accounting
 
 
 class FlannelpyError(Exception):
@@ -62,17 +59,3 @@ class DataplaneError(FlannelpyError):
 
 class InterfaceNotFound(DataplaneError):
     """No interface matches what --iface / --iface-regex / --public-ip ask for."""
-
-
-class IpamExhausted(FlannelpyError):
-    """No allocatable lease of this node has an address outside cooldown.
-
-    ``accounting`` holds the per-lease numbers the message was built from, so
-    callers (CNI error details, metrics) never re-derive them.
-    """
-
-    exit_code = 6
-
-    def __init__(self, message: str, accounting: Sequence[Accounting] = ()) -> None:
-        super().__init__(message)
-        self.accounting: list[Accounting] = list(accounting)

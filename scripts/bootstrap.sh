@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containernetworking-plugins
               procps psmisc python3-venv podman runc busybox-static ethtool
+              nftables  # nft: the tuning/portmap chain test reads the nat table with it
               prometheus)  # prometheus: promtool validates manifests/prometheusrule.yaml
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

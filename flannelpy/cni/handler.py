@@ -55,8 +55,9 @@ from flannelpy.dataplane.podnet import (
     gateway_of,
     host_veth_name,
 )
-from flannelpy.errors import ConfigError, DataplaneError, IpamExhausted, StoreError
+from flannelpy.errors import ConfigError, DataplaneError, StoreError
 from flannelpy.ipam import Allocation, NodeIpam
+from flannelpy.ipam.errors import IpamExhausted
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Address, IPv4Interface
 from typing import Any
+
+from flannelpy.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +106,8 @@ class RecordStore:
     def write(self, record: Record) -> None:
         """Durably store ``record`` (replacing any earlier one for its key)."""
         final = self.path(*record.key)
-        folder = os.path.dirname(final)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        tmp = f"{final}.tmp.{os.getpid()}.{threading.get_ident()}"
         data = json.dumps(record.to_doc(), sort_keys=True).encode()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        _fsync_dir(folder)
+        atomic_write(final, data, mode=0o600, dir_mode=0o700)
 
     def read(self, network: str, container_id: str, ifname: str) -> Record | None:
         """The record, or None when there is none or it is unreadable (logged)."""
@@ -173,11 +160,3 @@ def _unlink(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

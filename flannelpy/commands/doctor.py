@@ -1,73 +1,28 @@
 """``flannelpy doctor``: gather a node's facts, diagnose them, print one line per finding.
 
-This is the I/O half of :mod:`flannelpy.ops.doctor`: it reads the store (etcd
-with the agent's ``--etcd-*`` flags, or the Kubernetes API with
-``--kube-subnet-mgr``), the kernel (netlink, in the node's network namespace),
-iptables, ``<run dir>/status.json`` and the drop counters of the previous run,
-and writes this run's counters back for the next one.
+It takes the agent's flags (and FLANNELD_* variables), so it finds what the agent uses;
+the facts come from :mod:`flannelpy.doctor.gather`, the findings from
+:mod:`flannelpy.doctor.checks`. It looks at the network namespace it runs in. In the netns
+lab, ``flannelpy-lab run NAME --node n1 -- flannelpy doctor`` runs it inside node n1
+with n1's agent's settings.
 
-``--lab NAME --node n1`` takes every setting from the lab's agent command line
-for that node, and reads the kernel inside the node's namespace: netlink from
-a thread that entered it, iptables through ``ip netns exec``.
-
-Heavy imports (etcd, netlink, the lab) happen in :func:`run`, not when the
+The store clients and netlink are imported when the command runs, not when the
 ``flannelpy`` parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from ipaddress import IPv4Address
-from typing import Any, TypeVar
+from typing import Any
 
-from flannelpy.config.settings import AgentSettings, add_agent_arguments, settings_from_args
-from flannelpy.doctor.checks import (
-    BRIDGE,
-    LinkCounters,
-    LinkInfo,
-    NodeFacts,
-    diagnose,
-    exit_code,
-    own_lease,
-    parse_snapshot,
-    render_json,
-    render_text,
-    snapshot_json,
-)
-from flannelpy.errors import (
-    ConfigError,
-    DataplaneError,
-    FlannelpyError,
-    StoreError,
-    StoreUnavailable,
-)
-from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.manager import SubnetManager
-
-T = TypeVar("T")
-
-STATUS_FILE = "status.json"
-SNAPSHOT_FILE = "doctor-last.json"
-STORE_TIMEOUT = 3.0  # seconds per etcd request: the doctor is run by a person waiting
-STORE_SNAPSHOT_TIMEOUT = 15.0  # seconds for the first lease list in Kubernetes mode
-FIREWALL_CHAINS = (
-    ("nat", "POSTROUTING"),
-    ("nat", "FLANNEL-POSTRTG"),
-    ("filter", "FORWARD"),
-    ("filter", "FLANNEL-FWD"),
-)
+from flannelpy.config.settings import add_agent_arguments
 
 
-def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``doctor``: it takes the agent's flags, so it finds what the agent uses."""
-    doctor = subparsers.add_parser(
+    doctor: argparse.ArgumentParser = subparsers.add_parser(
         "doctor",
         help="check this node's overlay: links, MTUs, routes, rules, lease, drops, peers",
         description="Check this node against what the agent should have made of it: links "
@@ -77,293 +32,32 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(or the same FLANNELD_* variables).",
     )
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
-    doctor.add_argument(
-        "--lab", metavar="NAME", help="diagnose a node of the netns lab NAME (with --node)"
-    )
-    doctor.add_argument("--node", metavar="NODE", help="the lab node to diagnose, e.g. n1")
     add_agent_arguments(doctor)
-    doctor.set_defaults(func=run)
+    doctor.set_defaults(run=run)
     return doctor
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where to look: the agent's settings and the network namespace of the node."""
-
-    settings: AgentSettings
-    netns: str | None = None  # None: the namespace we run in
-
-
 def run(args: argparse.Namespace) -> int:
+    from flannelpy.config.settings import settings_from_args
+    from flannelpy.doctor.checks import diagnose, snapshot_json
+    from flannelpy.doctor.gather import SNAPSHOT_FILE, gather, save_snapshot
+    from flannelpy.doctor.report import exit_code, render_json, render_text
+    from flannelpy.errors import FlannelpyError
+
     try:
-        target = resolve_target(args, os.environ)
-        facts = gather(target)
+        settings = settings_from_args(args, os.environ)
+        facts = gather(settings)
     except FlannelpyError as e:
         print(f"flannelpy doctor: {e}", file=sys.stderr)
         return e.exit_code
     findings = diagnose(facts)
     if facts.kernel_error is None:  # keep the old baseline rather than record nothing
-        save_snapshot(target.settings.run_dir, snapshot_json(facts))
-    node = target.settings.node_name or "this node"
+        try:
+            save_snapshot(settings.run_dir, snapshot_json(facts))
+        except OSError as e:
+            path = os.path.join(settings.run_dir, SNAPSHOT_FILE)
+            print(f"flannelpy doctor: cannot save drop counters to {path}: {e}",
+                  file=sys.stderr)  # fmt: skip
+    node = settings.node_name or "this node"
     sys.stdout.write(render_json(node, findings) if args.json else render_text(node, findings))
     return exit_code(findings)
-
-
-def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> Target:
-    if bool(args.lab) != bool(args.node):
-        raise ConfigError("--lab and --node go together; give both or neither")
-    if args.lab:
-        return lab_target(args.lab, args.node)
-    return Target(settings_from_args(args, environ))
-
-
-def lab_target(lab_name: str, node_name: str) -> Target:
-    """The settings of the lab node's agent, parsed from the command line the lab runs."""
-    from flannelpy_lab.agents import agent_argv
-    from flannelpy_lab.lab import Lab
-
-    lab = Lab.load(lab_name)
-    node = lab.node(node_name)
-    argv = agent_argv(lab.state, node)
-    parser = argparse.ArgumentParser(add_help=False)
-    add_agent_arguments(parser)
-    parsed, _ = parser.parse_known_args(argv[argv.index("agent") + 1 :])
-    settings = settings_from_args(parsed, {"NODE_NAME": node.name})
-    return Target(settings, node.namespace)
-
-
-# --- gathering ------------------------------------------------------------------------------
-
-
-def gather(target: Target, clock: Callable[[], float] = time.time) -> NodeFacts:
-    """Every fact diagnose() needs. Failures become ``*_error`` fields, never exceptions,
-    so that one broken source still leaves a report on the others."""
-    settings = target.settings
-    facts = NodeFacts(settings=settings, now=clock())
-    facts = replace(facts, **_agent_files(settings.run_dir))
-    with _Store(settings) as store:
-        facts = replace(facts, **store.read())
-        facts = replace(facts, **_in_netns(target.netns, _kernel_facts, settings, facts))
-        facts = replace(facts, **_firewall_facts(target.netns))
-        if facts.underlay is not None:
-            own = own_lease(facts, settings.public_ip or facts.underlay.ip)
-            if own is not None and own.store_lease_id is not None:
-                facts = replace(facts, own_lease_ttl=store.ttl(own.store_lease_id))
-    return facts
-
-
-class _Store:
-    """The lease store, read-only: etcd (the agent's --etcd-* flags) or, with
-    --kube-subnet-mgr, the Kubernetes API. Errors end up in ``store_error``."""
-
-    def __init__(self, settings: AgentSettings) -> None:
-        self.settings = settings
-        self.store: Any = None  # the EtcdStore, for lease time-to-live
-        self.manager: Any = None
-
-    def __enter__(self) -> _Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.manager is not None:
-            self.manager.close()
-        if self.store is not None:
-            self.store.close()
-
-    def read(self) -> dict[str, Any]:
-        try:
-            if self.settings.kube_subnet_mgr:
-                from flannelpy.subnet.kube.manager import KubeSubnetManager
-
-                self.manager = KubeSubnetManager(self.settings)
-                config = self.manager.get_network_config()
-                leases = first_snapshot(self.manager, STORE_SNAPSHOT_TIMEOUT)
-            else:
-                from flannelpy.subnet.etcd.client import EtcdSubnetManager, connect_etcd
-
-                self.store = connect_etcd(self.settings, timeout=STORE_TIMEOUT)
-                self.manager = EtcdSubnetManager(self.store, self.settings)
-                config = self.manager.get_network_config()
-                leases, _ = self.manager.list_leases()
-                from flannelpy.subnet.etcd.pools import PoolStore
-
-                pools = PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
-                return {
-                    "config": config, "leases": tuple(leases.values()),
-                    "pool_networks": tuple(p.network for p in pools if not p.primary),
-                }  # fmt: skip
-        except FlannelpyError as e:
-            return {"store_error": str(e)}
-        return {"config": config, "leases": tuple(leases.values())}
-
-    def ttl(self, lease_id: int) -> float | None:
-        """Seconds left on an etcd lease; None when unknown."""
-        if self.store is None:
-            return None
-
-        def op(client: Any) -> int:
-            return int(client.get_lease_info(lease_id).TTL)
-
-        try:
-            # EtcdStore has no public time-to-live call; its _call gives us failover
-            # and the same error mapping as every other request.
-            ttl = self.store._call(f"lease time-to-live {lease_id:x}", op)
-        except StoreError:
-            return None
-        return float(max(ttl, 0))
-
-
-def first_snapshot(manager: SubnetManager, timeout: float) -> Mapping[str, Lease]:
-    """Every lease, from the first callback of ``watch_leases`` (all a manager promises)."""
-    leases: dict[str, Lease] = {}
-    got = threading.Event()
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def on_leases(snapshot: Mapping[str, Lease], _revision: int) -> None:
-        if not got.is_set():
-            leases.update(snapshot)
-            got.set()
-        stop.set()
-
-    def watch() -> None:
-        try:
-            manager.watch_leases(on_leases, stop)
-        except BaseException as e:  # handed to the caller
-            failure.append(e)
-            got.set()
-
-    thread = threading.Thread(target=watch, name="doctor-leases", daemon=True)
-    thread.start()
-    got.wait(timeout)
-    stop.set()
-    thread.join(timeout)
-    if failure:
-        raise failure[0]
-    if not leases and not got.is_set():
-        raise StoreUnavailable(
-            f"no lease list from the store within {timeout:g} s; check that it is reachable"
-        )
-    return leases
-
-
-def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:
-    """Links, our routes/neighbours/FDB, foreign routes and the underlay, in one namespace."""
-    from flannelpy.backend.vxlan import device_name
-    from flannelpy.config.netconf import BackendConfig
-    from flannelpy.dataplane.netlink import NetlinkKernel
-
-    kernel = NetlinkKernel()
-    vni = (facts.config.backend if facts.config else BackendConfig()).vni
-    device = device_name(vni)
-    try:
-        links = read_links()
-        observed = kernel.observe([device], [device])
-        foreign = kernel.survey({device, BRIDGE})
-        vtep_mac = kernel.link_mac(device)
-    except (DataplaneError, OSError) as e:
-        return {"kernel_error": str(e)}
-    found: dict[str, Any] = {
-        "links": tuple(links),
-        "observed": observed,
-        "foreign": tuple(foreign),
-        "vtep_mac": vtep_mac,
-    }
-    try:
-        can_reach = IPv4Address(settings.iface_can_reach) if settings.iface_can_reach else None
-        found["underlay"] = kernel.find_underlay(
-            settings.iface, settings.iface_regex, can_reach, settings.public_ip
-        )
-    except DataplaneError as e:
-        found["underlay_error"] = str(e)
-    return found
-
-
-def read_links() -> list[LinkInfo]:
-    """Every link with its MTU, state, master and drop/error counters (``ip -d -s link``)."""
-    from flannelpy.dataplane import nlbatch as nl
-
-    with nl.NetlinkSocket(strict=True) as sock:
-        rows = nl.dump_links(sock)
-        stats = {row.name: row for row in nl.dump_link_stats(sock)}  # names are unique
-    names = {row.index: row.name for row in rows}
-    links = []
-    for row in rows:
-        st = stats.get(row.name)
-        counters = LinkCounters()
-        master = None
-        if st is not None:
-            counters = LinkCounters(
-                st.stats.rx_dropped, st.stats.tx_dropped, st.stats.rx_errors, st.stats.tx_errors
-            )
-            master = names.get(st.master)
-        links.append(
-            LinkInfo(
-                row.name, row.kind, row.mtu, bool(row.flags & nl.IFF_UP), master, counters,
-                carrier=bool(row.flags & nl.IFF_LOWER_UP),
-            )
-        )
-    return links
-
-
-def _firewall_facts(netns: str | None) -> dict[str, Any]:
-    from flannelpy.dataplane.firewall import IptablesFirewall
-
-    prefix = ("ip", "netns", "exec", netns) if netns else ()
-    firewall = IptablesFirewall(command_prefix=prefix)
-    try:
-        chains = {
-            f"{table}/{chain}": tuple(firewall.list_rules(table, chain))
-            for table, chain in FIREWALL_CHAINS
-        }
-        random_fully = firewall.random_fully
-    except DataplaneError as e:
-        return {"firewall_error": str(e)}
-    return {"chains": chains, "random_fully": random_fully}
-
-
-def _agent_files(run_dir: str) -> dict[str, Any]:
-    """The agent's status.json and our previous counters, both in the run dir."""
-    found: dict[str, Any] = {}
-    path = os.path.join(run_dir, STATUS_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        found["status_mtime"] = os.stat(path).st_mtime
-        if isinstance(doc, dict):
-            found["status"] = doc
-        else:
-            found["status_error"] = f"{path} holds no JSON object"
-    except FileNotFoundError:
-        found["status_error"] = (
-            f"{path} does not exist (the agent is not running, or uses another --run-dir)"
-        )
-    except (OSError, ValueError) as e:
-        found["status_error"] = f"{path} cannot be read: {e}"
-    try:
-        with open(os.path.join(run_dir, SNAPSHOT_FILE), encoding="utf-8") as f:
-            found["previous"] = parse_snapshot(f.read())
-    except OSError:
-        pass  # first run: no baseline yet
-    return found
-
-
-def save_snapshot(run_dir: str, text: str) -> None:
-    """Write this run's counters for the next run (atomically); a failure only warns."""
-    path = os.path.join(run_dir, SNAPSHOT_FILE)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        print(f"flannelpy doctor: cannot save drop counters to {path}: {e}", file=sys.stderr)
-
-
-def _in_netns(netns: str | None, fn: Callable[..., T], *args: Any) -> T:
-    if netns is None:
-        return fn(*args)
-    from flannelpy.dataplane.netns import run_in_netns
-
-    return run_in_netns(netns, fn, *args)

@@ -1,14 +1,15 @@
 """``flannelpy policy show | set``: read and change the disruption policy in etcd.
 
 The policy is the ``DisruptionPolicy`` key of net-conf.json at ``<prefix>/config``
-(see :mod:`flannelpy.ops.policy`). ``set`` rewrites that one key and nothing else,
+(see :mod:`flannelpy.control.policy`). ``set`` rewrites that one key and nothing else,
 with a compare-and-swap so an edit made meanwhile by someone else is never lost.
 ``show`` adds what the agents report: changes blocked on each node (their
 ``nodes/<node>/status``) and the last changes forced past the policy (``events/``).
+The reads and writes are :mod:`flannelpy.control.policy_store`; this module parses
+the arguments and prints.
 
-The store is found as the agent finds it (``--etcd-*`` flags or ``FLANNELD_ETCD_*``),
-or from a netns lab with ``--lab NAME``. In Kubernetes mode the policy lives in the
-ConfigMap's net-conf.json; edit it there.
+The store is found as the agent finds it (``--etcd-*`` flags or ``FLANNELD_ETCD_*``).
+In Kubernetes mode the policy lives in the ConfigMap's net-conf.json; edit it there.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,25 +27,18 @@ from flannelpy.control.policy import (
     MODES,
     DisruptionPolicy,
     Mode,
-    WindowState,
-    decide,
     format_policy,
-    parse_policy,
     policy_to_doc,
     window_from_flags,
     window_state,
-    with_policy,
 )
-from flannelpy.control.records import events_prefix, node_of_key, nodes_prefix
-from flannelpy.errors import ConfigError, FlannelpyError, StoreError
-from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.control.policy_store import FORCED_SHOWN, PolicyReport, gather, set_policy
+from flannelpy.errors import ConfigError, FlannelpyError
 
 KUBE_REFUSAL = (
     "flannelpy policy talks to etcd only, and FLANNELD_KUBE_SUBNET_MGR selects "
     "Kubernetes mode; edit DisruptionPolicy in the ConfigMap's net-conf.json instead"
 )
-WRITE_ATTEMPTS = 5  # compare-and-swap rounds before giving up on a busy config key
-FORCED_SHOWN = 10  # forced-change records `show` lists, newest last
 
 _KUBE_NOTE = (
     "Talks to etcd only: in Kubernetes mode (--kube-subnet-mgr) the policy is the "
@@ -59,7 +52,7 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-def add_policy_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``policy show`` and ``policy set``."""
     policy = subparsers.add_parser(
         "policy",
@@ -102,7 +95,7 @@ def add_policy_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--utc-offset=-05:30 (default: UTC)",
     )
     add_store_arguments(set_)
-    policy.set_defaults(func=run)
+    policy.set_defaults(run=run)
     return policy
 
 
@@ -159,148 +152,6 @@ def _mode(text: str) -> Mode:
         if mode.lower() == text.strip().lower():
             return mode
     raise ConfigError(f"{text!r} is not a policy mode; use one of {', '.join(MODES)}")
-
-
-# --- reading and writing the store ----------------------------------------------------
-
-
-def _config_key(prefix: str) -> str:
-    from flannelpy.subnet.etcd.client import config_key
-
-    return config_key(prefix)
-
-
-def _read_config(store: Store, prefix: str) -> KeyValue:
-    key = _config_key(prefix)
-    kv = store.get(key)
-    if kv is None:
-        raise ConfigError(
-            f"network config not found in etcd at {key}; write net-conf.json there first "
-            f"(etcdctl put {key} '{{\"Network\": ...}}'), or check --etcd-prefix"
-        )
-    return kv
-
-
-def set_policy(store: Store, prefix: str, policy: DisruptionPolicy) -> str:
-    """Write ``policy`` into the config key, retrying when someone else wrote it
-    meanwhile (their edit is re-read, never overwritten). Returns the key."""
-    key = _config_key(prefix)
-    for _ in range(WRITE_ATTEMPTS):
-        kv = _read_config(store, prefix)
-        try:
-            text = with_policy(kv.value, policy)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (in etcd key {key}; nothing was written)") from e
-        if store.put_if_mod_revision(key, text.encode(), kv.mod_revision, kv.lease_id):
-            return key
-    raise StoreError(
-        f"the network config at {key} changed {WRITE_ATTEMPTS} times while the policy was "
-        "being written; run the command again"
-    )
-
-
-@dataclass(frozen=True)
-class NodeReport:
-    node: str
-    blocked: Mapping[str, Any] | None  # the status "Blocked" object, as the agent wrote it
-    error: str | None = None  # the status could not be read
-
-
-@dataclass(frozen=True)
-class ForcedRecord:
-    key: str
-    node: str
-    change: str
-    reason: str
-    by: str
-    at: str
-
-
-@dataclass(frozen=True)
-class PolicyReport:
-    config_key: str
-    policy: DisruptionPolicy
-    now: datetime
-    state: WindowState | None  # the window's, whatever the mode (None: no window)
-    nodes: tuple[NodeReport, ...]
-    forced: tuple[ForcedRecord, ...]  # the newest FORCED_SHOWN, oldest first
-    forced_total: int
-
-    @property
-    def allowed_now(self) -> bool:
-        return decide(self.policy, self.now, "any").allowed
-
-
-def gather(store: Store, prefix: str, now: datetime) -> PolicyReport:
-    key = _config_key(prefix)
-    kv = _read_config(store, prefix)
-    try:
-        doc = json.loads(kv.value)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"net-conf.json at {key} is not valid JSON ({e}); fix it") from e
-    if not isinstance(doc, dict):
-        raise ConfigError(f"net-conf.json at {key} is not a JSON object; fix it")
-    try:
-        policy = parse_policy(doc)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (read from etcd key {key})") from e
-    state = window_state(policy.window, now) if policy.window else None
-    statuses, _ = store.get_prefix(nodes_prefix(prefix))
-    nodes = []
-    for item in statuses:
-        where = node_of_key(prefix, item.key)
-        if where is not None and where[1] == "status":
-            nodes.append(_node_report(where[0], item.value))
-    events, _ = store.get_prefix(events_prefix(prefix))
-    forced = sorted((_forced(item) for item in events), key=_event_order)
-    return PolicyReport(
-        config_key=key,
-        policy=policy,
-        now=now,
-        state=state,
-        nodes=tuple(sorted(nodes, key=lambda n: n.node)),
-        forced=tuple(forced[-FORCED_SHOWN:]),
-        forced_total=len(forced),
-    )
-
-
-def _node_report(node: str, value: bytes) -> NodeReport:
-    # Only "Blocked" matters here; a status an older or newer agent shaped differently
-    # must not hide it, so this reads the one key instead of the whole record.
-    try:
-        doc = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
-        return NodeReport(node, None, "its status is not valid JSON")
-    if not isinstance(doc, dict):
-        return NodeReport(node, None, "its status is not a JSON object")
-    blocked = doc.get("Blocked")
-    if blocked is not None and not isinstance(blocked, dict):
-        return NodeReport(node, None, 'its status "Blocked" is not a JSON object')
-    return NodeReport(node, blocked)
-
-
-def _forced(item: KeyValue) -> ForcedRecord:
-    try:
-        doc = json.loads(item.value)
-    except (ValueError, UnicodeDecodeError):
-        doc = None
-    if not isinstance(doc, dict):
-        doc = {"Change": "(unreadable record)"}
-    name = item.key.rsplit("/", 1)[-1]
-    return ForcedRecord(
-        key=item.key,
-        node=str(doc.get("Node") or name.partition("-")[2]),
-        change=str(doc.get("Change", "")),
-        reason=str(doc.get("Reason", "")),
-        by=str(doc.get("By", "")),
-        at=str(doc.get("At", "")),
-    )
-
-
-def _event_order(record: ForcedRecord) -> tuple[int, str]:
-    # Keys are "<unix-ns>-<node>": order by the number, not the text.
-    stamp = record.key.rsplit("/", 1)[-1].partition("-")[0]
-    return (int(stamp) if stamp.isdigit() else 0, record.key)
 
 
 # --- rendering ------------------------------------------------------------------------

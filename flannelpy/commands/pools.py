@@ -1,10 +1,11 @@
 """``flannelpy pools``: list, add, tag, untag and remove address pools in etcd.
 
 The semantics (field-notes §3) live in :mod:`flannelpy.subnet.pools`, the keys
-in :mod:`flannelpy.subnet.pool_store`; this module parses the command line,
-connects with the agent's ``--etcd-*`` flags (or ``--lab NAME``), and prints.
+in :mod:`flannelpy.subnet.etcd.pools`; this module parses the command line,
+connects with the agent's ``--etcd-*`` flags (or FLANNELD_ETCD_* variables), and
+prints.
 
-Heavy imports (etcd, the lab) happen in :func:`run`, not when the ``flannelpy``
+Heavy imports (the etcd client) happen in :func:`run`, not when the ``flannelpy``
 parser is built.
 """
 
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from flannelpy.commands.store import connected, store_parent, store_settings
-from flannelpy.config.settings import AgentSettings
+from flannelpy.config.settings import AgentSettings, check_cluster_name
 from flannelpy.errors import FlannelpyError
 from flannelpy.subnet.pools import (
     ROLE_EXCLUDED,
@@ -27,7 +28,6 @@ from flannelpy.subnet.pools import (
     ROLE_OPT_IN,
     PoolCapacity,
     capacity,
-    check_cluster_name,
     eligibility,
     leasable_range,
     parse_pool_cidr,
@@ -54,7 +54,7 @@ DESCRIPTION = (
 )
 
 
-def add_pools_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pools = subparsers.add_parser(
         "pools",
         help="list and manage address pools (etcd mode only)",
@@ -98,7 +98,7 @@ def add_pools_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"{ROLE_KEY}={ROLE_OPT_IN}, or one that still holds leases",
     )  # fmt: skip
     remove.add_argument("cidr", metavar="CIDR")
-    pools.set_defaults(func=run)
+    pools.set_defaults(run=run)
     return pools
 
 

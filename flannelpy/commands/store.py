@@ -2,8 +2,8 @@
 
 They take the agent's own ``--etcd-*`` flags — same names, same FLANNELD_*
 variables, same checks — so a command finds the store exactly as the agent on
-the node does; or ``--lab NAME`` for the netns lab's etcd. All three are
-etcd-mode tools: with FLANNELD_KUBE_SUBNET_MGR set they refuse, each saying
+the node does (the netns lab hands its etcd over in those variables). All three
+are etcd-mode tools: with FLANNELD_KUBE_SUBNET_MGR set they refuse, each saying
 what to do in Kubernetes mode instead.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from flannelpy.config.settings import AgentSettings, add_agent_arguments, settings_from_args
@@ -26,7 +26,7 @@ STORE_FLAGS = tuple(f.name for f in fields(AgentSettings) if f.name.startswith("
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """The agent's ``--etcd-*`` flags and ``--lab`` on ``parser``."""
+    """The agent's ``--etcd-*`` flags on ``parser``."""
     agent = argparse.ArgumentParser(add_help=False)
     add_agent_arguments(agent)
     group = parser.add_argument_group(
@@ -35,9 +35,6 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     for action in agent._actions:
         if action.dest in STORE_FLAGS:
             group._add_action(action)
-    group.add_argument(
-        "--lab", metavar="NAME", help="use the etcd (endpoint and prefix) of the netns lab NAME"
-    )
 
 
 def store_parent() -> argparse.ArgumentParser:
@@ -50,21 +47,12 @@ def store_parent() -> argparse.ArgumentParser:
 def store_settings(
     args: argparse.Namespace, environ: Mapping[str, str], kube_refusal: str
 ) -> AgentSettings:
-    """The etcd to talk to: the lab's with ``--lab``, else the agent's flags and env.
-    ``kube_refusal`` is the sentence for FLANNELD_KUBE_SUBNET_MGR (Kubernetes mode)."""
+    """The etcd to talk to, from the agent's flags and env. ``kube_refusal`` is the
+    sentence for FLANNELD_KUBE_SUBNET_MGR (Kubernetes mode)."""
     settings = settings_from_args(args, environ)
     if settings.kube_subnet_mgr:
         raise ConfigError(kube_refusal)
-    if not getattr(args, "lab", None):
-        return settings
-    given = [f"--{name.replace('_', '-')}" for name in STORE_FLAGS
-             if getattr(args, name, None) is not None]  # fmt: skip
-    if given:
-        raise ConfigError(f"--lab brings its own etcd; leave out {', '.join(given)}")
-    from flannelpy_lab.lab import Lab
-
-    state = Lab.load(args.lab).state
-    return replace(settings, etcd_endpoints=(state.etcd_endpoint,), etcd_prefix=state.etcd_prefix)
+    return settings
 
 
 @contextmanager

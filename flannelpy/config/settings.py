@@ -320,10 +320,19 @@ def _positive(unit: str) -> Callable[[Any, str], Any]:
     return check
 
 
-def _check_cluster_name(value: str, source: str) -> str:
-    from flannelpy.subnet.pools import check_cluster_name
+# A cluster name as a Kubernetes label value: it often is one.
+_CLUSTER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
-    return check_cluster_name(value, source)
+
+def check_cluster_name(name: str, source: str = "--cluster-name") -> str:
+    """``name`` if it can be a cluster scope; raises ConfigError. Pool tags
+    (``flannelpy.subnet.pools``) check their cluster names with it too."""
+    if not _CLUSTER_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source} {name!r} is not a cluster name; use 1-63 letters, digits, '-', '_' "
+            "or '.', starting and ending with a letter or digit"
+        )
+    return name
 
 
 def _check_log_format(value: str, source: str) -> str:
@@ -398,7 +407,7 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "healthz_port": _in_range(0, 65535, "(0 turns the server off)"),
     "resync_interval": _positive("seconds"),
     "probe_interval": _in_range(0.2, 3600, "seconds"),
-    "cluster_name": _check_cluster_name,
+    "cluster_name": check_cluster_name,
     "status_publish_interval": _in_range(1, 3600, "seconds"),
     "startup_timeout": _positive("seconds"),
     "subnet_lease_ttl": _positive("seconds"),

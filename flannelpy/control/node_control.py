@@ -3,7 +3,8 @@
 Inputs, followed live: the network config, this node's override and the rollout
 record (an override written by a rollout is trusted only while that rollout is
 active). Outputs: this node's status record and records of forced changes. See
-:mod:`flannelpy.ops.node_records` for the formats.
+:mod:`flannelpy.control.records` for the formats
+and :mod:`flannelpy.subnet.keys` for the keys.
 
 etcd mode follows exactly three keys and the pools prefix, each with its own
 watch: watching the whole ``flannelpy/`` prefix would deliver every node's status
@@ -21,20 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flannelpy.control.records import (
-    ForceRecord,
-    NodeOverride,
-    NodeStatus,
-    events_prefix,
+from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
+from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.retry import Backoff
+from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.subnet.keys import (
+    config_key,
+    event_key,
     override_key,
+    pools_prefix,
     rollout_key,
     status_key,
 )
-from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
-from flannelpy.retry import Backoff
-from flannelpy.subnet.etcd.client import config_key
-from flannelpy.subnet.etcd.kv import KeyValue, Store
-from flannelpy.subnet.etcd.pools import pools_prefix
 
 if TYPE_CHECKING:
     from flannelpy.subnet.kube.manager import KubeSubnetManager
@@ -206,7 +205,7 @@ class EtcdNodeControl:
         self._store.put(status_key(self._prefix, self._node), status.to_json().encode())
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
-        key = f"{events_prefix(self._prefix)}{time.time_ns()}-{node}"
+        key = event_key(self._prefix, time.time_ns(), node)
         doc = {"Node": node, "Change": change, "Reason": force.reason, "By": force.by,
                "At": force.at}  # fmt: skip
         self._store.put(key, json.dumps(doc, separators=(",", ":")).encode())

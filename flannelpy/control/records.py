@@ -1,6 +1,7 @@
 """What agents and operators' tools tell each other through the store (etcd mode).
 
-Three records under ``<prefix>/flannelpy/``, all JSON that Flannel never reads:
+Three records under ``<prefix>/flannelpy/`` (keys: :mod:`flannelpy.subnet.keys`), all
+JSON that Flannel never reads:
 
 - ``nodes/<node>/override``: a node's wanted Backend, written by ``rollout`` or by
   hand. It wins over the config's Backend for that node only.
@@ -22,39 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flannelpy.config.netconf import BackendConfig
-
-
-def _root(prefix: str) -> str:
-    return prefix.rstrip("/") + "/flannelpy/"
-
-
-def nodes_prefix(prefix: str) -> str:
-    return _root(prefix) + "nodes/"
-
-
-def override_key(prefix: str, node: str) -> str:
-    return f"{nodes_prefix(prefix)}{node}/override"
-
-
-def status_key(prefix: str, node: str) -> str:
-    return f"{nodes_prefix(prefix)}{node}/status"
-
-
-def rollout_key(prefix: str) -> str:
-    return _root(prefix) + "rollout"
-
-
-def events_prefix(prefix: str) -> str:
-    return _root(prefix) + "events/"
-
-
-def node_of_key(prefix: str, key: str) -> tuple[str, str] | None:
-    """``(node, "override"|"status")`` for a key under ``nodes/``, else None."""
-    rest = key[len(nodes_prefix(prefix)) :] if key.startswith(nodes_prefix(prefix)) else None
-    if rest is None or rest.count("/") != 1:
-        return None
-    node, kind = rest.split("/")
-    return (node, kind) if node and kind in ("override", "status") else None
 
 
 def _decode(raw: str | bytes, what: str) -> dict[str, Any]:

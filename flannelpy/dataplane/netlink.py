@@ -22,18 +22,17 @@ import asyncio
 import errno
 import logging
 import os
-import re
 import select
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from flannelpy.dataplane import nlbatch as nl
+from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.state import (
     ROUTE_PROTOCOL,
@@ -46,7 +45,8 @@ from flannelpy.dataplane.state import (
     UnderlayInterface,
     VxlanLink,
 )
-from flannelpy.errors import DataplaneError, InterfaceNotFound
+from flannelpy.dataplane.underlay import Interface, choose_underlay
+from flannelpy.errors import DataplaneError
 
 log = logging.getLogger(__name__)
 
@@ -60,140 +60,10 @@ _GONE_ON_DELETE = {errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EADDRNOTAVAIL}
 # --- pure helpers ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Interface:
-    """What the underlay choice needs to know about one interface."""
-
-    name: str
-    index: int
-    mtu: int
-    addresses: tuple[IPv4Interface, ...]  # IPv4 only, kernel order (primary first)
-
-
 def _reason(error: int, message: str = "") -> str:
     name = errno.errorcode.get(error, str(error))
     text = message or os.strerror(error)
     return f"{text} ({name})"
-
-
-def _underlay(
-    iface: Interface, ip: IPv4Address, public_ip: IPv4Address | None
-) -> UnderlayInterface:
-    networks = tuple(dict.fromkeys(a.network for a in iface.addresses))
-    return UnderlayInterface(
-        name=iface.name, index=iface.index, ip=ip, networks=networks, mtu=iface.mtu
-    )
-
-
-def _names(interfaces: Sequence[Interface]) -> str:
-    return ", ".join(i.name for i in interfaces) or "no interfaces"
-
-
-def _match_explicit(
-    spec: str, interfaces: Sequence[Interface]
-) -> tuple[Interface, IPv4Address] | str:
-    """An ``--iface`` value (a name or an IPv4 address) → (interface, its IP), or why not."""
-    try:
-        wanted: IPv4Address | None = IPv4Address(spec)
-    except ValueError:
-        wanted = None
-    for iface in interfaces:
-        if wanted is not None:
-            if any(a.ip == wanted for a in iface.addresses):
-                return iface, wanted
-        elif iface.name == spec:
-            if not iface.addresses:
-                return f"{spec} has no IPv4 address"
-            return iface, iface.addresses[0].ip
-    # A missing name needs no explanation: the error lists the names there are.
-    return f"no interface has address {spec}" if wanted else ""
-
-
-def _match_regex(
-    pattern: str, interfaces: Sequence[Interface]
-) -> tuple[Interface, IPv4Address] | None:
-    """Flannel's order: the regex is tried against every IPv4 address, then every name."""
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise InterfaceNotFound(
-            f"--iface-regex {pattern!r} is not a valid regular expression: {e}"
-        ) from e
-    for iface in interfaces:
-        for addr in iface.addresses:
-            if regex.search(str(addr.ip)):
-                return iface, addr.ip
-    for iface in interfaces:
-        if iface.addresses and regex.search(iface.name):
-            return iface, iface.addresses[0].ip
-    return None
-
-
-def choose_underlay(
-    interfaces: Sequence[Interface],
-    ifaces: Sequence[str] = (),
-    iface_regexes: Sequence[str] = (),
-    can_reach: IPv4Address | None = None,
-    reach_route: tuple[int, IPv4Address | None] | None = None,
-    default_oif: int | None = None,
-    public_ip: IPv4Address | None = None,
-) -> UnderlayInterface:
-    """Flannel's interface choice, without I/O.
-
-    ``reach_route`` is the kernel's (oif, preferred source) towards ``can_reach``;
-    ``default_oif`` the device of the first default route. When --iface or
-    --iface-regex are given and none matches, that is an error: falling back to
-    the default route would silently put the overlay on the wrong network.
-    """
-    if ifaces or iface_regexes:
-        return _choose_explicit(interfaces, ifaces, iface_regexes, public_ip)
-    by_index = {i.index: i for i in interfaces}
-    if can_reach is not None:
-        if reach_route is None or reach_route[0] not in by_index:
-            raise InterfaceNotFound(
-                f"no route to --iface-can-reach {can_reach} leaves through an interface;"
-                f" the node has {_names(interfaces)}"
-            )
-        iface = by_index[reach_route[0]]
-        ip = reach_route[1] or (iface.addresses[0].ip if iface.addresses else None)
-        if ip is None:
-            raise InterfaceNotFound(
-                f"{iface.name}, the interface towards {can_reach}, has no IPv4 address"
-            )
-        return _underlay(iface, ip, public_ip)
-    if default_oif is None or default_oif not in by_index:
-        raise InterfaceNotFound(
-            "there is no IPv4 default route to choose the interface from;"
-            f" pass --iface or --iface-regex (the node has {_names(interfaces)})"
-        )
-    iface = by_index[default_oif]
-    if not iface.addresses:
-        raise InterfaceNotFound(f"{iface.name}, the default route's interface, has no IPv4 address")
-    return _underlay(iface, iface.addresses[0].ip, public_ip)
-
-
-def _choose_explicit(
-    interfaces: Sequence[Interface],
-    ifaces: Sequence[str],
-    iface_regexes: Sequence[str],
-    public_ip: IPv4Address | None,
-) -> UnderlayInterface:
-    reasons: list[str] = []
-    for spec in ifaces:
-        found = _match_explicit(spec, interfaces)
-        if isinstance(found, str):
-            reasons += [found] if found else []
-            continue
-        return _underlay(found[0], found[1], public_ip)
-    for pattern in iface_regexes:
-        match = _match_regex(pattern, interfaces)
-        if match is not None:
-            return _underlay(match[0], match[1], public_ip)
-    asked = [f"--iface {s}" for s in ifaces] + [f"--iface-regex {p}" for p in iface_regexes]
-    why = f" ({'; '.join(reasons)})" if reasons else ""
-    raise InterfaceNotFound(
-        f"no interface matches {' or '.join(asked)}{why}; the node has {_names(interfaces)}"
-    )
 
 
 OWN_LINK_PREFIX = "flannel"  # flannel.<VNI> and flannel-v6.<VNI>: the devices we own
@@ -216,22 +86,22 @@ def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
 
 
 def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: int) -> str | None:
-    if msg_type in (nl.RTM_NEWLINK, nl.RTM_DELLINK):
-        name = nl.decode_link(buf, offset, length).name
+    if msg_type in (rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK):
+        name = rtnl.decode_link(buf, offset, length).name
         return "link" if name.startswith(OWN_LINK_PREFIX) else None
-    if msg_type == nl.RTM_DELADDR:
-        return "address" if buf[offset + nl.HDR.size] == nl.AF_INET else None
-    if msg_type == nl.RTM_DELROUTE:
-        row = nl.decode_route(buf, offset, length)
-        ours = row is not None and row.protocol == protocol and row.table == nl.RT_TABLE_MAIN
+    if msg_type == rtnl.RTM_DELADDR:
+        return "address" if buf[offset + rtnl.HDR.size] == rtnl.AF_INET else None
+    if msg_type == rtnl.RTM_DELROUTE:
+        row = rtnl.decode_route(buf, offset, length)
+        ours = row is not None and row.protocol == protocol and row.table == rtnl.RT_TABLE_MAIN
         return "route" if ours else None
-    if msg_type == nl.RTM_DELNEIGH:
-        row_n = nl.decode_neigh(buf, offset, length)
-        if row_n.family == nl.AF_BRIDGE:
+    if msg_type == rtnl.RTM_DELNEIGH:
+        row_n = rtnl.decode_neigh(buf, offset, length)
+        if row_n.family == rtnl.AF_BRIDGE:
             return "fdb" if row_n.dst is not None else None
         # An administrative delete reports NUD_FAILED whatever the entry was, so
         # only deletions of live dynamic entries (ARP cache expiry) are dropped.
-        if row_n.family == nl.AF_INET and not row_n.state & nl.NUD_DYNAMIC:
+        if row_n.family == rtnl.AF_INET and not row_n.state & rtnl.NUD_DYNAMIC:
             return "neighbour"
     return None
 
@@ -289,7 +159,7 @@ class NetlinkKernel:
                 (
                     r.oif
                     for r in nl.dump_routes(sock)
-                    if r.dst_len == 0 and r.oif and r.route_type == nl.RTN_UNICAST
+                    if r.dst_len == 0 and r.oif and r.route_type == rtnl.RTN_UNICAST
                 ),
                 None,
             )
@@ -342,7 +212,7 @@ class NetlinkKernel:
                     dst=IPv4Network((int(r.dst), r.dst_len), strict=False),
                     gateway=r.gateway or NO_GATEWAY,
                     ifname=names.get(r.oif, ""),
-                    onlink=bool(r.flags & nl.RTNH_F_ONLINK),
+                    onlink=bool(r.flags & rtnl.RTNH_F_ONLINK),
                 )
                 for r in nl.dump_routes(sock, protocol=self.protocol)
             ]
@@ -393,7 +263,9 @@ class NetlinkKernel:
         return ApplyResult(applied=applied, failures=tuple(run.failures))
 
     def watch(self, on_event: Callable[[str], None], stop: threading.Event) -> None:
-        groups = nl.RTMGRP_LINK | nl.RTMGRP_NEIGH | nl.RTMGRP_IPV4_IFADDR | nl.RTMGRP_IPV4_ROUTE
+        groups = (
+            rtnl.RTMGRP_LINK | rtnl.RTMGRP_NEIGH | rtnl.RTMGRP_IPV4_IFADDR | rtnl.RTMGRP_IPV4_ROUTE
+        )
         with nl.NetlinkSocket(groups=groups, rcvbuf=self.watch_buffer) as sock:
             while not stop.is_set():
                 ready, _, _ = select.select([sock], [], [], WATCH_POLL_SECONDS)
@@ -513,7 +385,7 @@ class _Batch:
             return
         delete = key.endswith("_to_delete")
         verb = "delete" if delete else "set"
-        requests: list[nl.Request] = []
+        requests: list[rtnl.Request] = []
         sent: list[Route | Neighbour | FdbEntry] = []
         for entry in entries:
             ifindex = self.index.get(entry.ifname)
@@ -571,21 +443,21 @@ def _in_helper_thread(fn: Callable[[Changes], ApplyResult], arg: Changes) -> App
     return result[0]
 
 
-def _vxlan_link(row: nl.LinkRow, names: dict[int, str]) -> VxlanLink:
+def _vxlan_link(row: rtnl.LinkRow, names: dict[int, str]) -> VxlanLink:
     v = row.vxlan
-    vni = nl.U32.unpack(v[nl.IFLA_VXLAN_ID])[0] if nl.IFLA_VXLAN_ID in v else 0
-    under = nl.U32.unpack(v[nl.IFLA_VXLAN_LINK])[0] if nl.IFLA_VXLAN_LINK in v else 0
-    port = nl.BE16.unpack(v[nl.IFLA_VXLAN_PORT])[0] if nl.IFLA_VXLAN_PORT in v else 0
-    learning = v.get(nl.IFLA_VXLAN_LEARNING, b"\0")
+    vni = rtnl.U32.unpack(v[rtnl.IFLA_VXLAN_ID])[0] if rtnl.IFLA_VXLAN_ID in v else 0
+    under = rtnl.U32.unpack(v[rtnl.IFLA_VXLAN_LINK])[0] if rtnl.IFLA_VXLAN_LINK in v else 0
+    port = rtnl.BE16.unpack(v[rtnl.IFLA_VXLAN_PORT])[0] if rtnl.IFLA_VXLAN_PORT in v else 0
+    learning = v.get(rtnl.IFLA_VXLAN_LEARNING, b"\0")
     return VxlanLink(
         name=row.name,
         vni=vni,
-        local_ip=nl.ipv4(v.get(nl.IFLA_VXLAN_LOCAL)) or IPv4Address(0),
+        local_ip=rtnl.ipv4(v.get(rtnl.IFLA_VXLAN_LOCAL)) or IPv4Address(0),
         underlay=names.get(under, ""),
         port=port,
         mtu=row.mtu,
         mac=row.mac,
-        gbp=nl.IFLA_VXLAN_GBP in v,
+        gbp=rtnl.IFLA_VXLAN_GBP in v,
         learning=bool(learning[0]),
     )
 
@@ -593,24 +465,24 @@ def _vxlan_link(row: nl.LinkRow, names: dict[int, str]) -> VxlanLink:
 def _permanent_neighbours(sock: nl.NetlinkSocket, ifindex: int, dev: str) -> list[Neighbour]:
     return [
         Neighbour(dev, r.dst, r.lladdr)
-        for r in nl.dump_neighbours(sock, nl.AF_INET, ifindex)
-        if r.state & nl.NUD_PERMANENT and r.dst is not None and r.lladdr is not None
+        for r in nl.dump_neighbours(sock, rtnl.AF_INET, ifindex)
+        if r.state & rtnl.NUD_PERMANENT and r.dst is not None and r.lladdr is not None
     ]
 
 
 def _permanent_fdb(sock: nl.NetlinkSocket, ifindex: int, dev: str) -> list[FdbEntry]:
     return [
         FdbEntry(dev, r.lladdr, r.dst)
-        for r in nl.dump_neighbours(sock, nl.AF_BRIDGE, ifindex)
-        if r.state & nl.NUD_PERMANENT and r.dst is not None and r.lladdr is not None
+        for r in nl.dump_neighbours(sock, rtnl.AF_BRIDGE, ifindex)
+        if r.state & rtnl.NUD_PERMANENT and r.dst is not None and r.lladdr is not None
     ]
 
 
 def _request(
     entry: Route | Neighbour | FdbEntry, delete: bool, ifindex: int, protocol: int
-) -> nl.Request:
+) -> rtnl.Request:
     if isinstance(entry, Route):
-        return nl.route_request(
+        return rtnl.route_request(
             delete,
             protocol,
             entry.dst.network_address.packed,
@@ -620,8 +492,8 @@ def _request(
             onlink=entry.onlink,
         )
     if isinstance(entry, Neighbour):
-        return nl.neigh_request(delete, ifindex, entry.ip, entry.mac)
-    return nl.fdb_request(delete, ifindex, entry.mac, entry.dst)
+        return rtnl.neigh_request(delete, ifindex, entry.ip, entry.mac)
+    return rtnl.fdb_request(delete, ifindex, entry.mac, entry.dst)
 
 
 def _describe(entry: Route | Neighbour | FdbEntry) -> str:
@@ -633,7 +505,7 @@ def _describe(entry: Route | Neighbour | FdbEntry) -> str:
     return f"fdb {entry.mac} dst {entry.dst} dev {entry.ifname}"
 
 
-def _vxlan_matches(row: nl.LinkRow, link: VxlanLink, names: dict[int, str]) -> bool:
+def _vxlan_matches(row: rtnl.LinkRow, link: VxlanLink, names: dict[int, str]) -> bool:
     """True when an existing device can be kept: its immutable vxlan attributes match."""
     if row.kind != "vxlan":
         return False

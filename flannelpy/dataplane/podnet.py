@@ -9,7 +9,7 @@ node namespace (the calling thread's; the agent runs there)
      address (the lease's first address) of every lease.
   2. One RTM_NEWLINK creates the veth pair: the host end (up, MTU, master
      ``cni0``) and the pod end created directly inside the pod namespace
-     (``IFLA_NET_NS_FD`` in the peer): ~1 ms, where moving an existing device
+     (``rtnl.IFLA_NET_NS_FD`` in the peer): ~1 ms, where moving an existing device
      to another namespace costs ~20 ms. The kernel refuses to create the peer
      up (ENOTCONN), hence step 3. The same datagram turns hairpin mode on.
 pod namespace (a short-lived thread that ``setns()`` into it: a socket opened
@@ -33,7 +33,6 @@ import errno
 import hashlib
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,24 +41,13 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from typing import Any, TypeVar
 
 from flannelpy.dataplane import nlbatch as nl
+from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import DataplaneError
 
-# rtnetlink bits nlbatch does not name (linux/if_link.h, linux/veth.h, linux/rtnetlink.h)
-IFLA_MASTER = 10
-IFLA_LINK = 5
-IFLA_NET_NS_FD = 28
-IFLA_INFO_SLAVE_KIND = 4
-IFLA_INFO_SLAVE_DATA = 5
-IFLA_BRPORT_MODE = 4  # hairpin
-VETH_INFO_PEER = 1
-IFA_BROADCAST = 4
-RTPROT_BOOT = 3  # what `ip route add` tags routes with
 IFNAMSIZ = 15  # bytes, without the NUL
 BRIDGE_RECHECK_SECONDS = 5.0  # how stale ensure_bridge's knowledge of the addresses may get
 
-_IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
-_IFADDR = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
 _GONE = {errno.ENODEV, errno.ENOENT, errno.ESRCH}
 
 HOST_VETH_PREFIX = "veth"
@@ -106,90 +94,90 @@ def random_mac() -> str:
 
 
 def _ifinfo(index: int = 0, flags: int = 0, change: int = 0) -> bytes:
-    return _IFINFO.pack(socket.AF_UNSPEC, 0, index, flags, change)
+    return rtnl.IFINFO.pack(socket.AF_UNSPEC, 0, index, flags, change)
 
 
 def _name_attr(name: str) -> bytes:
-    return nl.attr(nl.IFLA_IFNAME, name.encode() + b"\0")
+    return rtnl.attr(rtnl.IFLA_IFNAME, name.encode() + b"\0")
 
 
 def _u32(attr_type: int, value: int) -> bytes:
-    return nl.attr(attr_type, nl.U32.pack(value))
+    return rtnl.attr(attr_type, rtnl.U32.pack(value))
 
 
-def bridge_request(name: str, mtu: int, mac: str) -> nl.Request:
+def bridge_request(name: str, mtu: int, mac: str) -> rtnl.Request:
     body = (
-        _ifinfo(flags=nl.IFF_UP, change=nl.IFF_UP)
+        _ifinfo(flags=rtnl.IFF_UP, change=rtnl.IFF_UP)
         + _name_attr(name)
-        + _u32(nl.IFLA_MTU, mtu)
-        + nl.attr(nl.IFLA_ADDRESS, nl.mac_bytes(mac))
-        + nl.attr(nl.IFLA_LINKINFO, nl.attr(nl.IFLA_INFO_KIND, b"bridge"))
+        + _u32(rtnl.IFLA_MTU, mtu)
+        + rtnl.attr(rtnl.IFLA_ADDRESS, rtnl.mac_bytes(mac))
+        + rtnl.attr(rtnl.IFLA_LINKINFO, rtnl.attr(rtnl.IFLA_INFO_KIND, b"bridge"))
     )
-    return nl.Request(nl.RTM_NEWLINK, nl.NLM_F_CREATE | nl.NLM_F_EXCL, body)
+    return rtnl.Request(rtnl.RTM_NEWLINK, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, body)
 
 
 def veth_request(
     host: str, host_mac: str, peer: str, peer_mac: str, netns_fd: int, mtu: int, master: int
-) -> nl.Request:
+) -> rtnl.Request:
     peer_msg = (
         _ifinfo()
         + _name_attr(peer)
-        + _u32(IFLA_NET_NS_FD, netns_fd)
-        + _u32(nl.IFLA_MTU, mtu)
-        + nl.attr(nl.IFLA_ADDRESS, nl.mac_bytes(peer_mac))
+        + _u32(rtnl.IFLA_NET_NS_FD, netns_fd)
+        + _u32(rtnl.IFLA_MTU, mtu)
+        + rtnl.attr(rtnl.IFLA_ADDRESS, rtnl.mac_bytes(peer_mac))
     )
-    info = nl.attr(nl.IFLA_INFO_KIND, b"veth") + nl.attr(
-        nl.IFLA_INFO_DATA, nl.attr(VETH_INFO_PEER, peer_msg)
+    info = rtnl.attr(rtnl.IFLA_INFO_KIND, b"veth") + rtnl.attr(
+        rtnl.IFLA_INFO_DATA, rtnl.attr(rtnl.VETH_INFO_PEER, peer_msg)
     )
     body = (
-        _ifinfo(flags=nl.IFF_UP, change=nl.IFF_UP)
+        _ifinfo(flags=rtnl.IFF_UP, change=rtnl.IFF_UP)
         + _name_attr(host)
-        + _u32(nl.IFLA_MTU, mtu)
-        + nl.attr(nl.IFLA_ADDRESS, nl.mac_bytes(host_mac))
-        + _u32(IFLA_MASTER, master)
-        + nl.attr(nl.IFLA_LINKINFO, info)
+        + _u32(rtnl.IFLA_MTU, mtu)
+        + rtnl.attr(rtnl.IFLA_ADDRESS, rtnl.mac_bytes(host_mac))
+        + _u32(rtnl.IFLA_MASTER, master)
+        + rtnl.attr(rtnl.IFLA_LINKINFO, info)
     )
-    return nl.Request(nl.RTM_NEWLINK, nl.NLM_F_CREATE | nl.NLM_F_EXCL, body)
+    return rtnl.Request(rtnl.RTM_NEWLINK, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, body)
 
 
-def hairpin_request(port: str, on: bool) -> nl.Request:
+def hairpin_request(port: str, on: bool) -> rtnl.Request:
     """``ip link set <port> type bridge_slave hairpin on``, addressed by name."""
-    info = nl.attr(IFLA_INFO_SLAVE_KIND, b"bridge") + nl.attr(
-        IFLA_INFO_SLAVE_DATA, nl.attr(IFLA_BRPORT_MODE, bytes([int(on)]))
+    info = rtnl.attr(rtnl.IFLA_INFO_SLAVE_KIND, b"bridge") + rtnl.attr(
+        rtnl.IFLA_INFO_SLAVE_DATA, rtnl.attr(rtnl.IFLA_BRPORT_MODE, bytes([int(on)]))
     )
-    return nl.Request(
-        nl.RTM_NEWLINK, 0, _ifinfo() + _name_attr(port) + nl.attr(nl.IFLA_LINKINFO, info)
+    return rtnl.Request(
+        rtnl.RTM_NEWLINK, 0, _ifinfo() + _name_attr(port) + rtnl.attr(rtnl.IFLA_LINKINFO, info)
     )
 
 
-def address_request(index: int, address: IPv4Interface, delete: bool = False) -> nl.Request:
+def address_request(index: int, address: IPv4Interface, delete: bool = False) -> rtnl.Request:
     net = address.network
     body = (
-        _IFADDR.pack(socket.AF_INET, net.prefixlen, 0, nl.RT_SCOPE_UNIVERSE, index)
-        + nl.attr(nl.IFA_LOCAL, address.ip.packed)
-        + nl.attr(nl.IFA_ADDRESS, address.ip.packed)
+        rtnl.IFADDR.pack(socket.AF_INET, net.prefixlen, 0, rtnl.RT_SCOPE_UNIVERSE, index)
+        + rtnl.attr(rtnl.IFA_LOCAL, address.ip.packed)
+        + rtnl.attr(rtnl.IFA_ADDRESS, address.ip.packed)
     )
     if net.prefixlen < 31:
-        body += nl.attr(IFA_BROADCAST, net.broadcast_address.packed)
+        body += rtnl.attr(rtnl.IFA_BROADCAST, net.broadcast_address.packed)
     if delete:
-        return nl.Request(nl.RTM_DELADDR, 0, body)
-    return nl.Request(nl.RTM_NEWADDR, nl.NLM_F_CREATE | nl.NLM_F_REPLACE, body)
+        return rtnl.Request(rtnl.RTM_DELADDR, 0, body)
+    return rtnl.Request(rtnl.RTM_NEWADDR, rtnl.NLM_F_CREATE | rtnl.NLM_F_REPLACE, body)
 
 
-def link_set_request(index: int, up: bool | None = None, mtu: int | None = None) -> nl.Request:
+def link_set_request(index: int, up: bool | None = None, mtu: int | None = None) -> rtnl.Request:
     flags = change = 0
     if up is not None:
-        flags, change = (nl.IFF_UP if up else 0), nl.IFF_UP
-    body = _ifinfo(index, flags, change) + (_u32(nl.IFLA_MTU, mtu) if mtu else b"")
-    return nl.Request(nl.RTM_NEWLINK, 0, body)
+        flags, change = (rtnl.IFF_UP if up else 0), rtnl.IFF_UP
+    body = _ifinfo(index, flags, change) + (_u32(rtnl.IFLA_MTU, mtu) if mtu else b"")
+    return rtnl.Request(rtnl.RTM_NEWLINK, 0, body)
 
 
-def delete_request(name: str) -> nl.Request:
-    return nl.Request(nl.RTM_DELLINK, 0, _ifinfo() + _name_attr(name))
+def delete_request(name: str) -> rtnl.Request:
+    return rtnl.Request(rtnl.RTM_DELLINK, 0, _ifinfo() + _name_attr(name))
 
 
-def default_route_request(index: int, gateway: IPv4Address) -> nl.Request:
-    return nl.route_request(False, RTPROT_BOOT, b"\0\0\0\0", 0, gateway, index)
+def default_route_request(index: int, gateway: IPv4Address) -> rtnl.Request:
+    return rtnl.route_request(False, rtnl.RTPROT_BOOT, b"\0\0\0\0", 0, gateway, index)
 
 
 # --- reading links ----------------------------------------------------------------
@@ -207,28 +195,28 @@ class LinkInfo:
 
 
 def get_link(sock: nl.NetlinkSocket, name: str) -> LinkInfo | None:
-    body = _ifinfo() + _u32(nl.IFLA_EXT_MASK, nl.RTEXT_FILTER_SKIP_STATS) + _name_attr(name)
-    reply, answers = sock.request(nl.Request(nl.RTM_GETLINK, 0, body))
+    body = _ifinfo() + _u32(rtnl.IFLA_EXT_MASK, rtnl.RTEXT_FILTER_SKIP_STATS) + _name_attr(name)
+    reply, answers = sock.request(rtnl.Request(rtnl.RTM_GETLINK, 0, body))
     for buf, offset, length, msg_type in answers:
-        if msg_type != nl.RTM_NEWLINK:
+        if msg_type != rtnl.RTM_NEWLINK:
             continue
-        row = nl.decode_link(buf, offset, length)
-        attrs = nl.parse_attrs(buf, offset + nl.HDR.size + _IFINFO.size, offset + length)
-        master = nl.U32.unpack(attrs[IFLA_MASTER])[0] if IFLA_MASTER in attrs else 0
+        row = rtnl.decode_link(buf, offset, length)
+        attrs = rtnl.parse_attrs(buf, offset + rtnl.HDR.size + rtnl.IFINFO.size, offset + length)
+        master = rtnl.U32.unpack(attrs[rtnl.IFLA_MASTER])[0] if rtnl.IFLA_MASTER in attrs else 0
         return LinkInfo(
-            row.index, row.name, bool(row.flags & nl.IFF_UP), row.mtu, row.mac, row.kind, master
+            row.index, row.name, bool(row.flags & rtnl.IFF_UP), row.mtu, row.mac, row.kind, master
         )
     if reply.error in (0, errno.ENODEV):
         return None
     raise DataplaneError(f"cannot read link {name}: {_why(reply)}")
 
 
-def _why(reply: nl.Reply) -> str:
+def _why(reply: rtnl.Reply) -> str:
     name = errno.errorcode.get(reply.error, str(reply.error))
     return f"{reply.message or os.strerror(reply.error)} ({name})"
 
 
-def _check(replies: Sequence[nl.Reply], what: Sequence[str]) -> None:
+def _check(replies: Sequence[rtnl.Reply], what: Sequence[str]) -> None:
     for reply, label in zip(replies, what, strict=True):
         if reply.error:
             raise DataplaneError(f"cannot {label}: {_why(reply)}")
@@ -319,7 +307,7 @@ class PodNetwork:
                 f"{bridge} exists but is a {link.kind or 'plain'} device, not a bridge;"
                 ' delete it or set another "bridge" in the CNI config'
             )
-        fixes: list[nl.Request] = []
+        fixes: list[rtnl.Request] = []
         labels: list[str] = []
         if not link.up or link.mtu != mtu:
             fixes.append(link_set_request(link.index, up=True, mtu=mtu))

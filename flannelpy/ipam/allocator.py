@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from typing import Any
 
-from flannelpy.errors import IpamExhausted
+from flannelpy.ipam.errors import IpamExhausted
 
 DOC_VERSION = 1
 

@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from ipaddress import IPv4Network
 from types import TracebackType
 
-from flannelpy.errors import ConfigError, IpamExhausted
+from flannelpy.errors import ConfigError
 from flannelpy.ipam.allocator import Accounting, Allocation, PoolAllocator, exhaustion_message
 from flannelpy.ipam.capacity import LeaseUsage
+from flannelpy.ipam.errors import IpamExhausted
 from flannelpy.ipam.store import IpamStore
 
 log = logging.getLogger("flannelpy.ipam")

@@ -28,8 +28,7 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from ipaddress import IPv4Network
 from typing import TypeVar
 
@@ -41,16 +40,14 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 import flannelpy
-from flannelpy.dataplane import nlbatch
-from flannelpy.dataplane.nlbatch import LinkStats, LinkStatsRow
+from flannelpy.dataplane.linkstats import RoleStats
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.errors import KeyExists, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.ipam.allocator import Accounting
 from flannelpy.observe.mtu import mtu_mismatches
+from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
 
 log = logging.getLogger("flannelpy.observe.metrics")
@@ -59,12 +56,6 @@ T = TypeVar("T")
 
 PREFIX = "flannelpy_"
 
-# Interface roles (label ``role``) and what each one is.
-ROLE_VXLAN = "vxlan"  # the backend's vxlan devices (flannel.<VNI>)
-ROLE_BRIDGE = "bridge"  # the CNI bridge (cni0) itself
-ROLE_UNDERLAY = "underlay"  # the interface that carries overlay traffic between nodes
-ROLE_PODS = "pods"  # every veth port of the CNI bridge, summed
-ROLES = (ROLE_VXLAN, ROLE_BRIDGE, ROLE_UNDERLAY, ROLE_PODS)
 DIRECTIONS = ("rx", "tx")
 
 # Reconciler change kinds (Changes.counts keys) plus the firewall's "rule".
@@ -76,6 +67,8 @@ CNI_COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
 LEASE_STATES = ("serving", "draining")  # flannelpy_leases{state}
 RENEWAL_RESULTS = ("success", "failure")
 WATCH_RESTART_REASONS = ("compacted", "unavailable")
+# flannelpy_agent_events_total{kind}: what the agent's writer handled
+AGENT_EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick")
 
 # CNI latency: 1 ms to the kubelet's default 4-minute runtime request timeout.
 CNI_BUCKETS = (
@@ -133,6 +126,8 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_peers_mtu_unknown": "gauge",
     # disruption policy (a later issue)
     "flannelpy_blocked_operations_total": "counter",
+    # the agent's writer
+    "flannelpy_agent_events_total": "counter",
     # the metrics themselves
     "flannelpy_scrape_errors_total": "counter",
 }
@@ -148,118 +143,6 @@ def sample_names() -> frozenset[str]:
         else:
             names.add(name)
     return frozenset(names)
-
-
-# ---------------------------------------------------------------------------
-# Scrape-time providers
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoleStats:
-    """One interface role at one instant: how many links, how many up, summed counters."""
-
-    role: str
-    interfaces: int
-    up: int
-    counters: LinkStats
-
-
-LinkProvider = Callable[[], Sequence[RoleStats]]
-IpamProvider = Callable[[], Sequence[Accounting]]
-
-
-def _add(a: LinkStats, b: LinkStats) -> LinkStats:
-    return LinkStats(*(x + y for x, y in zip(a, b, strict=True)))
-
-
-def _is_up(flags: int) -> bool:
-    want = nlbatch.IFF_UP | nlbatch.IFF_LOWER_UP
-    return flags & want == want
-
-
-def classify_links(
-    rows: Iterable[LinkStatsRow],
-    underlay: str | None,
-    bridge: str = "cni0",
-    vxlan_prefix: str = "flannel",
-) -> dict[str, list[LinkStatsRow]]:
-    """Group links by role: vxlan devices named ``<vxlan_prefix>*`` (flannel.1,
-    flannel-v6.1), the bridge, the underlay, and the bridge's veth ports."""
-    rows = list(rows)
-    roles: dict[str, list[LinkStatsRow]] = {role: [] for role in ROLES}
-    bridge_index = next((r.ifindex for r in rows if r.name == bridge), 0)
-    for row in rows:
-        if row.name == bridge:
-            roles[ROLE_BRIDGE].append(row)
-        elif underlay is not None and row.name == underlay:
-            roles[ROLE_UNDERLAY].append(row)
-        elif row.kind == "vxlan" and row.name.startswith(vxlan_prefix):
-            roles[ROLE_VXLAN].append(row)
-        elif bridge_index and row.master == bridge_index and row.kind == "veth":
-            roles[ROLE_PODS].append(row)
-    return roles
-
-
-class RoleTotals:
-    """Monotonic per-role sums of link counters across links coming and going.
-
-    Keyed by ifindex: a link that vanished, or whose counters went down (its
-    index reused by a new link), leaves its last counts in a retired total.
-    """
-
-    def __init__(self) -> None:
-        self._seen: dict[str, dict[int, LinkStats]] = {role: {} for role in ROLES}
-        self._retired: dict[str, LinkStats] = {role: LinkStats() for role in ROLES}
-
-    def update(self, by_role: Mapping[str, Sequence[LinkStatsRow]]) -> list[RoleStats]:
-        return [self._update_role(role, by_role.get(role, ())) for role in ROLES]
-
-    def _update_role(self, role: str, rows: Sequence[LinkStatsRow]) -> RoleStats:
-        seen = self._seen[role]
-        retired = self._retired[role]
-        current: dict[int, LinkStats] = {}
-        total = LinkStats()
-        for row in rows:
-            before = seen.pop(row.ifindex, None)
-            if before is not None and any(n < o for n, o in zip(row.stats, before, strict=True)):
-                retired = _add(retired, before)
-            current[row.ifindex] = row.stats
-            total = _add(total, row.stats)
-        for gone in seen.values():
-            retired = _add(retired, gone)
-        self._seen[role] = current
-        self._retired[role] = retired
-        up = sum(1 for row in rows if _is_up(row.flags))
-        return RoleStats(role, len(rows), up, _add(retired, total))
-
-
-class NetlinkLinkStats:
-    """The real link provider: one netlink dump of every link per scrape.
-
-    The socket is opened here, so it reads the network namespace of the thread
-    that constructs the provider (the agent's), whichever thread scrapes later.
-    ``underlay`` may be set later, when the agent has chosen its interface.
-    """
-
-    def __init__(
-        self, underlay: str | None = None, bridge: str = "cni0", vxlan_prefix: str = "flannel"
-    ) -> None:
-        self.underlay = underlay
-        self.bridge = bridge
-        self.vxlan_prefix = vxlan_prefix
-        self._sock = nlbatch.NetlinkSocket(rcvbuf=1024 * 1024)
-        self._lock = threading.Lock()  # one socket, possibly concurrent scrapes
-        self._totals = RoleTotals()
-
-    def __call__(self) -> list[RoleStats]:
-        with self._lock:
-            rows = nlbatch.dump_link_stats(self._sock)
-            roles = classify_links(rows, self.underlay, self.bridge, self.vxlan_prefix)
-            return self._totals.update(roles)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 # ---------------------------------------------------------------------------
@@ -441,6 +324,13 @@ class AgentMetrics:
             "Peers whose lease advertises no MTU (flanneld, older flannelpy).", registry=r,
         )  # fmt: skip
 
+        self._agent_events = Counter(
+            "flannelpy_agent_events_total",
+            "Events the agent's writer finished handling, by kind.", ["kind"], registry=r,
+        )  # fmt: skip
+        for kind in AGENT_EVENT_KINDS:
+            self._agent_events.labels(kind)
+
         self._blocked = Counter(
             "flannelpy_blocked_operations_total",
             "Disruptive operations refused by the disruption policy, by kind.",
@@ -469,7 +359,7 @@ class AgentMetrics:
         self._mtu_unknown.set(0)
         for state in LEASE_STATES:
             self._lease_count.labels(state).set(0)
-        r.register(_ScrapeCollector(self))
+        r.register(ScrapeCollector(self._read_links, self._read_ipam))
         r.register(self._scrape_errors)
 
     # -- providers --------------------------------------------------------------------
@@ -638,6 +528,10 @@ class AgentMetrics:
         for gauge in (self._reachable, self._rtt, self._loss, self._mtu_ok):
             gauge.remove(peer)
 
+    def agent_event(self, kind: str) -> None:
+        """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""
+        self._agent_events.labels(_label(kind, AGENT_EVENT_KINDS)).inc()
+
     # -- disruption policy ------------------------------------------------------------
 
     def blocked_operation(self, kind: str) -> None:
@@ -650,6 +544,14 @@ class AgentMetrics:
         """The registry in Prometheus text format (what /metrics serves)."""
         return generate_latest(self.registry)
 
+    def _read_links(self) -> Sequence[RoleStats] | None:
+        fn = self._link_provider
+        return None if fn is None else self._read("links", fn)
+
+    def _read_ipam(self) -> Sequence[Accounting] | None:
+        fn = self._ipam_provider
+        return None if fn is None else self._read("ipam", fn)
+
     def _read(self, provider: str, fn: Callable[[], Sequence[T]]) -> Sequence[T] | None:
         try:
             return fn()
@@ -657,99 +559,3 @@ class AgentMetrics:
             log.warning("metrics provider failed provider=%s error=%s", provider, e)
             self._scrape_errors.labels(provider).inc()
             return None
-
-
-class _ScrapeCollector(Collector):
-    """Families whose values are read from the providers when Prometheus scrapes."""
-
-    def __init__(self, owner: AgentMetrics) -> None:
-        self._owner = owner
-
-    def describe(self) -> Iterator[Metric]:
-        # Names only, so registering never calls the providers.
-        yield from _link_families()
-        yield from _ipam_families()
-
-    def collect(self) -> Iterator[Metric]:
-        owner = self._owner
-        links_fn = owner._link_provider
-        if links_fn is not None:
-            links = owner._read("links", links_fn)
-            if links is not None:
-                yield from _link_families(links)
-        ipam_fn = owner._ipam_provider
-        if ipam_fn is not None:
-            pools = owner._read("ipam", ipam_fn)
-            if pools is not None:
-                yield from _ipam_families(pools)
-
-
-def _link_families(stats: Sequence[RoleStats] = ()) -> list[Metric]:
-    labels = ["role", "direction"]
-    dropped = CounterMetricFamily(
-        "flannelpy_interface_dropped_packets",
-        "Packets dropped by managed interfaces (kernel link statistics), by role; "
-        "role=pods sums every pod veth.",
-        labels=labels,
-    )
-    errors = CounterMetricFamily(
-        "flannelpy_interface_errors",
-        "Receive/transmit errors of managed interfaces, by role.", labels=labels,
-    )  # fmt: skip
-    packets = CounterMetricFamily(
-        "flannelpy_interface_packets", "Packets through managed interfaces, by role.",
-        labels=labels,
-    )  # fmt: skip
-    octets = CounterMetricFamily(
-        "flannelpy_interface_bytes", "Bytes through managed interfaces, by role.", labels=labels
-    )
-    count = GaugeMetricFamily(
-        "flannelpy_interfaces", "Links in each role (role=pods: pod veths on the bridge).",
-        labels=["role"],
-    )  # fmt: skip
-    up = GaugeMetricFamily(
-        "flannelpy_interfaces_up", "Links in each role that are up with carrier.",
-        labels=["role"],
-    )  # fmt: skip
-    for s in stats:
-        c = s.counters
-        for direction, drop, err, pkt, byt in (
-            ("rx", c.rx_dropped, c.rx_errors, c.rx_packets, c.rx_bytes),
-            ("tx", c.tx_dropped, c.tx_errors, c.tx_packets, c.tx_bytes),
-        ):
-            dropped.add_metric([s.role, direction], drop)
-            errors.add_metric([s.role, direction], err)
-            packets.add_metric([s.role, direction], pkt)
-            octets.add_metric([s.role, direction], byt)
-        count.add_metric([s.role], s.interfaces)
-        up.add_metric([s.role], s.up)
-    return [dropped, errors, packets, octets, count, up]
-
-
-def _ipam_families(pools: Sequence[Accounting] = ()) -> list[Metric]:
-    assigned = GaugeMetricFamily(
-        "flannelpy_ipam_assigned_addresses", "Pod addresses assigned, per lease.",
-        labels=["subnet"],
-    )  # fmt: skip
-    cooling = GaugeMetricFamily(
-        "flannelpy_ipam_cooling_addresses",
-        "Released addresses in cooldown, per lease: not usable yet, never counted as free.",
-        labels=["subnet"],
-    )  # fmt: skip
-    free = GaugeMetricFamily(
-        "flannelpy_ipam_free_addresses",
-        "Addresses a new pod can get now (capacity - assigned - cooling), per lease.",
-        labels=["subnet"],
-    )  # fmt: skip
-    capacity = GaugeMetricFamily(
-        "flannelpy_ipam_capacity_addresses",
-        "Allocatable addresses of the lease (without network, gateway, broadcast).",
-        labels=["subnet"],
-    )  # fmt: skip
-    for a in pools:
-        subnet = [str(a.subnet)]
-        assigned.add_metric(subnet, a.assigned)
-        cooling.add_metric(subnet, a.cooling)
-        free.add_metric(subnet, a.free)
-        capacity.add_metric(subnet, a.total)
-    return [assigned, cooling, free, capacity]

@@ -27,7 +27,8 @@ Statistics over the last ``window`` rounds of a peer:
   from passing for an MTU problem; None until either is seen.
 
 The pure part (Prober with a fake clock and transport, summarize, phases) runs
-in unit tests; IcmpTransport is the raw-socket I/O and needs root.
+in unit tests; :class:`flannelpy.dataplane.icmp.IcmpTransport` is the raw-socket
+I/O and needs root.
 """
 
 from __future__ import annotations
@@ -36,23 +37,19 @@ import errno
 import hashlib
 import logging
 import math
-import secrets
-import select
-import socket
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, Protocol
 
-from flannelpy.errors import ConfigError, DataplaneError
+from flannelpy.dataplane.icmp import Reply
+from flannelpy.errors import ConfigError
 
 log = logging.getLogger("flannelpy.prober")
 
-IP_ICMP_HEADERS = 28  # IPv4 header (no options) + ICMP echo header
 SMALL_PROBE_BYTES = 84  # total IP packet of ping's default 56-byte payload
 BLOCKED_POLL_SECONDS = 0.02  # how soon to look again when max_in_flight holds a peer back
 
@@ -179,15 +176,6 @@ def slot_after(slot: float, now: float, interval: float) -> float:
 # ---------------------------------------------------------------------------
 # Transport boundary
 # ---------------------------------------------------------------------------
-
-
-class Reply(NamedTuple):
-    """What came back for one ticket: an echo reply (rtt) or an ICMP error."""
-
-    ticket: int
-    rtt_seconds: float | None
-    error: str | None = None
-    too_big: bool = False  # ICMP "fragmentation needed": the path MTU is lower
 
 
 class Transport(Protocol):
@@ -502,192 +490,3 @@ def _send_error_text(e: OSError, source: IPv4Address, target: IPv4Address, size:
             f"{target}, so its route MTU is below the overlay MTU"
         )
     return f"cannot send an echo from {source} to {target}: {e.strerror or e}"
-
-
-# ---------------------------------------------------------------------------
-# Raw ICMP transport (root)
-# ---------------------------------------------------------------------------
-
-# Linux values; Python's socket module does not export them.
-IP_PKTINFO = 8
-IP_MTU_DISCOVER = 10
-IP_PMTUDISC_DO = 2
-SOL_RAW = 255
-ICMP_FILTER = 1
-ICMP_ECHO_REPLY = 0
-ICMP_DEST_UNREACH = 3
-ICMP_ECHO = 8
-ICMP_TIME_EXCEEDED = 11
-ICMP_FRAG_NEEDED = 4  # code of ICMP_DEST_UNREACH
-
-_UNREACH = {
-    0: "network unreachable",
-    1: "host unreachable",
-    2: "protocol unreachable",
-    3: "port unreachable",
-    9: "network administratively prohibited",
-    10: "host administratively prohibited",
-    13: "communication administratively prohibited",
-}
-
-
-def icmp_checksum(data: bytes) -> int:
-    """The Internet checksum (RFC 1071) of ``data``."""
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
-def echo_request(ident: int, seq: int, payload_len: int) -> bytes:
-    """An ICMP echo request (header + payload), checksum filled in."""
-    payload = bytes(i & 0xFF for i in range(payload_len))
-    header = struct.pack("!BBHHH", ICMP_ECHO, 0, 0, ident, seq)
-    csum = icmp_checksum(header + payload)
-    return struct.pack("!BBHHH", ICMP_ECHO, 0, csum, ident, seq) + payload
-
-
-class IcmpTransport:
-    """Echoes over one raw ICMP socket with DF on every packet (IP_PMTUDISC_DO).
-
-    The source address is chosen per packet with IP_PKTINFO, so a new own lease
-    needs no new socket. One receive thread matches replies by (id, seq) and by
-    the replying address. The socket lives in the network namespace of the thread
-    that constructs the transport. Close it (or use ``with``) to stop the thread.
-    """
-
-    def __init__(self) -> None:
-        try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-        except PermissionError as e:
-            raise DataplaneError(
-                "cannot open a raw ICMP socket for the prober (needs root or CAP_NET_RAW); "
-                "run the agent with that capability"
-            ) from e
-        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        # Pass only what can answer an echo: replies, unreachables, time exceeded.
-        wanted = (1 << ICMP_ECHO_REPLY) | (1 << ICMP_DEST_UNREACH) | (1 << ICMP_TIME_EXCEEDED)
-        sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~wanted & 0xFFFFFFFF))
-        self._sock = sock
-        self._ident = secrets.randbits(16)
-        self._seq = secrets.randbits(16)
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[IPv4Address, float]] = {}  # seq -> (target, sent at)
-        self._replies: list[Reply] = []
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="prober-icmp-rx", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> IcmpTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._thread.join(timeout=2.0)
-        self._sock.close()
-
-    def send(self, source: IPv4Address, target: IPv4Address, size: int) -> int:
-        if size < IP_ICMP_HEADERS:
-            raise ValueError(f"an echo needs at least {IP_ICMP_HEADERS} bytes, not {size}")
-        with self._lock:
-            seq = self._next_seq()
-            self._pending[seq] = (target, time.perf_counter())  # before send: replies are fast
-        packet = echo_request(self._ident, seq, size - IP_ICMP_HEADERS)
-        pktinfo = struct.pack("=i4s4s", 0, source.packed, bytes(4))
-        try:
-            self._sock.sendmsg(
-                [packet], [(socket.IPPROTO_IP, IP_PKTINFO, pktinfo)], 0, (str(target), 0)
-            )
-        except OSError:
-            self.cancel(seq)
-            raise
-        return seq
-
-    def take_replies(self) -> list[Reply]:
-        with self._lock:
-            replies, self._replies = self._replies, []
-        return replies
-
-    def cancel(self, ticket: int) -> None:
-        with self._lock:
-            self._pending.pop(ticket, None)
-
-    def _next_seq(self) -> int:
-        for _ in range(0x10000):
-            self._seq = (self._seq + 1) & 0xFFFF
-            if self._seq not in self._pending:
-                return self._seq
-        raise DataplaneError("65536 echoes are outstanding; lower the prober's max_in_flight")
-
-    def _receive(self) -> None:
-        while not self._closed.is_set():
-            try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
-                if not ready:
-                    continue
-                data, addr = self._sock.recvfrom(65535)
-            except (OSError, ValueError):
-                if self._closed.is_set():
-                    return
-                log.exception("prober receive failed")
-                self._closed.wait(0.2)
-                continue
-            reply = self._match(data, IPv4Address(addr[0]), time.perf_counter())
-            if reply is not None:
-                with self._lock:
-                    self._replies.append(reply)
-
-    def _match(self, packet: bytes, sender: IPv4Address, now: float) -> Reply | None:
-        icmp = packet[(packet[0] & 0x0F) * 4 :] if packet else b""
-        if len(icmp) < 8:
-            return None
-        kind, code, _, ident, seq = struct.unpack("!BBHHH", icmp[:8])
-        if kind == ICMP_ECHO_REPLY:
-            if ident != self._ident or icmp_checksum(icmp) != 0:
-                return None
-            with self._lock:
-                sent = self._pending.get(seq)
-                if sent is None or sent[0] != sender:
-                    return None
-                del self._pending[seq]
-            return Reply(seq, now - sent[1])
-        if kind in (ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED):
-            return self._match_error(icmp, kind, code, sender)
-        return None
-
-    def _match_error(self, icmp: bytes, kind: int, code: int, sender: IPv4Address) -> Reply | None:
-        """An ICMP error quoting one of our echoes: the quoted IP header plus 8 bytes."""
-        inner = icmp[8:]
-        if len(inner) < 20:
-            return None
-        ihl = (inner[0] & 0x0F) * 4
-        quoted = inner[ihl : ihl + 8]
-        if len(quoted) < 8:
-            return None
-        qkind, _, _, ident, seq = struct.unpack("!BBHHH", quoted)
-        if qkind != ICMP_ECHO or ident != self._ident:
-            return None
-        target = IPv4Address(inner[16:20])
-        with self._lock:
-            sent = self._pending.get(seq)
-            if sent is None or sent[0] != target:
-                return None
-            del self._pending[seq]
-        if kind == ICMP_TIME_EXCEEDED:
-            return Reply(seq, None, f"time exceeded at {sender} on the way to {target}")
-        if code == ICMP_FRAG_NEEDED:
-            (next_mtu,) = struct.unpack("!H", icmp[6:8])
-            return Reply(
-                seq,
-                None,
-                f"fragmentation needed: {sender} forwards at most {next_mtu} bytes "
-                f"towards {target}",
-                too_big=True,
-            )
-        reason = _UNREACH.get(code, f"destination unreachable (code {code})")
-        return Reply(seq, None, f"{reason}: reported by {sender} for {target}")

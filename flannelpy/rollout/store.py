@@ -1,6 +1,6 @@
 """The rollout's reads and writes in the store (etcd mode), over any Store.
 
-Keys (see :mod:`flannelpy.ops.node_records`): the network config, every node's
+Keys (see :mod:`flannelpy.subnet.keys`): the network config, every node's
 status and override, the rollout record and the events of forced changes. The
 record is only ever replaced with a compare-and-swap on its mod revision, so a
 ``pause`` or ``abort`` written meanwhile, or a second driver, is never
@@ -15,20 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
-from flannelpy.control.records import (
-    NodeOverride,
-    NodeStatus,
-    node_of_key,
-    nodes_prefix,
-    override_key,
-    rollout_key,
-)
+from flannelpy.control.records import NodeOverride, NodeStatus
 from flannelpy.errors import ConfigError, KeyExists, StoreError
-from flannelpy.rollout.plan import RolloutRecord, with_backend
-from flannelpy.subnet.etcd.client import config_key
-from flannelpy.subnet.etcd.kv import Store
+from flannelpy.rollout.backends import with_backend
+from flannelpy.rollout.record import RolloutRecord
+from flannelpy.subnet.etcd.config import network_config_of, read_network_config, swap_config
+from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.subnet.keys import config_key, node_of_key, nodes_prefix, override_key, rollout_key
 
-CAS_RETRIES = 5  # a config or override written by someone else meanwhile: read again
+CAS_RETRIES = 5  # an override written by someone else meanwhile: read again
 
 
 @dataclass(frozen=True)
@@ -55,16 +50,7 @@ class RolloutStore:
     # -- reading ---------------------------------------------------------------
 
     def read_config(self) -> ConfigDoc:
-        kv = self.store.get(self.config_key)
-        if kv is None:
-            raise ConfigError(
-                f"network config not found in etcd at {self.config_key}; check --etcd-prefix "
-                "(or --lab), or write net-conf.json there"
-            )
-        try:
-            config = parse_network_config(kv.value)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (read from etcd key {self.config_key})") from e
+        kv, config = read_network_config(self.store, self.prefix)
         return ConfigDoc(kv.value, kv.mod_revision, config)
 
     def read_nodes(self) -> NodesSnapshot:
@@ -137,26 +123,28 @@ class RolloutStore:
     def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig:
         """Put ``backend`` into ``<prefix>/config`` in place of its Backend, every other key
         kept as written; validated as a whole, then compare-and-swapped."""
-        for _ in range(CAS_RETRIES):
-            current = self.read_config()
-            doc = json.loads(current.raw)  # parse_network_config accepted it: an object
+        written: list[NetworkConfig] = []
+
+        def edit(kv: KeyValue | None) -> bytes | None:
+            written.clear()
+            network_config_of(self.prefix, kv)  # raises when missing or invalid
+            assert kv is not None
+            doc = json.loads(kv.value)  # parse_network_config accepted it: an object
             out = with_backend(doc, backend)
-            text = current.raw.decode("utf-8", "replace")
+            text = kv.value.decode("utf-8", "replace")
             if "\n" in text.strip():
                 data = json.dumps(out, indent=2, ensure_ascii=False) + "\n"
             else:
                 data = json.dumps(out, ensure_ascii=False)
             try:
-                config = parse_network_config(data)
+                written.append(parse_network_config(data))
             except ConfigError as e:
                 raise ConfigError(f"the config with the target Backend is invalid: {e}") from e
-            if out == doc:
-                return config  # already there (a resumed final step)
-            if self.store.put_if_mod_revision(
-                self.config_key, data.encode(), current.mod_revision
-            ) is not None:
-                return config
-        raise StoreError(
-            f"{self.config_key} kept changing while the rollout wrote its Backend; run "
-            "flannelpy rollout resume"
-        )
+            return None if out == doc else data.encode()  # None: already there (a resumed step)
+
+        swap_config(
+            self.store, self.prefix, edit,
+            gave_up=f"{self.config_key} kept changing while the rollout wrote its Backend; "
+            "run flannelpy rollout resume",
+        )  # fmt: skip
+        return written[0]

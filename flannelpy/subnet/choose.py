@@ -158,26 +158,11 @@ def choose_lease(
         )
     if pools is not None:
         return _choose_lease_in_pools(config, pools, cluster, leases, attrs, previous_subnet, rng)
-    delete: list[Lease] = []
-
-    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
-    if mine is not None:
-        if lease_fits(config, mine.subnet, mine.ipv6_subnet):
-            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", existing=mine)
-        delete.append(mine)
-
-    if attrs.node_name is not None:
-        named = _find(
-            leases,
-            lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
-        )
-        if named is not None:
-            if lease_fits(config, named.subnet, named.ipv6_subnet):
-                return LeaseChoice(
-                    named.subnet, named.ipv6_subnet, "node-name", existing=named,
-                    delete=tuple(delete),
-                )  # fmt: skip
-            delete.append(named)
+    reused, delete = _reuse_own(
+        leases, attrs, lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None)
+    )
+    if reused is not None:
+        return reused
 
     held = _Held([lease for lease in leases if all(lease is not d for d in delete)])
     if previous_subnet is not None:
@@ -209,25 +194,13 @@ def _choose_lease_in_pools(
     rng: random.Random,
 ) -> LeaseChoice:
     """choose_lease's order over several pools (same steps, pool-aware fit)."""
-    delete: list[Lease] = []
-    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
-    if mine is not None:
-        pool = lease_fits_pools(config, pools, mine.subnet, mine.ipv6_subnet)
-        if pool is not None:
-            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", mine, pool=pool)
-        delete.append(mine)
-    if attrs.node_name is not None:
-        named = _find(
-            leases,
-            lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
-        )
-        if named is not None:
-            pool = lease_fits_pools(config, pools, named.subnet, named.ipv6_subnet)
-            if pool is not None:
-                return LeaseChoice(
-                    named.subnet, named.ipv6_subnet, "node-name", named, tuple(delete), pool
-                )
-            delete.append(named)
+    def fit(lease: Lease) -> tuple[bool, Pool | None]:
+        pool = lease_fits_pools(config, pools, lease.subnet, lease.ipv6_subnet)
+        return pool is not None, pool
+
+    reused, delete = _reuse_own(leases, attrs, fit)
+    if reused is not None:
+        return reused
 
     others = [lease for lease in leases if all(lease is not d for d in delete)]
     if previous_subnet is not None:
@@ -337,6 +310,37 @@ def _not_eligible(pool: Pool, cluster: str | None) -> str:
     if pool.role is None:
         return f"{pool.network} has no {ROLE_KEY} tag (untagged pools take no new leases)"
     return f"{pool.network} has {ROLE_KEY}={pool.role!r}, which is neither 1 nor 0"
+
+
+def _reuse_own(
+    leases: Sequence[Lease],
+    attrs: LeaseAttrs,
+    fit: Callable[[Lease], tuple[bool, Pool | None]],
+) -> tuple[LeaseChoice | None, list[Lease]]:
+    """Flannel's first two steps, for both choose_lease paths: our lease by public IP,
+    then by node name, kept if ``fit`` accepts it (and in the pool it names). Returns
+    the choice, or None and the leases of ours that no longer fit (to delete)."""
+    delete: list[Lease] = []
+    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
+    if mine is not None:
+        fits, pool = fit(mine)
+        if fits:
+            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", mine, pool=pool), []
+        delete.append(mine)
+    if attrs.node_name is not None:
+        named = _find(
+            leases,
+            lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
+        )
+        if named is not None:
+            fits, pool = fit(named)
+            if fits:
+                choice = LeaseChoice(
+                    named.subnet, named.ipv6_subnet, "node-name", named, tuple(delete), pool
+                )
+                return choice, []
+            delete.append(named)
+    return None, delete
 
 
 def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | None:

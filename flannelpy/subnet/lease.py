@@ -1,4 +1,4 @@
-"""The lease model, and Flannel's etcd key and JSON formats for it.
+"""The lease model, and Flannel's JSON format for it (its key: :mod:`flannelpy.subnet.keys`).
 
 A lease is one node's claim on one subnet of the network. The value format is
 Flannel's ``LeaseAttrs`` so that flanneld and flannelpy nodes can share one
@@ -8,12 +8,13 @@ decoder ignores.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from typing import Any
+
+from flannelpy.subnet.keys import subnet_to_key
 
 EXTENSION_KEY = "Flannelpy"
 
@@ -119,33 +120,3 @@ class Lease:
     def gateway(self) -> IPv4Address:
         """The first usable address of the subnet: the bridge gateway, FLANNEL_SUBNET's address."""
         return self.subnet.network_address + 1
-
-
-def subnet_to_key(subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None) -> str:
-    """``10.244.1.0/24`` → ``10.244.1.0-24``; dual stack joins both with ``&``."""
-    key = f"{subnet.network_address}-{subnet.prefixlen}"
-    if ipv6_subnet is not None:
-        key += f"&{ipv6_subnet.network_address}-{ipv6_subnet.prefixlen}"
-    return key
-
-
-def key_to_subnet(key: str) -> tuple[IPv4Network, IPv6Network | None]:
-    """Inverse of :func:`subnet_to_key`; raises ValueError for a key that is not a lease."""
-    v4_part, _, v6_part = key.partition("&")
-    v4 = _parse_key_part(v4_part, 4)
-    v6 = _parse_key_part(v6_part, 6) if v6_part else None
-    assert v4 is None or isinstance(v4, IPv4Network)
-    assert v6 is None or isinstance(v6, IPv6Network)
-    if v4 is None:
-        raise ValueError(f"lease key {key!r} has no IPv4 subnet")
-    return v4, v6
-
-
-def _parse_key_part(part: str, version: int) -> IPv4Network | IPv6Network | None:
-    addr, sep, plen = part.rpartition("-")
-    if not sep or not plen.isdigit():
-        raise ValueError(f"lease key part {part!r} is not ADDRESS-PREFIXLEN")
-    net = ipaddress.ip_network(f"{addr}/{plen}", strict=True)
-    if net.version != version:
-        raise ValueError(f"lease key part {part!r} is not IPv{version}")
-    return net

@@ -18,12 +18,12 @@ pod addresses is never released, whatever the tags say.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from typing import TYPE_CHECKING, Any
 
+from flannelpy.config.settings import check_cluster_name
 from flannelpy.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -103,19 +103,6 @@ def may_release_lease(pool: Pool, cluster: str | None, assigned: int, cooling: i
 # Tags: what `flannelpy pools tag` accepts (stored records are read leniently:
 # an unknown role value already fails closed in eligibility()).
 # ---------------------------------------------------------------------------
-
-# A cluster name as a Kubernetes label value: it often is one.
-_CLUSTER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
-
-
-def check_cluster_name(name: str, source: str = "--cluster-name") -> str:
-    """``name`` if it can be a cluster scope; raises ConfigError."""
-    if not _CLUSTER_NAME.fullmatch(name):
-        raise ConfigError(
-            f"{source} {name!r} is not a cluster name; use 1-63 letters, digits, '-', '_' "
-            "or '.', starting and ending with a letter or digit"
-        )
-    return name
 
 
 def check_tag(key: str, value: str | None) -> None:

@@ -22,16 +22,14 @@ file missing keys is an error naming them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
 from typing import TypeVar
 
 from flannelpy.errors import ConfigError
+from flannelpy.fsutil import atomic_write
 
 T = TypeVar("T")
 
@@ -99,23 +97,7 @@ def render(env: SubnetEnv) -> str:
 
 def write_subnet_env(path: str, env: SubnetEnv) -> None:
     """Replace ``path`` atomically with ``render(env)``, creating its directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    # The temp file lives in the same directory so os.replace is a rename on one
-    # filesystem, which is atomic; fsync first so a crash cannot leave it empty.
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(render(env))
-            f.flush()
-            os.fchmod(f.fileno(), FILE_MODE)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+    atomic_write(path, render(env).encode("ascii"), mode=FILE_MODE, dir_mode=0o755)
 
 
 def parse(text: str) -> dict[str, str]:
@@ -224,16 +206,3 @@ def _go_bool(value: str) -> bool:
     if lowered in ("false", "0", "f"):
         return False
     raise ValueError("expected true or false")
-
-
-def _fsync_dir(directory: str) -> None:
-    # Make the rename itself durable; best effort on filesystems that refuse it.
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

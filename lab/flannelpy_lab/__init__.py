@@ -1,10 +1,11 @@
 """The netns lab: a cluster of network namespaces, etcd and agents on one host.
 
-Used by ``flannelpy lab up|status|down`` and by the end-to-end tests, through
-the same :class:`Lab` API. See design.md, "The netns lab".
+Used by ``flannelpy-lab up|status|pod|down|run|env`` and by the end-to-end tests,
+through the same :class:`Lab` API. It is not part of the product: flannelpy never
+imports it, and the image does not ship it.
 
-Names are imported lazily: ``flannelpy`` builds its whole CLI parser at start,
-and the agent should not pay for the etcd/gRPC import of the lab.
+Names are imported lazily: ``flannelpy-lab --help`` and the parser should not pay
+for the etcd/gRPC import of the lab.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m flannelpy.lab up|status|down ...``."""
+"""``python -m flannelpy_lab up|status|pod|down|run|env ...``."""
 
 import sys
 

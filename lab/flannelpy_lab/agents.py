@@ -10,6 +10,10 @@ flags, after the lab-wide ``extra["agent_args"]``) and a source tree to run the
 agent from (``extra["node_agent_source"]``: node -> a directory holding
 ``flannelpy/``), e.g. two cluster names in one lab, or a previous release on one
 node next to this one. Both take effect at the node's next agent start.
+
+A node whose ``agent_kind`` is flanneld runs the real flanneld instead
+(``flannelpy_lab.flanneld``), with the same pid, log and start-time fields; it is
+ready once its fresh subnet.env is written and its lease is in etcd.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Interface
 
 import flannelpy
-from flannelpy_lab import procs, topology
+from flannelpy_lab import flanneld, procs, topology
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
 
@@ -94,16 +98,20 @@ def prepare_dirs(node: NodeInfo) -> None:
 
 
 def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
-    """Start the node's agent detached; record its pid and start time in ``node``."""
+    """Start the node's agent (ours or flanneld) detached; record its pid and start time."""
     prepare_dirs(node)
-    env = agent_env(agent_source(state, node))
+    if node.runs_flanneld:
+        env = dict(os.environ)
+        argv = flanneld.argv(state, node)
+    else:
+        env = agent_env(agent_source(state, node))
+        argv = agent_argv(state, node)
     env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
     with open(node.agent_log, "a", encoding="utf-8") as log:
-        log.write(f"--- lab: agent starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-    ref = procs.spawn_detached(
-        topology.exec_argv(node.namespace, agent_argv(state, node)), node.agent_log, env
-    )
+        log.write(f"--- lab: {node.agent_kind} starting at "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")  # fmt: skip
+    ref = procs.spawn_detached(topology.exec_argv(node.namespace, argv), node.agent_log, env)
     node.agent_pid, node.agent_start_ticks = ref.pid, ref.start_ticks
     node.agent_started_at = started_at
     node.overlay_address = None
@@ -154,10 +162,14 @@ def read_subnet_env(node: NodeInfo, newer_than: float | None = None) -> SubnetEn
         return None
 
 
-def check_ready(node: NodeInfo) -> SubnetEnv | None:
-    """The fresh subnet.env if the agent is ready; raise LabError if the agent has exited."""
+def check_ready(node: NodeInfo, state: LabState | None = None) -> SubnetEnv | None:
+    """The fresh subnet.env if the agent is ready; raise LabError if the agent has exited.
+
+    A flanneld node (given the lab ``state``) must also have its lease in etcd."""
     env = read_subnet_env(node, newer_than=node.agent_started_at)
-    if env is not None:
+    if env is not None and (
+        state is None or not node.runs_flanneld or flanneld.has_lease(state, node)
+    ):
         return env
     if not procs.alive(agent_ref(node)):
         raise LabError(

@@ -1,30 +1,33 @@
-"""``flannelpy lab up|status|down``: the command line over :mod:`flannelpy.lab.lab`."""
+"""``flannelpy-lab up|status|pod|down|run|env``: the command line over :class:`Lab`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
-from typing import Any
+from collections.abc import Sequence
 
 from flannelpy.errors import FlannelpyError
 from flannelpy_lab import plan
+from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState
 
-# flannelpy.lab.lab and .status import etcd's gRPC client: imported when a lab
+# flannelpy_lab.lab and .status import etcd's gRPC client: imported when a lab
 # command runs, not when the parser is built.
 
 
-def add_lab_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``lab`` with its ``up``, ``status`` and ``down`` subcommands; returns the parser."""
-    lab = subparsers.add_parser(
-        "lab",
-        help="a cluster of network namespaces on this host, with etcd and one agent per node",
+def build_parser() -> argparse.ArgumentParser:
+    """``flannelpy-lab`` with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="flannelpy-lab",
         description="Build, inspect and remove a netns lab: node namespaces on an underlay "
-        "switch (optionally two segments and a router), etcd, and one agent per node.",
+        "switch (optionally two segments and a router), etcd, and one agent per node; run "
+        "commands against it.",
     )
-    lab.set_defaults(func=run)
-    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{up,status,pod,down}")
+    sub = parser.add_subparsers(
+        dest="lab_command", required=True, metavar="{up,status,pod,down,run,env}"
+    )
 
     up = sub.add_parser("up", help="build a lab and wait until every agent is ready")
     up.add_argument("--name", required=True, help="lab name: 1-6 lower-case letters or digits")
@@ -59,6 +62,11 @@ def add_lab_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds to wait for all agents to be ready (default 60)",
     )
     up.add_argument(
+        "--flanneld-nodes", type=int, default=0, metavar="K",
+        help="run the real upstream flanneld (built by scripts/build-peers.sh) on the last K "
+        "nodes instead of our agent (default 0)",
+    )
+    up.add_argument(
         "--no-agents", action="store_true", help="build the underlay and etcd only, start no agents"
     )
     up.add_argument(
@@ -89,21 +97,39 @@ def add_lab_parser(subparsers: Any) -> argparse.ArgumentParser:
     target = dn.add_mutually_exclusive_group(required=True)
     target.add_argument("--name")
     target.add_argument("--all", action="store_true", help="remove every lab on this host")
-    return lab
+
+    run = sub.add_parser(
+        "run",
+        usage="flannelpy-lab run [-h] NAME [--node NODE] -- COMMAND ...",
+        help="run a command with the lab's store settings (with --node: on that node)",
+        description="Run COMMAND with the lab's etcd in FLANNELD_ETCD_ENDPOINTS and "
+        "FLANNELD_ETCD_PREFIX (the host has a leg on the lab's switch); with --node, inside "
+        "the node's network namespace with every setting of its agent as FLANNELD_* "
+        "variables. A leading `flannelpy` is the flannelpy beside the lab. Exits with "
+        "COMMAND's status. Example: flannelpy-lab run demo --node n1 -- flannelpy doctor",
+    )
+    run.add_argument("name", metavar="NAME", help="the lab")
+    run.add_argument("--node", help="run inside this node's namespace with its agent's settings")
+
+    env = sub.add_parser(
+        "env",
+        help="print the lab's store settings as FLANNELD_* lines, for eval",
+        description="Print `export FLANNELD_...=...` lines: the lab's etcd, or with --node "
+        'every setting of that node\'s agent. Use: eval "$(flannelpy-lab env demo)"',
+    )
+    env.add_argument("name", metavar="NAME", help="the lab")
+    env.add_argument("--node", help="the settings of this node's agent")
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``lab`` command; errors become one sentence on stderr and an exit code."""
+    """Run a parsed command; errors become one sentence on stderr and an exit code."""
+    commands = {"up": _up, "status": _status, "pod": _pod, "down": _down, "run": _run,
+                "env": _env}  # fmt: skip
     try:
-        if args.lab_command == "up":
-            return _up(args)
-        if args.lab_command == "status":
-            return _status(args)
-        if args.lab_command == "pod":
-            return _pod(args)
-        return _down(args)
+        return commands[args.lab_command](args)
     except FlannelpyError as e:
-        print(f"flannelpy lab {args.lab_command}: {e}", file=sys.stderr)
+        print(f"flannelpy-lab {args.lab_command}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
@@ -129,6 +155,7 @@ def _up(args: argparse.Namespace) -> int:
         cni_exec=args.cni_exec,
         timeout=args.timeout,
         progress=_progress,
+        flanneld_nodes=args.flanneld_nodes,
     )
     print(summary(lab.state))
     return 0
@@ -141,7 +168,7 @@ def summary(state: LabState) -> str:
         f"etcd {state.etcd_endpoint} (prefix {state.etcd_prefix}), files in {state.lab_dir}",
         "",
     ]
-    rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "AGENT LOG"]]
+    rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
     for n in state.nodes:
         rows.append(
             [
@@ -149,6 +176,7 @@ def summary(state: LabState) -> str:
                 n.namespace,
                 n.underlay_address,
                 n.overlay_address or "-",
+                n.agent_kind,
                 n.agent_log if n.agent_pid else "-",
             ]
         )
@@ -156,9 +184,9 @@ def summary(state: LabState) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines += [
         "",
-        f"next: flannelpy lab status --name {state.name}; "
-        f"ip netns exec {state.nodes[0].namespace} <command>; "
-        f"flannelpy lab down --name {state.name}",
+        f"next: flannelpy-lab status --name {state.name}; "
+        f"flannelpy-lab run {state.name} [--node {state.nodes[0].name}] -- <command>; "
+        f"flannelpy-lab down --name {state.name}",
     ]
     return "\n".join(lines)
 
@@ -197,8 +225,53 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flannelpy.lab``: the same commands without the main CLI."""
-    parser = argparse.ArgumentParser(prog="flannelpy")
-    add_lab_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(["lab", *(sys.argv[1:] if argv is None else argv)]))
+def _settings(args: argparse.Namespace) -> tuple[LabState, dict[str, str]]:
+    from flannelpy_lab import environ
+    from flannelpy_lab.lab import Lab
+
+    state = Lab.load(args.name).state
+    if args.node is None:
+        return state, environ.store_environ(state)
+    return state, environ.node_environ(state, state.node(args.node))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flannelpy_lab import environ
+
+    state, settings = _settings(args)
+    node = state.node(args.node) if args.node is not None else None
+    argv = environ.command_argv(args.name, node, args.command)
+    # A child, not exec: tests drive this in-process, and Ctrl-C reaches the child too.
+    try:
+        proc = subprocess.Popen(argv, env=environ.child_environ(settings))
+    except OSError as e:
+        raise LabError(f"cannot run {argv[0]}: {e.strerror}; check the command after --") from e
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+def _env(args: argparse.Namespace) -> int:
+    from flannelpy_lab import environ
+
+    sys.stdout.write(environ.render(_settings(args)[1]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``flannelpy-lab`` (and ``python -m flannelpy_lab``)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is run's command, options and all: cut it off
+    # before argparse, which would otherwise take the command's options for ours.
+    command: list[str] = []
+    if "--" in words:
+        cut = words.index("--")
+        words, command = words[:cut], words[cut + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(words)
+    if args.lab_command != "run" and command:
+        parser.error(f"only run takes a command after --, not {args.lab_command}")
+    args.command = command
+    return run(args)

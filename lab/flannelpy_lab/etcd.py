@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 
 import pyetcd
 
-from flannelpy.subnet.lease import LeaseAttrs, key_to_subnet
+from flannelpy.subnet.keys import key_to_subnet
+from flannelpy.subnet.lease import LeaseAttrs
 from flannelpy_lab import procs
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState

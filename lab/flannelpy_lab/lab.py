@@ -21,7 +21,7 @@ from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
-from flannelpy_lab import agents, etcd, plan, pods, procs, status, topology
+from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, status, topology
 from flannelpy_lab import state as state_io
 from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
@@ -126,10 +126,17 @@ class Lab:
         timeout: float = agents.READY_TIMEOUT,
         progress: Progress | None = None,
         lab_root: str = plan.LAB_ROOT,
+        flanneld_nodes: int = 0,
     ) -> Lab:
-        """Build a lab and wait until every agent is ready; on any failure remove it all."""
+        """Build a lab and wait until every agent is ready; on any failure remove it all.
+
+        The last ``flanneld_nodes`` nodes run the real flanneld (``flannelpy_lab.flanneld``)."""
         say = progress or _quiet
-        plan.validate_request(name, nodes, backend, direct_routing, segments, network)
+        plan.validate_request(
+            name, nodes, backend, direct_routing, segments, network, flanneld_nodes
+        )
+        # Before anything is built: a missing flanneld fails fast, naming its build script.
+        flanneld_binary = flanneld.binary() if flanneld_nodes else None
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
         state = _claim(
             name,
@@ -141,7 +148,10 @@ class Lab:
             etcd_prefix,
             overlay_bridge,
             lab_root,
+            flanneld_nodes,
         )
+        if flanneld_binary:
+            state.extra["flanneld_binary"] = flanneld_binary
         lab = cls(state)
         try:
             lab._build(start_agents, timeout, say)
@@ -234,7 +244,7 @@ class Lab:
         say(f"[6/{UP_STEPS}] starting agents 0/{total} ready")
         while pending:
             for node in list(pending):
-                env = agents.check_ready(node)
+                env = agents.check_ready(node, self.state)
                 if env is not None:
                     self._on_ready(node, env)
                     pending.remove(node)
@@ -245,7 +255,8 @@ class Lab:
                 time.sleep(0.1)
 
     def _on_ready(self, node: NodeInfo, env: SubnetEnv) -> None:
-        if self.state.overlay_bridge:
+        # On a flanneld node cni0 is the bridge plugin's, made at the node's first pod.
+        if self.state.overlay_bridge and not node.runs_flanneld:
             topology.ensure_overlay_bridge(node.namespace, env.subnet, env.mtu)
         node.overlay_address = env.subnet
         self._save()
@@ -255,7 +266,7 @@ class Lab:
         state = state_io.load(lab_dir(name, lab_root))
         if state is None:
             raise LabError(
-                f"there is no lab {name!r}; start one with `flannelpy lab up --name {name}`"
+                f"there is no lab {name!r}; start one with `flannelpy-lab up --name {name}`"
             )
         return cls(state)
 
@@ -408,7 +419,7 @@ class Lab:
         info = self.node(node)
         deadline = time.monotonic() + timeout
         while True:
-            env = agents.check_ready(info)
+            env = agents.check_ready(info, self.state)
             if env is not None:
                 self._on_ready(info, env)
                 return info
@@ -471,6 +482,7 @@ def _claim(
     etcd_prefix: str,
     overlay_bridge: bool,
     lab_root: str,
+    flanneld_nodes: int = 0,
 ) -> LabState:
     """Pick free underlay subnets and record the plan, under the lock all labs share."""
     with state_io.root_lock(lab_root):
@@ -479,7 +491,7 @@ def _claim(
         if os.path.exists(directory) or leftovers or topology.link_exists(plan.host_link(name)):
             raise LabError(
                 f"lab {name} exists already (or left pieces behind); "
-                f"run `flannelpy lab down --name {name}` first"
+                f"run `flannelpy-lab down --name {name}` first"
             )
         subnets = plan.choose_subnets(used_networks(lab_root), segments)
         state = plan.plan_lab(
@@ -493,6 +505,7 @@ def _claim(
             subnets=subnets,
             overlay_bridge=overlay_bridge,
             lab_root=lab_root,
+            flanneld_nodes=flanneld_nodes,
         )
         state_io.save(state)
         return state

@@ -22,7 +22,13 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 from flannelpy.errors import ConfigError
-from flannelpy_lab.state import LabState, NodeInfo, SegmentInfo
+from flannelpy_lab.state import (
+    KIND_FLANNELD,
+    KIND_FLANNELPY,
+    LabState,
+    NodeInfo,
+    SegmentInfo,
+)
 
 NAME_PATTERN = re.compile(r"[a-z0-9]{1,6}")
 LAB_SPACE = IPv4Network("100.64.0.0/10")
@@ -98,7 +104,7 @@ def choose_subnets(used: Iterable[IPv4Network], count: int) -> list[IPv4Network]
             return chosen
     raise ConfigError(
         f"no free /{SEGMENT_PREFIXLEN} left in {LAB_SPACE} for the lab's underlay; "
-        "run `flannelpy lab down` on labs you no longer need"
+        "run `flannelpy-lab down` on labs you no longer need"
     )
 
 
@@ -135,11 +141,14 @@ def net_conf_json(network: str, backend: str, direct_routing: bool) -> str:
 
 
 def validate_request(
-    name: str, nodes: int, backend: str, direct_routing: bool, segments: int, network: str
+    name: str, nodes: int, backend: str, direct_routing: bool, segments: int, network: str,
+    flanneld_nodes: int = 0,
 ) -> None:
     validate_name(name)
     if not 1 <= nodes <= MAX_NODES:
         raise ConfigError(f"--nodes {nodes} is out of range; use 1 to {MAX_NODES}")
+    if not 0 <= flanneld_nodes <= nodes:
+        raise ConfigError(f"--flanneld-nodes {flanneld_nodes} is out of range; use 0 to {nodes}")
     if backend not in BACKENDS:
         raise ConfigError(f"--backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if direct_routing and backend != "vxlan":
@@ -170,9 +179,11 @@ def plan_lab(
     subnets: list[IPv4Network],
     overlay_bridge: bool,
     lab_root: str = LAB_ROOT,
+    flanneld_nodes: int = 0,
 ) -> LabState:
-    """The full description of a lab before anything is built."""
-    validate_request(name, nodes, backend, direct_routing, segments, network)
+    """The full description of a lab before anything is built; the last ``flanneld_nodes``
+    nodes run the real flanneld instead of our agent."""
+    validate_request(name, nodes, backend, direct_routing, segments, network, flanneld_nodes)
     if len(subnets) != segments:
         raise ValueError("one subnet per segment is needed")
     lab_dir = f"{lab_root}/{name}"
@@ -201,6 +212,7 @@ def plan_lab(
                 node_dir=node_dir,
                 subnet_env=f"{node_dir}/run/flannel/subnet.env",
                 agent_log=f"{node_dir}/agent.log",
+                agent_kind=KIND_FLANNELD if i > nodes - flanneld_nodes else KIND_FLANNELPY,
             )
         )
     host_ip = address(subnets[0], HOST_HOST)

@@ -5,6 +5,11 @@ reference ``portmap``) naming its own agent's socket, since the lab's agents
 share one filesystem. The executable is installed once per lab; it is the
 static build (no Python needed on the "host") when it can be built here, else
 the Python launcher.
+
+On a flanneld node the conflist is the flannel CNI plugin's delegate config,
+rendered by the lab from that node's subnet.env before every ADD (as the plugin
+does), run by the reference ``bridge`` and ``host-local`` plugins: a stand-in for
+the flannel plugin, which is not built here (see ``flannelpy_lab.flanneld``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import flannelpy
-from flannelpy_lab import agents, procs, topology
+from flannelpy_lab import agents, flanneld, procs, topology
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.runtime import Attachment, CniRuntime
 from flannelpy_lab.state import LabState, NodeInfo, PodInfo
@@ -81,11 +86,28 @@ def conflist_doc(node: NodeInfo) -> dict[str, Any]:
 
 
 def write_conflist(node: NodeInfo) -> None:
+    """The node's conflist; on a flanneld node only once its subnet.env exists."""
+    if node.runs_flanneld:
+        env = agents.read_subnet_env(node)
+        if env is None:
+            return
+        doc = flanneld.conflist_doc(node, env, NETWORK_NAME)
+    else:
+        doc = conflist_doc(node)
     os.makedirs(os.path.dirname(node.conflist), exist_ok=True)
     tmp = node.conflist + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(conflist_doc(node), f, indent=2)
+        json.dump(doc, f, indent=2)
     os.replace(tmp, node.conflist)
+
+
+def prepare_flanneld_node(node: NodeInfo) -> None:
+    """Render the delegate conflist from the node's subnet.env now, as the flannel plugin
+    does at each ADD; fail if flanneld has written none."""
+    if agents.read_subnet_env(node) is None:
+        raise LabError(f"node {node.name} has no subnet.env at {node.subnet_env}: its "
+                       f"flanneld is not ready; see {node.agent_log}")  # fmt: skip
+    write_conflist(node)
 
 
 def runtime_for(state: LabState, node: NodeInfo) -> CniRuntime:
@@ -139,7 +161,10 @@ def add_pod(
 ) -> PodInfo:
     """Create a pod namespace and run CNI ADD for it, as a runtime on ``node_name`` would."""
     node = state.node(node_name)
-    wait_cni_ready(state, node)
+    if node.runs_flanneld:
+        prepare_flanneld_node(node)
+    else:
+        wait_cni_ready(state, node)
     name = name or next_pod_name(state, node_name)
     pod = PodInfo(
         name=name, node=node_name, namespace=f"fpl-{state.name}-{name}",

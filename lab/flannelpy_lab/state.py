@@ -1,6 +1,6 @@
 """The lab's record of itself: ``<lab dir>/state.json``.
 
-Everything ``status``, ``down`` and other processes (tests, ``--lab`` commands)
+Everything ``status``, ``down`` and other processes (tests, ``flannelpy-lab run``)
 need is here, written atomically after every change so that a half-built lab
 can still be torn down exactly. A file lock under the lab root serialises
 address allocation between labs started at the same time.
@@ -21,6 +21,8 @@ from flannelpy_lab.errors import LabError
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
+KIND_FLANNELPY = "flannelpy"  # NodeInfo.agent_kind: our agent
+KIND_FLANNELD = "flanneld"  # the real upstream flanneld (flannelpy_lab.flanneld)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class NodeInfo:
     agent_start_ticks: int | None = None  # /proc start time: tells a reused pid apart
     agent_started_at: float | None = None  # unix time; an older subnet.env is stale
     overlay_address: str | None = None  # cni0's address, "10.244.3.1/24", once ready
+    agent_kind: str = KIND_FLANNELPY  # what the node runs: KIND_FLANNELPY or KIND_FLANNELD
 
     @property
     def ip(self) -> IPv4Address:
@@ -48,6 +51,10 @@ class NodeInfo:
     @property
     def overlay_ip(self) -> IPv4Address | None:
         return IPv4Interface(self.overlay_address).ip if self.overlay_address else None
+
+    @property
+    def runs_flanneld(self) -> bool:
+        return self.agent_kind == KIND_FLANNELD
 
     @property
     def run_dir(self) -> str:
@@ -60,7 +67,8 @@ class NodeInfo:
     @property
     def conflist(self) -> str:
         """The conflist a container runtime on this node reads (its /etc/cni/net.d)."""
-        return os.path.join(self.node_dir, "cni", "net.d", "10-flannelpy.conflist")
+        name = "10-flannel.conflist" if self.runs_flanneld else "10-flannelpy.conflist"
+        return os.path.join(self.node_dir, "cni", "net.d", name)
 
     @property
     def cni_cache_dir(self) -> str:

@@ -80,6 +80,7 @@ def collect(state: LabState) -> dict[str, Any]:
                 "backend": lease["backend"] if lease else None,
                 "overlay_address": overlay[node.name],
                 "segment": node.segment,
+                "agent_kind": node.agent_kind,  # "flannelpy" (ours) or "flanneld" (upstream)
                 "agent_pid": node.agent_pid,
                 "agent_running": procs.alive(agents.agent_ref(node)),
                 # What a container runtime on this node would use: point any CNI tool here.
@@ -154,7 +155,8 @@ def render_text(doc: dict[str, Any]) -> str:
     lines = [f"lab {doc['name']}: {mode}, network {network}, etcd {endpoint}"]
     if doc.get("etcd_error"):
         lines.append(f"warning: {doc['etcd_error']}")
-    rows = [["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "AGENT"]]
+    rows = [["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "RUNS",
+             "AGENT"]]  # fmt: skip
     for n in doc["nodes"]:
         rows.append(
             [
@@ -165,6 +167,7 @@ def render_text(doc: dict[str, Any]) -> str:
                 n["lease"] or "-",
                 n["backend"] or "-",
                 n["overlay_address"] or "-",
+                n.get("agent_kind", "flannelpy"),
                 (f"pid {n['agent_pid']}" if n.get("agent_running") else "down"),
             ]
         )

@@ -141,8 +141,12 @@ def delete_node(state: LabState, node: NodeInfo) -> None:
     """Remove a node's namespace and its switch port (the veth dies with the namespace)."""
     delete_namespace(node.namespace)
     seg = state.segments[node.segment - 1]
-    if link_exists(node.switch_port, ns=seg.switch_namespace):
-        ip("link", "del", node.switch_port, ns=seg.switch_namespace)
+    # The kernel tears the veth down asynchronously: it may vanish between a look and
+    # the delete, so only a port that is still there after a failed delete is an error.
+    proc = ip("link", "del", node.switch_port, ns=seg.switch_namespace, check=False)
+    if proc.returncode != 0 and link_exists(node.switch_port, ns=seg.switch_namespace):
+        raise LabError(f"cannot remove switch port {node.switch_port} of node {node.name} "
+                       f"in {seg.switch_namespace}: {proc.stderr.strip()}")  # fmt: skip
 
 
 def attach_host(state: LabState) -> None:

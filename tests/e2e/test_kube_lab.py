@@ -14,24 +14,19 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from flannelpy_lab import Lab
 
+from tests.support.agent_events import log_counts, wait_for_log_lines
 from tests.support.kube_standin import KubeStandin
-from tests.support.lab_util import running_kube_lab, wait_until
+from tests.support.lab_util import wait_until
 
 pytestmark = [pytest.mark.lab]
 
 PREFIX = "flannel.alpha.coreos.com"
-
-
-@pytest.fixture(scope="module")
-def kube_lab() -> Iterator[tuple[Lab, KubeStandin]]:
-    with running_kube_lab() as (lab, api):
-        yield lab, api
+WATCH_FAILED = "node watch failed"  # the agent's log line for a failed node watch
 
 
 def our_routes(lab: Lab, node: str) -> set[str]:
@@ -82,9 +77,11 @@ def test_api_unreachable_keeps_the_data_plane_and_recovers(
     kube_lab: tuple[Lab, KubeStandin],
 ) -> None:
     lab, api = kube_lab
+    failed = log_counts(lab.nodes, WATCH_FAILED)
     api.set_unreachable(True)
     try:
-        time.sleep(3)
+        # Every agent has lost its watch and had a retry refused too.
+        wait_for_log_lines(lab.nodes, WATCH_FAILED, failed, more=2, timeout=15)
         matrix = lab.status()["pod_matrix"]
         assert all(ok for row in matrix.values() for ok in row.values()), matrix
     finally:

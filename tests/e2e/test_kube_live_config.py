@@ -30,11 +30,11 @@ from kubernetes import client as kclient
 from kubernetes.client.exceptions import ApiException
 
 from flannelpy.config.settings import AgentSettings
-from flannelpy.control.node_control import KubeNodeControl
 from flannelpy.subnet.kube.manager import OVERRIDE_ANNOTATION, KubeSubnetManager
 from tests.e2e.test_observability import scrape
+from tests.support.agent_events import processed_mark, wait_until_processed
 from tests.support.kube_standin import MERGE, KubeStandin
-from tests.support.lab_util import running_kube_lab, wait_until
+from tests.support.lab_util import wait_until
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,12 +57,6 @@ def lab_test(fn: F) -> F:
     ):
         fn = mark(fn)
     return fn
-
-
-@pytest.fixture(scope="module")
-def kube_lab() -> Iterator[tuple[Lab, KubeStandin]]:
-    with running_kube_lab() as (lab, api):
-        yield lab, api
 
 
 @pytest.fixture(autouse=True)
@@ -275,11 +269,16 @@ def test_restart_keeps_the_backend_the_annotation_asks_for(
                and d["backend"] == "vxlan", REACT, what="n2 to apply the override")  # fmt: skip
     lab.kill_agent("n2")
     log_size = len(agent_log(lab, "n2"))
+    restarted_at = time.time()
     lab.start_agent("n2")
     lab.wait_ready("n2")
-    wait_until(lambda: status_json(lab, "n2")["applied_generation"] == 2, REACT,
-               what="the restarted n2 to read its override")  # fmt: skip
-    time.sleep(3 * KubeNodeControl.POLL_SECONDS)  # time to act on a wrong first decision
+    n2 = lab.node("n2")
+    # The new agent's first decision is made and acted on (counts start at 0 with the
+    # process; the last run's status.json does not count), and its timers ran after
+    # it: a wrong first decision would show by now.
+    doc = wait_until_processed(n2, "control", after=0, timeout=REACT, since=restarted_at)
+    assert doc["applied_generation"] == 2, doc
+    wait_until_processed(n2, "tick", after=processed_mark(n2, "tick"), timeout=REACT)
     since_restart = agent_log(lab, "n2")[log_size:]
     assert "backend changed" not in since_restart, since_restart
     assert status_json(lab, "n2")["backend"] == "vxlan"

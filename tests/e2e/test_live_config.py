@@ -10,23 +10,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from flannelpy_lab import Lab
 
-from flannelpy.control.records import (
-    ForceRecord,
-    NodeOverride,
-    NodeStatus,
-    override_key,
-    status_key,
-)
+from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
 from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.keys import override_key, status_key
 from tests.e2e.test_observability import scrape
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,
@@ -121,9 +115,8 @@ def test_block_keeps_every_node_on_its_config_and_counts_the_attempt(
     assert all_pods_reach_each_other(lab)
     # The doctor shows it too, as the policy's sentence.
     doctor = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "doctor", "--lab", lab.name, "--node", "n1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+    )
     assert "blocked by DisruptionPolicy Block" in doctor.stdout, doctor.stdout + doctor.stderr
 
     # Changing the policy releases the pending change on every node.

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import flannelpy
 from flannelpy.observe.metrics import FAMILIES
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,
@@ -127,8 +127,7 @@ def peer_metric(lab: Lab, node: str, name: str, peer: str) -> float:
 def doctor(lab: Lab, node: str) -> tuple[int, list[dict[str, Any]]]:
     """The real command; its exit code and the findings that are not ok."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "doctor", "--lab", lab.name, "--node", node,
-         "--json"],
+        lab_run_argv(lab.name, "doctor", "--json", node=node),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"
@@ -391,7 +390,12 @@ def test_dropping_vxlan_traffic_makes_the_peer_unreachable_and_doctor_names_it(
             for role in ("vxlan", "underlay") for d in ("rx", "tx")
         ))  # fmt: skip
         frozen = value(after, pkts, role="vxlan", direction="rx")
-        time.sleep(ROUND_SECONDS)
+        # Two more of n1's rounds to n3 counted after this: one was sent after the
+        # scrape (and met the drop); the count read first may be in flight.
+        rounds = fresh_probe(lab, "n1", "n3", time.time())["probes"]
+        wait_until(lambda: probe(lab, "n1", "n3").get("probes", 0) >= rounds + 2,
+                   timeout=5 * ROUND_SECONDS, interval=0.5,
+                   what="two more of n1's probe rounds to n3")  # fmt: skip
         assert value(scrape(lab, "n3")[1], pkts, role="vxlan", direction="rx") == frozen
     finally:
         iptables(lab, "n3", "-D", rule)

@@ -413,8 +413,8 @@ def test_chain_with_reference_tuning_and_portmap_add_check_del() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = os.path.join(os.path.dirname(sys.executable), "flannelpy")
-    return subprocess.run([exe, "lab", *args], capture_output=True, text=True, timeout=120)
+    exe = os.path.join(os.path.dirname(sys.executable), "flannelpy-lab")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
 
 
 def test_lab_pod_cli_and_status_json_are_enough_for_an_external_runtime() -> None:

@@ -1,7 +1,7 @@
 """Issue 7 on real agents: address pools, drain, cluster scope, and an older node.
 
 Each test builds its own vxlan lab and drives the pools with the operator's
-command (``flannelpy pools ... --lab NAME``), then reads what the agents did:
+command (``flannelpy-lab run NAME -- flannelpy pools ...``), then reads what the agents did:
 their leases in etcd, status.json and status records, routes, cni0 addresses,
 logs, and pod-to-pod traffic.
 
@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -31,11 +30,20 @@ from flannelpy_lab.pods import pod_matrix
 from flannelpy_lab.state import PodInfo
 
 import flannelpy
-from flannelpy.control.records import NodeStatus, status_key
+from flannelpy.control.records import NodeStatus
 from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.keys import status_key
+from tests.support.agent_events import (
+    AgentNode,
+    fresh_status,
+    quiet_count,
+    wait_for_capacity_round,
+    wait_until_processed,
+)
 from tests.support.lab_util import (
     host_snapshot,
     lab_residue,
+    lab_run_argv,
     running_lab,
     unique_lab_name,
     wait_until,
@@ -62,10 +70,10 @@ EXHAUSTED = "cannot add a lease: no pool can take a new lease"
 
 
 def pools(lab: Lab, *args: str) -> str:
-    """``flannelpy pools ARGS --lab NAME``; its stdout. Fails the test on a non-zero exit."""
+    """``flannelpy pools ARGS`` with the lab's store; its stdout. Fails the test on a
+    non-zero exit."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "pools", *args, "--lab", lab.name],
-        capture_output=True, text=True, timeout=60,
+        lab_run_argv(lab.name, "pools", *args), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, f"pools {' '.join(args)}: {proc.stdout}{proc.stderr}"
     return proc.stdout
@@ -162,6 +170,10 @@ def all_pods_reach_each_other(pods: Sequence[PodInfo]) -> None:
     matrix = pod_matrix(list(pods))
     missing = [f"{a}->{b}" for a, row in matrix.items() for b, ok in row.items() if not ok]
     assert not missing, f"pod pairs without connectivity: {', '.join(missing)}"
+
+
+def agents(lab: Lab, nodes: Sequence[str]) -> list[AgentNode]:
+    return [lab.node(n) for n in nodes]
 
 
 def wait_pool_leases(lab: Lab, nodes: Sequence[str], pool: IPv4Network,
@@ -304,7 +316,9 @@ def test_an_untagged_pool_takes_no_lease_and_removing_role_1_keeps_its_leases_se
         view = pool_view(lab, NEW)
         assert view["create_leases"] is False and view["leases"] == 0, view
         assert f"has no {ROLE} tag" in view["reason"]
-        time.sleep(CAPACITY_TICK_S + 1)  # another capacity round on every node
+        # Each node refused it while trying to add a lease: it knows the pool. Its next
+        # capacity round must not take one either.
+        wait_for_capacity_round(agents(lab, nodes))
         assert all(not in_pool(v, NEW) for v in etcd_leases(lab).values())
 
         # n3 is away while the pool is opted in: it comes back after the role is gone.
@@ -315,11 +329,15 @@ def test_an_untagged_pool_takes_no_lease_and_removing_role_1_keeps_its_leases_se
         for node, pod in first.items():
             assert net_of(pod) == leased[node]
 
+        up = agents(lab, ["n1", "n2"])
+        before = {node.name: quiet_count(node, "control") for node in up}
         out = pools(lab, "untag", str(NEW), ROLE)
         assert f"to drain it, tag it {ROLE}=0" in out, out
         view = pool_view(lab, NEW)
         assert view["create_leases"] is False and view["allocate_addresses"] is True, view
-        time.sleep(CAPACITY_TICK_S + 1)
+        for node in up:  # the untag reached the agents, then a capacity round ran
+            wait_until_processed(node, "control", after=before[node.name])
+        wait_for_capacity_round(up)
         # Fail open: the leases stay and still hand out addresses.
         second = lab.add_pod("n1")
         assert net_of(second) == leased["n1"], second
@@ -332,7 +350,7 @@ def test_an_untagged_pool_takes_no_lease_and_removing_role_1_keeps_its_leases_se
         lab.wait_ready("n3")
         wait_until(lambda: untagged in log_since_start(lab, "n3"), 10,
                    what="n3 to refuse the pool whose role was removed")  # fmt: skip
-        time.sleep(CAPACITY_TICK_S + 1)
+        wait_for_capacity_round(agents(lab, ["n3"]))
         assert not in_pool(etcd_leases(lab)["n3"], NEW)
         assert pool_view(lab, NEW)["leases"] == 2
         for node in ("n1", "n2"):
@@ -369,17 +387,22 @@ def test_a_cluster_scoped_pool_serves_only_the_agents_of_that_cluster() -> None:
         for node in ("n3", "n4"):
             wait_until(lambda n=node: refusal in log_since_start(lab, n), 10,
                        what=f"{node} to refuse cluster a's pool")  # fmt: skip
-        time.sleep(CAPACITY_TICK_S + 1)
+        # They refused it trying to add a lease, so they know every change above.
+        wait_for_capacity_round(agents(lab, ["n3", "n4"]))
         held = etcd_leases(lab)
         for node in ("n3", "n4"):  # still on their drained primary lease alone
             assert len(held[node]) == 1 and held[node][0].subnet_of(PRIMARY), held
 
         # Cluster b's own pool: n3 and n4 lease there, and a's nodes never do.
+        in_a_agents = agents(lab, ["n1", "n2"])
+        before = {node.name: quiet_count(node, "control") for node in in_a_agents}
         pools(lab, "add", str(OTHER))
         pools(lab, "tag", str(OTHER), "flannelpy.io/cluster/b=1")
         pools(lab, "tag", str(OTHER), f"{ROLE}=1")
         in_b = wait_pool_leases(lab, ["n3", "n4"], OTHER)
-        time.sleep(CAPACITY_TICK_S + 1)
+        for node in in_a_agents:  # all three changes reached them, then a capacity round
+            wait_until_processed(node, "control", after=before[node.name] + 2)
+        wait_for_capacity_round(in_a_agents)
         held = etcd_leases(lab)
         assert all(not in_pool(held[n], OTHER) for n in ("n1", "n2")), held
         assert all(len(in_pool(held[n], NEW)) == 1 for n in ("n1", "n2")), held
@@ -449,7 +472,10 @@ def test_a_node_on_the_previous_release_interoperates_with_multi_lease_nodes(
         second = wait_pool_leases(lab, ["n1", "n2"], NEW)
         wait_until(lambda: routes(lab, "n3") >= set(second.values()), 10,
                    what="the old node to route to the new pool's leases")  # fmt: skip
-        time.sleep(CAPACITY_TICK_S + 1)
+        # The old agent counts no events: its status file, rewritten twice since, shows
+        # that it went on running after the drain.
+        for _ in range(2):
+            fresh_status(lab.node("n3"))
         assert etcd_leases(lab)["n3"] == n3_lease  # the old agent never reads pools
         # Old and new leases alike: Flannel's key form and JSON, our extension apart.
         docs = lease_docs(lab)

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,13 +29,14 @@ from typing import Any
 import pytest
 from flannelpy_lab import Lab
 
-from flannelpy.commands.rollout import drive, make_plan, start
-from flannelpy.control.records import NodeStatus, override_key, rollout_key
-from flannelpy.rollout.plan import RolloutRecord
+from flannelpy.control.records import NodeStatus
+from flannelpy.rollout.driver import drive, make_plan, start
+from flannelpy.rollout.record import RolloutRecord
 from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import EtcdStore, config_key
+from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.keys import config_key, override_key, rollout_key
 from tests.e2e.test_observability import scrape
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 from tests.support.traffic import PodTraffic, TrafficReport
 
 pytestmark = [
@@ -146,10 +146,10 @@ def restore(c: Cluster) -> None:
 # --- helpers -------------------------------------------------------------------------
 
 
-def flannelpy(*args: str) -> subprocess.CompletedProcess[str]:
-    """The command line, as an operator runs it."""
+def flannelpy(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
+    """The command line, as an operator runs it on the lab (``flannelpy-lab run``)."""
     return subprocess.run(
-        [sys.executable, "-m", "flannelpy", *args],
+        lab_run_argv(lab.name, *args),
         cwd=REPO, capture_output=True, text=True, timeout=CLI_TIMEOUT,
     )  # fmt: skip
 
@@ -234,7 +234,7 @@ def test_three_rollouts_under_traffic_lose_no_echo_and_break_no_stream(
         measuring = time.monotonic()
         for flags, name, route_dev, vtep in ROLLOUTS:
             began = time.monotonic()
-            proc = flannelpy("rollout", "start", *flags, "--lab", lab.name)
+            proc = flannelpy(lab, "rollout", "start", *flags)
             took = time.monotonic() - began
             durations.append((name, took))
             spans.append((name, began - measuring, began - measuring + took))
@@ -278,12 +278,12 @@ def test_block_refuses_the_rollout_and_no_agent_applies_a_change_written_to_the_
     cluster: Cluster,
 ) -> None:
     lab = cluster.lab
-    proc = flannelpy("policy", "set", "Block", "--lab", lab.name)
+    proc = flannelpy(lab, "policy", "set", "Block")
     assert proc.returncode == 0, output(proc)
     record_before = cluster.rs.read_record()
     before = {node: scrape(lab, node)[1].get(BLOCKED, 0.0) for node in NAMES}
 
-    proc = flannelpy("rollout", "start", "--backend", "host-gw", "--lab", lab.name)
+    proc = flannelpy(lab, "rollout", "start", "--backend", "host-gw")
     print(proc.stderr)
     assert proc.returncode == 2, output(proc)
     sentence = proc.stderr.strip().splitlines()[-1]
@@ -336,9 +336,8 @@ def test_maintenance_window_waits_proceeds_pauses_and_resumes_in_the_next_one(
     cluster: Cluster,
 ) -> None:
     lab = cluster.lab
-    proc = flannelpy("policy", "set", "AllowDuringMaintenanceWindow", "--days", "Sat",
-                     "--start", "02:00", "--duration", "1h", "--utc-offset", "+00:00",
-                     "--lab", lab.name)  # fmt: skip
+    proc = flannelpy(lab, "policy", "set", "AllowDuringMaintenanceWindow", "--days", "Sat",
+                     "--start", "02:00", "--duration", "1h", "--utc-offset", "+00:00")  # fmt: skip
     assert proc.returncode == 0, output(proc)
     clock = TestClock(WINDOW - timedelta(minutes=30))
     lines: list[str] = []
@@ -379,7 +378,7 @@ def test_maintenance_window_waits_proceeds_pauses_and_resumes_in_the_next_one(
     assert peer_routes(lab, "n2")[subnet_of(lab, "n3")] == "flannel.1"
 
     # The next window, with the operator's command: resume runs it to the end.
-    proc = flannelpy("rollout", "resume", "--lab", lab.name,
+    proc = flannelpy(lab, "rollout", "resume",
                      "--clock-start", (NEXT_WINDOW + timedelta(minutes=2)).isoformat())  # fmt: skip
     print(proc.stdout + proc.stderr)
     assert proc.returncode == 0, output(proc)
@@ -408,8 +407,8 @@ def test_a_node_that_fails_verification_is_rolled_back_and_the_rollout_stops(
             lab.exec("n3", ["iptables", "-t", "mangle", "-A", "POSTROUTING", *rule])
         assert lab.status()["ok"]  # nothing is lost while n3 encapsulates
         began = time.monotonic()
-        proc = flannelpy("rollout", "start", "--backend", "host-gw", "--step-timeout", "20",
-                         "--lab", lab.name)  # fmt: skip
+        proc = flannelpy(lab, "rollout", "start", "--backend", "host-gw",
+                         "--step-timeout", "20")  # fmt: skip
         took = time.monotonic() - began
         print(f"--- rollout with a failing n3: {took:.1f} s\n{proc.stdout}{proc.stderr}")
         assert proc.returncode == 1, output(proc)
@@ -455,7 +454,7 @@ def test_host_gw_across_two_segments_is_refused_at_plan_and_start() -> None:
             config_before = store.get(config_key(prefix))
             assert config_before is not None
             for command in ("plan", "start"):
-                proc = flannelpy("rollout", command, "--backend", "host-gw", "--lab", lab.name)
+                proc = flannelpy(lab, "rollout", command, "--backend", "host-gw")
                 print(proc.stderr)
                 assert proc.returncode == 2, output(proc)
                 named = set()
@@ -475,8 +474,8 @@ def test_host_gw_across_two_segments_is_refused_at_plan_and_start() -> None:
                 assert store.get(override_key(prefix, "n1")) is None
             assert {s.backend.type for s in rs.read_nodes().statuses.values()} == {"vxlan"}
             # What the refusal suggests is accepted.
-            proc = flannelpy("rollout", "plan", "--backend", "vxlan", "--direct-routing",
-                             "--lab", lab.name)  # fmt: skip
+            proc = flannelpy(lab, "rollout", "plan", "--backend", "vxlan",
+                             "--direct-routing")  # fmt: skip
             assert proc.returncode == 0, output(proc)
         finally:
             store.close()

@@ -32,8 +32,9 @@ from flannelpy_lab import etcd as lab_etcd
 from flannelpy_lab import plan as lab_plan
 from flannelpy_lab.state import NodeInfo
 
-from flannelpy.agent.node import CAPACITY_TICK
+from flannelpy.agent.capacity import CAPACITY_TICK
 from tests.support import pod_util as pu
+from tests.support.agent_events import wait_for_capacity_round
 from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
@@ -209,7 +210,9 @@ def _warm_run(lab: Lab) -> None:
         steady = pu.PodFleet(lab, "n2", steady_names, pu.plugin_config(n2), "l")
         assert all(c.returncode == 0 for c in steady.burst(STEADY_PODS))
         assert all(a.network == first for a in steady.addresses.values())
-        time.sleep(1.0)  # 143 free >= MIN_FREE: the burst alone must not add a lease
+        # 143 free >= MIN_FREE: the burst alone must not add a lease, in the capacity
+        # round after it (or one IPAM asked for during it).
+        wait_for_capacity_round([n2])
         assert _leases_of(lab, n2) == [first]
 
         churn = _churn_fleet(lab, "n2", churn_names)

@@ -1,4 +1,5 @@
-"""`flannelpy doctor --lab NAME --node nX` on a real 3-node vxlan lab with pods.
+"""`flannelpy doctor` on node nX of a real 3-node vxlan lab with pods (run there by
+`flannelpy-lab run NAME --node nX`, with the settings of nX's agent).
 
 Healthy first; then, with n1's agent stopped (so nothing repairs), a deleted
 route, a flushed masquerade chain and a stale route of ours; then an MTU change
@@ -11,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 import pytest
 from flannelpy_lab import Lab
 
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 
 pytestmark = [
     pytest.mark.lab,
@@ -30,8 +30,7 @@ pytestmark = [
 def doctor(lab: Lab, node: str) -> tuple[int, dict[str, Any]]:
     """Run the real command; returns its exit code and its JSON report."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "doctor", "--lab", lab.name, "--node", node,
-         "--json"],
+        lab_run_argv(lab.name, "doctor", "--json", node=node),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"

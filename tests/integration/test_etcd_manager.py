@@ -28,31 +28,20 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.subnet.etcd.client import (
-    EtcdStore,
-    EtcdSubnetManager,
-    connect_etcd,
-    put_network_config,
-)
+from flannelpy.retry import Backoff
+from flannelpy.subnet.etcd.client import EtcdStore, connect_etcd
+from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.etcd.kv import FakeStore, Store, WatchBatch, WatchStream
+from flannelpy.subnet.etcd.manager import EtcdSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.etcd_server import EtcdServer, free_port, make_tls_files
+from tests.support.waiting import wait_until
 
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
 FLANNELD_VALUE = (
     '{"PublicIP":"192.168.64.3","PublicIPv6":null,"BackendType":"vxlan",'
     '"BackendData":{"VNI":1,"VtepMAC":"c6:d2:32:6f:8f:44"}}'
 )
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # =============================================================================
@@ -223,15 +212,17 @@ def test_contract_watch_ends_soon_after_stop(kv: Kv) -> None:
     stop = threading.Event()
     stream = kv.store.watch_prefix(kv.prefix, 1, stop)
     done = threading.Event()
+    seen: list[object] = []
 
     def drain() -> None:
-        for _ in stream:
-            pass
+        for item in stream:
+            seen.append(item)
         done.set()
 
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
-    time.sleep(0.2)
+    kv.store.put(kv.prefix + "a", b"1")
+    wait_until(lambda: seen, 5.0, "the watch to deliver a write")  # it is open and waiting
     started = time.monotonic()
     stop.set()
     assert done.wait(2.0)
@@ -294,9 +285,11 @@ def managers(
     put_network_config(raw_store, etcd_prefix, NETCONF)
     made: list[EtcdSubnetManager] = []
 
-    def make(store: Store | None = None, **overrides: Any) -> EtcdSubnetManager:
+    def make(
+        store: Store | None = None, clock: Callable[[], float] = time.time, **overrides: Any
+    ) -> EtcdSubnetManager:
         settings = settings_for([etcd_server.endpoint], etcd_prefix, **overrides)
-        manager = EtcdSubnetManager(store or connect_etcd(settings), settings)
+        manager = EtcdSubnetManager(store or connect_etcd(settings), settings, clock=clock)
         made.append(manager)
         return manager
 
@@ -406,10 +399,11 @@ def test_acquire_writes_flannels_key_and_json_on_a_ttl_lease(
 def test_renew_rewrites_the_key_on_a_new_etcd_lease(
     managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
 ) -> None:
-    manager = managers()
+    clock = ManualClock()
+    manager = managers(clock=clock)
     lease = manager.acquire_lease(attrs("192.168.64.3"), None)
     assert lease.expiration is not None
-    time.sleep(0.05)
+    clock.now += 5  # the renewal comes later
     renewed = manager.renew_lease(lease)
     assert renewed.key == lease.key and renewed.subnet == lease.subnet
     assert renewed.expiration is not None and renewed.expiration > lease.expiration
@@ -573,7 +567,7 @@ def test_watch_ignores_keys_that_are_not_leases_and_warns_once(
     subnets = f"{etcd_prefix}/subnets/"
     raw_store.put(subnets + "garbage", b"{}")
     raw_store.put(subnets + "10.244.3.0-24", b"not json")
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd.client")
+    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd.manager")
     with watching(managers()) as seen:
         seen.wait_for(lambda m: True, 2.0)
         raw_store.put(subnets + "garbage", b"{}")  # seen again through the watch
@@ -642,13 +636,15 @@ def test_watch_survives_etcd_restart_and_delivers_later_changes(
     admin = EtcdStore([server.endpoint])
     put_network_config(admin, etcd_prefix, NETCONF)
     writer = EtcdSubnetManager(EtcdStore([server.endpoint]), settings)
-    watcher = EtcdSubnetManager(connect_etcd(settings), settings)
+    restarts: list[str] = []
+    watcher = EtcdSubnetManager(connect_etcd(settings), settings, on_watch_restart=restarts.append)
     try:
         first = writer.acquire_lease(attrs("192.168.64.1"), None)
         with watching(watcher) as seen:
             seen.wait_for(lambda m: set(m) == {first.key}, 2.0)
             server.kill()
-            time.sleep(1.0)  # the watch fails and backs off meanwhile
+            # The watch fails and backs off (twice: a retry failed too) before etcd returns.
+            wait_until(lambda: restarts.count("unavailable") >= 2, 10.0, "two failed watches")
             server.start()
             later = wait_until(
                 lambda: _try(lambda: writer.acquire_lease(attrs("192.168.64.2"), None)),
@@ -678,7 +674,8 @@ def test_watch_backs_off_while_the_store_is_down_and_resets_after() -> None:
         delays.append(seconds)
         stop.wait(0.01)
 
-    manager = EtcdSubnetManager(fake, settings, sleep=sleep)
+    # Without jitter, so the nominal sequence is exact (test_retry covers the jitter).
+    manager = EtcdSubnetManager(fake, settings, sleep=sleep, backoff=lambda: Backoff(jitter=0.0))
     with watching(manager) as seen:
         seen.wait_for(lambda m: True, 2.0)
         fake.set_available(False)

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flannelpy.dataplane.nlbatch import LinkStats
+from flannelpy.dataplane.linkstats import NetlinkLinkStats, RoleStats
+from flannelpy.dataplane.rtnl import LinkStats
 from flannelpy.errors import ConfigError, StoreUnavailable
 from flannelpy.observe.health import HealthServer, Heartbeats
-from flannelpy.observe.metrics import AgentMetrics, NetlinkLinkStats, RoleStats
+from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.etcd.client import EtcdStore
 from tests.support.etcd_server import free_port
 from tests.support.netns_util import Netns, is_root, temp_netns

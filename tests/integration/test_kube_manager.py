@@ -20,9 +20,11 @@ import pytest
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, StoreError
-from flannelpy.subnet.kube.manager import RBAC_RULES, KubeSubnetManager, build_api_client
+from flannelpy.subnet.kube.api import RBAC_RULES, build_api_client
+from flannelpy.subnet.kube.manager import KubeSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.kube_standin import STRATEGIC, KubeStandin, Request
+from tests.support.waiting import wait_until
 
 P = "flannel.alpha.coreos.com/"
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
@@ -51,18 +53,13 @@ def peer_annotations(ip: str, mac: str) -> dict[str, str]:
     }
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def patches(standin: KubeStandin) -> list[Request]:
     return [r for r in standin.requests if r.method == "PATCH"]
+
+
+def node_reads(standin: KubeStandin, name: str = OWN) -> int:
+    """How many times the Node ``name`` was read (GET) so far."""
+    return sum(r.method == "GET" and r.path == f"/api/v1/nodes/{name}" for r in standin.requests)
 
 
 def lists(standin: KubeStandin) -> list[Request]:
@@ -154,7 +151,11 @@ class Watcher:
 
     def wait_for(self, predicate: Callable[[dict[str, Lease]], bool], what: str,
                  timeout: float = 1.0) -> dict[str, Lease]:  # fmt: skip
-        return wait_until(lambda: predicate(self.latest) and self.latest, timeout, what)  # type: ignore[no-any-return]
+        def matching() -> dict[str, Lease] | None:
+            latest = self.latest
+            return latest if predicate(latest) else None
+
+        return wait_until(matching, timeout, what)
 
     def subnets(self) -> dict[str, str]:
         """node name → subnet of the latest map."""
@@ -309,7 +310,9 @@ def test_acquire_waits_for_the_pod_cidr_and_says_why(
     thread.start()
     try:
         wait_until(lambda: "pod cidr not assigned" in caplog.text, 2.0, "the warning")
-        time.sleep(0.5)
+        # A read after the next one proves the manager handled another missing podCIDR.
+        reads = node_reads(standin)
+        wait_until(lambda: node_reads(standin) >= reads + 2, 5.0, "two more reads of the Node")
         assert not result, "acquire returned without a pod cidr"
         assert patches(standin) == []  # nothing is advertised before there is a subnet
         standin.set_pod_cidr(OWN, "10.244.9.0/24")
@@ -341,7 +344,8 @@ def test_close_ends_the_wait_for_a_pod_cidr(
 
     thread = threading.Thread(target=acquire)
     thread.start()
-    time.sleep(0.3)
+    # The second read means the first found no podCIDR and the manager is pausing.
+    wait_until(lambda: node_reads(standin) >= 2, 5.0, "two reads of the Node")
     started = time.monotonic()
     manager.close()
     thread.join(3.0)
@@ -536,11 +540,14 @@ def test_watch_recovers_after_the_api_is_unreachable(
         with Watcher(manager) as w:
             wait_until(lambda: server.active_watches == 1, 2.0, "the watch")
             lists_before = len(lists(server))
+            failed_before = caplog.text.count("node watch failed")
             server.set_unreachable(True)
             server.set_pod_cidr("node-b", "10.244.12.0/24")  # while nobody can see it
             if compact:
                 server.compact()
-            time.sleep(1.5)
+            # The cut stream and the retries at 0.2, 0.6 and 1.4 s into the outage all fail.
+            wait_until(lambda: caplog.text.count("node watch failed") >= failed_before + 4,
+                       5.0, "four failed watch attempts")  # fmt: skip
             assert w.subnets()["node-b"] == "10.244.2.0/24"
             server.set_unreachable(False)
             # Retries came at 0.2, 0.6 and 1.4 s into the outage; the next is 1.6 s later.
@@ -558,7 +565,8 @@ def test_list_is_paged_and_delivered_once(standin: KubeStandin, make_manager: Ma
                          peer_annotations(f"192.168.50.{i}", MAC_A))  # fmt: skip
     manager = make_manager(node_name="node-1", page_size=3)
     with Watcher(manager) as w:
-        time.sleep(0.2)
+        # The manager watches only after it has delivered the whole list.
+        wait_until(lambda: standin.active_watches == 1, 2.0, "the watch after the list")
         assert len(w.calls) == 1  # one callback for the whole snapshot
         assert len(w.calls[0][0]) == 7
     pages = lists(standin)

@@ -14,13 +14,7 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 import pytest
 
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
-from flannelpy.dataplane.netlink import (
-    Interface,
-    NetlinkKernel,
-    choose_underlay,
-    event_kinds,
-    sysctl_path,
-)
+from flannelpy.dataplane.netlink import NetlinkKernel, event_kinds, sysctl_path
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.state import (
     Address,
@@ -31,8 +25,10 @@ from flannelpy.dataplane.state import (
     Route,
     VxlanLink,
 )
+from flannelpy.dataplane.underlay import Interface, choose_underlay
 from flannelpy.errors import DataplaneError, InterfaceNotFound
 from tests.support.netns_util import Netns, is_root, temp_netns
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.netns,
@@ -291,7 +287,7 @@ def test_route_deleted_by_hand_is_observed_and_watched(
     stop = threading.Event()
     watcher = overlay.start(kernel.watch, events.put, stop)
     try:
-        time.sleep(0.2)  # let the watcher subscribe
+        wait_subscribed(overlay)
         overlay.ip("route del 10.100.1.0/24")
         assert _next_event(events, {"route"}) == "route"
         assert observe(overlay, kernel) == replace(
@@ -308,6 +304,12 @@ def test_route_deleted_by_hand_is_observed_and_watched(
         stop.set()
         watcher.join(timeout=5)
     assert not watcher.is_alive() and time.monotonic() - stopped < 1.5
+
+
+def wait_subscribed(ns: Netns) -> None:
+    """Wait until a watcher's netlink socket in ``ns`` listens to rtnetlink groups: only
+    changes made after that reach it (a fresh namespace has no other listener)."""
+    wait_until(ns.netlink_listeners, 5.0, f"a netlink watcher subscribed in {ns.name}")
 
 
 def _next_event(events: queue.Queue[str], wanted: set[str], timeout: float = 3.0) -> str:
@@ -443,7 +445,7 @@ def test_watch_overrun_asks_for_resync_and_keeps_going(overlay: Netns) -> None:
     stop = threading.Event()
     watcher = overlay.start(kernel.watch, slow_consumer, stop)
     try:
-        time.sleep(0.2)
+        wait_subscribed(overlay)
         overlay.ip("route del 10.100.0.0/24")  # the first event blocks the consumer
         assert events.get(timeout=3) == "route"
         overlay.call(kernel.apply, remove_peers(peers[1:]))  # ~1500 notifications
@@ -493,13 +495,16 @@ def test_watch_ignores_pod_links_and_reports_our_device(overlay: Netns) -> None:
     stop = threading.Event()
     watcher = overlay.start(kernel.watch, events.put, stop)
     try:
-        time.sleep(0.2)
+        wait_subscribed(overlay)
         overlay.ip("link add vethpod1 type veth peer name vethpod2")
         overlay.ip("link add cni0 type bridge")
         overlay.ip("link set vethpod1 master cni0")
         overlay.ip("link del vethpod1")
         overlay.ip("link del cni0")
-        time.sleep(0.3)
+        # The kernel delivers notifications in order: once the watcher has reported this
+        # later change of another kind, it has read (and dropped) every pod-link event.
+        overlay.ip(f"addr del {VTEP.address} dev {DEV}")
+        assert events.get(timeout=3) == "address", list(events.queue)
         assert events.empty(), list(events.queue)
         overlay.ip(f"link set {DEV} mtu 1300")
         assert events.get(timeout=3) == "link"

@@ -21,14 +21,16 @@ from typing import Any
 import pytest
 from flannelpy_lab import Lab
 from flannelpy_lab import state as lab_state
+from flannelpy_lab.cli import main as lab_main
 
 from flannelpy.cli import main
-from flannelpy.commands import policy as policy_cli
+from flannelpy.control import policy_store
 from flannelpy.control.policy import DisruptionPolicy, parse_policy
 from flannelpy.errors import StoreError
 from flannelpy.subnet.etcd.client import EtcdStore
 from flannelpy.subnet.etcd.kv import KeyValue
 from tests.support.etcd_server import EtcdServer, free_port
+from tests.support.lab_util import lab_run_args
 
 CONFIG = (
     '{"network": "10.244.0.0/16", "SubnetLen": 24, '
@@ -216,7 +218,7 @@ class EditsBeforeWriting:
 def test_set_keeps_an_edit_made_while_it_writes(etcd_prefix: str, store: EtcdStore) -> None:
     store.put(f"{etcd_prefix}/config", CONFIG.encode())
     racing = EditsBeforeWriting(store, edits=2)
-    policy_cli.set_policy(racing, etcd_prefix, DisruptionPolicy("Block"))  # type: ignore[arg-type]
+    policy_store.set_policy(racing, etcd_prefix, DisruptionPolicy("Block"))  # type: ignore[arg-type]
     assert racing.attempts == 3
     doc = config_doc(store, etcd_prefix)
     assert doc["DisruptionPolicy"] == {"Mode": "Block"}
@@ -230,7 +232,7 @@ def test_set_gives_up_on_a_key_that_never_stops_changing(
     store.put(f"{etcd_prefix}/config", CONFIG.encode())
     racing = EditsBeforeWriting(store, edits=100)
     with pytest.raises(StoreError, match="changed 5 times"):
-        policy_cli.set_policy(racing, etcd_prefix, DisruptionPolicy("Block"))  # type: ignore[arg-type]
+        policy_store.set_policy(racing, etcd_prefix, DisruptionPolicy("Block"))  # type: ignore[arg-type]
     assert "DisruptionPolicy" not in config_doc(store, etcd_prefix)
 
 
@@ -376,7 +378,7 @@ def test_kubernetes_mode_is_refused_with_where_to_edit(
 
 
 def test_lab_takes_the_labs_etcd_and_prefix(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     etcd_server: EtcdServer, etcd_prefix: str, store: EtcdStore,
 ) -> None:  # fmt: skip
     # A saved lab state (no namespaces: only its etcd endpoint and prefix are read).
@@ -392,13 +394,14 @@ def test_lab_takes_the_labs_etcd_and_prefix(
     monkeypatch.setattr(Lab, "load", lambda name: load(name, str(tmp_path)))
     store.put(f"{etcd_prefix}/config", CONFIG.encode())
 
-    assert main(["policy", "set", "Block", "--lab", "plab"]) == 0
+    # The command runs as a child of the lab's: capfd sees its output.
+    assert lab_main(lab_run_args("plab", "policy", "set", "Block")) == 0
     assert config_doc(store, etcd_prefix)["DisruptionPolicy"] == {"Mode": "Block"}
-    capsys.readouterr()
-    assert main(["policy", "show", "--lab", "plab"]) == 0
-    assert capsys.readouterr().out.startswith(f"policy: Block (etcd key {etcd_prefix}/config)")
+    capfd.readouterr()
+    assert lab_main(lab_run_args("plab", "policy", "show")) == 0
+    assert capfd.readouterr().out.startswith(f"policy: Block (etcd key {etcd_prefix}/config)")
 
-    code = main(["policy", "show", "--lab", "plab", "--etcd-prefix", "/other"])
-    assert code == 2 and "leave out --etcd-prefix" in capsys.readouterr().err
-    code = main(["policy", "show", "--lab", "nolab"])
-    assert code == 1 and "there is no lab 'nolab'" in capsys.readouterr().err
+    code = lab_main(lab_run_args("plab", "policy", "show", "--etcd-prefix", "/other"))
+    assert code == 2 and "leave out --etcd-prefix" in capfd.readouterr().err
+    code = lab_main(lab_run_args("nolab", "policy", "show"))
+    assert code == 1 and "there is no lab 'nolab'" in capfd.readouterr().err

@@ -19,13 +19,17 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from flannelpy_lab.cli import main as lab_main
 
 from flannelpy.cli import main
 from flannelpy.config.netconf import parse_network_config
-from flannelpy.subnet.etcd.client import EtcdStore, put_network_config
+from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.etcd.kv import Store
-from flannelpy.subnet.etcd.pools import PoolStore, pool_key
+from flannelpy.subnet.etcd.pools import PoolStore
+from flannelpy.subnet.keys import pool_key
 from tests.support.etcd_server import EtcdServer, free_port
+from tests.support.lab_util import lab_run_args, lab_run_argv
 
 NETCONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
 LEASE_VALUE = '{"PublicIP":"192.168.64.3","PublicIPv6":null,"BackendType":"vxlan"}'
@@ -83,8 +87,8 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, bool, dict[str, str], bool]]
     return [(p["network"], p["primary"], p["tags"], p["create_leases"]) for p in doc["pools"]]
 
 
-def one_line_refusal(err: str) -> str:
-    assert err.startswith("flannelpy pools: ") and err.count("\n") == 1, err
+def one_line_refusal(err: str, by: str = "flannelpy pools") -> str:
+    assert err.startswith(f"{by}: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
     return err
 
@@ -386,24 +390,23 @@ def test_lab_takes_the_etcd_endpoint_and_prefix_of_the_lab(
         )
 
     monkeypatch.setattr(Lab, "load", staticmethod(load))
-    assert main(["pools", "add", "10.250.0.0/16", "--lab", "lab1"]) == 0
+    assert lab_main(lab_run_args("lab1", "pools", "add", "10.250.0.0/16")) == 0
     assert asked == ["lab1"]
     assert cluster.record("10.250.0.0/16") is not None
     cluster.capsys.readouterr()
-    code = main(["pools", "list", "--lab", "lab1", "--etcd-prefix", "/x"])
+    code = lab_main(lab_run_args("lab1", "pools", "list", "--etcd-prefix", "/x"))
     assert code == 2
-    assert "--lab brings its own etcd; leave out --etcd-prefix" in one_line_refusal(
-        cluster.capsys.readouterr().err
+    assert "brings its own etcd; leave out --etcd-prefix" in one_line_refusal(
+        cluster.capsys.readouterr().err, by="flannelpy-lab run"
     )
 
 
 def test_no_such_lab_is_one_sentence() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "pools", "list", "--lab", "nolab9"],
-        capture_output=True, text=True, timeout=60,
+        lab_run_argv("nolab9", "pools", "list"), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (proc.returncode, proc.stdout) == (1, "")
-    assert "there is no lab 'nolab9'" in one_line_refusal(proc.stderr)
+    assert "there is no lab 'nolab9'" in one_line_refusal(proc.stderr, by="flannelpy-lab run")
 
 
 def test_the_real_command_refuses_without_a_traceback(cluster: Cluster) -> None:

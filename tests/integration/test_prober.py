@@ -20,9 +20,10 @@ from ipaddress import IPv4Address
 import pytest
 
 from flannelpy.dataplane.ethtool import set_tx_checksum, tx_checksum
+from flannelpy.dataplane.icmp import IcmpTransport
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import InterfaceNotFound
-from flannelpy.observe.prober import IcmpTransport, Prober, ProbeResult
+from flannelpy.observe.prober import Prober, ProbeResult
 from tests.support.lab_util import wait_until
 from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name
 

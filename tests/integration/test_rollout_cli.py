@@ -12,19 +12,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from flannelpy.cli import main
 from flannelpy.config.settings import AgentSettings
-from flannelpy.control.records import NodeOverride, node_of_key, nodes_prefix
-from flannelpy.rollout.plan import RolloutRecord
+from flannelpy.control.records import NodeOverride
+from flannelpy.rollout.record import RolloutRecord
 from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import EtcdStore, config_key, connect_etcd
+from flannelpy.subnet.etcd.client import EtcdStore, connect_etcd
+from flannelpy.subnet.keys import config_key, node_of_key, nodes_prefix
 from tests.support.etcd_server import EtcdServer
 from tests.support.rollout_agents import AgentThreads, SimCluster, config_json, five_nodes
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,13 +81,6 @@ def cluster(etcd_server: EtcdServer, etcd_prefix: str) -> Iterator[Cluster]:
         c.store.close()
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def node_state(c: Cluster, node: str) -> str | None:
     record, _ = c.rs.read_record()
     return record.entry(node).state if record else None
@@ -127,7 +122,8 @@ def test_start_walks_every_node_to_done(
     assert cluster.sim.lost == []
     history = cluster.override_history()
     assert history == {f"n{i}": [1, None] for i in range(1, 6)}  # written once, then removed
-    wait_until(lambda: all(not s.vtep for s in cluster.rs.read_nodes().statuses.values()))
+    wait_until(lambda: all(not s.vtep for s in cluster.rs.read_nodes().statuses.values()),
+               what="every node reporting its VTEP gone")  # fmt: skip
     assert main(["rollout", "status", *cluster.flags]) == 0
     status = capsys.readouterr().out
     assert "n3    done     host-gw (MTU 1500)  -           yes    -" in status
@@ -140,7 +136,8 @@ def test_a_killed_driver_is_resumed(cluster: Cluster, capsys: pytest.CaptureFixt
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"), 60)
+        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"), 60,
+                   "n2 applying the change")  # fmt: skip
     finally:
         proc.kill()
         proc.communicate()
@@ -163,7 +160,8 @@ def test_abort_stops_after_the_current_node_and_says_how_to_go_back(
         ["rollout", "start", "--backend", "host-gw", "--step-timeout", "20", *cluster.flags])))
     driver.start()
     try:
-        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"))
+        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"),
+                   what="n2 applying the change")  # fmt: skip
         assert main(["rollout", "abort", *cluster.flags]) == 0
     finally:
         driver.join(60)

@@ -3,7 +3,8 @@
 ``running_lab`` brings a lab up under a unique name and always tears it down;
 ``host_snapshot`` + ``lab_residue`` check that teardown left nothing of a lab
 on the host (other tests may run at the same time, so only entries that carry
-the lab's names count).
+the lab's names count). ``wait_until`` is :func:`tests.support.waiting.wait_until`
+polling at the lab's pace.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import json
 import os
 import secrets
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from ipaddress import IPv4Interface
-from typing import Any, TypeVar
+from typing import Any
 
 from flannelpy_lab import Lab
 
-T = TypeVar("T")
+from tests.support import waiting
 
 
 def unique_lab_name(prefix: str = "t") -> str:
@@ -63,18 +65,23 @@ def running_kube_lab(nodes: int = 3) -> Iterator[tuple[Lab, Any]]:
             yield lab, api
 
 
-def wait_until(
-    probe: Callable[[], T], timeout: float = 30.0, interval: float = 0.2, what: str = "condition"
-) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout:g} s (last: {value!r})")
-        time.sleep(interval)
+def lab_run_args(lab: str, *command: str, node: str | None = None) -> list[str]:
+    """The arguments of ``flannelpy-lab run LAB [--node NODE] -- flannelpy COMMAND...``
+    (for ``flannelpy_lab.cli.main``): a flannelpy command with the lab's store settings;
+    with ``node``, in its namespace with its agent's settings."""
+    where = ["--node", node] if node else []
+    return ["run", lab, *where, "--", sys.executable, "-m", "flannelpy", *command]
+
+
+def lab_run_argv(lab: str, *command: str, node: str | None = None) -> list[str]:
+    """:func:`lab_run_args` as a command line to run."""
+    return [sys.executable, "-m", "flannelpy_lab", *lab_run_args(lab, *command, node=node)]
+
+
+# Lab probes mostly run commands in the nodes' namespaces: poll them less often than
+# in-process conditions, so waiting does not load the cores the agents run on.
+LAB_POLL_INTERVAL = 0.2
+wait_until = partial(waiting.wait_until, interval=LAB_POLL_INTERVAL)
 
 
 @dataclass(frozen=True)

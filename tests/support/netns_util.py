@@ -65,6 +65,15 @@ class Netns:
         """Start ``fn`` in a background thread inside the namespace."""
         return start_in_netns(self.name, fn, *args)
 
+    def netlink_listeners(self, protocol: int = 0) -> list[int]:
+        """The multicast group masks of this namespace's netlink sockets of ``protocol``
+        (0 is rtnetlink) that listen to any group, from ``/proc/net/netlink``."""
+        table = self.exec("cat /proc/net/netlink").stdout.splitlines()[1:]
+        rows = [line.split() for line in table]
+        return [
+            groups for row in rows if int(row[1]) == protocol and (groups := int(row[3], 16))
+        ]
+
     def veth(self, name: str, address: str | None = None, peer: str | None = None) -> str:
         """A veth pair inside the namespace, both ends up; ``address`` (CIDR) on ``name``.
 

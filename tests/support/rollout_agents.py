@@ -26,13 +26,10 @@ from flannelpy.control.records import (
     NodeOverride,
     NodeStatus,
     PeerProbe,
-    override_key,
-    rollout_key,
-    status_key,
 )
-from flannelpy.rollout.plan import backend_config
-from flannelpy.subnet.etcd.client import config_key
+from flannelpy.rollout.backends import backend_config
 from flannelpy.subnet.etcd.kv import Store
+from flannelpy.subnet.keys import config_key, override_key, rollout_key, status_key
 
 UNDERLAY_MTU = 1500
 VOUCHING_STATES = ("running", "rolling-back", "finalizing")

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from flannelpy.dataplane import linkstats
 from flannelpy.observe import metrics
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
@@ -125,7 +126,7 @@ def test_rules_use_only_exported_metrics() -> None:
     for rule in rules():
         unknown = metric_names(rule["expr"]) - exported
         assert not unknown, f"{rule['alert']} reads {unknown}, which flannelpy does not export"
-        assert role_values(rule["expr"]) <= set(metrics.ROLES)
+        assert role_values(rule["expr"]) <= set(linkstats.ROLES)
 
 
 def test_dashboard_is_valid_json_and_uses_only_exported_metrics() -> None:
@@ -136,7 +137,7 @@ def test_dashboard_is_valid_json_and_uses_only_exported_metrics() -> None:
     for expr in exprs:
         unknown = metric_names(expr) - exported
         assert not unknown, f"dashboard query {expr!r} reads {unknown}, not exported"
-        assert role_values(expr) <= set(metrics.ROLES)
+        assert role_values(expr) <= set(linkstats.ROLES)
     panels = [p for p in board["panels"] if p["type"] != "row"]
     assert all(p["targets"] for p in panels)
     ids = [p["id"] for p in board["panels"]]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flannelpy.errors import ConfigError, IpamExhausted
+from flannelpy.errors import ConfigError
 from flannelpy.ipam import NodeIpam
 from flannelpy.ipam.capacity import (
     CapacitySettings,
@@ -24,6 +24,7 @@ from flannelpy.ipam.capacity import (
     plan_capacity,
     update_empty_since,
 )
+from flannelpy.ipam.errors import IpamExhausted
 from flannelpy.ipam.store import pool_file_name
 
 T0 = 1_700_000_000.0

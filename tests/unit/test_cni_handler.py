@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
@@ -22,6 +21,7 @@ from flannelpy.cni.records import Record, RecordStore
 from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
+from tests.support.waiting import wait_until
 
 SUBNET = IPv4Network("10.244.1.0/24")
 POD_NS = "/run/netns/pod1"
@@ -430,7 +430,8 @@ def test_key_locks_serialise_one_key_and_not_others() -> None:
     t2.start()
     with locks.hold(("c2", "eth0")):  # another key is free meanwhile
         order.append("other")
-    time.sleep(0.05)
+    # The waiter has counted itself a user of the key: it waits on the held lock.
+    wait_until(lambda: locks._locks[("c1", "eth0")][1] == 2, 5.0, "the waiter at the lock")
     release.set()
     t1.join(5)
     t2.join(5)

@@ -17,11 +17,9 @@ from flannelpy.control.records import (
     NodeOverride,
     NodeStatus,
     PeerProbe,
-    node_of_key,
-    override_key,
-    status_key,
 )
 from flannelpy.errors import ConfigError
+from flannelpy.subnet.keys import node_of_key, override_key, status_key
 
 # A Wednesday, 12:00 UTC.
 NOON_WED = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)

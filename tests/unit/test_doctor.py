@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -13,7 +12,6 @@ import pytest
 
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.registry import get_backend
-from flannelpy.commands.doctor import resolve_target
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.firewall import forward_rules, masq_rules
 from flannelpy.dataplane.kernel import ForeignRoute
@@ -27,21 +25,16 @@ from flannelpy.dataplane.state import (
     UnderlayInterface,
     VxlanLink,
 )
-from flannelpy.doctor.checks import (
+from flannelpy.doctor.checks import diagnose, snapshot_json
+from flannelpy.doctor.facts import (
     CounterSnapshot,
     Finding,
     LinkCounters,
     LinkInfo,
     NodeFacts,
-    diagnose,
-    exit_code,
     parse_snapshot,
-    render_json,
-    render_line,
-    render_text,
-    snapshot_json,
 )
-from flannelpy.errors import ConfigError
+from flannelpy.doctor.report import exit_code, render_json, render_line, render_text
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import network_config, underlay
 
@@ -468,12 +461,6 @@ def test_json_output_is_machine_readable() -> None:
         "severity": "error", "check": "routes", "subject": "n3",
         "message": errors[0]["message"], "action": errors[0]["action"],
     }]  # fmt: skip
-
-
-def test_lab_and_node_go_together() -> None:
-    args = argparse.Namespace(lab="demo", node=None)
-    with pytest.raises(ConfigError, match="--lab and --node go together"):
-        resolve_target(args, {})
 
 
 def test_a_node_with_two_leases_in_two_pools_is_healthy_and_a_missing_rule_is_named() -> None:

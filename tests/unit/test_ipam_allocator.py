@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from flannelpy.errors import IpamExhausted
 from flannelpy.ipam.allocator import Accounting, PoolAllocator, exhaustion_message
+from flannelpy.ipam.errors import IpamExhausted
 
 T0 = 1_700_000_000.0
 COOL = 30.0

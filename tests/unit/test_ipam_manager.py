@@ -25,9 +25,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flannelpy.errors import ConfigError, IpamExhausted, StoreError
+from flannelpy.errors import ConfigError, StoreError
 from flannelpy.ipam import Accounting, Allocation, IpamStore, LeaseUsage, NodeIpam
+from flannelpy.ipam.errors import IpamExhausted
 from flannelpy.ipam.store import pool_file_name
+from tests.support.waiting import wait_until
 
 T0 = 1_700_000_000.0
 A = IPv4Network("10.244.1.0/24")
@@ -375,10 +377,28 @@ def test_wait_zero_and_nothing_cooling_never_sleep(tmp_path: Path, clock: FakeCl
         assert clock.sleeps == []
 
 
+class HeldSleep(FakeClock):
+    """A sleep that lasts until the test opens ``gate``; ``asleep`` is set meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asleep = threading.Event()
+        self.gate = threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        start = self.now
+        self.asleep.set()
+        self.gate.wait(5)
+        self.asleep.clear()
+        self.now = max(self.now, start + seconds)
+
+
 def test_wait_releases_the_lock_so_others_proceed(tmp_path: Path) -> None:
-    # Real clock: one thread waits for a cooling address while another thread
-    # releases and allocates; the waiter must not block them.
-    with NodeIpam(str(tmp_path), cooldown_seconds=0.3, wait_seconds=2, fsync=False) as node:
+    # One thread waits for a cooling address while another thread releases and
+    # allocates; the waiter must not block them.
+    clock = HeldSleep()
+    with open_ipam(tmp_path, clock, cooldown_seconds=0.3, wait_seconds=2) as node:
         node.set_leases([TINY])
         for i in range(5):
             node.allocate(f"c{i}", "eth0")
@@ -386,11 +406,13 @@ def test_wait_releases_the_lock_so_others_proceed(tmp_path: Path) -> None:
         result: list[Allocation] = []
         waiter = threading.Thread(target=lambda: result.append(node.allocate("w", "eth0")))
         waiter.start()
-        time.sleep(0.05)
-        started = time.monotonic()
+        assert clock.asleep.wait(5), "the allocate did not wait for the cooling address"
+        clock.now += 0.05
         assert node.find("c1", "eth0") is not None
         node.release("c1", "eth0")
-        assert time.monotonic() - started < 0.1
+        # Had the sleeping allocate kept the lock, these calls would have waited it out.
+        assert clock.asleep.is_set(), "find and release waited for the sleeping allocate"
+        clock.gate.set()
         waiter.join(5)
         assert [a.ip for a in result] == [addr("10.244.9.2")]
 
@@ -532,12 +554,20 @@ def test_file_lock_excludes_another_open_of_the_directory(tmp_path: Path) -> Non
         with first.locked():
             t = threading.Thread(target=contend)
             t.start()
-            assert not entered.wait(0.2)
+            wait_until(lambda: flock_waiters(tmp_path / "lock"), 5.0, "the second open to block")
+            assert not entered.is_set()
         assert entered.wait(5)
         t.join()
     finally:
         first.close()
         second.close()
+
+
+def flock_waiters(path: Path) -> int:
+    """How many flock requests on ``path`` are blocked (``->`` rows of /proc/locks)."""
+    inode = f":{path.stat().st_ino} "
+    with open("/proc/locks") as f:
+        return sum("-> FLOCK" in row and inode in row for row in f)
 
 
 # --- speed -----------------------------------------------------------------------

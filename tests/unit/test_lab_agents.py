@@ -1,7 +1,9 @@
-"""Per-node agent flags and source trees in the lab (no namespaces, no root)."""
+"""Per-node agent flags and source trees in the lab, and its settings as FLANNELD_*
+variables for ``flannelpy-lab run|env`` (no namespaces, no root)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,12 +11,15 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
-from flannelpy_lab import agents, plan
+from flannelpy_lab import agents, environ, plan
+from flannelpy_lab import cli as lab_cli
 from flannelpy_lab import state as state_io
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
 
 import flannelpy
+from flannelpy.config.settings import add_agent_arguments, settings_from_args
+from flannelpy.errors import ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
 
@@ -45,7 +50,7 @@ def test_node_flags_follow_the_lab_wide_ones_on_that_node_only(tmp_path: Path) -
     argv = {n.name: agents.agent_argv(lab.state, n) for n in lab.nodes}
     assert argv["n2"][-4:] == ["--resync-interval", "5", "--cluster-name", "a"]
     assert argv["n1"][-2:] == argv["n3"][-2:] == ["--resync-interval", "5"]
-    # Recorded in state.json, so another process (a --lab command) sees the same argv.
+    # Recorded in state.json, so another process (flannelpy-lab run) sees the same argv.
     reloaded = state_io.load(lab.state.lab_dir)
     assert reloaded is not None
     assert agents.agent_argv(reloaded, reloaded.node("n2")) == argv["n2"]
@@ -91,3 +96,58 @@ def test_a_node_runs_its_own_tree_even_from_a_checkout_of_this_one(tmp_path: Pat
     default = agents.agent_env(None)
     assert default["PYTHONPATH"].split(os.pathsep)[0] == REPO_ROOT
     assert default.get("PYTHONSAFEPATH") == os.environ.get("PYTHONSAFEPATH")
+
+
+# --- flannelpy-lab run and env: the lab's settings as FLANNELD_* variables -------------------
+
+
+def test_a_nodes_variables_mean_what_its_agent_flags_mean(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    lab.set_node_agent_args("n2", ["--cluster-name", "a", "--iface", "eth9"])
+    node = lab.node("n2")
+    env = environ.node_environ(lab.state, node)
+    argv = agents.agent_argv(lab.state, node)
+    parser = argparse.ArgumentParser(add_help=False)
+    add_agent_arguments(parser)
+    flags = parser.parse_args(argv[argv.index("agent") + 1 :])
+    assert settings_from_args(argparse.Namespace(), env) == settings_from_args(flags, {})
+    assert env["NODE_NAME"] == "n2" and env["FLANNELD_RUN_DIR"] == node.run_dir
+    assert env["FLANNELD_IFACE"] == f"{node.underlay_iface},eth9"
+    assert env["FLANNELD_ETCD_ENDPOINTS"] == lab.state.etcd_endpoint
+
+
+def test_flags_that_no_variable_can_hold_are_refused(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path)
+    lab.set_node_agent_args("n1", ["--iface-regex", "^eth", "--iface-regex", "^ens"])
+    with pytest.raises(LabError, match="cannot all be written as FLANNELD_"):
+        environ.node_environ(lab.state, lab.node("n1"))
+
+
+def test_the_lab_brings_its_own_etcd(tmp_path: Path) -> None:
+    state = make_lab(tmp_path).state
+    with pytest.raises(ConfigError, match="leave out --etcd-endpoints, --etcd-prefix"):
+        environ.command_argv("unit", None, ["flannelpy", "pools", "list", "--etcd-prefix=/x",
+                                           "--etcd-endpoints", "http://127.0.0.1:1"])
+    argv = environ.command_argv("unit", state.node("n1"), ["flannelpy", "doctor"])
+    assert argv == ["ip", "netns", "exec", state.node("n1").namespace,
+                    sys.executable, "-m", "flannelpy", "doctor"]  # fmt: skip
+
+
+def test_run_hands_the_command_the_labs_store_and_nothing_of_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    lab = make_lab(tmp_path)
+    load = Lab.load
+    monkeypatch.setattr(Lab, "load", lambda name: load(name, str(tmp_path)))
+    monkeypatch.setenv("FLANNELD_KUBE_SUBNET_MGR", "true")
+    show = 'echo "$FLANNELD_ETCD_ENDPOINTS $FLANNELD_ETCD_PREFIX ${FLANNELD_KUBE_SUBNET_MGR-}"'
+    assert lab_cli.main(["run", "unit", "--", "sh", "-c", show + "; exit 3"]) == 3
+    state = lab.state
+    assert capfd.readouterr().out == f"{state.etcd_endpoint} {state.etcd_prefix} \n"
+
+    assert lab_cli.main(["env", "unit"]) == 0
+    out = capfd.readouterr().out
+    assert out == (f"export FLANNELD_ETCD_ENDPOINTS={state.etcd_endpoint}\n"
+                   f"export FLANNELD_ETCD_PREFIX={state.etcd_prefix}\n")  # fmt: skip
+    assert lab_cli.main(["env", "unit", "--node", "n9"]) == 1
+    assert "lab unit has no node 'n9'" in capfd.readouterr().err

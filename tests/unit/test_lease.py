@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flannelpy.subnet.lease import Lease, LeaseAttrs, key_to_subnet, subnet_to_key
+from flannelpy.subnet.keys import key_to_subnet, subnet_to_key
+from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 FLANNEL_VXLAN = (
     '{"PublicIP":"192.168.64.3","PublicIPv6":null,"BackendType":"vxlan",'

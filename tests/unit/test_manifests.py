@@ -151,7 +151,7 @@ def _normalised(rules: Any) -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
-    from flannelpy.subnet.kube.manager import RBAC_RULES
+    from flannelpy.subnet.kube.api import RBAC_RULES
 
     granted = [
         (group, resource, rule["verbs"])

@@ -6,7 +6,6 @@ import argparse
 import math
 import struct
 import threading
-import time
 from collections.abc import Sequence
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
@@ -16,9 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flannelpy.config.settings import AgentSettings, add_agent_arguments, settings_from_args
-from flannelpy.dataplane import nlbatch
-from flannelpy.dataplane.nlbatch import LinkStats, LinkStatsRow
+from flannelpy.dataplane import rtnl
+from flannelpy.dataplane.linkstats import ROLES, RoleStats, RoleTotals, classify_links
 from flannelpy.dataplane.reconciler import ReconcileResult
+from flannelpy.dataplane.rtnl import LinkStats, LinkStatsRow
 from flannelpy.dataplane.state import Changes
 from flannelpy.errors import (
     ConfigError,
@@ -29,23 +29,16 @@ from flannelpy.errors import (
 )
 from flannelpy.ipam.allocator import Accounting
 from flannelpy.observe.health import Heartbeats, readiness, split_host_port
-from flannelpy.observe.metrics import (
-    FAMILIES,
-    ROLES,
-    AgentMetrics,
-    RoleStats,
-    RoleTotals,
-    classify_links,
-    sample_names,
-    store_error_kind,
-)
-from flannelpy.subnet.etcd.client import EtcdSubnetManager, _error_kind
+from flannelpy.observe.metrics import FAMILIES, AgentMetrics, sample_names, store_error_kind
+from flannelpy.subnet.etcd.client import _error_kind
 from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
+from flannelpy.subnet.etcd.manager import EtcdSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from tests.support.waiting import wait_until
 
 Key = tuple[str, frozenset[tuple[str, str]]]
 
-UP = nlbatch.IFF_UP | nlbatch.IFF_LOWER_UP
+UP = rtnl.IFF_UP | rtnl.IFF_LOWER_UP
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -464,10 +457,7 @@ def test_etcd_manager_reports_watch_restarts_by_reason() -> None:
         assert relisted.wait(5), "the manager did not re-list after the compaction"
         assert restarts[0] == "compacted"
         store.set_available(False)
-        deadline = time.monotonic() + 5
-        while "unavailable" not in restarts and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert "unavailable" in restarts
+        wait_until(lambda: "unavailable" in restarts, 5.0, "a restart after the outage")
     finally:
         store.set_available(True)
         stop.set()
@@ -617,7 +607,7 @@ def test_role_totals_stay_monotonic_when_pods_come_and_go() -> None:
     # ifindex 7 reused by a new veth whose counters start low: the old ones are kept too.
     third = pods(row(7, "veth9", rx_packets=2))
     assert third.counters.rx_packets == 162
-    fourth = pods(row(7, "veth9", rx_packets=12), row(8, "veth10", flags=nlbatch.IFF_UP))
+    fourth = pods(row(7, "veth9", rx_packets=12), row(8, "veth10", flags=rtnl.IFF_UP))
     assert fourth.counters.rx_packets == 172
     assert fourth.up == 1  # veth10 has no carrier
 
@@ -629,32 +619,32 @@ def test_role_totals_report_every_role_even_when_absent() -> None:
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
-    return nlbatch.attr(kind, payload)
+    return rtnl.attr(kind, payload)
 
 
 def _link_message(
     ifindex: int, name: str, kind: str | None, master: int, stats: Sequence[int], extra: int = 0
 ) -> bytes:
     body = struct.pack("=BxHiII", 0, 1, ifindex, UP, 0)
-    body += _attr(nlbatch.IFLA_IFNAME, name.encode() + b"\0")
+    body += _attr(rtnl.IFLA_IFNAME, name.encode() + b"\0")
     if master:
-        body += _attr(nlbatch.IFLA_MASTER, struct.pack("=I", master))
+        body += _attr(rtnl.IFLA_MASTER, struct.pack("=I", master))
     # rtnl_link_stats64 of today's kernels: 25 counters; only the first eight matter.
-    body += _attr(nlbatch.IFLA_STATS64, struct.pack("=25Q", *stats, *([999] * (25 - len(stats)))))
+    body += _attr(rtnl.IFLA_STATS64, struct.pack("=25Q", *stats, *([999] * (25 - len(stats)))))
     if kind:
-        info = _attr(nlbatch.IFLA_INFO_KIND, kind.encode() + b"\0")
-        body += _attr(nlbatch.IFLA_LINKINFO | 0x8000, info)
-    header = nlbatch.HDR.pack(nlbatch.HDR.size + len(body), nlbatch.RTM_NEWLINK, 2, 1, 0)
+        info = _attr(rtnl.IFLA_INFO_KIND, kind.encode() + b"\0")
+        body += _attr(rtnl.IFLA_LINKINFO | 0x8000, info)
+    header = rtnl.HDR.pack(rtnl.HDR.size + len(body), rtnl.RTM_NEWLINK, 2, 1, 0)
     return header + body
 
 
 def test_decode_link_stats_reads_name_kind_master_and_counters() -> None:
     msg = _link_message(7, "veth1", "veth", 3, [1, 2, 3, 4, 5, 6, 7, 8])
-    decoded = nlbatch.decode_link_stats(msg, 0, len(msg))
+    decoded = rtnl.decode_link_stats(msg, 0, len(msg))
     assert decoded == LinkStatsRow(7, "veth1", "veth", 3, UP, LinkStats(1, 2, 3, 4, 5, 6, 7, 8))
     plain = _link_message(1, "eth0", None, 0, [9] * 8)
-    assert nlbatch.decode_link_stats(plain, 0, len(plain)).kind is None
-    assert nlbatch.decode_link_stats(plain, 0, len(plain)).master == 0
+    assert rtnl.decode_link_stats(plain, 0, len(plain)).kind is None
+    assert rtnl.decode_link_stats(plain, 0, len(plain)).master == 0
 
 
 # --- the --metrics-addr flag ------------------------------------------------------------

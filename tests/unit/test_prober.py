@@ -21,21 +21,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flannelpy.dataplane.icmp import Reply, echo_request, icmp_checksum
 from flannelpy.errors import ConfigError
 from flannelpy.observe.prober import (
     SMALL_PROBE_BYTES,
     Prober,
     ProbeResult,
-    Reply,
     RoundOutcome,
-    echo_request,
     first_slot,
-    icmp_checksum,
     mtu_verdict,
     phase_seconds,
     slot_after,
     summarize,
 )
+from tests.support.waiting import wait_until
 
 T0 = 1_700_000_000.0
 OWN = IPv4Address("10.244.1.0")
@@ -419,12 +418,14 @@ def test_run_stops_promptly() -> None:
     prober.set_peers({"p0": (peer_ip(0), "n0")})
     stop = threading.Event()
     thread = threading.Thread(target=prober.run, args=(stop,))
+    started = time.monotonic()
     thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(net.small_sends()) >= 2, 5.0, "two probe rounds")  # it runs on its own
     stop.set()
     thread.join(timeout=1.0)
     assert not thread.is_alive()
-    assert 1 <= len(net.small_sends()) <= 4
+    # One round per 0.2 s slot the run lasted (and the first one), however late it ran.
+    assert len(net.small_sends()) <= (time.monotonic() - started) / 0.2 + 2
 
 
 # --- scheduling properties ------------------------------------------------------------

@@ -14,7 +14,12 @@ from typing import Any
 
 import pytest
 
-from flannelpy.commands.rollout import (
+from flannelpy.config.netconf import parse_network_config
+from flannelpy.control.policy import ALLOW, parse_policy, window_state
+from flannelpy.control.records import BackendSummary, NodeOverride, NodeStatus, PeerProbe
+from flannelpy.errors import ConfigError
+from flannelpy.rollout.backends import target_backend, with_backend
+from flannelpy.rollout.driver import (
     _claim,
     drive,
     make_plan,
@@ -22,35 +27,22 @@ from flannelpy.commands.rollout import (
     request_stop,
     start,
 )
-from flannelpy.config.netconf import parse_network_config
-from flannelpy.control.policy import ALLOW, parse_policy, window_state
-from flannelpy.control.records import (
-    BackendSummary,
-    NodeOverride,
-    NodeStatus,
-    PeerProbe,
-    override_key,
-)
-from flannelpy.errors import ConfigError
-from flannelpy.rollout.plan import (
+from flannelpy.rollout.plan import plan_rollout
+from flannelpy.rollout.record import RolloutRecord, new_record
+from flannelpy.rollout.steps import (
     MarkApplied,
     MarkVerified,
     PauseForWindow,
     Resume,
     RollBack,
-    RolloutRecord,
     Wait,
     WriteOverride,
-    new_record,
     next_action,
-    plan_rollout,
     record_after,
-    target_backend,
-    with_backend,
 )
 from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import config_key
 from flannelpy.subnet.etcd.kv import FakeStore
+from flannelpy.subnet.keys import config_key, override_key
 from tests.support.rollout_agents import SimCluster, SimNode, config_json, five_nodes
 
 PREFIX = "/t/coreos.com/network"

@@ -1,31 +1,19 @@
-"""etcd mode: Flannel's keyspace and lease JSON over etcd v3.
+"""etcd mode's store adapter: pyetcd behind the :class:`~flannelpy.subnet.etcd.kv.Store`
+protocol.
 
-Layout (shared with flanneld, so both can run in one cluster)::
-
-    <prefix>/config                  net-conf.json
-    <prefix>/subnets/10.244.1.0-24   {"PublicIP": ..., "BackendType": ..., "BackendData": ...}
-
-Each lease key is attached to a real etcd lease of ``--subnet-lease-ttl``
-seconds (24 h, as Flannel); a key without an etcd lease is a permanent
-reservation and stays one when reused.
-
-Two layers: :class:`EtcdStore` is a thin adapter from pyetcd to the
-:class:`~flannelpy.subnet.store.Store` protocol (failover between endpoints,
-TLS, auth, timeouts, gRPC errors mapped to ours); :class:`EtcdSubnetManager`
-implements the SubnetManager protocol over any Store, with the choice of
-subnet left to :mod:`flannelpy.subnet.choose`.
+:class:`EtcdStore` adds failover between endpoints, TLS, auth and timeouts, and
+maps gRPC errors to ours; it is the only module of etcd mode that imports gRPC.
+The keys it is used with are :mod:`flannelpy.subnet.keys`'; the SubnetManager
+over it is :mod:`flannelpy.subnet.etcd.manager`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Network, IPv6Network
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -34,7 +22,6 @@ import pyetcd
 from pyetcd import exceptions as etcd_exc
 from pyetcd.watch import WatchResponse
 
-from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import (
     ConfigError,
@@ -43,17 +30,11 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.retry import Backoff
-from flannelpy.subnet.choose import LeaseChoice, choose_lease, choose_new_subnet
-from flannelpy.subnet.etcd.kv import GrantedLease, KeyValue, Store, WatchBatch, WatchEvent
-from flannelpy.subnet.lease import Lease, LeaseAttrs, key_to_subnet, subnet_to_key
-from flannelpy.subnet.manager import LeasesCallback
-from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.etcd.kv import GrantedLease, KeyValue, WatchBatch, WatchEvent
 
 log = logging.getLogger("flannelpy.subnet.etcd.client")
 
 REQUEST_TIMEOUT = 5.0  # seconds per etcd request, so a dead member never hangs a call
-RACE_RETRIES = 10  # Flannel's: acquire re-lists and chooses again after a lost race
 WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 
 # gRPC channel options: reconnect soon after etcd comes back (the default backoff
@@ -86,11 +67,6 @@ _UNREACHABLE_CODES = {
 }
 
 T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------------
-# Store adapter
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -157,7 +133,7 @@ def _rpc_code(error: BaseException) -> grpc.StatusCode | None:
 
 
 class EtcdStore:
-    """:class:`~flannelpy.subnet.store.Store` over etcd v3 (pyetcd), with failover.
+    """:class:`~flannelpy.subnet.etcd.kv.Store` over etcd v3 (pyetcd), with failover.
 
     Requests go to one endpoint until it fails to answer, then to the next;
     only when every endpoint failed does a call raise StoreUnavailable. Clients
@@ -532,369 +508,3 @@ def connect_etcd(
         timeout=timeout,
         on_error=on_error,
     )
-
-
-def config_key(prefix: str) -> str:
-    return f"{prefix.rstrip('/')}/config"
-
-
-def subnets_prefix(prefix: str) -> str:
-    return f"{prefix.rstrip('/')}/subnets/"
-
-
-def put_network_config(store: Store, prefix: str, raw_json: str | bytes) -> NetworkConfig:
-    """Validate net-conf.json and write it to ``<prefix>/config`` (for the lab and tests)."""
-    config = parse_network_config(raw_json)
-    data = raw_json.encode() if isinstance(raw_json, str) else raw_json
-    store.put(config_key(prefix), data)
-    return config
-
-
-# ---------------------------------------------------------------------------
-# Subnet manager
-# ---------------------------------------------------------------------------
-
-
-def _wait(stop: threading.Event, seconds: float) -> None:
-    stop.wait(seconds)
-
-
-class EtcdSubnetManager:
-    """SubnetManager over etcd (or any Store), keeping Flannel's keys and JSON.
-
-    ``clock`` gives unix time for lease expirations; ``sleep(stop, seconds)``
-    waits between watch reconnects and must return early once ``stop`` is set.
-    ``on_watch_restart(reason)`` is told each time the watch must re-list:
-    "compacted" or "unavailable" (for metrics).
-    """
-
-    def __init__(
-        self,
-        store: Store,
-        settings: AgentSettings,
-        clock: Callable[[], float] = time.time,
-        sleep: Callable[[threading.Event, float], None] = _wait,
-        rng: random.Random | None = None,
-        on_watch_restart: Callable[[str], None] | None = None,
-    ) -> None:
-        self._store = store
-        self._on_watch_restart = on_watch_restart
-        self._prefix = settings.etcd_prefix.rstrip("/")
-        self._config_key = config_key(self._prefix)
-        self._subnets = subnets_prefix(self._prefix)
-        self._ttl = settings.subnet_lease_ttl
-        self._clock = clock
-        self._sleep = sleep
-        self._rng = rng or random.Random()
-        self._warned: set[str] = set()
-        self._warned_lock = threading.Lock()
-
-    # -- config --------------------------------------------------------------
-
-    def get_network_config(self) -> NetworkConfig:
-        kv = self._store.get(self._config_key)
-        if kv is None:
-            raise ConfigError(
-                f"network config not found in etcd at {self._config_key}; write net-conf.json "
-                f"there (etcdctl put {self._config_key} '{{\"Network\": ...}}')"
-            )
-        try:
-            return parse_network_config(kv.value)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (read from etcd key {self._config_key})") from e
-
-    # -- reading leases ------------------------------------------------------
-
-    def list_leases(self) -> tuple[dict[str, Lease], int]:
-        """Every parseable lease under ``<prefix>/subnets/``, by key, and the revision."""
-        items, revision = self._store.get_prefix(self._subnets)
-        leases = {}
-        for kv in items:
-            lease = self._parse(kv.key, kv.value, kv.mod_revision, kv.lease_id)
-            if lease is not None:
-                leases[lease.key] = lease
-        return leases, revision
-
-    def _parse(self, key: str, value: bytes, mod_revision: int, lease_id: int) -> Lease | None:
-        suffix = key[len(self._subnets) :]
-        try:
-            subnet, ipv6_subnet = key_to_subnet(suffix)
-            if subnet_to_key(subnet, ipv6_subnet) != suffix:
-                raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
-            attrs = LeaseAttrs.from_json(value)
-        except ValueError as e:
-            self._warn_once(key, str(e))
-            return None
-        # Expiration is only known for leases we write ourselves (it would cost one
-        # request per lease); store_lease_id tells a TTL lease from a reservation.
-        return Lease(
-            subnet=subnet,
-            attrs=attrs,
-            expiration=None,
-            ipv6_subnet=ipv6_subnet,
-            revision=mod_revision,
-            store_lease_id=lease_id or None,
-        )
-
-    def _key(self, lease: Lease) -> str:
-        """The etcd key of a lease: ``<prefix>/subnets/10.244.1.0-24``."""
-        return self._subnets + lease.key
-
-    def _warn_once(self, key: str, error: str) -> None:
-        with self._warned_lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning("ignoring a key under subnets/ that is not a lease key=%s error=%s", key, error)
-
-    # -- acquire / renew / release ------------------------------------------
-
-    def acquire_lease(
-        self,
-        attrs: LeaseAttrs,
-        previous_subnet: IPv4Network | None,
-        pools: Sequence[Pool] | None = None,
-        cluster: str | None = None,
-    ) -> Lease:
-        config = self.get_network_config()
-        for attempt in range(1, RACE_RETRIES + 1):
-            leases, _ = self.list_leases()
-            choice = choose_lease(
-                config, list(leases.values()), attrs, previous_subnet, self._rng,
-                pools=pools, cluster=cluster,
-            )  # fmt: skip
-            for stale in choice.delete:
-                if self._store.delete_if_mod_revision(self._key(stale), stale.revision):
-                    log.info(
-                        "deleted our lease that no longer fits the network config "
-                        "subnet=%s public_ip=%s network=%s",
-                        stale.subnet, stale.attrs.public_ip, config.network,
-                    )  # fmt: skip
-            lease = self._write_choice(choice, attrs)
-            if lease is not None:
-                self._log_acquired(choice, lease)
-                return lease
-            log.info(
-                "lost a race for a subnet; choosing again subnet=%s attempt=%d",
-                choice.subnet, attempt,
-            )  # fmt: skip
-        raise StoreError(
-            f"could not acquire a lease in {RACE_RETRIES} attempts: other nodes kept taking "
-            "the chosen subnets first; retry, and check for many nodes starting at once"
-        )
-
-    def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
-        """One more lease for this node, in the first eligible pool with room (field
-        notes §3). Raises PoolExhausted naming every pool and why, or StoreError."""
-        config = self.get_network_config()
-        for attempt in range(1, RACE_RETRIES + 1):
-            leases, _ = self.list_leases()
-            new = choose_new_subnet(config, pools, cluster, list(leases.values()), self._rng)
-            choice = LeaseChoice(new.subnet, new.ipv6_subnet, "free", pool=new.pool)
-            lease = self._write_choice(choice, attrs)
-            if lease is not None:
-                log.info(
-                    "additional lease acquired subnet=%s pool=%s public_ip=%s",
-                    lease.subnet, new.pool.network, attrs.public_ip,
-                )  # fmt: skip
-                return lease
-            log.info("lost a race for a subnet; choosing again subnet=%s attempt=%d",
-                     new.subnet, attempt)  # fmt: skip
-        raise StoreError(
-            f"could not acquire another lease in {RACE_RETRIES} attempts: other nodes kept "
-            "taking the chosen subnets first; it is retried"
-        )
-
-    def _write_choice(self, choice: LeaseChoice, attrs: LeaseAttrs) -> Lease | None:
-        existing = choice.existing
-        # Flannel keeps a reservation (a key without an etcd lease) permanent on reuse.
-        permanent = existing is not None and existing.store_lease_id is None
-        key = self._subnets + subnet_to_key(choice.subnet, choice.ipv6_subnet)
-        value = attrs.to_json().encode()
-        granted = None if permanent else self._store.grant_lease(self._ttl)
-        lease_id = granted.id if granted else 0
-        try:
-            if existing is not None:
-                revision = self._store.put_if_mod_revision(key, value, existing.revision, lease_id)
-            else:
-                revision = self._store.create(key, value, lease_id)
-        except KeyExists:
-            revision = None
-        except StoreError:
-            self._revoke_quietly(granted)
-            raise
-        if revision is None:
-            self._revoke_quietly(granted)
-            return None
-        return self._own_lease(choice.subnet, choice.ipv6_subnet, attrs, revision, granted)
-
-    def _own_lease(
-        self,
-        subnet: IPv4Network,
-        ipv6_subnet: IPv6Network | None,
-        attrs: LeaseAttrs,
-        revision: int,
-        granted: GrantedLease | None,
-    ) -> Lease:
-        return Lease(
-            subnet=subnet,
-            attrs=attrs,
-            expiration=self._clock() + granted.ttl if granted else None,
-            ipv6_subnet=ipv6_subnet,
-            revision=revision,
-            store_lease_id=granted.id if granted else None,
-        )
-
-    def _log_acquired(self, choice: LeaseChoice, lease: Lease) -> None:
-        old = choice.existing
-        if choice.reason == "node-name" and old is not None:
-            log.warning(
-                "took over the lease of this node's previous address subnet=%s node=%s "
-                "old_public_ip=%s public_ip=%s",
-                lease.subnet, lease.attrs.node_name, old.attrs.public_ip, lease.attrs.public_ip,
-            )  # fmt: skip
-            return
-        log.info(
-            "lease acquired subnet=%s public_ip=%s reason=%s expiration=%s",
-            lease.subnet, lease.attrs.public_ip, choice.reason, lease.expiration,
-        )  # fmt: skip
-
-    def renew_lease(self, lease: Lease) -> Lease:
-        """Grant a fresh etcd lease and rewrite the key with it (same key, new expiry).
-
-        If our key vanished (expired while etcd was unreachable, or deleted by
-        hand) it is re-created when still free; if another node holds it now,
-        StoreError tells the caller to acquire a new lease.
-        """
-        permanent = lease.store_lease_id is None and lease.expiration is None
-        value = lease.attrs.to_json().encode()
-        granted = None if permanent else self._store.grant_lease(self._ttl)
-        lease_id = granted.id if granted else 0
-        try:
-            revision = self._store.put_if_mod_revision(
-                self._key(lease), value, lease.revision, lease_id
-            ) or self._rewrite_after_conflict(lease, value, lease_id)
-        except StoreError:
-            self._revoke_quietly(granted)
-            raise
-        if lease.store_lease_id and lease.store_lease_id != lease_id:
-            # The key now hangs on the new etcd lease; the old one holds nothing.
-            self._revoke_quietly(GrantedLease(lease.store_lease_id, 0))
-        renewed = self._own_lease(lease.subnet, lease.ipv6_subnet, lease.attrs, revision, granted)
-        log.debug("lease renewed subnet=%s expiration=%s", renewed.subnet, renewed.expiration)
-        return renewed
-
-    def _rewrite_after_conflict(self, lease: Lease, value: bytes, lease_id: int) -> int:
-        key = self._key(lease)
-        current = self._store.get(key)
-        if current is None:
-            try:
-                revision = self._store.create(key, value, lease_id)
-            except KeyExists:
-                current = self._store.get(key)
-            else:
-                log.warning("our lease was gone from etcd; re-created it subnet=%s", lease.subnet)
-                return revision
-        if current is not None and self._same_holder(current.value, lease.attrs):
-            # Our own earlier write (e.g. a renew whose reply was lost): rewrite over it.
-            rewritten = self._store.put_if_mod_revision(key, value, current.mod_revision, lease_id)
-            if rewritten is not None:
-                return rewritten
-        holder = self._holder(current.value) if current is not None else "another node"
-        raise StoreError(
-            f"lease {lease.subnet} is now held by {holder}; acquire a new lease for this node"
-        )
-
-    @staticmethod
-    def _same_holder(value: bytes, attrs: LeaseAttrs) -> bool:
-        try:
-            other = LeaseAttrs.from_json(value)
-        except ValueError:
-            return False
-        return other.public_ip == attrs.public_ip and other.node_name == attrs.node_name
-
-    @staticmethod
-    def _holder(value: bytes) -> str:
-        try:
-            other = LeaseAttrs.from_json(value)
-        except ValueError:
-            return "a value that is not a lease"
-        name = f" (node {other.node_name})" if other.node_name else ""
-        return f"PublicIP {other.public_ip}{name}"
-
-    def release_lease(self, lease: Lease) -> bool:
-        """Delete our lease key (if still ours) and its etcd lease. True if the key went."""
-        deleted = self._store.delete_if_mod_revision(self._key(lease), lease.revision)
-        if lease.store_lease_id:
-            self._revoke_quietly(GrantedLease(lease.store_lease_id, 0))
-        log.info("lease released subnet=%s deleted=%s", lease.subnet, deleted)
-        return deleted
-
-    def _revoke_quietly(self, granted: GrantedLease | None) -> None:
-        if granted is None:
-            return
-        try:
-            self._store.revoke_lease(granted.id)
-        except StoreError as e:
-            # Harmless: an etcd lease without keys just expires.
-            log.debug("revoking an unused etcd lease failed lease_id=%x error=%s", granted.id, e)
-
-    # -- watch ---------------------------------------------------------------
-
-    def watch_leases(self, on_leases: LeasesCallback, stop: threading.Event) -> None:
-        """List, then watch from the listed revision, until ``stop`` is set.
-
-        Compaction → re-list. Store outage → back off, then re-list rather than
-        resume: etcd silently cancels a watch from a revision it does not have yet
-        (an etcd restored from an older backup), which would hang us forever.
-        Exceptions raised by ``on_leases`` propagate.
-        """
-        backoff = Backoff()
-        leases: dict[str, Lease] | None = None
-        revision = 0
-        while not stop.is_set():
-            try:
-                if leases is None:
-                    leases, revision = self.list_leases()
-                    on_leases(dict(leases), revision)
-                stream = self._store.watch_prefix(self._subnets, revision + 1, stop)
-                backoff.reset()
-                for batch in stream:
-                    for event in batch.events:
-                        self._apply(leases, event)
-                    revision = batch.revision
-                    on_leases(dict(leases), revision)
-            except RevisionCompacted as e:
-                log.warning(
-                    "lease watch fell behind a compaction; re-listing revision=%d compacted=%d",
-                    revision, e.compacted_revision,
-                )  # fmt: skip
-                self._watch_restarted("compacted")
-                leases = None
-            except StoreUnavailable as e:
-                delay = backoff.next()
-                log.warning(
-                    "lease store unavailable; re-listing after a delay delay=%.1f error=%s",
-                    delay, e,
-                )  # fmt: skip
-                self._watch_restarted("unavailable")
-                leases = None
-                self._sleep(stop, delay)
-
-    def _watch_restarted(self, reason: str) -> None:
-        if self._on_watch_restart is not None:
-            self._on_watch_restart(reason)
-
-    def _apply(self, leases: dict[str, Lease], event: WatchEvent) -> None:
-        suffix = event.key[len(self._subnets) :]
-        if event.kind == "delete":
-            leases.pop(suffix, None)
-            return
-        lease = self._parse(event.key, event.value, event.mod_revision, event.lease_id)
-        if lease is None:
-            leases.pop(suffix, None)  # a lease overwritten with garbage is gone
-        else:
-            leases[lease.key] = lease
-
-    def close(self) -> None:
-        self._store.close()

@@ -30,7 +30,9 @@ from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, KeyExists, StoreError
 from flannelpy.subnet.etcd.kv import KeyValue, Store
-from flannelpy.subnet.lease import Lease, key_to_subnet, subnet_to_key
+from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.subnet.keys import key_to_subnet, pool_key, pools_prefix, subnet_to_key
+from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.pools import (
     ROLE_EXCLUDED,
     ROLE_KEY,
@@ -52,15 +54,6 @@ SHOWN_LEASES = 5  # leases named in a refusal; the rest are counted
 
 class PoolRefused(ConfigError):
     """The request conflicts with the pools or leases in the store."""
-
-
-def pools_prefix(prefix: str) -> str:
-    return f"{prefix.rstrip('/')}/flannelpy/pools/"
-
-
-def pool_key(prefix: str, network: IPv4Network) -> str:
-    """``<prefix>/flannelpy/pools/10.250.0.0-16``."""
-    return pools_prefix(prefix) + subnet_to_key(network)
 
 
 @dataclass(frozen=True)
@@ -105,11 +98,9 @@ def _parse(kv: KeyValue, base: str) -> Pool:
 
 
 class PoolStore:
-    """Pools over any :class:`~flannelpy.subnet.store.Store` (etcd, or the fake)."""
+    """Pools over any :class:`~flannelpy.subnet.etcd.kv.Store` (etcd, or the fake)."""
 
     def __init__(self, store: Store, prefix: str) -> None:
-        from flannelpy.subnet.etcd.client import EtcdSubnetManager  # etcd imports grpc: load late
-
         self._store = store
         self._prefix = prefix.rstrip("/")
         # The subnet manager reads config and leases exactly as the agent does.

@@ -2,7 +2,7 @@
 
 The controller-manager (``--allocate-node-cidrs``) assigns every Node a
 ``spec.podCIDR``; that is the node's lease. A node advertises how to reach it
-with Flannel's annotations (see :mod:`flannelpy.subnet.kube_node`, which holds
+with Flannel's annotations (see :mod:`flannelpy.subnet.kube.node`, which holds
 the pure part), written with a strategic-merge PATCH of ``nodes/<name>/status``
 only when something differs. Peers are the nodes annotated
 ``kube-subnet-manager: "true"`` with a podCIDR.
@@ -14,51 +14,39 @@ public-ip changes is followed, and nothing waits for an informer cache sync:
 our own Node is read directly, and the list is one consistent snapshot read in
 pages of raw JSON (no client models).
 
-Every API call the code makes is in RBAC_RULES; the manifest's ClusterRole is
-tested against it.
+Every API call the code makes is in :data:`flannelpy.subnet.kube.api.RBAC_RULES`;
+the manifest's ClusterRole is tested against it. The client and its error
+mapping are :mod:`.api`, the watch's helpers :mod:`.watch`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any
 
-import urllib3
 from kubernetes import client as kclient
-from kubernetes import config as kconfig
-from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
-from flannelpy.retry import BACKOFF_FIRST, BACKOFF_MAX, Backoff
+from flannelpy.retry import Backoff
 from flannelpy.subnet.kube import node as kn
+from flannelpy.subnet.kube.api import UNREACHABLE, build_api_client, call, read_json
+from flannelpy.subnet.kube.watch import LeaseMap, StreamCloser
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import LeasesCallback
 from flannelpy.subnet.pools import Pool
 
 log = logging.getLogger("flannelpy.subnet.kube.manager")
-
-# (apiGroup, resource, verbs): exactly what this module calls. "" is the core group.
-RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("", "pods", ("get",)),
-    ("", "nodes", ("get", "list", "watch")),
-    ("", "nodes/status", ("patch",)),
-    ("", "events", ("create",)),  # a record of each change forced past the policy
-)
 
 OVERRIDE_ANNOTATION = "flannelpy.io/override"  # this node's Backend, like etcd's override key
 
@@ -69,249 +57,11 @@ WATCH_READ_SLACK = 30.0  # seconds past the server's timeout before the read giv
 LIST_PAGE_SIZE = 500  # client-go's default page size
 PODCIDR_POLL_MAX = 5.0  # seconds between reads of our Node while its podCIDR is missing
 PODCIDR_LOG_EVERY = 30.0  # seconds between "pod cidr not assigned" warnings
-STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
-
-T = TypeVar("T")
 
 
 def _wait(stop: threading.Event, seconds: float) -> None:
     stop.wait(seconds)
-
-
-# ---------------------------------------------------------------------------
-# Client
-# ---------------------------------------------------------------------------
-
-
-def build_api_client(settings: AgentSettings) -> kclient.ApiClient:
-    """An ApiClient as Flannel builds one: ``--kubeconfig-file`` (with
-    ``--kube-api-url`` overriding its server), else ``--kube-api-url`` alone with no
-    credentials, else the in-cluster service account. Raises ConfigError."""
-    cfg = kclient.Configuration()
-    url = settings.kube_api_url
-    if url is not None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                f"--kube-api-url {url!r} is not a URL; write it like https://10.96.0.1:443"
-            )
-    if settings.kubeconfig_file:
-        try:
-            kconfig.load_kube_config(
-                config_file=settings.kubeconfig_file,
-                client_configuration=cfg,
-                persist_config=False,
-            )
-        except (kconfig.ConfigException, OSError, ValueError, TypeError) as e:
-            raise ConfigError(
-                f"--kubeconfig-file {settings.kubeconfig_file}: cannot load it ({e}); "
-                "point it at a valid kubeconfig"
-            ) from e
-        if url:
-            _override_host(cfg, url.rstrip("/"))
-    elif url:
-        cfg.host = url.rstrip("/")
-    else:
-        try:
-            kconfig.load_incluster_config(client_configuration=cfg)
-        except kconfig.ConfigException as e:
-            raise ConfigError(
-                f"not running in a pod with a service account ({e}); give "
-                "--kubeconfig-file or --kube-api-url"
-            ) from e
-    # TCP keepalive (client-go's timings): a watch on a silently dead connection
-    # would otherwise wait for its read timeout.
-    cfg.keep_alive = True
-    # One quick retry covers a pooled connection the server closed; longer outages
-    # are retried by our own backoff, which logs one line per attempt.
-    cfg.retries = 1
-    return kclient.ApiClient(cfg)
-
-
-def _override_host(cfg: kclient.Configuration, host: str) -> None:
-    """Set the server, also across the kubeconfig loader's token refresh hook, which
-    copies the kubeconfig's server back before every request."""
-    cfg.host = host
-    refresh = cfg.refresh_api_key_hook
-    if refresh is None:
-        return
-
-    def refresh_keeping_host(c: kclient.Configuration) -> None:
-        refresh(c)
-        c.host = host
-
-    cfg.refresh_api_key_hook = refresh_keeping_host
-
-
-def _status_message(e: ApiException) -> str:
-    try:
-        doc = json.loads(e.body or "")
-    except (TypeError, ValueError):
-        doc = None
-    if isinstance(doc, dict) and doc.get("message"):
-        return str(doc["message"])
-    return str(e.reason or "").strip() or f"HTTP {e.status}"
-
-
-def _api_error(what: str, e: ApiException) -> StoreError:
-    status = int(e.status or 0)
-    message = _status_message(e)
-    if status == 410:
-        return RevisionCompacted(f"kubernetes API {what}: {message} (410 Gone); re-list", 0)
-    if status == 0 or status == 429 or status >= 500:
-        return StoreUnavailable(f"kubernetes API {what}: {message}")
-    if status == 401:
-        return StoreError(
-            f"kubernetes API {what}: unauthorized ({message}); check the ServiceAccount "
-            "token or --kubeconfig-file"
-        )
-    if status == 403:
-        rules = "; ".join(f"{res}: {','.join(verbs)}" for _, res, verbs in RBAC_RULES)
-        return StoreError(
-            f"kubernetes API {what}: forbidden ({message}); the agent's ClusterRole must "
-            f"allow {rules}"
-        )
-    if status == 404:
-        return StoreError(f"kubernetes API {what}: not found ({message})")
-    return StoreError(f"kubernetes API {what} failed: HTTP {status} ({message})")
-
-
-# Raised by urllib3 and the socket layer when the API server cannot be reached.
-_UNREACHABLE = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
-
-
-def _call(what: str, fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except ApiException as e:
-        raise _api_error(what, e) from e
-    except _UNREACHABLE as e:
-        raise StoreUnavailable(
-            f"kubernetes API {what}: cannot reach the API server ({e}); check "
-            "--kube-api-url / --kubeconfig-file and the network"
-        ) from e
-
-
-def _read_json(what: str, fn: Callable[[], Any]) -> dict[str, Any]:
-    """Call an API method with ``_preload_content=False`` and decode its JSON body."""
-
-    def op() -> bytes:
-        resp = fn()
-        try:
-            return bytes(resp.data)
-        finally:
-            resp.release_conn()
-
-    raw = _call(what, op)
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise StoreUnavailable(f"kubernetes API {what}: the answer is not JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise StoreUnavailable(f"kubernetes API {what}: the answer is not a JSON object")
-    return doc
-
-
-def _rv_number(rv: str | None) -> int:
-    # resourceVersions are opaque strings; in practice etcd revisions.
-    return int(rv) if rv and rv.isdigit() else 0
-
-
-# ---------------------------------------------------------------------------
-# Watch helpers
-# ---------------------------------------------------------------------------
-
-
-class _StreamCloser:
-    """Ends a blocked watch read within STOP_POLL of ``stop``: shutting the socket
-    down wakes the reading thread, which closing the response would not."""
-
-    def __init__(self, stop: threading.Event) -> None:
-        self._stop = stop
-        self._lock = threading.Lock()
-        self._resp: Any = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kube-watch-stop", daemon=True)
-
-    def __enter__(self) -> _StreamCloser:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(1.0)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            if self._stop.wait(STOP_POLL):
-                self.abort()
-                return
-
-    def attach(self, resp: Any) -> None:
-        with self._lock:
-            self._resp = resp
-        if self._stop.is_set():
-            self.abort()
-
-    def detach(self) -> None:
-        with self._lock:
-            self._resp = None
-
-    def abort(self) -> None:
-        with self._lock:
-            resp = self._resp
-        sock = getattr(getattr(resp, "connection", None), "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):  # already closed
-                sock.shutdown(socket.SHUT_RDWR)
-
-
-class _LeaseMap:
-    """Node name → lease, the resourceVersion it reflects, and what was last delivered."""
-
-    def __init__(self, own_node: str) -> None:
-        self.own_node = own_node
-        self.by_node: dict[str, Lease] = {}
-        self.rv: str | None = None  # None: list before watching
-        self._delivered: dict[str, Lease] | None = None
-        self._dirty = False
-        self._duplicates: list[str] = []
-
-    def replace_all(self, by_node: dict[str, Lease], rv: str) -> None:
-        self.by_node = by_node
-        self.rv = rv
-        self._dirty = True
-
-    def put(self, name: str, lease: Lease | None) -> None:
-        old = self.by_node.get(name)
-        if lease is None:
-            self.by_node.pop(name, None)
-        else:
-            self.by_node[name] = lease
-        self._dirty = self._dirty or old != lease
-
-    def deliver(self, on_leases: LeasesCallback, always: bool = False) -> None:
-        if not (self._dirty or always):
-            return
-        self._dirty = False
-        leases = kn.leases_by_key(self.by_node, self.own_node)
-        duplicates = kn.duplicate_claims(self.by_node, leases)
-        if duplicates != self._duplicates:
-            self._duplicates = duplicates
-            if duplicates:
-                log.warning(
-                    "nodes claim a pod cidr another node holds; ignoring them nodes=%s",
-                    ",".join(duplicates),
-                )
-        if always or leases != self._delivered:
-            self._delivered = leases
-            on_leases(dict(leases), _rv_number(self.rv))
-
-
-# ---------------------------------------------------------------------------
-# Subnet manager
-# ---------------------------------------------------------------------------
 
 
 class KubeSubnetManager:
@@ -426,7 +176,7 @@ class KubeSubnetManager:
             )
 
         what = f"get node {name}"
-        return self._patiently(what, get) if patient else _read_json(what, get)
+        return self._patiently(what, get) if patient else read_json(what, get)
 
     def _publish(self, node: Mapping[str, Any], attrs: LeaseAttrs) -> LeaseAttrs:
         """Patch our Node's annotations and condition where they differ from ``attrs``;
@@ -441,7 +191,7 @@ class KubeSubnetManager:
         if patch is None:
             return advertised
         name = kn.node_name(node)
-        _read_json(
+        read_json(
             f"patch node {name} status",
             lambda: self._api.patch_node_status(
                 name, patch, _content_type=STRATEGIC_MERGE,
@@ -480,7 +230,7 @@ class KubeSubnetManager:
         return Lease(subnet=subnet, attrs=advertised, expiration=None, ipv6_subnet=ipv6_subnet)
 
     def _wait_for_pod_cidr(self, config: NetworkConfig) -> tuple[dict[str, Any], Any]:
-        delay = BACKOFF_FIRST
+        backoff = Backoff(cap=PODCIDR_POLL_MAX)
         started = time.monotonic()
         logged_at: float | None = None
         while True:
@@ -496,8 +246,7 @@ class KubeSubnetManager:
                     "(is --allocate-node-cidrs set?) waited_seconds=%.0f",
                     self.node_name, now - started,
                 )  # fmt: skip
-            self._pause(delay)
-            delay = min(delay * 2, PODCIDR_POLL_MAX)
+            self._pause(backoff.next())
 
     def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
         raise ConfigError(
@@ -540,9 +289,9 @@ class KubeSubnetManager:
         the last resourceVersion. Exceptions raised by ``on_leases`` propagate.
         """
         config = self._network_config()
-        state = _LeaseMap(self.node_name)
+        state = LeaseMap(self.node_name)
         backoff = Backoff()
-        with _StreamCloser(stop) as closer:
+        with StreamCloser(stop) as closer:
             while not stop.is_set():
                 try:
                     if state.rv is None:
@@ -598,7 +347,7 @@ class KubeSubnetManager:
         return by_node, rv
 
     def _list_page(self, token: str | None) -> dict[str, Any]:
-        return _read_json(
+        return read_json(
             "list nodes",
             lambda: self._api.list_node(
                 limit=self._page_size, _continue=token,
@@ -608,14 +357,14 @@ class KubeSubnetManager:
 
     def _watch(
         self,
-        state: _LeaseMap,
+        state: LeaseMap,
         config: NetworkConfig,
         on_leases: LeasesCallback,
-        closer: _StreamCloser,
+        closer: StreamCloser,
         stop: threading.Event,
     ) -> int:
         """One watch request, applied event by event; returns how many events came."""
-        resp: Any = _call(
+        resp: Any = call(
             "watch nodes",
             lambda: self._api.list_node(
                 watch=True, resource_version=state.rv, allow_watch_bookmarks=True,
@@ -646,14 +395,14 @@ class KubeSubnetManager:
                     return
                 if line.strip():
                     yield json.loads(line)
-        except _UNREACHABLE as e:
+        except UNREACHABLE as e:
             if stop.is_set():
                 return
             raise StoreUnavailable(f"node watch broke ({e})") from e
         except ValueError as e:
             raise StoreUnavailable(f"node watch sent a line that is not JSON ({e})") from e
 
-    def _apply(self, event: Mapping[str, Any], state: _LeaseMap, config: NetworkConfig) -> None:
+    def _apply(self, event: Mapping[str, Any], state: LeaseMap, config: NetworkConfig) -> None:
         kind = event.get("type")
         obj = event.get("object") or {}
         if kind == "ERROR":
@@ -697,7 +446,7 @@ class KubeSubnetManager:
             "source": {"component": "flannelpy", "host": name},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }  # fmt: skip
-        resp: Any = _call(  # an urllib3 response: _preload_content=False
+        resp: Any = call(  # an urllib3 response: _preload_content=False
             "create event",
             lambda: self._api.create_namespaced_event(
                 "default", body, _preload_content=False, _request_timeout=self._timeout()
@@ -726,12 +475,13 @@ class KubeSubnetManager:
 
     def _patiently(self, what: str, fn: Callable[[], Any]) -> dict[str, Any]:
         """``_read_json`` retrying an unreachable API for up to --startup-timeout seconds."""
-        delay = BACKOFF_FIRST
+        backoff = Backoff()
         deadline: float | None = None
         while True:
             try:
-                return _read_json(what, fn)
+                return read_json(what, fn)
             except StoreUnavailable as e:
+                delay = backoff.next()
                 now = time.monotonic()
                 deadline = deadline or now + self._settings.startup_timeout
                 if now + delay > deadline:
@@ -741,7 +491,6 @@ class KubeSubnetManager:
                     what, delay, e,
                 )  # fmt: skip
             self._pause(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
 
     def close(self) -> None:
         self._closed.set()

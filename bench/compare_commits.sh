@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Run the agent start-to-ready, CNI latency and propagation benchmarks for two commits in
+# one run, alternating, each from its own work tree and virtualenv, so a change is judged
+# against its parent on the same machine under the same load. Needs root.
+#   bash bench/compare_commits.sh BEFORE [AFTER]     (AFTER defaults to the work tree itself)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:?usage: bench/compare_commits.sh BEFORE [AFTER]}
+after=${2:-}
+base=${TMPDIR:-/tmp}/flannelpy-bench
+
+prepare() {  # $1 = commit -> prints the tree's path
+  local sha tree
+  sha=$(git rev-parse --short "$1")
+  tree=$base/$sha
+  if [[ ! -d $tree ]]; then
+    git worktree add -f --detach "$tree" "$sha" >/dev/null 2>&1
+  fi
+  if [[ ! -x $tree/.venv/bin/python ]]; then
+    python3 -m venv "$tree/.venv"
+    "$tree/.venv/bin/pip" install -q -e "$tree[test,kube]" >&2
+    if [[ -f $tree/lab/pyproject.toml ]]; then
+      "$tree/.venv/bin/pip" install -q --no-deps -e "$tree/lab" >&2
+    fi
+  fi
+  (cd "$tree" && bash scripts/build-cni.sh >/dev/null)
+  echo "$tree"
+}
+
+trees=("$(prepare "$before")")
+labels=("before $(git rev-parse --short "$before")")
+if [[ -n $after ]]; then
+  trees+=("$(prepare "$after")")
+  labels+=("after $(git rev-parse --short "$after")")
+else
+  bash scripts/build-cni.sh >/dev/null
+  trees+=("$PWD")
+  labels+=("after (work tree)")
+fi
+
+benches=(
+  "bench.agent_start --peers 1000 5000 --repeat 3"
+  "bench.cni_latency --pods 100 --repeat 3"
+  "bench.propagation --nodes 10 --leases 50"
+)
+for bench in "${benches[@]}"; do
+  for i in "${!trees[@]}"; do
+    echo "=== ${labels[$i]}: $bench"
+    # shellcheck disable=SC2086
+    (cd "${trees[$i]}" && .venv/bin/python -m $bench 2>/dev/null)
+  done
+done

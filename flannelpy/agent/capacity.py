@@ -1,0 +1,157 @@
+"""Several leases per node: pools, which leases serve, IPAM in step, warm capacity.
+
+A lease serves (gets new pod addresses) per its pool's tags; IPAM and the pod
+bridge always know the current leases. Warm capacity adds a lease before the
+node runs dry and releases a drained or surplus one once IPAM holds nothing
+in it (IPAM first, so no ADD can land on a lease being released).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from ipaddress import IPv4Interface, IPv4Network
+
+from flannelpy.agent.events import EventCounts
+from flannelpy.agent.leases import OwnLeases
+from flannelpy.agent.pods import PodSide
+from flannelpy.agent.state import Clocks, NodeState, SayOnce
+from flannelpy.errors import ConfigError, PoolExhausted, StoreError
+from flannelpy.ipam.capacity import plan_capacity, update_empty_since
+from flannelpy.observe.metrics import AgentMetrics
+from flannelpy.subnet.choose import lease_fits_pools
+from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet.pools import capacity as pool_capacity
+from flannelpy.subnet.pools import eligibility
+
+log = logging.getLogger("flannelpy.agent.capacity")
+
+CAPACITY_TICK = 5.0  # seconds: drained leases empty and hold-downs end without an event
+
+
+class Capacity:
+    def __init__(
+        self,
+        state: NodeState,
+        leases: OwnLeases,
+        manager: SubnetManager,
+        pods: PodSide,
+        metrics: AgentMetrics,
+        counts: EventCounts,
+        say_once: SayOnce,
+        *,
+        cluster: str | None,
+        kube_mode: bool,
+        replan: Callable[[], None],
+        setup_firewall: Callable[[], None],
+        write_subnet_env: Callable[[], None],
+        on_low_free: Callable[[int], None],
+        clocks: Clocks,
+    ) -> None:
+        self.state = state
+        self.leases = leases
+        self.manager = manager
+        self.pods = pods
+        self.metrics = metrics
+        self.counts = counts
+        self.say_once = say_once
+        self.cluster = cluster
+        self.kube_mode = kube_mode
+        self.replan = replan
+        self.setup_firewall = setup_firewall
+        self.write_subnet_env = write_subnet_env
+        self.on_low_free = on_low_free  # runs in a CNI request's thread: only enqueues
+        self.clocks = clocks
+        self._empty_since: dict[IPv4Network, float] = {}
+        self._ipam_view: tuple[tuple[IPv4Network, ...], ...] = ()
+
+    def serves(self, lease: Lease) -> bool:
+        """May new pods get addresses here? Per the lease's pool tags (field notes §3);
+        a lease in no known pool keeps serving (reconciliation fails open)."""
+        s = self.state
+        pool = lease_fits_pools(s.config, s.pools, lease.subnet, lease.ipv6_subnet)
+        return pool is None or eligibility(pool, self.cluster).allocate_addresses
+
+    def sync_ipam(self, again: bool = False) -> None:
+        """Hand IPAM and the bridge the current leases and which of them serve
+        (``again``: even if unchanged, e.g. for the bridge's new MTU)."""
+        if again:
+            self._ipam_view = ()
+        own = self.state.own
+        subnets = [lease.subnet for lease in own]
+        serving = [lease.subnet for lease in own if self.serves(lease)]
+        view = (tuple(subnets), tuple(serving))
+        if view == self._ipam_view:
+            return
+        first_serving_before = self._ipam_view[1][:1] if self._ipam_view else ()
+        self.pods.use_leases(subnets, serving)
+        self._ipam_view = view
+        self.metrics.lease_counts(len(serving), len(subnets) - len(serving))
+        self.metrics.lease_limit(self.state.capacity.max_leases_per_node)
+        if self.state.subnet_env_written and tuple(serving[:1]) != first_serving_before:
+            self.write_subnet_env()
+
+    def watch_low_free(self) -> None:
+        """Have IPAM call for capacity below the current MinFreeAddresses."""
+        self.pods.ipam.set_low_free_watch(self.state.capacity.min_free_addresses, self.on_low_free)
+
+    def manage(self) -> None:
+        """Add a lease before the node runs dry, release what is drained or surplus."""
+        self.counts.capacity_checked()
+        self.state.capacity_due = False
+        self.sync_ipam()
+        if self.kube_mode:
+            return  # the controller-manager owns pod CIDRs: one lease, its podCIDR
+        usage = self.pods.ipam.usage()
+        now = self.clocks.wall()
+        self._empty_since = update_empty_since(usage, self._empty_since, now)
+        plan = plan_capacity(usage, self.state.capacity, now, self._empty_since)
+        if plan.acquire:
+            self._add_lease(plan.reason)
+        for subnet in plan.release:
+            self._release_lease(subnet, plan.reason)
+        self._pool_metrics()
+
+    def _add_lease(self, reason: str) -> None:
+        attrs = self.leases.attrs()
+        try:
+            lease = self.manager.create_lease(attrs, self.state.pools, self.cluster)
+        except (PoolExhausted, ConfigError) as e:
+            self.say_once(f"capacity:{e}", "cannot add a lease: %s", e)
+            return
+        except StoreError as e:
+            log.warning("adding a lease failed, retrying: %s", e)
+            self.state.capacity_due = True
+            return
+        self.leases.add(lease)
+        log.info("lease added subnet=%s reason=%r", lease.subnet, reason)
+        self.sync_ipam()
+        self.replan()
+        self.setup_firewall()
+
+    def _release_lease(self, subnet: IPv4Network, reason: str) -> None:
+        lease = next((x for x in self.state.own if x.subnet == subnet), None)
+        if lease is None or not self.pods.ipam.remove_lease_if_empty(subnet):
+            return  # a pod landed meanwhile: it stays
+        # IPAM first (no ADD can land now), then the bridge, then peers learn it is gone.
+        self.pods.remove_gateway(IPv4Interface(f"{lease.gateway}/{subnet.prefixlen}"))
+        try:
+            self.manager.release_lease(lease)
+        except StoreError as e:
+            log.warning("releasing a lease failed; it expires by itself subnet=%s error=%s",
+                        subnet, e)  # fmt: skip
+        self._empty_since.pop(subnet, None)
+        self.leases.forget(lease)
+        self.replan()
+        self.state.capacity_due = True
+        self.setup_firewall()
+        self.sync_ipam()
+        log.info("lease released subnet=%s reason=%r", subnet, reason)
+
+    def _pool_metrics(self) -> None:
+        s = self.state
+        self.metrics.pool_utilisation(
+            {c.pool.network: c.utilisation
+             for c in pool_capacity(s.config, s.pools, list(s.leases.values()))}
+        )  # fmt: skip

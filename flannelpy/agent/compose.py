@@ -1,0 +1,244 @@
+"""The composition root: build every adapter and hand them to a NodeAgent.
+
+Everything that can be refused is refused here, before anything on the host
+changes. The etcd/Kubernetes choice is made once, by ``open_store``; the rest
+of the agent sees only the subnet manager and node control it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from ipaddress import IPv4Address, IPv4Network
+from typing import TYPE_CHECKING
+
+from flannelpy.agent.firewall import FirewallFactory
+from flannelpy.agent.live_config import load_applied
+from flannelpy.agent.node import NodeAgent
+from flannelpy.agent.pods import PodAttachments, PodSide
+from flannelpy.agent.vtep import load_vtep_mac
+from flannelpy.agent.writer import AgentParts, ProbeTransport
+from flannelpy.backend.base import NodeContext
+from flannelpy.backend.registry import get_backend
+from flannelpy.config.netconf import NetworkConfig
+from flannelpy.config.settings import AgentSettings
+from flannelpy.control.change import wanted_config
+from flannelpy.dataplane.kernel import Kernel
+from flannelpy.errors import ConfigError, FlannelpyError, StoreUnavailable
+from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
+from flannelpy.observe.metrics import AgentMetrics, LinkProvider
+from flannelpy.subnet.etcd.pools import PoolStore
+from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet.open_store import OpenedStore, open_store
+from flannelpy.subnet.survey import check_no_overlap
+
+if TYPE_CHECKING:
+    from flannelpy.control.node_control import NodeControl
+
+log = logging.getLogger("flannelpy.agent.compose")
+
+
+def node_name_default(settings: AgentSettings) -> str:
+    return settings.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def build_agent(
+    settings: AgentSettings,
+    opened: OpenedStore | None = None,
+    kernel: Kernel | None = None,
+    metrics: AgentMetrics | None = None,
+) -> NodeAgent:
+    """Wire the parts together (``opened``, ``kernel``: already built ones, for tests)."""
+    metrics = metrics or AgentMetrics()
+    if opened is None:
+        opened = open_store(
+            settings, on_error=metrics.store_error, on_watch_restart=metrics.watch_restart
+        )
+    manager, kube = opened.manager, opened.kube
+    try:
+        config = _read_config_patiently(manager, settings.startup_timeout)
+        # A restart keeps the backend this node last applied: a change that arrived
+        # meanwhile still goes through the disruption policy, like any live change.
+        applied = load_applied(settings.state_dir)
+        if applied is not None:
+            config = wanted_config(json.dumps(config.raw).encode(), applied)
+        if config.enable_ipv6:
+            raise ConfigError(
+                "net-conf.json: EnableIPv6 is not supported by flannelpy yet; set it to false"
+            )
+        if not config.enable_ipv4 or config.network is None:
+            raise ConfigError("net-conf.json: EnableIPv4 must be true and Network set")
+        if config.backend_defaulted:
+            log.warning("net-conf.json has no Backend; using vxlan")
+        backend = get_backend(config.backend.type)
+        if kernel is None:
+            from flannelpy.dataplane.netlink import NetlinkKernel
+
+            kernel = NetlinkKernel()
+        underlay = kernel.find_underlay(
+            settings.iface, settings.iface_regex,
+            _ip_or_none(settings.iface_can_reach), settings.public_ip,
+        )  # fmt: skip
+        ctx = NodeContext(
+            config=config,
+            underlay=underlay,
+            # Kubernetes mode: the node-public-ip annotation acts as --public-ip.
+            public_ip=settings.public_ip or (kube and kube.node_public_ip()) or underlay.ip,
+            node_name=kube.node_name if kube else node_name_default(settings),
+        )
+        ours = {*_all_backend_devices(ctx), "cni0"}
+        check_no_overlap(config.network, kernel.survey(ours), settings.allow_overlap)
+        vtep_mac = None
+        if backend.type_name == "vxlan" or kube:
+            vtep_mac = load_vtep_mac(
+                kernel, settings.state_dir, backend.device_names(ctx)[0],
+                advertised=kube.own_vtep_mac() if kube else None,
+            )  # fmt: skip
+        log.info(
+            "starting node=%s backend=%s iface=%s public_ip=%s mtu=%s",
+            ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, backend.mtu(ctx),
+        )  # fmt: skip
+    except BaseException:
+        manager.close()
+        raise
+
+    capacity = parse_capacity(config.raw)
+    pools = None
+    if opened.etcd is not None:
+        pools = PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
+    elif capacity.max_leases_per_node > 1:
+        log.warning("MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
+                    "(one podCIDR per node); ignoring them")  # fmt: skip
+        capacity = CapacitySettings()
+    if kube is not None:
+        from flannelpy.control.node_control import KubeNodeControl
+
+        control: NodeControl = KubeNodeControl(kube, settings.net_config_path)
+    else:
+        from flannelpy.control.node_control import EtcdNodeControl
+
+        assert opened.etcd is not None
+        control = EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
+
+    def pods(mtu: Callable[[], int], ready: Callable[[], bool]) -> PodSide:
+        return PodAttachments(settings, mtu, ready, metrics)
+
+    return NodeAgent(
+        AgentParts(
+            settings=settings,
+            manager=manager,
+            kernel=kernel,
+            backend=backend,
+            ctx=ctx,
+            pods=pods,
+            metrics=metrics,
+            control=control,
+            vtep_mac=vtep_mac,
+            firewall_factory=_firewall_factory(settings, metrics),
+            applied_generation=(applied.generation or None) if applied else None,
+            pools=pools,
+            capacity=capacity,
+            probe_transport=_icmp_transport,
+            link_stats=_link_stats,
+        )
+    )
+
+
+def run_agent(settings: AgentSettings) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit code; errors become one sentence."""
+    try:
+        agent = build_agent(settings)
+    except FlannelpyError as e:
+        log.error("%s", e)
+        return e.exit_code
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("stopping signal=%s", signal.Signals(signum).name)
+        agent.stop.set()
+        if not agent.ready:
+            # Still acquiring (e.g. waiting for the controller-manager to assign a
+            # podCIDR): closing the manager ends that wait.
+            agent.manager.close()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+        agent.run_until_stopped()
+    except FlannelpyError as e:
+        log.error("%s", e)
+        agent.shutdown()
+        return e.exit_code
+    return 0
+
+
+def _icmp_transport() -> ProbeTransport:
+    from flannelpy.dataplane.icmp import IcmpTransport
+
+    return IcmpTransport()
+
+
+def _link_stats(underlay: str) -> LinkProvider:
+    from flannelpy.dataplane.linkstats import NetlinkLinkStats
+
+    return NetlinkLinkStats(underlay=underlay)
+
+
+def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
+    from flannelpy.backend.vxlan import device_name
+
+    return (device_name(ctx.config.backend.vni),)
+
+
+def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkConfig:
+    """The network config, retrying an unreachable store for up to ``timeout`` seconds.
+
+    Many agents start at once after a cluster-wide restart; a store slow to answer
+    the first request is normal then, and crash-looping would only add load.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return manager.get_network_config()
+        except StoreUnavailable as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("store unavailable, retrying in %.1fs: %s", delay, e)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _ip_or_none(value: str | None) -> IPv4Address | None:
+    return IPv4Address(value) if value else None
+
+
+def _firewall_factory(settings: AgentSettings, metrics: AgentMetrics) -> FirewallFactory | None:
+    if not settings.ip_masq and not settings.iptables_forward_rules:
+        return None
+    from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
+
+    firewall = IptablesFirewall()
+
+    def make(networks: Sequence[IPv4Network], subnets: Sequence[IPv4Network]) -> Callable[[], bool]:
+        rule_sets = []
+        if settings.ip_masq:
+            rule_sets.append(masq_rules(networks, subnets, firewall.random_fully))
+        if settings.iptables_forward_rules:
+            rule_sets.append(forward_rules(networks))
+
+        def sync() -> bool:
+            """True once every chain is as desired (sync raises when it cannot repair)."""
+            for rules in rule_sets:
+                result = firewall.sync(rules)  # logs what it repaired
+                metrics.firewall_sync(result.repaired)
+            return True
+
+        return sync
+
+    return make

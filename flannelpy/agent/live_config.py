@@ -1,0 +1,268 @@
+"""Live config: compare what this node is told to run with what it runs, and act per
+the disruption policy (apply, block, or say a restart is needed).
+
+What was applied is remembered in ``<state-dir>/applied-backend.json``, so a
+restart keeps the backend this node last applied: a change that arrived
+meanwhile still goes through the policy, like any live change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flannelpy.agent.capacity import Capacity
+from flannelpy.agent.firewall import FirewallRules
+from flannelpy.agent.leases import OwnLeases
+from flannelpy.agent.planning import Planner
+from flannelpy.agent.state import Clocks, NodeState, SayOnce
+from flannelpy.agent.status import StatusReporter, backend_doc
+from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.registry import get_backend
+from flannelpy.config.netconf import NetworkConfig
+from flannelpy.config.settings import AgentSettings
+from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
+from flannelpy.control.policy import ETCD_REMEDY, KUBE_REMEDY
+from flannelpy.control.records import BackendSummary, BlockedChange, NodeOverride
+from flannelpy.dataplane.reconciler import Reconciler
+from flannelpy.errors import ConfigError, StoreError
+from flannelpy.fsutil import atomic_write
+from flannelpy.ipam.capacity import parse_capacity
+from flannelpy.observe.metrics import AgentMetrics
+from flannelpy.subnet.etcd.pools import records_to_pools
+from flannelpy.subnet.pools import Pool
+
+if TYPE_CHECKING:
+    from flannelpy.control.node_control import ControlSnapshot, NodeControl
+
+log = logging.getLogger("flannelpy.agent.live_config")
+
+BLOCKED_RECHECK_SECONDS = 30.0  # a blocked change is looked at again this often (windows open)
+CONTROL_RETRY_SECONDS = 5.0  # a config change whose application failed is retried this often
+APPLIED_FILE = "applied-backend.json"  # in --state-dir: the Backend this node last applied
+
+
+class LiveConfig:
+    def __init__(
+        self,
+        state: NodeState,
+        settings: AgentSettings,
+        control: NodeControl | None,
+        *,
+        reconciler: Reconciler,
+        planner: Planner,
+        leases: OwnLeases,
+        capacity: Capacity,
+        firewall: FirewallRules,
+        status: StatusReporter,
+        metrics: AgentMetrics,
+        say_once: SayOnce,
+        publish_view: Callable[[], None],
+        write_subnet_env: Callable[[], None],
+        clocks: Clocks,
+    ) -> None:
+        self.state = state
+        self.settings = settings
+        self.control = control
+        self.reconciler = reconciler
+        self.planner = planner
+        self.leases = leases
+        self.capacity = capacity
+        self.firewall = firewall
+        self.status = status
+        self.metrics = metrics
+        self.say_once = say_once
+        self.publish_view = publish_view
+        self.write_subnet_env = write_subnet_env
+        self.clocks = clocks
+        self.snapshot: ControlSnapshot | None = None
+        self.pending = False  # a snapshot not looked at yet
+        self.failed = False  # the last application raised: retry
+        self._last_check = clocks.monotonic()
+        self._blocked_counted: set[tuple[int | None, tuple[str, ...]]] = set()
+
+    def take(self, snapshot: ControlSnapshot) -> None:
+        self.snapshot = snapshot
+        self.pending = True
+
+    def due(self) -> bool:
+        since = self.clocks.monotonic() - self._last_check
+        return self.pending or (
+            (self.state.blocked is not None and since >= BLOCKED_RECHECK_SECONDS)
+            or (self.failed and since >= CONTROL_RETRY_SECONDS)
+        )
+
+    def run_if_due(self) -> None:
+        if not self.due():
+            return
+        self.pending = False
+        self._last_check = self.clocks.monotonic()
+        try:
+            self.evaluate()
+            self.failed = False
+        except Exception:
+            # Like a failed reconcile pass: the node keeps what it runs, a retry
+            # follows, and the log has the cause.
+            log.exception("applying the network config failed; keeping the current one")
+            self.failed = True
+
+    def evaluate(self) -> None:
+        """Compare what we are told to run with what we run, and act per the policy."""
+        snap = self.snapshot
+        s = self.state
+        if snap is None or snap.config is None:
+            return
+        if snap.override_error:
+            self.say_once(snap.override_error, "ignoring this node's override: %s",
+                          snap.override_error)  # fmt: skip
+        self._take_pools(snap)
+        try:
+            wanted = wanted_config(snap.config, snap.override)
+            backend = get_backend(wanted.backend.type)
+            if wanted.enable_ipv6 or wanted.network is None:
+                raise ConfigError("EnableIPv6 is not supported and Network is required")
+        except (ConfigError, ValueError) as e:
+            self.say_once(f"config:{e}", "not applying the new network config: %s", e)
+            return
+        ctx = replace(s.ctx, config=wanted)
+        generation = snap.override.generation if snap.override else None
+        try:
+            decision = decide_change(
+                s.config, s.mtu, wanted, backend.mtu(ctx), snap.override, snap.rollout,
+                datetime.fromtimestamp(self.clocks.wall(), UTC),
+                KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
+            )  # fmt: skip
+        except ConfigError as e:  # e.g. a DisruptionPolicy that does not parse
+            self.say_once(f"config:{e}", "not applying the new network config: %s", e)
+            return
+        if decision.action == "restart-needed":
+            self.say_once(f"restart:{wanted.raw}", "%s", decision.sentence)
+            return
+        if decision.action == "block":
+            self._block(decision, generation)
+            return
+        if s.blocked is not None:
+            log.info("blocked change no longer pending change=%s", s.blocked.change)
+            s.blocked = None
+        if decision.action == "apply":
+            self._apply(wanted, ctx, backend, decision, snap.override)
+        if generation != s.applied_generation:
+            s.applied_generation = generation
+            s.applied_at = self.clocks.wall()
+            self.status.publish(force=True)
+
+    def _take_pools(self, snap: ControlSnapshot) -> None:
+        """Pool records and warm-capacity settings apply at once (never disruptive)."""
+        if self.settings.kube_subnet_mgr:
+            return
+        s = self.state
+        pools, ignored = records_to_pools(s.config, snap.pools, self.settings.etcd_prefix)
+        for problem in ignored:
+            self.say_once(f"pool:{problem}", "ignoring an address pool record: %s", problem)
+        capacity = s.capacity
+        if snap.config is not None:
+            try:
+                capacity = parse_capacity(json.loads(snap.config))
+            except (ConfigError, ValueError) as e:
+                self.say_once(f"capacity:{e}", "keeping the warm-capacity settings: %s", e)
+        if pools != s.pools or capacity != s.capacity:
+            if pools != s.pools:
+                log.info("address pools changed pools=%s", pool_summary(pools))
+            s.pools = pools
+            s.capacity = capacity
+            self.metrics.lease_limit(capacity.max_leases_per_node)
+            self.capacity.watch_low_free()
+            s.capacity_due = True
+            self.firewall.setup()
+
+    def _block(self, decision: ChangeDecision, generation: int | None) -> None:
+        s = self.state
+        change = ", ".join(decision.changes)
+        key = (generation, decision.changes)
+        if key not in self._blocked_counted:
+            self._blocked_counted.add(key)
+            self.metrics.blocked_operation("backend_change")
+            log.warning("%s", decision.sentence)
+        if s.blocked is None or s.blocked.change != change:
+            s.blocked = BlockedChange(generation, change, decision.sentence or "",
+                                      self.clocks.wall())  # fmt: skip
+            self.status.write_file(self.reconciler.last_result, s.view())
+            self.status.publish(force=True)
+
+    def _apply(
+        self,
+        wanted: NetworkConfig,
+        ctx: NodeContext,
+        backend: Backend,
+        decision: ChangeDecision,
+        override: NodeOverride | None,
+    ) -> None:
+        s = self.state
+        before = BackendSummary.of(s.config.backend, s.mtu)
+        if decision.forced is not None:
+            log.warning(
+                "disruptive change forced past the disruption policy change=%r reason=%r by=%s",
+                ", ".join(decision.changes), decision.forced.reason, decision.forced.by,
+            )  # fmt: skip
+            if self.control is not None:
+                try:
+                    self.control.record_forced(
+                        s.ctx.node_name, ", ".join(decision.changes), decision.forced
+                    )
+                except StoreError as e:
+                    log.warning("could not record the forced change in the store: %s", e)
+        s.backend = backend
+        s.ctx = ctx
+        s.known_devices.update(backend.device_names(ctx))
+        self.publish_view()  # CNI requests and the bridge take the new MTU from here on
+        self.planner.replan()
+        result = self.reconciler.reconcile_once("config change")
+        if not self.leases.rewrite_attrs():
+            s.attrs_dirty = True
+        mtu = backend.mtu(ctx)
+        self.metrics.overlay_mtu(mtu)
+        self.capacity.sync_ipam(again=True)  # the bridge takes its new MTU
+        self.write_subnet_env()
+        generation = override.generation if override else None
+        s.applied_generation = generation
+        s.applied_at = self.clocks.wall()
+        save_applied(self.settings.state_dir, wanted, generation)
+        after = BackendSummary.of(wanted.backend, mtu)
+        if decision.changes:
+            log.info(
+                "backend changed from=%s to=%s generation=%s converged=%s",
+                before.describe(), after.describe(), generation,
+                result.converged if result else None,
+            )  # fmt: skip
+        else:
+            log.info("network config change applied backend=%s", after.describe())
+        self.status.publish(force=True)
+
+
+def save_applied(state_dir: str, config: NetworkConfig, generation: int | None) -> None:
+    doc = {"Backend": backend_doc(config), "Generation": generation or 0}
+    atomic_write(Path(state_dir) / APPLIED_FILE, json.dumps(doc), durable=True)
+
+
+def load_applied(state_dir: str) -> NodeOverride | None:
+    """The Backend this node last applied, in the form of an override."""
+    try:
+        return NodeOverride.from_json((Path(state_dir) / APPLIED_FILE).read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        log.warning("ignoring %s: %s", APPLIED_FILE, e)
+        return None
+
+
+def pool_summary(pools: Sequence[Pool]) -> str:
+    return ", ".join(
+        f"{p.network}" + (f"[{','.join(f'{k}={v}' for k, v in sorted(p.tags.items()))}]"
+                          if p.tags else "")
+        for p in pools
+    )  # fmt: skip

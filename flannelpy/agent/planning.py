@@ -1,0 +1,79 @@
+"""Leases to kernel state: plan with the running backend, hand the plan to the reconciler.
+
+Also what a plan tells about peers: the ones we cannot program (reported once
+per change), overlay MTU disagreements, and the peer set the prober follows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from flannelpy.agent.state import NodeState
+from flannelpy.agent.vtep import VtepMac
+from flannelpy.dataplane.reconciler import Reconciler
+from flannelpy.observe.metrics import AgentMetrics
+from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
+from flannelpy.observe.prober import Prober
+from flannelpy.subnet.lease import Lease
+
+log = logging.getLogger("flannelpy.agent.planning")
+
+
+class Planner:
+    def __init__(
+        self, state: NodeState, reconciler: Reconciler, vtep: VtepMac, metrics: AgentMetrics
+    ) -> None:
+        self.state = state
+        self.reconciler = reconciler
+        self.vtep = vtep
+        self.metrics = metrics
+        self.prober: Prober | None = None  # set once it runs
+
+    def replan(self) -> None:
+        """Plan from the whole current state and hand the plan to the reconciler."""
+        s = self.state
+        if not s.own:
+            return
+        peers = s.peers()
+        self.metrics.peers(peers)
+        self.check_mtu(peers)
+        if self.prober is not None:
+            # Each lease's overlay address is its first address (on the owner's cni0).
+            self.prober.set_peers(
+                {str(p.subnet): (p.gateway, p.attrs.node_name or str(p.attrs.public_ip))
+                 for p in peers}
+            )  # fmt: skip
+        vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
+        if (vtep_mac is not None) != s.vtep_advertised:
+            s.attrs_dirty = True  # the writer rewrites our lease next
+        desired = s.backend.plan(s.ctx, s.own, peers, vtep_mac)
+        stale_links = frozenset(s.known_devices - {link.name for link in desired.links})
+        if desired.unreachable != s.unreachable:
+            for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):
+                log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
+            s.unreachable = desired.unreachable
+        self.reconciler.set_desired(desired, stale_links)
+
+    def check_mtu(self, peers: Sequence[Lease]) -> None:
+        """Peers must agree on the overlay MTU, or large packets vanish silently between them.
+
+        Between nodes on different backends (a backend switch under way) the MTUs differ
+        by design; that is said once at info level, not warned per peer."""
+        s = self.state
+        report = mtu_mismatches(s.mtu, list(peers))
+        if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
+            backend_of = {p.subnet: p.attrs.backend_type for p in peers}
+            mixed = [p for p in report.mismatched
+                     if backend_of.get(p.subnet) != s.backend.type_name]  # fmt: skip
+            for peer in report.mismatched:
+                if peer not in mixed:
+                    log.warning("MTU mismatch: %s", describe_mismatch(report.own_mtu, peer))
+            for peer in report.unknown:
+                log.warning("MTU mismatch: %s", describe_unknown(peer))
+            if mixed:
+                log.info(
+                    "overlay MTU differs from %d peer lease(s) on another backend, as expected "
+                    "while backends are mixed; pods keep their MTU until re-created", len(mixed),
+                )  # fmt: skip
+        s.mtu_report = report

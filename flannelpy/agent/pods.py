@@ -1,0 +1,107 @@
+"""The agent's CNI side: node IPAM, the pod bridge and the socket the executable calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from ipaddress import IPv4Interface, IPv4Network
+from typing import TYPE_CHECKING, Protocol
+
+from flannelpy.config.settings import AgentSettings
+from flannelpy.observe.metrics import AgentMetrics
+
+if TYPE_CHECKING:
+    from flannelpy.ipam.manager import NodeIpam
+
+log = logging.getLogger("flannelpy.agent.pods")
+
+
+class PodSide(Protocol):
+    """What the writer needs of the CNI side (PodAttachments, or a fake in tests)."""
+
+    @property
+    def ipam(self) -> NodeIpam: ...
+
+    def use_leases(
+        self, subnets: Sequence[IPv4Network], serving: Sequence[IPv4Network] | None = None
+    ) -> None: ...
+
+    def remove_gateway(self, gateway: IPv4Interface) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class PodAttachments:
+    """Node IPAM, the pod bridge and the CNI server, built on first use of the host."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        mtu: Callable[[], int],
+        ready: Callable[[], bool],
+        metrics: AgentMetrics,
+    ) -> None:
+        from flannelpy.cni.handler import CniHandler, CniSettings
+        from flannelpy.cni.records import RecordStore
+        from flannelpy.cni.server import CniServer
+        from flannelpy.dataplane.podnet import PodNetwork
+        from flannelpy.ipam.manager import NodeIpam
+
+        self._mtu = mtu
+        self._ipam = NodeIpam(os.path.join(settings.state_dir, "ipam"))
+        self.pods = PodNetwork()
+        records = RecordStore(os.path.join(settings.state_dir, "cni"))
+        self.handler = CniHandler(
+            self._ipam, self.pods, records, CniSettings(mtu_provider=mtu, ready=ready)
+        )
+        self.socket_path = os.path.join(settings.run_dir, "cni.sock")
+        self._metrics = metrics
+        self.server = CniServer(self.socket_path, self._handle)
+        self._started = False
+
+    @property
+    def ipam(self) -> NodeIpam:
+        return self._ipam
+
+    def _handle(self, env: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+        started = time.monotonic()
+        exit_code, out = self.handler.handle(env, stdin)
+        code = 0
+        if exit_code:
+            try:
+                code = int(json.loads(out).get("code", 999))
+            except (ValueError, AttributeError):
+                code = 999
+        self._metrics.cni_request(env.get("CNI_COMMAND", "?"), code, time.monotonic() - started)
+        return exit_code, out
+
+    def use_leases(
+        self, subnets: Sequence[IPv4Network], serving: Sequence[IPv4Network] | None = None
+    ) -> None:
+        """Allocate from ``serving`` (default: all), in the order of ``subnets``; the
+        bridge carries each lease's gateway from now on, so the node has an address in
+        a lease before the first pod lands there."""
+        self._ipam.set_leases(subnets, serving)
+        gateways = [IPv4Interface(f"{net.network_address + 1}/{net.prefixlen}") for net in subnets]
+        self.pods.ensure_bridge(gateways, self._mtu())
+
+    def remove_gateway(self, gateway: IPv4Interface) -> None:
+        self.pods.remove_gateway(gateway)
+
+    def start(self) -> None:
+        released = self.handler.gc_dead()
+        if released:
+            log.info("released addresses of pods that are gone count=%d", len(released))
+        self.server.start()
+        self._started = True
+        log.info("CNI server listening socket=%s", self.socket_path)
+
+    def stop(self) -> None:
+        if self._started:
+            self.server.stop()
+            self._started = False

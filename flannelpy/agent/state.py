@@ -1,0 +1,131 @@
+"""The agent's state: one mutable record the writer owns, one immutable view for the rest.
+
+Only the writer thread (``agent.writer``) changes a ``NodeState``. Every other
+thread (the reconciler's status callback, the HTTP servers, CNI requests, the
+prober) reads the latest ``AgentView``, a frozen copy the writer publishes
+once its state is whole again, so nothing outside the writer ever sees a
+half-applied change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Network
+
+from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.config.netconf import NetworkConfig
+from flannelpy.control.records import BlockedChange
+from flannelpy.dataplane.state import Unreachable
+from flannelpy.ipam.capacity import CapacitySettings
+from flannelpy.observe.mtu import MtuReport, PeerMtu
+from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.pools import Pool
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """Injected time: ``wall`` for what other machines read (lease expiry, records,
+    policy windows), ``monotonic`` for intervals."""
+
+    wall: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
+
+
+@dataclass
+class NodeState:
+    """What this node runs and holds. Written by the writer only."""
+
+    backend: Backend
+    ctx: NodeContext
+    pools: list[Pool]
+    capacity: CapacitySettings
+    own: list[Lease] = field(default_factory=list)  # our leases, oldest first
+    leases: dict[str, Lease] = field(default_factory=dict)  # every lease, ours included
+    known_devices: set[str] = field(default_factory=set)  # ours to remove when unplanned
+    first_snapshot: bool = False
+    vtep_advertised: bool = False  # whether our lease carries our VTEP
+    unreachable: frozenset[Unreachable] = frozenset()
+    mtu_report: MtuReport | None = None
+    applied_generation: int | None = None
+    applied_at: float = 0.0
+    blocked: BlockedChange | None = None
+    subnet_env_written: bool = False
+    rules_in_place: bool = True
+    ready: bool = False
+    # Follow-ups the writer runs after an event, each until it succeeds.
+    lease_lost: bool = False
+    attrs_dirty: bool = False
+    capacity_due: bool = True
+
+    @property
+    def config(self) -> NetworkConfig:
+        return self.ctx.config
+
+    @property
+    def mtu(self) -> int:
+        return self.backend.mtu(self.ctx)
+
+    def peers(self) -> list[Lease]:
+        own_keys = {lease.key for lease in self.own}
+        return [p for k, p in self.leases.items() if k not in own_keys]
+
+    def own_subnets(self) -> list[IPv4Network]:
+        return [lease.subnet for lease in self.own]
+
+    def view(self) -> AgentView:
+        return AgentView(
+            backend=self.backend,
+            ctx=self.ctx,
+            mtu=self.mtu,
+            own=tuple(self.own),
+            peers=max(len(self.leases) - len(self.own), 0),
+            unreachable=self.unreachable,
+            mtu_mismatched=tuple(self.mtu_report.mismatched) if self.mtu_report else (),
+            applied_generation=self.applied_generation,
+            applied_at=self.applied_at,
+            blocked=self.blocked,
+            vtep=self.vtep_advertised,
+            subnet_env_written=self.subnet_env_written,
+            rules_in_place=self.rules_in_place,
+            ready=self.ready,
+        )
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """An immutable copy of ``NodeState`` for readers on other threads."""
+
+    backend: Backend
+    ctx: NodeContext
+    mtu: int
+    own: tuple[Lease, ...]
+    peers: int
+    unreachable: frozenset[Unreachable]
+    mtu_mismatched: tuple[PeerMtu, ...]
+    applied_generation: int | None
+    applied_at: float
+    blocked: BlockedChange | None
+    vtep: bool
+    subnet_env_written: bool
+    rules_in_place: bool
+    ready: bool
+
+    @property
+    def lease(self) -> Lease | None:
+        return self.own[0] if self.own else None
+
+
+class SayOnce:
+    """Warn about a lasting condition once, not on every event that meets it again."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._said: set[str] = set()
+
+    def __call__(self, key: str, message: str, *args: object) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self._log.warning(message, *args)

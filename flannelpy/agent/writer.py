@@ -1,0 +1,331 @@
+"""The one writer: every input is an event on one queue, handled by one thread.
+
+The writer owns ``NodeState`` and calls the concerns (own leases, planning,
+capacity, live config, firewall, status). After each event it runs the
+follow-ups the event may have made due, in a fixed order (recover lost leases,
+the config decision, our lease's attributes, capacity), then publishes a fresh
+``AgentView`` for readers on other threads. So a plan is always computed from
+a whole state, never from fields another thread is halfway through changing.
+
+During start-up the starting thread is the writer; ``NodeAgent`` hands the
+role to its main loop once the node is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from flannelpy.agent.capacity import Capacity
+from flannelpy.agent.events import (
+    TICK_CAPACITY,
+    TICK_FIREWALL,
+    TICK_RENEW,
+    TICK_STATUS,
+    CapacityLow,
+    ControlChanged,
+    Event,
+    EventCounts,
+    LeaseLost,
+    LeasesChanged,
+    ProbeReported,
+    Tick,
+    kind_of,
+)
+from flannelpy.agent.firewall import FirewallFactory, FirewallRules
+from flannelpy.agent.leases import OwnLeases
+from flannelpy.agent.live_config import LiveConfig
+from flannelpy.agent.planning import Planner
+from flannelpy.agent.pods import PodSide
+from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
+from flannelpy.agent.status import StatusReporter, write_node_subnet_env
+from flannelpy.agent.vtep import VtepMac
+from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.config.settings import AgentSettings
+from flannelpy.dataplane.ethtool import set_tx_checksum
+from flannelpy.dataplane.kernel import Kernel
+from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
+from flannelpy.errors import DataplaneError, StoreError
+from flannelpy.ipam.capacity import CapacitySettings
+from flannelpy.observe.health import Heartbeats
+from flannelpy.observe.metrics import AgentMetrics, LinkProvider
+from flannelpy.observe.prober import ProbeResult, Transport
+from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.subnet_env import read_previous_subnet
+
+if TYPE_CHECKING:
+    from flannelpy.control.node_control import ControlSnapshot, NodeControl
+
+log = logging.getLogger("flannelpy.agent.writer")
+
+RETRY_PAUSE_SECONDS = 1.0  # after a failed follow-up, before the next try
+
+
+class ProbeTransport(Transport, Protocol):
+    def close(self) -> None: ...
+
+
+# (overlay MTU provider, readiness provider) -> the CNI side
+PodsFactory = Callable[[Callable[[], int], Callable[[], bool]], PodSide]
+
+
+@dataclass
+class AgentParts:
+    """Every adapter the agent runs with, built by ``agent.compose`` (or fakes in tests)."""
+
+    settings: AgentSettings
+    manager: SubnetManager
+    kernel: Kernel
+    backend: Backend
+    ctx: NodeContext
+    pods: PodsFactory
+    metrics: AgentMetrics = field(default_factory=AgentMetrics)
+    control: NodeControl | None = None
+    vtep_mac: str | None = None  # loaded once a VTEP is wanted (always with vxlan)
+    firewall_factory: FirewallFactory | None = None
+    applied_generation: int | None = None
+    pools: list[Pool] | None = None
+    capacity: CapacitySettings | None = None
+    probe_transport: Callable[[], ProbeTransport] | None = None  # raises DataplaneError
+    link_stats: Callable[[str], LinkProvider] | None = None  # (underlay name) -> provider
+    clocks: Clocks = field(default_factory=Clocks)
+    ticker: bool = True  # False in tests, which put their own Tick events
+
+
+class Writer:
+    def __init__(self, parts: AgentParts, beats: Heartbeats) -> None:
+        settings, metrics, clocks = parts.settings, parts.metrics, parts.clocks
+        assert parts.ctx.config.network is not None  # compose refuses a config without it
+        self.settings = settings
+        self.metrics = metrics
+        self.clocks = clocks
+        self.beats = beats
+        self.queue: queue.Queue[Event] = queue.Queue()
+        self.counts = EventCounts()
+        self.state = s = NodeState(
+            backend=parts.backend,
+            ctx=parts.ctx,
+            pools=list(parts.pools or [Pool(parts.ctx.config.network, primary=True)]),
+            capacity=parts.capacity or CapacitySettings(),
+            known_devices=set(parts.backend.device_names(parts.ctx)),
+            applied_generation=parts.applied_generation,
+            applied_at=clocks.wall(),
+        )
+        self.view: AgentView = s.view()
+        self.loops_running = False  # heartbeats exist from then on
+        self._pause_until = 0.0
+        say_once = SayOnce(log)
+        self.reconciler = Reconciler(
+            parts.kernel, settings.resync_interval, self.on_reconciled, metrics.reconcile_error
+        )
+        vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
+        self.leases = OwnLeases(
+            s, parts.manager, vtep, metrics, settings.cluster_name,
+            settings.subnet_lease_renew_margin * 60.0, clocks,
+        )  # fmt: skip
+        self.planner = Planner(s, self.reconciler, vtep, metrics)
+        self.firewall = FirewallRules(s, parts.firewall_factory)
+        self.status = StatusReporter(
+            settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks
+        )
+        self.pods = parts.pods(lambda: self.view.mtu, lambda: self.view.ready)
+        self.capacity = Capacity(
+            s, self.leases, parts.manager, self.pods, metrics, self.counts, say_once,
+            cluster=settings.cluster_name, kube_mode=settings.kube_subnet_mgr,
+            replan=self.planner.replan, setup_firewall=self.firewall.setup,
+            write_subnet_env=self.write_subnet_env, on_low_free=self.on_low_free,
+            clocks=clocks,
+        )  # fmt: skip
+        self.live = LiveConfig(
+            s, settings, parts.control, reconciler=self.reconciler, planner=self.planner,
+            leases=self.leases, capacity=self.capacity, firewall=self.firewall,
+            status=self.status, metrics=metrics, say_once=say_once,
+            publish_view=self.publish_view, write_subnet_env=self.write_subnet_env,
+            clocks=clocks,
+        )  # fmt: skip
+
+    # -- producers: any thread --------------------------------------------------------
+
+    def on_leases(self, leases: Mapping[str, Lease], revision: int) -> None:
+        self.queue.put(LeasesChanged(dict(leases), revision))
+
+    def on_control(self, snapshot: ControlSnapshot) -> None:
+        self.queue.put(ControlChanged(snapshot))
+
+    def on_probe(self, key: str, result: ProbeResult) -> None:
+        self.queue.put(ProbeReported(key, result))
+
+    def on_low_free(self, free: int) -> None:
+        """IPAM's warning, from a CNI request's thread: only enqueue."""
+        self.queue.put(CapacityLow(free))
+
+    def on_reconciled(self, result: ReconcileResult) -> None:
+        """The reconciler's callback, on its thread: metrics, offload, status.json."""
+        self.metrics.observe_reconcile(result)
+        if self.loops_running:  # the start reconcile comes before the heartbeats exist
+            self.beats.beat("reconciler")
+        if self.settings.vxlan_tx_checksum_off and result.changes.links_to_create:
+            # A (re-)created device starts with offload on again.
+            for link in result.changes.links_to_create:
+                set_tx_checksum(link.name, False)
+        self.status.write_file(result)
+
+    # -- the writer -------------------------------------------------------------------
+
+    def publish_view(self) -> None:
+        self.view = self.state.view()
+
+    def handle(self, event: Event, settle: bool = True) -> None:
+        """Act on one event, then (``settle``) on whatever it made due."""
+        s = self.state
+        if isinstance(event, LeasesChanged):
+            if self.leases.take_snapshot(event.leases):
+                self.queue.put(LeaseLost())
+            self.planner.replan()
+            s.first_snapshot = True
+        elif isinstance(event, LeaseLost):
+            s.lease_lost = True
+        elif isinstance(event, ControlChanged):
+            self.live.take(event.snapshot)
+        elif isinstance(event, ProbeReported):
+            r = event.result
+            self.status.probe_seen(event.key)
+            self.metrics.probe(event.key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
+        elif isinstance(event, CapacityLow):
+            s.capacity_due = True
+        elif isinstance(event, Tick):
+            self._on_tick(event.name)
+        if settle:
+            self.settle()
+        self.publish_view()
+        kind = kind_of(event)
+        if kind is not None:
+            self.counts.handled(kind)
+            self.metrics.agent_event(kind)
+
+    def _on_tick(self, name: str) -> None:
+        if name == TICK_STATUS:
+            self.beats.beat("status")
+            self.status.write_file(self.reconciler.last_result, self.state.view())
+            self.status.publish()
+        elif name == TICK_CAPACITY:
+            self.state.capacity_due = True
+        elif name == TICK_RENEW:
+            self.leases.renew_due()
+        elif name == TICK_FIREWALL:
+            self.beats.beat("firewall")
+            self.firewall.resync()
+        # TICK_CONTROL: settle() looks at a blocked or failed change when it is due.
+
+    def pending(self) -> bool:
+        s = self.state
+        return s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
+
+    def settle(self) -> None:
+        """The follow-ups, in order; a failed one pauses them all briefly."""
+        s = self.state
+        if self.clocks.monotonic() < self._pause_until:
+            return
+        if s.lease_lost:
+            s.lease_lost = False
+            try:
+                self._recover_lost_leases()
+            except StoreError as e:
+                log.warning("re-acquiring the lease failed, retrying: %s", e)
+                s.lease_lost = True
+                self._pause()
+                return
+        self.live.run_if_due()
+        if s.attrs_dirty:
+            s.attrs_dirty = False
+            if not self.leases.rewrite_attrs():
+                s.attrs_dirty = True
+                self._pause()
+        if s.capacity_due:
+            try:
+                self.capacity.manage()
+            except (StoreError, DataplaneError, OSError) as e:
+                log.warning("lease capacity check failed, retrying: %s", e)
+                s.capacity_due = True
+                self._pause()
+
+    def _pause(self) -> None:
+        self._pause_until = self.clocks.monotonic() + RETRY_PAUSE_SECONDS
+
+    def _recover_lost_leases(self) -> None:
+        recovery = self.leases.recover_lost()
+        if not recovery.changed:
+            return
+        self.planner.replan()
+        if recovery.first_moved_from is not None or recovery.forgotten:
+            # Pods on an old subnet keep their addresses on disk; new pods use the new one.
+            self.state.capacity_due = True
+            if recovery.first_moved_from is not None:
+                self.write_subnet_env()
+            self.firewall.setup()
+
+    def write_subnet_env(self) -> None:
+        write_node_subnet_env(self.state, self.settings, self.capacity.serves)
+
+    def run(self, stop_is_set: Callable[[], bool]) -> None:
+        """The main loop: drain the queue until stopped (a Stop event wakes it)."""
+        self.settle()  # whatever arrived while the node started
+        self.publish_view()
+        while not stop_is_set():
+            try:
+                event = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.pending():  # a follow-up waits for its retry pause to end
+                    self.settle()
+                    self.publish_view()
+                continue
+            self.handle(event)
+
+    # -- start-up steps (the starting thread is the writer then) -------------------------
+
+    def acquire_first(self) -> Lease:
+        lease = self.leases.acquire(read_previous_subnet(self.settings.subnet_file))
+        self.state.own = [lease]
+        self.publish_view()
+        return lease
+
+    def wait_first_snapshot(self, timeout: float) -> None:
+        """Handle events until the first full lease list is in (never program an empty
+        peer set over a live one). Follow-ups wait for the main loop."""
+        deadline = time.monotonic() + timeout
+        while not self.state.first_snapshot:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreError(
+                    f"no lease list from the store within {timeout:.0f} s; "
+                    "check that the store is reachable and healthy"
+                )
+            try:
+                event = self.queue.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            self.handle(event, settle=False)
+
+    def after_first_snapshot(self) -> None:
+        if not self.settings.kube_subnet_mgr:
+            self.leases.adopt()
+            self.planner.replan()
+        self.capacity.manage()  # may add a lease (warm capacity, a drained pool)
+        self.capacity.watch_low_free()
+        self.publish_view()
+
+    def become_ready(self, result: ReconcileResult | None) -> None:
+        # Ready before subnet.env appears: runtimes (and the lab) take subnet.env as the
+        # sign that ADD works, so nothing may be left to do once it is written.
+        self.state.ready = True
+        self.publish_view()
+        self.write_subnet_env()
+        self.publish_view()
+        self.status.write_file(result, self.view)
+        self.status.publish(force=True)

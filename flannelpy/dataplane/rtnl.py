@@ -1,0 +1,375 @@
+"""rtnetlink's vocabulary, hand-packed: constants, message layouts, the requests we
+send and the rows we decode from dumps.
+
+Pure (de)serialisation with :mod:`struct`, no socket (that is :mod:`.nlbatch`):
+packing by hand is what makes a batch of thousands of neighbours, FDB entries
+and routes cheap, and decoding only the attributes the adapter needs is what
+makes a dump of thousands of entries cheap. The byte layouts follow
+linux/netlink.h, linux/rtnetlink.h, linux/neighbour.h and linux/if_link.h;
+tests/unit/test_nlbatch_golden.py holds every packed request against pyroute2's
+own encoding.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+from typing import NamedTuple
+
+# --- netlink / rtnetlink constants (linux/netlink.h, linux/rtnetlink.h, linux/neighbour.h)
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLM_F_REQUEST = 0x1
+NLM_F_MULTI = 0x2
+NLM_F_ACK = 0x4
+NLM_F_DUMP_INTR = 0x10
+NLM_F_ACK_TLVS = 0x200  # on NLMSG_ERROR: extended-ack attributes follow
+NLM_F_ROOT = 0x100
+NLM_F_MATCH = 0x200
+NLM_F_DUMP = NLM_F_ROOT | NLM_F_MATCH
+NLM_F_REPLACE = 0x100
+NLM_F_EXCL = 0x200
+NLM_F_CREATE = 0x400
+NLM_F_APPEND = 0x800
+NLMSGERR_ATTR_MSG = 1
+
+RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
+RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
+RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
+RTM_NEWNEIGH, RTM_DELNEIGH, RTM_GETNEIGH = 28, 29, 30
+
+RTMGRP_LINK = 0x1
+RTMGRP_NEIGH = 0x4
+RTMGRP_IPV4_IFADDR = 0x10
+RTMGRP_IPV4_ROUTE = 0x40
+
+AF_INET = socket.AF_INET
+AF_BRIDGE = 7
+
+RT_TABLE_MAIN = 254
+RT_SCOPE_UNIVERSE = 0
+RT_SCOPE_LINK = 253
+RT_SCOPE_NOWHERE = 255
+RTN_UNICAST = 1
+RTNH_F_ONLINK = 0x4
+RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_PREFSRC, RTA_TABLE = 1, 4, 5, 7, 15
+
+NUD_PERMANENT = 0x80
+# INCOMPLETE | REACHABLE | STALE | DELAY | PROBE: states of the ARP cache's own entries
+NUD_DYNAMIC = 0x01 | 0x02 | 0x04 | 0x08 | 0x10
+NTF_SELF = 0x02
+NDA_DST, NDA_LLADDR, NDA_IFINDEX = 1, 2, 8
+
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINKINFO, IFLA_EXT_MASK = 1, 3, 4, 18, 29
+IFLA_MASTER, IFLA_STATS64, IFLA_NET_NS_FD = 10, 23, 28
+IFLA_INFO_SLAVE_KIND, IFLA_INFO_SLAVE_DATA = 4, 5
+IFLA_BRPORT_MODE = 4  # hairpin (linux/if_link.h)
+VETH_INFO_PEER = 1  # linux/veth.h
+RTPROT_BOOT = 3  # what `ip route add` tags routes with
+IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
+IFLA_VXLAN_ID, IFLA_VXLAN_LINK, IFLA_VXLAN_LOCAL = 1, 3, 4
+IFLA_VXLAN_LEARNING, IFLA_VXLAN_PORT, IFLA_VXLAN_GBP = 7, 15, 23
+RTEXT_FILTER_SKIP_STATS = 1 << 3
+IFF_UP = 0x1
+IFF_LOWER_UP = 0x10000  # carrier: the link can pass packets
+
+IFA_ADDRESS, IFA_LOCAL, IFA_BROADCAST = 1, 2, 4
+
+HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+ATTR = struct.Struct("=HH")  # rtattr: len, type
+NDMSG = struct.Struct("=BBHiHBB")  # family, pad1, pad2, ifindex, state, flags, type
+RTMSG = struct.Struct(
+    "=BBBBBBBBI"
+)  # family, dst_len, src_len, tos, table, proto, scope, type, flags
+IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
+IFADDR = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
+U32 = struct.Struct("=I")
+I32 = struct.Struct("=i")
+BE16 = struct.Struct("!H")
+_BE32 = struct.Struct("!I")  # IPv4 as an int: IPv4Address(int) is 3x faster than from bytes
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rtnetlink request without its header: type, flags (REQUEST/ACK added), body."""
+
+    msg_type: int
+    flags: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The outcome of one :class:`Request`: 0, or a positive errno and the kernel's text."""
+
+    error: int = 0
+    message: str = ""
+
+
+# --- encoding ---------------------------------------------------------------
+
+
+def attr(attr_type: int, payload: bytes) -> bytes:
+    length = ATTR.size + len(payload)
+    return ATTR.pack(length, attr_type) + payload + b"\0" * (-length & 3)
+
+
+def mac_bytes(mac: str) -> bytes:
+    return bytes.fromhex(mac.replace(":", ""))
+
+
+def mac_text(raw: bytes) -> str:
+    return raw.hex(":")
+
+
+def neigh_request(delete: bool, ifindex: int, ip: IPv4Address, mac: str | None = None) -> Request:
+    """A permanent ARP entry (replace on set); ``mac`` only for set."""
+    body = NDMSG.pack(AF_INET, 0, 0, ifindex, NUD_PERMANENT, 0, 0) + attr(NDA_DST, ip.packed)
+    if delete:
+        return Request(RTM_DELNEIGH, 0, body)
+    assert mac is not None
+    return Request(
+        RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_REPLACE, body + attr(NDA_LLADDR, mac_bytes(mac))
+    )
+
+
+def fdb_request(delete: bool, ifindex: int, mac: str, dst: IPv4Address) -> Request:
+    """A vxlan FDB remote, ``bridge fdb append|del <mac> dev <dev> dst <dst> self permanent``."""
+    body = (
+        NDMSG.pack(AF_BRIDGE, 0, 0, ifindex, NUD_PERMANENT, NTF_SELF, 0)
+        + attr(NDA_LLADDR, mac_bytes(mac))
+        + attr(NDA_DST, dst.packed)
+    )
+    if delete:
+        return Request(RTM_DELNEIGH, 0, body)
+    # APPEND adds this remote beside any other for the MAC, and is a no-op when
+    # it is already there: idempotent without touching other remotes.
+    return Request(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_APPEND, body)
+
+
+def route_request(
+    delete: bool,
+    protocol: int,
+    dst: bytes,
+    dst_len: int,
+    gateway: IPv4Address | None = None,
+    oif: int = 0,
+    onlink: bool = False,
+) -> Request:
+    """A main-table IPv4 route tagged with ``protocol``; replace on set.
+
+    A delete names only dst and protocol, so it removes our route for that
+    destination whatever its next hop, and never a route another tool owns.
+    """
+    if delete:
+        head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_NOWHERE, 0, 0)
+        return Request(RTM_DELROUTE, 0, head + attr(RTA_DST, dst))
+    scope = RT_SCOPE_UNIVERSE if gateway is not None else RT_SCOPE_LINK
+    flags = RTNH_F_ONLINK if onlink else 0
+    head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, scope, RTN_UNICAST, flags)
+    body = head + attr(RTA_DST, dst) + attr(RTA_OIF, U32.pack(oif))
+    if gateway is not None:
+        body += attr(RTA_GATEWAY, gateway.packed)
+    return Request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)
+
+
+# --- decoding ---------------------------------------------------------------
+
+
+def parse_attrs(buf: bytes, start: int, end: int) -> dict[int, bytes]:
+    """rtattrs in ``buf[start:end]`` by type (nested flag stripped); later duplicates win."""
+    attrs: dict[int, bytes] = {}
+    unpack = ATTR.unpack_from
+    while start + 4 <= end:
+        length, attr_type = unpack(buf, start)
+        if length < 4:
+            break
+        attrs[attr_type & 0x3FFF] = buf[start + 4 : start + length]
+        start += (length + 3) & ~3
+    return attrs
+
+
+@dataclass
+class LinkRow:
+    index: int
+    name: str
+    flags: int
+    mtu: int
+    mac: str | None
+    kind: str | None = None
+    vxlan: dict[int, bytes] = field(default_factory=dict)  # IFLA_VXLAN_* attributes
+
+
+class RouteRow(NamedTuple):  # a tuple: thousands are built per dump
+    dst: IPv4Address
+    dst_len: int
+    gateway: IPv4Address | None
+    oif: int
+    protocol: int
+    table: int
+    route_type: int
+    flags: int
+    prefsrc: IPv4Address | None = None
+
+
+class NeighRow(NamedTuple):  # a tuple: thousands are built per dump
+    family: int
+    ifindex: int
+    state: int
+    flags: int
+    dst: IPv4Address | None
+    lladdr: str | None
+
+
+class AddrRow(NamedTuple):  # a tuple: thousands are built per dump
+    ifindex: int
+    address: IPv4Address
+    prefixlen: int
+
+
+def ipv4(raw: bytes | None) -> IPv4Address | None:
+    return IPv4Address(raw) if raw is not None and len(raw) == 4 else None
+
+
+def decode_link(buf: bytes, offset: int, length: int) -> LinkRow:
+    _family, _type, index, flags, _change = IFINFO.unpack_from(buf, offset + HDR.size)
+    attrs = parse_attrs(buf, offset + HDR.size + IFINFO.size, offset + length)
+    mtu_raw = attrs.get(IFLA_MTU)
+    mac_raw = attrs.get(IFLA_ADDRESS)
+    row = LinkRow(
+        index=index,
+        name=attrs.get(IFLA_IFNAME, b"").rstrip(b"\0").decode(errors="replace"),
+        flags=flags,
+        mtu=U32.unpack(mtu_raw)[0] if mtu_raw else 0,
+        mac=mac_text(mac_raw) if mac_raw and len(mac_raw) == 6 else None,
+    )
+    info = attrs.get(IFLA_LINKINFO)
+    if info is not None:
+        nested = parse_attrs(info, 0, len(info))
+        kind = nested.get(IFLA_INFO_KIND)
+        row.kind = kind.rstrip(b"\0").decode() if kind else None
+        data = nested.get(IFLA_INFO_DATA)
+        if row.kind == "vxlan" and data is not None:
+            row.vxlan = parse_attrs(data, 0, len(data))
+    return row
+
+
+class LinkStats(NamedTuple):
+    """The first eight counters of ``rtnl_link_stats64`` (IFLA_STATS64), in its order."""
+
+    rx_packets: int = 0
+    tx_packets: int = 0
+    rx_bytes: int = 0
+    tx_bytes: int = 0
+    rx_errors: int = 0
+    tx_errors: int = 0
+    rx_dropped: int = 0
+    tx_dropped: int = 0
+
+
+_STATS8 = struct.Struct("=8Q")
+
+
+class LinkStatsRow(NamedTuple):
+    """A link's identity, bridge master (0: none) and counters, from one dump entry."""
+
+    ifindex: int
+    name: str
+    kind: str | None
+    master: int
+    flags: int
+    stats: LinkStats
+
+
+def decode_link_stats(buf: bytes, offset: int, length: int) -> LinkStatsRow:
+    _family, _type, index, flags, _change = IFINFO.unpack_from(buf, offset + HDR.size)
+    # Hot path (one message per link per scrape, ~50 attributes each): scan for the
+    # four we need in place instead of building a dict of every attribute.
+    name = ""
+    kind = None
+    master = 0
+    stats = None
+    pos = offset + HDR.size + IFINFO.size
+    end = offset + length
+    unpack = ATTR.unpack_from
+    while pos + 4 <= end:
+        attr_len, attr_type = unpack(buf, pos)
+        if attr_len < 4:
+            break
+        attr_type &= 0x3FFF
+        if attr_type == IFLA_IFNAME:
+            name = buf[pos + 4 : pos + attr_len].rstrip(b"\0").decode(errors="replace")
+        elif attr_type == IFLA_MASTER and attr_len == 8:
+            master = U32.unpack_from(buf, pos + 4)[0]
+        elif attr_type == IFLA_STATS64 and attr_len >= 4 + _STATS8.size:
+            # Older kernels' struct is shorter than today's; the first eight never moved.
+            stats = LinkStats(*_STATS8.unpack_from(buf, pos + 4))
+        elif attr_type == IFLA_LINKINFO:
+            raw = parse_attrs(buf, pos + 4, pos + attr_len).get(IFLA_INFO_KIND)
+            kind = raw.rstrip(b"\0").decode() if raw else None
+        pos += (attr_len + 3) & ~3
+    return LinkStatsRow(index, name, kind, master, flags, stats or LinkStats())
+
+
+def decode_route(buf: bytes, offset: int, length: int) -> RouteRow | None:
+    family, dst_len, _s, _t, table, proto, _scope, rtype, flags = RTMSG.unpack_from(
+        buf, offset + HDR.size
+    )
+    if family != AF_INET:
+        return None
+    dst = gateway = prefsrc = None
+    oif = 0
+    pos = offset + HDR.size + RTMSG.size
+    end = offset + length
+    unpack = ATTR.unpack_from
+    while pos + 4 <= end:  # hot path: no dict per message (see decode_neigh)
+        attr_len, attr_type = unpack(buf, pos)
+        if attr_len < 4:
+            break
+        if attr_len == 8:
+            if attr_type == RTA_DST:
+                dst = IPv4Address(_BE32.unpack_from(buf, pos + 4)[0])
+            elif attr_type == RTA_GATEWAY:
+                gateway = IPv4Address(_BE32.unpack_from(buf, pos + 4)[0])
+            elif attr_type == RTA_OIF:
+                oif = U32.unpack_from(buf, pos + 4)[0]
+            elif attr_type == RTA_TABLE:
+                table = U32.unpack_from(buf, pos + 4)[0]
+            elif attr_type == RTA_PREFSRC:
+                prefsrc = IPv4Address(_BE32.unpack_from(buf, pos + 4)[0])
+        pos += (attr_len + 3) & ~3
+    return RouteRow(
+        dst or IPv4Address(0), dst_len, gateway, oif, proto, table, rtype, flags, prefsrc
+    )
+
+
+def decode_neigh(buf: bytes, offset: int, length: int) -> NeighRow:
+    family, _p1, _p2, ifindex, state, flags, _type = NDMSG.unpack_from(buf, offset + HDR.size)
+    # Hot path (three dumps of thousands of entries): scan the two attributes we
+    # need in place instead of building a dict per message.
+    dst = lladdr = None
+    pos = offset + HDR.size + NDMSG.size
+    end = offset + length
+    unpack = ATTR.unpack_from
+    while pos + 4 <= end:
+        attr_len, attr_type = unpack(buf, pos)
+        if attr_len < 4:
+            break
+        if attr_type == NDA_DST and attr_len == 8:
+            dst = IPv4Address(_BE32.unpack_from(buf, pos + 4)[0])
+        elif attr_type == NDA_LLADDR and attr_len == 10:
+            lladdr = buf[pos + 4 : pos + 10].hex(":")
+        pos += (attr_len + 3) & ~3
+    return NeighRow(family, ifindex, state, flags, dst, lladdr)
+
+
+def decode_addr(buf: bytes, offset: int, length: int) -> AddrRow | None:
+    family, prefixlen, _flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
+    if family != AF_INET:
+        return None
+    attrs = parse_attrs(buf, offset + HDR.size + IFADDR.size, offset + length)
+    # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer on point-to-point links.
+    address = ipv4(attrs.get(IFA_LOCAL)) or ipv4(attrs.get(IFA_ADDRESS))
+    return AddrRow(index, address, prefixlen) if address is not None else None

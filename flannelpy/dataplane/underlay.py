@@ -1,0 +1,146 @@
+"""Which interface carries the overlay: Flannel's choice (``--iface``, ``--iface-regex``,
+``--iface-can-reach``, else the default route's device), without I/O.
+
+:class:`~flannelpy.dataplane.netlink.NetlinkKernel` reads the interfaces and routes
+and hands them to :func:`choose_underlay`; unit tests pass their own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Interface
+
+from flannelpy.dataplane.state import UnderlayInterface
+from flannelpy.errors import InterfaceNotFound
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What the underlay choice needs to know about one interface."""
+
+    name: str
+    index: int
+    mtu: int
+    addresses: tuple[IPv4Interface, ...]  # IPv4 only, kernel order (primary first)
+
+
+def _underlay(
+    iface: Interface, ip: IPv4Address, public_ip: IPv4Address | None
+) -> UnderlayInterface:
+    networks = tuple(dict.fromkeys(a.network for a in iface.addresses))
+    return UnderlayInterface(
+        name=iface.name, index=iface.index, ip=ip, networks=networks, mtu=iface.mtu
+    )
+
+
+def _names(interfaces: Sequence[Interface]) -> str:
+    return ", ".join(i.name for i in interfaces) or "no interfaces"
+
+
+def _match_explicit(
+    spec: str, interfaces: Sequence[Interface]
+) -> tuple[Interface, IPv4Address] | str:
+    """An ``--iface`` value (a name or an IPv4 address) → (interface, its IP), or why not."""
+    try:
+        wanted: IPv4Address | None = IPv4Address(spec)
+    except ValueError:
+        wanted = None
+    for iface in interfaces:
+        if wanted is not None:
+            if any(a.ip == wanted for a in iface.addresses):
+                return iface, wanted
+        elif iface.name == spec:
+            if not iface.addresses:
+                return f"{spec} has no IPv4 address"
+            return iface, iface.addresses[0].ip
+    # A missing name needs no explanation: the error lists the names there are.
+    return f"no interface has address {spec}" if wanted else ""
+
+
+def _match_regex(
+    pattern: str, interfaces: Sequence[Interface]
+) -> tuple[Interface, IPv4Address] | None:
+    """Flannel's order: the regex is tried against every IPv4 address, then every name."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise InterfaceNotFound(
+            f"--iface-regex {pattern!r} is not a valid regular expression: {e}"
+        ) from e
+    for iface in interfaces:
+        for addr in iface.addresses:
+            if regex.search(str(addr.ip)):
+                return iface, addr.ip
+    for iface in interfaces:
+        if iface.addresses and regex.search(iface.name):
+            return iface, iface.addresses[0].ip
+    return None
+
+
+def choose_underlay(
+    interfaces: Sequence[Interface],
+    ifaces: Sequence[str] = (),
+    iface_regexes: Sequence[str] = (),
+    can_reach: IPv4Address | None = None,
+    reach_route: tuple[int, IPv4Address | None] | None = None,
+    default_oif: int | None = None,
+    public_ip: IPv4Address | None = None,
+) -> UnderlayInterface:
+    """Flannel's interface choice, without I/O.
+
+    ``reach_route`` is the kernel's (oif, preferred source) towards ``can_reach``;
+    ``default_oif`` the device of the first default route. When --iface or
+    --iface-regex are given and none matches, that is an error: falling back to
+    the default route would silently put the overlay on the wrong network.
+    """
+    if ifaces or iface_regexes:
+        return _choose_explicit(interfaces, ifaces, iface_regexes, public_ip)
+    by_index = {i.index: i for i in interfaces}
+    if can_reach is not None:
+        if reach_route is None or reach_route[0] not in by_index:
+            raise InterfaceNotFound(
+                f"no route to --iface-can-reach {can_reach} leaves through an interface;"
+                f" the node has {_names(interfaces)}"
+            )
+        iface = by_index[reach_route[0]]
+        ip = reach_route[1] or (iface.addresses[0].ip if iface.addresses else None)
+        if ip is None:
+            raise InterfaceNotFound(
+                f"{iface.name}, the interface towards {can_reach}, has no IPv4 address"
+            )
+        return _underlay(iface, ip, public_ip)
+    if default_oif is None or default_oif not in by_index:
+        raise InterfaceNotFound(
+            "there is no IPv4 default route to choose the interface from;"
+            f" pass --iface or --iface-regex (the node has {_names(interfaces)})"
+        )
+    iface = by_index[default_oif]
+    if not iface.addresses:
+        raise InterfaceNotFound(f"{iface.name}, the default route's interface, has no IPv4 address")
+    return _underlay(iface, iface.addresses[0].ip, public_ip)
+
+
+def _choose_explicit(
+    interfaces: Sequence[Interface],
+    ifaces: Sequence[str],
+    iface_regexes: Sequence[str],
+    public_ip: IPv4Address | None,
+) -> UnderlayInterface:
+    reasons: list[str] = []
+    for spec in ifaces:
+        found = _match_explicit(spec, interfaces)
+        if isinstance(found, str):
+            reasons += [found] if found else []
+            continue
+        return _underlay(found[0], found[1], public_ip)
+    for pattern in iface_regexes:
+        match = _match_regex(pattern, interfaces)
+        if match is not None:
+            return _underlay(match[0], match[1], public_ip)
+    asked = [f"--iface {s}" for s in ifaces] + [f"--iface-regex {p}" for p in iface_regexes]
+    why = f" ({'; '.join(reasons)})" if reasons else ""
+    raise InterfaceNotFound(
+        f"no interface matches {' or '.join(asked)}{why}; the node has {_names(interfaces)}"
+    )

@@ -1,0 +1,107 @@
+"""The node watch's helpers: ending a blocked read on stop, and the node → lease map
+the watch keeps and delivers from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from typing import Any
+
+from flannelpy.subnet.kube import node as kn
+from flannelpy.subnet.kube.api import rv_number
+from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.manager import LeasesCallback
+
+# The manager's logger: these lines are the node watch's, as before the split.
+log = logging.getLogger("flannelpy.subnet.kube.manager")
+
+STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
+
+
+class StreamCloser:
+    """Ends a blocked watch read within STOP_POLL of ``stop``: shutting the socket
+    down wakes the reading thread, which closing the response would not."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._resp: Any = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kube-watch-stop", daemon=True)
+
+    def __enter__(self) -> StreamCloser:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            if self._stop.wait(STOP_POLL):
+                self.abort()
+                return
+
+    def attach(self, resp: Any) -> None:
+        with self._lock:
+            self._resp = resp
+        if self._stop.is_set():
+            self.abort()
+
+    def detach(self) -> None:
+        with self._lock:
+            self._resp = None
+
+    def abort(self) -> None:
+        with self._lock:
+            resp = self._resp
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class LeaseMap:
+    """Node name → lease, the resourceVersion it reflects, and what was last delivered."""
+
+    def __init__(self, own_node: str) -> None:
+        self.own_node = own_node
+        self.by_node: dict[str, Lease] = {}
+        self.rv: str | None = None  # None: list before watching
+        self._delivered: dict[str, Lease] | None = None
+        self._dirty = False
+        self._duplicates: list[str] = []
+
+    def replace_all(self, by_node: dict[str, Lease], rv: str) -> None:
+        self.by_node = by_node
+        self.rv = rv
+        self._dirty = True
+
+    def put(self, name: str, lease: Lease | None) -> None:
+        old = self.by_node.get(name)
+        if lease is None:
+            self.by_node.pop(name, None)
+        else:
+            self.by_node[name] = lease
+        self._dirty = self._dirty or old != lease
+
+    def deliver(self, on_leases: LeasesCallback, always: bool = False) -> None:
+        if not (self._dirty or always):
+            return
+        self._dirty = False
+        leases = kn.leases_by_key(self.by_node, self.own_node)
+        duplicates = kn.duplicate_claims(self.by_node, leases)
+        if duplicates != self._duplicates:
+            self._duplicates = duplicates
+            if duplicates:
+                log.warning(
+                    "nodes claim a pod cidr another node holds; ignoring them nodes=%s",
+                    ",".join(duplicates),
+                )
+        if always or leases != self._delivered:
+            self._delivered = leases
+            on_leases(dict(leases), rv_number(self.rv))

@@ -1,0 +1,85 @@
+"""Warm capacity through the agent's event queue: IPAM's low-free warning becomes a
+capacity event and a second lease; an emptied surplus lease goes after its hold-down."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flannelpy.agent.capacity import CAPACITY_TICK
+from flannelpy.agent.events import TICK_CAPACITY, TICK_STATUS
+from tests.support.agent_fakes import NODE_IP, AgentHarness, net_conf
+
+# /28 leases: 14 addresses, of which the gateway takes one.
+CONFIG = net_conf(SubnetLen=28, MinFreeAddresses=4, MaxLeasesPerNode=2, LeaseHoldDownSeconds=60)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentHarness]:
+    harness = AgentHarness(tmp_path, config=CONFIG)
+    harness.start()
+    harness.drain()
+    yield harness
+    harness.stop()
+
+
+def store_subnets(h: AgentHarness) -> set[str]:
+    leases, _ = h.manager.list_leases()
+    return {str(x.subnet) for x in leases.values() if str(x.attrs.public_ip) == NODE_IP}
+
+
+def test_low_free_adds_a_lease(agent: AgentHarness) -> None:
+    assert agent.pods is not None
+    (first,) = agent.own_subnets()
+    checks = agent.writer.counts.capacity_checks
+
+    # Ticks alone: capacity is evaluated, nothing is added.
+    agent.tick(TICK_CAPACITY, advance=CAPACITY_TICK)
+    assert agent.writer.counts.capacity_checks == checks + 1
+    assert agent.own_subnets() == [first]
+
+    free = agent.pods.ipam.usage()[0].free
+    for i in range(free - 3):  # leaves 3 free: below MinFreeAddresses
+        agent.pods.add_pod(f"pod-{i}")
+    assert agent.writer.queue.qsize() == 1, "IPAM's warning is only an event"
+    assert agent.own_subnets() == [first], "nothing acts before the writer handles it"
+
+    agent.drain()
+
+    subnets = agent.own_subnets()
+    assert len(subnets) == 2 and subnets[0] == first
+    assert store_subnets(agent) == {str(s) for s in subnets}
+    assert agent.writer.counts.events()["capacity"] == 1
+    assert agent.writer.counts.capacity_checks == checks + 2
+    agent.tick(TICK_STATUS)  # status.json follows on the status timer
+    status = agent.status()
+    assert status["leases"] == [str(s) for s in subnets]
+    assert status["events"]["capacity"] == 1
+    # IPAM serves the new lease and the bridge carries its gateway.
+    assert [u.subnet for u in agent.pods.ipam.usage()] == subnets
+    assert str(subnets[1].network_address + 1) in {str(g.ip) for g in agent.pods.gateways}
+
+
+def test_an_emptied_surplus_lease_is_released_after_its_hold_down(agent: AgentHarness) -> None:
+    assert agent.pods is not None
+    free = agent.pods.ipam.usage()[0].free
+    pods = [f"pod-{i}" for i in range(free - 3)]
+    for pod in pods:
+        agent.pods.add_pod(pod)
+    agent.drain()
+    first, second = agent.own_subnets()
+
+    for pod in pods:
+        agent.pods.ipam.release(pod, "eth0")
+    agent.tick(TICK_CAPACITY, advance=CAPACITY_TICK)  # empty since now
+    assert agent.own_subnets() == [first, second]
+    agent.tick(TICK_CAPACITY, advance=30)
+    assert agent.own_subnets() == [first, second], "released before the hold-down"
+
+    agent.tick(TICK_CAPACITY, advance=31)
+    assert len(agent.own_subnets()) == 1
+    assert len(store_subnets(agent)) == 1
+    agent.tick(TICK_STATUS)
+    assert agent.status()["leases"] == [str(s) for s in agent.own_subnets()]

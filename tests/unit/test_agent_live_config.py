@@ -1,0 +1,139 @@
+"""Live config through the agent's event queue: a backend change blocked by the
+disruption policy until its window opens, a failed application retried, and what was
+applied remembered on disk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flannelpy.agent.events import TICK_CONTROL
+from flannelpy.agent.live_config import (
+    APPLIED_FILE,
+    BLOCKED_RECHECK_SECONDS,
+    CONTROL_RETRY_SECONDS,
+    load_applied,
+)
+from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
+from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.subnet.keys import override_key, status_key
+from tests.support.agent_fakes import NODE, PREFIX, AgentHarness, FakeClock, net_conf
+
+# 2023-11-14 22:13:20 UTC, a Tuesday; the window below opens at 23:00 that day.
+START = 1_700_000_000.0
+WINDOW = {
+    "Mode": "AllowDuringMaintenanceWindow",
+    "Window": {"Days": ["Tue"], "Start": "23:00", "Duration": "1h", "UTCOffset": "+00:00"},
+}
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentHarness]:
+    harness = AgentHarness(tmp_path, clock=FakeClock(START))
+    harness.start()
+    harness.drain()  # the control watch's first snapshot: nothing to change
+    yield harness
+    harness.stop()
+
+
+def published(h: AgentHarness) -> NodeStatus:
+    kv = h.store.get(status_key(PREFIX, NODE))
+    assert kv is not None, "no status record in the store"
+    return NodeStatus.from_json(kv.value)
+
+
+def own_lease_backend(h: AgentHarness) -> str:
+    leases, _ = h.manager.list_leases()
+    (mine,) = [x for x in leases.values() if x.attrs.public_ip == h.writer.state.ctx.public_ip]
+    return mine.attrs.backend_type
+
+
+def change_config(h: AgentHarness, backend: dict[str, Any], **extra: Any) -> None:
+    put_network_config(h.store, PREFIX, net_conf(backend, **extra))
+    h.deliver_control()
+
+
+def test_change_blocked_by_the_policy_applies_when_its_window_opens(agent: AgentHarness) -> None:
+    assert datetime.fromtimestamp(START, UTC).strftime("%a %H:%M") == "Tue 22:13"
+    change_config(agent, {"Type": "host-gw"}, DisruptionPolicy=WINDOW)
+
+    state = agent.writer.state
+    assert state.backend.type_name == "vxlan", "blocked: the node keeps what it runs"
+    assert state.blocked is not None and "host-gw" in state.blocked.change
+    status = agent.status()
+    assert [b["change"] for b in status["blocked"]] == [state.blocked.change]
+    assert published(agent).blocked is not None
+    assert own_lease_backend(agent) == "vxlan"
+    assert not (Path(agent.settings.state_dir) / APPLIED_FILE).exists()
+
+    # Rechecks before the window opens change nothing.
+    agent.tick(TICK_CONTROL, advance=BLOCKED_RECHECK_SECONDS)
+    assert state.backend.type_name == "vxlan" and state.blocked is not None
+
+    # Into the window: the next recheck applies it.
+    agent.clock.now = datetime(2023, 11, 14, 23, 0, 5, tzinfo=UTC).timestamp()
+    agent.tick(TICK_CONTROL, advance=BLOCKED_RECHECK_SECONDS)
+    assert state.backend.type_name == "host-gw"
+    assert state.blocked is None
+    assert own_lease_backend(agent) == "host-gw"
+    assert agent.status()["backend"] == "host-gw" and agent.status()["blocked"] == []
+    assert published(agent).blocked is None
+    applied = load_applied(agent.settings.state_dir)
+    assert applied is not None and applied.backend == {"Type": "host-gw"}
+    # The vxlan device is ours and no longer planned: the reconciler removes it.
+    agent.reconcile()
+    assert "flannel.1" not in {link.name for link in agent.kernel.state.links}
+
+
+def test_a_failed_application_is_retried(agent: AgentHarness) -> None:
+    class Boom(RuntimeError):
+        pass
+
+    calls: list[str] = []
+
+    def record_forced(node: str, change: str, force: ForceRecord) -> None:
+        calls.append(change)
+        if len(calls) == 1:
+            raise Boom("the store client broke")
+
+    agent.control.record_forced = record_forced  # type: ignore[method-assign]
+    override = NodeOverride(
+        backend={"Type": "host-gw"}, generation=3,
+        force=ForceRecord(reason="test", by="me", at="2023-11-14T22:00:00Z"),
+    )  # fmt: skip
+    agent.store.put(override_key(PREFIX, NODE), override.to_json().encode())
+    put_network_config(agent.store, PREFIX, net_conf(DisruptionPolicy={"Mode": "Block"}))
+    agent.deliver_control()
+
+    state = agent.writer.state
+    assert len(calls) == 1
+    assert state.backend.type_name == "vxlan", "the failed change left the node as it was"
+    assert agent.writer.live.failed
+
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS - 1)
+    assert len(calls) == 1, "retried before the retry interval"
+
+    agent.tick(TICK_CONTROL, advance=1)
+    assert len(calls) == 2
+    assert state.backend.type_name == "host-gw"
+    assert state.applied_generation == 3
+    assert not agent.writer.live.failed
+    doc = json.loads((Path(agent.settings.state_dir) / APPLIED_FILE).read_text())
+    assert doc == {"Backend": {"Type": "host-gw"}, "Generation": 3}
+    assert published(agent).applied_generation == 3
+
+
+def test_an_unchanged_config_changes_nothing(agent: AgentHarness) -> None:
+    before = len(agent.kernel.applied)
+    agent.deliver_control()
+    agent.deliver_control()
+    assert agent.writer.counts.events()["control"] == 3  # the watch's first, then these two
+    assert agent.writer.state.backend.type_name == "vxlan"
+    assert agent.writer.state.applied_generation is None
+    agent.reconcile()
+    assert len(agent.kernel.applied) == before

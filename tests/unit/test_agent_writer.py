@@ -1,0 +1,98 @@
+"""The one writer and the agent's lifecycle: events are counted where tests and
+operators read them, readers see whole states only, a dying task stops the agent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flannelpy.agent.events import (
+    EVENT_KINDS,
+    TICK_STATUS,
+    CapacityLow,
+    ProbeReported,
+    Stop,
+    Tick,
+    kind_of,
+)
+from flannelpy.agent.node import THREAD_GRACE_SECONDS
+from flannelpy.observe.prober import ProbeResult
+from tests.support.agent_fakes import AgentHarness
+
+PROBE = ProbeResult(
+    reachable=True, rtt_seconds=0.001, loss_ratio=0.0, mtu_ok=True, last_error=None, probes=1
+)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentHarness]:
+    harness = AgentHarness(tmp_path)
+    harness.start()
+    harness.drain()
+    yield harness
+    harness.stop()
+
+
+def sample(h: AgentHarness, kind: str) -> float:
+    value = h.agent.metrics.registry.get_sample_value(
+        "flannelpy_agent_events_total", {"kind": kind}
+    )
+    assert value is not None, f"no flannelpy_agent_events_total series for kind={kind}"
+    return value
+
+
+def test_every_kind_is_counted_in_metrics_and_status(agent: AgentHarness) -> None:
+    before = agent.writer.counts.events()
+    assert set(before) == set(EVENT_KINDS)
+    assert {k: sample(agent, k) for k in EVENT_KINDS} == before
+
+    agent.put(CapacityLow(free=0))
+    agent.put(ProbeReported("10.244.9.0/24", PROBE))
+    agent.put(Tick(TICK_STATUS))
+    assert agent.drain() == 3
+
+    after = agent.writer.counts.events()
+    assert after["capacity"] == before["capacity"] + 1
+    assert after["probe"] == before["probe"] + 1
+    assert after["tick"] == before["tick"] + 1
+    assert {k: sample(agent, k) for k in EVENT_KINDS} == after
+    # The status tick wrote status.json while handling it: every event before it counted.
+    status = agent.status()
+    assert status["events"]["capacity"] == after["capacity"]
+    assert status["events"]["probe"] == after["probe"]
+    assert status["capacity_checks"] == agent.writer.counts.capacity_checks
+
+
+def test_stop_is_not_counted() -> None:
+    assert kind_of(Stop()) is None
+    assert {kind_of(e) for e in (CapacityLow(1), Tick("status"))} == {"capacity", "tick"}
+
+
+def test_readers_get_a_frozen_view(agent: AgentHarness) -> None:
+    view = agent.writer.view
+    assert view.own == tuple(agent.writer.state.own)
+    with pytest.raises(AttributeError):
+        view.ready = False  # type: ignore[misc]
+    agent.writer.state.ready = False  # the writer's own record changes...
+    assert view.ready, "...a published view does not"
+
+
+def test_a_dying_task_stops_the_agent(agent: AgentHarness) -> None:
+    class Died(RuntimeError):
+        pass
+
+    def die(stop: threading.Event) -> None:
+        raise Died("a root task failed")
+
+    agent.agent._spawn("doomed", die)
+    started = time.monotonic()
+    with pytest.raises(Died):
+        agent.agent.run_until_stopped()
+    assert agent.agent.stop.is_set()
+    assert time.monotonic() - started < THREAD_GRACE_SECONDS
+    assert not agent.pods or not agent.pods.started
+    assert all(not t.is_alive() for t in agent.agent._threads)

@@ -1,0 +1,124 @@
+"""atomic_write: whole or not at all, unique temp names, durable when asked."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from flannelpy import fsutil
+from flannelpy.fsutil import atomic_write, fsync_dir
+
+
+def test_writes_bytes_or_text_with_the_mode(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    atomic_write(path, b"one", mode=0o600)
+    assert path.read_bytes() == b"one"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    atomic_write(str(path), "two")
+    assert path.read_text() == "two"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert os.listdir(tmp_path) == ["a.json"]
+
+
+def test_replaces_by_rename_so_readers_never_see_a_partial_file(tmp_path: Path) -> None:
+    path = tmp_path / "a"
+    atomic_write(path, b"old")
+    inode = path.stat().st_ino
+    atomic_write(path, b"new")
+    assert path.stat().st_ino != inode
+
+
+def test_creates_the_missing_directory_with_its_mode(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "state" / "x", b"1", dir_mode=0o700)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+
+
+def test_a_crash_before_the_rename_leaves_the_old_content_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a"
+    atomic_write(path, b"old")
+
+    def crash(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["a"]
+
+
+def test_an_interrupt_mid_write_leaves_the_old_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a"
+    atomic_write(path, b"old")
+
+    def interrupted(src: str, dst: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["a"]
+
+
+def test_not_durable_skips_every_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", calls.append)
+    atomic_write(tmp_path / "a", b"x", durable=False)
+    assert calls == []
+    atomic_write(tmp_path / "a", b"y")
+    assert len(calls) == 2  # the file, then its directory
+
+
+def test_concurrent_writers_never_fail_and_one_whole_version_wins(tmp_path: Path) -> None:
+    # One shared temp name would make all but one writer's rename fail.
+    path = tmp_path / "shared"
+    versions = [bytes([65 + n]) * 4096 for n in range(8)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(versions))
+
+    def writer(data: bytes) -> None:
+        start.wait()
+        try:
+            for _ in range(25):
+                atomic_write(path, data, durable=False)
+        except BaseException as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(v,)) for v in versions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert path.read_bytes() in versions
+    assert os.listdir(tmp_path) == ["shared"]
+
+
+def test_fsync_dir_tolerates_a_filesystem_that_cannot_sync_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unsupported(fd: int) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(fsutil.os, "fsync", unsupported)
+    fsync_dir(tmp_path)
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fsutil.os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output"):
+        fsync_dir(tmp_path)
