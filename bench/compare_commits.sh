@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the agent start-to-ready, CNI latency and propagation benchmarks for two commits in
-# one run, alternating, each from its own work tree and virtualenv, so a change is judged
-# against its parent on the same machine under the same load. Needs root.
+# one run, each from its own work tree and virtualenv, alternating before/after for
+# ROUNDS rounds (default 3), so both sides see the same load whatever else the machine
+# does. Needs root. A benchmark that misses its own goal exits non-zero; that is
+# reported and the run goes on.
 #   bash bench/compare_commits.sh BEFORE [AFTER]     (AFTER defaults to the work tree itself)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,15 +40,18 @@ else
   labels+=("after (work tree)")
 fi
 
+rounds=${ROUNDS:-3}
 benches=(
-  "bench.agent_start --peers 1000 5000 --repeat 3"
-  "bench.cni_latency --pods 100 --repeat 3"
+  "bench.agent_start --peers 1000 5000 --repeat 2"
+  "bench.cni_latency --pods 100 --repeat 1"
   "bench.propagation --nodes 10 --leases 50"
 )
 for bench in "${benches[@]}"; do
-  for i in "${!trees[@]}"; do
-    echo "=== ${labels[$i]}: $bench"
-    # shellcheck disable=SC2086
-    (cd "${trees[$i]}" && .venv/bin/python -m $bench 2>/dev/null)
+  for ((round = 1; round <= rounds; round++)); do
+    for i in "${!trees[@]}"; do
+      echo "=== round $round, ${labels[$i]}: $bench"
+      # shellcheck disable=SC2086
+      (cd "${trees[$i]}" && .venv/bin/python -m $bench 2>/dev/null) || echo "(exit $?)"
+    done
   done
 done

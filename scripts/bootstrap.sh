@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containernetworking-plugins
               procps psmisc python3-venv podman runc busybox-static ethtool
               nftables  # nft: the tuning/portmap chain test reads the nat table with it
+              openssl  # the TLS etcd of the tests makes its certificates with it
+              git  # the pools upgrade test and bench/compare_commits.sh read old releases
               prometheus)  # prometheus: promtool validates manifests/prometheusrule.yaml
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -31,3 +33,4 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --no-deps -e lab
   rm -f .venv/.installed-* && touch "$stamp"
 fi
+scripts/build-peers.sh >/dev/null  # the real flanneld the mixed-cluster tests run (needs Go)

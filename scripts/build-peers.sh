@@ -42,7 +42,7 @@ mkdir -p "$out_dir"
 tmp=$(mktemp "$out_dir/.flanneld.XXXXXX")
 trap 'rm -f "$tmp"' EXIT
 # -mod=readonly: a go.sum out of date with go.mod fails loudly instead of rewriting git files.
-(cd "$wrapper" && go build -mod=readonly -trimpath \
+(cd "$wrapper" && go build -mod=readonly -trimpath -buildvcs=false \
   -ldflags "-s -w -X github.com/flannel-io/flannel/pkg/version.Version=$pin" \
   -o "$tmp" github.com/flannel-io/flannel)
 chmod 0755 "$tmp"

@@ -29,7 +29,7 @@ from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import wanted_config
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.errors import ConfigError, FlannelpyError, StoreUnavailable
+from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.subnet.etcd.pools import PoolStore
@@ -39,6 +39,7 @@ from flannelpy.subnet.survey import check_no_overlap
 
 if TYPE_CHECKING:
     from flannelpy.control.node_control import NodeControl
+    from flannelpy.dataplane.firewall import IptablesFirewall
 
 log = logging.getLogger("flannelpy.agent.compose")
 
@@ -218,25 +219,39 @@ def _ip_or_none(value: str | None) -> IPv4Address | None:
     return IPv4Address(value) if value else None
 
 
-def _firewall_factory(settings: AgentSettings, metrics: AgentMetrics) -> FirewallFactory | None:
+def _firewall_factory(
+    settings: AgentSettings, metrics: AgentMetrics, firewall: IptablesFirewall | None = None
+) -> FirewallFactory | None:
     if not settings.ip_masq and not settings.iptables_forward_rules:
         return None
     from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
 
-    firewall = IptablesFirewall()
+    fw = firewall or IptablesFirewall()
+    worked = [False]  # some sync has succeeded: iptables works on this host
 
     def make(networks: Sequence[IPv4Network], subnets: Sequence[IPv4Network]) -> Callable[[], bool]:
         rule_sets = []
         if settings.ip_masq:
-            rule_sets.append(masq_rules(networks, subnets, firewall.random_fully))
+            rule_sets.append(masq_rules(networks, subnets, fw.random_fully))
         if settings.iptables_forward_rules:
             rule_sets.append(forward_rules(networks))
 
         def sync() -> bool:
-            """True once every chain is as desired (sync raises when it cannot repair)."""
-            for rules in rule_sets:
-                result = firewall.sync(rules)  # logs what it repaired
-                metrics.firewall_sync(result.repaired)
+            """True once every chain is as desired. Before the first success a failure
+            raises (start-up refuses a host where iptables does not work); after it, a
+            failure is passing (the xtables lock held past the wait, e.g. by kube-proxy
+            while a lease is recovered): False, and the firewall timer tries again."""
+            try:
+                for rules in rule_sets:
+                    result = fw.sync(rules)  # logs what it repaired
+                    metrics.firewall_sync(result.repaired)
+            except DataplaneError as e:
+                if not worked[0]:
+                    raise
+                log.warning("firewall rules not in place yet, retrying on the firewall "
+                            "timer: %s", e)  # fmt: skip
+                return False
+            worked[0] = True
             return True
 
         return sync

@@ -20,6 +20,7 @@ from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.validate import Bounds, check_own
 
 log = logging.getLogger("flannelpy.agent.leases")
 
@@ -45,6 +46,10 @@ class OwnLeases:
     renew_margin_seconds: float
     clocks: Clocks = field(default_factory=Clocks)
     _retry_at: dict[str, float] = field(default_factory=dict)
+    # The attrs a rewrite is still trying to advertise. A rewrite whose reply was lost
+    # may have reached the store; until one is confirmed, renewals carry these, or a
+    # renewal of the old version would write the old backend back.
+    _pending_attrs: LeaseAttrs | None = None
 
     def attrs(self) -> LeaseAttrs:
         """What our leases advertise now (backend, VTEP)."""
@@ -89,15 +94,24 @@ class OwnLeases:
             None, ctx.node_name,
         )  # fmt: skip
 
-    def adopt(self) -> list[Lease]:
+    def adopt(self, bounds: Bounds) -> list[Lease]:
         """After the first snapshot: take back every other lease that is ours. Its pods
-        keep their addresses (IPAM state is on disk); an empty one is released later."""
+        keep their addresses (IPAM state is on disk); an empty one is released later.
+        A lease carrying our address is still input: one outside the networks, on the
+        node's own subnets, or with a malformed VTEP is never adopted."""
         s = self.state
         own_keys = {lease.key for lease in s.own}
-        found = sorted(
-            (x for k, x in s.leases.items() if k not in own_keys and self.is_ours(x)),
-            key=lambda x: x.subnet,
-        )
+        found = []
+        for key, lease in s.leases.items():
+            if key in own_keys or not self.is_ours(lease):
+                continue
+            why = check_own(lease, bounds)
+            if why is not None:
+                log.warning("not adopting a lease with this node's address key=%s reason=%s: %s",
+                            key, why.reason, why.detail)  # fmt: skip
+                continue
+            found.append(lease)
+        found.sort(key=lambda x: x.subnet)
         s.own.extend(found)
         for lease in found:
             self.metrics.lease(lease.subnet, lease.expiration)
@@ -159,6 +173,8 @@ class OwnLeases:
         for lease in list(self.state.own):
             if now < self._due(lease, now):
                 continue
+            if self._pending_attrs is not None:
+                lease = replace(lease, attrs=self._pending_attrs)
             try:
                 renewed = self.manager.renew_lease(lease)
             except StoreError as e:
@@ -182,6 +198,7 @@ class OwnLeases:
         """Advertise what we now are (backend, VTEP) on every lease; peers follow it.
         False when the store refused (the writer retries)."""
         attrs = self.attrs()
+        self._pending_attrs = attrs
         for lease in list(self.state.own):
             if lease.attrs == attrs:
                 continue
@@ -193,4 +210,5 @@ class OwnLeases:
             self.replace(renewed)
             log.info("lease updated subnet=%s backend=%s vtep=%s", renewed.subnet,
                      attrs.backend_type, attrs.vtep_mac is not None)  # fmt: skip
+        self._pending_attrs = None
         return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +85,7 @@ class LiveConfig:
         self.failed = False  # the last application raised: retry
         self._last_check = clocks.monotonic()
         self._blocked_counted: set[tuple[int | None, tuple[str, ...]]] = set()
+        self._unfinished: _Target | None = None  # switched to, not every step done yet
 
     def take(self, snapshot: ControlSnapshot) -> None:
         self.snapshot = snapshot
@@ -104,11 +105,13 @@ class LiveConfig:
         self._last_check = self.clocks.monotonic()
         try:
             self.evaluate()
+            if self._unfinished is not None:  # no newer change replaced it: finish it
+                self._complete(self._unfinished)
             self.failed = False
         except Exception:
-            # Like a failed reconcile pass: the node keeps what it runs, a retry
-            # follows, and the log has the cause.
-            log.exception("applying the network config failed; keeping the current one")
+            # Like a failed reconcile pass: a retry follows (it finishes a change
+            # already switched to, else looks again), and the log has the cause.
+            log.exception("applying the network config failed; retrying")
             self.failed = True
 
     def evaluate(self) -> None:
@@ -151,7 +154,7 @@ class LiveConfig:
             s.blocked = None
         if decision.action == "apply":
             self._apply(wanted, ctx, backend, decision, snap.override)
-        if generation != s.applied_generation:
+        if generation != s.applied_generation and self._unfinished is None:
             s.applied_generation = generation
             s.applied_at = self.clocks.wall()
             self.status.publish(force=True)
@@ -203,7 +206,6 @@ class LiveConfig:
         override: NodeOverride | None,
     ) -> None:
         s = self.state
-        before = BackendSummary.of(s.config.backend, s.mtu)
         if decision.forced is not None:
             log.warning(
                 "disruptive change forced past the disruption policy change=%r reason=%r by=%s",
@@ -216,32 +218,57 @@ class LiveConfig:
                     )
                 except StoreError as e:
                     log.warning("could not record the forced change in the store: %s", e)
+        target = _Target(
+            wanted, override.generation if override else None, decision.changes,
+            self._unfinished.before if self._unfinished else BackendSummary.of(
+                s.config.backend, s.mtu),
+        )  # fmt: skip
         s.backend = backend
         s.ctx = ctx
         s.known_devices.update(backend.device_names(ctx))
         self.publish_view()  # CNI requests and the bridge take the new MTU from here on
+        # From the switch on, the change is pending until every step has succeeded: a
+        # step that raises leaves it for the next retry, which runs them all again.
+        self._unfinished = target
+        self._complete(target)
+
+    def _complete(self, target: _Target) -> None:
+        """Every step after the switch, each idempotent; the applied state (generation,
+        applied-backend.json) moves only once all of them succeeded."""
+        s = self.state
         self.planner.replan()
         result = self.reconciler.reconcile_once("config change")
         if not self.leases.rewrite_attrs():
             s.attrs_dirty = True
-        mtu = backend.mtu(ctx)
+            raise StoreError("could not advertise the new backend on our lease; retrying")
+        mtu = s.backend.mtu(s.ctx)
         self.metrics.overlay_mtu(mtu)
         self.capacity.sync_ipam(again=True)  # the bridge takes its new MTU
         self.write_subnet_env()
-        generation = override.generation if override else None
-        s.applied_generation = generation
+        save_applied(self.settings.state_dir, target.config, target.generation)
+        s.applied_generation = target.generation
         s.applied_at = self.clocks.wall()
-        save_applied(self.settings.state_dir, wanted, generation)
-        after = BackendSummary.of(wanted.backend, mtu)
-        if decision.changes:
+        self._unfinished = None
+        after = BackendSummary.of(target.config.backend, mtu)
+        if target.changes:
             log.info(
                 "backend changed from=%s to=%s generation=%s converged=%s",
-                before.describe(), after.describe(), generation,
+                target.before.describe(), after.describe(), target.generation,
                 result.converged if result else None,
             )  # fmt: skip
         else:
             log.info("network config change applied backend=%s", after.describe())
         self.status.publish(force=True)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A change switched to in memory whose steps have not all succeeded yet."""
+
+    config: NetworkConfig
+    generation: int | None
+    changes: tuple[str, ...]
+    before: BackendSummary  # what the node ran before the switch, for the log
 
 
 def save_applied(state_dir: str, config: NetworkConfig, generation: int | None) -> None:

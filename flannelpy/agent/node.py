@@ -2,13 +2,14 @@
 
 Start-up order matters and is the whole of ``NodeAgent.start``: everything that
 can be refused was refused by ``agent.compose`` before the host changed; then
-acquire our lease; wait for the first full lease snapshot (never program an
-empty peer set over a live one); adopt our other leases; capacity; one
-synchronous reconcile; firewall rules; the loops; the CNI server; ready; only
-then subnet.env. After that the writer (``agent.writer``) is the only thread
-that changes the node's state; the others (lease and control watches,
-reconciler, kernel event watch, prober, ticker) feed it events, all under one
-stop event: when one of them dies, all stop within a grace period.
+leave the effective settings in the run dir (for the doctor); acquire our lease;
+wait for the first full lease snapshot (never program an empty peer set over a
+live one); adopt our other leases; capacity; one synchronous reconcile; firewall
+rules; the loops; the CNI server; ready; only then subnet.env. After that the
+writer (``agent.writer``) is the only thread that changes the node's state; the
+others (lease and control watches, reconciler, kernel event watch, prober, ticker)
+feed it events, all under one stop event: when one of them dies, all stop within
+a grace period.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flannelpy.agent.events import (
 )
 from flannelpy.agent.live_config import CONTROL_RETRY_SECONDS
 from flannelpy.agent.writer import AgentParts, ProbeTransport, Writer
+from flannelpy.config.effective import write_effective
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.errors import DataplaneError
 from flannelpy.observe.health import HealthServer, Heartbeats
@@ -63,6 +65,7 @@ class NodeAgent:
 
     def start(self) -> None:
         w, parts = self.writer, self.parts
+        self._write_effective_settings()
         self.metrics.overlay_mtu(w.state.mtu)
         if parts.link_stats is not None:
             self.metrics.set_link_provider(parts.link_stats(parts.ctx.underlay.name))
@@ -94,11 +97,21 @@ class NodeAgent:
             self._spawn("ticker", self._tick)
         self._start_prober()
         w.pods.start()
+        self.beats.add_check("cni-server", w.pods.serving)  # /healthz covers its accept loop
         w.become_ready(result)
         log.info(
             "agent ready subnet=%s mtu=%s program_seconds=%.3f",
             lease.subnet, w.state.mtu, result.duration_seconds if result else 0.0,
         )  # fmt: skip
+
+    def _write_effective_settings(self) -> None:
+        """<run-dir>/settings.json, for the doctor run on this node without flags."""
+        ctx = self.parts.ctx
+        try:
+            write_effective(self.settings, ctx.node_name, ctx.underlay.name)
+        except OSError as e:  # only a convenience for commands; the agent runs on
+            log.warning("cannot write the effective settings run_dir=%s: %s",
+                        self.settings.run_dir, e)  # fmt: skip
 
     def run_until_stopped(self) -> None:
         """The writer's loop on this thread until stopped, then shutdown."""
@@ -154,10 +167,14 @@ class NodeAgent:
             addrs.append(self.settings.metrics_addr)
         if self.settings.healthz_port:
             addrs.append(f"{self.settings.healthz_ip}:{self.settings.healthz_port}")
+        healthz = f"{self.settings.healthz_ip}:{self.settings.healthz_port}"
         for addr in addrs:
+            # The healthz port listens on every address (hostNetwork): metrics only if asked.
+            metrics_here = addr != healthz or self.settings.healthz_metrics
             server = HealthServer(
-                addr, self.metrics.registry, self.writer.status.readiness, self.beats.live
-            )
+                addr, self.metrics.registry, self.writer.status.readiness, self.beats.live,
+                serve_metrics=metrics_here,
+            )  # fmt: skip
             server.start()
             self._servers.append(server)
 

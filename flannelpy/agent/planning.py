@@ -7,7 +7,7 @@ per change), overlay MTU disagreements, and the peer set the prober follows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
@@ -16,6 +16,7 @@ from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 log = logging.getLogger("flannelpy.agent.planning")
 
@@ -29,12 +30,15 @@ class Planner:
         self.vtep = vtep
         self.metrics = metrics
         self.prober: Prober | None = None  # set once it runs
+        # Lease values the manager could not parse (it logs them): counted and shown here.
+        self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
         s = self.state
         if not s.own:
             return
+        self.check_peers()
         peers = s.peers()
         self.metrics.peers(peers)
         self.check_mtu(peers)
@@ -54,6 +58,36 @@ class Planner:
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
             s.unreachable = desired.unreachable
         self.reconciler.set_desired(desired, stale_links)
+
+    def bounds(self) -> Bounds:
+        """What a peer lease must not contradict: the networks, our leases, our addresses."""
+        s = self.state
+        ctx = s.ctx
+        networks = [p.network for p in s.pools]
+        if s.config.network is not None:
+            networks.insert(0, s.config.network)
+        return Bounds(
+            networks=tuple(dict.fromkeys(networks)),
+            own=tuple(s.own_subnets()),
+            host=tuple(ctx.underlay.networks),
+            public_ip=ctx.public_ip,
+            host_ips=(ctx.underlay.ip,),
+        )
+
+    def check_peers(self) -> None:
+        """Set aside the peer leases that must never reach the kernel; each new rejection
+        is logged once and counted (with the values the store could not even parse)."""
+        s = self.state
+        _, rejected = split_peers(s.leases, (x.key for x in s.own), self.bounds())
+        for key, why in self.undecodable().items():
+            rejected.setdefault(key, why)
+        for key, why in sorted(rejected.items()):
+            old = s.rejected.get(key)
+            if old is None or old.reason != why.reason:
+                log.warning("ignoring a peer lease key=%s reason=%s: %s", key, why.reason,
+                            why.detail)  # fmt: skip
+                self.metrics.rejected_lease(why.reason)
+        s.rejected = rejected
 
     def check_mtu(self, peers: Sequence[Lease]) -> None:
         """Peers must agree on the overlay MTU, or large packets vanish silently between them.

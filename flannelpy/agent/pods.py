@@ -11,7 +11,9 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.config.settings import AgentSettings
+from flannelpy.errors import ConfigError
 from flannelpy.observe.metrics import AgentMetrics
+from flannelpy.subnet.subnet_env import read_subnet_env
 
 if TYPE_CHECKING:
     from flannelpy.ipam.manager import NodeIpam
@@ -32,6 +34,8 @@ class PodSide(Protocol):
     def remove_gateway(self, gateway: IPv4Interface) -> None: ...
 
     def start(self) -> None: ...
+
+    def serving(self) -> tuple[bool, str]: ...
 
     def stop(self) -> None: ...
 
@@ -56,8 +60,14 @@ class PodAttachments:
         self._ipam = NodeIpam(os.path.join(settings.state_dir, "ipam"))
         self.pods = PodNetwork()
         records = RecordStore(os.path.join(settings.state_dir, "cni"))
+        subnet_file = settings.subnet_file
         self.handler = CniHandler(
-            self._ipam, self.pods, records, CniSettings(mtu_provider=mtu, ready=ready)
+            self._ipam,
+            self.pods,
+            records,
+            CniSettings(
+                mtu_provider=mtu, ready=ready, cluster_networks=lambda: _cluster(subnet_file)
+            ),
         )
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
         self._metrics = metrics
@@ -101,7 +111,25 @@ class PodAttachments:
         self._started = True
         log.info("CNI server listening socket=%s", self.socket_path)
 
+    def serving(self) -> tuple[bool, str]:
+        """For /healthz: the CNI server accepts on its socket (trivially true before
+        start, while the agent still waits for its lease)."""
+        if not self._started:
+            return True, "ok"
+        return self.server.alive()
+
     def stop(self) -> None:
         if self._started:
             self.server.stop()
             self._started = False
+
+
+def _cluster(subnet_file: str) -> list[IPv4Network]:
+    """The cluster network from subnet.env, as Flannel's CNI plugin reads it (only
+    for a pod without a default route; the agent writes the file once ready)."""
+    try:
+        env = read_subnet_env(subnet_file)
+    except (ConfigError, OSError) as e:
+        log.warning("cannot read the cluster network path=%s reason=%s", subnet_file, e)
+        return []
+    return [env.network] if env is not None else []

@@ -23,6 +23,7 @@ from flannelpy.ipam.capacity import CapacitySettings
 from flannelpy.observe.mtu import MtuReport, PeerMtu
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.validate import Rejection
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class NodeState:
     capacity: CapacitySettings
     own: list[Lease] = field(default_factory=list)  # our leases, oldest first
     leases: dict[str, Lease] = field(default_factory=dict)  # every lease, ours included
+    # Peer leases never programmed (subnet.validate), by key; set by each plan.
+    rejected: dict[str, Rejection] = field(default_factory=dict)
     known_devices: set[str] = field(default_factory=set)  # ours to remove when unplanned
     first_snapshot: bool = False
     vtep_advertised: bool = False  # whether our lease carries our VTEP
@@ -70,7 +73,7 @@ class NodeState:
 
     def peers(self) -> list[Lease]:
         own_keys = {lease.key for lease in self.own}
-        return [p for k, p in self.leases.items() if k not in own_keys]
+        return [p for k, p in self.leases.items() if k not in own_keys and k not in self.rejected]
 
     def own_subnets(self) -> list[IPv4Network]:
         return [lease.subnet for lease in self.own]
@@ -81,7 +84,7 @@ class NodeState:
             ctx=self.ctx,
             mtu=self.mtu,
             own=tuple(self.own),
-            peers=max(len(self.leases) - len(self.own), 0),
+            peers=len(self.peers()),
             unreachable=self.unreachable,
             mtu_mismatched=tuple(self.mtu_report.mismatched) if self.mtu_report else (),
             applied_generation=self.applied_generation,
@@ -91,6 +94,7 @@ class NodeState:
             subnet_env_written=self.subnet_env_written,
             rules_in_place=self.rules_in_place,
             ready=self.ready,
+            rejected=tuple(self.rejected[k] for k in sorted(self.rejected)),
         )
 
 
@@ -112,6 +116,7 @@ class AgentView:
     subnet_env_written: bool
     rules_in_place: bool
     ready: bool
+    rejected: tuple[Rejection, ...] = ()  # peer leases ignored, for status.json and the doctor
 
     @property
     def lease(self) -> Lease | None:

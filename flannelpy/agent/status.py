@@ -1,6 +1,14 @@
 """What the node tells others: status.json, its status record in the store, readiness
 and subnet.env.
 
+The store record is a budget shared by the whole cluster (etcd keeps every revision
+until compaction). It is written at once when something an operator acts on changes
+(backend, generation, readiness, a blocked change, the set of failing peers), else as
+a heartbeat every ``--status-publish-interval`` (jittered, so restarted nodes do not
+write together). Probe round counters and times are left out of the change test: they
+move every round. Only while a change settles or a rollout is in progress does the
+record follow the probe rounds, so the rollout can verify each step.
+
 status.json and readiness are read from any thread (the reconciler's callback,
 the HTTP servers); they use only the writer's published ``AgentView``. The
 store record and subnet.env are written by the writer alone.
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 from collections.abc import Callable, Mapping
 from ipaddress import IPv4Interface
@@ -20,7 +29,13 @@ from flannelpy.agent.events import EventCounts
 from flannelpy.agent.state import AgentView, Clocks, NodeState
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
-from flannelpy.control.records import BackendSummary, NodeStatus, PeerProbe
+from flannelpy.control.records import (
+    BackendSummary,
+    NodeStatus,
+    PeerProbe,
+    ProbeSummary,
+    failing_peers,
+)
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.errors import StoreError
 from flannelpy.fsutil import atomic_write
@@ -36,6 +51,7 @@ log = logging.getLogger("flannelpy.agent.status")
 
 STATUS_FILE = "status.json"  # in --run-dir
 TRANSITION_SECONDS = 60.0  # after a change, the store status follows every probe round
+HEARTBEAT_JITTER = 0.2  # a heartbeat comes 80-100 % of the publish interval after a write
 
 
 def backend_doc(config: NetworkConfig) -> Mapping[str, object]:
@@ -53,6 +69,7 @@ class StatusReporter:
         counts: EventCounts,
         control: NodeControl | None,
         clocks: Clocks,
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         self.settings = settings
         self._state = state  # read by the writer's own calls only
@@ -63,8 +80,13 @@ class StatusReporter:
         self._clocks = clocks
         self.prober: Prober | None = None  # set once it runs
         self._file_lock = threading.Lock()  # the reconciler's thread and the writer write it
-        self._probe_at: dict[str, float] = {}
-        self._published: tuple[str, float] = ("", 0.0)  # status without times, when
+        self._jitter = jitter  # 0.0 .. 1.0
+        self._probe_at: dict[str, float] = {}  # peer key -> its latest round (wall clock)
+        self._passed_at: dict[str, float] = {}  # peer key -> its latest passing round
+        self._failing: dict[str, str] = {}  # every failing peer of the latest node_status()
+        self._written = ("", "")  # the last record written: what counts as a change, all
+        self._written_at = float("-inf")  # monotonic
+        self._heartbeat_due = float("-inf")  # monotonic
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -95,6 +117,8 @@ class StatusReporter:
                 {"subnet": str(u.subnet), "public_ip": str(u.public_ip), "reason": u.reason}
                 for u in sorted(view.unreachable, key=lambda u: u.subnet)
             ],
+            # peer leases refused before they reached the kernel (the doctor lists them)
+            "rejected_leases": [{"key": r.key, "reason": r.reason} for r in view.rejected[:100]],
             "converged": result.converged if result else None,
             "failures": list(result.failures[:20]) if result else [],
             "last_reconcile": result.finished_at if result else None,
@@ -136,10 +160,29 @@ class StatusReporter:
     def probe_seen(self, key: str) -> None:
         self._probe_at[key] = self._clocks.wall()
 
+    def _peer_probes(self) -> dict[str, PeerProbe]:
+        """The prober's latest results with the times the writer saw them; remembers each
+        peer's latest passing round (both echoes answered) for ``passed_at``."""
+        results = self.prober.results() if self.prober is not None else {}
+        probes = {}
+        for key, r in results.items():
+            at = self._probe_at.get(key)
+            ok = r.reachable and r.last_error is None and r.mtu_ok is not False
+            if at is not None and ok and r.mtu_ok is True:
+                self._passed_at[key] = max(at, self._passed_at.get(key, at))
+            probes[key] = PeerProbe(
+                reachable=r.reachable, mtu_ok=r.mtu_ok, ok=ok, probes=r.probes,
+                at=at or 0.0, passed_at=self._passed_at.get(key),
+            )  # fmt: skip
+        for gone in set(self._passed_at) - set(results):
+            del self._passed_at[gone]
+        return probes
+
     def node_status(self) -> NodeStatus:
         view = self._state.view()
         ctx = view.ctx
-        results = self.prober.results() if self.prober is not None else {}
+        probes = self._peer_probes()
+        self._failing = failing_peers(probes)
         return NodeStatus(
             node=ctx.node_name,
             at=self._clocks.wall(),
@@ -152,41 +195,46 @@ class StatusReporter:
             applied_at=view.applied_at,
             blocked=view.blocked,
             subnets=tuple(str(x.subnet) for x in view.own),
-            probes={
-                key: PeerProbe(
-                    reachable=r.reachable,
-                    mtu_ok=r.mtu_ok,
-                    ok=r.reachable and r.last_error is None and r.mtu_ok is not False,
-                    probes=r.probes,
-                    at=self._probe_at.get(key, 0.0),
-                )
-                for key, r in results.items()
-            },
+            probes=ProbeSummary.of(probes),
         )
+
+    def _fingerprints(self, status: NodeStatus) -> tuple[str, str]:
+        """(what an operator acts on, the whole record), both without the write time."""
+        doc = json.loads(status.to_json())
+        doc.pop("At")
+        whole = json.dumps(doc, sort_keys=True)
+        doc["ProbeSummary"] = sorted(self._failing.items())  # the whole failing set
+        return json.dumps(doc, sort_keys=True), whole
+
+    def _following_rounds(self) -> bool:
+        """A change settles or a rollout verifies its steps: the record follows probe rounds."""
+        if self._clocks.wall() - self._state.applied_at < TRANSITION_SECONDS:
+            return True
+        return self._control is not None and self._control.rollout_in_progress()
 
     def publish(self, force: bool = False) -> None:
         """Write our status record: at once when something an operator acts on changed,
-        after every probe round while a change settles, else every publish interval."""
+        after probe rounds while a change settles or a rollout runs, else as a heartbeat."""
         if self._control is None:
             return
         status = self.node_status()
-        doc = json.loads(status.to_json())
-        doc.pop("At")
-        for probe in doc["Probes"].values():
-            probe.pop("At")
-        fingerprint = json.dumps(doc, sort_keys=True)
-        last, when = self._published
+        changes, whole = self._fingerprints(status)
         now = self._clocks.monotonic()
-        settling = self._clocks.wall() - self._state.applied_at < TRANSITION_SECONDS
-        due = now - when >= self.settings.status_publish_interval
-        if not (force or settling or due or fingerprint != last):
+        fresher = (
+            whole != self._written[1]
+            and now - self._written_at >= self.settings.probe_interval
+            and self._following_rounds()
+        )
+        if not (force or changes != self._written[0] or now >= self._heartbeat_due or fresher):
             return
         try:
             self._control.publish_status(status)
         except StoreError as e:
             log.debug("status not published: %s", e)
             return
-        self._published = (fingerprint, now)
+        self._written, self._written_at = (changes, whole), now
+        interval = self.settings.status_publish_interval
+        self._heartbeat_due = now + interval * (1 - HEARTBEAT_JITTER * self._jitter())
 
 
 def write_node_subnet_env(

@@ -130,6 +130,8 @@ class Writer:
             settings.subnet_lease_renew_margin * 60.0, clocks,
         )  # fmt: skip
         self.planner = Planner(s, self.reconciler, vtep, metrics)
+        # Not in the SubnetManager protocol: only the etcd manager parses raw values.
+        self.planner.undecodable = getattr(parts.manager, "undecodable", dict)
         self.firewall = FirewallRules(s, parts.firewall_factory)
         self.status = StatusReporter(
             settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks
@@ -314,7 +316,7 @@ class Writer:
 
     def after_first_snapshot(self) -> None:
         if not self.settings.kube_subnet_mgr:
-            self.leases.adopt()
+            self.leases.adopt(self.planner.bounds())
             self.planner.replan()
         self.capacity.manage()  # may add a lease (warm capacity, a drained pool)
         self.capacity.watch_low_free()

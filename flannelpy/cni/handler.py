@@ -16,6 +16,13 @@ Ordering and locks:
   different pods run in parallel (the server gives each request a thread).
   IPAM and the bridge lock themselves.
 
+Conflist keys, as the reference bridge plugin reads them: ``hairpinMode``
+(hairpin on the host port) and ``isDefaultGateway`` (the pod's default route
+via the gateway; when false, only routes to the cluster networks). Both default
+to true here, Flannel's delegate settings, which the shipped conflist spells out.
+The plugin adds its routes with NLM_F_EXCL: a route it did not add is never
+replaced, and such a conflict fails the ADD with a sentence naming the fix.
+
 CHECK failures use code 999, as the reference plugins' do (the spec defines no
 code for "the attachment is broken").
 """
@@ -27,10 +34,10 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from ipaddress import IPv4Interface
+from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 from cni_plugin.spec import (
@@ -54,6 +61,7 @@ from flannelpy.dataplane.podnet import (
     PodNetwork,
     gateway_of,
     host_veth_name,
+    veth_owner,
 )
 from flannelpy.errors import ConfigError, DataplaneError, StoreError
 from flannelpy.ipam import Allocation, NodeIpam
@@ -78,6 +86,9 @@ class CniSettings:
     ready: Callable[[], bool] = lambda: True  # lease held and data plane programmed
     bridge: str = "cni0"  # the CNI config key "bridge" overrides it
     hairpin: bool = True  # a pod reaches itself through a service IP (hairpin mode on its port)
+    default_gateway: bool = True  # default of the config key isDefaultGateway
+    # The cluster's networks, routed via the gateway when isDefaultGateway is false.
+    cluster_networks: Callable[[], Sequence[IPv4Network]] = lambda: ()
     cooldown_seconds: float = 30.0  # default of the config key ipCooldownSeconds
     wait_seconds: float = 0.0  # default of the config key ipWaitSeconds
 
@@ -198,6 +209,7 @@ class CniHandler:
                 f"ipWaitSeconds must be at most {MAX_WAIT_SECONDS:g}, got {wait:g}",
             )
         mtu = self._mtu()
+        plumb = _Plumbing(self._flag(req, "hairpinMode", self.settings.hairpin), self._routes(req))
         key = (req.container_id, req.ifname)
         with self.locks.hold(key), _cni_errors():
             existing = self.records.read(req.network_name, *key)
@@ -205,7 +217,7 @@ class CniHandler:
                 return render_result(parse_result(existing.result, STORED_VERSION), req.cni_version)
             undo = Undo()
             try:
-                result = self._add_steps(req, existing, bridge, mtu, cooldown, wait, undo)
+                result = self._add_steps(req, existing, bridge, mtu, cooldown, wait, undo, plumb)
             except BaseException:
                 undo.run()
                 raise
@@ -220,16 +232,18 @@ class CniHandler:
         cooldown: float,
         wait: float,
         undo: Undo,
+        plumb: _Plumbing,
     ) -> Result:
         cid, ifname = req.container_id, req.ifname
         if existing is not None:  # its veth is gone or it was for another namespace
-            self.pods.delete_host_veth(existing.host_veth)
+            self.pods.delete_host_veth(existing.host_veth, _owner(existing))
         had = self.ipam.find(cid, ifname)
         alloc = self.ipam.allocate(cid, ifname, cooldown=cooldown, wait=wait)
         if had is None:
             undo.push("release address", lambda: self.ipam.release(cid, ifname))
         index = self.pods.ensure_bridge(self._gateways(alloc), mtu, bridge)
         host = host_veth_name(req.netns, cid, ifname)
+        owner = veth_owner(req.netns, cid, ifname)
         link = self.pods.add_pod(
             req.netns,
             ifname,
@@ -238,9 +252,11 @@ class CniHandler:
             alloc.interface,
             alloc.gateway,
             mtu,
-            self.settings.hairpin,
+            plumb.hairpin,
+            owner=owner,
+            routes=plumb.routes,
         )
-        undo.push("delete veth", lambda: self.pods.delete_host_veth(host))
+        undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
         result = Result(
             cni_version=req.cni_version,
             interfaces=(
@@ -248,7 +264,7 @@ class CniHandler:
                 Interface(name=link.ifname, mac=link.pod_mac, sandbox=req.netns),
             ),
             ips=(IPConfig(address=str(alloc.interface), gateway=str(alloc.gateway), interface=1),),
-            routes=(RouteEntry(dst="0.0.0.0/0", gw=str(alloc.gateway)),),
+            routes=tuple(RouteEntry(dst=str(dst), gw=str(alloc.gateway)) for dst in plumb.routes),
             dns=_dns(req.config),
         )
         stored = json.loads(render_result(result, STORED_VERSION))
@@ -301,7 +317,7 @@ class CniHandler:
     ) -> None:
         """Veth first, then the address: an address is never free while a veth holds it."""
         if record is not None:
-            self.pods.delete_host_veth(record.host_veth)
+            self.pods.delete_host_veth(record.host_veth, _owner(record))
         elif netns:
             self.pods.delete_in_netns(netns, ifname)
         self.ipam.release(container_id, ifname)
@@ -334,6 +350,7 @@ class CniHandler:
                     record.address,
                     record.gateway,
                     self.settings.mtu_provider(),
+                    self._routes(req),
                 )
         if problems:
             raise CniError(CHECK_FAILED, "; ".join(problems))
@@ -357,6 +374,12 @@ class CniHandler:
         addresses no record explains (an ADD that died half-way). Run it before
         the server accepts requests. Returns the keys released."""
         released: list[Key] = []
+        for path, why in self.records.unreadable():
+            # Its pod may be alive: releasing would hand its address out twice.
+            log.error(
+                "CNI record unreadable, its address is kept until a DEL path=%s reason=%s;"
+                " restore or remove the file once the pod is known to be gone", path, why,
+            )  # fmt: skip
         for record in self.records.list():
             if not exists(record.netns):
                 key = (record.container_id, record.ifname)
@@ -387,7 +410,8 @@ class CniHandler:
         """Release ``key``'s address if no network has a record for it (checked under
         the key's lock, so an ADD in flight is waited for, then seen)."""
         with self.locks.hold(key):
-            if any(self.records.read(n, *key) for n in self.records.networks()):
+            # present, not read: an unreadable record still holds its address.
+            if any(self.records.present(n, *key) for n in self.records.networks()):
                 return False
             return self.ipam.release(*key) is not None
 
@@ -421,6 +445,27 @@ class CniHandler:
         return name
 
     @staticmethod
+    def _flag(req: Request, key: str, default: bool) -> bool:
+        value = req.config.get(key, default)
+        if not isinstance(value, bool):
+            raise CniError(
+                Code.INVALID_NETWORK_CONFIG, f"{key} must be true or false, got {json.dumps(value)}"
+            )
+        return value
+
+    def _routes(self, req: Request) -> tuple[IPv4Network, ...]:
+        """What the pod routes via the gateway: everything, or the cluster's networks."""
+        if self._flag(req, "isDefaultGateway", self.settings.default_gateway):
+            return (IPv4Network("0.0.0.0/0"),)
+        networks = tuple(self.settings.cluster_networks())
+        if not networks:
+            raise CniError(
+                Code.TRY_AGAIN_LATER,
+                "the flannelpy agent does not know the cluster network yet; try again later",
+            )
+        return networks
+
+    @staticmethod
     def _seconds(req: Request, key: str, default: float) -> float:
         value = req.config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
@@ -441,6 +486,19 @@ class CniHandler:
 
 
 # --- helpers -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plumbing:
+    """The pod's plumbing options, read from the conflist once per ADD."""
+
+    hairpin: bool
+    routes: tuple[IPv4Network, ...]
+
+
+def _owner(record: Record) -> str:
+    """The alias ADD gave the record's host veth: a delete spares any other pod's."""
+    return veth_owner(record.netns, record.container_id, record.ifname)
 
 
 @contextmanager

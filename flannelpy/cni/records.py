@@ -7,7 +7,10 @@ and ``ifname`` are validated the same way before they get here, and checked
 again below so no name can leave the directory.
 
 Writes are atomic (temp file, fsync, ``os.replace``, fsync of the directory):
-ADD returns only once its record is durable. Deletes are not fsync'd: a record
+ADD returns only once its record is durable. A record that cannot be read (bad
+JSON, a disk error) is not absent: its pod may be alive, so ``present`` still
+says True, the start-up GC keeps the address and reports the file
+(``unreadable``); only a DEL for that key releases it. Deletes are not fsync'd: a record
 that comes back after a power loss names a veth and an allocation that are
 already gone, and DEL or the start-up GC removes it again harmlessly.
 """
@@ -110,8 +113,28 @@ class RecordStore:
         atomic_write(final, data, mode=0o600, dir_mode=0o700)
 
     def read(self, network: str, container_id: str, ifname: str) -> Record | None:
-        """The record, or None when there is none or it is unreadable (logged)."""
+        """The record, or None when there is none or it is unreadable (logged): use
+        ``present`` before treating None as "no such attachment"."""
         return self._load(self.path(network, container_id, ifname))
+
+    def present(self, network: str, container_id: str, ifname: str) -> bool:
+        """Whether a record file exists for the key, readable or not."""
+        return os.path.lexists(self.path(network, container_id, ifname))
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        """(path, why) of every record file that exists but cannot be used."""
+        found = []
+        for network in self.networks():
+            folder = os.path.join(self.directory, network)
+            for entry in _entries(folder):
+                path = os.path.join(folder, entry)
+                try:
+                    _parse(path)
+                except FileNotFoundError:
+                    continue
+                except (OSError, ValueError) as e:
+                    found.append((path, str(e)))
+        return found
 
     def delete(self, network: str, container_id: str, ifname: str) -> bool:
         return _unlink(self.path(network, container_id, ifname))
@@ -133,25 +156,36 @@ class RecordStore:
 
     def _in_network(self, network: str) -> Iterator[Record]:
         folder = os.path.join(self.directory, network)
-        try:
-            entries = sorted(os.listdir(folder))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.endswith(SUFFIX) and "@" in entry:
-                record = self._load(os.path.join(folder, entry))
-                if record is not None:
-                    yield record
+        for entry in _entries(folder):
+            record = self._load(os.path.join(folder, entry))
+            if record is not None:
+                yield record
 
     def _load(self, path: str) -> Record | None:
         try:
-            with open(path, "rb") as f:
-                return Record.from_doc(json.loads(f.read()))
+            return _parse(path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
-            log.warning("ignoring unreadable CNI record path=%s reason=%s", path, e)
+            log.warning("unreadable CNI record, kept path=%s reason=%s", path, e)
             return None
+
+
+def _entries(folder: str) -> list[str]:
+    try:
+        entries = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return []
+    return [e for e in entries if e.endswith(SUFFIX) and "@" in e]
+
+
+def _parse(path: str) -> Record:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return Record.from_doc(json.loads(data))
+    except (TypeError, ValueError) as e:  # a torn or hand-edited file; bytes: UnicodeError
+        raise ValueError(f"not a valid record ({e})") from e
 
 
 def _unlink(path: str) -> bool:

@@ -13,6 +13,13 @@ runs in the node's namespace, so it starts the server from any of its threads;
 tests pass ``netns`` to run a whole server inside a throwaway "node" namespace.
 The socket itself is a path in the filesystem, reachable from every namespace.
 
+The accept loop lives as long as the server: a connection that cannot get a
+thread (the process is out of them) is served on the accept thread itself, and
+any other failure is logged and the loop goes on. It once exited instead and
+unlinked the socket, so every later ADD failed with code 11 while DELs leaked.
+:meth:`CniServer.alive` tells liveness whether the loop turns and the socket
+path is still ours.
+
 Framing is :mod:`cni_plugin.wire`. The socket is 0600 in a 0700 directory: only
 root (the kubelet, the runtime) may ask for pod networking.
 """
@@ -24,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from cni_plugin import wire
@@ -36,6 +44,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, str], bytes], tuple[int, bytes]]
 
 ACCEPT_POLL_SECONDS = 0.2  # how often the accept loop looks at its stop flag
+ACCEPT_STALE_SECONDS = 30.0  # an accept loop silent this long is stuck (it turns every 0.2 s)
 READ_TIMEOUT_SECONDS = 10.0  # a client that stalls mid-request is dropped
 BACKLOG = 256  # a 100-pod burst connects at once
 ERROR_VERSION = "1.1.0"  # for errors raised before the request's cniVersion is known
@@ -54,6 +63,8 @@ class CniServer:
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the bound socket
+        self._last_turn = 0.0  # time.monotonic() of the accept loop's last turn
 
     # -- life cycle
 
@@ -84,6 +95,9 @@ class CniServer:
             if self.netns is not None:
                 enter_netns(self.netns)
             self._listener = bind_socket(self.socket_path)
+            st = os.stat(self.socket_path)
+            self._socket_id = (st.st_dev, st.st_ino)
+            self._last_turn = time.monotonic()
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -98,26 +112,57 @@ class CniServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
 
+    def alive(self) -> tuple[bool, str]:
+        """(True, "ok") while the accept loop turns and the socket path is the one it
+        listens on; else why not, for /healthz (a restart rebinds the socket)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return False, f"the CNI server no longer accepts on {self.socket_path}"
+        silent = time.monotonic() - self._last_turn
+        if silent > ACCEPT_STALE_SECONDS:
+            return False, f"the CNI server's accept loop has not turned for {silent:.0f} s"
+        try:
+            st = os.stat(self.socket_path)
+        except OSError as e:
+            return False, f"the CNI socket {self.socket_path} is gone ({e.strerror})"
+        if (st.st_dev, st.st_ino) != self._socket_id:
+            return False, f"the CNI socket {self.socket_path} was replaced by another"
+        return True, "ok"
+
     def _accept_loop(self, listener: socket.socket) -> None:
         listener.settimeout(ACCEPT_POLL_SECONDS)
         while not self._stop.is_set():
+            self._last_turn = time.monotonic()
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            except OSError as e:
+            except OSError as e:  # EMFILE and the like: wait a turn, then accept again
                 log.warning("CNI socket accept failed: %s", e)
+                self._stop.wait(ACCEPT_POLL_SECONDS)
                 continue
-            worker = threading.Thread(
-                target=self._serve, args=(conn,), name="cni-conn", daemon=True
-            )
-            with self._lock:
-                self._workers.add(worker)
+            try:
+                self._dispatch(conn)
+            except Exception:  # never end the loop: the socket would be gone for good
+                log.exception("CNI connection could not be served")
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        worker = threading.Thread(target=self._serve, args=(conn,), name="cni-conn", daemon=True)
+        with self._lock:
+            self._workers.add(worker)
+        try:
             worker.start()
+        except RuntimeError as e:  # "can't start new thread": serve it here, slower but served
+            with self._lock:
+                self._workers.discard(worker)
+            log.warning("no thread for a CNI connection, serving it inline reason=%s", e)
+            self._serve(conn, inline=True)
 
     # -- one connection
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, inline: bool = False) -> None:
         try:
             with conn:
                 conn.settimeout(READ_TIMEOUT_SECONDS)
@@ -127,8 +172,9 @@ class CniServer:
                 except OSError as e:
                     log.warning("could not send the CNI reply: %s", e)
         finally:
-            with self._lock:
-                self._workers.discard(threading.current_thread())
+            if not inline:
+                with self._lock:
+                    self._workers.discard(threading.current_thread())
 
     def _reply(self, conn: socket.socket) -> bytes:
         try:

@@ -1,10 +1,12 @@
 """``flannelpy doctor``: gather a node's facts, diagnose them, print one line per finding.
 
 It takes the agent's flags (and FLANNELD_* variables), so it finds what the agent uses;
-the facts come from :mod:`flannelpy.doctor.gather`, the findings from
-:mod:`flannelpy.doctor.checks`. It looks at the network namespace it runs in. In the netns
-lab, ``flannelpy-lab run NAME --node n1 -- flannelpy doctor`` runs it inside node n1
-with n1's agent's settings.
+without them it reads the agent's effective settings from ``<run-dir>/settings.json``
+(the run dir from ``--run-dir``, FLANNELD_RUN_DIR or the default), so on a node or in
+the agent's pod no flag is needed. The facts come from :mod:`flannelpy.doctor.gather`,
+the findings from :mod:`flannelpy.doctor.checks`. It looks at the network namespace it
+runs in. In the netns lab, ``flannelpy-lab run NAME --node n1 -- flannelpy doctor``
+runs it inside node n1 with n1's agent's settings.
 
 The store clients and netlink are imported when the command runs, not when the
 ``flannelpy`` parser is built.
@@ -28,8 +30,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Check this node against what the agent should have made of it: links "
         "up and MTUs consistent, routes/neighbours/FDB complete and none stale, firewall "
         "rules in order, no overlap, the lease, drop counters, peer reachability. One line "
-        "per finding; exit 0 when healthy, 1 when not. Pass the flags the agent runs with "
-        "(or the same FLANNELD_* variables).",
+        "per finding; exit 0 when healthy, 1 when not. It uses the settings the running agent "
+        "left in its run dir (settings.json); flags (or FLANNELD_* variables) given here "
+        "win over them.",
     )
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     add_agent_arguments(doctor)
@@ -38,6 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flannelpy.config.effective import with_agent_defaults
     from flannelpy.config.settings import settings_from_args
     from flannelpy.doctor.checks import diagnose, snapshot_json
     from flannelpy.doctor.gather import SNAPSHOT_FILE, gather, save_snapshot
@@ -45,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from flannelpy.errors import FlannelpyError
 
     try:
-        settings = settings_from_args(args, os.environ)
+        run_dir = settings_from_args(args, os.environ).run_dir
+        chose_iface = bool(args.iface or args.iface_regex or args.iface_can_reach)
+        environ = with_agent_defaults(run_dir, os.environ, chose_iface)
+        settings = settings_from_args(args, environ)
         facts = gather(settings)
     except FlannelpyError as e:
         print(f"flannelpy doctor: {e}", file=sys.stderr)

@@ -49,6 +49,9 @@ class AgentSettings:
     iptables_forward_rules: bool = True
     healthz_ip: str = "0.0.0.0"
     healthz_port: int = 0  # 0: off
+    # Also serve /metrics on the healthz port (it listens on every address by default,
+    # so metrics stay on --metrics-addr unless asked).
+    healthz_metrics: bool = False
     # flannelpy's own
     node_name: str | None = None  # default: $NODE_NAME, else the hostname
     state_dir: str = "/var/lib/flannelpy"
@@ -68,9 +71,10 @@ class AgentSettings:
     # This cluster's name for cluster-scoped address pools (flannelpy.io/cluster/<name>);
     # None: only pools shared by every cluster.
     cluster_name: str | None = None
-    # seconds between status records in the store (etcd mode) when nothing changed;
-    # a change, and every probe round while a change settles, is written at once
-    status_publish_interval: float = 10.0
+    # seconds between heartbeat status records in the store (etcd mode) when nothing
+    # changed, jittered down to 80 %; a change an operator acts on is written at once,
+    # and probe rounds are followed only while a change settles or a rollout runs
+    status_publish_interval: float = 300.0
 
 
 _Kind = Literal["str", "bool", "int", "float", "csv", "repeat"]
@@ -129,6 +133,7 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("iptables_forward_rules", "bool", "add FORWARD accept rules for the network"),
     _Flag("healthz_ip", "str", "address of the /healthz and /readyz server"),
     _Flag("healthz_port", "int", "port of the /healthz and /readyz server (0: off)"),
+    _Flag("healthz_metrics", "bool", "also serve /metrics on the --healthz-port server"),
     _Flag("node_name", "str", "this node's name (default: $NODE_NAME, else the hostname)"),
     _Flag("state_dir", "str", "directory for IPAM and other persistent state"),
     _Flag("run_dir", "str", "directory for the CNI socket and other runtime files"),
@@ -145,7 +150,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("cluster_name", "str",
           "this cluster's name, for address pools tagged flannelpy.io/cluster/<name>"),
     _Flag("status_publish_interval", "float",
-          "seconds between this node's status records in etcd when nothing changed"),
+          "seconds between this node's heartbeat status records in etcd when nothing "
+          "changed (jittered 80-100 %; a change is written at once)"),
 )
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AgentSettings)}

@@ -61,7 +61,14 @@ class NodeControl(Protocol):
 
     def publish_status(self, status: NodeStatus) -> None: ...
 
+    def rollout_in_progress(self) -> bool:
+        """True while a rollout is active: its steps wait for fresh status records."""
+        ...
+
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None: ...
+
+
+ACTIVE_ROLLOUT_STATES = ("running", "rolling-back", "finalizing")
 
 
 def rollout_vouches(rollout: Mapping[str, Any] | None, rollout_id: str | None) -> bool:
@@ -69,9 +76,7 @@ def rollout_vouches(rollout: Mapping[str, Any] | None, rollout_id: str | None) -
     step it is taking, so the node may apply the override without checking again."""
     if rollout is None or not rollout_id:
         return False
-    return rollout.get("id") == rollout_id and rollout.get("state") in (
-        "running", "rolling-back", "finalizing",
-    )  # fmt: skip
+    return rollout.get("id") == rollout_id and rollout.get("state") in ACTIVE_ROLLOUT_STATES
 
 
 def _snapshot(
@@ -108,6 +113,7 @@ class EtcdNodeControl:
         self._values: dict[str, bytes | None] = {}
         self._pools: dict[str, KeyValue] = {}
         self._lock = threading.Lock()
+        self._rollout_seen: tuple[bytes | None, bool] = (None, False)  # parsed once per value
 
     def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
         revisions: dict[str, int] = {}
@@ -171,15 +177,23 @@ class EtcdNodeControl:
                         with notify:
                             on_change(self.snapshot())
                     backoff.reset()
+                if stop.is_set():
+                    return
+                reason: BaseException = StoreUnavailable("the watch stream ended")
             except (RevisionCompacted, StoreUnavailable) as e:
-                stop.wait(backoff.next())
-                try:
-                    revision = self._read(name)
-                except StoreError:
-                    continue
-                log.info("control watch restarted key=%s reason=%s", key, e)
-                with notify:
-                    on_change(self.snapshot())
+                reason = e
+            except Exception as e:  # a dead follower would freeze this input for good
+                log.exception("control watch failed; restarting key=%s error=%s", key, e)
+                reason = e
+            stop.wait(backoff.next())
+            try:
+                revision = self._read(name)
+            except Exception as e:  # retried like the watch itself
+                log.warning("control key unreadable; retrying key=%s error=%s", key, e)
+                continue
+            log.info("control watch restarted key=%s reason=%s", key, reason)
+            with notify:
+                on_change(self.snapshot())
 
     def _read(self, name: str) -> int:
         """Read one key into the snapshot; the revision to watch from."""
@@ -203,6 +217,16 @@ class EtcdNodeControl:
 
     def publish_status(self, status: NodeStatus) -> None:
         self._store.put(status_key(self._prefix, self._node), status.to_json().encode())
+
+    def rollout_in_progress(self) -> bool:
+        with self._lock:
+            raw = self._values.get("rollout")
+        seen, active = self._rollout_seen
+        if raw is not seen:
+            snap = _snapshot(None, None, "", raw)
+            active = snap.rollout is not None and snap.rollout.get("state") in ACTIVE_ROLLOUT_STATES
+            self._rollout_seen = (raw, active)
+        return active
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
         key = event_key(self._prefix, time.time_ns(), node)
@@ -248,6 +272,9 @@ class KubeNodeControl:
 
     def publish_status(self, status: NodeStatus) -> None:
         return None  # no status record in Kubernetes mode (see the class docstring)
+
+    def rollout_in_progress(self) -> bool:
+        return False
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
         self._manager.create_node_event(

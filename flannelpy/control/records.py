@@ -6,9 +6,12 @@ JSON that Flannel never reads:
 - ``nodes/<node>/override``: a node's wanted Backend, written by ``rollout`` or by
   hand. It wins over the config's Backend for that node only.
 - ``nodes/<node>/status``: what the node's agent runs and sees (its effective
-  backend, readiness, the override generation it applied, a blocked change, its
-  probe results). ``rollout`` and ``policy show`` read it; it is how a tool off the
-  node learns that a step took effect without reaching the node itself.
+  backend, readiness, the override generation it applied, a blocked change, a
+  fixed-size summary of its probe results). Its size does not grow with the number
+  of nodes, and the agent writes it on a change an operator acts on, else every few
+  minutes (:mod:`flannelpy.agent.status`). ``rollout`` and ``policy show`` read
+  it; it is how a tool off the node learns that a step took effect without
+  reaching the node itself.
 - ``events/<unix-ns>-<node>``: a record of each change forced past the policy.
 
 Parsing is strict about types and lenient about unknown keys, so a newer agent's
@@ -152,15 +155,126 @@ class BlockedChange:
 
 @dataclass(frozen=True)
 class PeerProbe:
+    """One peer's latest probe round as the node sees it: input to :class:`ProbeSummary`,
+    never a record of its own (per-peer detail stays on the node)."""
+
     reachable: bool
     mtu_ok: bool | None
     ok: bool  # the latest round answered both the small and the full-MTU echo
     probes: int  # rounds completed since the peer was added
     at: float  # when the latest round completed (unix seconds, the node's clock)
+    passed_at: float | None = None  # the latest round that passed; None: ``at`` if ok
+
+    def last_pass(self) -> float | None:
+        if self.passed_at is not None:
+            return self.passed_at
+        return self.at if self.ok and self.mtu_ok is True else None
+
+    def problem(self) -> str | None:
+        """The prober's settled verdicts only: one lost echo is loss, not a failing peer,
+        so noise does not change the failing set (which triggers a write)."""
+        if not self.reachable:
+            return "unreachable"
+        if self.mtu_ok is False:
+            return "mtu"
+        return None
+
+
+MAX_FAILING_SHOWN = 5  # failing peers named in a record; the count covers the rest
+PROBLEM_TEXT = {"unreachable": "unreachable", "mtu": "the full-MTU probe was lost"}
+
+
+@dataclass(frozen=True)
+class FailingPeer:
+    subnet: str  # the peer's lease subnet (the prober's key)
+    problem: str  # "unreachable" or "mtu"
+
+    def describe(self) -> str:
+        return PROBLEM_TEXT.get(self.problem, self.problem)
+
+
+@dataclass(frozen=True)
+class ProbeSummary:
+    """A node's probe results in a fixed size, whatever the number of peers.
+
+    ``passed_at``: every peer not failing answered a small and a full-MTU echo in one
+    round that completed at or after this time (the node's clock); None until each has.
+    A rollout compares it with a switched node's AppliedAt.
+    """
+
+    peers: int = 0  # peers with a completed round
+    ok: int = 0  # peers whose latest round passed
+    failing: int = 0
+    failing_peers: tuple[FailingPeer, ...] = ()  # at most MAX_FAILING_SHOWN
+    passed_at: float | None = None
+
+    @classmethod
+    def of(cls, probes: Mapping[str, PeerProbe]) -> ProbeSummary:
+        failing = failing_peers(probes)
+        passes = [p.last_pass() for k, p in probes.items() if k not in failing]
+        known = [t for t in passes if t is not None]
+        passed = min(known) if known and len(known) == len(passes) else None
+        return cls(
+            peers=len(probes),
+            ok=sum(p.ok for p in probes.values()),
+            failing=len(failing),
+            failing_peers=tuple(
+                FailingPeer(k, failing[k]) for k in sorted(failing)[:MAX_FAILING_SHOWN]
+            ),
+            passed_at=None if passed is None else round(passed, 3),
+        )
 
     def to_doc(self) -> dict[str, Any]:
-        return {"Reachable": self.reachable, "MtuOk": self.mtu_ok, "Ok": self.ok,
-                "Probes": self.probes, "At": round(self.at, 3)}  # fmt: skip
+        return {
+            "Peers": self.peers,
+            "Ok": self.ok,
+            "Failing": self.failing,
+            "FailingPeers": [{"Subnet": f.subnet, "Problem": f.problem}
+                             for f in self.failing_peers],
+            "PassedAt": self.passed_at,
+        }  # fmt: skip
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> ProbeSummary:
+        shown = doc.get("FailingPeers") or []
+        if not isinstance(shown, list):
+            raise ValueError('"FailingPeers" must be a list')
+        passed = doc.get("PassedAt")
+        return cls(
+            peers=_count(doc.get("Peers", 0)),
+            ok=_count(doc.get("Ok", 0)),
+            failing=_count(doc.get("Failing", 0)),
+            failing_peers=tuple(
+                FailingPeer(str(f["Subnet"]), str(f.get("Problem", "")))
+                for f in shown[:MAX_FAILING_SHOWN]
+            ),
+            passed_at=None if passed is None else float(passed),
+        )
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a probe count must be a non-negative integer, not {value!r}")
+    return value
+
+
+def failing_peers(probes: Mapping[str, PeerProbe]) -> dict[str, str]:
+    """Every failing peer's key and problem (the whole set, not just those shown)."""
+    return {k: problem for k, p in probes.items() if (problem := p.problem()) is not None}
+
+
+def _legacy_probes(doc: Mapping[str, Any]) -> ProbeSummary:
+    """An older agent's per-peer ``Probes`` object, summarised as a newer one would."""
+    return ProbeSummary.of({
+        str(k): PeerProbe(
+            reachable=bool(v["Reachable"]),
+            mtu_ok=v.get("MtuOk"),
+            ok=bool(v.get("Ok", False)),
+            probes=int(v.get("Probes", 0)),
+            at=float(v.get("At", 0.0)),
+        )
+        for k, v in doc.items()
+    })  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -178,7 +292,7 @@ class NodeStatus:
     applied_at: float | None = None  # when the running backend took effect (node's clock)
     blocked: BlockedChange | None = None
     subnets: tuple[str, ...] = ()
-    probes: Mapping[str, PeerProbe] = field(default_factory=dict)  # by peer subnet
+    probes: ProbeSummary = field(default_factory=ProbeSummary)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -194,7 +308,7 @@ class NodeStatus:
                 "AppliedAt": self.applied_at,
                 "Blocked": self.blocked.to_doc() if self.blocked else None,
                 "Subnets": list(self.subnets),
-                "Probes": {k: p.to_doc() for k, p in sorted(self.probes.items())},
+                "ProbeSummary": self.probes.to_doc(),
             },
             separators=(",", ":"),
         )
@@ -221,16 +335,10 @@ class NodeStatus:
                     since=float(blocked.get("Since", 0.0)),
                 ) if isinstance(blocked, dict) else None,
                 subnets=tuple(str(s) for s in doc.get("Subnets", [])),
-                probes={
-                    str(k): PeerProbe(
-                        reachable=bool(v["Reachable"]),
-                        mtu_ok=v.get("MtuOk"),
-                        ok=bool(v.get("Ok", False)),
-                        probes=int(v.get("Probes", 0)),
-                        at=float(v.get("At", 0.0)),
-                    )
-                    for k, v in (doc.get("Probes") or {}).items()
-                },
+                probes=(
+                    ProbeSummary.from_doc(doc["ProbeSummary"]) if "ProbeSummary" in doc
+                    else _legacy_probes(doc.get("Probes") or {})
+                ),
             )  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"the node status lacks or mangles a field: {e}") from e

@@ -253,7 +253,7 @@ class NetlinkKernel:
             # Per peer: neighbour, FDB, then the route, so the kernel never ARPs.
             run.entries("neighbours_to_set", changes.neighbours_to_set)
             run.entries("fdb_to_set", changes.fdb_to_set)
-            run.entries("routes_to_set", changes.routes_to_set)
+            run.entries("routes_to_set", run.not_foreign(changes.routes_to_set))
             # A peer's stale neighbour and FDB go only once its route points elsewhere
             # (vxlan -> direct): packets routed to a deleted neighbour wait for an ARP
             # that never comes on the VTEP, and are dropped.
@@ -349,6 +349,29 @@ class _Batch:
             self.failures.append(f"could not update link {link.name}: {_reason(e.code)}")
             return
         self.applied["links_to_update"] += 1
+
+    def not_foreign(self, routes: Sequence[Route]) -> list[Route]:
+        """``routes`` without those whose destination holds a route of another protocol:
+        NLM_F_REPLACE would overwrite it, and a connected or static route is never ours
+        to take (a peer lease naming the underlay's subnet would cut the node off)."""
+        if not routes:
+            return []
+        foreign = {
+            (int(r.dst), r.dst_len): r.protocol
+            for r in nl.dump_routes(self.sock)
+            if r.protocol != self.protocol
+        }
+        kept = []
+        for route in routes:
+            proto = foreign.get((int(route.dst.network_address), route.dst.prefixlen))
+            if proto is None:
+                kept.append(route)
+                continue
+            self.failures.append(
+                f"refused to set {_describe(route)}: the node has a route to {route.dst} of "
+                f"protocol {proto}, not the agent's; remove it or the lease that asks for it"
+            )
+        return kept
 
     def addresses(self, key: str, entries: Sequence[Address]) -> None:
         delete = key == "addresses_to_delete"

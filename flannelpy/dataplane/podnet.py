@@ -11,7 +11,8 @@ node namespace (the calling thread's; the agent runs there)
      ``cni0``) and the pod end created directly inside the pod namespace
      (``rtnl.IFLA_NET_NS_FD`` in the peer): ~1 ms, where moving an existing device
      to another namespace costs ~20 ms. The kernel refuses to create the peer
-     up (ENOTCONN), hence step 3. The same datagram turns hairpin mode on.
+     up (ENOTCONN), hence step 3. The same datagram sets the host end's alias
+     (its owner, see below) and hairpin mode when asked.
 pod namespace (a short-lived thread that ``setns()`` into it: a socket opened
 there costs ~0.3 ms, where pyroute2's ``IPRoute(netns=...)`` forks a helper, ~6 ms)
   3. One datagram: the pod end up, its address, the default route via the gateway.
@@ -19,8 +20,12 @@ there costs ~0.3 ms, where pyroute2's ``IPRoute(netns=...)`` forks a helper, ~6 
 MACs are chosen here rather than read back: the pod's is ``0a:58:<its IPv4>``
 (locally administered, unique per address on the node), the host end's random.
 
-Deleting either end of a veth deletes both, so DEL removes the host end by name
-from the node namespace and never needs the pod namespace.
+Deleting either end of a veth deletes both, so DEL removes the host end from
+the node namespace and never needs the pod namespace. The host name is a hash
+(44 bits, the most IFNAMSIZ leaves), so two pods could share one: a delete
+first reads the link's alias, the full hash of (netns, container, ifname)
+written at ADD, and leaves a link that belongs to another pod alone; it then
+deletes by ifindex, so a link re-created under that name meanwhile is spared.
 
 Everything goes through :mod:`flannelpy.dataplane.nlbatch` (raw rtnetlink):
 one ADD is a handful of messages, and pyroute2's per-call overhead (~0.5 ms)
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -44,6 +50,8 @@ from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import DataplaneError
+
+log = logging.getLogger(__name__)
 
 IFNAMSIZ = 15  # bytes, without the NUL
 BRIDGE_RECHECK_SECONDS = 5.0  # how stale ensure_bridge's knowledge of the addresses may get
@@ -76,10 +84,20 @@ class PodLink:
 # --- pure helpers ---------------------------------------------------------------
 
 
+def _digest(netns: str, container_id: str, ifname: str) -> str:
+    return hashlib.sha1(f"{netns}\0{container_id}\0{ifname}".encode()).hexdigest()
+
+
 def host_veth_name(netns: str, container_id: str, ifname: str) -> str:
-    """``veth`` + 8 hex of sha1: deterministic, so a retried ADD finds its leftovers."""
-    digest = hashlib.sha1(f"{netns}\0{container_id}\0{ifname}".encode()).hexdigest()
-    return HOST_VETH_PREFIX + digest[:8]
+    """``veth`` + 11 hex of sha1 (all of IFNAMSIZ): deterministic, so a retried ADD
+    finds its leftovers."""
+    prefix = HOST_VETH_PREFIX
+    return prefix + _digest(netns, container_id, ifname)[: IFNAMSIZ - len(prefix)]
+
+
+def veth_owner(netns: str, container_id: str, ifname: str) -> str:
+    """The alias ADD gives the host end: whose it is, beyond the name's 44 bits."""
+    return "flannelpy " + _digest(netns, container_id, ifname)
 
 
 def pod_mac(ip: IPv4Address) -> str:
@@ -176,8 +194,25 @@ def delete_request(name: str) -> rtnl.Request:
     return rtnl.Request(rtnl.RTM_DELLINK, 0, _ifinfo() + _name_attr(name))
 
 
-def default_route_request(index: int, gateway: IPv4Address) -> rtnl.Request:
-    return rtnl.route_request(False, rtnl.RTPROT_BOOT, b"\0\0\0\0", 0, gateway, index)
+def delete_index_request(index: int) -> rtnl.Request:
+    return rtnl.Request(rtnl.RTM_DELLINK, 0, _ifinfo(index))
+
+
+def alias_request(name: str, alias: str) -> rtnl.Request:
+    body = _ifinfo() + _name_attr(name) + rtnl.attr(rtnl.IFLA_IFALIAS, alias.encode())
+    return rtnl.Request(rtnl.RTM_NEWLINK, 0, body)
+
+
+def pod_route_request(index: int, gateway: IPv4Address, dst: IPv4Network) -> rtnl.Request:
+    """A route in the pod via the gateway, created only if none exists for ``dst``:
+    a route the plugin did not add (another interface's default) is never replaced."""
+    route = rtnl.route_request(
+        False, rtnl.RTPROT_BOOT, dst.network_address.packed, dst.prefixlen, gateway, index
+    )
+    return rtnl.Request(route.msg_type, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, route.body)
+
+
+DEFAULT_ROUTE = IPv4Network("0.0.0.0/0")
 
 
 # --- reading links ----------------------------------------------------------------
@@ -192,6 +227,7 @@ class LinkInfo:
     mac: str | None
     kind: str | None
     master: int  # 0: none
+    alias: str | None = None
 
 
 def get_link(sock: nl.NetlinkSocket, name: str) -> LinkInfo | None:
@@ -203,9 +239,12 @@ def get_link(sock: nl.NetlinkSocket, name: str) -> LinkInfo | None:
         row = rtnl.decode_link(buf, offset, length)
         attrs = rtnl.parse_attrs(buf, offset + rtnl.HDR.size + rtnl.IFINFO.size, offset + length)
         master = rtnl.U32.unpack(attrs[rtnl.IFLA_MASTER])[0] if rtnl.IFLA_MASTER in attrs else 0
+        raw_alias = attrs.get(rtnl.IFLA_IFALIAS)
+        alias = raw_alias.rstrip(b"\0").decode(errors="replace") if raw_alias else None
         return LinkInfo(
-            row.index, row.name, bool(row.flags & rtnl.IFF_UP), row.mtu, row.mac, row.kind, master
-        )
+            row.index, row.name, bool(row.flags & rtnl.IFF_UP), row.mtu, row.mac, row.kind,
+            master, alias,
+        )  # fmt: skip
     if reply.error in (0, errno.ENODEV):
         return None
     raise DataplaneError(f"cannot read link {name}: {_why(reply)}")
@@ -337,55 +376,78 @@ class PodNetwork:
         gateway: IPv4Address,
         mtu: int,
         hairpin: bool = True,
+        owner: str | None = None,
+        routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
     ) -> PodLink:
-        """Create and configure the pod's veth pair. All or nothing: on failure nothing is left."""
+        """Create and configure the pod's veth pair, with ``routes`` via the gateway in
+        the pod (the default route unless told otherwise) and hairpin mode on the host
+        port when ``hairpin``. ``owner`` (``veth_owner``) becomes the host end's alias.
+        All or nothing: on failure nothing is left."""
         link = PodLink(host_veth, random_mac(), ifname, pod_mac(address.ip))
-        self._create_veth(netns, link, bridge_index, mtu, hairpin)
+        owner = owner or veth_owner(netns, "", ifname)
+        self._create_veth(netns, link, bridge_index, mtu, hairpin, owner)
         try:
-            self._configure_pod_side(netns, ifname, address, gateway)
+            self._configure_pod_side(netns, ifname, address, gateway, routes)
         except BaseException:
-            self.delete_host_veth(host_veth)
+            self.delete_host_veth(host_veth, owner)
             raise
         return link
 
     def _create_veth(
-        self, netns: str, link: PodLink, bridge_index: int, mtu: int, hairpin: bool
+        self, netns: str, link: PodLink, bridge_index: int, mtu: int, hairpin: bool, owner: str
     ) -> None:
         fd = _open_netns(netns)
         try:
             create = veth_request(
                 link.host_veth, link.host_mac, link.ifname, link.pod_mac, fd, mtu, bridge_index
             )
-            requests = [create, hairpin_request(link.host_veth, True)] if hairpin else [create]
+            # The alias and hairpin go in a second datagram, once the link is ours: sent
+            # with the create, they would also apply to another pod's link of that name.
+            # Hairpin off is the kernel's default for a new port: nothing to send.
+            settle = [alias_request(link.host_veth, owner)]
+            if hairpin:
+                settle.append(hairpin_request(link.host_veth, True))
             with nl.NetlinkSocket() as sock:
-                replies = sock.batch(requests)
-                if replies[0].error == errno.EEXIST and get_link(sock, link.host_veth):
-                    # Our own leftover (the name is derived from netns+container+ifname
-                    # and ADDs of one container are serialised): a crashed earlier try.
-                    _check(sock.batch([delete_request(link.host_veth)]), ["delete stale veth"])
-                    replies = sock.batch(requests)
+                replies = sock.batch([create])
+                stale = get_link(sock, link.host_veth) if replies[0].error == errno.EEXIST else None
+                if stale is not None:
+                    # No alias: an earlier try of ours that died before setting it.
+                    if stale.alias not in (owner, None):
+                        raise DataplaneError(
+                            f"host veth name {link.host_veth} is taken by another pod's"
+                            f" interface (alias {stale.alias!r}); delete that pod first"
+                        )
+                    # Our own leftover (same owner; ADDs of one container are
+                    # serialised): a crashed earlier try.
+                    _check(sock.batch([delete_index_request(stale.index)]), ["delete stale veth"])
+                    replies = sock.batch([create])
                 if replies[0].error == errno.EEXIST:
                     raise PodInterfaceExists(
                         f"the pod namespace {netns} already has an interface named {link.ifname};"
                         " pick another CNI_IFNAME or delete the old attachment first"
                     )
+                _check(replies, [f"create veth pair {link.host_veth}/{link.ifname}"])
                 try:
                     _check(
-                        replies,
+                        sock.batch(settle),
                         [
-                            f"create veth pair {link.host_veth}/{link.ifname}",
+                            f"set the alias of {link.host_veth}",
                             f"turn hairpin mode on for {link.host_veth}",
-                        ][: len(replies)],
+                        ][: len(settle)],
                     )
                 except DataplaneError:
-                    if replies[0].error == 0:
-                        sock.batch([delete_request(link.host_veth)])
+                    sock.batch([delete_request(link.host_veth)])
                     raise
         finally:
             os.close(fd)
 
     def _configure_pod_side(
-        self, netns: str, ifname: str, address: IPv4Interface, gateway: IPv4Address
+        self,
+        netns: str,
+        ifname: str,
+        address: IPv4Interface,
+        gateway: IPv4Address,
+        routes: Sequence[IPv4Network],
     ) -> None:
         def inside() -> None:
             with nl.NetlinkSocket() as sock:
@@ -396,26 +458,47 @@ class PodNetwork:
                     [
                         link_set_request(link.index, up=True),
                         address_request(link.index, address),
-                        default_route_request(link.index, gateway),
+                        *(pod_route_request(link.index, gateway, dst) for dst in routes),
                     ]
                 )
+                for reply, dst in zip(replies[2:], routes, strict=True):
+                    if reply.error == errno.EEXIST:
+                        raise DataplaneError(
+                            f"the pod namespace {netns} already has a route to {dst} that"
+                            " flannelpy did not add; set isDefaultGateway to false in one"
+                            " of the pod's networks"
+                        )
                 _check(
                     replies,
                     [
                         f"set {ifname} up in {netns}",
                         f"add address {address} to {ifname} in {netns}",
-                        f"add the default route via {gateway} in {netns}",
+                        *(f"add the route to {dst} via {gateway} in {netns}" for dst in routes),
                     ],
                 )
 
         _in_netns(netns, inside)
 
-    def delete_host_veth(self, host_veth: str) -> None:
-        """Delete a pod's veth pair by its host end; already gone is success."""
+    def delete_host_veth(self, host_veth: str, owner: str | None = None) -> bool:
+        """Delete a pod's veth pair by its host end; already gone is success. With
+        ``owner``, a link whose alias names another owner is left alone (False); one
+        without an alias predates aliases and is taken as ours."""
         with nl.NetlinkSocket() as sock:
-            reply = sock.batch([delete_request(host_veth)])[0]
+            if owner is None:
+                reply = sock.batch([delete_request(host_veth)])[0]
+            else:
+                link = get_link(sock, host_veth)
+                if link is None:
+                    return True
+                if link.alias is not None and link.alias != owner:
+                    log.warning(
+                        "not deleting a veth of another pod veth=%s alias=%s", host_veth, link.alias
+                    )
+                    return False
+                reply = sock.batch([delete_index_request(link.index)])[0]
         if reply.error and reply.error not in _GONE:
             raise DataplaneError(f"cannot delete veth {host_veth}: {_why(reply)}")
+        return True
 
     def delete_in_netns(self, netns: str, ifname: str) -> None:
         """Delete ``ifname`` inside ``netns``; a missing namespace or link is success."""
@@ -431,13 +514,6 @@ class PodNetwork:
         except NetnsMissing:
             return
 
-    def del_pod(self, host_veth: str | None, netns: str | None, ifname: str) -> None:
-        """Best effort: by the host end when known, else inside the namespace if it exists."""
-        if host_veth:
-            self.delete_host_veth(host_veth)
-        elif netns:
-            self.delete_in_netns(netns, ifname)
-
     def link(self, name: str) -> LinkInfo | None:
         """A link of the node namespace, or None."""
         with nl.NetlinkSocket() as sock:
@@ -452,6 +528,7 @@ class PodNetwork:
         address: IPv4Interface,
         gateway: IPv4Address,
         mtu: int | None = None,
+        routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
     ) -> list[str]:
         """What is wrong with a pod's plumbing, one sentence each; empty when all is well."""
         problems: list[str] = []
@@ -466,12 +543,17 @@ class PodNetwork:
             problems.append(f"host veth {host_veth} is not attached to {bridge}")
         elif not host.up:
             problems.append(f"host veth {host_veth} is down")
-        problems += _in_netns(netns, _pod_problems, netns, ifname, address, gateway, mtu)
+        problems += _in_netns(netns, _pod_problems, netns, ifname, address, gateway, mtu, routes)
         return problems
 
 
 def _pod_problems(
-    netns: str, ifname: str, address: IPv4Interface, gateway: IPv4Address, mtu: int | None
+    netns: str,
+    ifname: str,
+    address: IPv4Interface,
+    gateway: IPv4Address,
+    mtu: int | None,
+    routes: Sequence[IPv4Network],
 ) -> list[str]:
     with nl.NetlinkSocket() as sock:
         link = get_link(sock, ifname)
@@ -489,13 +571,15 @@ def _pod_problems(
         }
         if address not in have:
             problems.append(f"{ifname} lacks address {address} in {netns}")
-        default = [
-            r
+        have_routes = {
+            (str(r.dst), r.dst_len)
             for r in nl.dump_routes(sock)
-            if r.dst_len == 0 and r.oif == link.index and r.gateway == gateway
-        ]
-        if not default:
-            problems.append(f"{netns} has no default route via {gateway} on {ifname}")
+            if r.oif == link.index and r.gateway == gateway
+        }
+        for dst in routes:
+            if (str(dst.network_address), dst.prefixlen) not in have_routes:
+                what = "default route" if dst == DEFAULT_ROUTE else f"route to {dst}"
+                problems.append(f"{netns} has no {what} via {gateway} on {ifname}")
         return problems
 
 

@@ -63,6 +63,7 @@ def diagnose(facts: NodeFacts) -> list[Finding]:
     else:
         findings += check_lease(facts, plan)
     findings += check_agent(facts)
+    findings += check_peer_leases(facts, plan)
     findings += check_links(facts, plan)
     if not isinstance(plan, str):
         findings += check_mtu(facts, plan)
@@ -115,9 +116,11 @@ def check_lease(facts: NodeFacts, plan: Plan) -> list[Finding]:
         ]  # fmt: skip
     own = plan.own
     findings: list[Finding] = []
+    own_keys = {lease.key for lease in plan.own_all}
     twins = [
-        lease for lease in plan.peers if lease.attrs.public_ip == plan.ctx.public_ip
-    ]
+        lease for lease in facts.leases
+        if lease.key not in own_keys and lease.attrs.public_ip == plan.ctx.public_ip
+    ]  # fmt: skip
     if twins:
         names = ", ".join(str(t.subnet) for t in twins)
         findings.append(
@@ -197,6 +200,30 @@ def check_agent(facts: NodeFacts) -> list[Finding]:
         findings.append(Finding("ok", "agent", "the agent is ready and its last reconcile "
                                 "converged"))  # fmt: skip
     return findings
+
+
+def check_peer_leases(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
+    """Peer leases the agent ignores (outside the networks, over this node's subnets or
+    addresses, a bogus PublicIP, malformed values): as the agent reports them in
+    status.json's ``rejected_leases``, and as the doctor judges the store's leases."""
+    found: dict[str, str] = {}
+    reported = (facts.status or {}).get("rejected_leases")
+    if isinstance(reported, list):
+        for item in reported[:1000]:
+            if isinstance(item, Mapping) and isinstance(item.get("key"), str):
+                found[item["key"]] = str(item.get("reason") or "invalid")
+    if not isinstance(plan, str):
+        for rejection in plan.rejected:
+            found.setdefault(rejection.key, rejection.reason)
+    if not found:
+        return [Finding("ok", "leases", "every peer lease is valid for this node")]
+    items = [f"{key} ({reason})" for key, reason in sorted(found.items())]
+    return [
+        Finding("warning", "leases", f"{len(found)} peer lease(s) ignored as invalid and never "
+                f"programmed: {listed(items)}",
+                "delete or correct those keys in the store; the agent log says why each one "
+                "was refused", subject=", ".join(sorted(found)))
+    ]  # fmt: skip
 
 
 def _blocked_text(item: object) -> str:

@@ -20,6 +20,7 @@ from flannelpy.dataplane.state import (
 from flannelpy.doctor.facts import NodeFacts
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Plan:
     overlay_mtu: int
     desired: DesiredState | None  # None without our own lease
     device: str  # flannel.<VNI>: ours under vxlan, stale under host-gw
+    rejected: tuple[Rejection, ...] = ()  # peer leases the agent never programs
 
 
 def plan_node(facts: NodeFacts) -> Plan | str:
@@ -41,6 +43,7 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     if facts.underlay is None:
         return "the underlay interface is unknown"
     config = facts.config
+    network = facts.config.network
     running = (facts.status or {}).get("backend_config")
     try:
         if isinstance(running, Mapping):
@@ -65,12 +68,20 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     )  # fmt: skip
     own_all = (own, *others) if own is not None else ()
     own_keys = {lease.key for lease in own_all}
-    peers = tuple(lease for lease in facts.leases if lease.key not in own_keys)
+    bounds = Bounds(
+        networks=tuple(dict.fromkeys([network, *facts.pool_networks])),
+        own=tuple(lease.subnet for lease in own_all),
+        host=facts.underlay.networks,
+        public_ip=ctx.public_ip,
+        host_ips=(facts.underlay.ip,),
+    )
+    accepted, rejected = split_peers({x.key: x for x in facts.leases}, own_keys, bounds)
+    peers = tuple(accepted.values())
     vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
     desired = backend.plan(ctx, list(own_all), list(peers), vtep_mac) if own else None
     return Plan(
         backend, ctx, own, peers, own_all, backend.mtu(ctx), desired,
-        device_name(config.backend.vni),
+        device_name(config.backend.vni), tuple(rejected[k] for k in sorted(rejected)),
     )  # fmt: skip
 
 

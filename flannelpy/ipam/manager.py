@@ -69,11 +69,15 @@ class NodeIpam:
         self._low_free: tuple[int, LowFreeCallback | None] = (0, None)
         # The longest cooldown any request asked for (a CNI config may set its own):
         # emptiness, which decides a lease's release, must not end a cooldown early.
+        # On disk, so a restart with a shorter default does not end one either.
         self._longest_cooldown = cooldown_seconds
         # Load every pool on disk: DEL and GC must work before the lease is known.
         with self._lock, self._store.locked():
             for subnet in self._store.subnets():
                 self._pools[subnet] = self._load(subnet)
+            persisted = self._store.load_longest_cooldown()
+            if persisted is not None:
+                self._longest_cooldown = max(self._longest_cooldown, persisted)
 
     def close(self) -> None:
         with self._lock:
@@ -195,7 +199,9 @@ class NodeIpam:
                     found = self._find(container_id, ifname)
                     if found is not None:
                         return found
-                    self._longest_cooldown = max(self._longest_cooldown, cooldown)
+                    if cooldown > self._longest_cooldown:
+                        self._store.save_longest_cooldown(cooldown)  # before it can matter
+                        self._longest_cooldown = cooldown
                     now = self._clock()
                     # Freed addresses go to waiting requests in arrival order: an ADD that
                     # came later must not take the address a bounded wait is waiting for.

@@ -3,6 +3,8 @@
 Layout of the state directory (mode 0700)::
 
     lock                  flock(2)ed for the duration of every operation
+    cooldown.json         {"longest_cooldown_seconds": N}: the longest ipCooldownSeconds
+                          any ADD asked for, so a restart does not end one early
     10.244.1.0_24.json    PoolAllocator.to_doc() of lease 10.244.1.0/24
     .10.244.1.0_24.json.*.tmp   the next version while it is being written
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -31,7 +34,10 @@ from typing import Any
 from flannelpy.errors import StoreError
 from flannelpy.fsutil import atomic_write, fsync_dir
 
+log = logging.getLogger("flannelpy.ipam")
+
 LOCK_NAME = "lock"
+COOLDOWN_NAME = "cooldown.json"
 _POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})_(\d{1,2})\.json$")
 
 
@@ -156,6 +162,35 @@ class IpamStore:
                 "check the state directory's permissions"
             ) from e
         self._seen[subnet] = None
+
+    def load_longest_cooldown(self) -> float | None:
+        """The persisted longest cooldown in seconds; None when absent or unusable (logged)."""
+        self._require_lock()
+        path = os.path.join(self.directory, COOLDOWN_NAME)
+        try:
+            with open(path, "rb") as f:
+                value = json.loads(f.read())["longest_cooldown_seconds"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable IPAM cooldown file path=%s reason=%r", path, e)
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            log.warning("ignoring invalid IPAM cooldown file path=%s value=%r", path, value)
+            return None
+        return float(value)
+
+    def save_longest_cooldown(self, seconds: float) -> None:
+        self._require_lock()
+        path = os.path.join(self.directory, COOLDOWN_NAME)
+        data = json.dumps({"longest_cooldown_seconds": seconds}).encode()
+        try:
+            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700)
+        except OSError as e:
+            raise StoreError(
+                f"cannot write IPAM state file {path}: {e.strerror}; "
+                "check free space and permissions of the state directory"
+            ) from e
 
     def corrupt(self, subnet: IPv4Network, why: str) -> StoreError:
         """The error for a state file that cannot be used as it is."""

@@ -11,6 +11,12 @@
 Both answer 200 ``ok`` or 503 with the reason, one line. The server is the
 standard library's threading HTTP server in a daemon thread; a scrape or a
 probe never waits for another.
+
+The port is reachable from the node's network (hostNetwork), so whatever
+connects is bounded: at most MAX_CONNECTIONS are served at once, each with a
+socket timeout; one more is closed at once, and the rest wait in the listen
+backlog without costing a thread. A thread per idle connection, unbounded,
+once exhausted the process's threads and with them the CNI server's workers.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 
@@ -32,6 +39,8 @@ log = logging.getLogger("flannelpy.observe.health")
 Check = Callable[[], tuple[bool, str]]
 
 STOP_TIMEOUT = 5.0  # seconds to wait for the serving thread on stop()
+MAX_CONNECTIONS = 32  # served at once; a probe and a scrape need one or two
+CONNECTION_TIMEOUT = 5.0  # seconds a connection may stay silent (idle keep-alive included)
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -58,6 +67,13 @@ class Heartbeats:
         self._lock = threading.Lock()
         self._max_age: dict[str, float] = {}
         self._last: dict[str, float] = {}
+        self._checks: dict[str, Check] = {}
+
+    def add_check(self, name: str, check: Check) -> None:
+        """Also require ``check()`` to pass: for a part that does not loop on a period
+        (the CNI server's accept loop) but can die. A check that raises fails."""
+        with self._lock:
+            self._checks[name] = check
 
     def register(self, name: str, max_age: float) -> None:
         """Start watching ``name``; it counts as having just beaten."""
@@ -97,6 +113,15 @@ class Heartbeats:
             ]
         if stuck:
             return False, "loop stuck: " + "; ".join(stuck)
+        with self._lock:
+            checks = sorted(self._checks.items())
+        for name, check in checks:
+            try:
+                ok, reason = check()
+            except Exception as e:
+                ok, reason = False, f"check failed: {e}"
+            if not ok:
+                return False, f"{name}: {reason}"
         return True, "ok"
 
 
@@ -131,6 +156,29 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client must never block stop()
     request_queue_size = 64
 
+    def __init__(self, *args: Any, max_connections: int = MAX_CONNECTIONS, **kw: Any) -> None:
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections closed at once because every slot was taken
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread (the process is out of them): drop this one
+            self.slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
@@ -145,13 +193,24 @@ class HealthServer:
         registry: CollectorRegistry,
         ready: Check,
         live: Check,
+        serve_metrics: bool = True,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout: float = CONNECTION_TIMEOUT,
     ) -> None:
         self._host, self._port = split_host_port(addr)
         self._registry = registry
         self._ready = ready
         self._live = live
+        self._serve_metrics_here = serve_metrics
+        self._max_connections = max_connections
+        self._timeout = timeout
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved because MAX_CONNECTIONS were being served."""
+        return self._server.refused if self._server is not None else 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -166,7 +225,10 @@ class HealthServer:
             return
         server_class = _Server6 if ":" in self._host else _Server
         try:
-            server = server_class((self._host, self._port), self._handler_class())
+            server = server_class(
+                (self._host, self._port), self._handler_class(),
+                max_connections=self._max_connections,
+            )  # fmt: skip
         except OSError as e:
             raise ConfigError(
                 f"cannot listen on {self._host}:{self._port} for /metrics and health "
@@ -199,11 +261,14 @@ class HealthServer:
             # Headers and body leave in two writes; with Nagle on, the body waits for
             # the client's delayed ACK of the headers (40 ms) on a kept-alive connection.
             disable_nagle_algorithm = True
+            timeout = owner._timeout  # StreamRequestHandler sets it on the socket
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
-                if path == "/metrics":
+                if path == "/metrics" and owner._serve_metrics_here:
                     owner._serve_metrics(self)
+                elif path == "/metrics":
+                    _reply(self, 404, b"not found: /metrics is served on --metrics-addr\n")
                 elif path == "/healthz":
                     owner._serve_check(self, owner._live)
                 elif path == "/readyz":

@@ -49,6 +49,7 @@ from flannelpy.ipam.allocator import Accounting
 from flannelpy.observe.mtu import mtu_mismatches
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.validate import REASONS
 
 log = logging.getLogger("flannelpy.observe.metrics")
 
@@ -66,7 +67,9 @@ PROGRAMMING_REASONS = frozenset({"start", "desired state changed"})
 CNI_COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
 LEASE_STATES = ("serving", "draining")  # flannelpy_leases{state}
 RENEWAL_RESULTS = ("success", "failure")
-WATCH_RESTART_REASONS = ("compacted", "unavailable")
+WATCH_RESTART_REASONS = ("compacted", "unavailable", "error")
+# flannelpy_rejected_leases_total{reason}
+REJECTION_REASONS = REASONS
 # flannelpy_agent_events_total{kind}: what the agent's writer handled
 AGENT_EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick")
 
@@ -115,6 +118,7 @@ FAMILIES: Mapping[str, str] = {
     # store
     "flannelpy_store_errors_total": "counter",
     "flannelpy_store_watch_restarts_total": "counter",
+    "flannelpy_rejected_leases_total": "counter",
     # prober
     "flannelpy_peer_reachable": "gauge",
     "flannelpy_peer_rtt_seconds": "gauge",
@@ -289,7 +293,13 @@ class AgentMetrics:
         )  # fmt: skip
         self._watch_restarts = Counter(
             "flannelpy_store_watch_restarts_total",
-            "Lease watches re-listed after a compaction or an outage, by reason.",
+            "Lease watches re-listed after a compaction, an outage or an unexpected error, "
+            "by reason.",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self._rejected = Counter(
+            "flannelpy_rejected_leases_total",
+            "Peer leases ignored as invalid (never programmed), once per lease and reason.",
             ["reason"], registry=r,
         )  # fmt: skip
 
@@ -497,8 +507,12 @@ class AgentMetrics:
         self._store_errors.labels(_label(kind)).inc()
 
     def watch_restart(self, reason: str) -> None:
-        """The lease watch re-listed: reason "compacted" or "unavailable"."""
+        """The lease watch re-listed: reason "compacted", "unavailable" or "error"."""
         self._watch_restarts.labels(_label(reason, WATCH_RESTART_REASONS)).inc()
+
+    def rejected_lease(self, reason: str) -> None:
+        """A peer lease was ignored (a reason of :mod:`flannelpy.subnet.validate`)."""
+        self._rejected.labels(_label(reason, REJECTION_REASONS)).inc()
 
     # -- prober -----------------------------------------------------------------------
 

@@ -7,7 +7,11 @@ Given the network config, every lease in the store and what we advertise,
    otherwise mark it for deletion (Flannel);
 1b. a lease whose NodeName is ours (flannelpy extension): the same node came
    back with a new address; take it over and rewrite it with the new PublicIP,
-   so peers stop routing to the old address at once instead of after 24 h;
+   so peers stop routing to the old address at once instead of after 24 h.
+   Only when ``holder_gone`` proves the old holder has stopped renewing it:
+   names default to the host name, and two live nodes with one name would
+   otherwise take one lease from each other forever. A live holder is reported
+   as ``name_conflict`` and the steps below go on;
 2. the previous subnet from subnet.env, if it fits and nobody holds it;
 3. a random pick among the first 100 free subnets from SubnetMin (random, so
    nodes starting together rarely race for the same key).
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 
 from flannelpy.config.netconf import NetworkConfig
@@ -54,6 +58,8 @@ class LeaseChoice:
     existing: Lease | None = None
     delete: tuple[Lease, ...] = ()  # our own leases that no longer fit the config
     pool: Pool | None = None  # the pool ``subnet`` lies in (only when pools were given)
+    # A lease under our NodeName whose holder still renews it: another live node.
+    name_conflict: Lease | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ def choose_lease(
     *,
     pools: Sequence[Pool] | None = None,
     cluster: str | None = None,
+    holder_gone: Callable[[Lease], bool] = lambda _: False,
 ) -> LeaseChoice:
     """Apply the acquire order above. Raises PoolExhausted when no subnet is free.
 
@@ -157,13 +164,28 @@ def choose_lease(
             "subnet; enable IPv4 (dual stack is supported)"
         )
     if pools is not None:
-        return _choose_lease_in_pools(config, pools, cluster, leases, attrs, previous_subnet, rng)
-    reused, delete = _reuse_own(
-        leases, attrs, lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None)
-    )
+        return _choose_lease_in_pools(
+            config, pools, cluster, leases, attrs, previous_subnet, rng, holder_gone
+        )
+    reused, delete, conflict = _reuse_own(
+        leases, attrs, lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None),
+        holder_gone,
+    )  # fmt: skip
     if reused is not None:
         return reused
+    return replace(
+        _choose_fresh(config, leases, delete, previous_subnet, rng), name_conflict=conflict
+    )
 
+
+def _choose_fresh(
+    config: NetworkConfig,
+    leases: Sequence[Lease],
+    delete: list[Lease],
+    previous_subnet: IPv4Network | None,
+    rng: random.Random,
+) -> LeaseChoice:
+    """Steps 2 and 3 over the config's Network: the previous subnet, else a free one."""
     held = _Held([lease for lease in leases if all(lease is not d for d in delete)])
     if previous_subnet is not None:
         previous_v6 = _paired_v6(config, previous_subnet)
@@ -192,16 +214,33 @@ def _choose_lease_in_pools(
     attrs: LeaseAttrs,
     previous_subnet: IPv4Network | None,
     rng: random.Random,
+    holder_gone: Callable[[Lease], bool],
 ) -> LeaseChoice:
     """choose_lease's order over several pools (same steps, pool-aware fit)."""
     def fit(lease: Lease) -> tuple[bool, Pool | None]:
         pool = lease_fits_pools(config, pools, lease.subnet, lease.ipv6_subnet)
         return pool is not None, pool
 
-    reused, delete = _reuse_own(leases, attrs, fit)
+    reused, delete, conflict = _reuse_own(leases, attrs, fit, holder_gone)
     if reused is not None:
         return reused
+    return replace(
+        _choose_fresh_in_pools(config, pools, cluster, leases, delete, previous_subnet, rng),
+        name_conflict=conflict,
+    )
 
+
+def _choose_fresh_in_pools(
+    config: NetworkConfig,
+    pools: Sequence[Pool],
+    cluster: str | None,
+    leases: Sequence[Lease],
+    delete: list[Lease],
+    previous_subnet: IPv4Network | None,
+    rng: random.Random,
+) -> LeaseChoice:
+    """Steps 2 and 3 over several pools: the previous subnet if its pool takes new
+    leases, else a new subnet."""
     others = [lease for lease in leases if all(lease is not d for d in delete)]
     if previous_subnet is not None:
         # The previous subnet would be a new key: its pool must accept new leases.
@@ -316,31 +355,36 @@ def _reuse_own(
     leases: Sequence[Lease],
     attrs: LeaseAttrs,
     fit: Callable[[Lease], tuple[bool, Pool | None]],
-) -> tuple[LeaseChoice | None, list[Lease]]:
+    holder_gone: Callable[[Lease], bool],
+) -> tuple[LeaseChoice | None, list[Lease], Lease | None]:
     """Flannel's first two steps, for both choose_lease paths: our lease by public IP,
-    then by node name, kept if ``fit`` accepts it (and in the pool it names). Returns
-    the choice, or None and the leases of ours that no longer fit (to delete)."""
+    then by node name (only from a holder that is gone), kept if ``fit`` accepts it
+    (and in the pool it names). Returns the choice, or None and the leases of ours that
+    no longer fit (to delete); and a lease under our name whose holder is alive."""
     delete: list[Lease] = []
     mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
     if mine is not None:
         fits, pool = fit(mine)
         if fits:
-            return LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", mine, pool=pool), []
+            reuse = LeaseChoice(mine.subnet, mine.ipv6_subnet, "public-ip", mine, pool=pool)
+            return reuse, [], None
         delete.append(mine)
     if attrs.node_name is not None:
         named = _find(
             leases,
             lambda lease: lease.attrs.node_name == attrs.node_name and lease is not mine,
         )
+        if named is not None and not holder_gone(named):
+            return None, delete, named  # another live node: never ours to take or delete
         if named is not None:
             fits, pool = fit(named)
             if fits:
                 choice = LeaseChoice(
                     named.subnet, named.ipv6_subnet, "node-name", named, tuple(delete), pool
                 )
-                return choice, []
+                return choice, [], None
             delete.append(named)
-    return None, delete
+    return None, delete, None
 
 
 def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | None:

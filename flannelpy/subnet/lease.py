@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from typing import Any
 
+from flannelpy.subnet.bounded_json import loads_bounded
 from flannelpy.subnet.keys import subnet_to_key
 
 EXTENSION_KEY = "Flannelpy"
@@ -64,32 +65,35 @@ class LeaseAttrs:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> LeaseAttrs:
-        """Parse a lease value; raises ValueError naming what is wrong."""
+        """Parse a lease value written by another machine: bounded in size and depth,
+        every field type-checked. Raises ValueError naming what is wrong."""
         try:
-            doc = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"lease value is not JSON: {e}") from e
+            doc = loads_bounded(raw)
+        except ValueError as e:
+            raise ValueError(f"lease {e}") from e
         if not isinstance(doc, dict):
             raise ValueError("lease value is not a JSON object")
         try:
             public_ip = IPv4Address(doc["PublicIP"])
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"lease value has no valid PublicIP: {doc.get('PublicIP')!r}") from e
         ext = doc.get(EXTENSION_KEY) or {}
         if not isinstance(ext, dict):
             ext = {}
         mtu = ext.get("MTU")
+        name = ext.get("NodeName")
+        public_ipv6 = doc.get("PublicIPv6")
+        backend_type = doc.get("BackendType")
         return cls(
             public_ip=public_ip,
-            backend_type=str(doc.get("BackendType") or ""),
+            backend_type=backend_type if isinstance(backend_type, str) else "",
             backend_data=_object_or_none(doc.get("BackendData")),
-            public_ipv6=doc.get("PublicIPv6"),
+            public_ipv6=public_ipv6 if isinstance(public_ipv6, str) else None,
             backend_v6_data=_object_or_none(doc.get("BackendV6Data")),
-            node_name=ext.get("NodeName"),
-            mtu=int(mtu) if isinstance(mtu, int) else None,
+            node_name=name if isinstance(name, str) else None,
+            mtu=mtu if isinstance(mtu, int) and not isinstance(mtu, bool) else None,
             direct_routing=True if ext.get("DirectRouting") is True else None,
         )
-
 
 def _object_or_none(value: Any) -> Mapping[str, Any] | None:
     return value if isinstance(value, dict) else None

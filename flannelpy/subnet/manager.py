@@ -21,6 +21,23 @@ from flannelpy.subnet.pools import Pool
 LeasesCallback = Callable[[Mapping[str, Lease], int], None]
 
 
+class CallbackFailed(Exception):
+    """Carries an exception of the agent's callback past a watch loop's own handling
+    (the loop retries every error of its own, and only those)."""
+
+
+def guarded(on_leases: LeasesCallback) -> LeasesCallback:
+    """``on_leases``, with its exceptions wrapped in CallbackFailed."""
+
+    def call(leases: Mapping[str, Lease], revision: int) -> None:
+        try:
+            on_leases(leases, revision)
+        except Exception as e:
+            raise CallbackFailed() from e
+
+    return call
+
+
 class SubnetManager(Protocol):
     def get_network_config(self) -> NetworkConfig:
         """Read and validate the network config. Raises ConfigError / StoreError."""

@@ -7,7 +7,8 @@ store through its environment alone, with no lab option in the product:
   commands run on the host (``policy``, ``pools``, ``rollout``). The host has a leg on
   the lab's switch, so the lab's etcd is on-link and nothing leaves the machine.
 - a node: every flag of that node's agent (``agents.agent_argv``) plus ``NODE_NAME``,
-  for commands run inside the node's namespace (``doctor`` finds what the agent uses).
+  for commands run inside the node's namespace (``doctor`` finds what the agent uses);
+  on a flanneld node, the lab's etcd and ``NODE_NAME``.
 
 The caller's own ``FLANNELD_*`` variables are dropped, so nothing of another cluster
 mixes in.
@@ -41,9 +42,8 @@ def store_environ(state: LabState) -> dict[str, str]:
 
 def node_environ(state: LabState, node: NodeInfo) -> dict[str, str]:
     """Every setting of ``node``'s agent as variables, checked to mean what its flags mean."""
-    if node.runs_flanneld:
-        raise LabError(f"node {node.name} runs flanneld, not our agent; run the command "
-                       "without --node, or on a node of ours")  # fmt: skip
+    if node.runs_flanneld:  # no agent of ours there: the lab's etcd and the node's name
+        return {**store_environ(state), "NODE_NAME": node.name}
     argv = agents.agent_argv(state, node)
     flags = argv[argv.index("agent") + 1 :]
     parser = argparse.ArgumentParser(add_help=False)

@@ -304,6 +304,18 @@ def test_recreated_node_with_new_address_leaves_no_route_to_the_old_one(vxlan_la
     lab = vxlan_lab
     old_ip = str(lab.node("n3").ip)
     subnet = subnet_of(lab, "n3")
+    # A lease is taken over by name only from a holder proven gone: one whose etcd
+    # lease has run well past its renewal point, as the old machine's lease shows once
+    # it stopped renewing. Age it so (a live namesake is refused, not robbed).
+    kv = store(lab)
+    try:
+        found = kv.get(lease_key(lab, "n3"))
+        assert found is not None
+        aged = kv.grant_lease(120)
+        assert kv.put_if_mod_revision(lease_key(lab, "n3"), found.value, found.mod_revision,
+                                      aged.id)  # fmt: skip
+    finally:
+        kv.close()
     info = lab.recreate_node("n3")
     assert str(info.ip) != old_ip
     assert subnet_of(lab, "n3") == subnet  # took its own lease over by node name

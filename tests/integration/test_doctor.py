@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
@@ -110,3 +111,22 @@ def test_doctor_names_each_fault_on_a_live_lab() -> None:
         code, report = doctor(lab, "n2")
         (mismatch,) = [f for f in problems(report, "mtu") if "advertise" in f["message"]]
         assert code == 1 and set(mismatch["subject"].split(", ")) == {"n1", "n3"}
+
+
+def test_doctor_with_no_flags_uses_the_agents_settings() -> None:
+    """As on a node or in the agent's pod: no flags, no FLANNELD_* but the run dir (the
+    lab's is not the default), and a host name that is not the node's."""
+    with running_lab(2, "vxlan", pods_per_node=1) as lab:
+        wait_until(lambda: peers_answer(lab, "n1"), timeout=30, what="n1's probes answered")
+        n1 = lab.node("n1")
+        proc = subprocess.run(
+            ["ip", "netns", "exec", n1.namespace, "env", "-i", f"PATH={os.environ['PATH']}",
+             f"FLANNELD_RUN_DIR={n1.run_dir}", sys.executable, "-m", "flannelpy", "doctor",
+             "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"
+        report = json.loads(proc.stdout)
+        bad = [f for f in report["findings"] if f["severity"] != "ok"]
+        assert (proc.returncode, report["healthy"], bad) == (0, True, [])
+        assert report["node"] == "n1"

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
@@ -165,6 +168,14 @@ def test_contract_revoke_deletes_attached_keys_and_refresh_keeps_a_lease(kv: Kv)
     s.revoke_lease(granted.id)  # already gone: still fine
 
 
+def test_contract_lease_remaining_counts_down_and_is_none_once_gone(kv: Kv) -> None:
+    granted = kv.store.grant_lease(30)
+    remaining = kv.store.lease_remaining(granted.id)
+    assert remaining is not None and 25 <= remaining <= 30
+    kv.store.revoke_lease(granted.id)
+    assert kv.store.lease_remaining(granted.id) is None
+
+
 def test_contract_write_with_an_unknown_lease_is_a_store_error_not_key_exists(kv: Kv) -> None:
     with pytest.raises(StoreError) as err:
         kv.store.create(kv.prefix + "k", b"v", lease_id=0x7EADBEEF)
@@ -253,7 +264,7 @@ def test_contract_outage_raises_store_unavailable_for_calls_and_open_watches(kv:
 
 def settings_for(endpoints: list[str], prefix: str, **overrides: Any) -> AgentSettings:
     return AgentSettings(
-        etcd_endpoints=tuple(endpoints), etcd_prefix=prefix, subnet_lease_ttl=60, **overrides
+        etcd_endpoints=tuple(endpoints), etcd_prefix=prefix, **{"subnet_lease_ttl": 60, **overrides}
     )
 
 
@@ -445,13 +456,29 @@ def test_previous_subnet_from_subnet_env_is_reused(
 def test_recreated_node_takes_over_its_lease_by_node_name(
     managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
 ) -> None:
-    old = managers().acquire_lease(attrs("192.168.64.3", node="node-a"), None)
-    new = managers().acquire_lease(attrs("192.168.64.30", node="node-a"), None)
+    # A short TTL: the old holder's renewal point (TTL - margin) passes in seconds.
+    short = {"subnet_lease_ttl": 12, "subnet_lease_renew_margin": 1}  # margin: min(60 s, TTL)
+    old = managers(**short).acquire_lease(attrs("192.168.64.3", node="node-a"), None)
+    time.sleep(7)  # 5 s left: below the renewal point (12 s) less the grace (6 s)
+    new = managers(**short).acquire_lease(attrs("192.168.64.30", node="node-a"), None)
     assert new.subnet == old.subnet
     items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
     assert [(kv.key.rsplit("/", 1)[1], json.loads(kv.value)["PublicIP"]) for kv in items] == [
         (old.key, "192.168.64.30")
     ]
+
+
+def test_two_live_nodes_with_one_name_the_second_refuses_to_start(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    # Before: the second took the first's lease by name, and the first took it back.
+    first = managers()
+    held = first.acquire_lease(attrs("192.168.64.3", node="same-host"), None)
+    with pytest.raises(ConfigError, match=r"live node at 192\.168\.64\.3.*refuses to start"):
+        managers().acquire_lease(attrs("192.168.64.4", node="same-host"), None)
+    assert first.renew_lease(held).subnet == held.subnet
+    items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
+    assert [json.loads(kv.value)["PublicIP"] for kv in items] == ["192.168.64.3"]
 
 
 def test_reservation_without_etcd_lease_is_reused_and_stays_permanent(
@@ -797,3 +824,158 @@ def test_username_and_password(etcd_factory: Callable[..., EtcdServer], etcd_pre
         manager.close()
         anonymous.close()
         wrong.close()
+
+
+# =============================================================================
+# etcd as a distributed system (issue 12 §7)
+# =============================================================================
+
+
+def test_watch_from_a_compacted_revision_at_creation_is_our_error(kv: Kv) -> None:
+    """However etcd reports it (in the created reply or after), compaction is ours."""
+    s, p = kv.store, kv.prefix
+    early = s.put(p + "k", b"1")
+    current = s.put(p + "k", b"2")
+    s.compact(current)
+    with pytest.raises(RevisionCompacted):
+        for _ in s.watch_prefix(p, early, threading.Event()):
+            break
+
+
+def test_tls_flags_with_only_http_endpoints_are_an_error_naming_both(tmp_path: Any) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        EtcdStore(["http://127.0.0.1:2379", "http://10.0.0.2:2379"], cafile=str(ca))
+    message = str(err.value)
+    assert "--etcd-cafile" in message and "--etcd-endpoints" in message
+    assert "http://10.0.0.2:2379" in message and "https://" in message
+    # One https endpoint among them is enough.
+    EtcdStore(["http://127.0.0.1:2379", "https://10.0.0.2:2379"], cafile=str(ca)).close()
+
+
+def test_tls_certificates_are_reread_when_their_files_change(
+    etcd_factory: Callable[..., EtcdServer], etcd_prefix: str, tmp_path: Any
+) -> None:
+    """Rotation without restart: a new CA and client pair written over the old files."""
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old = make_tls_files(str(tmp_path / "old"))
+    new = make_tls_files(str(tmp_path / "new"))
+    files = {"ca": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "c.pem"),
+             "key": str(tmp_path / "k.pem")}  # fmt: skip
+
+    def install(tls: Any) -> None:
+        for src, dst in ((tls.ca, files["ca"]), (tls.client_cert, files["cert"]),
+                         (tls.client_key, files["key"])):  # fmt: skip
+            shutil.copyfile(src, dst + ".tmp")
+            os.replace(dst + ".tmp", dst)  # atomic, as a rotation tool writes
+
+    install(old)
+    server = etcd_factory(tls=old)
+    store = EtcdStore(
+        [server.endpoint], cafile=files["ca"], certfile=files["cert"], keyfile=files["key"],
+        timeout=2.0,
+    )  # fmt: skip
+    try:
+        store.put(f"{etcd_prefix}/k", b"1")
+        # The server moves to the new CA; then the files are rotated under the agent.
+        server.kill()
+        server.tls = new
+        server.start()
+        with pytest.raises(StoreUnavailable):
+            store.get(f"{etcd_prefix}/k")  # old credentials: refused
+        install(new)
+        value = wait_until(lambda: _try(lambda: store.get(f"{etcd_prefix}/k")), 10.0, "rotated")
+        assert value.value == b"1"
+    finally:
+        store.close()
+
+
+NOBODY = 65534  # the cut-off member runs as this user, so iptables can tell its packets
+
+
+class _Member(EtcdServer):
+    """A member of a local cluster; ``as_nobody`` runs it as uid NOBODY."""
+
+    def __init__(self, index: int, as_nobody: bool = False) -> None:
+        super().__init__()
+        self.name = f"m{index}"
+        self.as_nobody = as_nobody
+        if as_nobody:
+            os.chown(self.data_dir, NOBODY, NOBODY)
+
+    def _argv(self) -> list[str]:
+        argv = super()._argv()
+        if self.as_nobody:
+            return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
+        return argv
+
+
+def _start_cluster(size: int) -> list[_Member]:
+    """``size`` members on 127.0.0.1; member 0 runs as NOBODY (see _partition)."""
+    members = [_Member(i, as_nobody=i == 0) for i in range(size)]
+    peers = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in members)
+    for member in members:
+        member.extra_args = ("--initial-cluster", peers, "--initial-cluster-token",
+                             f"t{os.getpid()}-{members[0].peer_port}")  # fmt: skip
+    threads = [threading.Thread(target=m.start) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if not all(m.running for m in members):
+        for member in members:
+            member.stop()
+        raise RuntimeError(f"the etcd cluster did not start: {members[0].log_tail()}")
+    return members
+
+
+def _partition_rules(lonely: _Member, others: Sequence[_Member]) -> list[list[str]]:
+    """iptables rules cutting member 0's peer traffic both ways (clients still reach it)."""
+    ports = ",".join(str(o.peer_port) for o in others)
+    return [
+        ["INPUT", "-p", "tcp", "--dport", str(lonely.peer_port), "-j", "DROP"],
+        ["OUTPUT", "-p", "tcp", "-m", "owner", "--uid-owner", str(NOBODY),
+         "-m", "multiport", "--dports", ports, "-j", "DROP"],
+    ]  # fmt: skip
+
+
+def _iptables(action: str, rule: list[str]) -> None:
+    subprocess.run(["iptables", "-w", action, *rule], check=True, capture_output=True)
+
+
+def test_watch_on_a_partitioned_minority_member_moves_to_another_endpoint(
+    etcd_prefix: str,
+) -> None:
+    """The member the agent watches is cut off from the other two: its watch is
+    cancelled ("no leader"), the agent moves on, and sees what the majority writes."""
+    members = _start_cluster(3)
+    lonely, others = members[0], members[1:]
+    rules = _partition_rules(lonely, others)
+    admin = EtcdStore([o.endpoint for o in others])
+    settings = settings_for([m.endpoint for m in members], etcd_prefix)
+    store = connect_etcd(settings)
+    manager = EtcdSubnetManager(store, settings)
+    try:
+        put_network_config(admin, etcd_prefix, NETCONF)
+        with watching(manager) as seen:
+            seen.wait_for(lambda m: True, 5.0)
+            assert store.endpoints[0] == lonely.endpoint  # the watch starts on member 0
+            for rule in rules:
+                _iptables("-A", rule)
+            try:
+                time.sleep(1.0)  # member 0 notices it has lost the leader
+                lease = EtcdSubnetManager(admin, settings).acquire_lease(
+                    attrs("192.168.64.9"), None
+                )
+                seen.wait_for(lambda m: lease.key in m, 30.0)
+            finally:
+                for rule in rules:
+                    _iptables("-D", rule)
+    finally:
+        manager.close()
+        admin.close()
+        for member in members:
+            member.stop()

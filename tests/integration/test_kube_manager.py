@@ -462,6 +462,25 @@ def test_watch_lists_only_managed_nodes_with_a_pod_cidr(
     assert revision == standin.resource_version
 
 
+def test_hostile_annotations_never_end_the_watch(
+    standin: KubeStandin, cluster: KubeSubnetManager
+) -> None:
+    # Before: "²".isdigit() passed, int() raised ValueError and the watch thread died.
+    with Watcher(cluster) as w:
+        w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24"})
+        standin.set_annotations("node-b", {P + "flannelpy-mtu": "²"})
+        standin.add_node("node-d", "10.244.6.0/24", {
+            **peer_annotations("192.168.50.4", MAC_A),
+            P + "backend-data": "[" * 3000 + "]" * 3000,
+        })  # fmt: skip
+        standin.add_node("node-e", "10.244.7.0/24", peer_annotations("192.168.50.5", MAC_A))
+        w.wait_for(lambda m: "10.244.7.0-24" in m, "node-e added after the hostile nodes",
+                   timeout=5.0)
+        latest = w.calls[-1][0]
+        assert latest["10.244.2.0-24"].attrs.mtu is None
+        assert "10.244.6.0-24" not in latest
+
+
 def test_watch_follows_node_changes(standin: KubeStandin, cluster: KubeSubnetManager) -> None:
     with Watcher(cluster) as w:
         w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24"})

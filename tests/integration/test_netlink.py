@@ -354,6 +354,25 @@ def test_foreign_routes_are_never_observed_or_deleted(
     assert "10.200.0.0/24 via 10.200.0.0 dev flannel.1 proto 76 onlink" in overlay.ip("route show")
 
 
+def test_a_route_of_another_protocol_is_never_replaced(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    # Before: NLM_F_REPLACE overwrote the underlay's connected route with a peer's
+    # (a lease for the underlay's subnet) and the node lost its underlay.
+    connected = "192.168.50.0/24 dev u0 proto kernel scope link src 192.168.50.2"
+    overlay.ip("route add 10.100.0.0/24 via 192.168.50.1 proto static")
+    hostile = Route(IPv4Network("192.168.50.0/24"), IPv4Address("192.168.50.0"), DEV, True)
+    static = Route(IPv4Network("10.100.0.0/24"), IPv4Address("10.100.0.0"), DEV, True)
+    _, _, good = peer(1)
+    result = overlay.call(kernel.apply, Changes(routes_to_set=(hostile, static, good)))
+    assert len(result.failures) == 2
+    assert all("not the agent's" in f for f in result.failures)
+    routes = overlay.ip("route show")
+    assert connected in routes
+    assert "10.100.0.0/24 via 192.168.50.1 dev u0 proto static" in routes
+    assert observe(overlay, kernel).routes == frozenset({good})
+
+
 def test_changed_fdb_dst_and_neighbour_mac(overlay: Netns, kernel: NetlinkKernel) -> None:
     neigh, fdb, route = peer(0)
     overlay.call(kernel.apply, add_peers([(neigh, fdb, route)]))

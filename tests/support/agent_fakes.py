@@ -142,6 +142,9 @@ class FakePods:
     def stop(self) -> None:
         self.started = False
 
+    def serving(self) -> tuple[bool, str]:
+        return True, "ok"
+
     def add_pod(self, container_id: str) -> object:
         return self._ipam.allocate(container_id, "eth0")
 

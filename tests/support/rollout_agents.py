@@ -26,6 +26,7 @@ from flannelpy.control.records import (
     NodeOverride,
     NodeStatus,
     PeerProbe,
+    ProbeSummary,
 )
 from flannelpy.rollout.backends import backend_config
 from flannelpy.subnet.etcd.kv import Store
@@ -182,7 +183,7 @@ class SimCluster:
             backend=BackendSummary.of(node.running, node.mtu()),
             vtep=self._has_vtep(node, self.nodes),
             applied_generation=node.applied_generation, applied_at=node.applied_at,
-            blocked=node.blocked, subnets=(node.subnet,), probes=dict(node.probes),
+            blocked=node.blocked, subnets=(node.subnet,), probes=ProbeSummary.of(node.probes),
         )  # fmt: skip
 
 

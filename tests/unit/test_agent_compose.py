@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from ipaddress import IPv4Network
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 import pytest
 
-from flannelpy.agent.compose import build_agent
+from flannelpy.agent.compose import _firewall_factory, build_agent
+from flannelpy.agent.events import TICK_FIREWALL
+from flannelpy.dataplane.firewall import SyncResult
 from flannelpy.dataplane.kernel import ForeignRoute
-from flannelpy.errors import ConfigError
+from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.etcd.kv import FakeStore
 from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.subnet.keys import lease_key
+from flannelpy.subnet.lease import LeaseAttrs
 from flannelpy.subnet.open_store import OpenedStore
-from tests.support.agent_fakes import PREFIX, HostTouchingKernel, agent_settings
+from tests.support.agent_fakes import PREFIX, AgentHarness, HostTouchingKernel, agent_settings
 
 
 def opened(store: FakeStore, tmp: Path) -> OpenedStore:
@@ -86,3 +90,65 @@ def test_open_store_imports_only_the_chosen_client(kube: bool, absent: tuple[str
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+class LockedFirewall:
+    """IptablesFirewall's surface; ``locked`` makes every sync fail as a held xtables
+    lock does (``iptables -w`` gives up)."""
+
+    random_fully = True
+
+    def __init__(self) -> None:
+        self.locked = False
+        self.synced = 0
+
+    def sync(self, rules: object) -> SyncResult:
+        if self.locked:
+            raise DataplaneError(
+                "iptables cannot list nat/POSTROUTING: Another app is currently holding the "
+                "xtables lock. Stopped waiting after 5s.; check that iptables works on this host"
+            )
+        self.synced += 1
+        return SyncResult(False)
+
+
+def firewalled_agent(tmp_path: Path, fw: LockedFirewall) -> AgentHarness:
+    harness = AgentHarness(tmp_path, ip_masq=True)
+    factory = _firewall_factory(harness.settings, harness.writer.metrics, fw)  # type: ignore[arg-type]
+    harness.writer.firewall.factory = harness.agent.parts.firewall_factory = factory
+    return harness
+
+
+def test_an_xtables_lock_timeout_during_lease_recovery_is_retried(tmp_path: Path) -> None:
+    fw = LockedFirewall()
+    agent = firewalled_agent(tmp_path, fw)
+    agent.start()
+    try:
+        (subnet,) = agent.own_subnets()
+        assert agent.writer.state.rules_in_place
+        # Another node now holds our subnet: recovery moves us and rebuilds the rules
+        # while kube-proxy holds the xtables lock.
+        other = LeaseAttrs(public_ip=IPv4Address("192.168.1.99"), backend_type="vxlan")
+        agent.store.put(lease_key(PREFIX, subnet), other.to_json().encode())
+        fw.locked = True
+        agent.deliver_leases()
+
+        assert agent.own_subnets() != [subnet], "the lease moved"
+        assert not agent.writer.state.rules_in_place
+        assert agent.status()["ready"] is True
+
+        fw.locked = False
+        synced = fw.synced
+        agent.tick(TICK_FIREWALL)
+        assert fw.synced > synced and agent.writer.state.rules_in_place
+    finally:
+        agent.stop()
+
+
+def test_iptables_that_never_worked_still_refuses_the_start(tmp_path: Path) -> None:
+    fw = LockedFirewall()
+    fw.locked = True
+    agent = firewalled_agent(tmp_path, fw)
+    with pytest.raises(DataplaneError, match="xtables lock"):
+        agent.start()
+    agent.stop()

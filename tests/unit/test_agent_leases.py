@@ -12,8 +12,11 @@ import pytest
 
 from flannelpy.agent.events import TICK_RENEW, TICK_STATUS, LeasesChanged
 from flannelpy.agent.leases import RENEW_RETRY_SECONDS
+from flannelpy.errors import StoreUnavailable
+from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.keys import lease_key
-from tests.support.agent_fakes import NODE_IP, PREFIX, AgentHarness
+from flannelpy.subnet.lease import Lease
+from tests.support.agent_fakes import NODE_IP, PREFIX, AgentHarness, net_conf
 
 
 @pytest.fixture
@@ -126,3 +129,31 @@ def test_a_lease_held_before_a_restart_is_adopted(tmp_path: Path) -> None:
 def test_lease_key_layout_is_flannels(agent: AgentHarness) -> None:
     (subnet,) = agent.own_subnets()
     assert agent.store.get(lease_key(PREFIX, subnet)) is not None
+
+
+def test_a_renewal_after_a_lost_rewrite_reply_keeps_the_new_attributes(tmp_path: Path) -> None:
+    agent = AgentHarness(tmp_path)
+    agent.start()
+    agent.drain()
+    manager = agent.manager
+    written: list[str] = []
+    lose = [2]
+    real = type(manager).renew_lease
+
+    def renew(lease: Lease) -> Lease:
+        renewed = real(manager, lease)  # the write reaches the store...
+        written.append(lease.attrs.backend_type)
+        if lease.attrs.backend_type == "host-gw" and lose[0]:
+            lose[0] -= 1
+            raise StoreUnavailable("injected: the reply was lost")  # ...its reply does not
+        return renewed
+
+    manager.renew_lease = renew  # type: ignore[method-assign]
+    put_network_config(agent.store, PREFIX, net_conf({"Type": "host-gw"}))
+    agent.deliver_control()
+    assert written == ["host-gw", "host-gw"]
+    (lease,) = agent.writer.state.own
+    assert lease.expiration is not None
+    agent.tick(TICK_RENEW, advance=lease.expiration - agent.clock.now)
+    assert "vxlan" not in written, f"old attributes written back: {written}"
+    agent.stop()

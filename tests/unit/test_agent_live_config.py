@@ -137,3 +137,82 @@ def test_an_unchanged_config_changes_nothing(agent: AgentHarness) -> None:
     assert agent.writer.state.applied_generation is None
     agent.reconcile()
     assert len(agent.kernel.applied) == before
+
+
+def test_a_change_that_fails_after_the_backend_switch_is_completed_on_retry(
+    agent: AgentHarness,
+) -> None:
+    """The synchronous reconcile raises after the in-memory switch: the retry re-runs
+    every step until the lease and applied-backend.json carry the new backend."""
+    reconciler = agent.writer.reconciler
+    real = reconciler.reconcile_once
+    failures = [RuntimeError("netlink socket closed"), RuntimeError("netlink socket closed")]
+
+    def flaky(reason: str = "requested") -> Any:
+        if reason == "config change" and failures:
+            raise failures.pop(0)
+        return real(reason)
+
+    reconciler.reconcile_once = flaky  # type: ignore[method-assign]
+    change_config(agent, {"Type": "host-gw"})
+
+    state = agent.writer.state
+    applied = Path(agent.settings.state_dir) / APPLIED_FILE
+    assert agent.writer.live.failed
+    assert not applied.exists()
+
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS)
+    assert agent.writer.live.failed, "the second try fails too"
+    assert not applied.exists()
+
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS)
+    assert not agent.writer.live.failed
+    assert state.backend.type_name == "host-gw"
+    assert own_lease_backend(agent) == "host-gw"
+    assert json.loads(applied.read_text()) == {"Backend": {"Type": "host-gw"}, "Generation": 0}
+    assert agent.status()["backend"] == "host-gw"
+
+    # Done: later retries and snapshots change nothing more.
+    before = len(agent.kernel.applied)
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS)
+    agent.deliver_control()
+    assert len(agent.kernel.applied) == before
+
+
+def test_applied_state_waits_for_the_lease_to_carry_the_new_backend(agent: AgentHarness) -> None:
+    """The store refuses the lease rewrite (and the follow-up's retry): nothing records
+    the change as applied until our lease advertises it."""
+    agent.manager.fail_renewals = 2
+    change_config(agent, {"Type": "host-gw"})
+    applied = Path(agent.settings.state_dir) / APPLIED_FILE
+    assert own_lease_backend(agent) == "vxlan"
+    assert not applied.exists() and agent.writer.live.failed
+
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS)
+    assert own_lease_backend(agent) == "host-gw"
+    assert json.loads(applied.read_text())["Backend"] == {"Type": "host-gw"}
+    assert not agent.writer.live.failed
+
+
+def test_a_newer_change_replaces_one_that_keeps_failing(agent: AgentHarness) -> None:
+    """host-gw cannot be programmed here; the operator reverts to vxlan: the revert is
+    applied, not stuck behind the change it replaces."""
+    reconciler = agent.writer.reconciler
+    real = reconciler.reconcile_once
+    state = agent.writer.state
+
+    def refuse_host_gw(reason: str = "requested") -> Any:
+        if reason == "config change" and state.backend.type_name == "host-gw":
+            raise RuntimeError("host-gw routes refused")
+        return real(reason)
+
+    reconciler.reconcile_once = refuse_host_gw  # type: ignore[method-assign]
+    change_config(agent, {"Type": "host-gw"})
+    agent.tick(TICK_CONTROL, advance=CONTROL_RETRY_SECONDS)
+    assert agent.writer.live.failed and state.backend.type_name == "host-gw"
+
+    change_config(agent, {"Type": "vxlan"})
+    assert not agent.writer.live.failed
+    assert state.backend.type_name == "vxlan" and own_lease_backend(agent) == "vxlan"
+    doc = json.loads((Path(agent.settings.state_dir) / APPLIED_FILE).read_text())
+    assert doc["Backend"] == {"Type": "vxlan"}

@@ -55,8 +55,11 @@ def choose(
     me: LeaseAttrs,
     previous: str | None = None,
     seed: int = 1,
+    gone: bool = True,
 ) -> LeaseChoice:
-    return choose_lease(cfg, leases, me, net(previous) if previous else None, random.Random(seed))
+    """``gone``: whether a lease's holder is proven gone (the manager asks etcd)."""
+    return choose_lease(cfg, leases, me, net(previous) if previous else None, random.Random(seed),
+                        holder_gone=lambda _: gone)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -117,6 +120,37 @@ def test_takes_over_the_lease_of_our_node_name_when_our_address_changed() -> Non
     assert (choice.subnet, choice.reason, choice.existing) == (
         net("10.244.7.0/24"), "node-name", old
     )  # fmt: skip
+
+
+def test_a_live_holder_of_our_node_name_keeps_its_lease_and_is_reported() -> None:
+    # Two live nodes with one name (the host name by default) must not take one
+    # lease from each other: the newcomer gets a free subnet and the conflict.
+    old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
+    choice = choose(NET16, [old], attrs("192.168.1.99", node="node-a"), gone=False)
+    assert (choice.reason, choice.existing, choice.delete, choice.name_conflict) == (
+        "free", None, (), old
+    )  # fmt: skip
+    assert not choice.subnet.overlaps(old.subnet)
+
+
+def test_a_live_holder_of_our_node_name_keeps_even_its_previous_subnet() -> None:
+    old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
+    choice = choose(NET16, [old], attrs("192.168.1.99", node="node-a"),
+                    previous="10.244.7.0/24", gone=False)  # fmt: skip
+    assert choice.subnet != old.subnet and choice.name_conflict == old
+
+
+def test_the_default_never_takes_over_by_name() -> None:
+    old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
+    choice = choose_lease(NET16, [old], attrs("192.168.1.99", node="node-a"), None,
+                          random.Random(1))  # fmt: skip
+    assert choice.existing is None and choice.name_conflict == old
+
+
+def test_a_live_holder_of_our_node_name_in_a_pool_is_reported() -> None:
+    old = lease("10.250.3.0/24", "192.168.1.5", node="node-a")
+    choice = choose_in(TWO_POOLS, [old], attrs("192.168.1.99", node="node-a"), gone=False)
+    assert (choice.existing, choice.name_conflict) == (None, old)
 
 
 def test_public_ip_match_wins_over_node_name_match() -> None:
@@ -433,10 +467,10 @@ def test_dual_stack_pairs_the_primary_and_skips_ipv4_only_pools() -> None:
 TWO_POOLS = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22")]
 
 
-def choose_in(pools: list[Pool], leases: list[Lease], me: LeaseAttrs,
-              previous: str | None = None, seed: int = 1) -> LeaseChoice:  # fmt: skip
+def choose_in(pools: list[Pool], leases: list[Lease], me: LeaseAttrs, previous: str | None = None,
+              seed: int = 1, gone: bool = True) -> LeaseChoice:  # fmt: skip
     return choose_lease(SMALL_PRIMARY, leases, me, net(previous) if previous else None,
-                        random.Random(seed), pools=pools)  # fmt: skip
+                        random.Random(seed), pools=pools, holder_gone=lambda _: gone)  # fmt: skip
 
 
 def test_our_lease_in_an_untagged_pool_keeps_serving() -> None:

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from typing import Any
@@ -37,6 +37,7 @@ class FakePods:
     bridges: dict[str, set[IPv4Interface]] = field(default_factory=dict)
     fail: dict[str, BaseException] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    options: list[tuple[bool, str | None, list[str]]] = field(default_factory=list)
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -57,14 +58,16 @@ class FakePods:
         gateway: IPv4Address,
         mtu: int,
         hairpin: bool = True,
+        owner: str | None = None,
+        routes: Sequence[IPv4Network] = (),
     ) -> PodLink:
         self.calls.append(("add_pod", netns, ifname, host_veth, str(address), str(gateway), mtu))
-        assert hairpin
+        self.options.append((hairpin, owner, [str(r) for r in routes]))
         self._maybe_fail("add_pod")
         self.veths[host_veth] = netns
         return PodLink(host_veth, "02:00:00:00:00:01", ifname, "0a:58:0a:f4:01:02")
 
-    def delete_host_veth(self, host_veth: str) -> None:
+    def delete_host_veth(self, host_veth: str, owner: str | None = None) -> None:
         self.calls.append(("delete_host_veth", host_veth))
         self._maybe_fail("delete_host_veth")
         self.veths.pop(host_veth, None)
@@ -402,6 +405,54 @@ def test_gc_dead(env: Env) -> None:
     assert sorted(released) == [("dead", "eth0"), ("orphan", "eth0")]
     assert [a.container_id for a in env.ipam.allocations()] == ["alive"]
     assert [r.container_id for r in env.records.list()] == ["alive"]
+
+
+@pytest.mark.parametrize("content", [b'{"network": "fpnet", "contai', b"\xff\xfe", b"[]"])
+def test_an_unreadable_record_keeps_its_address_through_gc(
+    env: Env, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A torn, garbled or foreign file: its pod may be alive, so nothing is released.
+    env.call("ADD")
+    path = env.records.path(NETWORK, "c1", "eth0")
+    with open(path, "wb") as f:
+        f.write(content)
+    assert env.handler.gc_dead(exists=lambda path: True) == []
+    assert [a.container_id for a in env.ipam.allocations()] == ["c1"]
+    assert os.path.exists(path) and [p for p, _ in env.records.unreadable()] == [path]
+    assert "address is kept" in caplog.text and path in caplog.text
+    valid = {"cni.dev/valid-attachments": []}  # the runtime's GC keeps it as well
+    assert env.call("GC", **valid) == (0, None)
+    assert [a.container_id for a in env.ipam.allocations()] == ["c1"]
+    assert env.call("DEL") == (0, None)  # only a DEL for that key releases it
+    assert env.ipam.allocations() == [] and not os.path.exists(path)
+
+
+def test_hairpin_and_default_gateway_follow_the_conflist(env: Env) -> None:
+    code, result = env.call("ADD")
+    assert code == 0 and result["routes"] == [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"}]
+    assert env.pods.options[-1][0] is True and env.pods.options[-1][2] == ["0.0.0.0/0"]
+    owner = env.pods.options[-1][1]
+    assert owner and owner.startswith("flannelpy ")
+    env.handler.settings = CniSettings(
+        mtu_provider=lambda: 1400, cluster_networks=lambda: [IPv4Network("10.244.0.0/16")]
+    )
+    code, result = env.call("ADD", cid="c2", hairpinMode=False, isDefaultGateway=False)
+    assert code == 0, result
+    assert result["routes"] == [{"dst": "10.244.0.0/16", "gw": "10.244.1.1"}]
+    assert env.pods.options[-1][0] is False and env.pods.options[-1][2] == ["10.244.0.0/16"]
+
+
+@pytest.mark.parametrize("key", ["hairpinMode", "isDefaultGateway"])
+def test_plumbing_flags_must_be_booleans(env: Env, key: str) -> None:
+    code, err = env.call("ADD", **{key: "yes"})
+    assert code == 1 and err["code"] == 7 and key in err["msg"]
+    assert attachments(env) == ([], [], {})
+
+
+def test_no_default_gateway_waits_for_the_cluster_network(env: Env) -> None:
+    code, err = env.call("ADD", isDefaultGateway=False)
+    assert code == 1 and err["code"] == 11
+    assert attachments(env) == ([], [], {})
 
 
 # --- building blocks ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from flannelpy.control.records import (
     NodeOverride,
     NodeStatus,
     PeerProbe,
+    ProbeSummary,
 )
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.keys import node_of_key, override_key, status_key
@@ -145,7 +146,7 @@ def test_status_json_round_trip() -> None:
         applied_generation=4, applied_at=10.0,
         blocked=BlockedChange(5, "backend vxlan -> host-gw", "blocked by Block", 11.0),
         subnets=("10.244.1.0/24",),
-        probes={"10.244.2.0/24": PeerProbe(True, True, True, 3, 12.0)},
+        probes=ProbeSummary.of({"10.244.2.0/24": PeerProbe(True, True, True, 3, 12.0)}),
     )
     assert NodeStatus.from_json(status.to_json()) == status
     with pytest.raises(ValueError):

@@ -225,6 +225,12 @@ FAULTS: list[tuple[str, Callable[[NodeFacts], NodeFacts], str, str, tuple[str, .
     ("stale twin lease", lambda f: replace(f, leases=(*f.leases, replace(
         node_lease(1), subnet=IPv4Network("10.244.9.0/24")))),
      "warning", "lease", ("advertise this node's address",), "10.244.9.0/24"),
+    ("underlay lease", lambda f: replace(f, leases=(*f.leases, replace(
+        node_lease(3), subnet=IPv4Network("100.64.0.0/24")))),
+     "warning", "leases", ("ignored as invalid", "outside-network"), "100.64.0.0-24"),
+    ("agent rejected a lease", lambda f: _status(f, rejected_leases=[
+        {"key": "10.244.77.0-24", "reason": "undecodable"}]),
+     "warning", "leases", ("10.244.77.0-24 (undecodable)",), "10.244.77.0-24"),
     ("lease about to expire", lambda f: replace(f, own_lease_ttl=240.0),
      "error", "lease", ("expires in 4 min",), "10.244.1.0/24"),
     ("renewal overdue", lambda f: replace(f, own_lease_ttl=1800.0),

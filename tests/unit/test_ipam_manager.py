@@ -237,6 +237,35 @@ def test_emptiness_honours_the_longest_cooldown_requested(
         assert node.remove_lease_if_empty(TINY)
 
 
+def test_a_restart_keeps_the_longest_cooldown_requested(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY])
+        node.allocate("c", "eth0", cooldown=90)
+        node.release("c", "eth0")
+    clock.now += 60
+    with open_ipam(tmp_path, clock) as restarted:  # default cooldown 30 s again
+        restarted.set_leases([TINY])
+        assert not restarted.is_empty(TINY)
+        assert not restarted.remove_lease_if_empty(TINY)
+        clock.now += 30
+        assert restarted.remove_lease_if_empty(TINY)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"longest_cooldown_seconds": -1}', b"[]"])
+def test_an_unusable_cooldown_file_falls_back_to_the_default(
+    tmp_path: Path, clock: FakeClock, content: bytes
+) -> None:
+    (tmp_path / "cooldown.json").write_bytes(content)
+    with open_ipam(tmp_path, clock) as node:
+        node.set_leases([TINY])
+        node.allocate("c", "eth0")
+        node.release("c", "eth0")
+        clock.now += 30.1
+        assert node.is_empty(TINY)
+
+
 def test_remove_lease_only_when_empty(tmp_path: Path, clock: FakeClock) -> None:
     with open_ipam(tmp_path, clock) as node, open_ipam(tmp_path, clock) as other:
         node.set_leases([A, TINY])

@@ -419,8 +419,9 @@ def test_link_delete_by_name() -> None:
 
 
 def test_pod_default_route_is_tagged_like_ip_route_add() -> None:
-    req = podnet.default_route_request(2, IPv4Address("10.244.1.1"))
-    assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x100)
+    req = podnet.pod_route_request(2, IPv4Address("10.244.1.1"), podnet.DEFAULT_ROUTE)
+    # CREATE|EXCL, never REPLACE: a route in the pod we did not add is left alone.
+    assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x200)
     assert req.body == encoded(
         rtmsg(),
         {"family": socket.AF_INET, "dst_len": 0, "table": 254, "proto": 3, "scope": 0, "type": 1},

@@ -16,7 +16,13 @@ import pytest
 
 from flannelpy.config.netconf import parse_network_config
 from flannelpy.control.policy import ALLOW, parse_policy, window_state
-from flannelpy.control.records import BackendSummary, NodeOverride, NodeStatus, PeerProbe
+from flannelpy.control.records import (
+    BackendSummary,
+    NodeOverride,
+    NodeStatus,
+    PeerProbe,
+    ProbeSummary,
+)
 from flannelpy.errors import ConfigError
 from flannelpy.rollout.backends import target_backend, with_backend
 from flannelpy.rollout.driver import (
@@ -283,7 +289,7 @@ def _status(node: str, gen: int | None, applied_at: float, backend: str = "host-
     mtu = 1500 if backend == "host-gw" else 1450
     return NodeStatus(node, applied_at + 1, True, "100.64.0.2", ("100.64.0.0/24",),
                       BackendSummary(backend, 1, 8472, False, mtu), True, gen, applied_at,
-                      subnets=(subnet,), probes=probes or {})  # fmt: skip
+                      subnets=(subnet,), probes=ProbeSummary.of(probes or {}))  # fmt: skip
 
 
 def _record(env: Env) -> RolloutRecord:
@@ -325,15 +331,15 @@ def test_verification_needs_fresh_good_probes_both_ways() -> None:
     }  # fmt: skip
     action = next_action(record, sts, ALLOW, MONDAY_1AM, 5.0)
     assert isinstance(action, Wait) and "n2 -> n1: no probe round since the change" in action.detail
-    sts["n2"] = replace(sts["n2"], probes={"10.244.1.0/24": PeerProbe(True, False, False, 3,
-                                                                      102.0)})  # fmt: skip
+    lost = PeerProbe(True, False, False, 3, 102.0)
+    sts["n2"] = replace(sts["n2"], probes=ProbeSummary.of({"10.244.1.0/24": lost}))
     action = next_action(record, sts, ALLOW, MONDAY_1AM, 31.0)
     assert isinstance(action, RollBack)
     assert action.reason == (
         "n1 failed verification after 30 s: n2 -> n1: the full-MTU probe was lost"
     )
     assert action.backend == {"Type": "vxlan"} and action.generation == 2
-    sts["n2"] = replace(sts["n2"], probes={"10.244.1.0/24": good})
+    sts["n2"] = replace(sts["n2"], probes=ProbeSummary.of({"10.244.1.0/24": good}))
     assert next_action(record, sts, ALLOW, MONDAY_1AM, 31.0) == MarkVerified("n1")
 
 

@@ -10,8 +10,10 @@ over it is :mod:`flannelpy.subnet.etcd.manager`.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,8 +21,9 @@ from urllib.parse import urlsplit
 
 import grpc
 import pyetcd
+from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
-from pyetcd.watch import WatchResponse
+from pyetcd.watch import Watcher, WatchResponse
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import (
@@ -66,7 +69,25 @@ _UNREACHABLE_CODES = {
     grpc.StatusCode.INTERNAL,
 }
 
+# Watches carry etcd's "hasleader" metadata: a member cut off from the leader then
+# refuses (or cancels) the watch with "no leader" instead of serving a frozen world,
+# and the watch moves to another endpoint.
+_REQUIRE_LEADER = (("hasleader", "true"),)
+TLS_CHECK_INTERVAL = 1.0  # seconds between looks at the TLS files' mtimes
+
 T = TypeVar("T")
+
+
+class _Client(pyetcd.MultiEndpointEtcd3Client):  # type: ignore[misc]
+    """pyetcd's client, with watches that require a leader."""
+
+    def get_watcher(self) -> Watcher:
+        return Watcher(
+            etcdrpc.WatchStub(self.channel),
+            timeout=self.timeout,
+            call_credentials=self.call_credentials,
+            metadata=tuple(self.metadata or ()) + _REQUIRE_LEADER,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +127,19 @@ def _read(path: str | None, flag: str) -> bytes | None:
             return f.read()
     except OSError as e:
         raise ConfigError(f"{flag}: cannot read {path}: {e.strerror}; fix the path") from e
+
+
+def _stat_files(paths: Sequence[str | None]) -> tuple[tuple[int, int] | None, ...]:
+    """Each file's (mtime_ns, size), None where absent: what tells a rotation."""
+    return tuple(_signature(path) for path in paths)
+
+
+def _signature(path: str | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st is not None else None
 
 
 def _rpc_details(error: BaseException) -> str:
@@ -164,13 +198,23 @@ class EtcdStore:
             raise ConfigError(
                 "--etcd-username and --etcd-password go together; give both or neither"
             )
+        tls_flags = [
+            flag for flag, path in (("--etcd-cafile", cafile), ("--etcd-certfile", certfile),
+                                    ("--etcd-keyfile", keyfile)) if path is not None
+        ]  # fmt: skip
+        if tls_flags and not any(ep.secure for ep in self._endpoints):
+            raise ConfigError(
+                f"{' and '.join(tls_flags)} given, but every --etcd-endpoints URL is "
+                f"plain http:// ({', '.join(ep.url for ep in self._endpoints)}); write the "
+                "endpoints as https://, or drop the TLS flags"
+            )
+        self._tls_files = (cafile, keyfile, certfile)
+        self._tls_seen: tuple[tuple[int, int] | None, ...] = ()
+        self._tls_checked = 0.0
         self._credentials: grpc.ChannelCredentials | None = None
         if any(ep.secure for ep in self._endpoints):
-            self._credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(cafile, "--etcd-cafile"),
-                private_key=_read(keyfile, "--etcd-keyfile"),
-                certificate_chain=_read(certfile, "--etcd-certfile"),
-            )
+            self._tls_seen = _stat_files(self._tls_files)
+            self._credentials = self._load_credentials()
         self._username = username
         self._password = password
         self._timeout = timeout
@@ -182,6 +226,41 @@ class EtcdStore:
     @property
     def endpoints(self) -> list[str]:
         return [ep.url for ep in self._endpoints]
+
+    def _load_credentials(self) -> grpc.ChannelCredentials:
+        cafile, keyfile, certfile = self._tls_files
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(cafile, "--etcd-cafile"),
+            private_key=_read(keyfile, "--etcd-keyfile"),
+            certificate_chain=_read(certfile, "--etcd-certfile"),
+        )
+
+    def _reload_tls(self) -> None:
+        """Rotation without restart: once the TLS files change, every channel is closed
+        (its watches end; their owners re-make them) and new ones use the new files."""
+        if self._credentials is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._tls_checked < TLS_CHECK_INTERVAL:
+                return
+            self._tls_checked = now
+        seen = _stat_files(self._tls_files)
+        if seen == self._tls_seen:
+            return
+        try:
+            credentials = self._load_credentials()
+        except ConfigError as e:
+            log.warning("etcd TLS files changed but are unreadable; keeping the old error=%s", e)
+            return  # mid-rotation, say: the next look reads them again
+        with self._lock:
+            self._tls_seen = seen
+            self._credentials = credentials
+            clients = list(self._clients.values())
+            self._clients.clear()
+        log.info("etcd TLS files changed; reconnecting with them")
+        for client in clients:
+            client.close()
 
     # -- connection handling -------------------------------------------------
 
@@ -198,7 +277,7 @@ class EtcdStore:
         )  # fmt: skip
         try:
             # With a user, the constructor authenticates (one request) to get a token.
-            client = pyetcd.MultiEndpointEtcd3Client(
+            client = _Client(
                 endpoints=[endpoint], timeout=self._timeout,
                 user=self._username, password=self._password,
             )  # fmt: skip
@@ -225,6 +304,7 @@ class EtcdStore:
         """Run ``fn`` on the current endpoint, failing over to the others in turn."""
         if self._closed:
             raise StoreError(f"etcd {what}: the store is closed")
+        self._reload_tls()
         failures = []
         with self._lock:
             start = self._current
@@ -259,6 +339,13 @@ class EtcdStore:
                 return fn(self._client(index))
             except _UNREACHABLE as e:
                 raise StoreUnavailable(_rpc_details(e)) from e
+            except etcd_exc.RevisionCompactedError as e:
+                # A watch created from a compacted revision: the caller re-lists.
+                raise RevisionCompacted(
+                    f"etcd {what}: history before revision {e.compacted_revision} was "
+                    "compacted; re-list",
+                    int(e.compacted_revision),
+                ) from e
             except grpc.RpcError as e:
                 code = _rpc_code(e)
                 if code in _UNREACHABLE_CODES:
@@ -382,6 +469,13 @@ class EtcdStore:
                     raise
 
         self._call(f"revoke lease {lease_id:x}", op)
+
+    def lease_remaining(self, lease_id: int) -> int | None:
+        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int | None:
+            ttl = int(c.get_lease_info(lease_id).TTL)
+            return None if ttl < 0 else ttl  # etcd answers -1 for a lease it does not have
+
+        return self._call(f"lease time-to-live {lease_id:x}", op)
 
     def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> _EtcdWatch:
         responses: queue.Queue[Any] = queue.Queue()

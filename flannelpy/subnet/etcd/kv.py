@@ -109,6 +109,10 @@ class Store(Protocol):
         """Drop the lease and every key attached to it; a missing lease is success."""
         ...
 
+    def lease_remaining(self, lease_id: int) -> int | None:
+        """Seconds the lease has left (etcd's LeaseTimeToLive), None when it is gone."""
+        ...
+
     def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> WatchStream:
         """Open a watch delivering every change under ``prefix`` from ``start_revision``.
         Raises StoreUnavailable if it cannot be opened."""
@@ -236,6 +240,12 @@ class FakeStore:
         with self._cond:
             self._begin()
             self._drop_lease(lease_id)
+
+    def lease_remaining(self, lease_id: int) -> int | None:
+        with self._cond:
+            self._begin()
+            lease = self._leases.get(lease_id)
+            return None if lease is None else max(int(lease.expires_at - self._clock()), 0)
 
     def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> _FakeWatch:
         with self._cond:

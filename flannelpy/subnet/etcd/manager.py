@@ -19,19 +19,22 @@ from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
-from flannelpy.errors import KeyExists, RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.errors import ConfigError, KeyExists, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
 from flannelpy.subnet.choose import LeaseChoice, choose_lease, choose_new_subnet
 from flannelpy.subnet.etcd.config import read_network_config
 from flannelpy.subnet.etcd.kv import GrantedLease, Store, WatchEvent
 from flannelpy.subnet.keys import key_to_subnet, lease_key, subnet_to_key, subnets_prefix
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.manager import LeasesCallback
+from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.validate import UNDECODABLE, Rejection
 
 log = logging.getLogger(__name__)
 
 RACE_RETRIES = 10  # Flannel's: acquire re-lists and chooses again after a lost race
+# How long past its renewal time a holder may still renew (its retries run every minute).
+RENEW_GRACE_SECONDS = 300.0
 
 
 def _wait(stop: threading.Event, seconds: float) -> None:
@@ -63,12 +66,16 @@ class EtcdSubnetManager:
         self._prefix = settings.etcd_prefix.rstrip("/")
         self._subnets = subnets_prefix(self._prefix)
         self._ttl = settings.subnet_lease_ttl
+        margin = settings.subnet_lease_renew_margin * 60  # when every holder renews
+        self._margin = float(min(margin, settings.subnet_lease_ttl))
+        self._acquired = False  # the first acquire is the agent's start
         self._clock = clock
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._backoff = backoff
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
+        self._undecodable: dict[str, Rejection] = {}  # by key suffix; guarded by the lock
 
     # -- config --------------------------------------------------------------
 
@@ -80,6 +87,8 @@ class EtcdSubnetManager:
     def list_leases(self) -> tuple[dict[str, Lease], int]:
         """Every parseable lease under ``<prefix>/subnets/``, by key, and the revision."""
         items, revision = self._store.get_prefix(self._subnets)
+        with self._warned_lock:
+            self._undecodable.clear()  # a fresh list says what is undecodable now
         leases = {}
         for kv in items:
             lease = self._parse(kv.key, kv.value, kv.mod_revision, kv.lease_id)
@@ -96,7 +105,11 @@ class EtcdSubnetManager:
             attrs = LeaseAttrs.from_json(value)
         except ValueError as e:
             self._warn_once(key, str(e))
+            with self._warned_lock:
+                self._undecodable[suffix] = Rejection(suffix, UNDECODABLE, str(e)[:200])
             return None
+        with self._warned_lock:
+            self._undecodable.pop(suffix, None)
         # Expiration is only known for leases we write ourselves (it would cost one
         # request per lease); store_lease_id tells a TTL lease from a reservation.
         return Lease(
@@ -107,6 +120,11 @@ class EtcdSubnetManager:
             revision=mod_revision,
             store_lease_id=lease_id or None,
         )
+
+    def undecodable(self) -> dict[str, Rejection]:
+        """The values under subnets/ that are no lease (by key suffix), as last seen."""
+        with self._warned_lock:
+            return dict(self._undecodable)
 
     def _key(self, lease: Lease) -> str:
         """The etcd key of a lease: ``<prefix>/subnets/10.244.1.0-24``."""
@@ -133,8 +151,10 @@ class EtcdSubnetManager:
             leases, _ = self.list_leases()
             choice = choose_lease(
                 config, list(leases.values()), attrs, previous_subnet, self._rng,
-                pools=pools, cluster=cluster,
+                pools=pools, cluster=cluster, holder_gone=self._holder_gone,
             )  # fmt: skip
+            if choice.name_conflict is not None:
+                self._name_conflict(choice.name_conflict, attrs)
             for stale in choice.delete:
                 if self._store.delete_if_mod_revision(self._key(stale), stale.revision):
                     log.info(
@@ -145,6 +165,7 @@ class EtcdSubnetManager:
             lease = self._write_choice(choice, attrs)
             if lease is not None:
                 self._log_acquired(choice, lease)
+                self._acquired = True
                 return lease
             log.info(
                 "lost a race for a subnet; choosing again subnet=%s attempt=%d",
@@ -153,6 +174,39 @@ class EtcdSubnetManager:
         raise StoreError(
             f"could not acquire a lease in {RACE_RETRIES} attempts: other nodes kept taking "
             "the chosen subnets first; retry, and check for many nodes starting at once"
+        )
+
+    def _holder_gone(self, lease: Lease) -> bool:
+        """Proof that the node holding ``lease`` stopped: every holder renews its etcd
+        lease ``margin`` before expiry, so time left well below the margin means nobody
+        renewed it. A reservation (no etcd lease) is never proven gone; nor is anything
+        while etcd cannot say."""
+        if lease.store_lease_id is None:
+            return False
+        try:
+            remaining = self._store.lease_remaining(lease.store_lease_id)
+        except StoreError:
+            return False
+        if remaining is None:
+            return True  # expired: its key goes with it
+        return remaining < self._margin - min(RENEW_GRACE_SECONDS, self._margin / 2)
+
+    def _name_conflict(self, other: Lease, attrs: LeaseAttrs) -> None:
+        """Another live node leases under our name: refuse at start; later (a lost lease
+        being re-acquired) take a fresh subnet rather than its lease."""
+        if self._acquired:
+            log.warning(
+                "another live node holds a lease under this node's name; not taking it "
+                "subnet=%s node=%s its_public_ip=%s",
+                other.subnet, attrs.node_name, other.attrs.public_ip,
+            )  # fmt: skip
+            return
+        raise ConfigError(
+            f"node name {attrs.node_name!r} is already used by the live node at "
+            f"{other.attrs.public_ip} (it holds lease {other.subnet} and renews it), so this "
+            f"node at {attrs.public_ip} refuses to start; give each node its own name "
+            f"(--node-name or NODE_NAME), or, if {other.attrs.public_ip} is really gone, "
+            f"delete {self._key(other)} from etcd"
         )
 
     def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
@@ -319,23 +373,33 @@ class EtcdSubnetManager:
         Compaction → re-list. Store outage → back off, then re-list rather than
         resume: etcd silently cancels a watch from a revision it does not have yet
         (an etcd restored from an older backup), which would hang us forever.
+        Any other error (a bug, a value no parser foresaw) is logged, counted as
+        "error" and handled like an outage: the watch never ends on input.
         Exceptions raised by ``on_leases`` propagate.
         """
+        deliver = guarded(on_leases)
         backoff = self._backoff()
         leases: dict[str, Lease] | None = None
+        delivered: dict[str, Lease] | None = None  # what on_leases saw last
         revision = 0
         while not stop.is_set():
             try:
                 if leases is None:
                     leases, revision = self.list_leases()
-                    on_leases(dict(leases), revision)
+                    if leases != delivered:
+                        backoff.reset()  # news reached us: the store works again
+                    delivered = dict(leases)
+                    deliver(delivered, revision)
                 stream = self._store.watch_prefix(self._subnets, revision + 1, stop)
-                backoff.reset()
                 for batch in stream:
                     for event in batch.events:
                         self._apply(leases, event)
                     revision = batch.revision
-                    on_leases(dict(leases), revision)
+                    delivered = dict(leases)
+                    deliver(delivered, revision)
+                    # Only delivered news proves the store healthy: a watch created and
+                    # cancelled at once (no leader), over an unchanged list, backs off.
+                    backoff.reset()
             except RevisionCompacted as e:
                 log.warning(
                     "lease watch fell behind a compaction; re-listing revision=%d compacted=%d",
@@ -352,6 +416,16 @@ class EtcdSubnetManager:
                 self._watch_restarted("unavailable")
                 leases = None
                 self._sleep(stop, delay)
+            except CallbackFailed as e:
+                assert e.__cause__ is not None
+                raise e.__cause__ from None
+            except Exception as e:
+                delay = backoff.next()
+                log.exception("lease watch failed; re-listing after a delay delay=%.1f "
+                              "error=%s", delay, e)  # fmt: skip
+                self._watch_restarted("error")
+                leases = None
+                self._sleep(stop, delay)
 
     def _watch_restarted(self, reason: str) -> None:
         if self._on_watch_restart is not None:
@@ -361,6 +435,8 @@ class EtcdSubnetManager:
         suffix = event.key[len(self._subnets) :]
         if event.kind == "delete":
             leases.pop(suffix, None)
+            with self._warned_lock:
+                self._undecodable.pop(suffix, None)
             return
         lease = self._parse(event.key, event.value, event.mod_revision, event.lease_id)
         if lease is None:

@@ -43,7 +43,7 @@ from flannelpy.subnet.kube import node as kn
 from flannelpy.subnet.kube.api import UNREACHABLE, build_api_client, call, read_json
 from flannelpy.subnet.kube.watch import LeaseMap, StreamCloser
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.manager import LeasesCallback
+from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
 
 log = logging.getLogger("flannelpy.subnet.kube.manager")
@@ -289,6 +289,7 @@ class KubeSubnetManager:
         the last resourceVersion. Exceptions raised by ``on_leases`` propagate.
         """
         config = self._network_config()
+        on_leases = guarded(on_leases)
         state = LeaseMap(self.node_name)
         backoff = Backoff()
         with StreamCloser(stop) as closer:
@@ -316,6 +317,16 @@ class KubeSubnetManager:
                         "node watch failed; retrying after a delay delay=%.1f error=%s",
                         delay, e,
                     )  # fmt: skip
+                    self._sleep(stop, delay)
+                except CallbackFailed as e:
+                    assert e.__cause__ is not None
+                    raise e.__cause__ from None
+                except Exception as e:
+                    # A bug or an input no parser foresaw: never the end of the watch.
+                    delay = backoff.next()
+                    log.exception("node watch failed; re-listing after a delay delay=%.1f "
+                                  "error=%s", delay, e)  # fmt: skip
+                    state.rv = None
                     self._sleep(stop, delay)
 
     def _list(self, config: NetworkConfig, stop: threading.Event) -> tuple[dict[str, Lease], str]:
@@ -427,7 +438,7 @@ class KubeSubnetManager:
         name = kn.node_name(node)
         try:
             lease = kn.node_to_lease(node, self._keys, config)
-        except kn.NotALease as e:
+        except ValueError as e:  # NotALease, or a value no check foresaw
             if self._warned.get(name) != str(e):
                 self._warned[name] = str(e)
                 log.warning("ignoring a node that is not a usable peer node=%s error=%s", name, e)

@@ -31,6 +31,7 @@ from typing import Any
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.errors import ConfigError
+from flannelpy.subnet.bounded_json import loads_bounded
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 Node = Mapping[str, Any]  # a Node object as JSON
@@ -235,10 +236,17 @@ def _json_object(text: Any) -> dict[str, Any] | None:
     if not text:
         return None
     try:
-        value = json.loads(str(text))
+        value = loads_bounded(str(text))
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _mtu_or_none(text: str) -> int | None:
+    # ASCII only: str.isdigit() accepts "²", which int() refuses.
+    if not (text.isascii() and text.isdigit() and len(text) <= 6):
+        return None
+    return int(text)
 
 
 class NotALease(ValueError):
@@ -274,7 +282,7 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
         public_ipv6=notes.get(keys.public_ipv6_overwrite) or notes.get(keys.public_ipv6),
         backend_v6_data=_json_object(notes.get(keys.backend_v6_data)),
         node_name=node_name(node) or None,
-        mtu=int(mtu_text) if mtu_text.isdigit() else None,
+        mtu=_mtu_or_none(mtu_text),
     )
     ipv6 = v6 if config.enable_ipv6 else None
     return Lease(subnet=v4, attrs=attrs, expiration=None, ipv6_subnet=ipv6)

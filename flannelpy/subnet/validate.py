@@ -1,0 +1,140 @@
+"""Peer leases are input from other machines: which ones may reach the kernel (pure).
+
+A peer lease becomes routes, neighbours and FDB entries on this node, so a
+lease that names the wrong subnet or a bogus address can take the node off
+its own underlay (a lease for the underlay's subnet replaces its connected
+route). :func:`check_peer` says why a lease must be ignored, or None;
+:func:`split_peers` applies it to a whole lease list. The writer logs each
+rejection once, counts it and shows it in the status file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+
+from flannelpy.subnet.lease import Lease
+
+# The reasons, a closed set (metric label values).
+OUTSIDE_NETWORK = "outside-network"
+OVERLAPS_OWN = "overlaps-own-lease"
+OVERLAPS_HOST = "overlaps-node-address"
+BAD_ADDRESS = "bad-public-ip"
+OWN_ADDRESS = "own-public-ip"
+BACKEND_DATA = "bad-backend-data"
+UNDECODABLE = "undecodable"  # the manager could not parse the value at all
+REASONS = (
+    OUTSIDE_NETWORK, OVERLAPS_OWN, OVERLAPS_HOST, BAD_ADDRESS, OWN_ADDRESS, BACKEND_DATA,
+    UNDECODABLE,
+)  # fmt: skip
+
+MAX_VNI = (1 << 24) - 1
+_MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    key: str
+    reason: str  # one of REASONS
+    detail: str  # one sentence for the log and the doctor
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What this node knows that a peer lease must not contradict."""
+
+    networks: tuple[IPv4Network, ...]  # the config's Network and every pool
+    own: tuple[IPv4Network, ...]  # our own lease subnets
+    host: tuple[IPv4Network, ...]  # the node's connected subnets (the underlay's)
+    public_ip: IPv4Address  # ours
+    host_ips: tuple[IPv4Address, ...] = ()  # the node's own addresses
+
+
+def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
+    """Why ``lease`` (another node's) must not be programmed, or None if it may be."""
+    subnet, ip = lease.subnet, lease.attrs.public_ip
+
+    def no(reason: str, detail: str) -> Rejection:
+        return Rejection(lease.key, reason, detail)
+
+    if not any(subnet.subnet_of(net) for net in bounds.networks):
+        nets = ", ".join(str(n) for n in bounds.networks)
+        return no(OUTSIDE_NETWORK, f"subnet {subnet} lies outside the network and pools ({nets})")
+    mine = next((n for n in bounds.own if n.overlaps(subnet)), None)
+    if mine is not None:
+        return no(OVERLAPS_OWN, f"subnet {subnet} overlaps this node's own lease {mine}")
+    host = next((n for n in bounds.host if n.prefixlen > 0 and n.overlaps(subnet)), None)
+    if host is not None:
+        return no(OVERLAPS_HOST, f"subnet {subnet} overlaps {host}, connected on this node")
+    if any(a in subnet for a in (bounds.public_ip, *bounds.host_ips)):
+        return no(OVERLAPS_HOST, f"subnet {subnet} holds an address of this node")
+    if (
+        ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local
+        or ip == IPv4Address("255.255.255.255")
+        or any(ip in net for net in bounds.networks)
+    ):  # fmt: skip
+        return no(BAD_ADDRESS, f"PublicIP {ip} cannot be a node's underlay address")
+    if ip == bounds.public_ip or ip in bounds.host_ips:
+        return no(OWN_ADDRESS, f"PublicIP {ip} is this node's own address")
+    problem = backend_data_problem(lease)
+    if problem is not None:
+        return no(BACKEND_DATA, problem)
+    return None
+
+
+def backend_data_problem(lease: Lease) -> str | None:
+    """What is wrong with the types of the lease's BackendData (VNI, VtepMAC), or None."""
+    data = lease.attrs.backend_data
+    if data is None:
+        return None
+    vni = data.get("VNI")
+    if vni is not None and (
+        not isinstance(vni, int) or isinstance(vni, bool) or not 0 <= vni <= MAX_VNI
+    ):
+        return f"BackendData.VNI {_short(vni)} is not an integer in 0..{MAX_VNI}"
+    mac = data.get("VtepMAC")
+    if mac is not None and (not isinstance(mac, str) or not _MAC.match(mac)):
+        return f"BackendData.VtepMAC {_short(mac)} is not a MAC address"
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def split_peers(
+    leases: Mapping[str, Lease], own_keys: Iterable[str], bounds: Bounds
+) -> tuple[dict[str, Lease], dict[str, Rejection]]:
+    """``leases`` without our own: the peers that may be programmed, and the rejected."""
+    own = set(own_keys)
+    accepted: dict[str, Lease] = {}
+    rejected: dict[str, Rejection] = {}
+    for key, lease in leases.items():
+        if key in own:
+            continue
+        why = check_peer(lease, bounds)
+        if why is None:
+            accepted[key] = lease
+        else:
+            rejected[key] = why
+    return accepted, rejected
+
+
+def check_own(lease: Lease, bounds: Bounds) -> Rejection | None:
+    """Why a lease carrying our address must not be adopted as ours, or None."""
+    subnet = lease.subnet
+    if not any(subnet.subnet_of(net) for net in bounds.networks):
+        nets = ", ".join(str(n) for n in bounds.networks)
+        detail = f"subnet {subnet} lies outside the network and pools ({nets})"
+        return Rejection(lease.key, OUTSIDE_NETWORK, detail)
+    host = next((n for n in bounds.host if n.prefixlen > 0 and n.overlaps(subnet)), None)
+    if host is not None:
+        detail = f"subnet {subnet} overlaps {host}, connected on this node"
+        return Rejection(lease.key, OVERLAPS_HOST, detail)
+    problem = backend_data_problem(lease)
+    if problem is not None:
+        return Rejection(lease.key, BACKEND_DATA, problem)
+    return None
