@@ -126,8 +126,10 @@ def build_agent(
         assert opened.etcd is not None
         control = EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
 
+    network = config.network  # never changed live: a new Network needs a restart
+
     def pods(mtu: Callable[[], int], ready: Callable[[], bool]) -> PodSide:
-        return PodAttachments(settings, mtu, ready, metrics)
+        return PodAttachments(settings, mtu, ready, metrics, network)
 
     return NodeAgent(
         AgentParts(

@@ -74,21 +74,21 @@ class Stop:
 Event = LeasesChanged | LeaseLost | ControlChanged | ProbeReported | CapacityLow | Tick | Stop
 
 
+# The counted kind of each event class (Stop is not counted).
+_KINDS: dict[type, str] = {
+    LeasesChanged: "leases",
+    LeaseLost: "lease_lost",
+    ControlChanged: "control",
+    ProbeReported: "probe",
+    CapacityLow: "capacity",
+    Tick: "tick",
+}
+assert set(_KINDS.values()) == set(AGENT_EVENT_KINDS)
+
+
 def kind_of(event: Event) -> str | None:
     """The counted kind of ``event`` (None for Stop)."""
-    if isinstance(event, LeasesChanged):
-        return "leases"
-    if isinstance(event, LeaseLost):
-        return "lease_lost"
-    if isinstance(event, ControlChanged):
-        return "control"
-    if isinstance(event, ProbeReported):
-        return "probe"
-    if isinstance(event, CapacityLow):
-        return "capacity"
-    if isinstance(event, Tick):
-        return "tick"
-    return None
+    return _KINDS.get(type(event))
 
 
 class EventCounts:

@@ -11,9 +11,7 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.config.settings import AgentSettings
-from flannelpy.errors import ConfigError
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.subnet.subnet_env import read_subnet_env
 
 if TYPE_CHECKING:
     from flannelpy.ipam.manager import NodeIpam
@@ -49,6 +47,7 @@ class PodAttachments:
         mtu: Callable[[], int],
         ready: Callable[[], bool],
         metrics: AgentMetrics,
+        cluster_network: IPv4Network,
     ) -> None:
         from flannelpy.cni.handler import CniHandler, CniSettings
         from flannelpy.cni.records import RecordStore
@@ -60,13 +59,14 @@ class PodAttachments:
         self._ipam = NodeIpam(os.path.join(settings.state_dir, "ipam"))
         self.pods = PodNetwork()
         records = RecordStore(os.path.join(settings.state_dir, "cni"))
-        subnet_file = settings.subnet_file
+        # A pod without a default route routes the cluster network via its gateway, as
+        # Flannel's plugin does with FLANNEL_NETWORK.
         self.handler = CniHandler(
             self._ipam,
             self.pods,
             records,
             CniSettings(
-                mtu_provider=mtu, ready=ready, cluster_networks=lambda: _cluster(subnet_file)
+                mtu_provider=mtu, ready=ready, cluster_networks=lambda: (cluster_network,)
             ),
         )
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
@@ -123,13 +123,3 @@ class PodAttachments:
             self.server.stop()
             self._started = False
 
-
-def _cluster(subnet_file: str) -> list[IPv4Network]:
-    """The cluster network from subnet.env, as Flannel's CNI plugin reads it (only
-    for a pod without a default route; the agent writes the file once ready)."""
-    try:
-        env = read_subnet_env(subnet_file)
-    except (ConfigError, OSError) as e:
-        log.warning("cannot read the cluster network path=%s reason=%s", subnet_file, e)
-        return []
-    return [env.network] if env is not None else []

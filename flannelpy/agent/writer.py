@@ -186,6 +186,9 @@ class Writer:
     def handle(self, event: Event, settle: bool = True) -> None:
         """Act on one event, then (``settle``) on whatever it made due."""
         s = self.state
+        # A probe result changes nothing readers see; one arrives per peer per round, so
+        # the view (which walks every lease) is rebuilt for it only if follow-ups ran.
+        refresh = not isinstance(event, ProbeReported) or (settle and self.pending())
         if isinstance(event, LeasesChanged):
             if self.leases.take_snapshot(event.leases):
                 self.queue.put(LeaseLost())
@@ -205,7 +208,8 @@ class Writer:
             self._on_tick(event.name)
         if settle:
             self.settle()
-        self.publish_view()
+        if refresh:
+            self.publish_view()
         kind = kind_of(event)
         if kind is not None:
             self.counts.handled(kind)

@@ -1,21 +1,20 @@
-"""The agent's CNI side, the pure parts: where a pod without a default route sends
-the cluster's traffic."""
+"""The agent's CNI side: where a pod without a default route sends the cluster's traffic."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from ipaddress import IPv4Network
 from pathlib import Path
 
-from flannelpy.agent.pods import _cluster
+from flannelpy.agent.pods import PodAttachments
+from flannelpy.config.settings import AgentSettings
+from flannelpy.observe.metrics import AgentMetrics
 
 
-def test_the_cluster_network_comes_from_subnet_env(tmp_path: Path) -> None:
-    path = tmp_path / "subnet.env"
-    assert _cluster(str(path)) == []  # not written yet: the ADD is told to try again
-    path.write_text(
-        "FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET=10.244.1.1/24\n"
-        "FLANNEL_MTU=1450\nFLANNEL_IPMASQ=false\n"
-    )
-    assert _cluster(str(path)) == [IPv4Network("10.244.0.0/16")]
-    path.write_text("FLANNEL_NETWORK=nonsense\n")
-    assert _cluster(str(path)) == []
+def test_the_cluster_network_is_the_configured_network(tmp_path: Path) -> None:
+    settings = replace(AgentSettings(), state_dir=str(tmp_path / "state"),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
+    network = IPv4Network("10.244.0.0/16")
+    pods = PodAttachments(settings, lambda: 1450, lambda: True, AgentMetrics(), network)
+    # Known from the start: no file to wait for, so such an ADD never has to retry.
+    assert tuple(pods.handler.settings.cluster_networks()) == (network,)
