@@ -7,9 +7,17 @@ config's "agentSocket" key (default /run/flannelpy/cni.sock); it prints the
 agent's reply and exits with the agent's code. All CNI logic (validation,
 results, errors) lives in the agent, which is warm.
 
-If the agent cannot be reached, ADD, CHECK and GC fail with code 11 (try again
-later) and STATUS with code 50 (not available); DEL succeeds silently, because
-the agent reconciles leftovers when it returns.
+For ADD, CHECK and DEL it also opens CNI_NETNS itself and passes the open
+descriptor with the request (SCM_RIGHTS, see wire.py): the path is the
+runtime's and may mean nothing in the agent's mount namespace. A path it cannot
+open sends no descriptor; the agent then decides (DEL still succeeds).
+
+Stdin that is not a JSON object fails here with code 6 (failed to decode
+content), as libcni's skel answers it: without a config there is no agentSocket
+to ask. If the agent cannot be reached or does not answer within the deadline
+(DEADLINE_SECONDS), ADD, CHECK and GC fail with code 11 (try again later) and
+STATUS with code 50 (not available); DEL succeeds silently, because the agent
+reconciles leftovers when it returns.
 
 Start-up time is the point of this file, so it is self-contained (no package
 imports: write_launcher() embeds it, precompiled, in one executable file that
@@ -24,6 +32,7 @@ import _json
 import _socket
 import os
 import sys
+import time
 
 # The framing of cni_plugin/wire.py, repeated here because this file must run alone.
 MAGIC = b"FPCNI1\n"
@@ -38,8 +47,23 @@ EINVAL = 22
 ENAMETOOLONG = 36
 TRY_AGAIN_LATER = 11
 NOT_AVAILABLE = 50
+DECODE_FAILURE = 6
 INVALID_NETWORK_CONFIG = 7
 INTERNAL = 999
+NETNS_COMMANDS = (b"ADD", b"CHECK", b"DEL")  # the commands that name a pod namespace
+# The whole exchange (connect, send, the agent's work, the reply), in seconds. ADD may
+# wait up to 300 s for an address (ipWaitSeconds, capped at 300 by the agent) and then
+# plumbs the pod; 30 s more covers that on a busy node. The rest is kernel work and
+# a per-pod lock (an ADD of the same pod may be ahead), well under a minute.
+ADD_DEADLINE_SECONDS = 330
+DEADLINE_SECONDS = 60
+EAGAIN = 11  # what connect/send/recv answer when SO_SNDTIMEO/SO_RCVTIMEO expire
+# struct timeval is two C longs; packed by hand, since _struct costs ~0.5 ms to load.
+LONG_BYTES = 8 if sys.maxsize > 2**32 else 4
+NOT_AN_OBJECT = (
+    "the network configuration on stdin is not a JSON object in UTF-8; pass the network "
+    "config as a JSON object"
+)
 TOO_LARGE = (
     "the request (CNI_* environment and network configuration) is larger than 4 MiB; "
     "shorten the network configuration"
@@ -77,24 +101,50 @@ def loads(text: str) -> object:
     return value
 
 
-def parse_config(stdin: bytes) -> dict:
-    """The network config if stdin is a UTF-8 JSON object, else {} (the agent reports why)."""
+MAX_DEPTH = 512  # forwarder.c's nesting limit, applied here too so both refuse alike
+
+
+def parse_config(stdin: bytes) -> dict | None:
+    """The network config if stdin is a UTF-8 JSON object nested at most MAX_DEPTH
+    deep, else None."""
     try:
         doc = loads(stdin.decode("utf-8"))
     except Exception:  # any failure means "not a usable config"
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return None
+    if not isinstance(doc, dict):
+        return None
+    # Counting brackets is cheap and bounds the depth; only a config with many
+    # brackets is walked.
+    if stdin.count(b"[") + stdin.count(b"{") > MAX_DEPTH and _depth(doc) > MAX_DEPTH:
+        return None
+    return doc
 
 
-def reply_version(config: dict) -> str:
+def _depth(doc: object) -> int:
+    """The depth of the deepest value (the top level is 0), as forwarder.c counts it."""
+    deepest = 0
+    stack = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
+
+
+def reply_version(config: dict | None) -> str:
     """The request's cniVersion if it looks like one (digits and dots, ≤ 15), else the latest."""
-    value = config.get("cniVersion")
+    value = config.get("cniVersion") if config is not None else None
     if isinstance(value, str) and 0 < len(value) <= 15 and not value.strip("0123456789."):
         return value
     return LATEST_VERSION
 
 
-def socket_path(config: dict) -> str:
+def socket_path(config: dict | None) -> str:
+    if config is None:
+        return DEFAULT_SOCKET
     value = config.get(SOCKET_CONFIG_KEY)
     return value if isinstance(value, str) and value else DEFAULT_SOCKET
 
@@ -156,23 +206,34 @@ def _address(path: str) -> bytes:
     return raw
 
 
-def forward(path: str, request: bytes) -> tuple[int, bytes]:
-    """Send one request to the agent; (exit code, stdout bytes) or AgentUnreachable."""
+def forward(
+    path: str,
+    request: bytes,
+    netns_fd: int | None = None,
+    timeout: float = DEADLINE_SECONDS,
+) -> tuple[int, bytes]:
+    """Send one request (and ``netns_fd``, if any) to the agent and wait at most
+    ``timeout`` seconds in all; (exit code, stdout bytes) or AgentUnreachable."""
+    deadline = time.monotonic() + timeout
     try:
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
         try:
-            sock.connect(_address(path))
+            address = _address(path)
+            # Blocking, bounded by SO_SNDTIMEO: a full backlog (a burst of pods) waits
+            # for room, where a non-blocking connect would fail at once with EAGAIN.
+            _arm(sock, _socket.SO_SNDTIMEO, deadline)
+            sock.connect(address)
         except OSError:
             sock.close()
             raise
     except OSError as e:
         raise AgentUnreachable(
-            f"the flannelpy agent is not running: cannot connect to {path} ({_strerror(e)})"
+            f"the flannelpy agent is not running: cannot connect to {path} ({_why(e, timeout)})"
         ) from None
     try:
-        return _exchange(sock, request)
+        return _exchange(sock, request, netns_fd, deadline)
     except OSError as e:
-        reason = _strerror(e)
+        reason = _why(e, timeout)
     except AgentUnreachable as e:
         reason = e.msg
     finally:
@@ -180,12 +241,40 @@ def forward(path: str, request: bytes) -> tuple[int, bytes]:
     raise AgentUnreachable(f"the flannelpy agent did not answer on {path} ({reason})")
 
 
-def _exchange(sock: _socket.socket, request: bytes) -> tuple[int, bytes]:
-    sock.sendall(request)
+def _why(e: OSError, timeout: float) -> str:
+    if e.errno == EAGAIN:  # a SO_*TIMEO ran out: the deadline
+        return f"timed out after {timeout:g} s"
+    return _strerror(e)
+
+
+def _arm(sock: _socket.socket, option: int, deadline: float) -> None:
+    """Bound the next blocking call by what is left of ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise OSError(EAGAIN, "")
+    seconds = int(left)
+    micros = max(int((left - seconds) * 1e6), 1 if seconds == 0 else 0)  # 0 is "forever"
+    order = sys.byteorder
+    timeval = seconds.to_bytes(LONG_BYTES, order) + micros.to_bytes(LONG_BYTES, order)
+    sock.setsockopt(_socket.SOL_SOCKET, option, timeval)
+
+
+def _exchange(
+    sock: _socket.socket, request: bytes, netns_fd: int | None, deadline: float
+) -> tuple[int, bytes]:
+    view = memoryview(request)
+    if netns_fd is not None:  # with the first bytes, as the framing says
+        _arm(sock, _socket.SO_SNDTIMEO, deadline)
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, netns_fd.to_bytes(4, sys.byteorder))]
+        view = view[sock.sendmsg([view], rights) :]
+    while view:
+        _arm(sock, _socket.SO_SNDTIMEO, deadline)
+        view = view[sock.send(view) :]
     sock.shutdown(_socket.SHUT_WR)
     chunks = []
     total = 0
     while True:
+        _arm(sock, _socket.SO_RCVTIMEO, deadline)
         chunk = sock.recv(1 << 16)
         if not chunk:
             break
@@ -198,6 +287,18 @@ def _exchange(sock: _socket.socket, request: bytes) -> tuple[int, bytes]:
         raise AgentUnreachable("connection closed without a reply")
     code = int.from_bytes(reply[:4], "big")
     return (code if code <= 255 else 1), reply[4:]
+
+
+def open_netns(path: bytes) -> int | None:
+    """CNI_NETNS opened here, in the runtime's mount namespace; None if it cannot be
+    (the agent then reports it, or for DEL cleans up without it). Closed at exit."""
+    if not path:
+        return None
+    try:
+        # O_NONBLOCK: a FIFO named by mistake must not hang the runtime (no effect on nsfs).
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
 
 
 def write_stdout(data: bytes) -> None:
@@ -224,8 +325,13 @@ def run(environ: dict) -> int:
     if command == b"VERSION":
         write_stdout(version_reply(version))
         return 0
+    if config is None:
+        write_stdout(error_json(version, DECODE_FAILURE, NOT_AN_OBJECT, ""))
+        return 1
+    netns_fd = open_netns(environ.get(b"CNI_NETNS", b"")) if command in NETNS_COMMANDS else None
+    timeout = ADD_DEADLINE_SECONDS if command == b"ADD" else DEADLINE_SECONDS
     try:
-        code, stdout = forward(socket_path(config), header + stdin)
+        code, stdout = forward(socket_path(config), header + stdin, netns_fd, timeout)
     except AgentUnreachable as e:
         if command == b"DEL":
             return 0

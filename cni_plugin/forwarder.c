@@ -6,29 +6,38 @@
  * environment and stdin, framed as in cni_plugin/wire.py) to the flannelpy
  * agent over the unix socket named by the network config's top-level
  * "agentSocket" string (default /run/flannelpy/cni.sock); the agent's reply is
- * printed and its code becomes the exit code. If the agent cannot be reached,
- * ADD/CHECK/GC answer code 11, STATUS code 50, and DEL succeeds silently.
+ * printed and its code becomes the exit code. For ADD/CHECK/DEL, CNI_NETNS is
+ * opened here (the runtime's mount namespace) and the descriptor travels with
+ * the first bytes (SCM_RIGHTS); a path that cannot be opened sends none. Stdin
+ * that is not a JSON object answers code 6. If the agent cannot be reached or
+ * does not answer within the deadline (330 s for ADD, 60 s otherwise; why in
+ * client.py), ADD/CHECK/GC answer code 11, STATUS code 50, and DEL succeeds
+ * silently.
  *
  * Finding "agentSocket" must agree with Python's json.loads on every input, so
  * the scanner below is a complete validating parser with json.loads' grammar
  * (NaN/Infinity accepted, control characters in strings refused, the last of
  * duplicate keys wins, CPython's 4300-digit integer limit) on strictly valid
- * UTF-8; anything it rejects falls back to the default socket, as client.py
- * does. Only nesting deeper than MAX_DEPTH differs (Python's own recursion
- * limit sits near 1000). No heap in the hot path: fixed buffers sized by the
+ * UTF-8; anything it rejects answers code 6, as client.py does. Nesting
+ * deeper than MAX_DEPTH is refused by both (client.py counts it; Python's own
+ * recursion limit sits near 1000). No heap in the hot path: fixed buffers sized by the
  * 4 MiB request limit live in .bss and cost nothing until touched.
  *
  * Build: scripts/build-cni.sh (gcc -O2 -static).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 extern char **environ;
@@ -45,7 +54,13 @@ extern char **environ;
 #define INT_MAX_STR_DIGITS 4300 /* CPython's int() limit, which json.loads hits */
 #define TRY_AGAIN_LATER 11
 #define NOT_AVAILABLE 50
+#define DECODE_FAILURE 6
 #define INVALID_NETWORK_CONFIG 7
+#define ADD_DEADLINE_SECONDS 330
+#define DEADLINE_SECONDS 60
+#define NOT_AN_OBJECT                                                                     \
+    "the network configuration on stdin is not a JSON object in UTF-8; pass the network " \
+    "config as a JSON object"
 #define TOO_LARGE                                                                        \
     "the request (CNI_* environment and network configuration) is larger than 4 MiB; " \
     "shorten the network configuration"
@@ -600,7 +615,61 @@ static void set_reason(const char *text) {
 
 enum outcome { REPLIED, NO_CONNECT, NO_ANSWER };
 
-static enum outcome forward(const unsigned char *path, size_t path_len, size_t request_len) {
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Bound the next blocking call on fd by what is left of the deadline; -1 (errno EAGAIN,
+ * as an expired SO_*TIMEO) when nothing is left. */
+static int arm(int fd, int option, double deadline) {
+    double left = deadline - monotonic();
+    if (left <= 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    struct timeval tv;
+    tv.tv_sec = (time_t)left;
+    tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
+    if (tv.tv_sec == 0 && tv.tv_usec == 0)
+        tv.tv_usec = 1; /* 0 is "forever" */
+    return setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv);
+}
+
+static void set_errno_reason(int timeout) {
+    if (errno == EAGAIN) { /* a SO_*TIMEO ran out: the deadline */
+        snprintf(reason, sizeof reason, "timed out after %d s", timeout);
+        return;
+    }
+    set_reason(strerror(errno));
+}
+
+/* The first bytes, with the namespace's descriptor when there is one. */
+static ssize_t send_first(int fd, const unsigned char *data, size_t len, int netns_fd) {
+    if (netns_fd < 0)
+        return send(fd, data, len, MSG_NOSIGNAL);
+    struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof control);
+    struct msghdr msg = {.msg_iov = &iov,
+                         .msg_iovlen = 1,
+                         .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cmsg), &netns_fd, sizeof(int));
+    return sendmsg(fd, &msg, MSG_NOSIGNAL);
+}
+
+static enum outcome forward(const unsigned char *path, size_t path_len, size_t request_len,
+                            int netns_fd, int timeout) {
+    double deadline = monotonic() + timeout;
     /* Checks in client.py's order: lone surrogate, NUL, length. */
     for (size_t k = 0; k + 1 < path_len; k++) {
         if (path[k] == 0xed && path[k + 1] >= 0xa0) {
@@ -621,25 +690,34 @@ static enum outcome forward(const unsigned char *path, size_t path_len, size_t r
     addr.sun_family = AF_UNIX;
     memcpy(addr.sun_path, path, path_len);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-        set_reason(strerror(errno));
+    /* Blocking, bounded by SO_SNDTIMEO: a full backlog waits for room (client.py). */
+    if (fd < 0 || arm(fd, SO_SNDTIMEO, deadline) != 0 ||
+        connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        set_errno_reason(timeout);
         if (fd >= 0)
             close(fd);
         return NO_CONNECT;
     }
     size_t sent = 0;
+    int first = 1;
     while (sent < request_len) {
-        ssize_t n = send(fd, request + sent, request_len - sent, MSG_NOSIGNAL);
+        if (arm(fd, SO_SNDTIMEO, deadline) != 0)
+            goto io_error;
+        ssize_t n = first ? send_first(fd, request, request_len, netns_fd)
+                          : send(fd, request + sent, request_len - sent, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
             goto io_error;
+        first = 0;
         sent += (size_t)n;
     }
     if (shutdown(fd, SHUT_WR) != 0)
         goto io_error;
     reply_len = 0;
     for (;;) {
+        if (arm(fd, SO_RCVTIMEO, deadline) != 0)
+            goto io_error;
         ssize_t n = recv(fd, reply + reply_len, sizeof reply - reply_len, 0);
         if (n < 0 && errno == EINTR)
             continue;
@@ -661,7 +739,7 @@ static enum outcome forward(const unsigned char *path, size_t path_len, size_t r
     }
     return REPLIED;
 io_error:
-    set_reason(strerror(errno));
+    set_errno_reason(timeout);
     close(fd);
     return NO_ANSWER;
 }
@@ -726,13 +804,27 @@ int main(void) {
         return 0;
     }
 
+    if (!parsed) {
+        out_error(version, DECODE_FAILURE, (const unsigned char *)NOT_AN_OBJECT,
+                  strlen(NOT_AN_OBJECT), "");
+        return 1;
+    }
+
     const unsigned char *path = (const unsigned char *)DEFAULT_SOCKET;
     size_t path_len = strlen(DEFAULT_SOCKET);
-    if (parsed && p.socket.found && p.socket.end > p.socket.start) {
+    if (p.socket.found && p.socket.end > p.socket.start) {
         path_len = decode_string(p.s, p.socket.start, p.socket.end, decoded);
         path = decoded;
     }
-    enum outcome result = forward(path, path_len, header_len + stdin_len);
+    int netns_fd = -1;
+    const char *netns = getenv("CNI_NETNS");
+    if (netns && *netns &&
+        (strcmp(command, "ADD") == 0 || strcmp(command, "CHECK") == 0 ||
+         strcmp(command, "DEL") == 0))
+        /* -1: the agent decides. O_NONBLOCK: a FIFO must not hang us (client.py). */
+        netns_fd = open(netns, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    int timeout = strcmp(command, "ADD") == 0 ? ADD_DEADLINE_SECONDS : DEADLINE_SECONDS;
+    enum outcome result = forward(path, path_len, header_len + stdin_len, netns_fd, timeout);
     if (result != REPLIED) {
         unreachable(version, command, result, path, path_len);
         return strcmp(command, "DEL") == 0 ? 0 : 1;

@@ -278,8 +278,9 @@ def _decode_config(stdin: bytes) -> dict[str, Any]:
             str(e)[:200],
         ) from e
     if not isinstance(doc, dict):
+        # Code 6 as libcni's skel answers it: its decoder cannot unmarshal a non-object.
         raise CniError(
-            _CONFIG_CODE,
+            Code.DECODE_FAILURE,
             f"the network configuration on stdin is a JSON {type(doc).__name__}, not an "
             "object; pass the network config as a JSON object",
         )

@@ -8,6 +8,14 @@ Kept trivial so that a C forwarder can speak it too (cni_plugin/forwarder.c):
 
 The executable prints the reply's bytes on stdout and exits with its code: all
 CNI logic (validation, results, errors) lives in the agent. Standard library only.
+
+For ADD, CHECK and DEL the first send also carries, as SCM_RIGHTS ancillary
+data, one open descriptor of CNI_NETNS, opened by the executable in the
+runtime's mount namespace (where the path means something; in the agent's it
+may name nothing, or an empty file). It is optional: an executable that
+could not open the path, or predates it, sends none. The byte stream is
+unchanged, so MAGIC stays: an agent that reads with recv() drops the
+descriptor (the kernel closes it) and reads the request as before.
 """
 
 from __future__ import annotations

@@ -30,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["agent"]:
+        # flanneld's manifests spell the agent's flags Go's way (-etcd-endpoints=...).
+        from flannelpy.config.settings import go_style_argv
+
+        given = ["agent", *go_style_argv(given[1:])]
+    args = build_parser().parse_args(given)
     run: Run = args.run
     return run(args)
 

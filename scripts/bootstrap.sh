@@ -9,6 +9,7 @@ APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containerne
               nftables  # nft: the tuning/portmap chain test reads the nat table with it
               openssl  # the TLS etcd of the tests makes its certificates with it
               git  # the pools upgrade test and bench/compare_commits.sh read old releases
+              containerd  # the CRI test drives containerd 1.6's CRI plugin with our conflist
               prometheus)  # prometheus: promtool validates manifests/prometheusrule.yaml
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -34,3 +35,4 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 scripts/build-peers.sh >/dev/null  # the real flanneld the mixed-cluster tests run (needs Go)
+scripts/build-kube.sh >/dev/null  # the real Kubernetes control plane of Kubernetes mode (needs Go)

@@ -28,20 +28,31 @@ from flannelpy.backend.registry import get_backend
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import wanted_config
-from flannelpy.dataplane.kernel import Kernel
+from flannelpy.dataplane.adopt import FlannelRouteShape
+from flannelpy.dataplane.kernel import ForeignRoute, Kernel
 from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
+from flannelpy.subnet.etcd.kv import Store
 from flannelpy.subnet.etcd.pools import PoolStore
+from flannelpy.subnet.keys import config_key
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.open_store import OpenedStore, open_store
 from flannelpy.subnet.survey import check_no_overlap
 
 if TYPE_CHECKING:
     from flannelpy.control.node_control import NodeControl
-    from flannelpy.dataplane.firewall import IptablesFirewall
+    from flannelpy.dataplane.firewall import IptablesFirewall, SyncResult
+    from flannelpy.dataplane.nftables import NftablesFirewall
 
 log = logging.getLogger("flannelpy.agent.compose")
+CONFIG_WAIT = 1.0  # seconds between two looks for a network config not written yet (flanneld's)
+# flanneld v0.28 runs udp without a Backend key (its docs say vxlan), which we do not
+# speak: guessing either way would split a mixed cluster in two.
+NO_BACKEND = (
+    'net-conf.json has no "Backend": flanneld would run udp and flannelpy cannot, so they '
+    'would not reach each other; add "Backend": {"Type": "vxlan"} (or the one you use)'
+)
 
 
 def node_name_default(settings: AgentSettings) -> str:
@@ -62,7 +73,9 @@ def build_agent(
         )
     manager, kube = opened.manager, opened.kube
     try:
-        config = _read_config_patiently(manager, settings.startup_timeout)
+        config = _read_config_patiently(
+            manager, settings.startup_timeout, opened.etcd, settings.etcd_prefix
+        )
         # A restart keeps the backend this node last applied: a change that arrived
         # meanwhile still goes through the disruption policy, like any live change.
         applied = load_applied(settings.state_dir)
@@ -75,25 +88,35 @@ def build_agent(
         if not config.enable_ipv4 or config.network is None:
             raise ConfigError("net-conf.json: EnableIPv4 must be true and Network set")
         if config.backend_defaulted:
-            log.warning("net-conf.json has no Backend; using vxlan")
+            raise ConfigError(NO_BACKEND)
         backend = get_backend(config.backend.type)
         if kernel is None:
             from flannelpy.dataplane.netlink import NetlinkKernel
 
             kernel = NetlinkKernel()
+        # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
+        # flanneld (it also picks the interface when no --iface is given).
+        public_ip = (kube.node_public_ip() if kube else None) or settings.public_ip
         underlay = kernel.find_underlay(
             settings.iface, settings.iface_regex,
-            _ip_or_none(settings.iface_can_reach), settings.public_ip,
+            _ip_or_none(settings.iface_can_reach), public_ip,
         )  # fmt: skip
         ctx = NodeContext(
             config=config,
             underlay=underlay,
-            # Kubernetes mode: the node-public-ip annotation acts as --public-ip.
-            public_ip=settings.public_ip or (kube and kube.node_public_ip()) or underlay.ip,
+            public_ip=public_ip or underlay.ip,
             node_name=kube.node_name if kube else node_name_default(settings),
         )
         ours = {*_all_backend_devices(ctx), "cni0"}
-        check_no_overlap(config.network, kernel.survey(ours), settings.allow_overlap)
+        # Routes a Flannel that ran here before left for its peers are ours to take over
+        # (dataplane.adopt), not an overlap.
+        shape = FlannelRouteShape(
+            config.network, config.subnet_len, _all_backend_devices(ctx)[0], underlay.name
+        )
+        foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
+        check_no_overlap(config.network, foreign, settings.allow_overlap)
+        if hasattr(kernel, "adopt"):  # the netlink adapter; test fakes own nothing to adopt
+            kernel.adopt = shape
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
             vtep_mac = load_vtep_mac(
@@ -142,7 +165,7 @@ def build_agent(
             metrics=metrics,
             control=control,
             vtep_mac=vtep_mac,
-            firewall_factory=_firewall_factory(settings, metrics),
+            firewall_factory=_firewall_factory(settings, metrics, nftables=config.enable_nftables),
             applied_generation=(applied.generation or None) if applied else None,
             pools=pools,
             capacity=capacity,
@@ -198,14 +221,24 @@ def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
     return (device_name(ctx.config.backend.vni),)
 
 
-def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkConfig:
+def _read_config_patiently(
+    manager: SubnetManager,
+    timeout: float,
+    etcd: Store | None = None,
+    prefix: str = "",
+    sleep: Callable[[float], None] = time.sleep,
+) -> NetworkConfig:
     """The network config, retrying an unreachable store for up to ``timeout`` seconds.
 
     Many agents start at once after a cluster-wide restart; a store slow to answer
-    the first request is normal then, and crash-looping would only add load.
+    the first request is normal then, and crash-looping would only add load. In etcd
+    mode a config key not written yet is waited for, every second and without end, as
+    flanneld does (the operator may write it after starting the nodes); a config that
+    is there but invalid still stops the agent with its sentence.
     """
     deadline = time.monotonic() + timeout
     delay = 0.2
+    waiting = False
     while True:
         try:
             return manager.get_network_config()
@@ -213,8 +246,22 @@ def _read_config_patiently(manager: SubnetManager, timeout: float) -> NetworkCon
             if time.monotonic() + delay > deadline:
                 raise
             log.warning("store unavailable, retrying in %.1fs: %s", delay, e)
-            time.sleep(delay)
+            sleep(delay)
             delay = min(delay * 2, 5.0)
+        except ConfigError as e:
+            if etcd is None or etcd.get(config_key(prefix)) is not None:
+                raise
+            if not waiting:  # once: the wait may be long, and it is expected
+                log.warning("waiting for the network config: %s", e)
+                waiting = True
+            sleep(CONFIG_WAIT)
+            deadline = time.monotonic() + timeout  # the store answered: it is reachable
+
+
+def _left_by_flannel(entry: ForeignRoute, shape: FlannelRouteShape) -> bool:
+    return not entry.is_address and shape.adoptable(
+        entry.network, entry.gateway, entry.device, entry.protocol
+    )
 
 
 def _ip_or_none(value: str | None) -> IPv4Address | None:
@@ -222,30 +269,74 @@ def _ip_or_none(value: str | None) -> IPv4Address | None:
 
 
 def _firewall_factory(
-    settings: AgentSettings, metrics: AgentMetrics, firewall: IptablesFirewall | None = None
+    settings: AgentSettings,
+    metrics: AgentMetrics,
+    firewall: IptablesFirewall | None = None,
+    nft: NftablesFirewall | None = None,
+    *,
+    nftables: bool = False,
 ) -> FirewallFactory | None:
-    if not settings.ip_masq and not settings.iptables_forward_rules:
+    """The masq and forward rules in iptables mode, or Flannel's nftables tables with
+    ``EnableNFTables``. Before the first sync the other mode's rules are removed, as
+    flanneld does at start, so a node switched between modes keeps one set. Tests pass
+    the adapters; a mode whose adapter is not passed is then left alone."""
+    if not nftables and not settings.ip_masq and not settings.iptables_forward_rules:
         return None
+    from flannelpy.dataplane import nftables as nft_rules
     from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
+    from flannelpy.dataplane.nftables import NftablesFirewall
 
-    fw = firewall or IptablesFirewall()
-    worked = [False]  # some sync has succeeded: iptables works on this host
+    if firewall is None and nft is None:
+        firewall, nft = IptablesFirewall(), NftablesFirewall()
+    worked = [False]  # some sync has succeeded: the firewall works on this host
+    other_mode_cleaned = [False]
+
+    def clean_other_mode() -> None:
+        other = firewall if nftables else nft
+        other_mode_cleaned[0] = True
+        if other is None:
+            return
+        try:
+            other.remove()
+        except DataplaneError as e:  # e.g. nft not installed: nothing of that mode to remove
+            log.info("rules of the unused firewall mode not removed: %s", e)
 
     def make(networks: Sequence[IPv4Network], subnets: Sequence[IPv4Network]) -> Callable[[], bool]:
-        rule_sets = []
-        if settings.ip_masq:
-            rule_sets.append(masq_rules(networks, subnets, fw.random_fully))
-        if settings.iptables_forward_rules:
-            rule_sets.append(forward_rules(networks))
+        # --ip-masq-fully-random-disable: flanneld's opt-out of --random-fully.
+        steps: list[Callable[[], SyncResult]] = []
+        if nftables:
+            assert nft is not None
+            nft_fw = nft
+            postrtg = None
+            if settings.ip_masq:
+                random_fully = nft_fw.random_fully and not settings.ip_masq_fully_random_disable
+                postrtg = nft_rules.masq_rules(networks, subnets, random_fully)
+            forward_chain = None
+            if settings.iptables_forward_rules:
+                forward_chain = nft_rules.forward_rules(networks)
+            desired = nft_rules.NftRules(postrtg, forward_chain)
+            steps.append(lambda: nft_fw.sync(desired))
+        else:
+            assert firewall is not None
+            fw = firewall
+            if settings.ip_masq:
+                random_fully = fw.random_fully and not settings.ip_masq_fully_random_disable
+                masq = masq_rules(networks, subnets, random_fully)
+                steps.append(lambda: fw.sync(masq))
+            if settings.iptables_forward_rules:
+                forward = forward_rules(networks)
+                steps.append(lambda: fw.sync(forward))
 
         def sync() -> bool:
             """True once every chain is as desired. Before the first success a failure
-            raises (start-up refuses a host where iptables does not work); after it, a
+            raises (start-up refuses a host where the firewall does not work); after it, a
             failure is passing (the xtables lock held past the wait, e.g. by kube-proxy
             while a lease is recovered): False, and the firewall timer tries again."""
             try:
-                for rules in rule_sets:
-                    result = fw.sync(rules)  # logs what it repaired
+                if not other_mode_cleaned[0]:
+                    clean_other_mode()
+                for step in steps:
+                    result = step()  # logs what it repaired
                     metrics.firewall_sync(result.repaired)
             except DataplaneError as e:
                 if not worked[0]:

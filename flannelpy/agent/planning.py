@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from ipaddress import IPv4Network
 
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
@@ -32,6 +33,7 @@ class Planner:
         self.prober: Prober | None = None  # set once it runs
         # Lease values the manager could not parse (it logs them): counted and shown here.
         self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
+        self._said_unknown_mtu: set[IPv4Network] = set()  # peers logged as MTU unknown
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
@@ -57,6 +59,7 @@ class Planner:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
             s.unreachable = desired.unreachable
+            self.metrics.peers_without_path(len(desired.unreachable))
         self.reconciler.set_desired(desired, stale_links)
 
     def bounds(self) -> Bounds:
@@ -103,11 +106,15 @@ class Planner:
             for peer in report.mismatched:
                 if peer not in mixed:
                     log.warning("MTU mismatch: %s", describe_mismatch(report.own_mtu, peer))
-            for peer in report.unknown:
-                log.warning("MTU mismatch: %s", describe_unknown(peer))
             if mixed:
                 log.info(
                     "overlay MTU differs from %d peer lease(s) on another backend, as expected "
                     "while backends are mixed; pods keep their MTU until re-created", len(mixed),
                 )  # fmt: skip
+        # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer.
+        unknown = {peer.subnet for peer in report.unknown}
+        for peer in report.unknown:
+            if peer.subnet not in self._said_unknown_mtu:
+                log.info("MTU unknown: %s", describe_unknown(peer))
+        self._said_unknown_mtu = unknown
         s.mtu_report = report

@@ -11,6 +11,7 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.config.settings import AgentSettings
+from flannelpy.errors import StoreError
 from flannelpy.observe.metrics import AgentMetrics
 
 if TYPE_CHECKING:
@@ -56,7 +57,11 @@ class PodAttachments:
         from flannelpy.ipam.manager import NodeIpam
 
         self._mtu = mtu
-        self._ipam = NodeIpam(os.path.join(settings.state_dir, "ipam"))
+        # Where host-local kept the addresses of pods a Flannel before us made on this node.
+        self._host_local_dir = settings.host_local_dir or None
+        self._ipam = NodeIpam(
+            os.path.join(settings.state_dir, "ipam"), host_local_dir=self._host_local_dir
+        )
         self.pods = PodNetwork()
         records = RecordStore(os.path.join(settings.state_dir, "cni"))
         # A pod without a default route routes the cluster network via its gateway, as
@@ -78,9 +83,11 @@ class PodAttachments:
     def ipam(self) -> NodeIpam:
         return self._ipam
 
-    def _handle(self, env: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+    def _handle(
+        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None = None
+    ) -> tuple[int, bytes]:
         started = time.monotonic()
-        exit_code, out = self.handler.handle(env, stdin)
+        exit_code, out = self.handler.handle(env, stdin, netns_fd)
         code = 0
         if exit_code:
             try:
@@ -97,8 +104,28 @@ class PodAttachments:
         bridge carries each lease's gateway from now on, so the node has an address in
         a lease before the first pod lands there."""
         self._ipam.set_leases(subnets, serving)
+        self._hold_host_local(subnets)
         gateways = [IPv4Interface(f"{net.network_address + 1}/{net.prefixlen}") for net in subnets]
         self.pods.ensure_bridge(gateways, self._mtu())
+
+    def _hold_host_local(self, subnets: Sequence[IPv4Network]) -> None:
+        """Hold the addresses host-local gave pods that still run here (before the CNI
+        server answers: a new pod must not get one of them)."""
+        if self._host_local_dir is None:
+            return
+        from flannelpy.ipam import hostlocal
+
+        try:
+            found = hostlocal.within(hostlocal.read_dir(self._host_local_dir), subnets)
+        except OSError as e:
+            raise StoreError(
+                f"cannot read host-local's data dir {self._host_local_dir} ({e.strerror}); "
+                "make it readable, or pass --host-local-dir= to skip the import"
+            ) from e
+        held = self._ipam.hold_foreign(found)
+        if held:
+            log.info("holding addresses host-local gave pods on this node count=%d dir=%s",
+                     len(held), self._host_local_dir)  # fmt: skip
 
     def remove_gateway(self, gateway: IPv4Interface) -> None:
         self.pods.remove_gateway(gateway)

@@ -92,13 +92,11 @@ class StatusReporter:
 
     def readiness(self) -> tuple[bool, str]:
         view = self._view()
-        desired = self._reconciler.desired
         return readiness(
             lease_held=bool(view.own),
             subnet_env_written=view.subnet_env_written,
             last_reconcile=self._reconciler.last_result,
             rules_in_place=view.rules_in_place,
-            unprogrammed_peers=len(desired.unreachable) if desired else 0,
         )
 
     def write_file(self, result: ReconcileResult | None, view: AgentView | None = None) -> None:

@@ -43,7 +43,7 @@ from flannelpy.agent.planning import Planner
 from flannelpy.agent.pods import PodSide
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
-from flannelpy.agent.vtep import VtepMac
+from flannelpy.agent.vtep import VtepMac, quiet_router_adverts
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.ethtool import set_tx_checksum
@@ -124,6 +124,7 @@ class Writer:
         self.reconciler = Reconciler(
             parts.kernel, settings.resync_interval, self.on_reconciled, metrics.reconcile_error
         )
+        self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
         self.leases = OwnLeases(
             s, parts.manager, vtep, metrics, settings.cluster_name,
@@ -176,6 +177,8 @@ class Writer:
             # A (re-)created device starts with offload on again.
             for link in result.changes.links_to_create:
                 set_tx_checksum(link.name, False)
+        for link in result.changes.links_to_create:
+            quiet_router_adverts(self.kernel, link.name)
         self.status.write_file(result)
 
     # -- the writer -------------------------------------------------------------------

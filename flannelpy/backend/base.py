@@ -101,6 +101,8 @@ def plan_peers(
         vni=link.vni if link else None,
         vtep_mac=link.mac if link else None,
     )
+    # flanneld peers run the network config's own Backend, not this node's override.
+    flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
     routes: set[Route] = set()
     neighbours: set[Neighbour] = set()
     fdb: set[FdbEntry] = set()
@@ -108,7 +110,7 @@ def plan_peers(
     for peer in routable_peers(ctx, own, peers):
         ip = peer.attrs.public_ip
         on_link = ctx.underlay.on_link(ip)
-        peer_caps = peer_capabilities(peer)
+        peer_caps = peer_capabilities(peer, flanneld_direct_routing)
         path = choose_path(caps, peer_caps, on_link)
         if isinstance(path, NoPath):
             networks = ", ".join(str(n) for n in ctx.underlay.networks) or "none"

@@ -16,10 +16,20 @@ BackendType, BackendData ``{"VNI", "VtepMAC"}`` (a host-gw lease carries them
 while that node keeps a VTEP; Go flanneld ignores BackendData of host-gw
 leases) and our extension ``"Flannelpy": {"DirectRouting": true}``.
 
+A flanneld lease (no ``Flannelpy`` extension) says nothing of DirectRouting, and
+flanneld decides alone: with DirectRouting it routes an on-link peer directly
+whatever the peer advertises, without it it encapsulates. So a flanneld peer is
+taken to run the network config's own Backend (flanneld reads no per-node
+override), and the pair goes direct exactly when that flanneld end would.
+
 The rule, for a pair of nodes:
 
-1. on the same L2 segment and (either end prefers direct, or either end lacks a
-   VTEP) → direct route ``peer-subnet via peer-PublicIP dev <underlay>``;
+0. a peer of a backend we do not speak (wireguard, ipsec, udp, ...) → no path:
+   a plain route would carry its traffic unencrypted, or into a device it lacks;
+1. on the same L2 segment and (direct is wanted, or either end lacks a VTEP) →
+   direct route ``peer-subnet via peer-PublicIP dev <underlay>``. Direct is
+   wanted when an end prefers it and the other follows (ours follow a peer that
+   prefers direct; flanneld follows no one), or both prefer it;
 2. else both ends have a VTEP with the same VNI → vxlan (neighbour, FDB, onlink
    route; the recipe is in :mod:`flannelpy.backend.vxlan`);
 3. else no path, reported in one sentence.
@@ -57,6 +67,10 @@ class Capabilities:
     prefers_direct: bool
     vni: int | None
     vtep_mac: str | None
+    # Routes directly when the peer prefers it (ours do); flanneld decides alone.
+    follows_peer: bool = True
+    # The backend type, when it is one we cannot build a path to (wireguard, udp, ...).
+    foreign_backend: str | None = None
 
     @property
     def has_vtep(self) -> bool:
@@ -85,18 +99,34 @@ def own_capabilities(backend: BackendConfig, vtep_mac: str | None) -> Capabiliti
     )
 
 
-def peer_capabilities(lease: Lease) -> Capabilities:
+SPOKEN_BACKENDS = ("vxlan", "host-gw")
+
+
+def is_flanneld_lease(lease: Lease) -> bool:
+    """A lease without our extension: flanneld's (ours always advertise their MTU)."""
+    return lease.attrs.mtu is None
+
+
+def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Capabilities:
     """A peer's, from its lease. A VTEP counts only with both VNI and VtepMAC: without the
-    MAC we could not write its FDB entry."""
+    MAC we could not write its FDB entry. ``flanneld_direct_routing``: what a flanneld
+    peer runs with (the network config's own DirectRouting), since its lease cannot say."""
     attrs = lease.attrs
     backend_type = attrs.backend_type.lower()
     vni = _int_or_none((attrs.backend_data or {}).get("VNI"))
     mac = attrs.vtep_mac
-    has_vtep = backend_type in ("vxlan", "host-gw") and vni is not None and mac is not None
+    has_vtep = backend_type in SPOKEN_BACKENDS and vni is not None and mac is not None
+    flanneld = is_flanneld_lease(lease)
+    direct_routing = flanneld_direct_routing if flanneld else attrs.direct_routing is True
     return Capabilities(
-        prefers_direct=_prefers_direct(backend_type, attrs.direct_routing is True),
+        prefers_direct=_prefers_direct(backend_type, direct_routing),
         vni=vni if has_vtep else None,
         vtep_mac=mac if has_vtep else None,
+        follows_peer=not flanneld,
+        # flanneld's udp backend writes no BackendType at all.
+        foreign_backend=None if backend_type in SPOKEN_BACKENDS else (
+            backend_type or "udp (no BackendType)"
+        ),
     )
 
 
@@ -106,9 +136,18 @@ def _int_or_none(value: Any) -> int | None:
 
 def choose_path(own: Capabilities, peer: Capabilities, on_link: bool) -> PathKind | NoPath:
     """The path between two nodes (the rule in the module docstring); symmetric in own/peer."""
-    if on_link and (
-        own.prefers_direct or peer.prefers_direct or not own.has_vtep or not peer.has_vtep
-    ):
+    for end in (own, peer):
+        if end.foreign_backend is not None:
+            return NoPath(
+                f"it runs the {end.foreign_backend} backend, which flannelpy does not speak; "
+                "run vxlan or host-gw on every node that shares pods with flannelpy nodes"
+            )
+    direct_wanted = (
+        (own.prefers_direct and peer.follows_peer)
+        or (peer.prefers_direct and own.follows_peer)
+        or (own.prefers_direct and peer.prefers_direct)
+    )
+    if on_link and (direct_wanted or not own.has_vtep or not peer.has_vtep):
         return "direct"
     if own.vni is not None and peer.vni is not None:
         if own.vni == peer.vni:

@@ -23,6 +23,16 @@ to true here, Flannel's delegate settings, which the shipped conflist spells out
 The plugin adds its routes with NLM_F_EXCL: a route it did not add is never
 replaced, and such a conflict fails the ADD with a sentence naming the fix.
 
+The pod's network namespace: ``CNI_NETNS`` is the identity (records, veth
+names, results), and every access goes through an open descriptor. The
+executable opens the path in the runtime's mount namespace and passes the
+descriptor (:mod:`flannelpy.cni.server`); the path itself may name nothing, or
+an empty file, in the agent's (containerd's state-dir mounts, /proc/<pid>/ns/net
+of another PID namespace). Whatever arrives is verified to be a network
+namespace first. Without a descriptor (an executable from before, or one that
+could not open the path) the agent opens the path itself. DEL never needs the
+namespace: it deletes the veth by its host end, from the record.
+
 CHECK failures use code 999, as the reference plugins' do (the spec defines no
 code for "the attachment is broken").
 """
@@ -55,6 +65,7 @@ from cni_plugin.spec import (
     version_reply,
 )
 from flannelpy.cni.records import Record, RecordStore
+from flannelpy.dataplane.netns import NotANetns, require_netns_fd
 from flannelpy.dataplane.podnet import (
     NetnsMissing,
     PodInterfaceExists,
@@ -91,6 +102,12 @@ class CniSettings:
     cluster_networks: Callable[[], Sequence[IPv4Network]] = lambda: ()
     cooldown_seconds: float = 30.0  # default of the config key ipCooldownSeconds
     wait_seconds: float = 0.0  # default of the config key ipWaitSeconds
+
+
+def open_netns_path(path: str) -> int:
+    """CNI_NETNS opened by the agent itself (an executable that passed no fd).
+    O_NONBLOCK: a FIFO there must not hang a worker (no effect on a namespace)."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
 
 
 class KeyLocks:
@@ -141,23 +158,29 @@ class CniHandler:
         pods: PodNetwork,
         records: RecordStore,
         settings: CniSettings,
-        netns_exists: Callable[[str], bool] = os.path.exists,
+        open_netns: Callable[[str], int] = open_netns_path,
+        require_netns: Callable[[int], None] = require_netns_fd,
     ) -> None:
         self.ipam = ipam
         self.pods = pods
         self.records = records
         self.settings = settings
-        self.netns_exists = netns_exists
+        self.open_netns = open_netns  # a path -> an fd the handler closes; raises OSError
+        self.require_netns = require_netns  # raises NotANetns unless the fd is a netns
         self.locks = KeyLocks()
 
     # -- entry point
 
-    def handle(self, env: Mapping[str, str], stdin: bytes) -> tuple[int, bytes]:
+    def handle(
+        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None = None
+    ) -> tuple[int, bytes]:
+        """One request. ``netns_fd``: CNI_NETNS as the executable opened it, or None;
+        the caller keeps it and closes it afterwards."""
         version = reply_version(stdin)
         try:
             req = parse_request(env, stdin)
             version = req.cni_version
-            return 0, self._dispatch(req)
+            return 0, self._dispatch(req, netns_fd)
         except CniError as e:
             log.info(
                 "CNI request refused command=%s code=%s msg=%s",
@@ -171,15 +194,18 @@ class CniHandler:
             err = CniError(Code.INTERNAL, f"the flannelpy agent failed unexpectedly: {e}")
             return 1, err.to_json(version)
 
-    def _dispatch(self, req: Request) -> bytes:
+    def _dispatch(self, req: Request, netns_fd: int | None = None) -> bytes:
         command = req.command
         if command == "ADD":
-            return self.add(req)
+            with self._pod_netns(req, netns_fd) as fd:
+                return self.add(req, fd)
         if command == "DEL":
-            self.delete(req)
+            with self._pod_netns(req, netns_fd, required=False) as maybe_fd:
+                self.delete(req, maybe_fd)
             return b""
         if command == "CHECK":
-            self.check(req)
+            with self._pod_netns(req, netns_fd) as fd:
+                self.check(req, fd)
             return b""
         if command == "GC":
             self.gc(req)
@@ -193,8 +219,9 @@ class CniHandler:
 
     # -- ADD
 
-    def add(self, req: Request) -> bytes:
-        self._require_netns(req)
+    def add(self, req: Request, netns_fd: int | None = None) -> bytes:
+        """ADD into the namespace ``netns_fd`` (verified by the caller, see _pod_netns;
+        None: PodNetwork opens CNI_NETNS)."""
         if not self.settings.ready():
             raise CniError(
                 Code.TRY_AGAIN_LATER,
@@ -217,7 +244,9 @@ class CniHandler:
                 return render_result(parse_result(existing.result, STORED_VERSION), req.cni_version)
             undo = Undo()
             try:
-                result = self._add_steps(req, existing, bridge, mtu, cooldown, wait, undo, plumb)
+                result = self._add_steps(
+                    req, netns_fd, existing, bridge, mtu, cooldown, wait, undo, plumb
+                )
             except BaseException:
                 undo.run()
                 raise
@@ -226,6 +255,7 @@ class CniHandler:
     def _add_steps(
         self,
         req: Request,
+        netns_fd: int | None,
         existing: Record | None,
         bridge: str,
         mtu: int,
@@ -255,6 +285,7 @@ class CniHandler:
             plumb.hairpin,
             owner=owner,
             routes=plumb.routes,
+            netns_fd=netns_fd,
         )
         undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
         result = Result(
@@ -304,28 +335,35 @@ class CniHandler:
 
     # -- DEL
 
-    def delete(self, req: Request) -> None:
+    def delete(self, req: Request, netns_fd: int | None = None) -> None:
+        """DEL; ``netns_fd`` (the pod's namespace, if it could be opened) is only needed
+        when there is no record to find the veth by."""
         key = (req.container_id, req.ifname)
         with self.locks.hold(key):
             record = self.records.read(req.network_name, *key)
             with _cni_errors():
-                self._teardown(record, req.netns or None, *key)
+                pod_ns = (req.netns, netns_fd) if netns_fd is not None else None
+                self._teardown(record, pod_ns, *key)
                 self.records.delete(req.network_name, *key)
 
     def _teardown(
-        self, record: Record | None, netns: str | None, container_id: str, ifname: str
+        self,
+        record: Record | None,
+        pod_ns: tuple[str, int] | None,
+        container_id: str,
+        ifname: str,
     ) -> None:
-        """Veth first, then the address: an address is never free while a veth holds it."""
+        """Veth first, then the address: an address is never free while a veth holds it.
+        ``pod_ns``: (CNI_NETNS, its fd), to look inside when there is no record."""
         if record is not None:
             self.pods.delete_host_veth(record.host_veth, _owner(record))
-        elif netns:
-            self.pods.delete_in_netns(netns, ifname)
+        elif pod_ns is not None:
+            self.pods.delete_in_netns(pod_ns[0], ifname, netns_fd=pod_ns[1])
         self.ipam.release(container_id, ifname)
 
     # -- CHECK
 
-    def check(self, req: Request) -> None:
-        self._require_netns(req)
+    def check(self, req: Request, netns_fd: int | None = None) -> None:
         key = (req.container_id, req.ifname)
         with self.locks.hold(key):
             record = self.records.read(req.network_name, *key)
@@ -351,6 +389,7 @@ class CniHandler:
                     record.gateway,
                     self.settings.mtu_provider(),
                     self._routes(req),
+                    netns_fd=netns_fd,
                 )
         if problems:
             raise CniError(CHECK_FAILED, "; ".join(problems))
@@ -369,10 +408,15 @@ class CniHandler:
             if key not in valid:
                 self._release_orphan(key)
 
-    def gc_dead(self, exists: Callable[[str], bool] = os.path.exists) -> list[Key]:
-        """At agent start: forget attachments whose namespace is gone, and release
+    def gc_dead(self, exists: Callable[[str], bool] | None = None) -> list[Key]:
+        """At agent start: forget attachments whose pod is gone, and release
         addresses no record explains (an ADD that died half-way). Run it before
-        the server accepts requests. Returns the keys released."""
+        the server accepts requests. Returns the keys released.
+
+        A pod is gone when its host veth is: the kernel deletes a veth pair with
+        the namespace holding one end. Its CNI_NETNS path tells nothing, because
+        the agent need not see the runtime's mounts. ``exists(netns)`` replaces
+        that test (unit tests without a kernel)."""
         released: list[Key] = []
         for path, why in self.records.unreadable():
             # Its pod may be alive: releasing would hand its address out twice.
@@ -381,7 +425,12 @@ class CniHandler:
                 " restore or remove the file once the pod is known to be gone", path, why,
             )  # fmt: skip
         for record in self.records.list():
-            if not exists(record.netns):
+            alive = (
+                exists(record.netns)
+                if exists is not None
+                else self.pods.link(record.host_veth) is not None
+            )
+            if not alive:
                 key = (record.container_id, record.ifname)
                 if self._forget(record.network, key):
                     released.append(key)
@@ -427,13 +476,61 @@ class CniHandler:
 
     # -- request checks
 
-    def _require_netns(self, req: Request) -> None:
-        if not self.netns_exists(req.netns):
+    @contextmanager
+    def _pod_netns(
+        self, req: Request, netns_fd: int | None, required: bool = True
+    ) -> Iterator[int | None]:
+        """CNI_NETNS as an fd verified to be a network namespace: the one passed, else
+        the path opened here (and closed after). Refusals are code 4, "invalid
+        necessary environment variables" (CNI spec, "Error codes"): CNI_NETNS names
+        no network namespace. Not ``required`` (DEL): None instead of an error."""
+        if netns_fd is not None:
+            try:
+                self.require_netns(netns_fd)
+            except NotANetns as e:
+                if not required:
+                    yield None
+                    return
+                raise CniError(
+                    Code.INVALID_ENVIRONMENT,
+                    f"CNI_NETNS {req.netns} is not a network namespace ({e}); pass the path"
+                    " of the container's network namespace",
+                ) from e
+            yield netns_fd
+            return
+        try:
+            fd = self.open_netns(req.netns) if req.netns else None
+        except OSError as e:
+            if not required:
+                yield None
+                return
             raise CniError(
                 Code.INVALID_ENVIRONMENT,
-                f"CNI_NETNS {req.netns} does not exist; pass the path of the container's"
-                " network namespace",
-            )
+                f"CNI_NETNS {req.netns} cannot be opened ({e.strerror}); pass the path of the"
+                " container's network namespace",
+            ) from e
+        if fd is None:  # DEL without CNI_NETNS (parse_request demands it elsewhere)
+            yield None
+            return
+        try:
+            try:
+                self.require_netns(fd)
+            except NotANetns as e:
+                if not required:
+                    yield None
+                    return
+                # An executable that predates passing the fd, in a mount namespace the
+                # agent does not share: the path shows the agent something else.
+                raise CniError(
+                    Code.INVALID_ENVIRONMENT,
+                    f"CNI_NETNS {req.netns} is not a network namespace where the flannelpy"
+                    f" agent looks ({e}); install the current flannelpy-cni on this node (it"
+                    " passes the namespace itself) or mount the runtime's namespace"
+                    " directory into the agent",
+                ) from e
+            yield fd
+        finally:
+            os.close(fd)
 
     def _bridge(self, req: Request) -> str:
         name = req.config.get("bridge", self.settings.bridge)

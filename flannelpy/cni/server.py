@@ -22,17 +22,28 @@ path is still ours.
 
 Framing is :mod:`cni_plugin.wire`. The socket is 0600 in a 0700 directory: only
 root (the kubelet, the runtime) may ask for pod networking.
+
+The pod's namespace arrives as a descriptor (SCM_RIGHTS with the request's
+first bytes), opened by the executable where CNI_NETNS means something; the
+server hands it to the handler, which verifies it is a network namespace, and
+closes every descriptor received once the reply is sent, whatever happened.
+
+Each connection has two bounded phases: the whole request must arrive within
+``read_timeout`` (a total, so a client trickling a byte at a time is dropped
+too), and the reply must be taken within SEND_TIMEOUT_SECONDS. The handler's
+own work is bounded by the handler (an IPAM wait is capped).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 from cni_plugin import wire
 from cni_plugin.spec import CniError, Code
@@ -41,21 +52,41 @@ from flannelpy.errors import DataplaneError
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[dict[str, str], bytes], tuple[int, bytes]]
+
+class Handler(Protocol):
+    """One request: (exit code, stdout). ``netns_fd`` is CNI_NETNS as the executable
+    opened it, passed only when one arrived (a handler that never serves ADD, CHECK
+    or DEL may take two arguments); the server closes it after the call."""
+
+    def __call__(
+        self, env: dict[str, str], stdin: bytes, netns_fd: int | None = None
+    ) -> tuple[int, bytes]: ...
+
 
 ACCEPT_POLL_SECONDS = 0.2  # how often the accept loop looks at its stop flag
 ACCEPT_STALE_SECONDS = 30.0  # an accept loop silent this long is stuck (it turns every 0.2 s)
-READ_TIMEOUT_SECONDS = 10.0  # a client that stalls mid-request is dropped
+# The whole request, from accept to the client's shutdown: the executables send
+# it at once (~1 ms), so 10 s only ever cuts off a stalled or trickling client.
+READ_TIMEOUT_SECONDS = 10.0
+SEND_TIMEOUT_SECONDS = 10.0  # the reply is a few kB; a client that stops reading is dropped
+MAX_FDS = 1  # the namespace of CNI_NETNS; more is refused
 BACKLOG = 256  # a 100-pod burst connects at once
 ERROR_VERSION = "1.1.0"  # for errors raised before the request's cniVersion is known
 STOP_GRACE_SECONDS = 30.0  # in-flight requests finish (a bounded IPAM wait included)
 
 
 class CniServer:
-    def __init__(self, socket_path: str, handler: Handler, netns: str | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        handler: Handler,
+        netns: str | None = None,
+        read_timeout: float = READ_TIMEOUT_SECONDS,
+    ) -> None:
         self.socket_path = socket_path
         self.handler = handler
         self.netns = netns
+        self.read_timeout = read_timeout
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -165,9 +196,9 @@ class CniServer:
     def _serve(self, conn: socket.socket, inline: bool = False) -> None:
         try:
             with conn:
-                conn.settimeout(READ_TIMEOUT_SECONDS)
                 reply = self._reply(conn)
                 try:
+                    conn.settimeout(SEND_TIMEOUT_SECONDS)  # sendall's total, not per send
                     conn.sendall(reply)
                 except OSError as e:
                     log.warning("could not send the CNI reply: %s", e)
@@ -178,13 +209,28 @@ class CniServer:
 
     def _reply(self, conn: socket.socket) -> bytes:
         try:
-            data = read_request(conn)
-            env, stdin = wire.decode_request(data)
+            data, fds = read_request(conn, timeout=self.read_timeout)
         except (wire.WireError, OSError) as e:
+            log.warning("CNI request dropped reason=%s", e)
             err = CniError(Code.IO_FAILURE, f"could not read the request from the CNI plugin: {e}")
             return wire.encode_reply(1, err.to_json(ERROR_VERSION))
         try:
-            code, out = self.handler(env, stdin)
+            return self._answer(data, fds[0] if fds else None)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _answer(self, data: bytes, netns_fd: int | None) -> bytes:
+        try:
+            env, stdin = wire.decode_request(data)
+        except wire.WireError as e:
+            err = CniError(Code.IO_FAILURE, f"could not read the request from the CNI plugin: {e}")
+            return wire.encode_reply(1, err.to_json(ERROR_VERSION))
+        try:
+            if netns_fd is None:
+                code, out = self.handler(env, stdin)
+            else:
+                code, out = self.handler(env, stdin, netns_fd)
         except Exception as e:  # the handler should not raise; never leave the client hanging
             log.exception("CNI handler failed command=%s", env.get("CNI_COMMAND"))
             err = CniError(Code.INTERNAL, f"the flannelpy agent failed unexpectedly: {e}")
@@ -192,18 +238,52 @@ class CniServer:
         return wire.encode_reply(code, out)
 
 
-def read_request(conn: socket.socket, limit: int = wire.MAX_REQUEST_BYTES) -> bytes:
-    """Everything until the client shuts down writing; raises WireError beyond ``limit``."""
+_FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+def read_request(
+    conn: socket.socket,
+    limit: int = wire.MAX_REQUEST_BYTES,
+    timeout: float = READ_TIMEOUT_SECONDS,
+) -> tuple[bytes, list[int]]:
+    """Everything until the client shuts down writing, within ``timeout`` seconds in
+    all, and the descriptors that came with it (close-on-exec; the caller closes
+    them). Raises WireError beyond ``limit`` or MAX_FDS, TimeoutError past the
+    deadline, having closed what it received."""
+    deadline = time.monotonic() + timeout
     chunks: list[bytes] = []
+    fds: list[int] = []
     size = 0
-    while True:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise wire.WireError(f"request larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the request did not arrive within {timeout:g} s")
+            conn.settimeout(left)
+            try:
+                chunk, ancdata, flags, _ = conn.recvmsg(65536, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+            except TimeoutError:
+                raise TimeoutError(f"the request did not arrive within {timeout:g} s") from None
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                    fds.extend(got)
+            # The kernel closes what did not fit and says so with MSG_CTRUNC.
+            if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+                raise wire.WireError(
+                    f"the request carried more than {MAX_FDS} file descriptor; run flannelpy-cni"
+                )
+            if not chunk:
+                return b"".join(chunks), fds
+            size += len(chunk)
+            if size > limit:
+                raise wire.WireError(f"request larger than {limit} bytes")
+            chunks.append(chunk)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def bind_socket(path: str) -> socket.socket:

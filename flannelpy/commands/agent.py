@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -22,7 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     # The agent (and through it the store client) loads only when it runs.
     from flannelpy.agent.compose import run_agent
-    from flannelpy.config.settings import settings_from_args
+    from flannelpy.config.settings import settings_from_args, start_notes
     from flannelpy.errors import FlannelpyError
     from flannelpy.log import setup_logging
 
@@ -32,4 +33,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"flannelpy: {e}", file=sys.stderr)
         return e.exit_code
     setup_logging(settings.log_format, settings.log_level)
+    for note in start_notes(settings):
+        logging.getLogger("flannelpy.agent").info(note)
     return run_agent(settings)

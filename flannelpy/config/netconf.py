@@ -86,6 +86,14 @@ class NetworkConfig:
     raw: Mapping[str, Any] = field(default_factory=dict)  # the whole document, as written
     ipv6_subnet_min: IPv6Address | None = None
     ipv6_subnet_max: IPv6Address | None = None
+    # The document's own Backend when this node runs an override of it: what flanneld
+    # nodes run (they read no overrides). None: this node runs the document as is.
+    cluster_backend: BackendConfig | None = None
+
+    @property
+    def flanneld_backend(self) -> BackendConfig:
+        """The Backend a flanneld node of this cluster runs: the document's own."""
+        return self.cluster_backend or self.backend
 
 
 # ---------------------------------------------------------------------------

@@ -10,10 +10,11 @@ import argparse
 import math
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from ipaddress import (
     IPv4Address,
+    IPv6Address,
     ip_address,
 )
 from typing import Any, Literal
@@ -42,11 +43,18 @@ class AgentSettings:
     iface_regex: tuple[str, ...] = ()
     iface_can_reach: str | None = None  # an IPv4 address
     public_ip: IPv4Address | None = None
+    # Accepted as flanneld does; not used until IPv6 is (EnableIPv6 is refused for now).
+    public_ipv6: str | None = None
     subnet_file: str = "/run/flannel/subnet.env"
     subnet_lease_renew_margin: int = 60  # minutes before expiry, 1..1439
     ip_masq: bool = False
+    ip_masq_fully_random_disable: bool = False  # MASQUERADE without --random-fully
     iptables_resync: float = 5.0  # seconds
     iptables_forward_rules: bool = True
+    ip_blackhole_route: bool = False  # only False: see _check_blackhole
+    # Kubernetes mode: set our Node's NetworkUnavailable condition to False once up.
+    set_node_network_unavailable: bool = True
+    v: int = 0  # klog's verbosity, as flanneld takes it; above 0 turns on debug logs
     healthz_ip: str = "0.0.0.0"
     healthz_port: int = 0  # 0: off
     # Also serve /metrics on the healthz port (it listens on every address by default,
@@ -56,6 +64,9 @@ class AgentSettings:
     node_name: str | None = None  # default: $NODE_NAME, else the hostname
     state_dir: str = "/var/lib/flannelpy"
     run_dir: str = "/run/flannelpy"
+    # host-local's data dir for Flannel's network: the addresses of pods a flanneld made
+    # on this node before ours took over are held, never handed out again ("" = off).
+    host_local_dir: str = "/var/lib/cni/networks/cbr0"
     allow_overlap: bool = False
     resync_interval: float = 10.0  # seconds between full reconciles (events trigger sooner)
     startup_timeout: float = 30.0  # seconds to keep retrying an unreachable store at start
@@ -87,6 +98,9 @@ _LOG_LEVELS = {
     "warning": "warning",
     "error": "error",
 }
+# Flannel's annotation prefix regexp (pkg/subnet/kube/annotations.go), on the prefix
+# after its slash or dash is appended.
+_FLANNEL_ANNOTATION_PREFIX = re.compile(r"(?:[a-z0-9_-]+\.)+[a-z0-9_-]+/(?:[a-z0-9_-]+-)?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -126,17 +140,28 @@ _FLAGS: tuple[_Flag, ...] = (
           split_commas=False),
     _Flag("iface_can_reach", "str", "pick the interface that routes to this IPv4 address"),
     _Flag("public_ip", "str", "IPv4 address to advertise to peers"),
+    _Flag("public_ipv6", "str", "IPv6 address to advertise to peers (not used yet)"),
     _Flag("subnet_file", "str", "where to write subnet.env"),
     _Flag("subnet_lease_renew_margin", "int", "renew the lease this many minutes before expiry"),
     _Flag("ip_masq", "bool", "masquerade traffic leaving the overlay"),
+    _Flag("ip_masq_fully_random_disable", "bool",
+          "masquerade without --random-fully (fully random source ports)"),
     _Flag("iptables_resync", "float", "seconds between firewall rule checks"),
     _Flag("iptables_forward_rules", "bool", "add FORWARD accept rules for the network"),
+    _Flag("ip_blackhole_route", "bool",
+          "flanneld's blackhole route for the node's subnet (not supported: refused)"),
+    _Flag("set_node_network_unavailable", "bool",
+          "set the Node's NetworkUnavailable condition to False once up (Kubernetes mode)"),
+    _Flag("v", "int", "klog verbosity as flanneld takes it; above 0 means --log-level debug"),
     _Flag("healthz_ip", "str", "address of the /healthz and /readyz server"),
     _Flag("healthz_port", "int", "port of the /healthz and /readyz server (0: off)"),
     _Flag("healthz_metrics", "bool", "also serve /metrics on the --healthz-port server"),
     _Flag("node_name", "str", "this node's name (default: $NODE_NAME, else the hostname)"),
     _Flag("state_dir", "str", "directory for IPAM and other persistent state"),
     _Flag("run_dir", "str", "directory for the CNI socket and other runtime files"),
+    _Flag("host_local_dir", "str",
+          "host-local's data dir of pods made by a flanneld before this agent, whose "
+          "addresses are held (empty: none)"),
     _Flag("allow_overlap", "bool", "start even if Network overlaps a route on this node"),
     _Flag("resync_interval", "float", "seconds between full kernel reconciles"),
     _Flag("startup_timeout", "float", "seconds to retry an unreachable store before giving up"),
@@ -180,6 +205,35 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
 
 
+def go_style_argv(args: Sequence[str]) -> list[str]:
+    """``args`` with the agent's flags in Go's spellings turned into ours.
+
+    flanneld parses with Go's flag package, where ``-name`` and ``--name`` are the same
+    flag and ``-v`` is klog's verbosity, so ``-etcd-endpoints=http://e:2379`` and
+    ``-v 2`` are common in existing manifests. Only names of agent flags are rewritten
+    (and nothing after ``--``), so any other text still reaches the parser as given.
+    """
+    names = {flag.option[2:] for flag in _FLAGS}
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + list(args[i:])
+        single = arg.startswith("-") and not arg.startswith("--")
+        if single and arg[1:].split("=", 1)[0] in names:
+            arg = "-" + arg
+        out.append(arg)
+    return out
+
+
+def start_notes(settings: AgentSettings) -> list[str]:
+    """Sentences to log at start about flags taken for compatibility with flanneld."""
+    notes: list[str] = []
+    if settings.public_ipv6 is not None:
+        notes.append(f"--public-ipv6 {settings.public_ipv6} is accepted but not used: "
+                     "flannelpy does not carry IPv6 yet")  # fmt: skip
+    return notes
+
+
 def settings_from_args(ns: argparse.Namespace, environ: Mapping[str, str]) -> AgentSettings:
     """Merge flags, FLANNELD_* variables and defaults (in that order) and check them."""
     values: dict[str, Any] = {}
@@ -196,6 +250,10 @@ def settings_from_args(ns: argparse.Namespace, environ: Mapping[str, str]) -> Ag
             values[name] = check(values[name], sources[name])
     if values.get("node_name") is None:
         values["node_name"] = environ.get("NODE_NAME") or socket.gethostname()
+    _with_schemes(values)
+    # klog's -v above 0 shows flanneld's verbose logs; ours are the debug level.
+    if values.get("v", 0) > 0 and "log_level" not in values:
+        values["log_level"] = "debug"
     settings = AgentSettings(**values)
     _check_together(settings, sources)
     return settings
@@ -268,14 +326,27 @@ def _parse_float(text: str, source: str) -> float:
 
 
 def _check_endpoints(urls: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """Each endpoint a URL. A bare ``host:port`` is taken as etcd's Go client takes it
+    (the TLS files decide the scheme: see _with_schemes)."""
     if not urls:
         raise ConfigError(f"{source} is empty; give etcd URLs like http://127.0.0.1:2379")
     for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if url.startswith(("unix:", "unixs:")):
+            raise ConfigError(
+                f"{source} entry {url!r} is a unix socket, which flannelpy cannot reach etcd "
+                "over yet; give etcd's client URL like http://127.0.0.1:2379"
+            )
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or (
+            "://" not in url and port is None
+        ):
             raise ConfigError(
                 f"{source} entry {url!r} is not an etcd URL; write it like "
-                "http://127.0.0.1:2379 or https://etcd-0:2379"
+                "http://127.0.0.1:2379, https://etcd-0:2379 or etcd-0:2379"
             )
     return urls
 
@@ -297,6 +368,24 @@ def _check_ipv4(text: str, source: str) -> IPv4Address:
         raise ConfigError(
             f"{source} {text!r} is not an IPv4 address; give one like 192.168.1.10"
         ) from None
+
+
+def _check_ipv6(text: str, source: str) -> str:
+    try:
+        return str(IPv6Address(text))
+    except ValueError:
+        raise ConfigError(
+            f"{source} {text!r} is not an IPv6 address; give one like 2001:db8::10"
+        ) from None
+
+
+def _check_blackhole(value: bool, source: str) -> bool:
+    if value:
+        raise ConfigError(
+            f"{source} is not supported by flannelpy: its pods always sit on cni0, which "
+            "routes the node's own subnet; leave the flag out"
+        )
+    return value
 
 
 def _check_ip(text: str, source: str) -> str:
@@ -358,10 +447,29 @@ def _check_log_level(value: str, source: str) -> str:
 
 
 def _check_annotation_prefix(value: str, source: str) -> str:
-    if len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value):
+    """Flannel's rule (newAnnotations): at most one slash; ``/`` appended when there is
+    none, else ``-`` unless it ends in ``/`` or ``-``; then its regexp, whole, must
+    match. The part before the slash is also a DNS subdomain, as the API server demands
+    of an annotation key (Flannel lets an underscore through there, and the API refuses
+    its patches later)."""
+    if value.count("/") > 1:
         raise ConfigError(
-            f"{source} {value!r} is not a DNS subdomain; use lower-case names like "
-            "flannel.alpha.coreos.com"
+            f"{source} {value!r} has more than one slash; use a prefix like "
+            "flannel.alpha.coreos.com or example.com/flannel"
+        )
+    full = value if "/" in value else value + "/"
+    if not full.endswith(("/", "-")):
+        full += "-"
+    domain = full.split("/", 1)[0]
+    if (
+        not _FLANNEL_ANNOTATION_PREFIX.fullmatch(full)
+        or len(domain) > 253
+        or not _DNS_SUBDOMAIN.fullmatch(domain)
+    ):
+        raise ConfigError(
+            f"{source} {value!r} is not an annotation prefix; use a lower-case DNS name, "
+            "optionally followed by a slash and lower-case letters, digits, '-' or '_', "
+            "like flannel.alpha.coreos.com or example.com/flannel_"
         )
     return value
 
@@ -407,6 +515,8 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "iface_regex": _check_regexes,
     "iface_can_reach": _check_can_reach,
     "public_ip": _check_ipv4,
+    "public_ipv6": _check_ipv6,
+    "ip_blackhole_route": _check_blackhole,
     "subnet_lease_renew_margin": _in_range(1, 1439, "minutes"),
     "iptables_resync": _positive("seconds"),
     "healthz_ip": _check_ip,
@@ -438,3 +548,14 @@ def _check_together(settings: AgentSettings, sources: Mapping[str, str]) -> None
         raise ConfigError(
             "--etcd-keyfile and --etcd-certfile go together; give both or neither"
         )
+
+
+def _with_schemes(values: dict[str, Any]) -> None:
+    """A bare ``host:port`` endpoint gets the scheme etcd's Go client would use: https
+    when any TLS file is given, else http."""
+    urls = values.get("etcd_endpoints")
+    if urls is None:
+        urls = _DEFAULTS["etcd_endpoints"]
+    tls = any(values.get(name) for name in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"))
+    scheme = "https" if tls else "http"
+    values["etcd_endpoints"] = tuple(u if "://" in u else f"{scheme}://{u}" for u in urls)

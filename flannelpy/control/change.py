@@ -16,7 +16,7 @@ place of its Backend. Against what the node runs, a difference is one of:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Literal
 
@@ -38,9 +38,11 @@ def wanted_config(config_raw: bytes, override: NodeOverride | None) -> NetworkCo
         del doc[key]
     doc["Backend"] = dict(override.backend)
     try:
-        return parse_network_config(json.dumps(doc))
+        wanted = parse_network_config(json.dumps(doc))
     except ConfigError as e:
         raise ConfigError(f"this node's override: {e}") from e
+    # flanneld nodes run the document's own Backend: paths to them follow it.
+    return replace(wanted, cluster_backend=parse_network_config(config_raw).backend)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def _live_fields(config: NetworkConfig) -> tuple[object, ...]:
     """What a running node cannot change without re-addressing its leases and pods."""
     return (
         config.network, config.subnet_len, config.subnet_min, config.subnet_max,
-        config.enable_ipv4, config.enable_ipv6, config.ipv6_network,
+        config.enable_ipv4, config.enable_ipv6, config.ipv6_network, config.enable_nftables,
     )  # fmt: skip
 
 
@@ -74,9 +76,9 @@ def decide_change(
         return ChangeDecision(
             "restart-needed",
             sentence=(
-                "the network config changed Network, SubnetLen, SubnetMin/Max or the IP "
-                "families; those are not applied to a running node: restart every agent "
-                "(pods keep their addresses only if their subnets stay inside Network)"
+                "the network config changed Network, SubnetLen, SubnetMin/Max, the IP "
+                "families or EnableNFTables; those are not applied to a running node: restart "
+                "every agent (pods keep their addresses only if their subnets stay inside Network)"
             ),
         )
     changes = tuple(disruptive_changes(running.backend, wanted.backend, running_mtu, wanted_mtu))

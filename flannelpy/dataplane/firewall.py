@@ -3,21 +3,26 @@
 The rules (Flannel's, in Flannel's order; comment ``flanneld masq`` /
 ``flanneld forward`` on each)::
 
-    nat     POSTROUTING      -j FLANNEL-POSTRTG           (our jump, at the top)
+    nat     POSTROUTING      -j FLANNEL-POSTRTG           (our jump, appended)
     nat     FLANNEL-POSTRTG  -m mark --mark 0x4000/0x4000 -j RETURN   kube-proxy masquerades these
                              -s <subnet> -d <Network> -j RETURN       pod → pod: no NAT
                              -s <Network> -d <subnet> -j RETURN
                              ! -s <Network> -d <subnet> -j RETURN     outside → our pods: no NAT
                              -s <Network> ! -d 224.0.0.0/4 -j MASQUERADE --random-fully
                              ! -s <Network> -d <Network> -j MASQUERADE --random-fully
-    filter  FORWARD          -j FLANNEL-FWD               (our jump, at the top)
+    filter  FORWARD          -j FLANNEL-FWD               (our jump, appended)
     filter  FLANNEL-FWD      -s <Network> -j ACCEPT ; -d <Network> -j ACCEPT
 
-Flannel re-checks only that each rule exists. We also check order and
-duplicates, by comparing ``iptables -S`` of our chains with the exact lines we
-would write. A chain that differs is rewritten with one ``iptables-restore
---noflush`` transaction per table, which replaces only our chains and our jump
-rules: everything else on the host (kube-proxy, Docker, the user) is untouched.
+The jumps in the builtin chains are placed as Flannel places them: appended
+once at start (an existing one is moved to the end), then only checked to
+exist. Whatever another agent puts above them (Calico's Felix, kube-proxy,
+network policy) stays above: inserting ours first would accept every pod
+packet before policy is applied, and fighting over position 1 rewrites
+POSTROUTING and FORWARD on every resync. Our own chains are compared exactly
+(order and duplicates too) with the lines we would write: nothing else has a
+reason to be in them. A chain that differs is rewritten with one
+``iptables-restore --noflush`` transaction per table, which replaces only our
+chains and our jump rules: everything else on the host is untouched.
 """
 
 from __future__ import annotations
@@ -186,20 +191,35 @@ def plan_chain(desired: Sequence[Rule], observed: Sequence[str]) -> ChainPlan:
     return ChainPlan(False, _why(want, have))
 
 
-def plan_jumps(desired: Sequence[Rule], observed: Sequence[str]) -> ChainPlan:
-    """A builtin chain (POSTROUTING, FORWARD): our jumps exactly once each, at the top.
+def plan_jumps(
+    desired: Sequence[Rule], observed: Sequence[str], bootstrap: bool = False
+) -> ChainPlan:
+    """A builtin chain (POSTROUTING, FORWARD): our jumps present, wherever they are.
 
-    Other rules in the chain are not ours and are ignored, except that ours must
-    come before them. ``stale`` lists every observed jump to our chains, which
-    the repair deletes (by spec, never by position) before inserting ``desired``.
+    Other rules in the chain are not ours and are ignored, as Flannel ignores
+    them. At ``bootstrap`` (the first sync after start) our jumps must be the
+    chain's last rules, once each, as Flannel leaves them after deleting and
+    appending them; ``stale`` then lists every observed jump to our chains, which
+    the repair deletes (by spec, never by position) before appending ``desired``.
+    Later, only a missing jump is a difference, and the repair appends it alone.
     """
     want = [r.line for r in desired]
     targets = {r.target for r in desired}
     have = _rule_lines(observed)
     ours = [line for line in have if _target(_split(line)) in targets]
-    if ours == want and have[: len(want)] == want:
+    if not bootstrap:
+        if all(line in ours for line in want):
+            return ChainPlan(True)
+        return ChainPlan(False, MISSING)
+    if ours == want and have[len(have) - len(want) :] == want:
         return ChainPlan(True)
     return ChainPlan(False, _why(want, ours), stale=tuple(ours))
+
+
+def missing_jumps(desired: Sequence[Rule], observed: Sequence[str]) -> list[Rule]:
+    """The jumps of ``desired`` that ``observed`` (``iptables -S`` lines) lacks."""
+    have = set(_rule_lines(observed))
+    return [r for r in desired if r.line not in have]
 
 
 def _why(want: Sequence[str], have: Sequence[str]) -> str:
@@ -225,18 +245,17 @@ def restore_script(
     """One ``iptables-restore --noflush`` transaction for ``table``.
 
     ``rewrite``: (our chain, its rules); declaring a chain with --noflush creates
-    it or empties it, then the rules are appended. ``jumps``: (builtin chain, our
-    jump rules, stale lines); stale jumps are deleted by spec and ours inserted
-    at the top, in order.
+    it or empties it, then the rules are appended. ``jumps``: (builtin chain, jump
+    rules to append, stale lines); stale jumps are deleted by spec, then the
+    jumps are appended in order, after every rule already in the chain.
     """
     lines = [f"*{table}"]
     lines += [f":{chain} - [0:0]" for chain, _ in rewrite]
     for _, rules in rewrite:
         lines += [r.line for r in rules]
-    for chain, rules, stale in jumps:
+    for _, rules, stale in jumps:
         lines += ["-D" + line[len("-A") :] for line in stale]
-        for position, r in enumerate(rules, start=1):
-            lines.append(f"-I {chain} {position} " + r.line.split(" ", 2)[2])
+        lines += [r.line for r in rules]
     lines.append("COMMIT")
     return "\n".join(lines) + "\n"
 
@@ -303,6 +322,8 @@ class IptablesFirewall:
         self._wait = ("-w", str(wait_seconds))
         self._random_fully = random_fully
         self._timeout = timeout
+        # Builtin chains whose jumps were placed since start (see plan_jumps' bootstrap).
+        self._placed: set[tuple[str, str]] = set()
 
     @property
     def random_fully(self) -> bool:
@@ -316,18 +337,22 @@ class IptablesFirewall:
         return self._random_fully
 
     def sync(self, rules: Sequence[Rule]) -> SyncResult:
-        """Make our chains and jumps exactly ``rules``; report whether a repair was needed."""
+        """Make our chains exactly ``rules`` and our jumps present (placed at the end on
+        the first sync); report whether a repair was needed."""
         if not self.random_fully:
             rules = without_random_fully(rules)
         details: list[str] = []
         reasons: list[str] = []
         for table, chains in _by_table(rules).items():
             script, problems = self._table_repair(table, chains)
+            builtins = {(table, chain) for chain in chains if chain in BUILTIN_CHAINS}
             if script is None:
+                self._placed |= builtins
                 continue
             reasons += [reason for _, reason in problems]
             details += [f"{table}/{chain}: {reason}" for chain, reason in problems]
             self._restore(table, script)
+            self._placed |= builtins
             _, still = self._table_repair(table, chains)
             if still:
                 found = ", ".join(f"{table}/{c}: {r}" for c, r in still)
@@ -341,7 +366,8 @@ class IptablesFirewall:
         return SyncResult(bool(details), reason, tuple(details))
 
     def remove(self) -> None:
-        """Delete our jumps and chains (lab teardown and tests). Missing ones are fine."""
+        """Delete our jumps and chains (the clean-up when nftables mode starts). Missing
+        ones are fine."""
         for table, chain in OUR_CHAINS:
             if not self._list(table, chain):
                 continue
@@ -372,9 +398,11 @@ class IptablesFirewall:
         for chain, chain_rules in sorted(chains.items(), key=lambda kv: kv[0] in BUILTIN_CHAINS):
             observed = self._list(table, chain)
             if chain in BUILTIN_CHAINS:
-                plan = plan_jumps(chain_rules, observed)
+                bootstrap = (table, chain) not in self._placed
+                plan = plan_jumps(chain_rules, observed, bootstrap)
                 if not plan.in_sync:
-                    jumps.append((chain, chain_rules, plan.stale))
+                    append = chain_rules if bootstrap else missing_jumps(chain_rules, observed)
+                    jumps.append((chain, append, plan.stale))
             else:
                 plan = plan_chain(chain_rules, observed)
                 if not plan.in_sync:

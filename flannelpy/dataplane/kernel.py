@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from typing import Protocol
 
@@ -29,6 +29,12 @@ class ForeignRoute:
 
     network: IPv4Network
     description: str  # e.g. "route 10.244.0.0/16 dev eth1" or "address 10.244.3.7/24 on eth0"
+    # Of a route, for telling a route another Flannel left (dataplane.adopt) from a foreign
+    # one; not part of its identity.
+    protocol: int = field(default=0, compare=False)
+    gateway: IPv4Address | None = field(default=None, compare=False)
+    device: str = field(default="", compare=False)
+    is_address: bool = field(default=False, compare=False)
 
 
 class Kernel(Protocol):

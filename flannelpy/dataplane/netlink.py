@@ -33,6 +33,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
+from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.state import (
     ROUTE_PROTOCOL,
@@ -121,6 +122,8 @@ class NetlinkKernel:
     Stateless between calls: safe to share between threads, and callable from a
     thread that runs an asyncio loop (apply then hops to a helper thread).
     Routes are tagged with ``route_protocol``; MACs are reported in lower case.
+    With ``adopt`` set, routes of that shape another Flannel left count as ours to
+    replace or delete (``observe`` reports them with their protocol).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class NetlinkKernel:
     ) -> None:
         self.protocol = route_protocol
         self.watch_buffer = watch_buffer  # bytes; small only in tests that provoke ENOBUFS
+        self.adopt: FlannelRouteShape | None = None
 
     # -- reading
 
@@ -185,13 +189,15 @@ class NetlinkKernel:
                 net = IPv4Network(f"{r.dst}/{r.dst_len}", strict=False)
                 via = f" via {r.gateway}" if r.gateway else ""
                 where = f" dev {dev}" if dev else ""
-                found.append(ForeignRoute(net, f"route {net}{via}{where}"))
+                found.append(ForeignRoute(net, f"route {net}{via}{where}", r.protocol,
+                                          r.gateway or None, dev))  # fmt: skip
             for a in nl.dump_addresses(sock):
                 dev = names.get(a.ifindex, str(a.ifindex))
                 if dev in ignored:
                     continue
                 iface = IPv4Interface(f"{a.address}/{a.prefixlen}")
-                found.append(ForeignRoute(iface.network, f"address {iface} on {dev}"))
+                found.append(ForeignRoute(iface.network, f"address {iface} on {dev}",
+                                          device=dev, is_address=True))  # fmt: skip
         return found
 
     def observe(self, link_names: Iterable[str], owned_devices: Iterable[str]) -> ObservedState:
@@ -213,8 +219,10 @@ class NetlinkKernel:
                     gateway=r.gateway or NO_GATEWAY,
                     ifname=names.get(r.oif, ""),
                     onlink=bool(r.flags & rtnl.RTNH_F_ONLINK),
+                    protocol=None if r.protocol == self.protocol else r.protocol,
                 )
-                for r in nl.dump_routes(sock, protocol=self.protocol)
+                for r in nl.dump_routes(sock, protocol=0 if self.adopt else self.protocol)
+                if r.protocol == self.protocol or self._adoptable(r, names)
             ]
             neighbours: list[Neighbour] = []
             fdb: list[FdbEntry] = []
@@ -229,6 +237,12 @@ class NetlinkKernel:
             neighbours=frozenset(neighbours),
             fdb=frozenset(fdb),
         )
+
+    def _adoptable(self, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
+        if self.adopt is None:
+            return False
+        dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
+        return self.adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
 
     def link_mac(self, name: str) -> str | None:
         with nl.NetlinkSocket() as sock:
@@ -245,7 +259,7 @@ class NetlinkKernel:
         return self._apply(changes)
 
     def _apply(self, changes: Changes) -> ApplyResult:
-        with nl.NetlinkSocket() as sock, _Batch(sock, self.protocol) as run:
+        with nl.NetlinkSocket() as sock, _Batch(sock, self.protocol, self.adopt) as run:
             run.links(changes)
             run.entries("routes_to_delete", changes.routes_to_delete)
             run.addresses("addresses_to_add", changes.addresses_to_add)
@@ -297,9 +311,12 @@ class NetlinkKernel:
 class _Batch:
     """One ``apply`` call: its sockets, the device index, counts and failures."""
 
-    def __init__(self, sock: nl.NetlinkSocket, protocol: int) -> None:
+    def __init__(
+        self, sock: nl.NetlinkSocket, protocol: int, adopt: FlannelRouteShape | None = None
+    ) -> None:
         self.sock = sock
         self.protocol = protocol
+        self.adopt = adopt
         self.index = {r.name: r.index for r in nl.dump_links(sock)}
         self.applied: Counter[str] = Counter()
         self.failures: list[str] = []
@@ -356,10 +373,11 @@ class _Batch:
         to take (a peer lease naming the underlay's subnet would cut the node off)."""
         if not routes:
             return []
+        names = {index: name for name, index in self.index.items()}
         foreign = {
             (int(r.dst), r.dst_len): r.protocol
             for r in nl.dump_routes(self.sock)
-            if r.protocol != self.protocol
+            if r.protocol != self.protocol and not self._adoptable(r, names)
         }
         kept = []
         for route in routes:
@@ -372,6 +390,13 @@ class _Batch:
                 f"protocol {proto}, not the agent's; remove it or the lease that asks for it"
             )
         return kept
+
+    def _adoptable(self, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
+        """A route another Flannel left, which a replace of ours may take over."""
+        if self.adopt is None:
+            return False
+        dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
+        return self.adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
 
     def addresses(self, key: str, entries: Sequence[Address]) -> None:
         delete = key == "addresses_to_delete"
@@ -421,7 +446,9 @@ class _Batch:
                         f"could not set {_describe(entry)}: {entry.ifname} does not exist"
                     )
                 continue
-            requests.append(_request(entry, delete, ifindex or 0, self.protocol))
+            # A taken-over route is deleted with its own protocol (the kernel matches it).
+            protocol = entry.protocol if isinstance(entry, Route) and entry.protocol else None
+            requests.append(_request(entry, delete, ifindex or 0, protocol or self.protocol))
             sent.append(entry)
         try:
             replies = self.sock.batch(requests)

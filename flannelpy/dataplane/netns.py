@@ -5,13 +5,21 @@ calls ``setns(fd, CLONE_NEWNET)`` sees only that namespace's links, and every
 socket it opens (netlink included) stays bound to that namespace for its
 lifetime. The thread exits afterwards, so no thread of the caller is ever left
 in a foreign namespace. Python 3.11 has no ``os.setns``, hence ctypes.
+
+A namespace is named by a path (opened here) or by an open file descriptor:
+the CNI executable opens ``CNI_NETNS`` in the runtime's mount namespace and
+passes the descriptor, so the agent never needs to see the runtime's paths.
+:func:`require_netns_fd` tells a network namespace from anything else.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,11 +27,52 @@ from typing import Any, TypeVar
 from flannelpy.errors import DataplaneError
 
 CLONE_NEWNET = 0x40000000
+NS_GET_NSTYPE = 0xB703  # _IO(0xb7, 0x3), linux/nsfs.h (Linux 4.11): the CLONE_NEW* of an nsfs fd
+# The other kinds, to name what was passed instead.
+_NS_KINDS = {
+    0x00020000: "mount",
+    0x02000000: "cgroup",
+    0x04000000: "UTS",
+    0x08000000: "IPC",
+    0x10000000: "user",
+    0x20000000: "PID",
+    0x00000080: "time",
+}
 NETNS_RUN_DIR = "/run/netns"  # where `ip netns add` puts its bind mounts
 
 T = TypeVar("T")
 
 _libc: ctypes.CDLL | None = None
+
+
+class NotANetns(DataplaneError):
+    """A file descriptor that is not a network namespace (a file, another kind of namespace)."""
+
+
+def require_netns_fd(fd: int) -> None:
+    """Raise NotANetns unless ``fd`` refers to a network namespace; the message says what
+    it is instead. NS_GET_NSTYPE answers ENOTTY (or EINVAL) for anything outside nsfs."""
+    try:
+        kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
+    except OSError as e:
+        if e.errno in (errno.ENOTTY, errno.EINVAL):
+            raise NotANetns(_what_is(fd)) from e
+        raise NotANetns(f"it cannot be inspected ({e.strerror})") from e
+    if kind != CLONE_NEWNET:
+        raise NotANetns(f"it is a {_NS_KINDS.get(kind, hex(kind))} namespace")
+
+
+def _what_is(fd: int) -> str:
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        return f"it cannot be inspected ({e.strerror})"
+    if stat.S_ISREG(mode):
+        # What an agent in another mount namespace sees of a runtime's bind mount.
+        return "it is a regular file, not a namespace"
+    if stat.S_ISDIR(mode):
+        return "it is a directory, not a namespace"
+    return "it is not a namespace"
 
 
 def _setns(fd: int) -> None:
@@ -40,8 +89,17 @@ def netns_path(name_or_path: str) -> str:
     return name_or_path if "/" in name_or_path else os.path.join(NETNS_RUN_DIR, name_or_path)
 
 
-def enter_netns(name_or_path: str) -> None:
-    """Move the *calling thread* into a namespace for good. Only for threads we own."""
+def enter_netns(name_or_path: str | int) -> None:
+    """Move the *calling thread* into a namespace (a name, a path or an open fd, which
+    stays open) for good. Only for threads we own."""
+    if isinstance(name_or_path, int):
+        try:
+            _setns(name_or_path)
+        except OSError as e:
+            raise DataplaneError(
+                f"cannot enter the network namespace of fd {name_or_path}: {e.strerror}"
+            ) from e
+        return
     path = netns_path(name_or_path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -57,7 +115,7 @@ def enter_netns(name_or_path: str) -> None:
         os.close(fd)
 
 
-def run_in_netns(name_or_path: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def run_in_netns(name_or_path: str | int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` in a new thread inside the namespace; return its result.
 
     Exceptions raised by ``fn`` (or by entering the namespace) are re-raised here.
@@ -81,7 +139,7 @@ def run_in_netns(name_or_path: str, fn: Callable[..., T], *args: Any, **kwargs: 
 
 
 def start_in_netns(
-    name_or_path: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    name_or_path: str | int, fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> threading.Thread:
     """Like :func:`run_in_netns` but return the started thread instead of waiting.
 

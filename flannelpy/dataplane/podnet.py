@@ -27,6 +27,12 @@ first reads the link's alias, the full hash of (netns, container, ifname)
 written at ADD, and leaves a link that belongs to another pod alone; it then
 deletes by ifindex, so a link re-created under that name meanwhile is spared.
 
+The pod namespace is named by ``netns`` (the CNI_NETNS string: messages and
+identity) and reached through ``netns_fd`` when given, an open descriptor the
+CNI executable passed from the runtime's mount namespace, where the path may
+mean nothing to the agent (see :mod:`flannelpy.cni.server`). Without it the
+path is opened here, as for ``ip netns`` names in tests and tools.
+
 Everything goes through :mod:`flannelpy.dataplane.nlbatch` (raw rtnetlink):
 one ADD is a handful of messages, and pyroute2's per-call overhead (~0.5 ms)
 would be most of the budget.
@@ -378,6 +384,7 @@ class PodNetwork:
         hairpin: bool = True,
         owner: str | None = None,
         routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
+        netns_fd: int | None = None,
     ) -> PodLink:
         """Create and configure the pod's veth pair, with ``routes`` via the gateway in
         the pod (the default route unless told otherwise) and hairpin mode on the host
@@ -385,18 +392,25 @@ class PodNetwork:
         All or nothing: on failure nothing is left."""
         link = PodLink(host_veth, random_mac(), ifname, pod_mac(address.ip))
         owner = owner or veth_owner(netns, "", ifname)
-        self._create_veth(netns, link, bridge_index, mtu, hairpin, owner)
+        self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
         try:
-            self._configure_pod_side(netns, ifname, address, gateway, routes)
+            self._configure_pod_side(netns, netns_fd, ifname, address, gateway, routes)
         except BaseException:
             self.delete_host_veth(host_veth, owner)
             raise
         return link
 
     def _create_veth(
-        self, netns: str, link: PodLink, bridge_index: int, mtu: int, hairpin: bool, owner: str
+        self,
+        netns: str,
+        netns_fd: int | None,
+        link: PodLink,
+        bridge_index: int,
+        mtu: int,
+        hairpin: bool,
+        owner: str,
     ) -> None:
-        fd = _open_netns(netns)
+        fd = _open_netns(netns) if netns_fd is None else netns_fd
         try:
             create = veth_request(
                 link.host_veth, link.host_mac, link.ifname, link.pod_mac, fd, mtu, bridge_index
@@ -439,11 +453,13 @@ class PodNetwork:
                     sock.batch([delete_request(link.host_veth)])
                     raise
         finally:
-            os.close(fd)
+            if netns_fd is None:  # ours; the caller's fd is the caller's to close
+                os.close(fd)
 
     def _configure_pod_side(
         self,
         netns: str,
+        netns_fd: int | None,
         ifname: str,
         address: IPv4Interface,
         gateway: IPv4Address,
@@ -477,7 +493,7 @@ class PodNetwork:
                     ],
                 )
 
-        _in_netns(netns, inside)
+        _in_netns(netns, netns_fd, inside)
 
     def delete_host_veth(self, host_veth: str, owner: str | None = None) -> bool:
         """Delete a pod's veth pair by its host end; already gone is success. With
@@ -500,7 +516,7 @@ class PodNetwork:
             raise DataplaneError(f"cannot delete veth {host_veth}: {_why(reply)}")
         return True
 
-    def delete_in_netns(self, netns: str, ifname: str) -> None:
+    def delete_in_netns(self, netns: str, ifname: str, netns_fd: int | None = None) -> None:
         """Delete ``ifname`` inside ``netns``; a missing namespace or link is success."""
 
         def inside() -> None:
@@ -510,7 +526,7 @@ class PodNetwork:
                 raise DataplaneError(f"cannot delete {ifname} in {netns}: {_why(reply)}")
 
         try:
-            _in_netns(netns, inside)
+            _in_netns(netns, netns_fd, inside)
         except NetnsMissing:
             return
 
@@ -529,6 +545,7 @@ class PodNetwork:
         gateway: IPv4Address,
         mtu: int | None = None,
         routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
+        netns_fd: int | None = None,
     ) -> list[str]:
         """What is wrong with a pod's plumbing, one sentence each; empty when all is well."""
         problems: list[str] = []
@@ -543,7 +560,9 @@ class PodNetwork:
             problems.append(f"host veth {host_veth} is not attached to {bridge}")
         elif not host.up:
             problems.append(f"host veth {host_veth} is down")
-        problems += _in_netns(netns, _pod_problems, netns, ifname, address, gateway, mtu, routes)
+        problems += _in_netns(
+            netns, netns_fd, _pod_problems, netns, ifname, address, gateway, mtu, routes
+        )
         return problems
 
 
@@ -583,8 +602,9 @@ def _pod_problems(
         return problems
 
 
-def _in_netns(netns: str, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` in a thread inside ``netns``; a namespace we cannot enter raises NetnsMissing."""
+def _in_netns(netns: str, netns_fd: int | None, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a thread inside the namespace (``netns_fd`` if given, else the path
+    ``netns``); a namespace we cannot enter raises NetnsMissing."""
     entered: list[bool] = []
 
     def target() -> T:
@@ -592,7 +612,7 @@ def _in_netns(netns: str, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
     try:
-        return run_in_netns(netns, target)
+        return run_in_netns(netns if netns_fd is None else netns_fd, target)
     except DataplaneError as e:
         if entered:
             raise

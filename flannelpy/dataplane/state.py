@@ -39,12 +39,17 @@ class Address:
 
 @dataclass(frozen=True)
 class Route:
-    """A route in the main table with protocol :data:`ROUTE_PROTOCOL`. Keyed by ``dst``."""
+    """A route in the main table with protocol :data:`ROUTE_PROTOCOL` (or one being taken
+    over, see ``protocol``). Keyed by ``dst``."""
 
     dst: IPv4Network
     gateway: IPv4Address
     ifname: str
     onlink: bool = False
+    # None: ours (ROUTE_PROTOCOL). Another value: a route another Flannel left that we
+    # take over (dataplane.adopt); unequal to the desired one, so it is replaced (re-tagged)
+    # or deleted with its own protocol.
+    protocol: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class ObservedState:
 
     links: frozenset[VxlanLink] = frozenset()
     addresses: frozenset[Address] = frozenset()
-    routes: frozenset[Route] = frozenset()  # only routes with ROUTE_PROTOCOL
+    routes: frozenset[Route] = frozenset()  # ROUTE_PROTOCOL ones, and ones being taken over
     neighbours: frozenset[Neighbour] = frozenset()  # only permanent ones on owned devices
     fdb: frozenset[FdbEntry] = frozenset()  # only permanent ones with a dst on owned devices
 

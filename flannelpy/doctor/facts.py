@@ -100,6 +100,8 @@ class NodeFacts:
     chains: Mapping[str, tuple[str, ...]] | None = None
     firewall_error: str | None = None
     random_fully: bool = True
+    # nftables mode: "family table" -> `nft list table` text (empty: no such table)
+    nft_tables: Mapping[str, str] | None = None
     # the agent
     status: Mapping[str, Any] | None = None
     status_error: str | None = None

@@ -51,7 +51,8 @@ def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> N
     with _Store(settings) as store:
         facts = replace(facts, **store.read())
         facts = replace(facts, **_kernel_facts(settings, facts))
-        facts = replace(facts, **_firewall_facts())
+        nftables = facts.config is not None and facts.config.enable_nftables
+        facts = replace(facts, **(_nft_facts() if nftables else _firewall_facts()))
         if facts.underlay is not None:
             own = own_lease(facts, settings.public_ip or facts.underlay.ip)
             if own is not None and own.store_lease_id is not None:
@@ -228,6 +229,16 @@ def _firewall_facts() -> dict[str, Any]:
     except DataplaneError as e:
         return {"firewall_error": str(e)}
     return {"chains": chains, "random_fully": random_fully}
+
+
+def _nft_facts() -> dict[str, Any]:
+    from flannelpy.dataplane.nftables import NftablesFirewall
+
+    firewall = NftablesFirewall()
+    try:
+        return {"nft_tables": firewall.listing(), "random_fully": firewall.random_fully}
+    except DataplaneError as e:
+        return {"firewall_error": str(e)}
 
 
 def _agent_files(run_dir: str) -> dict[str, Any]:

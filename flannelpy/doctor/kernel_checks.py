@@ -21,6 +21,9 @@ from flannelpy.dataplane.firewall import (
     plan_chain,
     plan_jumps,
 )
+from flannelpy.dataplane.nftables import IPV4_TABLE as NFT_IPV4_TABLE
+from flannelpy.dataplane.nftables import forward_rules as nft_forward_rules
+from flannelpy.dataplane.nftables import masq_rules as nft_masq_rules
 from flannelpy.dataplane.state import (
     Changes,
     FdbEntry,
@@ -196,6 +199,8 @@ def firewall_rules(facts: NodeFacts, plan: Plan) -> list[Rule]:
 def check_firewall(facts: NodeFacts, plan: Plan) -> list[Finding]:
     if plan.own is None or facts.config is None or facts.config.network is None:
         return []
+    if facts.config.enable_nftables:
+        return check_nft_tables(facts, plan)
     if facts.chains is None:
         return [
             Finding("warning", "firewall", f"cannot list iptables rules: "
@@ -229,4 +234,35 @@ def check_firewall(facts: NodeFacts, plan: Plan) -> list[Finding]:
                 f" {' and '.join(meaning)}", "the agent rewrites its chains every "
                 "--iptables-resync seconds: start it; if it runs, find what else rewrites them "
                 "(iptables-save)", ", ".join(b.split(":")[0] for b in bad))
+    ]  # fmt: skip
+
+
+def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
+    """nftables mode (EnableNFTables): every rule the agent keeps is in flannel-ipv4."""
+    assert facts.config is not None and facts.config.network is not None
+    if facts.nft_tables is None:
+        return [
+            Finding("warning", "firewall", f"cannot list the nftables tables: "
+                    f"{facts.firewall_error or 'unknown'}", "run the doctor as root on the node")
+        ]  # fmt: skip
+    status = facts.status or {}
+    masq = status.get("ip_masq")
+    forward = status.get("iptables_forward_rules")
+    networks = [facts.config.network, *facts.pool_networks]
+    expected: list[str] = []
+    if masq if isinstance(masq, bool) else facts.settings.ip_masq:
+        subnets = [x.subnet for x in plan.own_all]
+        expected += nft_masq_rules(networks, subnets, facts.random_fully)
+    if forward if isinstance(forward, bool) else facts.settings.iptables_forward_rules:
+        expected += nft_forward_rules(networks)
+    table = f"ip {NFT_IPV4_TABLE}"
+    listed_lines = {line.strip() for line in facts.nft_tables.get(table, "").splitlines()}
+    missing = [rule for rule in expected if rule not in listed_lines]
+    if not missing:
+        return [Finding("ok", "firewall", f"{len(expected)} rules present in table {table}")]
+    return [
+        Finding("error", "firewall", f"{len(missing)} of {len(expected)} rules are missing from "
+                f"nftables table {table} (first: {missing[0]}): pod traffic may be masqueraded "
+                "wrongly or dropped", "the agent rebuilds its tables at every firewall tick: "
+                "start it; if it runs, find what else changes them (nft list ruleset)")
     ]  # fmt: skip

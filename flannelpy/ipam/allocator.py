@@ -11,6 +11,10 @@ Rules (field-notes §2, issue 3):
   after the last one handed out (host-local's round-robin), then released
   addresses least recently released first, once their cooldown has passed.
 - ``allocate`` is idempotent per (container_id, ifname).
+- A held address (``hold``: one another IPAM handed out on this node, e.g.
+  host-local under the upstream flanneld) is never handed out and counts as
+  assigned, until ``release_held`` frees it into cooldown. Holds are not saved:
+  their owner's records are the truth, re-read at every start.
 
 Times are wall-clock seconds (the state outlives the process). A wall clock
 stepped backwards can only lengthen a cooldown, never shorten it.
@@ -103,6 +107,7 @@ class PoolAllocator:
         self._last: int | None = None  # the last address handed out (round-robin cursor)
         # The JSON entry of every assigned or released address (see to_json).
         self._entries: dict[int, str] = {}
+        self._held: dict[int, Key] = {}  # address -> the foreign pod interface holding it
 
     # --- queries ---------------------------------------------------------------
 
@@ -119,12 +124,13 @@ class PoolAllocator:
         cooling = len(self._released) - first_cooling
         next_free_in = self._released[first_cooling][0] + cooldown - now if cooling else None
         total = len(self._usable)
+        assigned = len(self._by_ip) + len(self._held)
         return Accounting(
             subnet=self.subnet,
             total=total,
-            assigned=len(self._by_ip),
+            assigned=assigned,
             cooling=cooling,
-            free=total - len(self._by_ip) - cooling,
+            free=total - assigned - cooling,
             next_free_in=next_free_in,
         )
 
@@ -159,6 +165,40 @@ class PoolAllocator:
         del self._by_ip[ip]
         self._push_released(ip, now)
         return allocation
+
+    def held(self) -> dict[IPv4Address, Key]:
+        return {IPv4Address(ip): key for ip, key in sorted(self._held.items())}
+
+    def hold(self, ip: IPv4Address, container_id: str, ifname: str) -> bool:
+        """Keep ``ip`` for a pod another IPAM gave it to. False when it is not ours to
+        keep: outside the allocatable range, or assigned by us (to that pod or another)."""
+        address = int(ip)
+        if address not in self._usable or address in self._by_ip:
+            return False
+        self._fresh_remove(address)
+        if address in self._released_ips:
+            self._released = [e for e in self._released if e[2] != address]
+            self._released_ips.discard(address)
+            self._entries.pop(address, None)
+        self._held[address] = (container_id, ifname)
+        return True
+
+    def release_held(self, container_id: str, ifname: str, now: float) -> IPv4Address | None:
+        """Free the address held for (container_id, ifname) into cooldown; None: none held."""
+        for ip, key in self._held.items():
+            if key == (container_id, ifname):
+                del self._held[ip]
+                self._push_released(ip, now)
+                return IPv4Address(ip)
+        return None
+
+    def release_holds_except(self, keep: set[IPv4Address], now: float) -> list[IPv4Address]:
+        """Free every held address not in ``keep`` (its owner forgot it) into cooldown."""
+        freed = [ip for ip in self._held if IPv4Address(ip) not in keep]
+        for ip in freed:
+            del self._held[ip]
+            self._push_released(ip, now)
+        return [IPv4Address(ip) for ip in freed]
 
     # --- persistence -----------------------------------------------------------
 

@@ -24,13 +24,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Address, IPv4Network
 from types import TracebackType
 
 from flannelpy.errors import ConfigError
 from flannelpy.ipam.allocator import Accounting, Allocation, PoolAllocator, exhaustion_message
 from flannelpy.ipam.capacity import LeaseUsage
 from flannelpy.ipam.errors import IpamExhausted
+from flannelpy.ipam.hostlocal import HostLocalEntry, remove_entry
 from flannelpy.ipam.store import IpamStore
 
 log = logging.getLogger("flannelpy.ipam")
@@ -53,6 +54,7 @@ class NodeIpam:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         fsync: bool = True,
+        host_local_dir: str | None = None,
     ) -> None:
         _check_seconds("ipCooldownSeconds", cooldown_seconds)
         _check_seconds("ipWaitSeconds", wait_seconds)
@@ -67,6 +69,10 @@ class NodeIpam:
         self._leases: list[IPv4Network] = []
         self._allocatable: list[IPv4Network] = []
         self._low_free: tuple[int, LowFreeCallback | None] = (0, None)
+        # host-local's data dir on this node (ipam.hostlocal): its entries are held for
+        # their pods, and a release forgets the released pod's entry there too.
+        self._host_local_dir = host_local_dir
+        self._foreign: list[HostLocalEntry] = []
         # The longest cooldown any request asked for (a CNI config may set its own):
         # emptiness, which decides a lease's release, must not end a cooldown early.
         # On disk, so a restart with a shorter default does not end one either.
@@ -114,6 +120,43 @@ class NodeIpam:
                     self._pools[subnet] = self._load(subnet)
             self._leases = list(subnets)
             self._allocatable = chosen
+
+    def hold_foreign(self, entries: Sequence[HostLocalEntry]) -> list[HostLocalEntry]:
+        """Hold exactly ``entries``, addresses another IPAM on this node gave its pods (the
+        current ones: a hold no longer listed is freed into cooldown), in the pools of
+        known leases. Returns the entries held; one assigned by us is skipped, with a
+        warning when to another pod."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            self._foreign = list(entries)
+            held: list[HostLocalEntry] = []
+            now = self._clock()
+            for subnet, pool in self._pools.items():
+                mine = [e for e in self._foreign if e.ip in subnet]
+                changed = bool(pool.release_holds_except({e.ip for e in mine}, now))
+                for entry in mine:
+                    if pool.held().get(entry.ip) == (entry.container_id, entry.ifname):
+                        held.append(entry)
+                    elif pool.hold(entry.ip, entry.container_id, entry.ifname):
+                        held.append(entry)
+                        changed = True
+                    else:
+                        self._warn_unheld(pool, entry)
+                if changed:
+                    self._save(subnet)
+            return held
+
+    @staticmethod
+    def _warn_unheld(pool: PoolAllocator, entry: HostLocalEntry) -> None:
+        ours = next((a for a in pool.allocations() if a.ip == entry.ip), None)
+        if ours is not None and (ours.container_id, ours.ifname) != (
+            entry.container_id, entry.ifname,
+        ):  # fmt: skip
+            log.warning(
+                "host-local and this agent both gave an address ip=%s host_local=%s/%s "
+                "ours=%s/%s; one of the two pods must be re-created", entry.ip,
+                entry.container_id, entry.ifname, ours.container_id, ours.ifname,
+            )  # fmt: skip
 
     def set_low_free_watch(self, threshold: int, callback: LowFreeCallback | None) -> None:
         """Call ``callback(free)`` whenever an allocation leaves fewer than ``threshold``
@@ -252,8 +295,21 @@ class NodeIpam:
                 released = pool.release(container_id, ifname, self._clock())
                 if released is not None:
                     self._save(subnet)
+                    self._forget_host_local(released.ip, container_id, ifname)
                     return released
+            for subnet, pool in self._pools.items():  # a pod host-local gave its address
+                ip = pool.release_held(container_id, ifname, self._clock())
+                if ip is not None:
+                    self._save(subnet)
+                    self._foreign = [e for e in self._foreign if e.ip != ip]
+                    self._forget_host_local(ip, container_id, ifname)
+                    return Allocation(ip, subnet, container_id, ifname, self._clock())
             return None
+
+    def _forget_host_local(self, ip: IPv4Address, container_id: str, ifname: str) -> None:
+        # Else a restart would hold the released address for a pod that is gone.
+        if self._host_local_dir:
+            remove_entry(self._host_local_dir, HostLocalEntry(ip, container_id, ifname))
 
     def find(self, container_id: str, ifname: str) -> Allocation | None:
         with self._lock, self._store.locked():
@@ -265,6 +321,16 @@ class NodeIpam:
         with self._lock, self._store.locked():
             self._refresh()
             return self._allocations()
+
+    def host_local_entries(self) -> list[HostLocalEntry]:
+        """Every address this node's pods hold (ours and held ones), as host-local records
+        them: what host-local must know before it serves this node again."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            entries = [HostLocalEntry(a.ip, a.container_id, a.ifname) for a in self._allocations()]
+            for pool in self._pools.values():
+                entries += [HostLocalEntry(ip, *key) for ip, key in pool.held().items()]
+            return sorted(entries, key=lambda e: e.ip)
 
     def accounting(self) -> list[Accounting]:
         """Per current lease, then per former lease that still has pods, with the
@@ -359,7 +425,10 @@ class NodeIpam:
         # Another agent process on the same directory may have written a pool.
         for subnet in list(self._pools):
             if self._store.changed(subnet):
-                self._pools[subnet] = self._load(subnet)
+                pool = self._pools[subnet] = self._load(subnet)
+                for entry in self._foreign:  # holds are not on disk
+                    if entry.ip in subnet:
+                        pool.hold(entry.ip, entry.container_id, entry.ifname)
 
     def _save(self, subnet: IPv4Network) -> None:
         self._store.save(subnet, self._pools[subnet].to_json())

@@ -4,9 +4,12 @@
   loop beats a :class:`Heartbeats` entry; one that stopped beating for longer
   than its allowed age makes the agent not live, and the kubelet restarts it.
   Flannel's /healthz answers 200 whatever its loops do; ours does not.
-- ``/readyz`` (readiness): the node can carry pod traffic: lease held,
-  subnet.env written, every peer programmed (the last reconcile converged),
-  firewall rules in place. :func:`readiness` computes it from those facts.
+- ``/readyz`` (readiness): this node can carry pod traffic: lease held,
+  subnet.env written, the last reconcile converged, firewall rules in place.
+  :func:`readiness` computes it from those facts. It is about the node's own
+  state only: a peer without a path (its lease asks for what we cannot do) is
+  the peer's problem, shown by metrics, status.json and the doctor; counting it
+  here would hold every node of a DaemonSet rollout not ready over one bad peer.
 
 Both answer 200 ``ok`` or 503 with the reason, one line. The server is the
 standard library's threading HTTP server in a daemon thread; a scrape or a
@@ -131,7 +134,6 @@ def readiness(
     subnet_env_written: bool,
     last_reconcile: ReconcileResult | None,
     rules_in_place: bool = True,
-    unprogrammed_peers: int = 0,
 ) -> tuple[bool, str]:
     """Whether the node can carry pod traffic, and if not the first reason why."""
     if not lease_held:
@@ -143,8 +145,6 @@ def readiness(
         more = len(last_reconcile.failures) - 1
         extra = f" (and {more} more)" if more else ""
         return False, f"the reconciler cannot converge: {first}{extra}"
-    if unprogrammed_peers:
-        return False, f"{unprogrammed_peers} peer(s) have no route: see `flannelpy status`"
     if not rules_in_place:
         return False, "firewall rules are not in place"
     if not subnet_env_written:

@@ -104,6 +104,7 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_lease_expiry_timestamp_seconds": "gauge",
     "flannelpy_lease_renewals_total": "counter",
     "flannelpy_peers": "gauge",
+    "flannelpy_peers_without_path": "gauge",
     # warm capacity and pools
     "flannelpy_leases": "gauge",
     "flannelpy_leases_max": "gauge",
@@ -236,6 +237,11 @@ class AgentMetrics:
         )
         self._peers = Gauge(
             "flannelpy_peers", "Peer leases (other nodes) by backend type.", ["backend"],
+            registry=r,
+        )  # fmt: skip
+        self._without_path = Gauge(
+            "flannelpy_peers_without_path",
+            "Peer leases this node has no path to (status.json and the doctor say why).",
             registry=r,
         )  # fmt: skip
 
@@ -451,6 +457,10 @@ class AgentMetrics:
         for peer in gone:
             self.forget_probe(peer)
         self._update_mtu_consistency()
+
+    def peers_without_path(self, count: int) -> None:
+        """How many peers the latest plan found no path to (not a readiness matter)."""
+        self._without_path.set(count)
 
     def overlay_mtu(self, mtu: int) -> None:
         """This node's overlay MTU (the one it advertises and gives pods)."""

@@ -28,6 +28,7 @@ from flannelpy.control.policy import parse_policy
 from flannelpy.control.records import ForceRecord, NodeOverride
 from flannelpy.errors import ConfigError, StoreError, StoreUnavailable
 from flannelpy.rollout.backends import target_backend
+from flannelpy.rollout.flanneld import flanneld_nodes
 from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT, POLL, RolloutPlan, plan_rollout
 from flannelpy.rollout.record import TERMINAL, RolloutRecord, new_record
 from flannelpy.rollout.show import describe_state
@@ -320,8 +321,9 @@ def make_plan(
     config = store.read_config().config
     nodes = store.read_nodes()
     target = target_backend(config, backend_type, direct_routing, vni, port, mtu)
+    flanneld = flanneld_nodes(store.read_leases(), nodes.statuses)
     plan = plan_rollout(nodes.statuses, config, target, parse_policy(config.raw), now, order,
-                        force_reason)  # fmt: skip
+                        force_reason, flanneld)  # fmt: skip
     unreadable = [f"{key} cannot be read: {why}" for key, why in sorted(nodes.errors.items())
                   if key.endswith("/status")]  # fmt: skip
     return replace(plan, problems=plan.problems + tuple(unreadable))

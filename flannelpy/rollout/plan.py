@@ -55,6 +55,7 @@ from flannelpy.rollout.backends import (
     runs,
     short,
 )
+from flannelpy.rollout.flanneld import FlanneldNode, flanneld_line, flanneld_problems
 
 DEFAULT_STEP_TIMEOUT = 120.0  # seconds per step (apply, verify, roll back, drop VTEPs)
 POLL = 1.0  # seconds between looks at the store while waiting
@@ -84,6 +85,7 @@ class RolloutPlan:
     decision: Decision | None  # None: nothing disruptive, or forced
     problems: tuple[str, ...]
     forced: bool = False
+    flanneld: tuple[FlanneldNode, ...] = ()  # nodes the rollout cannot switch
 
     @property
     def to_switch(self) -> tuple[NodeStep, ...]:
@@ -104,6 +106,9 @@ class RolloutPlan:
         for i, step in enumerate(self.steps, 1):
             out.append(f"  {i}. {step.node}: {step.transition}")
         out.extend(_mtu_lines(self.to_switch))
+        line = flanneld_line(self.flanneld)
+        if line is not None:
+            out.append(line)
         out.append(f"policy: {self.policy_line}")
         then = "then: the target Backend goes into the network config and the overrides are removed"
         if self.target_backend.type == "host-gw":
@@ -134,8 +139,11 @@ def plan_rollout(
     now: datetime,
     order: Sequence[str] | None = None,
     force_reason: str | None = None,
+    flanneld: Sequence[FlanneldNode] = (),
 ) -> RolloutPlan:
     """The plan for moving every node to ``target``; ``problems`` say why it cannot run.
+    ``flanneld``: the cluster's flanneld nodes (:func:`~.flanneld.flanneld_nodes`), which
+    stay on the network config's Backend.
 
     Raises ConfigError when ``target`` is not a valid Backend for ``config``.
     """
@@ -162,6 +170,7 @@ def plan_rollout(
                 f"--nodes leaves out {', '.join(left_out)}, which do not run the target yet; "
                 "every node must switch before the config does: add them"
             )
+    problems.extend(flanneld_problems(flanneld, config.backend, target_cfg))
     problems.extend(_path_problems(statuses, steps, target_cfg))
     changes = sorted({change for step in steps for change in step.changes})
     decision = None
@@ -180,6 +189,7 @@ def plan_rollout(
         decision=decision,
         problems=tuple(problems),
         forced=force_reason is not None,
+        flanneld=tuple(flanneld),
     )
 
 

@@ -21,7 +21,16 @@ from flannelpy.rollout.backends import with_backend
 from flannelpy.rollout.record import RolloutRecord
 from flannelpy.subnet.etcd.config import network_config_of, read_network_config, swap_config
 from flannelpy.subnet.etcd.kv import KeyValue, Store
-from flannelpy.subnet.keys import config_key, node_of_key, nodes_prefix, override_key, rollout_key
+from flannelpy.subnet.keys import (
+    config_key,
+    key_to_subnet,
+    node_of_key,
+    nodes_prefix,
+    override_key,
+    rollout_key,
+    subnets_prefix,
+)
+from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 CAS_RETRIES = 5  # an override written by someone else meanwhile: read again
 
@@ -69,6 +78,21 @@ class RolloutStore:
             except ValueError as e:
                 snap.errors[kv.key] = str(e)
         return snap
+
+    def read_leases(self) -> list[Lease]:
+        """Every lease under ``<prefix>/subnets/`` that parses (the agents report the rest)."""
+        base = subnets_prefix(self.prefix)
+        items, _ = self.store.get_prefix(base)
+        leases = []
+        for kv in items:
+            try:
+                subnet, ipv6_subnet = key_to_subnet(kv.key[len(base) :])
+                attrs = LeaseAttrs.from_json(kv.value)
+            except ValueError:
+                continue
+            leases.append(Lease(subnet, attrs, None, ipv6_subnet, kv.mod_revision,
+                                kv.lease_id or None))  # fmt: skip
+        return leases
 
     def read_record(self) -> tuple[RolloutRecord | None, int]:
         """The record and its mod revision; (None, 0) when there is none."""

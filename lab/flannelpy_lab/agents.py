@@ -53,6 +53,9 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         "--subnet-file", node.subnet_env,
         "--state-dir", os.path.join(node.node_dir, "state"),
         "--run-dir", run_dir,
+        # The node's host-local data dir (the host's filesystem is shared): where a
+        # flanneld that ran here before left its pods' addresses.
+        "--host-local-dir", flanneld.host_local_network_dir(node),
         "--ip-masq",
         "--log-level", "info",
     ]  # fmt: skip
@@ -63,7 +66,8 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         argv += ["--kube-subnet-mgr", "--kube-api-url", kube_api,
                  "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
     else:
-        argv += ["--etcd-endpoints", state.etcd_endpoint, "--etcd-prefix", state.etcd_prefix]
+        argv += ["--etcd-endpoints", ",".join(state.etcd_endpoints),
+                 "--etcd-prefix", state.etcd_prefix]  # fmt: skip
     argv += list(state.extra.get("agent_args", []))
     return argv + list(state.extra.get(NODE_ARGS_KEY, {}).get(node.name, []))
 

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "commands against it.",
     )
     sub = parser.add_subparsers(
-        dest="lab_command", required=True, metavar="{up,status,pod,down,run,env}"
+        dest="lab_command", required=True, metavar="{up,status,pod,migrate,down,run,env}"
     )
 
     up = sub.add_parser("up", help="build a lab and wait until every agent is ready")
@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
         "nodes instead of our agent (default 0)",
     )
     up.add_argument(
+        "--etcd-members", type=int, choices=plan.ETCD_MEMBER_COUNTS, default=1, metavar="N",
+        help="etcd members: 1 runs on the host; 3 or 5 form a static cluster, each member in "
+        "a namespace of its own on the switch, every agent given all their URLs (default 1)",
+    )
+    up.add_argument(
+        "--enable-nftables", action="store_true",
+        help='net-conf.json with "EnableNFTables": true (Flannel\'s nftables tables, not '
+        "iptables chains)",
+    )
+    up.add_argument(
         "--no-agents", action="store_true", help="build the underlay and etcd only, start no agents"
     )
     up.add_argument(
@@ -88,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     pod_del = pod_sub.add_parser("del", help="delete a pod (CNI DEL)")
     pod_del.add_argument("--name", required=True, help="the lab")
     pod_del.add_argument("--pod", required=True, help="pod name, e.g. n1-p1")
+
+    mig = sub.add_parser(
+        "migrate", help="switch one node between flanneld and our agent, pods running"
+    )
+    mig.add_argument("--name", required=True, help="the lab")
+    mig.add_argument("--node", required=True, help="the node, e.g. n3")
+    mig.add_argument("--to", required=True, choices=("flannelpy", "flanneld"))
 
     st = sub.add_parser("status", help="leases, overlay addresses and a node reachability matrix")
     st.add_argument("--name", required=True)
@@ -125,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; errors become one sentence on stderr and an exit code."""
     commands = {"up": _up, "status": _status, "pod": _pod, "down": _down, "run": _run,
-                "env": _env}  # fmt: skip
+                "env": _env, "migrate": _migrate}  # fmt: skip
     try:
         return commands[args.lab_command](args)
     except FlannelpyError as e:
@@ -156,6 +173,8 @@ def _up(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         progress=_progress,
         flanneld_nodes=args.flanneld_nodes,
+        etcd_members=args.etcd_members,
+        net_conf_extra={"EnableNFTables": True} if args.enable_nftables else None,
     )
     print(summary(lab.state))
     return 0
@@ -165,7 +184,8 @@ def summary(state: LabState) -> str:
     mode = state.backend + (" (DirectRouting)" if state.direct_routing else "")
     lines = [
         f"lab {state.name} is up: {len(state.nodes)} nodes, {mode}, network {state.network}",
-        f"etcd {state.etcd_endpoint} (prefix {state.etcd_prefix}), files in {state.lab_dir}",
+        f"etcd {','.join(state.etcd_endpoints)} (prefix {state.etcd_prefix}), "
+        f"files in {state.lab_dir}",
         "",
     ]
     rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
@@ -210,6 +230,16 @@ def _pod(args: argparse.Namespace) -> int:
     else:
         lab.delete_pod(args.pod)
         print(f"pod {args.pod} deleted")
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from flannelpy_lab.lab import Lab
+    from flannelpy_lab.migrate import migrate
+
+    done = migrate(Lab.load(args.name), args.node, args.to)
+    print(f"node {done.node} runs {done.to_kind} (was {done.from_kind}), lease {done.subnet} "
+          f"kept, ready after {done.seconds:.1f} s")  # fmt: skip
     return 0
 
 

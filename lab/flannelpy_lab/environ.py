@@ -35,7 +35,7 @@ STORE_FLAGS = ("--etcd-endpoints", "--etcd-prefix")
 def store_environ(state: LabState) -> dict[str, str]:
     """The lab's etcd, as the operator commands read it."""
     return {
-        "FLANNELD_ETCD_ENDPOINTS": state.etcd_endpoint,
+        "FLANNELD_ETCD_ENDPOINTS": ",".join(state.etcd_endpoints),
         "FLANNELD_ETCD_PREFIX": state.etcd_prefix,
     }
 

@@ -61,7 +61,7 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
     flanneld = state.extra.get("flanneld_binary") or binary()
     return [
         flanneld,
-        "--etcd-endpoints", state.etcd_endpoint,
+        "--etcd-endpoints", ",".join(state.etcd_endpoints),
         "--etcd-prefix", state.etcd_prefix,
         "--iface", node.underlay_iface,
         "--ip-masq",
@@ -74,7 +74,7 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
 def has_lease(state: LabState, node: NodeInfo) -> bool:
     """Is the node's lease (PublicIP = its underlay address) in the lab's etcd?"""
     try:
-        leases = etcd.read_leases(state.etcd_endpoint, state.etcd_prefix)
+        leases = etcd.read_leases(state.etcd_endpoints, state.etcd_prefix)
     except Exception:  # etcd briefly unreachable: not ready yet
         return False
     return any(lease["public_ip"] == str(node.ip) for lease in leases)
@@ -83,6 +83,11 @@ def has_lease(state: LabState, node: NodeInfo) -> bool:
 def host_local_dir(node: NodeInfo) -> str:
     """host-local's data dir for the node; its default /var/lib/cni/networks is host-wide."""
     return os.path.join(node.node_dir, "cni", "networks")
+
+
+def host_local_network_dir(node: NodeInfo, network: str = "cbr0") -> str:
+    """Where host-local keeps the node's allocations of the network ``network``."""
+    return os.path.join(host_local_dir(node), network)
 
 
 def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:

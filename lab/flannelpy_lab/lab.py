@@ -25,7 +25,7 @@ from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, status, top
 from flannelpy_lab import state as state_io
 from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
-from flannelpy_lab.state import LabState, NodeInfo, PodInfo
+from flannelpy_lab.state import EtcdMemberInfo, LabState, NodeInfo, PodInfo
 
 Progress = Callable[[str], None]
 UP_STEPS = 7  # the 7th, creating pods, only with --pods-per-node above 0
@@ -71,17 +71,27 @@ def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
     with contextlib.suppress(LabError):  # unreadable state: sweep by name below
         state = state_io.load(directory)
     # Agents and anything else inside the lab's namespaces go first, while etcd
-    # still answers (an agent may talk to it on its way out); then etcd.
+    # still answers (an agent may talk to it on its way out); then etcd, whose
+    # members may have namespaces of their own.
     refs = [r for r in (agents.agent_ref(n) for n in state.nodes) if r] if state else []
-    namespaces = set(topology.lab_namespaces(name))
+    member_namespaces = {m.namespace for m in state.etcd_members} if state else set()
+    member_namespaces.update(
+        ns for ns in topology.lab_namespaces(name) if plan.is_etcd_member_namespace(name, ns)
+    )
+    namespaces = set(topology.lab_namespaces(name)) - member_namespaces
     if state:
         namespaces.update(n.namespace for n in state.nodes)
     for ns in namespaces:
         refs += _refs(procs.pids_in_netns(netns_path(ns)))
     procs.stop(set(refs))
     etcd_refs = _refs(procs.pids_with_files_under(directory))
+    for ns in member_namespaces:
+        etcd_refs += _refs(procs.pids_in_netns(netns_path(ns)))
     if state and state.etcd_pid:
         etcd_refs.append(procs.ProcessRef(state.etcd_pid, state.etcd_start_ticks or 0))
+    for member in state.etcd_members if state else []:
+        if member.pid:
+            etcd_refs.append(procs.ProcessRef(member.pid, member.start_ticks or 0))
     procs.stop(set(etcd_refs))
     topology.destroy(state, name)
     shutil.rmtree(directory, ignore_errors=True)
@@ -127,13 +137,20 @@ class Lab:
         progress: Progress | None = None,
         lab_root: str = plan.LAB_ROOT,
         flanneld_nodes: int = 0,
+        etcd_members: int = 1,
+        net_conf_extra: dict[str, Any] | None = None,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
-        The last ``flanneld_nodes`` nodes run the real flanneld (``flannelpy_lab.flanneld``)."""
+        ``net_conf_extra``: more top-level net-conf.json keys, e.g. {"EnableNFTables": True}.
+
+        The last ``flanneld_nodes`` nodes run the real flanneld (``flannelpy_lab.flanneld``).
+        ``etcd_members`` above 1: a static etcd cluster, each member in a namespace of its
+        own (``flannelpy_lab.etcd``), and every agent given all their URLs."""
         say = progress or _quiet
         plan.validate_request(
-            name, nodes, backend, direct_routing, segments, network, flanneld_nodes
+            name, nodes, backend, direct_routing, segments, network, flanneld_nodes,
+            etcd_members,
         )
         # Before anything is built: a missing flanneld fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
@@ -149,9 +166,12 @@ class Lab:
             overlay_bridge,
             lab_root,
             flanneld_nodes,
+            etcd_members,
         )
         if flanneld_binary:
             state.extra["flanneld_binary"] = flanneld_binary
+        if net_conf_extra:
+            state.extra["net_conf_extra"] = dict(net_conf_extra)
         lab = cls(state)
         try:
             lab._build(start_agents, timeout, say)
@@ -181,13 +201,27 @@ class Lab:
         say(f"[3/{UP_STEPS}] attaching the host at {s.host_address} ({s.host_link})")
         topology.attach_host(s)
         topology.add_host_routes(s)
-        say(f"[4/{UP_STEPS}] starting etcd at {s.etcd_endpoint}")
-        ref = etcd.start(s)
-        s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
-        self._save()
-        etcd.wait_answering(s, ref)
+        if s.etcd_members:
+            say(f"[4/{UP_STEPS}] starting {len(s.etcd_members)} etcd members at "
+                f"{', '.join(s.etcd_endpoints)}")  # fmt: skip
+            for member in s.etcd_members:
+                topology.build_etcd_member(s, member)
+            self._save()
+            # All at once: a member of a new static cluster waits for its peers.
+            for member in s.etcd_members:
+                etcd.start_member(s, member)
+                self._save()
+            for member in s.etcd_members:
+                etcd.wait_member_answering(s, member)
+        else:
+            say(f"[4/{UP_STEPS}] starting etcd at {s.etcd_endpoint}")
+            ref = etcd.start(s)
+            s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
+            self._save()
+            etcd.wait_answering(s, ref)
         say(f"[5/{UP_STEPS}] writing the network config to {s.etcd_prefix}/config")
-        etcd.put_config(s, plan.net_conf_json(s.network, s.backend, s.direct_routing))
+        etcd.put_config(s, plan.net_conf_json(s.network, s.backend, s.direct_routing,
+                                              s.extra.get("net_conf_extra")))
         if not start_agents:
             return
         for node in s.nodes:
@@ -330,7 +364,8 @@ class Lab:
         path = agents.kube_net_conf_path(self.state)
         with open(path, "w", encoding="utf-8") as f:
             f.write(plan.net_conf_json(self.state.network, self.state.backend,
-                                       self.state.direct_routing))
+                                       self.state.direct_routing,
+                                       self.state.extra.get("net_conf_extra")))
         self.state.extra["kube_api_url"] = url
         self._save()
 
@@ -374,20 +409,77 @@ class Lab:
     # -- etcd -------------------------------------------------------------
 
     def stop_etcd(self) -> None:
-        """Stop the lab's etcd (an outage, for tests); agents keep running."""
+        """Stop the lab's etcd, every member (an outage, for tests); agents keep running."""
         s = self.state
         if s.etcd_pid:
             procs.stop([procs.ProcessRef(s.etcd_pid, s.etcd_start_ticks or 0)])
         s.etcd_pid = s.etcd_start_ticks = None
+        refs = [r for r in (etcd.member_ref(m) for m in s.etcd_members) if r]
+        procs.stop(refs)
+        for member in s.etcd_members:
+            member.pid = member.start_ticks = None
         self._save()
 
     def start_etcd(self) -> None:
-        """Start the lab's etcd again on the same address and data."""
+        """Start the lab's etcd again (every member) on the same addresses and data."""
         s = self.state
+        if s.etcd_members:
+            for member in s.etcd_members:
+                if not procs.alive(etcd.member_ref(member)):
+                    etcd.start_member(s, member)
+            self._save()
+            for member in s.etcd_members:
+                etcd.wait_member_answering(s, member)
+            return
         ref = etcd.start(s)
         s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
         self._save()
         etcd.wait_answering(s, ref)
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        return self.state.etcd_endpoints
+
+    def etcd_status(self) -> list[dict[str, Any]]:
+        """Each etcd member's status (``etcd.cluster_status``); empty for a one-member lab."""
+        return etcd.cluster_status(self.state)
+
+    def etcd_leader(self) -> EtcdMemberInfo | None:
+        """The member the majority follows; None while the cluster has no leader."""
+        return etcd.leader(self.state)
+
+    def kill_etcd_member(self, member: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one member and wait until it has exited."""
+        info = self.state.etcd_member(member)
+        ref = etcd.member_ref(info)
+        if ref is not None and procs.signal_process(ref, sig) and procs.wait_gone([ref], 10.0):
+            raise LabError(f"etcd member {info.name} (pid {ref.pid}) survived signal {sig}")
+        info.pid = info.start_ticks = None
+        self._save()
+
+    def start_etcd_member(self, member: str, wait: bool = True) -> None:
+        """Start one member again on its data dir; with ``wait``, until it serves reads
+        (which needs a majority of members up)."""
+        info = self.state.etcd_member(member)
+        if procs.alive(etcd.member_ref(info)):
+            raise LabError(f"etcd member {info.name} runs already (pid {info.pid})")
+        etcd.start_member(self.state, info)
+        self._save()
+        if wait:
+            etcd.wait_member_answering(self.state, info)
+
+    def exec_etcd_member(
+        self, member: str, argv: list[str], check: bool = True, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in a member's namespace (e.g. ``iptables`` to cut it off)."""
+        info = self.state.etcd_member(member)
+        proc = topology.run_in(info.namespace, argv, timeout)
+        if check and proc.returncode != 0:
+            raise LabError(
+                f"`{' '.join(argv)}` on etcd member {info.name} exited with "
+                f"{proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"
+            )
+        return proc
 
     # -- agents -----------------------------------------------------------
 
@@ -458,6 +550,7 @@ class Lab:
             return str(plan.address(subnet, plan.next_free_host(used)))
         iface = IPv4Interface(wanted if "/" in wanted else f"{wanted}/{subnet.prefixlen}")
         taken = {n.ip for n in self.state.nodes if n.name != info.name}
+        taken |= {m.ip for m in self.state.etcd_members}
         reserved = {subnet.network_address + h for h in (plan.ROUTER_HOST, plan.HOST_HOST)}
         if (
             iface.network != subnet
@@ -483,6 +576,7 @@ def _claim(
     overlay_bridge: bool,
     lab_root: str,
     flanneld_nodes: int = 0,
+    etcd_members: int = 1,
 ) -> LabState:
     """Pick free underlay subnets and record the plan, under the lock all labs share."""
     with state_io.root_lock(lab_root):
@@ -506,6 +600,7 @@ def _claim(
             overlay_bridge=overlay_bridge,
             lab_root=lab_root,
             flanneld_nodes=flanneld_nodes,
+            etcd_members=etcd_members,
         )
         state_io.save(state)
         return state

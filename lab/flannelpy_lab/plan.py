@@ -25,6 +25,7 @@ from flannelpy.errors import ConfigError
 from flannelpy_lab.state import (
     KIND_FLANNELD,
     KIND_FLANNELPY,
+    EtcdMemberInfo,
     LabState,
     NodeInfo,
     SegmentInfo,
@@ -36,6 +37,8 @@ SEGMENT_PREFIXLEN = 24
 ROUTER_HOST = 253
 HOST_HOST = 254
 RECREATE_FIRST_HOST = 100
+ETCD_MEMBER_FIRST_HOST = 241  # member eJ is .240+J; re-created nodes stay below
+ETCD_MEMBER_COUNTS = (1, 3, 5)  # odd: a majority survives any one partition
 MAX_NODES = 99
 IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
 BACKENDS = ("vxlan", "host-gw")
@@ -65,6 +68,11 @@ def namespace(lab: str, role: str) -> str:
 
 def namespace_prefix(lab: str) -> str:
     return f"fpl-{lab}-"
+
+
+def is_etcd_member_namespace(lab: str, ns: str) -> bool:
+    """``fpl-<lab>-eJ``: an etcd member's namespace (nodes are nI, switches swI)."""
+    return re.fullmatch(re.escape(namespace_prefix(lab)) + r"e[0-9]+", ns) is not None
 
 
 def host_link(lab: str) -> str:
@@ -115,7 +123,7 @@ def address(subnet: IPv4Network, host: int) -> IPv4Interface:
 def next_free_host(used_hosts: Iterable[int]) -> int:
     """Host number for a re-created node: the lowest free one from RECREATE_FIRST_HOST."""
     used = set(used_hosts)
-    for host in range(RECREATE_FIRST_HOST, ROUTER_HOST):
+    for host in range(RECREATE_FIRST_HOST, ETCD_MEMBER_FIRST_HOST):
         if host not in used:
             return host
     raise ConfigError("no free underlay address left in the segment; re-create fewer nodes")
@@ -136,15 +144,24 @@ def net_conf(network: str, backend: str, direct_routing: bool) -> dict[str, Any]
     return {"Network": network, "Backend": backend_doc}
 
 
-def net_conf_json(network: str, backend: str, direct_routing: bool) -> str:
-    return json.dumps(net_conf(network, backend, direct_routing), separators=(",", ":"))
+def net_conf_json(
+    network: str, backend: str, direct_routing: bool, extra: dict[str, Any] | None = None
+) -> str:
+    """``extra``: more top-level keys (``lab up --enable-nftables``: EnableNFTables)."""
+    doc = {**net_conf(network, backend, direct_routing), **(extra or {})}
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def validate_request(
     name: str, nodes: int, backend: str, direct_routing: bool, segments: int, network: str,
-    flanneld_nodes: int = 0,
+    flanneld_nodes: int = 0, etcd_members: int = 1,
 ) -> None:
     validate_name(name)
+    if etcd_members not in ETCD_MEMBER_COUNTS:
+        raise ConfigError(
+            f"--etcd-members {etcd_members} is invalid; use one of "
+            f"{', '.join(map(str, ETCD_MEMBER_COUNTS))}"
+        )
     if not 1 <= nodes <= MAX_NODES:
         raise ConfigError(f"--nodes {nodes} is out of range; use 1 to {MAX_NODES}")
     if not 0 <= flanneld_nodes <= nodes:
@@ -180,10 +197,14 @@ def plan_lab(
     overlay_bridge: bool,
     lab_root: str = LAB_ROOT,
     flanneld_nodes: int = 0,
+    etcd_members: int = 1,
 ) -> LabState:
     """The full description of a lab before anything is built; the last ``flanneld_nodes``
-    nodes run the real flanneld instead of our agent."""
-    validate_request(name, nodes, backend, direct_routing, segments, network, flanneld_nodes)
+    nodes run the real flanneld instead of our agent. One etcd member runs in the host
+    namespace; more each get a namespace on segment 1 (see :func:`etcd_member_plan`)."""
+    validate_request(
+        name, nodes, backend, direct_routing, segments, network, flanneld_nodes, etcd_members
+    )
     if len(subnets) != segments:
         raise ValueError("one subnet per segment is needed")
     lab_dir = f"{lab_root}/{name}"
@@ -216,6 +237,7 @@ def plan_lab(
             )
         )
     host_ip = address(subnets[0], HOST_HOST)
+    members = etcd_member_plan(name, lab_dir, subnets[0], etcd_members)
     host_routes = []
     if segments == 2:
         host_routes.append(
@@ -233,12 +255,47 @@ def plan_lab(
         host_link=host_link(name),
         host_address=str(host_ip),
         host_routes=host_routes,
-        etcd_endpoint=f"http://{host_ip.ip}:{ETCD_CLIENT_PORT}",
+        etcd_endpoint=(
+            members[0].client_url if members else f"http://{host_ip.ip}:{ETCD_CLIENT_PORT}"
+        ),
         etcd_data_dir=f"{lab_dir}/etcd",
         etcd_log=f"{lab_dir}/etcd.log",
         overlay_bridge=overlay_bridge,
         nodes=node_list,
+        etcd_members=members,
     )
+
+
+def etcd_member_plan(
+    lab: str, lab_dir: str, subnet: IPv4Network, count: int
+) -> list[EtcdMemberInfo]:
+    """Members ``e1``..``eN`` of a static cluster; none for a one-member lab (its etcd
+    stays in the host namespace, as it always was)."""
+    if count == 1:
+        return []
+    members = []
+    for j in range(1, count + 1):
+        role = f"e{j}"
+        ip = address(subnet, ETCD_MEMBER_FIRST_HOST + j - 1)
+        members.append(
+            EtcdMemberInfo(
+                name=namespace(lab, role),
+                namespace=namespace(lab, role),
+                switch_port=checked_ifname(role),
+                underlay_iface=UNDERLAY_IFACE,
+                underlay_address=str(ip),
+                client_url=f"http://{ip.ip}:{ETCD_CLIENT_PORT}",
+                peer_url=f"http://{ip.ip}:{ETCD_PEER_PORT}",
+                data_dir=f"{lab_dir}/etcd/{role}",
+                log=f"{lab_dir}/etcd-{role}.log",
+            )
+        )
+    return members
+
+
+def initial_cluster(members: Iterable[EtcdMemberInfo]) -> str:
+    """etcd's ``--initial-cluster``: ``name=peer-url`` for every member."""
+    return ",".join(f"{m.name}={m.peer_url}" for m in members)
 
 
 def other_segment_route(state: LabState, node: NodeInfo) -> tuple[str, str] | None:

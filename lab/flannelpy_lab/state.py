@@ -107,6 +107,27 @@ class SegmentInfo:
 
 
 @dataclass
+class EtcdMemberInfo:
+    """One member of a multi-member lab etcd: its own namespace on segment 1's switch."""
+
+    name: str  # etcd's --name, "fpl-demo-e1"
+    namespace: str
+    switch_port: str
+    underlay_iface: str
+    underlay_address: str  # "100.64.0.241/24"
+    client_url: str
+    peer_url: str
+    data_dir: str
+    log: str
+    pid: int | None = None
+    start_ticks: int | None = None
+
+    @property
+    def ip(self) -> IPv4Address:
+        return IPv4Interface(self.underlay_address).ip
+
+
+@dataclass
 class LabState:
     name: str
     backend: str
@@ -119,7 +140,7 @@ class LabState:
     host_link: str  # host side of the veth into segment 1
     host_address: str  # its address, "100.64.0.254/24"
     host_routes: list[dict[str, str]]  # {"dst", "via"} added on the host
-    etcd_endpoint: str
+    etcd_endpoint: str  # with several members: the first member's client URL
     etcd_data_dir: str
     etcd_log: str
     overlay_bridge: bool  # the lab creates cni0 on each node once its agent is ready
@@ -129,6 +150,20 @@ class LabState:
     version: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     pods: list[PodInfo] = field(default_factory=list)
+    # Empty: one etcd in the host namespace at etcd_endpoint (the default lab).
+    etcd_members: list[EtcdMemberInfo] = field(default_factory=list)
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        """Every client URL of the lab's etcd, as agents are given them."""
+        return [m.client_url for m in self.etcd_members] or [self.etcd_endpoint]
+
+    def etcd_member(self, name: str) -> EtcdMemberInfo:
+        for member in self.etcd_members:
+            if member.name == name or member.namespace.endswith("-" + name):
+                return member
+        known = ", ".join(m.name for m in self.etcd_members) or "none (a one-member lab)"
+        raise LabError(f"lab {self.name} has no etcd member {name!r}; its members are {known}")
 
     @property
     def cni_bin_dir(self) -> str:
@@ -170,6 +205,10 @@ class LabState:
             data["nodes"] = [NodeInfo(**_only_fields(NodeInfo, n, source)) for n in doc["nodes"]]
             data["pods"] = [
                 PodInfo(**_only_fields(PodInfo, p, source)) for p in doc.get("pods", [])
+            ]
+            data["etcd_members"] = [
+                EtcdMemberInfo(**_only_fields(EtcdMemberInfo, m, source))
+                for m in doc.get("etcd_members", [])
             ]
             return cls(**data)
         except (KeyError, TypeError) as e:

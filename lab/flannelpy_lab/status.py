@@ -63,9 +63,10 @@ def collect(state: LabState) -> dict[str, Any]:
         leases = leases_from_agents(state)  # Kubernetes mode: Node objects, not etcd
     else:
         try:
-            leases = etcd.read_leases(state.etcd_endpoint, state.etcd_prefix)
+            leases = etcd.read_leases(state.etcd_endpoints, state.etcd_prefix)
         except Exception as e:  # pyetcd's errors share no base worth naming; report any
-            leases, etcd_error = [], f"etcd at {state.etcd_endpoint} did not answer: {e}"
+            where = ", ".join(state.etcd_endpoints)
+            leases, etcd_error = [], f"etcd at {where} did not answer: {e}"
     overlay = {n.name: overlay_address(n) for n in state.nodes}
     nodes = []
     for node in state.nodes:
@@ -102,7 +103,9 @@ def collect(state: LabState) -> dict[str, Any]:
         "direct_routing": state.direct_routing,
         "network": state.network,
         "etcd_endpoint": state.etcd_endpoint,
+        "etcd_endpoints": state.etcd_endpoints,
         "etcd_error": etcd_error,
+        "etcd_members": etcd.cluster_status(state),  # empty: one etcd on the host
         "nodes": nodes,
         "matrix": reach,
         "pod_matrix": pod_reach,
@@ -151,7 +154,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 def render_text(doc: dict[str, Any]) -> str:
     """Human-readable status: nodes, leases, the reachability matrix and a verdict."""
     mode = doc["backend"] + (" (DirectRouting)" if doc.get("direct_routing") else "")
-    network, endpoint = doc.get("network"), doc.get("etcd_endpoint")
+    network = doc.get("network")
+    endpoint = ",".join(doc.get("etcd_endpoints") or [doc.get("etcd_endpoint") or "?"])
     lines = [f"lab {doc['name']}: {mode}, network {network}, etcd {endpoint}"]
     if doc.get("etcd_error"):
         lines.append(f"warning: {doc['etcd_error']}")
@@ -172,6 +176,7 @@ def render_text(doc: dict[str, Any]) -> str:
             ]
         )
     lines += ["", *_table(rows)]
+    lines += render_members(doc.get("etcd_members") or [])
     rows = [["SUBNET", "PUBLIC IP", "BACKEND", "NODE NAME"]]
     for lease in doc["leases"]:
         rows.append(
@@ -207,6 +212,26 @@ def render_text(doc: dict[str, Any]) -> str:
         lines += ["", f"all {len(pairs)} pod pairs reach each other" if not failed
                   else f"{failed} of {len(pairs)} pod pairs do not reach"]
     return "\n".join(lines)
+
+
+def render_members(members: list[dict[str, Any]]) -> list[str]:
+    """The etcd members table (nothing for a one-member lab), leader marked."""
+    if not members:
+        return []
+    rows = [["ETCD MEMBER", "CLIENT URL", "ID", "ROLE", "TERM", "PROCESS"]]
+    for m in members:
+        if not m["running"]:
+            role = "-"
+        elif m["error"]:
+            role = f"unreachable ({m['error'][:40]})"
+        else:
+            role = "leader" if m["leader"] else "follower"
+        rows.append([m["name"], m["client_url"], m["id"] or "-", role,
+                     str(m["raft_term"]) if m["raft_term"] is not None else "-",
+                     f"pid {m['pid']}" if m["running"] else "down"])  # fmt: skip
+    leaders = sum(1 for m in members if m["leader"])
+    verdict = "leader elected" if leaders == 1 else "no leader"
+    return ["", f"etcd members: {len(members)}, {verdict}", *_table(rows)]
 
 
 def render_matrix(reach: dict[str, dict[str, bool]]) -> list[str]:

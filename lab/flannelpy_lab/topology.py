@@ -22,7 +22,7 @@ from ipaddress import IPv4Interface, IPv4Network, ip_network
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy_lab import plan
 from flannelpy_lab.errors import LabError
-from flannelpy_lab.state import LabState, NodeInfo, SegmentInfo
+from flannelpy_lab.state import EtcdMemberInfo, LabState, NodeInfo, SegmentInfo
 
 
 def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -137,6 +137,19 @@ def build_node(state: LabState, node: NodeInfo) -> None:
     set_sysctl(node.namespace, "net.ipv4.ip_forward", "1")
 
 
+def build_etcd_member(state: LabState, member: EtcdMemberInfo) -> None:
+    """A member's namespace on segment 1's switch (and a route to segment 2 via the router)."""
+    seg = state.segments[0]
+    add_namespace(member.namespace)
+    plug(seg.switch_namespace, member.switch_port, member.namespace, member.underlay_iface)
+    ip("addr", "add", member.underlay_address, "dev", member.underlay_iface, ns=member.namespace)
+    ip("link", "set", member.underlay_iface, "up", ns=member.namespace)
+    if len(state.segments) == 2:
+        assert seg.router_address is not None
+        via = str(IPv4Interface(seg.router_address).ip)
+        ip("route", "add", state.segments[1].subnet, "via", via, ns=member.namespace)
+
+
 def delete_node(state: LabState, node: NodeInfo) -> None:
     """Remove a node's namespace and its switch port (the veth dies with the namespace)."""
     delete_namespace(node.namespace)
@@ -176,6 +189,7 @@ def destroy(state: LabState | None, lab: str) -> None:
     if state:
         names.update(n.namespace for n in state.nodes)
         names.update(s.switch_namespace for s in state.segments)
+        names.update(m.namespace for m in state.etcd_members)
         if state.router_namespace:
             names.add(state.router_namespace)
     remove_host_leg(state, lab)

@@ -386,7 +386,8 @@ def test_invalid_config_unreachable_etcd_and_full_pool_each_say_one_sentence(
         assert "etcd" in _last_line(down) and "Traceback" not in down.stderr
 
         # /28 in /30s: SubnetMin is the second, so 3 subnets, all taken by others.
-        kv.put("/full/config", b'{"Network": "10.99.0.0/28", "SubnetLen": 30}')
+        kv.put("/full/config", b'{"Network": "10.99.0.0/28", "SubnetLen": 30, '
+                               b'"Backend": {"Type": "vxlan"}}')
         for i, sub in enumerate(("10.99.0.4-30", "10.99.0.8-30", "10.99.0.12-30")):
             kv.put(f"/full/subnets/{sub}",
                    json.dumps({"PublicIP": f"100.127.0.{i + 1}", "BackendType": "vxlan",

@@ -35,7 +35,7 @@ from tests.support.kernel_entries import (
     kernel_entries,
     read_leases,
 )
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import running_lab, running_mixed_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 
@@ -55,13 +55,9 @@ ICMP_OVERHEAD = 28  # IPv4 header + ICMP header: ping's -s is the MTU minus this
 @pytest.fixture(scope="module", params=MODES)
 def mixed_lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     backend, direct_routing, segments = request.param
-    try:
-        flanneld.binary()
-    except LabError as e:
-        pytest.fail(f"the real flanneld is needed and missing: {e}")
-    with running_lab(4, backend, direct_routing=direct_routing, segments=segments,
-                     flanneld_nodes=2, pods_per_node=1) as lab:  # fmt: skip
-        assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"] * 2
+    with running_mixed_lab(
+        backend, direct_routing=direct_routing, segments=segments, pods_per_node=1
+    ) as lab:
         yield lab
 
 

@@ -1,13 +1,12 @@
-"""The traffic harness (tests/traffic.py) on a 5-node vxlan lab with 2 pods per node.
+"""The traffic harness (tests/support/traffic.py) on a 5-node vxlan lab with 2 pods per node.
 
 It must count every lost echo and every broken stream, so it is checked against
 faults whose size is known: ICMP dropped at random in one node's FORWARD hook
 (this kernel has no netem), whose iptables counter says exactly how many packets
 died, and a TCP stream blackholed for longer than its timeout.
 
-The drops go into the mangle table: the agent keeps its own FORWARD accept jump
-at the top of the filter table (Flannel's rule), so a DROP inserted there would
-be moved behind an ACCEPT at the agent's next firewall sync and never match.
+The drops go into the mangle table, where no firewall rule of the agent's can
+sit before them and accept the packet first.
 
 An echo crosses the lossy node's FORWARD hook once as a request and once as a
 reply when exactly one end lives on that node (it is routed there), and also

@@ -250,13 +250,30 @@ def test_oversized_stdin_is_refused_before_connecting(exes: Exes, sockdir: str) 
 FANCY = 'q"\\é😀\t.sock'  # a socket file name that needs every kind of JSON escape
 
 
-def expected_socket(stdin: bytes) -> str:
-    """What Python's json says the config names (the rule both executables implement)."""
+def _deepest(doc: object) -> int:
+    """The depth of the deepest value, the top level 0 (iterative: pytest's stack is deep)."""
+    deepest, level = 0, [doc]
+    while level:
+        level = [
+            child
+            for value in level
+            if isinstance(value, dict | list)
+            for child in (value.values() if isinstance(value, dict) else value)
+        ]
+        deepest += bool(level)
+    return deepest
+
+
+def expected_socket(stdin: bytes) -> str | None:
+    """What Python's json says the config names (the rule both executables implement);
+    None when stdin is no JSON object (or one nested deeper than 512): code 6, no agent."""
     try:
         doc = json.loads(stdin.decode("utf-8"))
     except (ValueError, RecursionError):
-        return client.DEFAULT_SOCKET
-    value = doc.get("agentSocket") if isinstance(doc, dict) else None
+        return None
+    if not isinstance(doc, dict) or _deepest(doc) > 512:
+        return None
+    value = doc.get("agentSocket")
     return value if isinstance(value, str) and value else client.DEFAULT_SOCKET
 
 
@@ -304,6 +321,11 @@ def check_socket_choice(exes: Exes, agents: Agents, stdin: bytes) -> bool:
     py = run(exes.python, ADD_ENV, stdin)
     c = run(exes.c, ADD_ENV, stdin)
     assert (c.returncode, c.stdout, c.stderr) == (py.returncode, py.stdout, py.stderr)
+    if want is None:  # answered on the spot: there is no config to find a socket in
+        assert agents.reached() == {}
+        decode_error = spec.CniError(6, client.NOT_AN_OBJECT).to_json(spec.LATEST_VERSION)
+        assert (py.returncode, py.stdout) == (1, decode_error)
+        return False
     if want in agents.agents:
         assert agents.reached() == {want: 2}
         assert (py.returncode, py.stdout) == (0, b'{"ok": 1}')
@@ -375,6 +397,14 @@ def _edge_cases(a: str, b: str, fancy: str) -> list[tuple[str, bytes]]:
             "deep-nesting",
             ("[" * 200 + "]" * 200).join([f'{{"agentSocket": {ja}, "x": ', "}"]).encode(),
         ),
+        (  # the deepest value both accept: 512 levels below the top
+            "nesting-512",
+            ("[" * 512 + "]" * 512).join([f'{{"agentSocket": {ja}, "x": ', "}"]).encode(),
+        ),
+        (  # json.loads takes it, the executables refuse it alike
+            "nesting-513",
+            ("[" * 513 + "]" * 513).join([f'{{"agentSocket": {ja}, "x": ', "}"]).encode(),
+        ),
         ("lone-surrogate-path", b'{"agentSocket": "/tmp/x\\ud800.sock"}'),
         ("surrogate-pair-path", f'{{"agentSocket": "{_u(fancy)}"}}'.encode()),
         ("nul-in-path", b'{"agentSocket": "/tmp/x\\u0000.sock"}'),
@@ -392,8 +422,10 @@ def test_edge_cases_cover_what_they_claim() -> None:
     assert expected_socket(cases["duplicate-last-wins"]) == "/B"
     assert expected_socket(cases["escaped-path"]) == "/F"
     assert expected_socket(cases["int-4300-digits"]) == "/A"
-    for name in ("only-nested", "trailing-comma", "int-4301-digits", "bom", "invalid-utf8"):
-        assert expected_socket(cases[name]) == client.DEFAULT_SOCKET, name
+    assert expected_socket(cases["only-nested"]) == client.DEFAULT_SOCKET
+    assert expected_socket(cases["nesting-512"]) == "/A"
+    for name in ("trailing-comma", "int-4301-digits", "bom", "invalid-utf8", "nesting-513"):
+        assert expected_socket(cases[name]) is None, name
 
 
 @pytest.mark.parametrize("name", [name for name, _ in _edge_cases("", "", "")])

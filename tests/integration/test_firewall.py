@@ -163,43 +163,75 @@ def test_duplicate_reordered_and_foreign_rules_in_our_chain_are_repaired(
     assert ipt(netns, "-t", "filter", "-S") == EXPECTED_FILTER
 
 
-def test_jumps_kept_once_at_the_top_and_foreign_rules_untouched(
+def save_rules(ns: str) -> list[str]:
+    """``iptables-save -c`` without its timestamped comment lines: every rule, in order,
+    with its packet and byte counters (a rewritten rule restarts at [0:0])."""
+    proc = subprocess.run(
+        ["ip", "netns", "exec", ns, "iptables-save", "-c"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+
+
+def test_jumps_are_appended_and_a_foreign_chain_above_them_is_never_fought(
     netns: str, fw: tuple[IptablesFirewall, Recorder]
 ) -> None:
-    firewall, _ = fw
+    firewall, recorder = fw
     ipt(netns, "-t", "nat", *FOREIGN_POST.split())
     ipt(netns, "-t", "filter", *FOREIGN_FWD.split())
     firewall.sync(rules())
     jump = f"-A POSTROUTING {M} -j FLANNEL-POSTRTG"
+    fwd_jump = f"-A FORWARD {F} -j FLANNEL-FWD"
     assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
-        "-P POSTROUTING ACCEPT",
-        jump,
-        FOREIGN_POST,
+        "-P POSTROUTING ACCEPT", FOREIGN_POST, jump
     ]
     assert ipt(netns, "-t", "filter", "-S", "FORWARD") == [
-        "-P FORWARD ACCEPT",
-        f"-A FORWARD {F} -j FLANNEL-FWD",
-        FOREIGN_FWD,
+        "-P FORWARD ACCEPT", FOREIGN_FWD, fwd_jump
     ]
 
-    # Someone prepends their own rule: ours moves back to the top.
-    ipt(netns, "-t", "nat", "-I", "POSTROUTING", "1", "-s", "192.0.2.9/32", "-j", "ACCEPT")
+    # A policy agent (Calico's Felix in Canal) puts its own chain first, after us.
+    for table, builtin in (("nat", "POSTROUTING"), ("filter", "FORWARD")):
+        ipt(netns, "-t", table, "-N", "cali-" + builtin)
+        ipt(netns, "-t", table, "-I", builtin, "1", "-j", "cali-" + builtin)
+    before = save_rules(netns)
+    restores = recorder.restores()
+    for _ in range(5):
+        result = firewall.sync(rules())
+        assert (result.repaired, result.details) == (False, ())
+    assert recorder.restores() == restores, "no rule was rewritten"
+    assert save_rules(netns) == before
+    assert ipt(netns, "-t", "nat", "-S", "POSTROUTING")[1] == "-A POSTROUTING -j cali-POSTROUTING"
+    assert ipt(netns, "-t", "filter", "-S", "FORWARD")[1] == "-A FORWARD -j cali-FORWARD"
+
+    # A deleted jump comes back at the end; the foreign chain stays first.
+    ipt(netns, "-t", "nat", *shlex.split("-D" + jump[2:]))
     result = firewall.sync(rules())
-    assert (result.repaired, result.details) == (True, ("nat/POSTROUTING: wrong order",))
-    # A second copy of our jump is removed.
-    ipt(netns, "-t", "nat", *shlex.split(jump))
-    result = firewall.sync(rules())
-    assert (result.repaired, result.reason) == (True, DUPLICATES)
+    assert (result.repaired, result.details) == (True, ("nat/POSTROUTING: missing",))
     assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
-        "-P POSTROUTING ACCEPT",
-        jump,
-        "-A POSTROUTING -s 192.0.2.9/32 -j ACCEPT",
-        FOREIGN_POST,
+        "-P POSTROUTING ACCEPT", "-A POSTROUTING -j cali-POSTROUTING", FOREIGN_POST, jump
+    ]
+
+
+def test_start_moves_an_old_jump_from_the_top_to_the_end(netns: str) -> None:
+    # What an older agent (or a restart after something appended) leaves: our jump
+    # first, twice. A new start places it as flanneld does: once, last.
+    jump = f"-A POSTROUTING {M} -j FLANNEL-POSTRTG"
+    ipt(netns, "-t", "nat", "-N", "FLANNEL-POSTRTG")
+    ipt(netns, "-t", "nat", *FOREIGN_POST.split())
+    ipt(netns, "-t", "nat", "-I", "POSTROUTING", "1", *shlex.split(jump)[2:])
+    ipt(netns, "-t", "nat", *shlex.split(jump))
+    firewall = IptablesFirewall(command_prefix=("ip", "netns", "exec", netns))
+    result = firewall.sync(masq_rules(NET, [SUBNET], True))
+    assert result.repaired and "nat/POSTROUTING: duplicates" in result.details
+    assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
+        "-P POSTROUTING ACCEPT", FOREIGN_POST, jump
     ]
     assert ipt(netns, "-t", "nat", "-S", "FLANNEL-POSTRTG") == [
-        "-N FLANNEL-POSTRTG",
-        *expected_nat(firewall)[6:],
+        "-N FLANNEL-POSTRTG", *expected_nat(firewall)[6:]
     ]
+    # A second copy appearing later is Flannel's "exists": left as it is.
+    ipt(netns, "-t", "nat", "-I", "POSTROUTING", "1", *shlex.split(jump)[2:])
+    assert not firewall.sync(masq_rules(NET, [SUBNET], True)).repaired
 
 
 def test_remove_deletes_only_ours(netns: str, fw: tuple[IptablesFirewall, Recorder]) -> None:

@@ -206,6 +206,7 @@ def test_acquire_writes_flannels_annotations_and_condition(
         P + "backend-data": '{"VNI":1,"VtepMAC":"0e:00:00:00:00:0a"}',
         P + "public-ip": "192.168.50.1",
         P + "flannelpy-mtu": "1450",
+        P + "flannelpy-direct-routing": "false",
     }
     conditions = {c["type"]: c for c in node["status"]["conditions"]}
     assert conditions["Ready"]["status"] == "True"  # the kubelet's condition stays
@@ -743,3 +744,51 @@ def test_rbac_rules_are_exactly_the_calls_made(
         standin.delete_node("node-b")
         w.wait_subnets({OWN: "10.244.1.0/24"})
     assert standin.rbac_usage() == RBAC
+
+
+def test_flanneld_s_condition_opt_out_and_a_prefix_with_slash_and_underscore(
+    standin: KubeStandin, netconf: Path
+) -> None:
+    """--set-node-network-unavailable=false leaves NetworkUnavailable alone, as flanneld
+    does; a prefix valid for Flannel (a slash, an underscore) names the annotations."""
+    standin.add_node(OWN, "10.244.7.0/24")
+    settings = AgentSettings(
+        kube_subnet_mgr=True, kube_api_url=standin.url, net_config_path=str(netconf),
+        node_name=OWN, startup_timeout=3.0, set_node_network_unavailable=False,
+        kube_annotation_prefix="example.com/flannel_",
+    )  # fmt: skip
+    manager = KubeSubnetManager(settings, environ={}, watch_timeout=5)
+    try:
+        manager.acquire_lease(attrs(), None)
+    finally:
+        manager.close()
+    node = standin.node(OWN)
+    assert node is not None
+    assert [c["type"] for c in node["status"]["conditions"]] == ["Ready"]
+    notes = node["metadata"]["annotations"]
+    assert notes["example.com/flannel_-public-ip"] == "192.168.50.1"
+    assert notes["example.com/flannel_-kube-subnet-manager"] == "true"
+
+
+def test_the_node_public_ip_annotation_wins_over_the_flag(
+    standin: KubeStandin, netconf: Path, tmp_path: Path
+) -> None:
+    """flanneld: an annotated node-public-ip replaces --public-ip (main.go)."""
+    from flannelpy.agent.compose import build_agent
+    from flannelpy.subnet.open_store import OpenedStore
+    from tests.support.agent_fakes import HostTouchingKernel
+
+    standin.add_node(OWN, "10.244.7.0/24", annotations={P + "node-public-ip": "198.51.100.4"})
+    settings = AgentSettings(
+        kube_subnet_mgr=True, kube_api_url=standin.url, net_config_path=str(netconf),
+        node_name=OWN, startup_timeout=3.0, public_ip=IPv4Address("192.0.2.9"),
+        state_dir=str(tmp_path / "state"), run_dir=str(tmp_path / "run"),
+        subnet_file=str(tmp_path / "subnet.env"),
+    )  # fmt: skip
+    manager = KubeSubnetManager(settings, environ={}, watch_timeout=5)
+    try:
+        agent = build_agent(settings, OpenedStore(manager=manager, kube=manager),
+                            HostTouchingKernel())  # fmt: skip
+        assert agent.parts.ctx.public_ip == IPv4Address("198.51.100.4")
+    finally:
+        manager.close()

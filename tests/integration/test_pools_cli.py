@@ -386,7 +386,11 @@ def test_lab_takes_the_etcd_endpoint_and_prefix_of_the_lab(
     def load(name: str) -> Any:
         asked.append(name)
         return SimpleNamespace(
-            state=SimpleNamespace(etcd_endpoint=cluster.endpoint, etcd_prefix=cluster.prefix)
+            state=SimpleNamespace(
+                etcd_endpoint=cluster.endpoint,
+                etcd_prefix=cluster.prefix,
+                etcd_endpoints=[cluster.endpoint],
+            )
         )
 
     monkeypatch.setattr(Lab, "load", staticmethod(load))

@@ -113,9 +113,18 @@ def context(backend: str = "vxlan", ip: str = "192.168.1.10", **options: object)
     )
 
 
-def lease(subnet: str, public_ip: str, backend: str = "vxlan", mac: str | None = None) -> Lease:
+def lease(
+    subnet: str,
+    public_ip: str,
+    backend: str = "vxlan",
+    mac: str | None = None,
+    mtu: int | None = 1450,
+) -> Lease:
+    """A peer's lease; one of ours (it advertises its MTU) unless ``mtu`` is None."""
     data = {"VNI": 1, "VtepMAC": mac} if backend == "vxlan" else None
     return Lease(
         subnet=IPv4Network(subnet),
-        attrs=LeaseAttrs(public_ip=IPv4Address(public_ip), backend_type=backend, backend_data=data),
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address(public_ip), backend_type=backend, backend_data=data, mtu=mtu
+        ),
     )

@@ -287,7 +287,7 @@ def processes_under(base: str) -> dict[int, str]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             root = _root_mount_source(int(pid))
-        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+        except (OSError, IndexError):  # exiting: /proc/<pid>/mountinfo reads EINVAL
             continue
         if base in cmdline or root.startswith(base + os.sep):
             found[int(pid)] = cmdline

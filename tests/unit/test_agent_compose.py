@@ -43,9 +43,26 @@ def test_ipv6_config_is_refused_before_the_host_is_touched(tmp_path: Path) -> No
     assert store.closed, "the manager is closed on the way out"
 
 
-def test_overlap_with_a_foreign_route_is_refused_before_anything_changes(tmp_path: Path) -> None:
+def test_a_config_without_backend_is_refused_before_the_host_is_touched(
+    tmp_path: Path,
+) -> None:
+    """flanneld v0.28.9 runs udp without a Backend key (seen: "Found network config -
+    Backend type: udp"); ours guessing vxlan would split a mixed cluster silently."""
     store = FakeStore()
     put_network_config(store, PREFIX, json.dumps({"Network": "10.244.0.0/16"}))
+    kernel = HostTouchingKernel()
+
+    with pytest.raises(ConfigError) as exc:
+        build_agent(agent_settings(tmp_path), opened(store, tmp_path), kernel)
+    assert 'has no "Backend": flanneld would run udp' in str(exc.value)
+    assert '"Backend": {"Type": "vxlan"}' in str(exc.value)
+    assert kernel.calls == []
+
+
+def test_overlap_with_a_foreign_route_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    store = FakeStore()
+    doc = {"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}
+    put_network_config(store, PREFIX, json.dumps(doc))
 
     class Overlapping(HostTouchingKernel):
         def survey(self, ignore_devices: object) -> list[ForeignRoute]:
@@ -58,14 +75,6 @@ def test_overlap_with_a_foreign_route_is_refused_before_anything_changes(tmp_pat
     assert kernel.calls == ["find_underlay", "survey"], "only looked, never changed"
     assert not (tmp_path / "state").exists()
     assert store.closed
-
-
-def test_a_missing_network_config_names_the_key_to_write(tmp_path: Path) -> None:
-    store = FakeStore()
-    kernel = HostTouchingKernel()
-    with pytest.raises(ConfigError, match="network config not found"):
-        build_agent(agent_settings(tmp_path), opened(store, tmp_path), kernel)
-    assert kernel.calls == []
 
 
 @pytest.mark.parametrize(
@@ -152,3 +161,34 @@ def test_iptables_that_never_worked_still_refuses_the_start(tmp_path: Path) -> N
     with pytest.raises(DataplaneError, match="xtables lock"):
         agent.start()
     agent.stop()
+
+
+def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flanneld retries every second until the config key exists (main.go getConfig);
+    the wait is logged once, naming the key to write."""
+    from flannelpy.agent.compose import _read_config_patiently
+    from flannelpy.subnet.keys import config_key
+
+    store = FakeStore()
+    manager = EtcdSubnetManager(store, agent_settings(tmp_path))
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:  # the operator writes it while the agent waits
+            put_network_config(store, PREFIX, json.dumps(
+                {"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}))
+
+    config = _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
+    assert str(config.network) == "10.244.0.0/16"
+    assert waits == [1.0, 1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "waiting for the network config" in
+            r.getMessage()]  # fmt: skip
+    assert len(said) == 1 and "not found in etcd at /coreos.com/network/config" in said[0]
+    # A config that is there but invalid is not waited for: its sentence stops the start.
+    store.put(config_key(PREFIX), b'{"Network": "not a network"}')
+    with pytest.raises(ConfigError, match="Network"):
+        _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
+    assert len(waits) == 3

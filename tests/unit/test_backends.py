@@ -110,7 +110,7 @@ def peer_lease(kind: str, ip: str) -> Lease:
         "host-gw": LeaseAttrs(IPv4Address(ip), "host-gw"),
         "host-gw+vtep": LeaseAttrs(IPv4Address(ip), "host-gw", vtep),
     }[kind]
-    return Lease(PEER_SUBNET, attrs)
+    return Lease(PEER_SUBNET, replace(attrs, mtu=1450))  # a node of ours: it has our extension
 
 
 D, V, U = "direct", "vxlan", "unreachable"

@@ -60,6 +60,7 @@ class FakePods:
         hairpin: bool = True,
         owner: str | None = None,
         routes: Sequence[IPv4Network] = (),
+        netns_fd: int | None = None,
     ) -> PodLink:
         self.calls.append(("add_pod", netns, ifname, host_veth, str(address), str(gateway), mtu))
         self.options.append((hairpin, owner, [str(r) for r in routes]))
@@ -72,7 +73,7 @@ class FakePods:
         self._maybe_fail("delete_host_veth")
         self.veths.pop(host_veth, None)
 
-    def delete_in_netns(self, netns: str, ifname: str) -> None:
+    def delete_in_netns(self, netns: str, ifname: str, netns_fd: int | None = None) -> None:
         self.calls.append(("delete_in_netns", netns, ifname))
         for name, ns in list(self.veths.items()):
             if ns == netns:
@@ -83,7 +84,7 @@ class FakePods:
             return None
         return LinkInfo(3, name, True, 1400, "02:00:00:00:00:01", "veth", 7)
 
-    def check_pod(self, *args: object) -> list[str]:
+    def check_pod(self, *args: object, netns_fd: int | None = None) -> list[str]:
         self.calls.append(("check_pod", *args))
         self._maybe_fail("check_pod")
         return list(self.problems)
@@ -126,12 +127,20 @@ def make_env(directory: str, subnet: IPv4Network = SUBNET) -> Env:
     namespaces = {POD_NS, "/run/netns/pod2"}
     state: dict[str, Any] = {"ready": True, "mtu": 1400}
     cni = CniSettings(mtu_provider=lambda: state["mtu"], ready=lambda: bool(state["ready"]))
+
+    def open_netns(path: str) -> int:
+        # Stands in for a namespace: the handler only hands the fd on (and closes it).
+        if path not in namespaces:
+            raise FileNotFoundError(2, "No such file or directory")
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
     handler = CniHandler(
         ipam,
         pods,  # type: ignore[arg-type]
         records,
         cni,
-        netns_exists=namespaces.__contains__,
+        open_netns=open_netns,
+        require_netns=lambda fd: None,
     )
     return Env(handler, ipam, records, pods, namespaces, state)
 
@@ -404,6 +413,16 @@ def test_gc_dead(env: Env) -> None:
     released = env.handler.gc_dead(exists=lambda path: path == POD_NS)
     assert sorted(released) == [("dead", "eth0"), ("orphan", "eth0")]
     assert [a.container_id for a in env.ipam.allocations()] == ["alive"]
+    assert [r.container_id for r in env.records.list()] == ["alive"]
+
+
+def test_gc_dead_by_default_judges_a_pod_by_its_host_veth(env: Env) -> None:
+    # Not by its CNI_NETNS path, which the agent's mount namespace may not show.
+    env.call("ADD", cid="alive")
+    env.call("ADD", cid="dead", netns="/run/netns/pod2")
+    (dead,) = [r.host_veth for r in env.records.list() if r.container_id == "dead"]
+    del env.pods.veths[dead]  # the kernel deleted it with the pod's namespace
+    assert env.handler.gc_dead() == [("dead", "eth0")]
     assert [r.container_id for r in env.records.list()] == ["alive"]
 
 

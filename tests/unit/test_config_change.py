@@ -159,3 +159,8 @@ def test_record_keys() -> None:
     assert node_of_key(prefix, status_key(prefix + "/", "n2")) == ("n2", "status")
     assert node_of_key(prefix, prefix + "/flannelpy/nodes/n1/other") is None
     assert node_of_key(prefix, prefix + "/subnets/10.244.1.0-24") is None
+
+
+def test_switching_the_firewall_mode_needs_a_restart() -> None:
+    decision = decide(conf(VXLAN), conf(VXLAN, EnableNFTables=True), mtus=(1450, 1450))
+    assert decision.action == "restart-needed" and "EnableNFTables" in (decision.sentence or "")

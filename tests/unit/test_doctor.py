@@ -500,3 +500,30 @@ def test_a_node_with_two_leases_in_two_pools_is_healthy_and_a_missing_rule_is_na
     )
     found = problems(diagnose(replace(facts, chains=broken)))
     assert [f.check for f in found] == ["firewall"]
+
+
+def _nft_mode(facts: NodeFacts, drop_rule: str | None = None) -> NodeFacts:
+    """The node in nftables mode: no iptables chains, the table as the agent writes it."""
+    from flannelpy.dataplane.nftables import forward_rules as nft_forward
+    from flannelpy.dataplane.nftables import masq_rules as nft_masq
+
+    assert facts.config is not None and facts.config.network is not None
+    rules = [*nft_masq(facts.config.network, [OWN.subnet], True),
+             *nft_forward(facts.config.network)]  # fmt: skip
+    body = "\n".join(f"\t\t{rule}" for rule in rules if rule != drop_rule)
+    listing = f"table ip flannel-ipv4 {{\n\tchain postrtg {{\n{body}\n\t}}\n}}\n"
+    config = replace(facts.config, enable_nftables=True)
+    return replace(facts, config=config, chains=None, nft_tables={"ip flannel-ipv4": listing})
+
+
+def test_nftables_mode_checks_the_flannel_table_not_iptables() -> None:
+    findings = diagnose(_nft_mode(healthy_facts()))
+    (finding,) = [f for f in findings if f.check == "firewall"]
+    assert finding.severity == "ok" and "flannel-ipv4" in finding.message
+    assert problems(findings) == []
+
+
+def test_nftables_mode_names_a_missing_rule() -> None:
+    rule = "ip saddr 10.244.0.0/16 accept"
+    (finding,) = [f for f in diagnose(_nft_mode(healthy_facts(), rule)) if f.check == "firewall"]
+    assert finding.severity == "error" and rule in finding.message and finding.action

@@ -43,6 +43,9 @@ SEARCH_PATH = os.pathsep.join(
 PROGRAMS = {
     "busybox": "busybox-static",
     "conmon": "conmon",
+    "containerd": "containerd",
+    "containerd-shim-runc-v2": "containerd",
+    "ctr": "containerd",
     "etcd": "etcd-server",
     "ethtool": "ethtool",
     "gcc": "gcc",
@@ -58,6 +61,7 @@ PROGRAMS = {
     "podman": "podman",
     "promtool": "prometheus",
     "runc": "runc",
+    "sysctl": "procps",
     "bridge": "iproute2",
     "cni:bridge": "containernetworking-plugins",
     "cni:host-local": "containernetworking-plugins",
@@ -65,11 +69,19 @@ PROGRAMS = {
     "cni:tuning": "containernetworking-plugins",
 }
 # Built by the repo, with the script that builds it.
-REPO_BUILT = {"flannelpy-cni": "scripts/build-cni.sh", "flanneld": "scripts/build-peers.sh"}
+REPO_BUILT = {
+    "flannelpy-cni": "scripts/build-cni.sh",
+    "flanneld": "scripts/build-peers.sh",
+    **{
+        name: "scripts/build-kube.sh"
+        for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet",
+                     "kubectl")
+    },
+}  # fmt: skip
 # Not a Debian package, with why.
 OUTSIDE_DEBIAN = {
-    "go": "the Go toolchain from go.dev builds the pinned flanneld (scripts/build-peers.sh); "
-    "Debian 12's is too old for it",
+    "go": "the Go toolchain from go.dev builds the pinned flanneld and Kubernetes "
+    "(scripts/build-peers.sh, scripts/build-kube.sh); Debian 12's is too old for them",
 }
 # Words the scan takes for programs that are data where they stand (word, file): why.
 NOT_RUN = {

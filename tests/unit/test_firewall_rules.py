@@ -18,6 +18,7 @@ from flannelpy.dataplane.firewall import (
     Rule,
     forward_rules,
     masq_rules,
+    missing_jumps,
     plan_chain,
     plan_jumps,
     random_fully_supported,
@@ -163,30 +164,55 @@ JUMP_LINE = FLANNEL_MASQ_LINES[0]
 KUBE = '-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING'
 
 
-def test_plan_jumps_in_sync_at_top_with_foreign_rules_after() -> None:
-    assert plan_jumps(JUMP, ["-P POSTROUTING ACCEPT", JUMP_LINE, KUBE]).in_sync
+OLD_STYLE = "-A POSTROUTING -j FLANNEL-POSTRTG"
+FELIX = "-A POSTROUTING -m comment --comment cali:O3lYWMrLQYEMJtB5 -j cali-POSTROUTING"
+
+
+@pytest.mark.parametrize(
+    "observed",
+    [
+        pytest.param([KUBE, JUMP_LINE], id="after-foreign"),
+        pytest.param([FELIX, JUMP_LINE, KUBE], id="between-foreign"),
+        pytest.param([JUMP_LINE, KUBE, JUMP_LINE], id="twice"),
+        pytest.param([JUMP_LINE, OLD_STYLE], id="old-style-beside"),
+    ],
+)
+def test_plan_jumps_after_start_only_asks_that_the_jump_exists(observed: list[str]) -> None:
+    # Flannel's check: the rule exists. Position and neighbours are not ours to fix.
+    assert plan_jumps(JUMP, ["-P POSTROUTING ACCEPT", *observed]).in_sync
+
+
+def test_plan_jumps_after_start_a_missing_jump_is_appended_alone() -> None:
+    plan = plan_jumps(JUMP, ["-P POSTROUTING ACCEPT", FELIX, KUBE])
+    assert (plan.in_sync, plan.reason, plan.stale) == (False, MISSING, ())
+    assert missing_jumps(JUMP, [FELIX, KUBE]) == JUMP
+    assert missing_jumps(JUMP, [FELIX, JUMP_LINE]) == []
+
+
+def test_plan_jumps_at_start_wants_the_jump_last() -> None:
+    assert plan_jumps(JUMP, ["-P POSTROUTING ACCEPT", KUBE, JUMP_LINE], bootstrap=True).in_sync
+    assert plan_jumps(JUMP, ["-P POSTROUTING ACCEPT", JUMP_LINE], bootstrap=True).in_sync
 
 
 @pytest.mark.parametrize(
     ("observed", "reason", "stale"),
     [
         pytest.param([KUBE], MISSING, (), id="absent"),
-        pytest.param([KUBE, JUMP_LINE], WRONG_ORDER, (JUMP_LINE,), id="not-at-top"),
+        pytest.param([JUMP_LINE, KUBE], WRONG_ORDER, (JUMP_LINE,), id="not-last"),
         pytest.param([JUMP_LINE, KUBE, JUMP_LINE], DUPLICATES, (JUMP_LINE,) * 2, id="twice"),
         pytest.param(
-            [JUMP_LINE, "-A POSTROUTING -j FLANNEL-POSTRTG"],
-            EXTRA,
-            (JUMP_LINE, "-A POSTROUTING -j FLANNEL-POSTRTG"),
-            id="old-style-jump",
+            [JUMP_LINE, OLD_STYLE], EXTRA, (JUMP_LINE, OLD_STYLE), id="old-style-jump"
         ),
     ],
 )
-def test_plan_jumps_out_of_sync(observed: list[str], reason: str, stale: tuple[str, ...]) -> None:
-    plan = plan_jumps(JUMP, observed)
+def test_plan_jumps_at_start_out_of_sync(
+    observed: list[str], reason: str, stale: tuple[str, ...]
+) -> None:
+    plan = plan_jumps(JUMP, observed, bootstrap=True)
     assert (plan.in_sync, plan.reason, plan.stale) == (False, reason, stale)
 
 
-def test_restore_script_rewrites_our_chain_and_moves_the_jump() -> None:
+def test_restore_script_rewrites_our_chain_and_appends_the_jump() -> None:
     script = restore_script(
         "nat", [("FLANNEL-POSTRTG", DESIRED)], [("POSTROUTING", JUMP, [JUMP_LINE])]
     )
@@ -195,9 +221,10 @@ def test_restore_script_rewrites_our_chain_and_moves_the_jump() -> None:
         ":FLANNEL-POSTRTG - [0:0]",
         *FLANNEL_MASQ_LINES[1:],
         f"-D POSTROUTING {M} -j FLANNEL-POSTRTG",
-        f"-I POSTROUTING 1 {M} -j FLANNEL-POSTRTG",
+        f"-A POSTROUTING {M} -j FLANNEL-POSTRTG",
         "COMMIT",
     ]
+    assert not any(line.startswith("-I") for line in script.splitlines())
 
 
 @pytest.mark.parametrize(
@@ -243,7 +270,7 @@ class FakeIptables:
 
 def in_sync_state() -> dict[tuple[str, str], list[str]]:
     return {
-        ("nat", "POSTROUTING"): ["-P POSTROUTING ACCEPT", JUMP_LINE, KUBE],
+        ("nat", "POSTROUTING"): ["-P POSTROUTING ACCEPT", KUBE, JUMP_LINE],
         ("nat", "FLANNEL-POSTRTG"): GOOD,
     }
 
@@ -279,7 +306,7 @@ def test_sync_repairs_only_what_differs() -> None:
 
     def restore_fixes(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         if "iptables-restore" in argv:
-            state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", JUMP_LINE, KUBE]
+            state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", KUBE, JUMP_LINE]
         return fake(argv, **kwargs)
 
     fw = IptablesFirewall(run=restore_fixes, random_fully=True)
@@ -289,9 +316,39 @@ def test_sync_repairs_only_what_differs() -> None:
     # Our chain was fine, so it is not re-declared (that would flush it).
     assert fake.scripts == [
         f"*nat\n-D POSTROUTING {M} -j FLANNEL-POSTRTG\n-D POSTROUTING {M} -j FLANNEL-POSTRTG\n"
-        f"-I POSTROUTING 1 {M} -j FLANNEL-POSTRTG\nCOMMIT\n"
+        f"-A POSTROUTING {M} -j FLANNEL-POSTRTG\nCOMMIT\n"
     ]
     assert ["iptables-restore", "-w", "5", "--noflush"] in fake.calls
+
+
+def test_after_start_rules_put_above_ours_are_left_alone() -> None:
+    state = in_sync_state()
+    state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", KUBE, JUMP_LINE]
+    fake = FakeIptables(state)
+    fw = IptablesFirewall(run=fake, random_fully=True)
+    assert not fw.sync(masq_rules(NET, [SUBNET], random_fully=True)).repaired
+    state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", FELIX, KUBE, JUMP_LINE, JUMP_LINE]
+    for _ in range(5):
+        assert not fw.sync(masq_rules(NET, [SUBNET], random_fully=True)).repaired
+    assert fake.scripts == []
+
+
+def test_after_start_a_deleted_jump_is_appended_without_touching_the_rest() -> None:
+    state = in_sync_state()
+    fake = FakeIptables(state)
+
+    def restore_appends(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if "iptables-restore" in argv:
+            state["nat", "POSTROUTING"] = [*state["nat", "POSTROUTING"], JUMP_LINE]
+        return fake(argv, **kwargs)
+
+    fw = IptablesFirewall(run=restore_appends, random_fully=True)
+    state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", KUBE, JUMP_LINE]
+    fw.sync(masq_rules(NET, [SUBNET], random_fully=True))  # start: already last, nothing done
+    state["nat", "POSTROUTING"] = ["-P POSTROUTING ACCEPT", FELIX, KUBE]
+    result = fw.sync(masq_rules(NET, [SUBNET], random_fully=True))
+    assert (result.repaired, result.details) == (True, ("nat/POSTROUTING: missing",))
+    assert fake.scripts == [f"*nat\n-A POSTROUTING {M} -j FLANNEL-POSTRTG\nCOMMIT\n"]
 
 
 def test_sync_drops_random_fully_when_iptables_is_too_old() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from typing import Any
 
@@ -97,6 +98,7 @@ def test_flannels_annotation_names() -> None:
         node_public_ip=P + "node-public-ip",
         node_public_ipv6=P + "node-public-ipv6",
         mtu=P + "flannelpy-mtu",
+        direct_routing=P + "flannelpy-direct-routing",
     )
     assert expected == KEYS
 
@@ -286,6 +288,7 @@ def test_first_patch_writes_everything() -> None:
                 P + "backend-data": '{"VNI":1,"VtepMAC":"0e:00:00:00:00:01"}',
                 P + "public-ip": "192.168.1.1",
                 P + "flannelpy-mtu": "1450",
+                P + "flannelpy-direct-routing": "false",
             }
         },
         "status": {
@@ -361,3 +364,16 @@ def test_strategic_merge_merges_conditions_by_type() -> None:
     replaced = json_merge(before, patch)
     assert replaced["status"]["conditions"] == [{"type": "NetworkUnavailable", "status": "False"}]
     assert before["metadata"]["annotations"] == {"a": "1", "b": "2"}
+
+
+def test_direct_routing_travels_in_an_annotation_of_ours() -> None:
+    """Both ends of a pair of our nodes must know each other's DirectRouting (etcd
+    leases carry it in our extension; Node annotations in this one)."""
+    own = replace(attrs(), direct_routing=True)
+    notes = kn.desired_annotations(own, KEYS)
+    assert notes[P + "flannelpy-direct-routing"] == "true"
+    peer = node(notes={**notes}, pod_cidrs=["10.244.3.0/24"])
+    lease = kn.node_to_lease(peer, KEYS, CONFIG)
+    assert lease is not None and lease.attrs.direct_routing is True
+    off = kn.desired_annotations(replace(own, direct_routing=None), KEYS)
+    assert off[P + "flannelpy-direct-routing"] == "false"

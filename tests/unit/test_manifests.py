@@ -221,15 +221,15 @@ def test_agent_resources_are_flannels() -> None:
 
 def test_agent_mounts_its_host_paths() -> None:
     mounts = _host_mounts(_agent())
-    for path in ("/run/flannel", "/run/flannelpy", "/var/lib/flannelpy", "/run/xtables.lock",
-                 "/run/netns"):
+    for path in ("/run/flannel", "/run/flannelpy", "/var/lib/flannelpy", "/run/xtables.lock"):
         assert mounts[path] == path, path
     volumes = {v["name"]: v for v in _pod()["volumes"]}
     (xtables,) = [m for m in _agent()["volumeMounts"] if m["mountPath"] == "/run/xtables.lock"]
     assert volumes[xtables["name"]]["hostPath"]["type"] == "FileOrCreate"
-    # Namespaces the runtime creates later must show up inside the running container.
-    (netns,) = [m for m in _agent()["volumeMounts"] if m["mountPath"] == "/run/netns"]
-    assert netns["mountPropagation"] == "HostToContainer"
+    # The executable passes each pod's namespace as an open fd: no runtime's netns
+    # directory is mounted, and the host's PID namespace is not shared.
+    assert not [m for m, host in mounts.items() if "netns" in m + host]
+    assert _pod().get("hostPID", False) is False
 
 
 def test_agent_command_line_parses_and_matches_the_mounts() -> None:

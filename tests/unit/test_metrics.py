@@ -740,7 +740,6 @@ def _ready(**overrides: Any) -> tuple[bool, str]:
         "subnet_env_written": True,
         "last_reconcile": result("start", route=3),
         "rules_in_place": True,
-        "unprogrammed_peers": 0,
     }
     facts.update(overrides)
     return readiness(**facts)
@@ -759,7 +758,6 @@ def test_readiness_ok_only_when_everything_holds() -> None:
             {"last_reconcile": result("route", failures=("route 10.244.2.0/24: EPERM", "x"))},
             "the reconciler cannot converge: route 10.244.2.0/24: EPERM (and 1 more)",
         ),
-        ({"unprogrammed_peers": 2}, "2 peer(s) have no route"),
         ({"rules_in_place": False}, "firewall rules are not in place"),
         ({"subnet_env_written": False}, "subnet.env is not written yet"),
     ],

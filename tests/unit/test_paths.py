@@ -34,6 +34,8 @@ capabilities = st.builds(
     prefers_direct=st.booleans(),
     vni=st.none() | st.integers(1, 3),
     vtep_mac=st.none() | st.just(MAC),
+    follows_peer=st.booleans(),  # False: a flanneld end
+    foreign_backend=st.none() | st.just("wireguard"),
 )
 
 
@@ -114,9 +116,11 @@ def test_own_capabilities(backend: BackendConfig, vtep_mac: str | None,
 
 
 def lease(backend: str, data: dict[str, object] | None = None,
-          direct_routing: bool | None = None, ip: str = "192.168.1.11") -> Lease:
+          direct_routing: bool | None = None, ip: str = "192.168.1.11",
+          mtu: int | None = 1450) -> Lease:
+    """A peer's lease: one of ours (with our extension) unless ``mtu`` is None."""
     return Lease(IPv4Network("10.244.2.0/24"), LeaseAttrs(
-        IPv4Address(ip), backend, backend_data=data, direct_routing=direct_routing))
+        IPv4Address(ip), backend, backend_data=data, direct_routing=direct_routing, mtu=mtu))
 
 
 @pytest.mark.parametrize(
@@ -132,7 +136,8 @@ def lease(backend: str, data: dict[str, object] | None = None,
         (lease("vxlan", {"VtepMAC": MAC}), Capabilities(False, None, None)),
         (lease("vxlan", {"VNI": True, "VtepMAC": MAC}), Capabilities(False, None, None)),
         # another backend's data is no VTEP, whatever it holds
-        (lease("wireguard", {"VNI": 1, "VtepMAC": MAC}), Capabilities(False, None, None)),
+        (lease("wireguard", {"VNI": 1, "VtepMAC": MAC}),
+         Capabilities(False, None, None, foreign_backend="wireguard")),
     ],
 )
 def test_peer_capabilities_come_from_the_lease(peer: Lease, expected: Capabilities) -> None:

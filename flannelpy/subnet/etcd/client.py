@@ -68,10 +68,15 @@ _UNREACHABLE_CODES = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.INTERNAL,
 }
+# A member that cannot reach a quorum times a read out itself and answers UNKNOWN with
+# Go's context error (the client's deadline travels to it) just before our own deadline
+# fires: that member is as unreachable as a dead one, so the call fails over.
+_UNREACHABLE_DETAILS = ("context deadline exceeded", "context canceled")
 
-# Watches carry etcd's "hasleader" metadata: a member cut off from the leader then
-# refuses (or cancels) the watch with "no leader" instead of serving a frozen world,
-# and the watch moves to another endpoint.
+# Every call carries etcd's "hasleader" metadata: a member cut off from the leader
+# then refuses it at once with "no leader" (UNAVAILABLE, so the call fails over),
+# rather than holding a read until the request timeout, and cancels open watches
+# instead of serving a frozen world; the watch then moves to another endpoint.
 _REQUIRE_LEADER = (("hasleader", "true"),)
 TLS_CHECK_INTERVAL = 1.0  # seconds between looks at the TLS files' mtimes
 
@@ -79,14 +84,28 @@ T = TypeVar("T")
 
 
 class _Client(pyetcd.MultiEndpointEtcd3Client):  # type: ignore[misc]
-    """pyetcd's client, with watches that require a leader."""
+    """pyetcd's client, whose calls and watches all require a leader.
+
+    pyetcd passes ``self.metadata`` with every call and sets it to the auth token
+    after authenticating; the property keeps the leader requirement beside it.
+    """
+
+    _base_metadata: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._base_metadata + _REQUIRE_LEADER
+
+    @metadata.setter
+    def metadata(self, value: Sequence[tuple[str, str]] | None) -> None:
+        self._base_metadata = tuple(value or ())
 
     def get_watcher(self) -> Watcher:
         return Watcher(
             etcdrpc.WatchStub(self.channel),
             timeout=self.timeout,
             call_credentials=self.call_credentials,
-            metadata=tuple(self.metadata or ()) + _REQUIRE_LEADER,
+            metadata=self.metadata,
         )
 
 
@@ -157,6 +176,15 @@ def _error_kind(error: BaseException) -> str:
     """A failed request's gRPC status in snake case ("permission_denied"), else "request"."""
     code = _rpc_code(error.__cause__) if error.__cause__ is not None else None
     return code.name.lower() if code is not None else "request"
+
+
+def _unreachable(error: grpc.RpcError) -> bool:
+    """Does this error say the member could not serve the call (try another one)?"""
+    code = _rpc_code(error)
+    if code in _UNREACHABLE_CODES:
+        return True
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    return code == grpc.StatusCode.UNKNOWN and details.strip() in _UNREACHABLE_DETAILS
 
 
 def _rpc_code(error: BaseException) -> grpc.StatusCode | None:
@@ -319,7 +347,14 @@ class EtcdStore:
                 self._report(_error_kind(e))
                 raise
             with self._lock:
-                self._current = index
+                previous, self._current = self._current, index
+            if index != previous:
+                # Logged once per move (not per thread): it tells which member the node
+                # depends on now.
+                log.warning(
+                    "etcd requests moved to another endpoint from=%s to=%s",
+                    self._endpoints[previous].url, self._endpoints[index].url,
+                )  # fmt: skip
             return result
         self._report("unavailable")
         raise StoreUnavailable(
@@ -347,9 +382,9 @@ class EtcdStore:
                     int(e.compacted_revision),
                 ) from e
             except grpc.RpcError as e:
-                code = _rpc_code(e)
-                if code in _UNREACHABLE_CODES:
+                if _unreachable(e):
                     raise StoreUnavailable(_rpc_details(e)) from e
+                code = _rpc_code(e)
                 if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
                     # The auth token expired (etcd's simple tokens live --auth-token-ttl,
                     # 5 min by default): reconnect, which authenticates again.

@@ -187,7 +187,10 @@ class KubeSubnetManager:
                 "advertising the address from public-ip-overwrite public_ip=%s own=%s",
                 advertised.public_ip, attrs.public_ip,
             )  # fmt: skip
-        patch = kn.status_patch(node, advertised, self._keys, self._clock())
+        patch = kn.status_patch(
+            node, advertised, self._keys, self._clock(),
+            set_condition=self._settings.set_node_network_unavailable,
+        )  # fmt: skip
         if patch is None:
             return advertised
         name = kn.node_name(node)

@@ -58,6 +58,7 @@ class AnnotationKeys:
     node_public_ip: str
     node_public_ipv6: str
     mtu: str
+    direct_routing: str
 
 
 def annotation_keys(prefix: str) -> AnnotationKeys:
@@ -86,6 +87,7 @@ def annotation_keys(prefix: str) -> AnnotationKeys:
         # Inside the same prefix, so two agents with different prefixes (two
         # networks on one cluster) never overwrite each other's value.
         mtu=prefix + "flannelpy-mtu",
+        direct_routing=prefix + "flannelpy-direct-routing",
     )
 
 
@@ -283,6 +285,7 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
         backend_v6_data=_json_object(notes.get(keys.backend_v6_data)),
         node_name=node_name(node) or None,
         mtu=_mtu_or_none(mtu_text),
+        direct_routing=True if notes.get(keys.direct_routing) == "true" else None,
     )
     ipv6 = v6 if config.enable_ipv6 else None
     return Lease(subnet=v4, attrs=attrs, expiration=None, ipv6_subnet=ipv6)
@@ -343,6 +346,8 @@ def desired_annotations(advertised: LeaseAttrs, keys: AnnotationKeys) -> dict[st
         wanted[keys.backend_v6_data] = backend_data_text(advertised.backend_v6_data)
     if advertised.mtu is not None:
         wanted[keys.mtu] = str(advertised.mtu)
+        # Always written ("false" too), so turning DirectRouting off needs no deletion.
+        wanted[keys.direct_routing] = "true" if advertised.direct_routing else "false"
     return wanted
 
 
@@ -370,13 +375,16 @@ def rfc3339(unix_time: float) -> str:
 
 
 def status_patch(
-    node: Node, advertised: LeaseAttrs, keys: AnnotationKeys, now: float
+    node: Node, advertised: LeaseAttrs, keys: AnnotationKeys, now: float,
+    set_condition: bool = True,
 ) -> dict[str, Any] | None:
     """The strategic-merge patch of ``nodes/<name>/status`` that brings our Node to
     ``advertised``, holding only what differs; None when nothing does.
 
     Conditions merge by ``type`` in a strategic-merge patch, so sending our one
-    condition leaves the kubelet's (Ready, MemoryPressure, ...) alone.
+    condition leaves the kubelet's (Ready, MemoryPressure, ...) alone. Without
+    ``set_condition`` (``--set-node-network-unavailable=false``, as in flanneld) the
+    condition is left to whoever else manages it.
     """
     current = node_annotations(node)
     changed = {
@@ -387,7 +395,7 @@ def status_patch(
     patch: dict[str, Any] = {}
     if changed:
         patch["metadata"] = {"annotations": changed}
-    if not condition_is_set(node):
+    if set_condition and not condition_is_set(node):
         stamp = rfc3339(now)
         patch["status"] = {
             "conditions": [

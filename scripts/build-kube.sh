@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubelet, kubectl), pinned by the wrapper module in tests/peers/kubernetes,
+# into a cache outside git. The lab runs it in Kubernetes mode; the product never needs Go.
+# Rebuilds only when the pin, the wrapper, this script or the Go toolchain changes (a stamp
+# holds their hash). Prints the directory holding the binaries.
+#   FLANNELPY_PEERS_DIR   cache directory (default /var/cache/flannelpy/peers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wrapper=tests/peers/kubernetes
+binaries=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet)
+
+if ! command -v go >/dev/null; then
+  PATH=$PATH:/usr/local/go/bin
+fi
+if ! command -v go >/dev/null; then
+  echo "build-kube: go not found: install Go 1.26 (https://go.dev/dl/) and put it on PATH" >&2
+  exit 1
+fi
+
+pin=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$wrapper/go.mod")
+if [[ -z $pin ]]; then
+  echo "build-kube: $wrapper/go.mod has no 'require k8s.io/kubernetes vX' line: restore it" >&2
+  exit 1
+fi
+if [[ ! $pin =~ ^v1\.([0-9]+)\.[0-9]+$ ]]; then
+  echo "build-kube: $wrapper/go.mod pins k8s.io/kubernetes $pin: pin a release (v1.N.P)" >&2
+  exit 1
+fi
+minor=${BASH_REMATCH[1]}
+out_dir=$(realpath -m "${FLANNELPY_PEERS_DIR:-/var/cache/flannelpy/peers}/kubernetes-$pin")
+stamp=$out_dir/.stamp
+
+# Everything the binaries depend on: the wrapper's files, this script and the toolchain.
+inputs_hash=$( {
+  find "$wrapper" -type f ! -name README.md ! -name '*.sh' -print0 | sort -z | xargs -0 sha256sum
+  sha256sum "${BASH_SOURCE[0]}"
+  go version
+} | sha256sum | cut -c1-16)
+
+up_to_date=true
+for bin in "${binaries[@]}"; do
+  [[ -x $out_dir/$bin ]] || up_to_date=false
+done
+if $up_to_date && [[ -f $stamp && $(cat "$stamp") == "$inputs_hash" ]]; then
+  echo "$out_dir"
+  exit 0
+fi
+
+echo "build-kube: building Kubernetes $pin (${binaries[*]}); the first build takes long, see tests/peers/kubernetes/README.md" >&2
+mkdir -p "$out_dir"
+tmp_dir=$(mktemp -d "$out_dir/.build.XXXXXX")
+trap 'rm -rf "$tmp_dir"' EXIT
+
+# The version variables Kubernetes' own release build sets (hack/lib/version.sh); the API
+# server derives its emulation version from them. The build flags follow its release build:
+# static, no symbols, trimmed paths, and the tags it builds with.
+version_ldflags=""
+for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+  version_ldflags+=" -X $pkg.gitVersion=$pin -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+  version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+for bin in "${binaries[@]}"; do
+  started=$SECONDS
+  # nice: the build takes minutes of both cores on a small CI machine; tests running beside it
+  # keep their timing. -mod=readonly: a go.sum out of date with go.mod fails loudly instead of
+  # rewriting git files.
+  (cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build -mod=readonly -trimpath -buildvcs=false \
+    -tags selinux,notest,grpcnotrace -ldflags "-s -w$version_ldflags" \
+    -o "$tmp_dir/$bin" "k8s.io/kubernetes/cmd/$bin")
+  if [[ $bin == kubectl ]]; then
+    reported=$("$tmp_dir/$bin" version --client 2>&1 | head -1)
+    expected="Client Version: $pin"
+  else
+    reported=$("$tmp_dir/$bin" --version 2>&1)
+    expected="Kubernetes $pin"
+  fi
+  if [[ $reported != "$expected" ]]; then
+    echo "build-kube: the built $bin reports '$reported', not '$expected'; see the output above" >&2
+    exit 1
+  fi
+  echo "build-kube: $bin built in $((SECONDS - started)) s" >&2
+done
+for bin in "${binaries[@]}"; do
+  chmod 0755 "$tmp_dir/$bin"
+  mv -f "$tmp_dir/$bin" "$out_dir/$bin"  # atomic: a running lab never sees half a binary
+done
+echo "$inputs_hash" >"$stamp"
+echo "$out_dir"
