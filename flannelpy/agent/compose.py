@@ -106,6 +106,7 @@ def build_agent(
             underlay=underlay,
             public_ip=public_ip or underlay.ip,
             node_name=kube.node_name if kube else node_name_default(settings),
+            blackhole_own_subnets=settings.ip_blackhole_route,
         )
         ours = {*_all_backend_devices(ctx), "cni0"}
         # Routes a Flannel that ran here before left for its peers are ours to take over

@@ -194,10 +194,11 @@ class NodeAgent:
             own_address_provider=lambda: lease.gateway if (lease := w.view.lease) else None,
             interval_seconds=self.settings.probe_interval,
             timeout_seconds=min(1.0, self.settings.probe_interval / 2),
+            peers_per_interval=self.settings.probe_peers_per_interval,
             on_result=w.on_probe,
         )
         w.planner.prober = w.status.prober = prober
-        w.planner.replan()  # hands it the peers known so far
+        w.planner.follow_peers()  # the peers known so far; no replan: the plan is current
         self._spawn("prober", prober.run)
 
     def _tick(self, stop: threading.Event) -> None:

@@ -20,6 +20,7 @@ from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 log = logging.getLogger("flannelpy.agent.planning")
+UNKNOWN_MTU_LINES = 3  # more new peers of unknown MTU than this: one line for them all
 
 
 class Planner:
@@ -35,6 +36,18 @@ class Planner:
         self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
         self._said_unknown_mtu: set[IPv4Network] = set()  # peers logged as MTU unknown
 
+    def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
+        """Hand the prober the current peers (each lease's overlay address is its first
+        address, on the owner's cni0)."""
+        if self.prober is None or not self.state.own:
+            return
+        if peers is None:
+            peers = self.state.peers()
+        self.prober.set_peers(
+            {str(p.subnet): (p.gateway, p.attrs.node_name or str(p.attrs.public_ip))
+             for p in peers}
+        )  # fmt: skip
+
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
         s = self.state
@@ -44,12 +57,7 @@ class Planner:
         peers = s.peers()
         self.metrics.peers(peers)
         self.check_mtu(peers)
-        if self.prober is not None:
-            # Each lease's overlay address is its first address (on the owner's cni0).
-            self.prober.set_peers(
-                {str(p.subnet): (p.gateway, p.attrs.node_name or str(p.attrs.public_ip))
-                 for p in peers}
-            )  # fmt: skip
+        self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
         if (vtep_mac is not None) != s.vtep_advertised:
             s.attrs_dirty = True  # the writer rewrites our lease next
@@ -111,10 +119,19 @@ class Planner:
                     "overlay MTU differs from %d peer lease(s) on another backend, as expected "
                     "while backends are mixed; pods keep their MTU until re-created", len(mixed),
                 )  # fmt: skip
-        # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer.
+        # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer,
+        # or in one line for many at once (a start among thousands of flanneld nodes
+        # would log a line for each).
         unknown = {peer.subnet for peer in report.unknown}
-        for peer in report.unknown:
-            if peer.subnet not in self._said_unknown_mtu:
+        new = [peer for peer in report.unknown if peer.subnet not in self._said_unknown_mtu]
+        if len(new) > UNKNOWN_MTU_LINES:
+            log.info(
+                "MTU unknown for %d peers (%s, ...): %s", len(new),
+                ", ".join(str(peer.subnet) for peer in new[:UNKNOWN_MTU_LINES]),
+                describe_unknown(new[0]),
+            )  # fmt: skip
+        else:
+            for peer in new:
                 log.info("MTU unknown: %s", describe_unknown(peer))
         self._said_unknown_mtu = unknown
         s.mtu_report = report

@@ -30,6 +30,7 @@ from flannelpy.dataplane.state import (
     UnderlayInterface,
     Unreachable,
     VxlanLink,
+    blackhole_route,
 )
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
@@ -42,6 +43,8 @@ class NodeContext:
     underlay: UnderlayInterface
     public_ip: IPv4Address  # advertised to peers; the underlay address unless --public-ip
     node_name: str
+    # --ip-blackhole-route: a blackhole route for each own subnet (see blackhole_route).
+    blackhole_own_subnets: bool = False
 
 
 class Backend(Protocol):
@@ -128,6 +131,8 @@ def plan_peers(
             neighbours.add(Neighbour(link.name, peer.vtep_ip, peer_caps.vtep_mac))
             fdb.add(FdbEntry(link.name, peer_caps.vtep_mac, ip))
             routes.add(Route(dst=peer.subnet, gateway=peer.vtep_ip, ifname=link.name, onlink=True))
+    if ctx.blackhole_own_subnets:
+        routes.update(blackhole_route(lease.subnet) for lease in own)
     links = [link] if link else []
     return DesiredState(
         links=frozenset(links),

@@ -34,7 +34,10 @@ could not open the path) the agent opens the path itself. DEL never needs the
 namespace: it deletes the veth by its host end, from the record.
 
 CHECK failures use code 999, as the reference plugins' do (the spec defines no
-code for "the attachment is broken").
+code for "the attachment is broken"). A pod attached before flannelpy took the node
+over (Flannel's plugin, host-local's address, held by our IPAM) has no record: CHECK
+checks it against the runtime's prevResult and the held address, and is refused
+without a prevResult, as the reference bridge plugin refuses it.
 """
 
 from __future__ import annotations
@@ -367,32 +370,94 @@ class CniHandler:
         key = (req.container_id, req.ifname)
         with self.locks.hold(key):
             record = self.records.read(req.network_name, *key)
-            if record is None:
+            if record is None and self._held_address(*key) is not None:
+                problems = self._check_held(req, netns_fd)
+            elif record is None:
                 raise CniError(
                     Code.UNKNOWN_CONTAINER,
                     f"network {req.network_name} has no attachment for container"
                     f" {req.container_id} interface {req.ifname}; run ADD first",
                 )
-            problems = []
-            if record.netns != req.netns:
-                problems.append(f"the attachment was made in {record.netns}, not {req.netns}")
-            alloc = self.ipam.find(*key)
-            if alloc is None or alloc.interface != record.address:
-                problems.append(f"IPAM no longer assigns {record.address} to this container")
-            with _cni_errors():
-                problems += self.pods.check_pod(
-                    req.netns,
-                    req.ifname,
-                    record.host_veth,
-                    record.bridge,
-                    record.address,
-                    record.gateway,
-                    self.settings.mtu_provider(),
-                    self._routes(req),
-                    netns_fd=netns_fd,
-                )
+            else:
+                problems = self._check_record(req, record, netns_fd)
         if problems:
             raise CniError(CHECK_FAILED, "; ".join(problems))
+
+    def _check_record(self, req: Request, record: Record, netns_fd: int | None) -> list[str]:
+        problems = []
+        if record.netns != req.netns:
+            problems.append(f"the attachment was made in {record.netns}, not {req.netns}")
+        alloc = self.ipam.find(req.container_id, req.ifname)
+        if alloc is None or alloc.interface != record.address:
+            problems.append(f"IPAM no longer assigns {record.address} to this container")
+        with _cni_errors():
+            problems += self.pods.check_pod(
+                req.netns,
+                req.ifname,
+                record.host_veth,
+                record.bridge,
+                record.address,
+                record.gateway,
+                self.settings.mtu_provider(),
+                self._routes(req),
+                netns_fd=netns_fd,
+            )
+        return problems
+
+    def _held_address(self, container_id: str, ifname: str) -> IPv4Interface | None:
+        """The address a pod made before a migration holds (host-local gave it; the agent
+        holds it, see NodeIpam.hold_foreign), with its lease's prefix; None otherwise."""
+        if self.ipam.find(container_id, ifname) is not None:
+            return None
+        ip = next(
+            (e.ip for e in self.ipam.host_local_entries()
+             if (e.container_id, e.ifname) == (container_id, ifname)),
+            None,
+        )  # fmt: skip
+        subnet = next((a.subnet for a in self.ipam.accounting() if ip and ip in a.subnet), None)
+        return IPv4Interface(f"{ip}/{subnet.prefixlen}") if ip and subnet else None
+
+    def _check_held(self, req: Request, netns_fd: int | None) -> list[str]:
+        """CHECK of a pod the previous plugin (Flannel's, delegating to bridge and
+        host-local) attached: no record of ours, but the held address and the runtime's
+        prevResult (the spec has the plugin consult it) say what to expect. Its host veth
+        has the bridge plugin's name, known only from the prevResult."""
+        address = self._held_address(req.container_id, req.ifname)
+        assert address is not None  # checked by the caller, under the key's lock
+        if req.prev_result is None:
+            raise CniError(
+                CHECK_FAILED,
+                f"container {req.container_id} was attached before flannelpy took the node"
+                " over and CHECK carries no prevResult to check it against; pass the"
+                " cached ADD result as prevResult",
+            )
+        with _cni_errors():
+            prev = parse_result(req.prev_result, req.cni_version)
+        bridge = self._bridge(req)
+        problems = []
+        host = next((i.name for i in prev.interfaces if not i.sandbox and i.name != bridge), None)
+        sandbox = next((i.sandbox for i in prev.interfaces if i.sandbox), req.netns)
+        if sandbox != req.netns:
+            problems.append(f"the attachment was made in {sandbox}, not {req.netns}")
+        if not any(IPv4Interface(ip.address) == address for ip in prev.ips):
+            named = ", ".join(ip.address for ip in prev.ips) or "no address"
+            problems.append(f"prevResult names {named}, but IPAM holds {address} for it")
+        if host is None:
+            problems.append(f"prevResult names no host veth on {bridge}")
+            return problems
+        with _cni_errors():
+            problems += self.pods.check_pod(
+                req.netns,
+                req.ifname,
+                host,
+                bridge,
+                address,
+                gateway_of(address.network).ip,
+                self.settings.mtu_provider(),
+                self._routes(req),
+                netns_fd=netns_fd,
+            )
+        return problems
 
     # -- GC and start-up clean-up
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from flannelpy.commands.store import connected, store_parent, store_settings
 from flannelpy.control.records import ForceRecord
 from flannelpy.errors import ConfigError, FlannelpyError
+from flannelpy.rollout.flanneld import flanneld_nodes
 from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT
 from flannelpy.rollout.show import describe_state, how_to_go_back, status_rows, summary
 
@@ -203,7 +204,8 @@ def _status(args: argparse.Namespace, store: RolloutStore) -> int:
         if record.force is not None:
             _print(f"forced past the policy by {record.force.by} at {record.force.at}: "
                    f"{record.force.reason}")  # fmt: skip
-    rows = status_rows(record, nodes.statuses)
+    flanneld = flanneld_nodes(store.read_leases(), nodes.statuses)
+    rows = status_rows(record, nodes.statuses, flanneld, store.read_config().config.backend)
     header = ("node", "rollout", "backend", "generation", "ready", "blocked")
     table = [header] + [
         (r.node, r.rollout_state, r.backend,

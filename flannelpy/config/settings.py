@@ -51,7 +51,7 @@ class AgentSettings:
     ip_masq_fully_random_disable: bool = False  # MASQUERADE without --random-fully
     iptables_resync: float = 5.0  # seconds
     iptables_forward_rules: bool = True
-    ip_blackhole_route: bool = False  # only False: see _check_blackhole
+    ip_blackhole_route: bool = False  # blackhole route for the node's own subnet
     # Kubernetes mode: set our Node's NetworkUnavailable condition to False once up.
     set_node_network_unavailable: bool = True
     v: int = 0  # klog's verbosity, as flanneld takes it; above 0 turns on debug logs
@@ -79,6 +79,9 @@ class AgentSettings:
     # the kernel bug that corrupts VXLAN UDP checksums on some NICs and drivers.
     vxlan_tx_checksum_off: bool = False
     probe_interval: float = 5.0  # seconds between two probe rounds to one peer
+    # at most this many peers probed per probe interval; a larger cluster is covered over
+    # several intervals (one cycle), so the prober's cost does not grow with the cluster
+    probe_peers_per_interval: int = 100
     # This cluster's name for cluster-scoped address pools (flannelpy.io/cluster/<name>);
     # None: only pools shared by every cluster.
     cluster_name: str | None = None
@@ -149,7 +152,7 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("iptables_resync", "float", "seconds between firewall rule checks"),
     _Flag("iptables_forward_rules", "bool", "add FORWARD accept rules for the network"),
     _Flag("ip_blackhole_route", "bool",
-          "flanneld's blackhole route for the node's subnet (not supported: refused)"),
+          "blackhole route for the node's own subnet, beneath cni0's connected route"),
     _Flag("set_node_network_unavailable", "bool",
           "set the Node's NetworkUnavailable condition to False once up (Kubernetes mode)"),
     _Flag("v", "int", "klog verbosity as flanneld takes it; above 0 means --log-level debug"),
@@ -172,6 +175,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("vxlan_tx_checksum_off", "bool",
           "turn off tx checksum offload on the vxlan device (VXLAN checksum bug fix)"),
     _Flag("probe_interval", "float", "seconds between probe rounds to each peer"),
+    _Flag("probe_peers_per_interval", "int",
+          "peers probed per probe interval at most; more are covered over several intervals"),
     _Flag("cluster_name", "str",
           "this cluster's name, for address pools tagged flannelpy.io/cluster/<name>"),
     _Flag("status_publish_interval", "float",
@@ -326,16 +331,23 @@ def _parse_float(text: str, source: str) -> float:
 
 
 def _check_endpoints(urls: tuple[str, ...], source: str) -> tuple[str, ...]:
-    """Each endpoint a URL. A bare ``host:port`` is taken as etcd's Go client takes it
-    (the TLS files decide the scheme: see _with_schemes)."""
+    """Each endpoint a URL or ``unix://PATH``. A bare ``host:port`` is taken as etcd's Go
+    client takes it (the TLS files decide the scheme: see _with_schemes)."""
     if not urls:
         raise ConfigError(f"{source} is empty; give etcd URLs like http://127.0.0.1:2379")
     for url in urls:
-        if url.startswith(("unix:", "unixs:")):
+        if url.startswith("unixs:"):
             raise ConfigError(
-                f"{source} entry {url!r} is a unix socket, which flannelpy cannot reach etcd "
-                "over yet; give etcd's client URL like http://127.0.0.1:2379"
+                f"{source} entry {url!r} is TLS over a unix socket, which flannelpy does not "
+                "speak; give unix://PATH (no TLS) or an https:// URL"
             )
+        if url.startswith("unix:"):
+            if not url.removeprefix("unix:").strip("/"):
+                raise ConfigError(
+                    f"{source} entry {url!r} names no socket; write it like "
+                    "unix:///run/etcd/etcd.sock"
+                )
+            continue
         parts = urlsplit(url if "://" in url else f"http://{url}")
         try:
             port = parts.port
@@ -377,15 +389,6 @@ def _check_ipv6(text: str, source: str) -> str:
         raise ConfigError(
             f"{source} {text!r} is not an IPv6 address; give one like 2001:db8::10"
         ) from None
-
-
-def _check_blackhole(value: bool, source: str) -> bool:
-    if value:
-        raise ConfigError(
-            f"{source} is not supported by flannelpy: its pods always sit on cni0, which "
-            "routes the node's own subnet; leave the flag out"
-        )
-    return value
 
 
 def _check_ip(text: str, source: str) -> str:
@@ -516,13 +519,13 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "iface_can_reach": _check_can_reach,
     "public_ip": _check_ipv4,
     "public_ipv6": _check_ipv6,
-    "ip_blackhole_route": _check_blackhole,
     "subnet_lease_renew_margin": _in_range(1, 1439, "minutes"),
     "iptables_resync": _positive("seconds"),
     "healthz_ip": _check_ip,
     "healthz_port": _in_range(0, 65535, "(0 turns the server off)"),
     "resync_interval": _positive("seconds"),
     "probe_interval": _in_range(0.2, 3600, "seconds"),
+    "probe_peers_per_interval": _in_range(1, 100000, "peers"),
     "cluster_name": check_cluster_name,
     "status_publish_interval": _in_range(1, 3600, "seconds"),
     "startup_timeout": _positive("seconds"),
@@ -558,4 +561,6 @@ def _with_schemes(values: dict[str, Any]) -> None:
         urls = _DEFAULTS["etcd_endpoints"]
     tls = any(values.get(name) for name in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"))
     scheme = "https" if tls else "http"
-    values["etcd_endpoints"] = tuple(u if "://" in u else f"{scheme}://{u}" for u in urls)
+    values["etcd_endpoints"] = tuple(
+        u if "://" in u or u.startswith("unix:") else f"{scheme}://{u}" for u in urls
+    )

@@ -7,6 +7,7 @@ reply with its round-trip time, or the ICMP error that quoted it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import select
@@ -46,21 +47,36 @@ _UNREACH = {
 }
 
 
-def icmp_checksum(data: bytes) -> int:
-    """The Internet checksum (RFC 1071) of ``data``."""
+def _ones_sum(data: bytes) -> int:
     if len(data) % 2:
         data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    return sum(struct.unpack(f"!{len(data) // 2}H", data))
+
+
+def _fold(total: int) -> int:
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF
 
 
+def icmp_checksum(data: bytes) -> int:
+    """The Internet checksum (RFC 1071) of ``data``."""
+    return _fold(_ones_sum(data))
+
+
+@functools.lru_cache(maxsize=8)
+def _payload(payload_len: int) -> tuple[bytes, int]:
+    """The echo payload of that length and its ones' complement sum: the prober sends
+    two sizes, over and over, so neither is rebuilt or summed per echo."""
+    payload = bytes(i & 0xFF for i in range(payload_len))
+    return payload, _ones_sum(payload)
+
+
 def echo_request(ident: int, seq: int, payload_len: int) -> bytes:
     """An ICMP echo request (header + payload), checksum filled in."""
-    payload = bytes(i & 0xFF for i in range(payload_len))
-    header = struct.pack("!BBHHH", ICMP_ECHO, 0, 0, ident, seq)
-    csum = icmp_checksum(header + payload)
+    payload, payload_sum = _payload(payload_len)
+    # The header is 8 bytes (even), so the payload's words keep their alignment.
+    csum = _fold((ICMP_ECHO << 8) + ident + seq + payload_sum)
     return struct.pack("!BBHHH", ICMP_ECHO, 0, csum, ident, seq) + payload
 
 

@@ -36,6 +36,7 @@ from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.state import (
+    BLACKHOLE_METRIC,
     ROUTE_PROTOCOL,
     Address,
     Changes,
@@ -220,6 +221,7 @@ class NetlinkKernel:
                     ifname=names.get(r.oif, ""),
                     onlink=bool(r.flags & rtnl.RTNH_F_ONLINK),
                     protocol=None if r.protocol == self.protocol else r.protocol,
+                    blackhole=r.route_type == rtnl.RTN_BLACKHOLE,
                 )
                 for r in nl.dump_routes(sock, protocol=0 if self.adopt else self.protocol)
                 if r.protocol == self.protocol or self._adoptable(r, names)
@@ -381,6 +383,9 @@ class _Batch:
         }
         kept = []
         for route in routes:
+            if route.blackhole:  # its own metric: added beside a connected route, never over it
+                kept.append(route)
+                continue
             proto = foreign.get((int(route.dst.network_address), route.dst.prefixlen))
             if proto is None:
                 kept.append(route)
@@ -438,7 +443,7 @@ class _Batch:
         for entry in entries:
             ifindex = self.index.get(entry.ifname)
             # Our routes are deleted by destination alone, whatever their device.
-            if ifindex is None and not (delete and isinstance(entry, Route)):
+            if ifindex is None and not (isinstance(entry, Route) and (delete or entry.blackhole)):
                 if delete:  # the device is gone, and its entries with it
                     self.applied[key] += 1
                 else:
@@ -540,6 +545,7 @@ def _request(
             gateway=entry.gateway if entry.gateway != NO_GATEWAY else None,
             oif=ifindex,
             onlink=entry.onlink,
+            blackhole_metric=BLACKHOLE_METRIC if entry.blackhole else None,
         )
     if isinstance(entry, Neighbour):
         return rtnl.neigh_request(delete, ifindex, entry.ip, entry.mac)
@@ -548,6 +554,8 @@ def _request(
 
 def _describe(entry: Route | Neighbour | FdbEntry) -> str:
     if isinstance(entry, Route):
+        if entry.blackhole:
+            return f"route blackhole {entry.dst} metric {BLACKHOLE_METRIC}"
         onlink = " onlink" if entry.onlink else ""
         return f"route {entry.dst} via {entry.gateway} dev {entry.ifname}{onlink}"
     if isinstance(entry, Neighbour):

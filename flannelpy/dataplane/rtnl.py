@@ -53,8 +53,10 @@ RT_SCOPE_UNIVERSE = 0
 RT_SCOPE_LINK = 253
 RT_SCOPE_NOWHERE = 255
 RTN_UNICAST = 1
+RTN_BLACKHOLE = 6
 RTNH_F_ONLINK = 0x4
 RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_PREFSRC, RTA_TABLE = 1, 4, 5, 7, 15
+RTA_PRIORITY = 6  # the route's metric
 
 NUD_PERMANENT = 0x80
 # INCOMPLETE | REACHABLE | STALE | DELAY | PROBE: states of the ARP cache's own entries
@@ -158,15 +160,23 @@ def route_request(
     gateway: IPv4Address | None = None,
     oif: int = 0,
     onlink: bool = False,
+    blackhole_metric: int | None = None,
 ) -> Request:
     """A main-table IPv4 route tagged with ``protocol``; replace on set.
 
     A delete names only dst and protocol, so it removes our route for that
-    destination whatever its next hop, and never a route another tool owns.
+    destination whatever its next hop or type, and never a route another tool owns.
+    With ``blackhole_metric`` it is a blackhole route of that metric (no device).
     """
     if delete:
         head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_NOWHERE, 0, 0)
         return Request(RTM_DELROUTE, 0, head + attr(RTA_DST, dst))
+    if blackhole_metric is not None:
+        head = RTMSG.pack(
+            AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE, 0
+        )
+        body = head + attr(RTA_DST, dst) + attr(RTA_PRIORITY, U32.pack(blackhole_metric))
+        return Request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)
     scope = RT_SCOPE_UNIVERSE if gateway is not None else RT_SCOPE_LINK
     flags = RTNH_F_ONLINK if onlink else 0
     head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, scope, RTN_UNICAST, flags)

@@ -14,6 +14,12 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 # stale ones from a previous run or a removed peer are garbage-collected without
 # touching anything another tool installed. Not used by any routing daemon we know.
 ROUTE_PROTOCOL = 75
+# The metric of the blackhole route for the node's own subnet. flanneld adds it with
+# metric 0, which the kernel refuses (EEXIST) while cni0 holds its connected route, and
+# which shadows that route when added before cni0's address (every pod unreachable).
+# Above 0, cni0's connected route wins while it exists and the blackhole takes over
+# only without it.
+BLACKHOLE_METRIC = 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,14 @@ class Route:
     # take over (dataplane.adopt); unequal to the desired one, so it is replaced (re-tagged)
     # or deleted with its own protocol.
     protocol: int | None = None
+    # A blackhole route (no device, no gateway, metric BLACKHOLE_METRIC): --ip-blackhole-route.
+    blackhole: bool = False
+
+
+def blackhole_route(dst: IPv4Network) -> Route:
+    """What --ip-blackhole-route asks for the node's own subnet: packets to its unused
+    addresses are dropped here instead of following the default route out."""
+    return Route(dst=dst, gateway=IPv4Address(0), ifname="", blackhole=True)
 
 
 @dataclass(frozen=True)

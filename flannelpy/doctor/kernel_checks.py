@@ -103,6 +103,8 @@ def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> li
 
     def describe(route: Route) -> str:
         lease = by_subnet.get(route.dst)
+        if route.blackhole:
+            return f"blackhole {route.dst} of --ip-blackhole-route"
         if lease is None:
             return f"{route.dst} via {route.gateway} dev {route.ifname}"
         return f"{route.dst} via {peer_name(lease)} {lease.attrs.public_ip}"

@@ -59,6 +59,7 @@ def plan_node(facts: NodeFacts) -> Plan | str:
         underlay=facts.underlay,
         public_ip=settings.public_ip or facts.underlay.ip,
         node_name=settings.node_name or "",
+        blackhole_own_subnets=settings.ip_blackhole_route,
     )
     own = own_lease(facts, ctx.public_ip)
     reported = (facts.status or {}).get("leases") or []

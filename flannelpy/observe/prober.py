@@ -8,15 +8,28 @@ is the silent-drop case of field notes §1: connections hang, nothing logs an
 error. A local EMSGSIZE for the big echo means our own route's MTU is below the
 overlay MTU, which is just as conclusive.
 
-Scheduling: peer P is probed at times ``phase(own, P) + k * interval`` on the
-injected clock, the phase being a hash of the pair. Every node spreads its own
-probes over the interval, and since the hash covers both ends, N nodes do not
-send N² probes at the same instant. Rounds of one peer never overlap (the echo
-timeout is below the interval) and at most ``max_in_flight`` echoes are
-outstanding; a peer due while that many are out waits for capacity, and a
-missed slot is skipped rather than caught up in a burst.
+Scheduling: at most ``peers_per_interval`` peers are probed per interval, so the
+cost does not grow with the cluster. With N peers the *cycle* is ``interval *
+ceil(N / peers_per_interval)`` (just ``interval`` while N is within the budget),
+and peer P is probed at times ``phase(own, P) + k * cycle`` on the injected clock,
+the phase being a hash of the pair over the cycle: a rotating sample of the peers
+per interval, every pair covered once per cycle. Every node spreads its own probes
+over the cycle, and since the hash covers both ends, N nodes do not send N² probes
+at the same instant. Two kinds of peer are probed every ``interval`` instead, to
+settle quickly what one round cannot: a peer whose latest round failed while its
+verdict still says fine (one lost echo is loss; ``down_after`` or ``mtu_strikes``
+rounds make an outage, and waiting a cycle for each would delay that verdict by
+minutes in a large cluster), and a peer that joined after the first peer set (its
+first result within an interval); at most a quarter of ``peers_per_interval`` peers
+at a time, so a mass outage adds a bounded number of rounds. A peer settled as
+failing goes back to the cycle. Rounds of one peer never overlap (the echo timeout
+is below the interval) and at most ``max_in_flight`` echoes are outstanding; a peer
+due while that many are out waits for capacity, and a missed slot is skipped rather
+than caught up in a burst. Each tick costs O(log N) per round started plus the rounds in flight:
+the due peers wait in a heap, not in a list sorted every tick.
 
-Statistics over the last ``window`` rounds of a peer:
+Statistics over the last ``window`` rounds of a peer (``window`` cycles once the
+cluster outgrows the budget):
 - loss: small echoes not answered / small echoes sent;
 - reachable: some echo answered in the last ``down_after`` rounds (one lost
   packet is loss, not an outage);
@@ -35,6 +48,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -52,6 +67,9 @@ log = logging.getLogger("flannelpy.prober")
 
 SMALL_PROBE_BYTES = 84  # total IP packet of ping's default 56-byte payload
 BLOCKED_POLL_SECONDS = 0.02  # how soon to look again when max_in_flight holds a peer back
+# Rounds per interval (20 rounds/s at the 5 s default): a 100-node cluster is probed in
+# full every interval, a 1,000-node one every 50 s.
+DEFAULT_PEERS_PER_INTERVAL = 100
 
 
 # ---------------------------------------------------------------------------
@@ -173,6 +191,28 @@ def slot_after(slot: float, now: float, interval: float) -> float:
     return nxt
 
 
+def cycle_seconds(n_peers: int, interval: float, peers_per_interval: int) -> float:
+    """How long one pass over every peer takes: whole intervals, each probing at most
+    ``peers_per_interval`` of them."""
+    return interval * max(1, math.ceil(n_peers / peers_per_interval))
+
+
+def next_slot(due: float, now: float, phase: float, period: float) -> float:
+    """The first slot later than ``now`` of the schedule ``phase + k * period``."""
+    slot = first_slot(now, phase, period)
+    while slot <= now or slot <= due:
+        slot += period
+    return slot
+
+
+def needs_confirmation(latest: RoundOutcome, result: ProbeResult) -> bool:
+    """True when the latest round failed but the verdict has not followed yet: the
+    peer is probed again after an interval, not a cycle, until it does either way."""
+    if not latest.small_ok:
+        return result.reachable
+    return latest.big == "lost" and result.mtu_ok is not False
+
+
 # ---------------------------------------------------------------------------
 # Transport boundary
 # ---------------------------------------------------------------------------
@@ -233,6 +273,7 @@ class _Peer:
     history: deque[RoundOutcome] = field(default_factory=deque)
     probes: int = 0
     current: _Round | None = None
+    hurry: bool = False  # probed every interval, not every cycle (module docstring)
 
     def __post_init__(self) -> None:
         self.history = deque(maxlen=self.window)
@@ -259,16 +300,17 @@ class Prober:
         mtu_strikes: int = 3,
         on_result: Callable[[str, ProbeResult], None] | None = None,
         max_sleep_seconds: float = 0.5,
+        peers_per_interval: int = DEFAULT_PEERS_PER_INTERVAL,
     ) -> None:
         if interval_seconds <= 0 or not 0 < timeout_seconds < interval_seconds:
             raise ConfigError(
                 f"probe interval {interval_seconds} s and timeout {timeout_seconds} s do not "
                 "fit; use a positive interval and a timeout shorter than it"
             )
-        if window < 1 or max_in_flight < 2 or down_after < 1 or mtu_strikes < 1:
+        if min(window, down_after, mtu_strikes, peers_per_interval) < 1 or max_in_flight < 2:
             raise ConfigError(
-                "probe window, down_after and mtu_strikes must be at least 1 and "
-                "max_in_flight at least 2 (one round is two echoes); raise them"
+                "probe window, down_after, mtu_strikes and peers per interval must be at "
+                "least 1 and max_in_flight at least 2 (one round is two echoes); raise them"
             )
         self._transport = transport
         self._clock = clock
@@ -287,6 +329,14 @@ class Prober:
         self._results: dict[str, ProbeResult] = {}
         self._tickets: dict[int, _Echo] = {}  # outstanding echoes by transport ticket
         self._phase_owner: str | None = None  # the own address phases were computed for
+        self.peers_per_interval = peers_per_interval
+        self.cycle = interval_seconds  # recomputed as the peer set grows or shrinks
+        self._due: list[tuple[float, int, str]] = []  # heap of (next_due, seq, key); stale ok
+        self._seq = itertools.count()
+        self._in_flight: dict[str, _Peer] = {}  # peers with a round out, oldest first
+        self._last_now: float | None = None
+        self._hurried: set[str] = set()  # peers probed every interval (hurry)
+        self._max_hurried = max(1, peers_per_interval // 4)
 
     # --- API -----------------------------------------------------------------
 
@@ -302,14 +352,24 @@ class Prober:
                 if key not in peers or self._peers[key].target != peers[key][0]:
                     self._drop(key)
             owner = self._phase_owner or ""
+            joining = bool(self._peers)  # the first set is spread over the cycle
+            added = []
             for key, (target, label) in peers.items():
                 peer = self._peers.get(key)
                 if peer is not None:
                     peer.label = label
                     continue
                 peer = _Peer(key, IPv4Address(target), label, self.window)
-                self._schedule(peer, owner, now)
                 self._peers[key] = peer
+                added.append(peer)
+            cycle = cycle_seconds(len(self._peers), self.interval, self.peers_per_interval)
+            if cycle != self.cycle:
+                self.cycle = cycle
+                self._reschedule_all(owner, now)
+            else:
+                for peer in added:
+                    self._set_hurry(peer, joining)
+                    self._schedule(peer, owner, now)
 
     def results(self) -> dict[str, ProbeResult]:
         """Latest result per peer key; a peer appears after its first completed round."""
@@ -342,12 +402,51 @@ class Prober:
     # --- internals (called with the lock held) ---------------------------------
 
     def _schedule(self, peer: _Peer, owner: str, now: float) -> None:
-        peer.phase = phase_seconds(owner, peer.key, self.interval)
-        peer.next_due = first_slot(now, peer.phase, self.interval)
+        peer.phase = phase_seconds(owner, peer.key, self.cycle)
+        period = self.interval if peer.hurry else self.cycle
+        peer.next_due = first_slot(now, peer.phase % period, period)
+        self._push(peer)
+
+    def _reschedule_all(self, owner: str, now: float) -> None:
+        self._due = []
+        for peer in self._peers.values():
+            self._schedule(peer, owner, now)
+
+    def _push(self, peer: _Peer) -> None:
+        heapq.heappush(self._due, (peer.next_due, next(self._seq), peer.key))
+
+    def _set_hurry(self, peer: _Peer, hurry: bool) -> bool:
+        """Probe the peer every interval (or every cycle again); True if that changed. At
+        most a quarter of the budget is hurried at once, so a mass outage (or a mass of
+        leases of nodes that are gone) costs no more than a few extra rounds per interval:
+        the rest wait for their slot in the cycle."""
+        if hurry and peer.key not in self._hurried and len(self._hurried) >= self._max_hurried:
+            hurry = False
+        if hurry == peer.hurry:
+            return False
+        peer.hurry = hurry
+        if hurry:
+            self._hurried.add(peer.key)
+        else:
+            self._hurried.discard(peer.key)
+        return True
+
+    def _current_entry(self, entry: tuple[float, int, str]) -> bool:
+        """Is this heap entry the peer's current slot (not a dropped or moved one)?"""
+        peer = self._peers.get(entry[2])
+        return peer is not None and peer.next_due == entry[0]
+
+    def _advance(self, peer: _Peer, now: float) -> None:
+        """Its next slot after ``now``: an interval on (hurry) or a cycle on, at its phase."""
+        period = self.interval if peer.hurry else self.cycle
+        peer.next_due = next_slot(peer.next_due, now, peer.phase % period, period)
+        self._push(peer)
 
     def _drop(self, key: str) -> None:
-        peer = self._peers.pop(key)
+        peer = self._peers.pop(key)  # its heap entries go stale: skipped when popped
         self._results.pop(key, None)
+        self._in_flight.pop(key, None)
+        self._hurried.discard(key)
         if peer.current is not None:
             for echo in peer.current.echoes():
                 self._forget(echo)
@@ -371,10 +470,9 @@ class Prober:
 
     def _settle(self, now: float) -> list[tuple[str, ProbeResult]]:
         finished = []
-        for peer in self._peers.values():
+        for peer in list(self._in_flight.values()):
             rnd = peer.current
-            if rnd is None:
-                continue
+            assert rnd is not None
             echoes = rnd.echoes()
             if not all(e.done for e in echoes) and now < rnd.deadline:
                 continue
@@ -383,7 +481,9 @@ class Prober:
                     self._forget(echo)
                     echo.done = True
             peer.current = None
-            peer.history.append(self._outcome(rnd, peer.target))
+            del self._in_flight[peer.key]
+            outcome = self._outcome(rnd, peer.target)
+            peer.history.append(outcome)
             peer.probes += 1
             result = summarize(
                 list(peer.history),
@@ -393,6 +493,11 @@ class Prober:
                 target=peer.target,
                 label=peer.label,
             )
+            if self._set_hurry(peer, needs_confirmation(outcome, result)):
+                # its next slot after now, at the other period
+                period = self.interval if peer.hurry else self.cycle
+                peer.next_due = next_slot(now, now, peer.phase % period, period)
+                self._push(peer)
             self._log_change(peer, self._results.get(peer.key), result)
             self._results[peer.key] = result
             finished.append((peer.key, result))
@@ -420,26 +525,28 @@ class Prober:
         """Start due rounds; True if a due peer had to wait for in-flight capacity."""
         source = self._own()
         owner = str(source) if source is not None else ""
-        if owner != (self._phase_owner or ""):
+        jumped_back = self._last_now is not None and now < self._last_now - self.interval
+        self._last_now = now
+        if owner != (self._phase_owner or "") or jumped_back:
             self._phase_owner = owner
-            for peer in self._peers.values():
-                self._schedule(peer, owner, now)
+            self._reschedule_all(owner, now)
         mtu = self._mtu()
         big_size = mtu if mtu is not None and mtu > SMALL_PROBE_BYTES else None
         needed = 1 if big_size is None else 2
-        for peer in self._peers.values():
-            if peer.next_due - now > 2 * self.interval:  # the clock went back
-                peer.next_due = first_slot(now, peer.phase, self.interval)
-        for peer in sorted(self._peers.values(), key=lambda p: p.next_due):
-            if peer.next_due > now:
-                break
-            if source is None or peer.current is not None:
-                peer.next_due = slot_after(peer.next_due, now, self.interval)
+        due = self._due
+        while due and due[0][0] <= now:
+            key = due[0][2]
+            peer = self._peers.get(key)
+            if peer is None or not self._current_entry(due[0]):
+                heapq.heappop(due)  # dropped, or rescheduled since
                 continue
-            if len(self._tickets) + needed > self.max_in_flight:
-                return True
-            peer.current = self._start_round(source, peer.target, big_size, now)
-            peer.next_due = slot_after(peer.next_due, now, self.interval)
+            if source is not None and peer.current is None:
+                if len(self._tickets) + needed > self.max_in_flight:
+                    return True
+                peer.current = self._start_round(source, peer.target, big_size, now)
+                self._in_flight[key] = peer
+            heapq.heappop(due)
+            self._advance(peer, now)
         return False
 
     def _start_round(
@@ -460,8 +567,15 @@ class Prober:
         return rnd
 
     def _next_wake(self, now: float, blocked: bool) -> float:
-        times = [p.next_due for p in self._peers.values() if p.next_due > now]
-        times += [p.current.deadline for p in self._peers.values() if p.current is not None]
+        due = self._due
+        while due and not self._current_entry(due[0]):
+            heapq.heappop(due)
+        # A due peer still in the heap waits for capacity: the blocked poll wakes for it.
+        times = [due[0][0]] if due and due[0][0] > now else []
+        if self._in_flight:  # the oldest round has the earliest deadline (one timeout)
+            oldest = next(iter(self._in_flight.values())).current
+            assert oldest is not None
+            times.append(oldest.deadline)
         if blocked:
             times.append(now + BLOCKED_POLL_SECONDS)
         return min(times, default=now + self.interval)

@@ -24,11 +24,12 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from flannelpy.config.netconf import BackendConfig
 from flannelpy.control.policy import parse_policy
-from flannelpy.control.records import ForceRecord, NodeOverride
+from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
 from flannelpy.errors import ConfigError, StoreError, StoreUnavailable
-from flannelpy.rollout.backends import target_backend
-from flannelpy.rollout.flanneld import flanneld_nodes
+from flannelpy.rollout.backends import backend_config, target_backend
+from flannelpy.rollout.flanneld import flanneld_nodes, flanneld_problems
 from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT, POLL, RolloutPlan, plan_rollout
 from flannelpy.rollout.record import TERMINAL, RolloutRecord, new_record
 from flannelpy.rollout.show import describe_state
@@ -154,6 +155,11 @@ class _Driver:
             record, nodes.statuses, parse_policy(config.config.raw), now,
             self.monotonic() - self.step_since, nodes.overrides, self.poll,
         )  # fmt: skip
+        if _switches_more(record, action):
+            # A flanneld node may have joined since the plan: none may be cut off.
+            problems = cut_off_flanneld(store, record, config.config.backend, nodes.statuses)
+            if problems:
+                action = Halt("paused", f"{problems[0]}; then run flannelpy rollout resume")
         if isinstance(action, Done):
             return record
         if isinstance(action, Wait):
@@ -195,6 +201,25 @@ class _Driver:
             self.say_once(text, text)
         else:
             self.say(text, node)
+
+
+def _switches_more(record: RolloutRecord, action: Any) -> bool:
+    """The action moves another node, or the config, to the target."""
+    if isinstance(action, WriteOverride):
+        return record.entry(action.node).state == "pending"
+    return isinstance(action, Finalize) and not record.config_written
+
+
+def cut_off_flanneld(
+    store: RolloutStore,
+    record: RolloutRecord,
+    current: BackendConfig,
+    statuses: Mapping[str, NodeStatus],
+) -> list[str]:
+    """The sentence naming flanneld nodes the rollout's target would cut off, as the
+    leases say now (one more read of the store), or nothing."""
+    nodes = flanneld_nodes(store.read_leases(), statuses)
+    return flanneld_problems(nodes, current, backend_config(record.target)) if nodes else []
 
 
 def _record_timeout(record: RolloutRecord | None) -> float:
@@ -395,6 +420,12 @@ def prepare_resume(store: RolloutStore, now: datetime, step_timeout: float | Non
         raise ConfigError(
             f"rollout {record.id} has ended ({record.state}); start a new one to continue"
         )
+    if record.state != "rolling-back" and not record.config_written:
+        problems = cut_off_flanneld(
+            store, record, store.read_config().config.backend, store.read_nodes().statuses
+        )
+        if problems:
+            raise ConfigError(problems[0])
 
     def change(r: RolloutRecord) -> RolloutRecord:
         if r.state in TERMINAL:

@@ -65,7 +65,8 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def _why_cut_off(node: FlanneldNode, current: BackendConfig, target: BackendConfig) -> str | None:
+def why_cut_off(node: FlanneldNode, current: BackendConfig, target: BackendConfig) -> str | None:
+    """What about ``node`` keeps it from following ``target``; None when nothing does."""
     if node.backend_type != target.type:
         return f"runs {node.backend_type or 'an unknown backend'}"
     if target.type != "vxlan":
@@ -87,7 +88,7 @@ def flanneld_problems(
     nodes: Sequence[FlanneldNode], current: BackendConfig, target: BackendConfig
 ) -> list[str]:
     """One sentence naming the flanneld nodes the target would cut off, and what to do."""
-    cut_off = [(node, why) for node in nodes if (why := _why_cut_off(node, current, target))]
+    cut_off = [(node, why) for node in nodes if (why := why_cut_off(node, current, target))]
     if not cut_off:
         return []
     named = ", ".join(f"{node.label}, which {why}" for node, why in cut_off)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from flannelpy.config.netconf import BackendConfig
 from flannelpy.control.records import NodeStatus
 from flannelpy.rollout.backends import backend_config, backend_name, short
+from flannelpy.rollout.flanneld import FlanneldNode, why_cut_off
 from flannelpy.rollout.record import TERMINAL, RolloutRecord
 
 
@@ -49,7 +51,15 @@ class NodeRow:
     blocked: str | None
 
 
-def status_rows(record: RolloutRecord | None, statuses: Mapping[str, NodeStatus]) -> list[NodeRow]:
+def status_rows(
+    record: RolloutRecord | None,
+    statuses: Mapping[str, NodeStatus],
+    flanneld: Sequence[FlanneldNode] = (),
+    current: BackendConfig | None = None,
+) -> list[NodeRow]:
+    """A row per node of ours (the rollout's order first), then one per flanneld node
+    (``flanneld``, with the config's Backend as ``current``): the rollout never switches
+    those, and ``blocked`` says when its target would cut one off."""
     names = list(record.order) if record else []
     names += sorted(set(statuses) - set(names))
     rows = []
@@ -64,6 +74,16 @@ def status_rows(record: RolloutRecord | None, statuses: Mapping[str, NodeStatus]
             applied_generation=st.applied_generation if st else None,
             ready=st.ready if st else None,
             blocked=st.blocked.sentence if st and st.blocked else None,
+        ))  # fmt: skip
+    active = record is not None and record.state not in TERMINAL and not record.config_written
+    target = backend_config(record.target) if record is not None and active else None
+    for node in flanneld:
+        why = why_cut_off(node, current, target) if target and current else None
+        vni = f" (VNI {node.vni})" if node.vni is not None else ""
+        rows.append(NodeRow(
+            node=node.label, rollout_state="flanneld (not switched)",
+            backend=(node.backend_type or "unknown") + vni, applied_generation=None,
+            ready=None, blocked=f"the target cuts it off: it {why}" if why else None,
         ))  # fmt: skip
     return rows
 

@@ -53,9 +53,6 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         "--subnet-file", node.subnet_env,
         "--state-dir", os.path.join(node.node_dir, "state"),
         "--run-dir", run_dir,
-        # The node's host-local data dir (the host's filesystem is shared): where a
-        # flanneld that ran here before left its pods' addresses.
-        "--host-local-dir", flanneld.host_local_network_dir(node),
         "--ip-masq",
         "--log-level", "info",
     ]  # fmt: skip
@@ -65,6 +62,10 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         # network config is the ConfigMap's net-conf.json, here a file of the lab.
         argv += ["--kube-subnet-mgr", "--kube-api-url", kube_api,
                  "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
+        # The real control plane (flannelpy_lab.kube): the ServiceAccount's token.
+        kubeconfig = state.extra.get("kube_kubeconfig")
+        if kubeconfig:
+            argv += ["--kubeconfig-file", kubeconfig]
     else:
         argv += ["--etcd-endpoints", ",".join(state.etcd_endpoints),
                  "--etcd-prefix", state.etcd_prefix]  # fmt: skip
@@ -110,6 +111,10 @@ def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
     else:
         env = agent_env(agent_source(state, node))
         argv = agent_argv(state, node)
+        # The node's host-local data dir (the host's filesystem is shared): where a
+        # flanneld that ran here before left its pods' addresses. As the variable of
+        # --host-local-dir, which an agent of an older source ignores.
+        env["FLANNELD_HOST_LOCAL_DIR"] = flanneld.host_local_network_dir(node)
     env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
     with open(node.agent_log, "a", encoding="utf-8") as log:

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a namespace of its own on the switch, every agent given all their URLs (default 1)",
     )
     up.add_argument(
+        "--kube", action="store_true",
+        help="Kubernetes mode against a real control plane on the host (built by "
+        "scripts/build-kube.sh): etcd, kube-apiserver with RBAC, kube-controller-manager "
+        "assigning the podCIDRs, manifests/ applied; agents use --kube-subnet-mgr",
+    )
+    up.add_argument(
         "--enable-nftables", action="store_true",
         help='net-conf.json with "EnableNFTables": true (Flannel\'s nftables tables, not '
         "iptables chains)",
@@ -175,6 +181,7 @@ def _up(args: argparse.Namespace) -> int:
         flanneld_nodes=args.flanneld_nodes,
         etcd_members=args.etcd_members,
         net_conf_extra={"EnableNFTables": True} if args.enable_nftables else None,
+        kube=args.kube,
     )
     print(summary(lab.state))
     return 0
@@ -188,6 +195,11 @@ def summary(state: LabState) -> str:
         f"files in {state.lab_dir}",
         "",
     ]
+    kube_config = state.extra.get("kube_kubeconfig")
+    if kube_config:
+        admin = kube_config.replace("flannelpy.kubeconfig", "admin.kubeconfig")
+        lines[-1:-1] = [f"Kubernetes API {state.extra.get('kube_api_url')}: "
+                        f"kubectl --kubeconfig {admin} get nodes"]  # fmt: skip
     rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
     for n in state.nodes:
         rows.append(

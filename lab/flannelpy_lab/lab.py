@@ -22,6 +22,7 @@ from typing import Any
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
 from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, status, topology
+from flannelpy_lab import kube as control_plane
 from flannelpy_lab import state as state_io
 from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
@@ -84,6 +85,8 @@ def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
     for ns in namespaces:
         refs += _refs(procs.pids_in_netns(netns_path(ns)))
     procs.stop(set(refs))
+    if state:  # the Kubernetes control plane, if any (its etcd is swept by its data dir)
+        control_plane.stop(state)
     etcd_refs = _refs(procs.pids_with_files_under(directory))
     for ns in member_namespaces:
         etcd_refs += _refs(procs.pids_in_netns(netns_path(ns)))
@@ -139,6 +142,7 @@ class Lab:
         flanneld_nodes: int = 0,
         etcd_members: int = 1,
         net_conf_extra: dict[str, Any] | None = None,
+        kube: bool = False,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -146,7 +150,10 @@ class Lab:
 
         The last ``flanneld_nodes`` nodes run the real flanneld (``flannelpy_lab.flanneld``).
         ``etcd_members`` above 1: a static etcd cluster, each member in a namespace of its
-        own (``flannelpy_lab.etcd``), and every agent given all their URLs."""
+        own (``flannelpy_lab.etcd``), and every agent given all their URLs.
+
+        ``kube``: Kubernetes mode against a real control plane (``flannelpy_lab.kube``)
+        on the host side; the agents run with ``--kube-subnet-mgr``."""
         say = progress or _quiet
         plan.validate_request(
             name, nodes, backend, direct_routing, segments, network, flanneld_nodes,
@@ -154,6 +161,11 @@ class Lab:
         )
         # Before anything is built: a missing flanneld fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
+        if kube:  # so does a control plane that was not built
+            if flanneld_nodes:
+                raise ConfigError("--flanneld-nodes cannot be combined with --kube yet; "
+                                  "drop one of them")  # fmt: skip
+            control_plane.bin_dir()
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
         state = _claim(
             name,
@@ -172,6 +184,8 @@ class Lab:
             state.extra["flanneld_binary"] = flanneld_binary
         if net_conf_extra:
             state.extra["net_conf_extra"] = dict(net_conf_extra)
+        if kube:
+            control_plane.record(state)
         lab = cls(state)
         try:
             lab._build(start_agents, timeout, say)
@@ -222,6 +236,10 @@ class Lab:
         say(f"[5/{UP_STEPS}] writing the network config to {s.etcd_prefix}/config")
         etcd.put_config(s, plan.net_conf_json(s.network, s.backend, s.direct_routing,
                                               s.extra.get("net_conf_extra")))
+        if control_plane.STATE_KEY in s.extra:
+            say(f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
+                f"{control_plane.api_url(s)}")  # fmt: skip
+            control_plane.start(s, self._save, say)
         if not start_agents:
             return
         for node in s.nodes:
@@ -368,6 +386,24 @@ class Lab:
                                        self.state.extra.get("net_conf_extra")))
         self.state.extra["kube_api_url"] = url
         self._save()
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """The real kubectl, as cluster admin, against the lab's control plane (``--kube``)."""
+        self._require_control_plane()
+        return control_plane.kubectl(self.state, *args, stdin=stdin, check=check)
+
+    def sync_kube_net_conf(self) -> str:
+        """Write the ConfigMap's net-conf.json to the agents' file again (after a change),
+        as the kubelet updates a projected ConfigMap; returns it."""
+        self._require_control_plane()
+        return control_plane.sync_net_conf(self.state)
+
+    def _require_control_plane(self) -> None:
+        if control_plane.STATE_KEY not in self.state.extra:
+            raise LabError(f"lab {self.name} runs no Kubernetes control plane; start it "
+                           f"with `flannelpy-lab up --kube --name {self.name}`")  # fmt: skip
 
     def set_agent_args(self, args: list[str]) -> None:
         """Extra flags for every agent started from now on (e.g. a shorter resync)."""

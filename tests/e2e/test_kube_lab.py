@@ -1,9 +1,11 @@
 """The netns lab in Kubernetes mode: real agents against the API-server stand-in.
 
-No Kubernetes API server can be installed here. tests/kube_standin.py serves
-Node list/watch/GET and nodes/status PATCH to the real `kubernetes` client; it
-listens on the host's lab address so that the agents in the node namespaces
-reach it over the lab underlay.
+The stand-in (tests/support/kube_standin.py) stays for what the real API server
+cannot be made to do on demand: change a podCIDR in place, end an open watch
+with 410 Gone, go unreachable. tests/e2e/test_kube_real.py runs the agents
+against the real kube-apiserver and kube-controller-manager. The stand-in serves
+Node list/watch/GET and nodes/status PATCH to the real `kubernetes` client on the
+host's lab address, so the agents in the node namespaces reach it over the underlay.
 """
 
 from __future__ import annotations

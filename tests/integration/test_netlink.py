@@ -24,6 +24,7 @@ from flannelpy.dataplane.state import (
     ObservedState,
     Route,
     VxlanLink,
+    blackhole_route,
 )
 from flannelpy.dataplane.underlay import Interface, choose_underlay
 from flannelpy.errors import DataplaneError, InterfaceNotFound
@@ -530,3 +531,49 @@ def test_watch_ignores_pod_links_and_reports_our_device(overlay: Netns) -> None:
     finally:
         stop.set()
         watcher.join(timeout=5)
+
+
+def test_blackhole_route_sits_beneath_cni0_drops_the_rest_and_is_repaired(
+    node: Netns, kernel: NetlinkKernel
+) -> None:
+    """--ip-blackhole-route: traffic to an unused address of the node's own subnet is
+    dropped here instead of leaving by the default route, and pods on cni0 keep their
+    connected route whichever of the two came first (flanneld's metric-0 blackhole,
+    added before cni0's address, shadows it)."""
+    own = IPv4Network("10.244.1.0/24")
+    hole = blackhole_route(own)
+    node.ip("link add cni0 type bridge")
+    node.ip("link set cni0 up")
+    assert "via 192.168.50.1 dev u0" in node.ip("route get 10.244.1.7")  # out the default
+
+    result = node.call(kernel.apply, Changes(routes_to_set=(hole,)))
+    assert result.failures == () and result.applied == {"routes_to_set": 1}
+    assert "blackhole 10.244.1.0/24 proto 75 metric 1024" in node.ip("route show")
+    assert node.ip("route get 10.244.1.7", check=False) == ""  # no route: dropped
+    assert observe(node, kernel).routes == frozenset({hole})
+
+    node.ip("addr add 10.244.1.1/24 dev cni0")  # the first pod: cni0's connected route
+    assert "dev cni0" in node.ip("route get 10.244.1.7")
+    assert node.call(kernel.apply, Changes(routes_to_set=(hole,))).failures == ()
+    assert "dev cni0" in node.ip("route get 10.244.1.7")  # set again: still beneath
+    assert "10.244.1.0/24 dev cni0 proto kernel" in node.ip("route show")
+
+    events: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    watcher = node.start(kernel.watch, events.put, stop)
+    try:
+        wait_subscribed(node)
+        node.ip("route del blackhole 10.244.1.0/24")
+        assert _next_event(events, {"route"}) == "route"
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    assert observe(node, kernel).routes == frozenset()
+    assert node.call(kernel.apply, Changes(routes_to_set=(hole,))).failures == ()
+    node.ip("addr del 10.244.1.1/24 dev cni0")
+    assert node.ip("route get 10.244.1.7", check=False) == ""
+    # Deleted as ours by destination, the connected route of the same prefix untouched.
+    node.ip("addr add 10.244.1.1/24 dev cni0")
+    assert node.call(kernel.apply, Changes(routes_to_delete=(hole,))).failures == ()
+    assert "blackhole" not in node.ip("route show")
+    assert "10.244.1.0/24 dev cni0 proto kernel" in node.ip("route show")

@@ -84,6 +84,19 @@ def running_kube_lab(nodes: int = 3) -> Iterator[tuple[Lab, Any]]:
             yield lab, api
 
 
+@contextmanager
+def running_real_kube_lab(nodes: int = 3, **kwargs: Any) -> Iterator[Lab]:
+    """A vxlan lab in Kubernetes mode against the real control plane (``lab up --kube``:
+    kube-apiserver, kube-controller-manager's node IPAM, manifests/ applied), agents
+    ready and one pod per node; down on exit. Fails, never skips, when the control plane
+    was not built: Lab.up names scripts/build-kube.sh."""
+    with running_lab(nodes, "vxlan", kube=True, **kwargs) as lab:
+        lab.install_cni()
+        for node in lab.nodes:
+            lab.add_pod(node.name)
+        yield lab
+
+
 def lab_run_args(lab: str, *command: str, node: str | None = None) -> list[str]:
     """The arguments of ``flannelpy-lab run LAB [--node NODE] -- flannelpy COMMAND...``
     (for ``flannelpy_lab.cli.main``): a flannelpy command with the lab's store settings;

@@ -270,3 +270,19 @@ def test_vni_mismatch_off_link_is_unreachable() -> None:
     (unreachable,) = state.unreachable
     assert "different VNIs (1 and 2)" in unreachable.reason
     assert not state.routes and not state.fdb
+
+
+@pytest.mark.parametrize("backend", ["vxlan", "host-gw"])
+def test_ip_blackhole_route_plans_a_blackhole_for_the_own_subnet_only(backend: str) -> None:
+    ctx = replace(context(backend), blackhole_own_subnets=True)
+    state = get_backend(backend).plan(ctx, [OWN], [PEER_SAME_SEGMENT], "02:00:00:00:00:01")
+    blackholes = {r for r in state.routes if r.blackhole}
+    assert blackholes == {
+        Route(IPv4Network("10.244.1.0/24"), IPv4Address(0), "", blackhole=True)
+    }
+    # The peer keeps its ordinary route; without the flag there is no blackhole at all.
+    assert any(r.dst == PEER_SAME_SEGMENT.subnet and not r.blackhole for r in state.routes)
+    plain = get_backend(backend).plan(
+        context(backend), [OWN], [PEER_SAME_SEGMENT], "02:00:00:00:00:01"
+    )
+    assert plain.routes == state.routes - blackholes

@@ -21,6 +21,7 @@ from flannelpy.cni.records import Record, RecordStore
 from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
+from flannelpy.ipam.hostlocal import HostLocalEntry
 from tests.support.waiting import wait_until
 
 SUBNET = IPv4Network("10.244.1.0/24")
@@ -369,6 +370,48 @@ def test_check(env: Env) -> None:
     env.ipam.release("c1", "eth0")
     assert "IPAM no longer assigns 10.244.1.2/24" in env.call("CHECK")[1]["msg"]
     assert env.call("CHECK", cniVersion="0.3.1")[1]["code"] == 1
+
+
+def _flannel_cni_result(address: str, host_veth: str = "veth1a2b3c4d") -> dict[str, Any]:
+    """What Flannel's CNI plugin (the reference bridge and host-local) returned at ADD:
+    the runtime hands it back as prevResult on CHECK."""
+    return {
+        "cniVersion": "1.0.0",
+        "interfaces": [
+            {"name": "cni0", "mac": "02:00:00:00:00:aa"},
+            {"name": host_veth, "mac": "02:00:00:00:00:bb"},
+            {"name": "eth0", "mac": "02:00:00:00:00:cc", "sandbox": POD_NS},
+        ],
+        "ips": [{"interface": 2, "address": address, "gateway": "10.244.1.1"}],
+        "routes": [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"}],
+    }
+
+
+def test_check_of_a_pod_attached_before_the_take_over_checks_its_held_address(
+    env: Env,
+) -> None:
+    """A pod Flannel's plugin attached has no record of ours; its address is held from
+    host-local's data. Before: CHECK answered UNKNOWN_CONTAINER (3) for a live pod."""
+    env.ipam.hold_foreign([HostLocalEntry(IPv4Address("10.244.1.7"), "old-pod", "eth0")])
+    prev = _flannel_cni_result("10.244.1.7/24")
+    assert env.call("CHECK", cid="old-pod", prevResult=prev) == (0, None)
+    (call,) = [c for c in env.pods.calls if c[0] == "check_pod"]
+    assert call[1:7] == (POD_NS, "eth0", "veth1a2b3c4d", "cni0",
+                         IPv4Interface("10.244.1.7/24"), IPv4Address("10.244.1.1"))  # fmt: skip
+    # What is broken is reported as for our own pods.
+    env.pods.problems = ["host veth veth1a2b3c4d does not exist"]
+    status, err = env.call("CHECK", cid="old-pod", prevResult=prev)
+    assert (status, err["code"], err["msg"]) == (1, 999, env.pods.problems[0])
+    env.pods.problems = []
+    status, err = env.call("CHECK", cid="old-pod", prevResult=_flannel_cni_result("10.244.1.9/24"))
+    assert status == 1
+    assert "prevResult names 10.244.1.9/24, but IPAM holds 10.244.1.7/24" in err["msg"]
+    status, err = env.call("CHECK", cid="old-pod", netns="/run/netns/pod2", prevResult=prev)
+    assert status == 1 and f"made in {POD_NS}, not /run/netns/pod2" in err["msg"]
+    status, err = env.call("CHECK", cid="old-pod")
+    assert status == 1 and err["code"] == 999 and "no prevResult" in err["msg"]
+    # A container neither we nor host-local know is still unknown.
+    assert env.call("CHECK", cid="stranger", prevResult=prev)[1]["code"] == 3
 
 
 def test_status_and_version(env: Env) -> None:

@@ -93,3 +93,17 @@ def test_reconciler_repairs_deleted_entries_and_reports_failures() -> None:
     assert result is not None and result.converged
     assert victim in kernel.state.routes
     assert reconciler.reconcile_once().changes.empty  # type: ignore[union-attr]
+
+
+def test_deleted_blackhole_route_is_set_again_and_kept_when_converged() -> None:
+    want = get_backend("vxlan").plan(
+        replace(context("vxlan"), blackhole_own_subnets=True), [OWN], PEERS, MAC
+    )
+    (hole,) = [r for r in want.routes if r.blackhole]
+    assert hole.dst == IPv4Network("10.244.1.0/24")
+    have = observed_from(want)
+    assert diff(want, have).empty
+    gone = replace(have, routes=have.routes - {hole})
+    assert diff(want, gone).routes_to_set == (hole,)
+    # Without the flag, a blackhole of ours left from an earlier run is removed.
+    assert diff(desired(), have).routes_to_delete == (hole,)

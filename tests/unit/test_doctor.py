@@ -24,6 +24,7 @@ from flannelpy.dataplane.state import (
     Route,
     UnderlayInterface,
     VxlanLink,
+    blackhole_route,
 )
 from flannelpy.doctor.checks import diagnose, snapshot_json
 from flannelpy.doctor.facts import (
@@ -527,3 +528,17 @@ def test_nftables_mode_names_a_missing_rule() -> None:
     rule = "ip saddr 10.244.0.0/16 accept"
     (finding,) = [f for f in diagnose(_nft_mode(healthy_facts(), rule)) if f.check == "firewall"]
     assert finding.severity == "error" and rule in finding.message and finding.action
+
+
+def test_the_blackhole_route_of_ip_blackhole_route_is_planned_not_stale() -> None:
+    facts = healthy_facts()
+    own_hole = blackhole_route(OWN.subnet)
+    with_hole = _observed(facts, routes=obs(facts).routes | {own_hole})
+    flagged = replace(with_hole, settings=replace(SETTINGS, ip_blackhole_route=True))
+    assert problems(diagnose(flagged)) == []
+    # Without the flag the same route is one of ours left over: stale.
+    (stale,) = problems(diagnose(with_hole))
+    assert stale.check == "routes" and str(OWN.subnet) in stale.message
+    # With the flag and the route gone, it is missing.
+    (missing,) = problems(diagnose(replace(facts, settings=flagged.settings)))
+    assert missing.check == "routes"

@@ -89,8 +89,10 @@ NOT_RUN = {
     ("w", "tests/unit/test_policy.py"): "a parameter name",
     ("node", "flannelpy/commands/rollout.py"): "a table header",
     ("node", "bench/propagation.py"): "a table header",
+    ("node", "tests/e2e/test_blackhole_route.py"): "a parameter name",
     ("patch", "flannelpy/subnet/kube/api.py"): "an RBAC verb",
     ("patch", "tests/unit/test_manifests.py"): "an RBAC verb",
+    ("patch", "tests/e2e/test_kube_real.py"): "an RBAC verb",
     ("/usr/bin/python3.11", "tests/integration/test_cni_client.py"): "a shebang written",
 }
 # Words that run a program named later in the same argv.

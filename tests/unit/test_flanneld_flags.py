@@ -46,6 +46,20 @@ def agent(argv: list[str], env: dict[str, str] | None = None) -> AgentSettings:
         ),
         ([], {}, "set_node_network_unavailable", True),
         (["--ip-blackhole-route=false"], {}, "ip_blackhole_route", False),
+        (
+            ["--etcd-endpoints", "unix:///run/etcd.sock"],
+            {},
+            "etcd_endpoints",
+            ("unix:///run/etcd.sock",),
+        ),
+        (
+            ["--etcd-endpoints", "unix:etcd.sock,10.0.0.1:2379"],
+            {},
+            "etcd_endpoints",
+            ("unix:etcd.sock", "http://10.0.0.1:2379"),
+        ),
+        (["--ip-blackhole-route"], {}, "ip_blackhole_route", True),
+        ([], {"FLANNELD_IP_BLACKHOLE_ROUTE": "true"}, "ip_blackhole_route", True),
         (["-v", "2"], {}, "v", 2),
         (["-v=3"], {}, "v", 3),
         (["--v=1"], {}, "v", 1),
@@ -111,10 +125,10 @@ def test_other_text_is_left_for_the_parser_to_refuse() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--ip-blackhole-route"], "--ip-blackhole-route is not supported by flannelpy"),
         (["--public-ipv6", "10.0.0.1"], "'10.0.0.1' is not an IPv6 address"),
         (["-v", "lots"], "'lots' is not a whole number"),
-        (["--etcd-endpoints", "unix:///run/etcd.sock"], "is a unix socket"),
+        (["--etcd-endpoints", "unixs:///run/etcd.sock"], "is TLS over a unix socket"),
+        (["--etcd-endpoints", "unix://"], "names no socket"),
         (["--kube-annotation-prefix", "a.b/c/d"], "has more than one slash"),
         (["--kube-annotation-prefix", "my_domain.com/x"], "is not an annotation prefix"),
         (["--kube-annotation-prefix", "nodots"], "is not an annotation prefix"),

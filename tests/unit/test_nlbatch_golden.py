@@ -427,3 +427,16 @@ def test_pod_default_route_is_tagged_like_ip_route_add() -> None:
         {"family": socket.AF_INET, "dst_len": 0, "table": 254, "proto": 3, "scope": 0, "type": 1},
         [("RTA_DST", "0.0.0.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "10.244.1.1")], req,
     )  # fmt: skip
+
+
+def test_blackhole_route_has_no_device_and_a_metric_below_the_connected_route() -> None:
+    req = rtnl.route_request(
+        False, OUR_PROTOCOL, DST.network_address.packed, 24, blackhole_metric=1024
+    )
+    assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x100)
+    assert req.body == encoded(
+        rtmsg(),
+        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
+         "scope": 0, "type": 6, "flags": 0},
+        [("RTA_DST", "10.244.3.0"), ("RTA_PRIORITY", 1024)], req,
+    )  # fmt: skip

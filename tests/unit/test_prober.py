@@ -28,8 +28,11 @@ from flannelpy.observe.prober import (
     Prober,
     ProbeResult,
     RoundOutcome,
+    cycle_seconds,
     first_slot,
     mtu_verdict,
+    needs_confirmation,
+    next_slot,
     phase_seconds,
     slot_after,
     summarize,
@@ -520,3 +523,113 @@ def test_echo_request_checksum_verifies(payload: int) -> None:
 def test_checksum_known_value() -> None:
     # RFC 1071's example words 0001 f203 f4f5 f6f7 sum to ddf2 (one's complement 220d)
     assert icmp_checksum(bytes.fromhex("0001f203f4f5f6f7")) == 0x220D
+
+
+# --- a bounded number of peers per interval ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "per_interval", "cycle"),
+    [(0, 100, 5.0), (1, 100, 5.0), (100, 100, 5.0), (101, 100, 10.0), (1000, 100, 50.0),
+     (5000, 64, 5.0 * 79)],
+)  # fmt: skip
+def test_cycle_covers_every_peer_within_the_budget(n: int, per_interval: int, cycle: float) -> None:
+    assert cycle_seconds(n, 5.0, per_interval) == cycle
+
+
+@pytest.mark.parametrize(
+    ("due", "now", "phase", "period", "expected"),
+    [(10.0, 10.0, 0.0, 5.0, 15.0), (10.0, 12.0, 0.0, 5.0, 15.0), (10.0, 31.0, 0.0, 5.0, 35.0),
+     (50.0, 12.0, 2.0, 5.0, 52.0), (3.0, 3.0, 3.0, 50.0, 53.0)],
+)  # fmt: skip
+def test_next_slot(due: float, now: float, phase: float, period: float, expected: float) -> None:
+    assert next_slot(due, now, phase, period) == expected
+
+
+@pytest.mark.parametrize(
+    ("latest", "reachable", "mtu_ok", "expected"),
+    [
+        (OK, True, True, False),
+        (LOST, True, True, True),  # one lost round: confirm it soon
+        (LOST, False, None, False),  # settled as down: back to the cycle
+        (STRIKE, True, None, True),  # strikes towards an MTU verdict
+        (STRIKE, True, False, False),  # the MTU verdict is in
+        (REFUSED, True, False, False),  # conclusive at once
+        (SMALL_ONLY, True, None, False),
+    ],
+)
+def test_needs_confirmation(
+    latest: RoundOutcome, reachable: bool, mtu_ok: bool | None, expected: bool
+) -> None:
+    result = ProbeResult(reachable, None, 0.0, mtu_ok, latest.error, 1)
+    assert needs_confirmation(latest, result) is expected
+
+
+def test_a_large_cluster_is_covered_once_per_cycle_within_the_budget() -> None:
+    prober, net, clock, _ = make(n_peers=1000, peers_per_interval=100, max_in_flight=256)
+    assert prober.cycle == 50.0
+    start = clock.t
+    advance(prober, clock, 200.0)
+    per_peer = Counter(s.target for s in net.small_sends())
+    assert len(per_peer) == 1000 and set(per_peer.values()) <= {4, 5}  # 4 whole cycles
+    per_interval = Counter(int((s.at - start) // 5.0) for s in net.small_sends())
+    # Binomial(1000, 1/10) per interval: mean 100, sd ~9.5; never the whole cluster at once
+    assert max(per_interval.values()) < 150
+    assert len(net.small_sends()) <= 1000 * 4 + 1000
+
+
+def test_a_failing_peer_is_confirmed_within_intervals_not_cycles() -> None:
+    prober, net, clock, _ = make(n_peers=1000, peers_per_interval=100, max_in_flight=256)
+    advance(prober, clock, 60.0)  # every peer has a result
+    victim = peer_ip(7)
+    net.down.add(victim)
+    rounds(prober, clock, 1, "p7")  # the first failing round comes within one cycle
+    lost_at = clock.t
+    assert prober.results()["p7"].reachable  # one lost round is loss, not an outage
+    while prober.results()["p7"].reachable:
+        clock.t = max(prober.tick(), clock.t)
+    # down_after = 3: two more rounds, an interval apart (plus the 1 s timeout)
+    assert clock.t - lost_at <= 2 * 5.0 + 1.0 + 1e-6
+    settled = clock.t
+    advance(prober, clock, 100.0)  # settled as down: once per cycle again
+    later = [s.at for s in net.small_sends(victim) if s.at > settled]
+    assert len(later) == 2
+
+
+def test_a_peer_that_joins_is_probed_within_an_interval() -> None:
+    prober, net, clock, _ = make(n_peers=999, peers_per_interval=100, max_in_flight=256)
+    advance(prober, clock, 60.0)
+    peers = {f"p{i}": (peer_ip(i), f"node{i}") for i in range(1000)}
+    prober.set_peers(peers)  # p999 joins; the cycle stays 50 s
+    joined = clock.t
+    rounds(prober, clock, 1, "p999")
+    assert clock.t - joined <= 5.0 + 1.0
+    first = [s.at for s in net.small_sends(peer_ip(999))]
+    advance(prober, clock, 100.0)  # healthy: then once per cycle
+    assert len(net.small_sends(peer_ip(999))) - len(first) == 2
+
+
+def test_a_growing_cluster_lengthens_the_cycle() -> None:
+    prober, net, clock, _ = make(n_peers=100, peers_per_interval=100)
+    assert prober.cycle == 5.0
+    advance(prober, clock, 20.0)
+    prober.set_peers({f"p{i}": (peer_ip(i), f"node{i}") for i in range(250)})
+    assert prober.cycle == 15.0
+    n = len(net.sent)
+    advance(prober, clock, 60.0)
+    per_peer = Counter(s.target for s in net.sent[n:] if s.size == SMALL_PROBE_BYTES)
+    assert len(per_peer) == 250 and set(per_peer.values()) <= {4, 5}
+
+
+def test_a_mass_outage_hurries_a_bounded_number_of_peers() -> None:
+    prober, net, clock, _ = make(n_peers=1000, peers_per_interval=100, max_in_flight=256)
+    advance(prober, clock, 60.0)
+    net.down.update(peer_ip(i) for i in range(1000))
+    n, start = len(net.small_sends()), clock.t
+    advance(prober, clock, 50.0)  # one cycle
+    per_interval = Counter(int((s.at - start) // 5.0) for s in net.small_sends()[n:])
+    # the cycle's ~100 per interval plus at most 25 hurried peers, each once per interval
+    assert max(per_interval.values()) <= 150
+    assert sum(per_interval.values()) <= 1000 + 10 * 25
+    advance(prober, clock, 150.0)  # three more cycles: every peer settles as down
+    assert not any(r.reachable for r in prober.results().values())

@@ -7,19 +7,23 @@ it cannot follow must be refused before any node switches; a target it keeps spe
 
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
+from flannelpy.commands.rollout import _command
 from flannelpy.config.netconf import BackendConfig
 from flannelpy.control.records import NodeOverride
 from flannelpy.errors import ConfigError
-from flannelpy.rollout.driver import make_plan, start
+from flannelpy.rollout.driver import make_plan, prepare_resume, start
 from flannelpy.rollout.flanneld import FlanneldNode, flanneld_nodes, flanneld_problems
+from flannelpy.rollout.show import NodeRow, status_rows
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.unit.test_rollout import MONDAY_1AM, PREFIX, Env
+from tests.unit.test_rollout import MONDAY_1AM, PREFIX, Env, statuses
 
 
 def flanneld_value(ip: str, backend_type: str = "vxlan", vni: int = 1) -> bytes:
@@ -113,3 +117,76 @@ def test_without_flanneld_nodes_nothing_changes() -> None:
     plan = make_plan(env.rs, "host-gw", MONDAY_1AM)
     assert plan.problems == () and plan.flanneld == ()
     assert not any(line.startswith("flanneld") for line in plan.lines())
+
+
+def test_a_flanneld_node_joining_mid_rollout_pauses_it_before_the_next_node() -> None:
+    """Before: the plan's check ran once, so the driver went on switching nodes to
+    host-gw that a flanneld node joined after the start could not reach."""
+    env = Env()
+    record = env.start()
+
+    def flanneld_joins_after_n1(line: str) -> None:
+        env.lines.append(line)
+        if "n1: verified" in line:
+            with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"))
+
+    paused = env.drive(record.id, display=flanneld_joins_after_n1)
+    assert paused.state == "paused"
+    assert [e.state for e in paused.nodes] == ["done", "pending", "pending", "pending", "pending"]
+    assert paused.reason is not None and paused.reason.startswith(
+        "flanneld node(s) 10.244.9.0/24 (100.64.0.10), which runs vxlan cannot follow"
+    )
+    assert paused.reason.endswith("; then run flannelpy rollout resume")
+    assert env.override("n2") is None
+    # resume refuses while the flanneld node is there, and goes on once it has left.
+    with pytest.raises(ConfigError, match=r"flanneld node\(s\) 10\.244\.9\.0/24"):
+        prepare_resume(env.rs, env.clocks.wall, None)
+    assert env.rs.read_record()[0] == paused
+    key = lease_key(PREFIX, IPv4Network("10.244.9.0/24"))
+    kv = env.store.get(key)
+    assert kv is not None and env.store.delete_if_mod_revision(key, kv.mod_revision)
+    assert prepare_resume(env.rs, env.clocks.wall, None).state == "running"
+    assert env.drive(record.id).state == "done"
+
+
+def test_a_flanneld_node_joining_before_the_config_is_written_stops_the_last_step() -> None:
+    env = Env()
+    record = env.start()
+
+    def flanneld_joins_after_n5(line: str) -> None:
+        env.lines.append(line)
+        if "n5: verified" in line:
+            with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"))
+
+    paused = env.drive(record.id, display=flanneld_joins_after_n5)
+    assert paused.state == "paused" and not paused.config_written
+    assert env.config()["Backend"] == {"Type": "vxlan"}
+
+
+def test_status_shows_flanneld_nodes_and_which_the_target_cuts_off() -> None:
+    env = Env()
+    with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"))
+    record = env.start("vxlan", direct_routing=False)  # planned around: nothing to switch
+    config = env.rs.read_config().config.backend
+    flanneld = flanneld_nodes(env.rs.read_leases(), statuses(env))
+    rows = status_rows(record, statuses(env), flanneld, config)
+    assert rows[-1] == NodeRow("10.244.9.0/24 (100.64.0.10)", "flanneld (not switched)",
+                               "vxlan (VNI 1)", None, None, None)  # fmt: skip
+    assert [r.node for r in rows[:-1]] == ["n1", "n2", "n3", "n4", "n5"]
+    hostgw = replace(record, target={"Type": "host-gw"}, state="paused")
+    row = status_rows(hostgw, {}, flanneld, config)[-1]
+    assert row.blocked == "the target cuts it off: it runs vxlan"
+    assert status_rows(replace(hostgw, state="done"), {}, flanneld, config)[-1].blocked is None
+
+
+def test_rollout_status_command_lists_flanneld_nodes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = Env()
+    with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"))
+    args = argparse.Namespace(rollout_command="status", json=False, clock_start=None)
+    assert _command(args, env.rs) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("10.244.9.0/24"))
+    assert line.split() == ["10.244.9.0/24", "(100.64.0.10)", "flanneld", "(not", "switched)",
+                            "vxlan", "(VNI", "1)", "-", "-", "-"]  # fmt: skip

@@ -109,19 +109,46 @@ class _Client(pyetcd.MultiEndpointEtcd3Client):  # type: ignore[misc]
         )
 
 
+class _SocketEndpoint(pyetcd.Endpoint):  # type: ignore[misc]
+    """pyetcd's endpoint on a gRPC target of its own: a unix socket (pyetcd dials
+    host:port only)."""
+
+    def __init__(self, target: str, opts: Sequence[tuple[str, Any]]) -> None:
+        self._target = target
+        super().__init__(target, 0, secure=False, time_retry=0, opts=opts)
+        self.netloc = target
+
+    def _mkchannel(self, opts: Sequence[tuple[str, Any]]) -> grpc.Channel:
+        return grpc.insecure_channel(self._target, options=opts)
+
+
 @dataclass(frozen=True)
 class _Endpoint:
     url: str
     host: str
     port: int
     secure: bool
+    socket_target: str | None = None  # a unix socket's gRPC target, else None
+
+
+def unix_target(url: str) -> str:
+    """etcd's Go client's reading of a ``unix://`` endpoint, as a gRPC target:
+    ``unix:///run/etcd.sock`` is an absolute path, ``unix://etcd.sock`` and
+    ``unix:etcd.sock`` are relative to the working directory."""
+    if url.startswith("unix:///"):
+        return url
+    return "unix:" + url.removeprefix("unix://").removeprefix("unix:")
 
 
 def parse_endpoints(urls: Sequence[str]) -> list[_Endpoint]:
-    """``http://127.0.0.1:2379`` → host, port, TLS or not. Raises ConfigError."""
+    """``http://127.0.0.1:2379`` → host, port, TLS or not; ``unix://path`` → a socket.
+    Raises ConfigError."""
     endpoints = []
     for raw in urls:
         url = raw.strip()
+        if url.startswith("unix:") and unix_target(url) not in ("unix:", "unix:///"):
+            endpoints.append(_Endpoint(url, "", 0, False, unix_target(url)))
+            continue
         parts = urlsplit(url if "://" in url else f"http://{url}")
         try:
             port = parts.port or 2379
@@ -299,10 +326,14 @@ class EtcdStore:
             return client
         ep = self._endpoints[index]
         # time_retry=0: never let pyetcd park an endpoint as failed; we pick endpoints.
-        endpoint = pyetcd.Endpoint(
-            ep.host, ep.port, secure=ep.secure, creds=self._credentials if ep.secure else None,
-            time_retry=0, opts=_GRPC_OPTIONS,
-        )  # fmt: skip
+        if ep.socket_target is not None:
+            endpoint = _SocketEndpoint(ep.socket_target, _GRPC_OPTIONS)
+        else:
+            endpoint = pyetcd.Endpoint(
+                ep.host, ep.port, secure=ep.secure,
+                creds=self._credentials if ep.secure else None,
+                time_retry=0, opts=_GRPC_OPTIONS,
+            )  # fmt: skip
         try:
             # With a user, the constructor authenticates (one request) to get a token.
             client = _Client(

@@ -1,0 +1,446 @@
+"""The lab's real Kubernetes control plane (``lab up --kube``), on the host side.
+
+An etcd of its own (loopback, data under ``<lab dir>/kube``), kube-apiserver with RBAC and
+ServiceAccount tokens on the host's lab address (the agents in the node namespaces reach
+it over the underlay), and kube-controller-manager running only the node IPAM controller,
+so every podCIDR is the real controller's. The manifests' objects are applied with the real
+kubectl (all but the DaemonSet: the agents run as lab processes), the ConfigMap's
+net-conf.json is set to the lab's network config and written to the file the agents read
+(what the kubelet's ConfigMap projection does), and each agent gets a kubeconfig holding a
+token of the manifests' ServiceAccount, so the ClusterRole there is what is enforced.
+
+Nodes are created as a kubelet registers them (name, hostname label, InternalIP, Ready).
+No kubelet renews their Leases, so the node lifecycle controller, which would turn them
+Ready=Unknown and taint them unreachable after ~50 s, is not run.
+
+The binaries are the pinned build of scripts/build-kube.sh; ``$FLANNELPY_KUBE_BIN_DIR``
+points at another directory holding them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from ipaddress import IPv4Interface
+from typing import Any
+
+from flannelpy_lab import agents, plan, procs
+from flannelpy_lab.errors import LabError
+from flannelpy_lab.flanneld import repo_root
+from flannelpy_lab.state import LabState
+
+BUILD_SCRIPT = "scripts/build-kube.sh"
+PIN_FILE = "tests/peers/kubernetes/go.mod"
+BIN_DIR_ENV = "FLANNELPY_KUBE_BIN_DIR"
+PEERS_DIR_ENV = "FLANNELPY_PEERS_DIR"
+BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl")
+STATE_KEY = "kube"  # in LabState.extra: the control plane's record
+API_PORT = 6443
+NAMESPACE = "kube-flannelpy"  # the manifests' names
+SERVICE_ACCOUNT = "flannelpy"
+CLUSTER_ROLE = "flannelpy"
+CONFIG_MAP = "kube-flannelpy-cfg"
+NET_CONF_KEY = "net-conf.json"
+READY_TIMEOUT = 60.0  # seconds for etcd, then kube-apiserver, then every podCIDR
+TOKEN_DURATION = "48h"
+# Started in this order, stopped in the reverse one.
+PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager")
+_PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
+
+Save = Callable[[], None]
+Progress = Callable[[str], None]
+
+
+def bin_dir() -> str:
+    """The directory holding the built control plane; LabError naming the build script."""
+    explicit = os.environ.get(BIN_DIR_ENV)
+    directory = explicit or _pinned_dir()
+    missing = [b for b in BINARIES if not os.access(os.path.join(directory, b), os.X_OK)]
+    if missing:
+        raise LabError(
+            f"the Kubernetes control plane is not built in {directory} (no "
+            f"{', '.join(missing)}); run {BUILD_SCRIPT}"
+            + (f" or unset {BIN_DIR_ENV}" if explicit else "")
+        )
+    return directory
+
+
+def _pinned_dir() -> str:
+    path = os.path.join(repo_root(), PIN_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            pin = next(
+                (p[2] for p in (line.split() for line in f)
+                 if p[:2] == ["require", "k8s.io/kubernetes"] and len(p) > 2),
+                None,
+            )  # fmt: skip
+    except OSError as e:
+        raise LabError(f"cannot read the Kubernetes pin {path} ({e.strerror}); "
+                       f"restore it and run {BUILD_SCRIPT}") from e  # fmt: skip
+    if pin is None:
+        raise LabError(f"{path} pins no k8s.io/kubernetes release; restore it and run "
+                       f"{BUILD_SCRIPT}")  # fmt: skip
+    peers = os.environ.get(PEERS_DIR_ENV, "/var/cache/flannelpy/peers")
+    return os.path.join(peers, f"kubernetes-{pin}")
+
+
+# -- paths and the record in the state ------------------------------------------------------
+
+
+def kube_dir(state: LabState) -> str:
+    return os.path.join(state.lab_dir, "kube")
+
+
+def _path(state: LabState, *parts: str) -> str:
+    return os.path.join(kube_dir(state), *parts)
+
+
+def admin_kubeconfig(state: LabState) -> str:
+    return _path(state, "admin.kubeconfig")
+
+
+def agent_kubeconfig(state: LabState) -> str:
+    """The kubeconfig every agent gets: the flannelpy ServiceAccount's token."""
+    return _path(state, "flannelpy.kubeconfig")
+
+
+def host_ip(state: LabState) -> str:
+    return str(IPv4Interface(state.host_address).ip)
+
+
+def api_url(state: LabState) -> str:
+    return f"https://{host_ip(state)}:{API_PORT}"
+
+
+def record(state: LabState) -> dict[str, Any]:
+    doc: dict[str, Any] = state.extra.setdefault(STATE_KEY, {})
+    return doc
+
+
+def process_refs(state: LabState) -> list[procs.ProcessRef]:
+    """The control plane's processes, newest first (each stops while what it talks to runs)."""
+    started = state.extra.get(STATE_KEY, {}).get("processes", {})
+    refs = [procs.ref_of(*started[n]) for n in reversed(PROCESSES) if n in started]
+    return [r for r in refs if r]
+
+
+def stop(state: LabState) -> None:
+    for ref in process_refs(state):
+        procs.stop([ref])
+
+
+# -- kubectl --------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    # The API server is on the lab's address: a proxy from the environment would not reach it.
+    return {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
+
+
+def kubectl(
+    state: LabState, *args: str, stdin: str | None = None, check: bool = True,
+    timeout: float = 30.0,
+) -> subprocess.CompletedProcess[str]:
+    """The real kubectl as cluster admin; with ``check``, a failure is a LabError."""
+    binary = os.path.join(record(state).get("bin_dir") or bin_dir(), "kubectl")
+    argv = [binary, "--kubeconfig", admin_kubeconfig(state), *args]
+    try:
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True,
+                              timeout=timeout, env=_env(), check=False)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        raise LabError(f"`kubectl {' '.join(args)}` did not finish within {timeout:g} s") from e
+    if check and proc.returncode != 0:
+        raise LabError(f"`kubectl {' '.join(args)}` failed: {proc.stderr.strip()[-400:]}")
+    return proc
+
+
+def kubectl_json(state: LabState, *args: str) -> Any:
+    return json.loads(kubectl(state, *args, "-o", "json").stdout)
+
+
+# -- start ----------------------------------------------------------------------------------
+
+
+def start(state: LabState, save: Save, say: Progress) -> None:
+    """Start the control plane, apply the manifests, register the Nodes and write the
+    agents' kubeconfig and net-conf.json. Records every process in the state (``save``
+    after each start) so that ``down`` stops what a partial start left."""
+    rec = record(state)
+    rec["bin_dir"] = bin_dir()
+    rec["processes"] = {}
+    os.makedirs(kube_dir(state), exist_ok=True)
+    t0 = time.monotonic()
+    _make_pki(state)
+    _start_etcd(state, save)
+    _start_apiserver(state, save)
+    _start_controller_manager(state, save)
+    rec["ready_seconds"] = round(time.monotonic() - t0, 1)
+    say(f"      kube-apiserver at {api_url(state)} ready in {rec['ready_seconds']} s; "
+        "applying the manifests")  # fmt: skip
+    apply_manifests(state)
+    set_net_conf(state, plan.net_conf_json(state.network, state.backend, state.direct_routing,
+                                           state.extra.get("net_conf_extra")))  # fmt: skip
+    sync_net_conf(state)
+    register_nodes(state)
+    wait_pod_cidrs(state)
+    write_agent_kubeconfig(state)
+    rec["pod_cidrs_seconds"] = round(time.monotonic() - t0, 1)
+    state.extra["kube_api_url"] = api_url(state)
+    state.extra["kube_kubeconfig"] = agent_kubeconfig(state)
+    save()
+
+
+def _openssl(*args: str) -> None:
+    proc = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise LabError(f"`openssl {args[0]}` failed: {proc.stderr.strip()[-300:]}")
+
+
+def _make_pki(state: LabState) -> None:
+    """A CA, kube-apiserver's serving certificate, the ServiceAccount signing key and
+    static tokens for the admin and the controller-manager."""
+    pki = _path(state, "pki")
+    os.makedirs(pki, exist_ok=True)
+    p = lambda name: os.path.join(pki, name)  # noqa: E731
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+             "-subj", f"/CN=fpl-{state.name}-ca", "-keyout", p("ca.key"), "-out", p("ca.crt"))
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
+             "-keyout", p("apiserver.key"), "-out", p("apiserver.csr"))
+    with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
+        f.write(f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,DNS:localhost\n")
+    _openssl("x509", "-req", "-in", p("apiserver.csr"), "-CA", p("ca.crt"), "-CAkey",
+             p("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", p("apiserver.ext"),
+             "-out", p("apiserver.crt"))
+    _openssl("genrsa", "-out", p("sa.key"), "2048")
+    _openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
+    admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
+    with open(p("tokens.csv"), "w", encoding="utf-8") as f:
+        f.write(f"{admin},fpl-admin,uid-admin,system:masters\n"
+                f"{kcm},system:kube-controller-manager,uid-kcm\n")  # fmt: skip
+    os.chmod(p("tokens.csv"), 0o600)
+    _write_kubeconfig(state, admin_kubeconfig(state), api_url(state), admin)
+    _write_kubeconfig(state, _path(state, "kcm.kubeconfig"), api_url(state), kcm)
+
+
+def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> None:
+    doc = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {
+            "server": server, "certificate-authority": _path(state, "pki", "ca.crt")}}],
+        "users": [{"name": "lab", "user": {"token": token}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
+    }  # fmt: skip
+    tmp = path + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _spawn(state: LabState, name: str, argv: list[str], save: Save) -> procs.ProcessRef:
+    ref = procs.spawn_detached(argv, _path(state, f"{name}.log"))
+    record(state)["processes"][name] = [ref.pid, ref.start_ticks]
+    save()
+    return ref
+
+
+def _wait(state: LabState, name: str, ref: procs.ProcessRef, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not check():
+        log = _path(state, f"{name}.log")
+        if not procs.alive(ref):
+            raise LabError(f"{name} exited at start; last lines of {log}:\n"
+                           f"{procs.log_tail(log)}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise LabError(f"{name} was not ready within {READY_TIMEOUT:g} s; last lines of "
+                           f"{log}:\n{procs.log_tail(log)}")  # fmt: skip
+        time.sleep(0.2)
+
+
+def _start_etcd(state: LabState, save: Save) -> None:
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise LabError("etcd is not on PATH; install an etcd server (3.4 or newer)")
+    client = f"http://127.0.0.1:{_free_port()}"
+    peer = f"http://127.0.0.1:{_free_port()}"
+    record(state)["etcd_url"] = client
+    ref = _spawn(state, "etcd", [
+        binary, "--name", f"fpl-{state.name}-kube", "--data-dir", _path(state, "etcd"),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"fpl-{state.name}-kube={peer}",
+        "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
+    ], save)  # fmt: skip
+    _wait(state, "etcd", ref, lambda: _http_ok(client + "/health"))
+
+
+def _http_ok(url: str, ca: str | None = None, token: str | None = None) -> bool:
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}),
+        urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)),
+    )
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with opener.open(request, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _start_apiserver(state: LabState, save: Save) -> None:
+    p = lambda name: _path(state, "pki", name)  # noqa: E731
+    ref = _spawn(state, "kube-apiserver", [
+        os.path.join(record(state)["bin_dir"], "kube-apiserver"),
+        "--etcd-servers", record(state)["etcd_url"],
+        # Only the lab address: the agents come over the underlay, the host's own
+        # clients (controller-manager, kubectl) to the host's address.
+        "--bind-address", host_ip(state), "--advertise-address", host_ip(state),
+        "--secure-port", str(API_PORT),
+        "--tls-cert-file", p("apiserver.crt"), "--tls-private-key-file", p("apiserver.key"),
+        "--client-ca-file", p("ca.crt"), "--token-auth-file", p("tokens.csv"),
+        "--authorization-mode", "RBAC",
+        # No Service reaches the API server here: the "kubernetes" endpoints need no upkeep.
+        "--endpoint-reconciler-type", "none",
+        "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+        "--service-account-key-file", p("sa.pub"),
+        "--service-account-signing-key-file", p("sa.key"),
+        "--service-cluster-ip-range", "10.96.0.0/16",
+    ], save)  # fmt: skip
+    token = _admin_token(state)
+    _wait(state, "kube-apiserver", ref,
+          lambda: _http_ok(api_url(state) + "/readyz", p("ca.crt"), token))  # fmt: skip
+
+
+def _admin_token(state: LabState) -> str:
+    with open(admin_kubeconfig(state), encoding="utf-8") as f:
+        token: str = json.load(f)["users"][0]["user"]["token"]
+        return token
+
+
+def _subnet_len(state: LabState) -> int:
+    conf = json.loads(plan.net_conf_json(state.network, state.backend, state.direct_routing,
+                                         state.extra.get("net_conf_extra")))  # fmt: skip
+    return int(conf.get("SubnetLen", 24))
+
+
+def _start_controller_manager(state: LabState, save: Save) -> None:
+    # Only the node IPAM controller: the lab runs no workloads, and the node lifecycle
+    # controller would taint the kubelet-less Nodes unreachable.
+    _spawn(state, "kube-controller-manager", [
+        os.path.join(record(state)["bin_dir"], "kube-controller-manager"),
+        "--kubeconfig", _path(state, "kcm.kubeconfig"),
+        "--bind-address", "127.0.0.1", "--secure-port", str(_free_port()),
+        "--leader-elect=false", "--controllers", "node-ipam-controller",
+        "--use-service-account-credentials",
+        "--service-account-private-key-file", _path(state, "pki", "sa.key"),
+        "--root-ca-file", _path(state, "pki", "ca.crt"),
+        "--allocate-node-cidrs", "--cluster-cidr", state.network,
+        "--node-cidr-mask-size", str(_subnet_len(state)),
+        "--service-cluster-ip-range", "10.96.0.0/16",
+    ], save)  # fmt: skip
+
+
+def manifests_dir() -> str:
+    return os.path.join(repo_root(), "manifests")
+
+
+def apply_manifests(state: LabState) -> None:
+    """``kubectl apply`` of everything ``kustomization.yaml`` lists but the DaemonSet."""
+    rendered = kubectl_json(state, "apply", "-k", manifests_dir(), "--dry-run=client")
+    items = [o for o in rendered.get("items", [rendered]) if o.get("kind") != "DaemonSet"]
+    doc = {"apiVersion": "v1", "kind": "List", "items": items}
+    kubectl(state, "apply", "-f", "-", stdin=json.dumps(doc))
+
+
+def set_net_conf(state: LabState, net_conf: str) -> None:
+    """Set the ConfigMap's net-conf.json (as an operator edits it)."""
+    patch = json.dumps({"data": {NET_CONF_KEY: net_conf}})
+    kubectl(state, "patch", "configmap", CONFIG_MAP, "-n", NAMESPACE, "--type", "merge",
+            "-p", patch)  # fmt: skip
+
+
+def sync_net_conf(state: LabState) -> str:
+    """Write the ConfigMap's net-conf.json to the agents' file (atomically, as the kubelet
+    updates a projected ConfigMap); return it."""
+    cm = kubectl_json(state, "get", "configmap", CONFIG_MAP, "-n", NAMESPACE)
+    text = cm.get("data", {}).get(NET_CONF_KEY)
+    if not text:
+        raise LabError(f"ConfigMap {NAMESPACE}/{CONFIG_MAP} has no {NET_CONF_KEY}; "
+                       "restore it from manifests/")  # fmt: skip
+    path = agents.kube_net_conf_path(state)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return str(text)
+
+
+def node_manifest(name: str, internal_ip: str) -> dict[str, Any]:
+    """A Node as a kubelet registers it (status included: create keeps it for Nodes)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64"}},
+        "status": {
+            "addresses": [{"type": "InternalIP", "address": internal_ip},
+                          {"type": "Hostname", "address": name}],
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "registered by the lab", "lastHeartbeatTime": now,
+                            "lastTransitionTime": now}],
+        },
+    }  # fmt: skip
+
+
+def register_nodes(state: LabState) -> None:
+    items = [node_manifest(n.name, str(n.ip)) for n in state.nodes]
+    kubectl(state, "create", "-f", "-",
+            stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))  # fmt: skip
+    # The API server taints a new Node not-ready; the node lifecycle controller (not run
+    # here) lifts it once the Node is Ready, which it is from the start.
+    kubectl(state, "taint", "nodes", "--all", "node.kubernetes.io/not-ready:NoSchedule-")
+
+
+def pod_cidrs(state: LabState) -> dict[str, str | None]:
+    """Each Node's spec.podCIDR (None while unassigned)."""
+    nodes = kubectl_json(state, "get", "nodes")["items"]
+    return {n["metadata"]["name"]: n.get("spec", {}).get("podCIDR") for n in nodes}
+
+
+def wait_pod_cidrs(state: LabState) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        cidrs = pod_cidrs(state)
+        missing = [n.name for n in state.nodes if not cidrs.get(n.name)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            log = _path(state, "kube-controller-manager.log")
+            raise LabError(f"kube-controller-manager gave {', '.join(missing)} no podCIDR "
+                           f"within {READY_TIMEOUT:g} s; last lines of {log}:\n"
+                           f"{procs.log_tail(log)}")  # fmt: skip
+        time.sleep(0.3)
+
+
+def write_agent_kubeconfig(state: LabState) -> None:
+    token = kubectl(state, "create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE,
+                    "--duration", TOKEN_DURATION).stdout.strip()  # fmt: skip
+    _write_kubeconfig(state, agent_kubeconfig(state), api_url(state), token)
