@@ -549,53 +549,33 @@ class CniHandler:
         the path opened here (and closed after). Refusals are code 4, "invalid
         necessary environment variables" (CNI spec, "Error codes"): CNI_NETNS names
         no network namespace. Not ``required`` (DEL): None instead of an error."""
-        if netns_fd is not None:
+        opened = None  # the fd opened here from the path, closed on the way out
+        if netns_fd is None and req.netns:
             try:
-                self.require_netns(netns_fd)
-            except NotANetns as e:
+                opened = self.open_netns(req.netns)
+            except OSError as e:
                 if not required:
                     yield None
                     return
                 raise CniError(
                     Code.INVALID_ENVIRONMENT,
-                    f"CNI_NETNS {req.netns} is not a network namespace ({e}); pass the path"
-                    " of the container's network namespace",
+                    f"CNI_NETNS {req.netns} cannot be opened ({e.strerror}); pass the path of"
+                    " the container's network namespace",
                 ) from e
-            yield netns_fd
-            return
+        fd = netns_fd if netns_fd is not None else opened
         try:
-            fd = self.open_netns(req.netns) if req.netns else None
-        except OSError as e:
-            if not required:
-                yield None
-                return
-            raise CniError(
-                Code.INVALID_ENVIRONMENT,
-                f"CNI_NETNS {req.netns} cannot be opened ({e.strerror}); pass the path of the"
-                " container's network namespace",
-            ) from e
-        if fd is None:  # DEL without CNI_NETNS (parse_request demands it elsewhere)
-            yield None
-            return
-        try:
-            try:
-                self.require_netns(fd)
-            except NotANetns as e:
-                if not required:
-                    yield None
-                    return
-                # An executable that predates passing the fd, in a mount namespace the
-                # agent does not share: the path shows the agent something else.
-                raise CniError(
-                    Code.INVALID_ENVIRONMENT,
-                    f"CNI_NETNS {req.netns} is not a network namespace where the flannelpy"
-                    f" agent looks ({e}); install the current flannelpy-cni on this node (it"
-                    " passes the namespace itself) or mount the runtime's namespace"
-                    " directory into the agent",
-                ) from e
-            yield fd
+            if fd is not None:
+                try:
+                    self.require_netns(fd)
+                except NotANetns as e:
+                    if required:
+                        why = _not_a_netns(req, e, opened)
+                        raise CniError(Code.INVALID_ENVIRONMENT, why) from e
+                    fd = None
+            yield fd  # None: DEL without a usable CNI_NETNS (parse_request demands it elsewhere)
         finally:
-            os.close(fd)
+            if opened is not None:
+                os.close(opened)
 
     def _bridge(self, req: Request) -> str:
         name = req.config.get("bridge", self.settings.bridge)
@@ -717,3 +697,18 @@ def _valid_attachments(config: Mapping[str, Any]) -> set[Key]:
 def _dns(config: Mapping[str, Any]) -> dict[str, Any]:
     dns = config.get("dns")
     return dict(dns) if isinstance(dns, dict) else {}
+
+
+def _not_a_netns(req: Request, error: Exception, opened: int | None) -> str:
+    if opened is None:  # the executable passed it
+        return (
+            f"CNI_NETNS {req.netns} is not a network namespace ({error}); pass the path of the"
+            " container's network namespace"
+        )
+    # An executable that predates passing the fd, in a mount namespace the agent does
+    # not share: the path shows the agent something else.
+    return (
+        f"CNI_NETNS {req.netns} is not a network namespace where the flannelpy agent looks"
+        f" ({error}); install the current flannelpy-cni on this node (it passes the namespace"
+        " itself) or mount the runtime's namespace directory into the agent"
+    )

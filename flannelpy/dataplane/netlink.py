@@ -224,7 +224,7 @@ class NetlinkKernel:
                     blackhole=r.route_type == rtnl.RTN_BLACKHOLE,
                 )
                 for r in nl.dump_routes(sock, protocol=0 if self.adopt else self.protocol)
-                if r.protocol == self.protocol or self._adoptable(r, names)
+                if r.protocol == self.protocol or _adoptable(self.adopt, r, names)
             ]
             neighbours: list[Neighbour] = []
             fdb: list[FdbEntry] = []
@@ -239,12 +239,6 @@ class NetlinkKernel:
             neighbours=frozenset(neighbours),
             fdb=frozenset(fdb),
         )
-
-    def _adoptable(self, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
-        if self.adopt is None:
-            return False
-        dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
-        return self.adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
 
     def link_mac(self, name: str) -> str | None:
         with nl.NetlinkSocket() as sock:
@@ -308,6 +302,14 @@ class NetlinkKernel:
             raise DataplaneError(
                 f"cannot set sysctl {name} to {value} ({path}): {e.strerror}"
             ) from e
+
+
+def _adoptable(adopt: FlannelRouteShape | None, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
+    """A route another Flannel left, which a replace of ours may take over."""
+    if adopt is None:
+        return False
+    dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
+    return adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
 
 
 class _Batch:
@@ -379,7 +381,7 @@ class _Batch:
         foreign = {
             (int(r.dst), r.dst_len): r.protocol
             for r in nl.dump_routes(self.sock)
-            if r.protocol != self.protocol and not self._adoptable(r, names)
+            if r.protocol != self.protocol and not _adoptable(self.adopt, r, names)
         }
         kept = []
         for route in routes:
@@ -395,13 +397,6 @@ class _Batch:
                 f"protocol {proto}, not the agent's; remove it or the lease that asks for it"
             )
         return kept
-
-    def _adoptable(self, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
-        """A route another Flannel left, which a replace of ours may take over."""
-        if self.adopt is None:
-            return False
-        dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
-        return self.adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
 
     def addresses(self, key: str, entries: Sequence[Address]) -> None:
         delete = key == "addresses_to_delete"

@@ -353,14 +353,7 @@ class Lab:
         self, node: str, argv: list[str], check: bool = True, timeout: float = 30.0
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the node's namespace, capturing text output."""
-        info = self.node(node)
-        proc = topology.run_in(info.namespace, argv, timeout)
-        if check and proc.returncode != 0:
-            raise LabError(
-                f"`{' '.join(argv)}` on node {node} exited with {proc.returncode}: "
-                f"{(proc.stderr or proc.stdout).strip()[-500:]}"
-            )
-        return proc
+        return _run_checked(self.node(node).namespace, argv, check, timeout, f"node {node}")
 
     def ping(self, src_node: str, dst_node: str, attempts: int = 1) -> bool:
         """Does ``src_node`` reach ``dst_node`` over the overlay (cni0 address to cni0 address)?"""
@@ -509,13 +502,7 @@ class Lab:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in a member's namespace (e.g. ``iptables`` to cut it off)."""
         info = self.state.etcd_member(member)
-        proc = topology.run_in(info.namespace, argv, timeout)
-        if check and proc.returncode != 0:
-            raise LabError(
-                f"`{' '.join(argv)}` on etcd member {info.name} exited with "
-                f"{proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"
-            )
-        return proc
+        return _run_checked(info.namespace, argv, check, timeout, f"etcd member {info.name}")
 
     # -- agents -----------------------------------------------------------
 
@@ -640,3 +627,15 @@ def _claim(
         )
         state_io.save(state)
         return state
+
+
+def _run_checked(
+    namespace: str, argv: list[str], check: bool, timeout: float, where: str
+) -> subprocess.CompletedProcess[str]:
+    proc = topology.run_in(namespace, argv, timeout)
+    if check and proc.returncode != 0:
+        raise LabError(
+            f"`{' '.join(argv)}` on {where} exited with {proc.returncode}: "
+            f"{(proc.stderr or proc.stdout).strip()[-500:]}"
+        )
+    return proc
