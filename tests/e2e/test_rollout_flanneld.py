@@ -57,11 +57,13 @@ def plan(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def flanneld_names(lab: Lab, rs: RolloutStore) -> list[str]:
-    """``subnet (address)`` of each flanneld node, from its own lease."""
+    """``subnet (address)`` of each flanneld node, from its own lease, in subnet order
+    (numeric, as the plan lists them: 10.244.7.0/24 before 10.244.62.0/24)."""
     theirs = {str(n.ip) for n in lab.nodes if n.name in THEIRS}
     leases = [ls for ls in rs.read_leases() if str(ls.attrs.public_ip) in theirs]
     assert len(leases) == 2 and all(ls.attrs.mtu is None for ls in leases), leases
-    return sorted(f"{ls.subnet} ({ls.attrs.public_ip})" for ls in leases)
+    leases.sort(key=lambda ls: ls.subnet)
+    return [f"{ls.subnet} ({ls.attrs.public_ip})" for ls in leases]
 
 
 def test_plan_to_host_gw_refuses_naming_the_flanneld_nodes(lab: Lab, store: RolloutStore) -> None:
