@@ -8,12 +8,13 @@ sit in a second namespace, as on a real node), an underlay veth and a
 per pod (a temporary state directory); and an AgentMetrics with the probe
 series of every peer, their leases, and some CNI, reconciler and store
 history. The link provider is the real one (a netlink dump of every link per
-scrape) and the IPAM provider is ``NodeIpam.accounting``.
+scrape), the IPAM provider is ``NodeIpam.accounting`` and the kernel counters read
+the host's tables and one namespace per pod (``snmp`` through a kept descriptor).
 
 Timed, after 10 warm-up scrapes each:
 
 - ``generate_latest``: the registry rendered in-process (what /metrics does);
-- its two scrape-time parts alone: the link dump and the IPAM accounting;
+- its scrape-time parts alone: the link dump, the IPAM accounting, the kernel counters;
 - HTTP: GET /metrics from a HealthServer on 127.0.0.1, over one keep-alive
   connection (as Prometheus scrapes) and with a new connection per scrape.
 
@@ -41,6 +42,7 @@ from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.dataplane.state import Changes
 from flannelpy.ipam.manager import NodeIpam
 from flannelpy.observe.health import HealthServer
+from flannelpy.observe.kernel_counters import KernelCounters, PodCounters
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
@@ -92,6 +94,21 @@ def node_namespaces(pods: int) -> Iterator[str]:
         yield node
     finally:
         for name in (node, pod):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+@contextmanager
+def pod_namespaces(pods: int) -> Iterator[list[tuple[str, str]]]:
+    """One empty namespace per pod (key, path), as the kernel counters read them; deleted
+    on exit."""
+    tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
+    names = [f"fpbmk{tag}-{i}" for i in range(pods)]
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+        yield [(name, f"/run/netns/{name}") for name in names]
+    finally:
+        for name in names:
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
@@ -166,16 +183,22 @@ def http_scrapes(port: int, count: int, keep_alive: bool) -> list[float]:
 
 
 def run(pods: int, peers: int, scrapes: int) -> tuple[str, bool]:
-    with node_namespaces(pods) as node, tempfile.TemporaryDirectory() as state:
+    with node_namespaces(pods) as node, tempfile.TemporaryDirectory() as state, \
+            pod_namespaces(pods) as pod_netns:
         say(f"namespace {node} ready with {pods} pod veths")
         ipam = NodeIpam(state, fsync=False)
         ipam.set_leases([LEASE])
         for i in range(pods):
             ipam.allocate(f"container-{i}", "eth0")
         provider = run_in_netns(node, NetlinkLinkStats, "ul0")
+        pod_counters = PodCounters(lambda: pod_netns)
+        kernel = KernelCounters(pod_counters)
         server = None
         try:
             metrics = build_metrics(ipam, provider, peers)
+            metrics.set_kernel_provider(kernel)
+            if kernel().pod_namespaces != pods:
+                raise RuntimeError(f"the kernel counters read {kernel().pod_namespaces} pods")
             roles = {s.role: s.interfaces for s in provider()}
             if roles["pods"] != pods or roles["vxlan"] != 1:
                 raise RuntimeError(f"the provider sees {roles}, expected {pods} pods")
@@ -186,6 +209,7 @@ def run(pods: int, peers: int, scrapes: int) -> tuple[str, bool]:
                 "generate_latest": timed(metrics.exposition, scrapes),
                 "  link dump + sums": timed(provider, scrapes),
                 "  IPAM accounting": timed(ipam.accounting, scrapes),
+                "  kernel counters (node + pods)": timed(kernel, scrapes),
             }
             server = HealthServer("127.0.0.1:0", metrics.registry, lambda: (True, "ok"),
                                   lambda: (True, "ok"))  # fmt: skip
@@ -197,6 +221,7 @@ def run(pods: int, peers: int, scrapes: int) -> tuple[str, bool]:
             if server is not None:
                 server.stop()
             provider.close()
+            pod_counters.close()
             ipam.close()
     rows = [
         [name, median(v) * 1000, percentile(v, 95) * 1000, max(v) * 1000]

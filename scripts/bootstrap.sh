@@ -10,7 +10,10 @@ APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containerne
               openssl  # the TLS etcd of the tests makes its certificates with it
               git  # the pools upgrade test and bench/compare_commits.sh read old releases
               containerd  # the CRI test drives containerd 1.6's CRI plugin with our conflist
-              prometheus)  # prometheus: promtool validates manifests/prometheusrule.yaml
+              debootstrap  # the Debian 12 bases of the flannelpy image (scripts/build-images.sh)
+              prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
+              wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
+              tcpdump)  # the wireguard test captures the underlay to see it carries no plaintext
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -36,3 +39,4 @@ if [ ! -f "$stamp" ]; then
 fi
 scripts/build-peers.sh >/dev/null  # the real flanneld the mixed-cluster tests run (needs Go)
 scripts/build-kube.sh >/dev/null  # the real Kubernetes control plane of Kubernetes mode (needs Go)
+scripts/build-images.sh >/dev/null  # the flannelpy image the lab's kubelets run (cached)

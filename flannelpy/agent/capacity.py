@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from ipaddress import IPv4Interface, IPv4Network
+from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
 
 from flannelpy.agent.events import EventCounts
 from flannelpy.agent.leases import OwnLeases
@@ -65,6 +65,7 @@ class Capacity:
         self.clocks = clocks
         self._empty_since: dict[IPv4Network, float] = {}
         self._ipam_view: tuple[tuple[IPv4Network, ...], ...] = ()
+        self._v6_view: tuple[IPv6Network | None, ...] = ()
 
     def serves(self, lease: Lease) -> bool:
         """May new pods get addresses here? Per the lease's pool tags (field notes §3);
@@ -82,15 +83,20 @@ class Capacity:
         subnets = [lease.subnet for lease in own]
         serving = [lease.subnet for lease in own if self.serves(lease)]
         view = (tuple(subnets), tuple(serving))
-        if view == self._ipam_view:
+        if view == self._ipam_view and not self._v6_changed(own):
             return
         first_serving_before = self._ipam_view[1][:1] if self._ipam_view else ()
-        self.pods.use_leases(subnets, serving)
+        # Dual stack: each lease's IPv6 subnet follows its IPv4 one (one allocator each).
+        self.pods.use_leases(_with_v6(own, subnets), _with_v6(own, serving))
         self._ipam_view = view
+        self._v6_view = tuple(lease.ipv6_subnet for lease in own)
         self.metrics.lease_counts(len(serving), len(subnets) - len(serving))
         self.metrics.lease_limit(self.state.capacity.max_leases_per_node)
         if self.state.subnet_env_written and tuple(serving[:1]) != first_serving_before:
             self.write_subnet_env()
+
+    def _v6_changed(self, own: list[Lease]) -> bool:
+        return tuple(lease.ipv6_subnet for lease in own) != self._v6_view
 
     def watch_low_free(self) -> None:
         """Have IPAM call for capacity below the current MinFreeAddresses."""
@@ -136,6 +142,9 @@ class Capacity:
             return  # a pod landed meanwhile: it stays
         # IPAM first (no ADD can land now), then the bridge, then peers learn it is gone.
         self.pods.remove_gateway(IPv4Interface(f"{lease.gateway}/{subnet.prefixlen}"))
+        v6 = lease.ipv6_subnet
+        if v6 is not None and self.pods.ipam.remove_lease_if_empty(v6):
+            self.pods.remove_gateway(IPv6Interface(f"{lease.gateway6}/{v6.prefixlen}"))
         try:
             self.manager.release_lease(lease)
         except StoreError as e:
@@ -155,3 +164,17 @@ class Capacity:
             {c.pool.network: c.utilisation
              for c in pool_capacity(s.config, s.pools, list(s.leases.values()))}
         )  # fmt: skip
+
+
+def _with_v6(
+    own: list[Lease], subnets: list[IPv4Network]
+) -> list[IPv4Network | IPv6Network]:
+    """``subnets`` (IPv4, in order) each followed by its lease's IPv6 subnet, if any."""
+    v6_of = {lease.subnet: lease.ipv6_subnet for lease in own}
+    out: list[IPv4Network | IPv6Network] = []
+    for net in subnets:
+        out.append(net)
+        v6 = v6_of.get(net)
+        if v6 is not None:
+            out.append(v6)
+    return out

@@ -14,10 +14,11 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flannelpy.agent.firewall import FirewallFactory
+from flannelpy.agent.firewall import FirewallFactory, PodNet
 from flannelpy.agent.live_config import load_applied
 from flannelpy.agent.node import NodeAgent
 from flannelpy.agent.pods import PodAttachments, PodSide
@@ -30,6 +31,7 @@ from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import wanted_config
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ForeignRoute, Kernel
+from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from flannelpy.control.node_control import NodeControl
     from flannelpy.dataplane.firewall import IptablesFirewall, SyncResult
     from flannelpy.dataplane.nftables import NftablesFirewall
+    from flannelpy.subnet.kube.manager import KubeSubnetManager
 
 log = logging.getLogger("flannelpy.agent.compose")
 CONFIG_WAIT = 1.0  # seconds between two looks for a network config not written yet (flanneld's)
@@ -81,12 +84,11 @@ def build_agent(
         applied = load_applied(settings.state_dir)
         if applied is not None:
             config = wanted_config(json.dumps(config.raw).encode(), applied)
-        if config.enable_ipv6:
-            raise ConfigError(
-                "net-conf.json: EnableIPv6 is not supported by flannelpy yet; set it to false"
-            )
         if not config.enable_ipv4 or config.network is None:
-            raise ConfigError("net-conf.json: EnableIPv4 must be true and Network set")
+            raise ConfigError(
+                "net-conf.json: EnableIPv4 is false, and flannelpy runs IPv4 or dual stack "
+                "(not IPv6-only yet); set EnableIPv4 true with a Network"
+            )
         if config.backend_defaulted:
             raise ConfigError(NO_BACKEND)
         backend = get_backend(config.backend.type)
@@ -101,13 +103,16 @@ def build_agent(
             settings.iface, settings.iface_regex,
             _ip_or_none(settings.iface_can_reach), public_ip,
         )  # fmt: skip
+        public_ipv6 = _public_ipv6(config, settings, underlay, kube)
         ctx = NodeContext(
             config=config,
             underlay=underlay,
             public_ip=public_ip or underlay.ip,
+            public_ipv6=public_ipv6,
             node_name=kube.node_name if kube else node_name_default(settings),
             blackhole_own_subnets=settings.ip_blackhole_route,
         )
+        _prepare_wireguard(settings, config, metrics, now=backend.type_name == "wireguard")
         ours = {*_all_backend_devices(ctx), "cni0"}
         # Routes a Flannel that ran here before left for its peers are ours to take over
         # (dataplane.adopt), not an overlap.
@@ -124,9 +129,15 @@ def build_agent(
                 kernel, settings.state_dir, backend.device_names(ctx)[0],
                 advertised=kube.own_vtep_mac() if kube else None,
             )  # fmt: skip
+        if config.enable_ipv6:
+            log.info(
+                "dual stack: address pools beyond Network, the warm-capacity count, the "
+                "rollout's verification and wireguard stay IPv4-only for now"
+            )
         log.info(
-            "starting node=%s backend=%s iface=%s public_ip=%s mtu=%s",
-            ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, backend.mtu(ctx),
+            "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
+            ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, ctx.public_ipv6,
+            backend.mtu(ctx),
         )  # fmt: skip
     except BaseException:
         manager.close()
@@ -142,8 +153,13 @@ def build_agent(
         capacity = CapacitySettings()
     if kube is not None:
         from flannelpy.control.node_control import KubeNodeControl
+        from flannelpy.subnet.kube.node_status import LeasePublisher, agent_namespace
 
-        control: NodeControl = KubeNodeControl(kube, settings.net_config_path)
+        # The status record: this node's Lease in the agent's namespace.
+        publisher = LeasePublisher(
+            kube.api_client, agent_namespace(os.environ, lambda p: Path(p).read_text())
+        )
+        control: NodeControl = KubeNodeControl(kube, settings.net_config_path, publisher)
     else:
         from flannelpy.control.node_control import EtcdNodeControl
 
@@ -151,9 +167,10 @@ def build_agent(
         control = EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
 
     network = config.network  # never changed live: a new Network needs a restart
+    ipv6_network = config.ipv6_network  # nor a new IPv6Network
 
     def pods(mtu: Callable[[], int], ready: Callable[[], bool]) -> PodSide:
-        return PodAttachments(settings, mtu, ready, metrics, network)
+        return PodAttachments(settings, mtu, ready, metrics, network, ipv6_network)
 
     return NodeAgent(
         AgentParts(
@@ -174,6 +191,30 @@ def build_agent(
             link_stats=_link_stats,
         )
     )
+
+
+def _public_ipv6(
+    config: NetworkConfig,
+    settings: AgentSettings,
+    underlay: UnderlayInterface,
+    kube: KubeSubnetManager | None,
+) -> IPv6Address | None:
+    """The IPv6 address peers reach us at (dual stack): the node-public-ipv6 annotation,
+    else --public-ipv6, else the underlay interface's global IPv6 address (Flannel's
+    order); None without IPv6."""
+    if not config.enable_ipv6:
+        return None
+    given = (kube.node_public_ipv6() if kube else None) or (
+        IPv6Address(settings.public_ipv6) if settings.public_ipv6 else None
+    )
+    if given is not None:
+        return given
+    if underlay.ip6 is None:
+        raise ConfigError(
+            f"net-conf.json enables IPv6, but {underlay.name} has no global IPv6 address; "
+            "add one, or choose another interface with --iface, or give --public-ipv6"
+        )
+    return underlay.ip6
 
 
 def run_agent(settings: AgentSettings) -> int:
@@ -201,13 +242,21 @@ def run_agent(settings: AgentSettings) -> int:
         log.error("%s", e)
         agent.shutdown()
         return e.exit_code
+    finally:
+        _stop_wireguard()  # as flanneld, the device goes with the agent; the key stays
     return 0
 
 
 def _icmp_transport() -> ProbeTransport:
-    from flannelpy.dataplane.icmp import IcmpTransport
+    from flannelpy.dataplane.icmp import DualTransport, Icmp6Transport, IcmpTransport
 
-    return IcmpTransport()
+    v4 = IcmpTransport()
+    try:
+        v6: IcmpTransport | None = Icmp6Transport()
+    except DataplaneError as e:  # a kernel without IPv6: IPv4 probes still run
+        log.warning("IPv6 probes disabled: %s", e)
+        v6 = None
+    return DualTransport(v4, v6)
 
 
 def _link_stats(underlay: str) -> LinkProvider:
@@ -218,8 +267,36 @@ def _link_stats(underlay: str) -> LinkProvider:
 
 def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
     from flannelpy.backend.vxlan import device_name
+    from flannelpy.backend.wireguard import DEVICE, DEVICE_V6
 
-    return (device_name(ctx.config.backend.vni),)
+    return (device_name(ctx.config.backend.vni), DEVICE, DEVICE_V6)
+
+
+def _prepare_wireguard(settings: AgentSettings, config: NetworkConfig,
+                       metrics: AgentMetrics, now: bool) -> None:  # fmt: skip
+    """The node's WireGuard runtime, for wireguard now or after a live switch to it. With
+    ``now``, check the options, choose kernel or userspace and load the key before anything
+    on the host changes: "Implementation": "kernel" without the module stops here."""
+    from flannelpy.backend import wireguard
+
+    runtime = wireguard.WireguardRuntime(
+        wireguard.default_key_file(settings.state_dir),
+        os.path.join(settings.run_dir, "wireguard"),
+        on_repair=metrics.wireguard_repair,
+        on_prepared=metrics.wireguard_implementation,
+        on_unencrypted=metrics.wireguard_unencrypted_peers,
+    )
+    wireguard.set_runtime(runtime)
+    if now:
+        runtime.prepare(wireguard.parse_wireguard_config(config.backend))
+
+
+def _stop_wireguard() -> None:
+    from flannelpy.backend import wireguard
+
+    runtime = wireguard.current_runtime()
+    if runtime is not None:
+        runtime.stop()
 
 
 def _read_config_patiently(
@@ -287,24 +364,48 @@ def _firewall_factory(
     from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
     from flannelpy.dataplane.nftables import NftablesFirewall
 
+    firewall6 = None
     if firewall is None and nft is None:
         firewall, nft = IptablesFirewall(), NftablesFirewall()
+        firewall6 = IptablesFirewall(ipv6=True)
     worked = [False]  # some sync has succeeded: the firewall works on this host
     other_mode_cleaned = [False]
 
     def clean_other_mode() -> None:
-        other = firewall if nftables else nft
+        # nftables mode removes the ip6tables chains too, as flanneld's clean-up does.
+        others = (firewall, firewall6) if nftables else (nft,)
         other_mode_cleaned[0] = True
-        if other is None:
-            return
-        try:
-            other.remove()
-        except DataplaneError as e:  # e.g. nft not installed: nothing of that mode to remove
-            log.info("rules of the unused firewall mode not removed: %s", e)
+        for other in others:
+            if other is None:
+                continue
+            try:
+                other.remove()
+            except DataplaneError as e:  # e.g. nft not installed: nothing of it to remove
+                log.info("rules of the unused firewall mode not removed: %s", e)
 
-    def make(networks: Sequence[IPv4Network], subnets: Sequence[IPv4Network]) -> Callable[[], bool]:
+    def iptables_steps(
+        fw: IptablesFirewall, networks: Sequence[PodNet], subnets: Sequence[PodNet]
+    ) -> list[Callable[[], SyncResult]]:
+        """One family's iptables (or ip6tables) chains: masq, then forward."""
+        steps: list[Callable[[], SyncResult]] = []
+        if settings.ip_masq:
+            random_fully = fw.random_fully and not settings.ip_masq_fully_random_disable
+            masq = masq_rules(networks, subnets, random_fully)
+            steps.append(lambda: fw.sync(masq))
+        if settings.iptables_forward_rules:
+            forward = forward_rules(networks)
+            steps.append(lambda: fw.sync(forward))
+        return steps
+
+    def make(all_nets: Sequence[PodNet], all_subnets: Sequence[PodNet]) -> Callable[[], bool]:
         # --ip-masq-fully-random-disable: flanneld's opt-out of --random-fully.
         steps: list[Callable[[], SyncResult]] = []
+        # Dual stack: the IPv6 ranges get the same rules in ip6tables, or in nftables'
+        # ip6 flannel-ipv6 table.
+        networks6 = [n for n in all_nets if isinstance(n, IPv6Network)]
+        subnets6 = [n for n in all_subnets if isinstance(n, IPv6Network)]
+        networks = [n for n in all_nets if isinstance(n, IPv4Network)]
+        subnets = [n for n in all_subnets if isinstance(n, IPv4Network)]
         if nftables:
             assert nft is not None
             nft_fw = nft
@@ -312,21 +413,21 @@ def _firewall_factory(
             if settings.ip_masq:
                 random_fully = nft_fw.random_fully and not settings.ip_masq_fully_random_disable
                 postrtg = nft_rules.masq_rules(networks, subnets, random_fully)
-            forward_chain = None
+            postrtg6 = None
+            if settings.ip_masq and networks6:
+                postrtg6 = nft_rules.masq_rules(networks6, subnets6, random_fully)
+            forward_chain = forward_chain6 = None
             if settings.iptables_forward_rules:
                 forward_chain = nft_rules.forward_rules(networks)
-            desired = nft_rules.NftRules(postrtg, forward_chain)
+                if networks6:
+                    forward_chain6 = nft_rules.forward_rules(networks6)
+            desired = nft_rules.NftRules(postrtg, forward_chain, postrtg6, forward_chain6)
             steps.append(lambda: nft_fw.sync(desired))
         else:
             assert firewall is not None
-            fw = firewall
-            if settings.ip_masq:
-                random_fully = fw.random_fully and not settings.ip_masq_fully_random_disable
-                masq = masq_rules(networks, subnets, random_fully)
-                steps.append(lambda: fw.sync(masq))
-            if settings.iptables_forward_rules:
-                forward = forward_rules(networks)
-                steps.append(lambda: fw.sync(forward))
+            steps.extend(iptables_steps(firewall, networks, subnets))
+        if networks6 and firewall6 is not None and not nftables:
+            steps.extend(iptables_steps(firewall6, networks6, subnets6))
 
         def sync() -> bool:
             """True once every chain is as desired. Before the first success a failure

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.agent.state import NodeState
 from flannelpy.errors import FlannelpyError
 
 log = logging.getLogger("flannelpy.agent.firewall")
 
-# (pod ranges, our lease subnets) -> a sync that returns True once the rules are in place
-FirewallFactory = Callable[[Sequence[IPv4Network], Sequence[IPv4Network]], Callable[[], bool]]
+# (pod ranges, our lease subnets) -> a sync that returns True once the rules are in place.
+# Dual stack: both lists hold the IPv6 ones too (IPv6Network: the ip6tables rules).
+PodNet = IPv4Network | IPv6Network
+FirewallFactory = Callable[[Sequence[PodNet], Sequence[PodNet]], Callable[[], bool]]
 
 
 class FirewallRules:
@@ -20,7 +22,7 @@ class FirewallRules:
         self.state = state
         self.factory = factory
         self._sync: Callable[[], bool] | None = None
-        self._view: tuple[tuple[IPv4Network, ...], ...] = ()
+        self._view: tuple[tuple[PodNet, ...], ...] = ()
         state.rules_in_place = factory is None
 
     def setup(self) -> None:
@@ -33,11 +35,16 @@ class FirewallRules:
         if s.config.network is not None and s.config.network not in networks:
             networks.insert(0, s.config.network)
         # Pools without leases of ours still need rules: our pods talk to theirs.
-        view = (tuple(networks), tuple(own))
+        nets: list[PodNet] = list(networks)
+        subnets: list[PodNet] = list(own)
+        if s.config.ipv6_network is not None:
+            nets.append(s.config.ipv6_network)
+            subnets += [x.ipv6_subnet for x in s.own if x.ipv6_subnet is not None]
+        view = (tuple(nets), tuple(subnets))
         if view == self._view and self._sync is not None:
             return
         self._view = view
-        self._sync = self.factory(networks, own)
+        self._sync = self.factory(nets, subnets)
         s.rules_in_place = self._sync()
 
     def resync(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.agent.state import Clocks, NodeState
 from flannelpy.agent.vtep import VtepMac
@@ -66,13 +66,19 @@ class OwnLeases:
             return None
         return pools
 
-    def acquire(self, previous: IPv4Network | None) -> Lease:
+    def acquire(
+        self, previous: IPv4Network | None, previous_v6: IPv6Network | None = None
+    ) -> Lease:
         attrs = self.attrs()
-        lease = self.manager.acquire_lease(attrs, previous, self.pools_for_leasing(), self.cluster)
+        lease = self.manager.acquire_lease(
+            attrs, previous, self.pools_for_leasing(), self.cluster,
+            previous_ipv6_subnet=previous_v6,
+        )  # fmt: skip
         self.metrics.lease(lease.subnet, lease.expiration)
         log.info(
-            "lease acquired subnet=%s public_ip=%s backend=%s",
-            lease.subnet, attrs.public_ip, attrs.backend_type,
+            "lease acquired subnet=%s ipv6_subnet=%s public_ip=%s public_ipv6=%s backend=%s",
+            lease.subnet, lease.ipv6_subnet, attrs.public_ip, attrs.public_ipv6,
+            attrs.backend_type,
         )  # fmt: skip
         return lease
 

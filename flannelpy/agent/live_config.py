@@ -127,8 +127,14 @@ class LiveConfig:
         try:
             wanted = wanted_config(snap.config, snap.override)
             backend = get_backend(wanted.backend.type)
-            if wanted.enable_ipv6 or wanted.network is None:
-                raise ConfigError("EnableIPv6 is not supported and Network is required")
+            if wanted.network is None:
+                raise ConfigError("Network is required (IPv6-only is not supported yet)")
+            if (wanted.enable_ipv6, wanted.ipv6_network) != (
+                s.config.enable_ipv6, s.config.ipv6_network,
+            ):  # fmt: skip
+                raise ConfigError(
+                    "EnableIPv6 or IPv6Network changed; restart the agent to apply it"
+                )
         except (ConfigError, ValueError) as e:
             self.say_once(f"config:{e}", "not applying the new network config: %s", e)
             return
@@ -196,6 +202,11 @@ class LiveConfig:
                                       self.clocks.wall())  # fmt: skip
             self.status.write_file(self.reconciler.last_result, s.view())
             self.status.publish(force=True)
+            if self.control is not None:  # a block starting (again) is one occurrence
+                try:
+                    self.control.record_blocked(s.ctx.node_name, change, s.blocked.sentence)
+                except StoreError as e:
+                    log.warning("could not record the blocked change: %s", e)
 
     def _apply(
         self,

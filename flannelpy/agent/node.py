@@ -30,10 +30,12 @@ from flannelpy.agent.events import (
     Tick,
 )
 from flannelpy.agent.live_config import CONTROL_RETRY_SECONDS
+from flannelpy.agent.planning import probe_source6
 from flannelpy.agent.writer import AgentParts, ProbeTransport, Writer
 from flannelpy.config.effective import write_effective
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.errors import DataplaneError
+from flannelpy.observe import kernel_counters
 from flannelpy.observe.health import HealthServer, Heartbeats
 from flannelpy.observe.prober import Prober
 
@@ -67,12 +69,15 @@ class NodeAgent:
         w, parts = self.writer, self.parts
         self._write_effective_settings()
         self.metrics.overlay_mtu(w.state.mtu)
-        if parts.link_stats is not None:
+        if parts.link_stats is not None:  # a real kernel: its counters too
             self.metrics.set_link_provider(parts.link_stats(parts.ctx.underlay.name))
+            self.metrics.set_kernel_provider(kernel_counters.for_agent(self.settings.state_dir))
         self.metrics.set_ipam_provider(w.pods.ipam.accounting)
         self._start_servers()
         lease = w.acquire_first()
         ensure_ip_forwarding(parts.kernel)
+        if parts.ctx.config.enable_ipv6:
+            ensure_ip_forwarding(parts.kernel, ipv6=True)
         w.capacity.sync_ipam()
         self._spawn("lease-watch", lambda stop: self.manager.watch_leases(w.on_leases, stop))
         if parts.control is not None:
@@ -192,6 +197,7 @@ class NodeAgent:
             transport,
             mtu_provider=lambda: w.view.mtu,
             own_address_provider=lambda: lease.gateway if (lease := w.view.lease) else None,
+            own_address6_provider=lambda: probe_source6(w.view.ctx, w.view.lease),
             interval_seconds=self.settings.probe_interval,
             timeout_seconds=min(1.0, self.settings.probe_interval / 2),
             peers_per_interval=self.settings.probe_peers_per_interval,
@@ -221,10 +227,11 @@ class NodeAgent:
                     due[name] = now + periods[name]
 
 
-def ensure_ip_forwarding(kernel: Kernel) -> None:
+def ensure_ip_forwarding(kernel: Kernel, ipv6: bool = False) -> None:
     """Pods' traffic is routed through the node. Write the sysctl only when needed: in an
     unprivileged container /proc/sys is read-only, and kubeadm requires it on anyway."""
-    path = "/proc/sys/net/ipv4/ip_forward"
+    name = "net.ipv6.conf.all.forwarding" if ipv6 else "net.ipv4.ip_forward"
+    path = "/proc/sys/" + name.replace(".", "/")
     try:
         with open(path) as f:
             if f.read().strip() == "1":
@@ -232,9 +239,9 @@ def ensure_ip_forwarding(kernel: Kernel) -> None:
     except OSError:
         pass
     try:
-        kernel.set_sysctl("net.ipv4.ip_forward", "1")
+        kernel.set_sysctl(name, "1")
     except DataplaneError as e:
         raise DataplaneError(
-            "IPv4 forwarding is off on this node and cannot be turned on from here "
-            f"({e}); set net.ipv4.ip_forward=1 on the node"
+            f"IPv{6 if ipv6 else 4} forwarding is off on this node and cannot be turned on "
+            f"from here ({e}); set {name}=1 on the node"
         ) from e

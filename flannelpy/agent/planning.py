@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address
 
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
+from flannelpy.backend import ipv6 as ipv6_plan
+from flannelpy.backend.base import NodeContext
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
@@ -21,6 +23,40 @@ from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 log = logging.getLogger("flannelpy.agent.planning")
 UNKNOWN_MTU_LINES = 3  # more new peers of unknown MTU than this: one line for them all
+
+
+def probe_target6(peer: Lease) -> IPv6Address | None:
+    """Where a peer answers over IPv6: its ``flannel-v6.<VNI>`` VTEP address when it
+    advertises an IPv6 VTEP (flannelpy and flanneld vxlan nodes alike; flanneld's
+    cni0 has no IPv6 gateway), else its cni0 IPv6 gateway (host-gw)."""
+    if peer.ipv6_subnet is None:
+        return None
+    if ipv6_plan.peer_capabilities_v6(peer, False).vtep_mac is not None:
+        return peer.vtep_ip6
+    return peer.gateway6
+
+
+def probe_source6(ctx: NodeContext, own: Lease | None) -> IPv6Address | None:
+    """Our IPv6 probe source, chosen as :func:`probe_target6` chooses a peer's target:
+    the VTEP address with a ``flannel-v6`` device, else cni0's IPv6 gateway."""
+    if own is None or own.ipv6_subnet is None or not ipv6_plan.enabled(ctx):
+        return None
+    return own.vtep_ip6 if ctx.config.backend.type == "vxlan" else own.gateway6
+
+
+def probe_peers(
+    peers: Sequence[Lease], *, ipv6: bool
+) -> dict[str, tuple[IPv4Address | IPv6Address, str]]:
+    """The prober's peer set: one entry per family a peer has (keyed by its subnet of
+    that family), so the per-interval budget counts both."""
+    out: dict[str, tuple[IPv4Address | IPv6Address, str]] = {}
+    for p in peers:
+        label = p.attrs.node_name or str(p.attrs.public_ip)
+        out[str(p.subnet)] = (p.gateway, label)
+        target6 = probe_target6(p) if ipv6 else None
+        if target6 is not None:
+            out[str(p.ipv6_subnet)] = (target6, label)
+    return out
 
 
 class Planner:
@@ -37,16 +73,14 @@ class Planner:
         self._said_unknown_mtu: set[IPv4Network] = set()  # peers logged as MTU unknown
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
-        """Hand the prober the current peers (each lease's overlay address is its first
-        address, on the owner's cni0)."""
+        """Hand the prober the current peers: each lease's IPv4 overlay address (its
+        first address, on the owner's cni0) and, on a dual-stack node, its IPv6 one
+        (:func:`probe_target6`), keyed by that family's subnet."""
         if self.prober is None or not self.state.own:
             return
         if peers is None:
             peers = self.state.peers()
-        self.prober.set_peers(
-            {str(p.subnet): (p.gateway, p.attrs.node_name or str(p.attrs.public_ip))
-             for p in peers}
-        )  # fmt: skip
+        self.prober.set_peers(probe_peers(peers, ipv6=ipv6_plan.enabled(self.state.ctx)))
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
@@ -83,6 +117,10 @@ class Planner:
             host=tuple(ctx.underlay.networks),
             public_ip=ctx.public_ip,
             host_ips=(ctx.underlay.ip,),
+            ipv6_networks=(s.config.ipv6_network,) if s.config.ipv6_network is not None else (),
+            own6=tuple(x.ipv6_subnet for x in s.own if x.ipv6_subnet is not None),
+            host6=tuple(ctx.underlay.networks6),
+            host_ips6=tuple(ip for ip in (ctx.underlay.ip6, ctx.public_ipv6) if ip is not None),
         )
 
     def check_peers(self) -> None:

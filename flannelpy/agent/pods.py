@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from ipaddress import IPv4Interface, IPv4Network
+from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.config.settings import AgentSettings
@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flannelpy.agent.pods")
 
+# The node's pod subnets are given in one sequence, both families mixed; pods get
+# one address per family present (no IPv4 subnet: IPv6-only pods).
+PodSubnet = IPv4Network | IPv6Network
+
 
 class PodSide(Protocol):
     """What the writer needs of the CNI side (PodAttachments, or a fake in tests)."""
@@ -27,10 +31,10 @@ class PodSide(Protocol):
     def ipam(self) -> NodeIpam: ...
 
     def use_leases(
-        self, subnets: Sequence[IPv4Network], serving: Sequence[IPv4Network] | None = None
+        self, subnets: Sequence[PodSubnet], serving: Sequence[PodSubnet] | None = None
     ) -> None: ...
 
-    def remove_gateway(self, gateway: IPv4Interface) -> None: ...
+    def remove_gateway(self, gateway: IPv4Interface | IPv6Interface) -> None: ...
 
     def start(self) -> None: ...
 
@@ -48,8 +52,11 @@ class PodAttachments:
         mtu: Callable[[], int],
         ready: Callable[[], bool],
         metrics: AgentMetrics,
-        cluster_network: IPv4Network,
+        cluster_networks: PodSubnet | Sequence[PodSubnet] | None,
+        ipv6_network: IPv6Network | None = None,
     ) -> None:
+        """``cluster_networks``: the cluster's network of each enabled family, or the
+        IPv4 one (None: none) with ``ipv6_network`` beside it."""
         from flannelpy.cni.handler import CniHandler, CniSettings
         from flannelpy.cni.records import RecordStore
         from flannelpy.cni.server import CniServer
@@ -64,15 +71,23 @@ class PodAttachments:
         )
         self.pods = PodNetwork()
         records = RecordStore(os.path.join(settings.state_dir, "cni"))
-        # A pod without a default route routes the cluster network via its gateway, as
-        # Flannel's plugin does with FLANNEL_NETWORK.
+        # A pod without a default route routes the cluster networks via its gateways, as
+        # Flannel's plugin does with FLANNEL_NETWORK and FLANNEL_IPV6_NETWORK.
+        if cluster_networks is None:
+            given: tuple[PodSubnet, ...] = ()
+        elif isinstance(cluster_networks, IPv4Network | IPv6Network):
+            given = (cluster_networks,)
+        else:
+            given = tuple(cluster_networks)
+        networks = given + ((ipv6_network,) if ipv6_network is not None else ())
+        if any(n.version == 6 for n in networks):
+            log.info("pods get IPv6 addresses; warm capacity (MinFreeAddresses) counts IPv4"
+                     " leases only, as a node's IPv6 subnet cannot run dry")  # fmt: skip
         self.handler = CniHandler(
             self._ipam,
             self.pods,
             records,
-            CniSettings(
-                mtu_provider=mtu, ready=ready, cluster_networks=lambda: (cluster_network,)
-            ),
+            CniSettings(mtu_provider=mtu, ready=ready, cluster_networks=lambda: networks),
         )
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
         self._metrics = metrics
@@ -95,20 +110,23 @@ class PodAttachments:
             except (ValueError, AttributeError):
                 code = 999
         self._metrics.cni_request(env.get("CNI_COMMAND", "?"), code, time.monotonic() - started)
+        if exit_code == 0:  # the kernel counters keep the pod's table while it lives
+            self._metrics.cni_done(env, stdin, netns_fd)
         return exit_code, out
 
     def use_leases(
-        self, subnets: Sequence[IPv4Network], serving: Sequence[IPv4Network] | None = None
+        self, subnets: Sequence[PodSubnet], serving: Sequence[PodSubnet] | None = None
     ) -> None:
-        """Allocate from ``serving`` (default: all), in the order of ``subnets``; the
-        bridge carries each lease's gateway from now on, so the node has an address in
-        a lease before the first pod lands there."""
+        """Allocate from ``serving`` (default: all), in the order of ``subnets`` (the node's
+        pod subnets of every enabled family); the bridge carries each one's gateway from
+        now on, so the node has an address in a lease before the first pod lands there."""
+        from flannelpy.dataplane.podnet import gateway_of
+
         self._ipam.set_leases(subnets, serving)
         self._hold_host_local(subnets)
-        gateways = [IPv4Interface(f"{net.network_address + 1}/{net.prefixlen}") for net in subnets]
-        self.pods.ensure_bridge(gateways, self._mtu())
+        self.pods.ensure_bridge([gateway_of(net) for net in subnets], self._mtu())
 
-    def _hold_host_local(self, subnets: Sequence[IPv4Network]) -> None:
+    def _hold_host_local(self, subnets: Sequence[PodSubnet]) -> None:
         """Hold the addresses host-local gave pods that still run here (before the CNI
         server answers: a new pod must not get one of them)."""
         if self._host_local_dir is None:
@@ -127,7 +145,7 @@ class PodAttachments:
             log.info("holding addresses host-local gave pods on this node count=%d dir=%s",
                      len(held), self._host_local_dir)  # fmt: skip
 
-    def remove_gateway(self, gateway: IPv4Interface) -> None:
+    def remove_gateway(self, gateway: IPv4Interface | IPv6Interface) -> None:
         self.pods.remove_gateway(gateway)
 
     def start(self) -> None:

@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Mapping
-from ipaddress import IPv4Interface
+from ipaddress import IPv4Interface, IPv6Interface
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -242,11 +242,14 @@ def write_node_subnet_env(
     own = state.own
     assert own and state.config.network is not None
     lease = next((x for x in own if serves(x)), own[0])
+    v6 = lease.ipv6_subnet if state.config.enable_ipv6 else None
     env = SubnetEnv(
         network=state.config.network,
         subnet=IPv4Interface(f"{lease.gateway}/{lease.subnet.prefixlen}"),
         mtu=state.mtu,
         ipmasq=settings.ip_masq,
+        ipv6_network=state.config.ipv6_network if v6 is not None else None,
+        ipv6_subnet=IPv6Interface(f"{lease.gateway6}/{v6.prefixlen}") if v6 else None,
     )
     write_subnet_env(settings.subnet_file, env)
     state.subnet_env_written = True

@@ -57,7 +57,7 @@ from flannelpy.observe.prober import ProbeResult, Transport
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool
-from flannelpy.subnet.subnet_env import read_previous_subnet
+from flannelpy.subnet.subnet_env import read_previous_subnets
 
 if TYPE_CHECKING:
     from flannelpy.control.node_control import ControlSnapshot, NodeControl
@@ -299,7 +299,7 @@ class Writer:
     # -- start-up steps (the starting thread is the writer then) -------------------------
 
     def acquire_first(self) -> Lease:
-        lease = self.leases.acquire(read_previous_subnet(self.settings.subnet_file))
+        lease = self.leases.acquire(*read_previous_subnets(self.settings.subnet_file))
         self.state.own = [lease]
         self.publish_view()
         return lease

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv6Address
 from typing import Protocol
 
 from flannelpy.backend.paths import (
     Capabilities,
     NoPath,
     choose_path,
+    needs_vtep,
     own_capabilities,
     peer_capabilities,
 )
@@ -43,6 +44,8 @@ class NodeContext:
     underlay: UnderlayInterface
     public_ip: IPv4Address  # advertised to peers; the underlay address unless --public-ip
     node_name: str
+    # Dual stack: advertised as PublicIPv6; the underlay's global IPv6 unless --public-ipv6.
+    public_ipv6: IPv6Address | None = None
     # --ip-blackhole-route: a blackhole route for each own subnet (see blackhole_route).
     blackhole_own_subnets: bool = False
 
@@ -69,6 +72,32 @@ class Backend(Protocol):
     def plan(
         self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
     ) -> DesiredState: ...
+
+
+def node_needs_vtep(ctx: NodeContext, peers: Sequence[Lease]) -> bool:
+    """:func:`~flannelpy.backend.paths.needs_vtep` for this node among ``peers``."""
+    # A lease advertising our own address is a stale one of ours, not a peer.
+    others = [peer for peer in peers if peer.attrs.public_ip != ctx.public_ip]
+    return needs_vtep(ctx.config.backend, others)
+
+
+def vxlan_link(
+    ctx: NodeContext, name: str, local_ip: IPv4Address | IPv6Address, mtu: int,
+    vtep_mac: str | None,
+) -> VxlanLink:
+    """A VTEP device of either family: the config's VNI, port and flags over our underlay."""
+    backend = ctx.config.backend
+    return VxlanLink(
+        name=name,
+        vni=backend.vni,
+        local_ip=local_ip,
+        underlay=ctx.underlay.name,
+        port=backend.effective_port,
+        mtu=mtu,
+        mac=vtep_mac,
+        gbp=backend.gbp,
+        learning=backend.learning,
+    )
 
 
 def routable_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> list[Lease]:
@@ -99,10 +128,13 @@ def plan_peers(
     routed into a black hole.
     """
     # Our VTEP is the link we create; whether we prefer direct follows from the config.
+    own_caps = own_capabilities(ctx.config.backend, None)
     caps = Capabilities(
-        prefers_direct=own_capabilities(ctx.config.backend, None).prefers_direct,
+        prefers_direct=own_caps.prefers_direct,
         vni=link.vni if link else None,
         vtep_mac=link.mac if link else None,
+        encrypts=own_caps.encrypts,
+        wireguard_key=own_caps.wireguard_key,
     )
     # flanneld peers run the network config's own Backend, not this node's override.
     flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
@@ -123,6 +155,8 @@ def plan_peers(
                 subnet=peer.subnet, public_ip=ip,
                 reason=f"no path to peer {ip}, which is {where}: {path.reason}",
             ))
+        elif path == "wireguard":
+            continue  # the WireGuard device's peer (backend.wireguard), under its one route
         elif path == "direct":
             routes.add(Route(dst=peer.subnet, gateway=ip, ifname=ctx.underlay.name))
         else:

@@ -13,14 +13,17 @@ the symmetric rule of :mod:`flannelpy.backend.paths`: on our segment directly
 (we prefer direct), elsewhere through the VTEP when the peer has one. The
 agent passes ``vtep_mac`` only while :meth:`HostGwBackend.needs_vtep` says so;
 without it there is no device, and the agent removes a leftover one.
+
+Dual stack: ``peer-subnet6 via peer-PublicIPv6 dev <underlay>`` per peer too
+(:mod:`flannelpy.backend.ipv6`), and ``flannel-v6.<VNI>`` while a peer is vxlan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flannelpy.backend.base import NodeContext, plan_peers
-from flannelpy.backend.paths import needs_vtep
+from flannelpy.backend import ipv6
+from flannelpy.backend.base import NodeContext, node_needs_vtep, plan_peers, routable_peers
 from flannelpy.backend.vxlan import device_name, vtep_link
 from flannelpy.dataplane.state import DesiredState
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -33,8 +36,9 @@ class HostGwBackend:
         return ctx.config.backend.mtu or ctx.underlay.mtu
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
-        # The transition VTEP is ours too: never treat it as a foreign device.
-        return (device_name(ctx.config.backend.vni),)
+        # The transition VTEPs are ours too: never treat them as foreign devices.
+        vni = ctx.config.backend.vni
+        return (device_name(vni), ipv6.device_name_v6(vni))
 
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
         data = {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac} if vtep_mac else None
@@ -42,17 +46,21 @@ class HostGwBackend:
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
             backend_data=data,
+            public_ipv6=ctx.public_ipv6 if ipv6.enabled(ctx) else None,
+            backend_v6_data=ipv6.backend_v6_data(ctx, vtep_mac),
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
         )
 
     def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
-        # A lease advertising our own address is a stale one of ours, not a peer.
-        others = [peer for peer in peers if peer.attrs.public_ip != ctx.public_ip]
-        return needs_vtep(ctx.config.backend, others)
+        return node_needs_vtep(ctx, peers)
 
     def plan(
         self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
     ) -> DesiredState:
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
-        return plan_peers(ctx, own, peers, link)
+        v6 = ipv6.plan_ipv6(
+            ctx, own, routable_peers(ctx, own, peers), ipv6.own_capabilities_v6(ctx),
+            ipv6.vtep6_link(ctx, vtep_mac) if vtep_mac else None,
+        )  # fmt: skip
+        return ipv6.merge(plan_peers(ctx, own, peers, link), v6)

@@ -24,8 +24,13 @@ override), and the pair goes direct exactly when that flanneld end would.
 
 The rule, for a pair of nodes:
 
-0. a peer of a backend we do not speak (wireguard, ipsec, udp, ...) → no path:
-   a plain route would carry its traffic unencrypted, or into a device it lacks;
+0. a peer of a backend we do not speak (ipsec, udp, ...) → no path: a plain
+   route would carry its traffic unencrypted, or into a device it lacks;
+0b. both ends run wireguard (the peer's lease carries a valid PublicKey) →
+   wireguard, through the WireGuard device. When only one end does, the node that
+   asked for encryption never gets a plain direct route: vxlan while both ends
+   still have a VTEP (a wireguard node keeps one while any peer is vxlan), else
+   no path;
 1. on the same L2 segment and (direct is wanted, or either end lacks a VTEP) →
    direct route ``peer-subnet via peer-PublicIP dev <underlay>``. Direct is
    wanted when an end prefers it and the other follows (ours follow a peer that
@@ -49,7 +54,7 @@ from typing import Any, Literal
 from flannelpy.config.netconf import BackendConfig
 from flannelpy.subnet.lease import Lease
 
-PathKind = Literal["direct", "vxlan"]
+PathKind = Literal["direct", "vxlan", "wireguard"]
 
 _FIX_SEGMENTS = (
     "host-gw needs every node on one L2 segment: use vxlan, or vxlan with DirectRouting"
@@ -69,8 +74,11 @@ class Capabilities:
     vtep_mac: str | None
     # Routes directly when the peer prefers it (ours do); flanneld decides alone.
     follows_peer: bool = True
-    # The backend type, when it is one we cannot build a path to (wireguard, udp, ...).
+    # The backend type, when it is one we cannot build a path to (udp, ipsec, ...).
     foreign_backend: str | None = None
+    # Runs wireguard: asks for encryption (and, for a peer, advertises a usable key).
+    encrypts: bool = False
+    wireguard_key: bool = False
 
     @property
     def has_vtep(self) -> bool:
@@ -82,6 +90,10 @@ class NoPath:
     """No path between two nodes; ``reason`` is a clause saying why and what to change."""
 
     reason: str
+
+
+def _encrypts(backend_type: str) -> bool:
+    return backend_type == "wireguard"
 
 
 def _prefers_direct(backend_type: str, direct_routing: bool) -> bool:
@@ -96,10 +108,12 @@ def own_capabilities(backend: BackendConfig, vtep_mac: str | None) -> Capabiliti
         prefers_direct=_prefers_direct(backend_type, backend.direct_routing),
         vni=backend.vni if has_vtep else None,
         vtep_mac=vtep_mac if has_vtep else None,
+        encrypts=_encrypts(backend_type),
+        wireguard_key=_encrypts(backend_type),
     )
 
 
-SPOKEN_BACKENDS = ("vxlan", "host-gw")
+SPOKEN_BACKENDS = ("vxlan", "host-gw", "wireguard")
 
 
 def is_flanneld_lease(lease: Lease) -> bool:
@@ -123,11 +137,20 @@ def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Ca
         vni=vni if has_vtep else None,
         vtep_mac=mac if has_vtep else None,
         follows_peer=not flanneld,
+        encrypts=_encrypts(backend_type),
+        wireguard_key=_encrypts(backend_type) and _is_wg_key(
+            (attrs.backend_data or {}).get("PublicKey")),
         # flanneld's udp backend writes no BackendType at all.
         foreign_backend=None if backend_type in SPOKEN_BACKENDS else (
             backend_type or "udp (no BackendType)"
         ),
     )
+
+
+def _is_wg_key(value: Any) -> bool:
+    from flannelpy.dataplane.wireguard import is_key
+
+    return is_key(value)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -140,8 +163,21 @@ def choose_path(own: Capabilities, peer: Capabilities, on_link: bool) -> PathKin
         if end.foreign_backend is not None:
             return NoPath(
                 f"it runs the {end.foreign_backend} backend, which flannelpy does not speak; "
-                "run vxlan or host-gw on every node that shares pods with flannelpy nodes"
+                "run vxlan, host-gw or wireguard on every node that shares pods with "
+                "flannelpy nodes"
             )
+    if own.encrypts and peer.encrypts:
+        if own.wireguard_key and peer.wireguard_key:
+            return "wireguard"
+        return NoPath("its wireguard lease carries no valid PublicKey; restart its agent")
+    if own.encrypts or peer.encrypts:
+        # Never plain direct to or from a node that asked for encryption.
+        if own.vni is not None and own.vni == peer.vni:
+            return "vxlan"
+        return NoPath(
+            "one node runs wireguard and the other neither runs it nor shares a VTEP with "
+            "it; roll out wireguard from vxlan, or run wireguard on both"
+        )
     direct_wanted = (
         (own.prefers_direct and peer.follows_peer)
         or (peer.prefers_direct and own.follows_peer)
@@ -206,6 +242,8 @@ def _view_capabilities(node: NodeView, others: Sequence[NodeView]) -> Capabiliti
         prefers_direct=_prefers_direct(backend_type, node.backend.direct_routing),
         vni=node.backend.vni if has_vtep else None,
         vtep_mac=None,  # not needed to decide; the agents exchange it in their leases
+        encrypts=_encrypts(backend_type),
+        wireguard_key=_encrypts(backend_type),
     )
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from flannelpy.backend.base import Backend
 from flannelpy.backend.hostgw import HostGwBackend
 from flannelpy.backend.vxlan import VxlanBackend
+from flannelpy.backend.wireguard import WireguardBackend
 from flannelpy.errors import ConfigError
 
 _BACKENDS: dict[str, type[Backend]] = {
     "vxlan": VxlanBackend,
     "host-gw": HostGwBackend,
+    "wireguard": WireguardBackend,
 }
 
 

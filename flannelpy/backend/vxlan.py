@@ -21,13 +21,18 @@ advertises DirectRouting) or either end has no VTEP; any other peer is
 encapsulated when it advertises a VTEP with our VNI, else reported unreachable.
 The same planner (:func:`~flannelpy.backend.base.plan_peers`) serves host-gw
 nodes, which borrow this module's device while a peer is still vxlan.
+
+Dual stack adds ``flannel-v6.<VNI>`` over the IPv6 underlay, the same recipe per
+peer in IPv6 (:mod:`flannelpy.backend.ipv6`); the overlay MTU is then the smaller
+of underlay−50 (IPv4) and underlay−70 (IPv6).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flannelpy.backend.base import NodeContext, plan_peers
+from flannelpy.backend import ipv6
+from flannelpy.backend.base import NodeContext, plan_peers, routable_peers, vxlan_link
 from flannelpy.config.netconf import VXLAN_ENCAP_OVERHEAD
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -41,19 +46,17 @@ def vtep_mtu(ctx: NodeContext) -> int:
     return (ctx.config.backend.mtu or ctx.underlay.mtu) - VXLAN_ENCAP_OVERHEAD
 
 
+def overlay_mtu(ctx: NodeContext) -> int:
+    """What pods get: one MTU for both families, so the smaller one in dual stack."""
+    if ipv6.enabled(ctx):
+        return min(vtep_mtu(ctx), ipv6.vtep6_mtu(ctx))
+    return vtep_mtu(ctx)
+
+
 def vtep_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink:
     """The VTEP device, the same under vxlan and (during a transition) under host-gw."""
-    backend = ctx.config.backend
-    return VxlanLink(
-        name=device_name(backend.vni),
-        vni=backend.vni,
-        local_ip=ctx.underlay.ip,
-        underlay=ctx.underlay.name,
-        port=backend.effective_port,
-        mtu=vtep_mtu(ctx),
-        mac=vtep_mac,
-        gbp=backend.gbp,
-        learning=backend.learning,
+    return vxlan_link(
+        ctx, device_name(ctx.config.backend.vni), ctx.underlay.ip, vtep_mtu(ctx), vtep_mac
     )
 
 
@@ -61,16 +64,19 @@ class VxlanBackend:
     type_name = "vxlan"
 
     def mtu(self, ctx: NodeContext) -> int:
-        return vtep_mtu(ctx)
+        return overlay_mtu(ctx)
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
-        return (device_name(ctx.config.backend.vni),)
+        vni = ctx.config.backend.vni
+        return (device_name(vni), ipv6.device_name_v6(vni))
 
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
             backend_data={"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac},
+            public_ipv6=ctx.public_ipv6 if ipv6.enabled(ctx) else None,
+            backend_v6_data=ipv6.backend_v6_data(ctx, vtep_mac),
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
             # Peers on our segment route to us directly too, so both directions match.
@@ -83,4 +89,9 @@ class VxlanBackend:
     def plan(
         self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
     ) -> DesiredState:
-        return plan_peers(ctx, own, peers, vtep_link(ctx, vtep_mac))
+        link = vtep_link(ctx, vtep_mac)
+        v6 = ipv6.plan_ipv6(
+            ctx, own, routable_peers(ctx, own, peers), ipv6.own_capabilities_v6(ctx),
+            ipv6.vtep6_link(ctx, vtep_mac),
+        )  # fmt: skip
+        return ipv6.merge(plan_peers(ctx, own, peers, link), v6)

@@ -16,6 +16,13 @@ Ordering and locks:
   different pods run in parallel (the server gives each request a thread).
   IPAM and the bridge lock themselves.
 
+Dual stack: a pod gets one address per family the node has a pod subnet in (IPAM's
+families), IPv4 first; the result lists one ``ips`` entry per family (both on the pod
+interface, index 1), each with its gateway, and per family the default route (or,
+without ``isDefaultGateway``, a route to each of that family's cluster networks) via
+that family's gateway. With no IPv4 subnet (``EnableIPv4`` false) a pod is IPv6-only:
+no IPv4 address, no IPv4 route.
+
 Conflist keys, as the reference bridge plugin reads them: ``hairpinMode``
 (hairpin on the host port) and ``isDefaultGateway`` (the pod's default route
 via the gateway; when false, only routes to the cluster networks). Both default
@@ -50,7 +57,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from ipaddress import IPv4Interface, IPv4Network
+from ipaddress import ip_interface
 from typing import Any
 
 from cni_plugin.spec import (
@@ -70,9 +77,13 @@ from cni_plugin.spec import (
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.dataplane.netns import NotANetns, require_netns_fd
 from flannelpy.dataplane.podnet import (
+    IPInterface,
+    IPNetwork,
     NetnsMissing,
     PodInterfaceExists,
     PodNetwork,
+    PodRoute,
+    default_route,
     gateway_of,
     host_veth_name,
     veth_owner,
@@ -101,8 +112,9 @@ class CniSettings:
     bridge: str = "cni0"  # the CNI config key "bridge" overrides it
     hairpin: bool = True  # a pod reaches itself through a service IP (hairpin mode on its port)
     default_gateway: bool = True  # default of the config key isDefaultGateway
-    # The cluster's networks, routed via the gateway when isDefaultGateway is false.
-    cluster_networks: Callable[[], Sequence[IPv4Network]] = lambda: ()
+    # The cluster's networks (one per family), routed via the gateway of their family
+    # when isDefaultGateway is false.
+    cluster_networks: Callable[[], Sequence[IPNetwork]] = lambda: ()
     cooldown_seconds: float = 30.0  # default of the config key ipCooldownSeconds
     wait_seconds: float = 0.0  # default of the config key ipWaitSeconds
 
@@ -239,7 +251,10 @@ class CniHandler:
                 f"ipWaitSeconds must be at most {MAX_WAIT_SECONDS:g}, got {wait:g}",
             )
         mtu = self._mtu()
-        plumb = _Plumbing(self._flag(req, "hairpinMode", self.settings.hairpin), self._routes(req))
+        plumb = _Plumbing(
+            self._flag(req, "hairpinMode", self.settings.hairpin),
+            self._destinations(req, self.ipam.families() or [4]),
+        )
         key = (req.container_id, req.ifname)
         with self.locks.hold(key), _cni_errors():
             existing = self.records.read(req.network_name, *key)
@@ -270,37 +285,31 @@ class CniHandler:
         cid, ifname = req.container_id, req.ifname
         if existing is not None:  # its veth is gone or it was for another namespace
             self.pods.delete_host_veth(existing.host_veth, _owner(existing))
-        had = self.ipam.find(cid, ifname)
-        alloc = self.ipam.allocate(cid, ifname, cooldown=cooldown, wait=wait)
-        if had is None:
-            undo.push("release address", lambda: self.ipam.release(cid, ifname))
-        index = self.pods.ensure_bridge(self._gateways(alloc), mtu, bridge)
+        had = self.ipam.find_all(cid, ifname)
+        allocs = self.ipam.allocate_all(cid, ifname, cooldown=cooldown, wait=wait)
+        if not had:
+            undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
+        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
         host = host_veth_name(req.netns, cid, ifname)
         owner = veth_owner(req.netns, cid, ifname)
+        routes = pod_routes(allocs, plumb.destinations)
         link = self.pods.add_pod(
             req.netns,
             ifname,
             host,
             index,
-            alloc.interface,
-            alloc.gateway,
+            [a.interface for a in allocs],
+            routes,
             mtu,
             plumb.hairpin,
             owner=owner,
-            routes=plumb.routes,
             netns_fd=netns_fd,
         )
         undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
-        result = Result(
-            cni_version=req.cni_version,
-            interfaces=(
-                Interface(name=link.host_veth, mac=link.host_mac),
-                Interface(name=link.ifname, mac=link.pod_mac, sandbox=req.netns),
-            ),
-            ips=(IPConfig(address=str(alloc.interface), gateway=str(alloc.gateway), interface=1),),
-            routes=tuple(RouteEntry(dst=str(dst), gw=str(alloc.gateway)) for dst in plumb.routes),
-            dns=_dns(req.config),
-        )
+        result = build_result(
+            req.cni_version, link.host_veth, link.host_mac, link.ifname, link.pod_mac,
+            req.netns, allocs, routes, _dns(req.config),
+        )  # fmt: skip
         stored = json.loads(render_result(result, STORED_VERSION))
         self.records.write(
             Record(
@@ -310,8 +319,8 @@ class CniHandler:
                 netns=req.netns,
                 host_veth=host,
                 bridge=bridge,
-                address=alloc.interface,
-                gateway=alloc.gateway,
+                addresses=tuple(a.interface for a in allocs),
+                gateways=tuple(a.gateway for a in allocs),
                 result=stored,
             )
         )
@@ -321,15 +330,15 @@ class CniHandler:
         """An earlier ADD's record still describes a live attachment in this namespace."""
         if record.netns != req.netns:
             return False
-        alloc = self.ipam.find(req.container_id, req.ifname)
-        if alloc is None or alloc.interface != record.address:
+        allocs = self.ipam.find_all(req.container_id, req.ifname)
+        if tuple(a.interface for a in allocs) != record.addresses:
             return False
         return self.pods.link(record.host_veth) is not None
 
-    def _gateways(self, alloc: Allocation) -> list[IPv4Interface]:
-        """The gateway of every lease that has or may get pods, this allocation's first
+    def _gateways(self, allocs: Sequence[Allocation]) -> list[IPInterface]:
+        """The gateway of every lease that has or may get pods, these allocations' first
         (the first one also names the bridge's MAC when the bridge is created)."""
-        gateways = [gateway_of(alloc.subnet)]
+        gateways = [gateway_of(a.subnet) for a in allocs]
         for acc in self.ipam.accounting():
             gw = gateway_of(acc.subnet)
             if gw not in gateways:
@@ -370,7 +379,7 @@ class CniHandler:
         key = (req.container_id, req.ifname)
         with self.locks.hold(key):
             record = self.records.read(req.network_name, *key)
-            if record is None and self._held_address(*key) is not None:
+            if record is None and self._held_addresses(*key):
                 problems = self._check_held(req, netns_fd)
             elif record is None:
                 raise CniError(
@@ -387,43 +396,56 @@ class CniHandler:
         problems = []
         if record.netns != req.netns:
             problems.append(f"the attachment was made in {record.netns}, not {req.netns}")
-        alloc = self.ipam.find(req.container_id, req.ifname)
-        if alloc is None or alloc.interface != record.address:
-            problems.append(f"IPAM no longer assigns {record.address} to this container")
+        assigned = {a.interface for a in self.ipam.find_all(req.container_id, req.ifname)}
+        for address in record.addresses:
+            if address not in assigned:
+                problems.append(f"IPAM no longer assigns {address} to this container")
+        families = [a.version for a in record.addresses]
+        destinations = self._destinations(req, families)
+        routes = [
+            (dst, gw)
+            for address, gw in zip(record.addresses, record.gateways, strict=True)
+            for dst in destinations
+            if dst.version == address.version
+        ]
         with _cni_errors():
             problems += self.pods.check_pod(
                 req.netns,
                 req.ifname,
                 record.host_veth,
                 record.bridge,
-                record.address,
-                record.gateway,
+                record.addresses,
+                routes,
                 self.settings.mtu_provider(),
-                self._routes(req),
                 netns_fd=netns_fd,
             )
         return problems
 
-    def _held_address(self, container_id: str, ifname: str) -> IPv4Interface | None:
-        """The address a pod made before a migration holds (host-local gave it; the agent
-        holds it, see NodeIpam.hold_foreign), with its lease's prefix; None otherwise."""
+    def _held_addresses(self, container_id: str, ifname: str) -> list[IPInterface]:
+        """The addresses (one per family) a pod made before a migration holds (host-local
+        gave them; the agent holds them, see NodeIpam.hold_foreign), with their lease's
+        prefix; [] when it holds none or IPAM assigned it addresses itself."""
         if self.ipam.find(container_id, ifname) is not None:
-            return None
-        ip = next(
-            (e.ip for e in self.ipam.host_local_entries()
-             if (e.container_id, e.ifname) == (container_id, ifname)),
-            None,
-        )  # fmt: skip
-        subnet = next((a.subnet for a in self.ipam.accounting() if ip and ip in a.subnet), None)
-        return IPv4Interface(f"{ip}/{subnet.prefixlen}") if ip and subnet else None
+            return []
+        ips = [
+            e.ip for e in self.ipam.host_local_entries()
+            if (e.container_id, e.ifname) == (container_id, ifname)
+        ]  # fmt: skip
+        subnets = [a.subnet for a in self.ipam.accounting()]
+        held: list[IPInterface] = []
+        for ip in ips:
+            subnet = next((s for s in subnets if ip in s), None)
+            if subnet is not None:
+                held.append(ip_interface((ip, subnet.prefixlen)))
+        return held
 
     def _check_held(self, req: Request, netns_fd: int | None) -> list[str]:
         """CHECK of a pod the previous plugin (Flannel's, delegating to bridge and
         host-local) attached: no record of ours, but the held address and the runtime's
         prevResult (the spec has the plugin consult it) say what to expect. Its host veth
         has the bridge plugin's name, known only from the prevResult."""
-        address = self._held_address(req.container_id, req.ifname)
-        assert address is not None  # checked by the caller, under the key's lock
+        held = self._held_addresses(req.container_id, req.ifname)
+        assert held  # checked by the caller, under the key's lock
         if req.prev_result is None:
             raise CniError(
                 CHECK_FAILED,
@@ -439,22 +461,26 @@ class CniHandler:
         sandbox = next((i.sandbox for i in prev.interfaces if i.sandbox), req.netns)
         if sandbox != req.netns:
             problems.append(f"the attachment was made in {sandbox}, not {req.netns}")
-        if not any(IPv4Interface(ip.address) == address for ip in prev.ips):
-            named = ", ".join(ip.address for ip in prev.ips) or "no address"
-            problems.append(f"prevResult names {named}, but IPAM holds {address} for it")
+        named = {ip_interface(ip.address) for ip in prev.ips}  # parse_result checked them
+        for address in held:
+            if address not in named:
+                shown = ", ".join(ip.address for ip in prev.ips) or "no address"
+                problems.append(f"prevResult names {shown}, but IPAM holds {address} for it")
         if host is None:
             problems.append(f"prevResult names no host veth on {bridge}")
             return problems
+        gateways = {a.version: gateway_of(a.network).ip for a in held}
+        destinations = self._destinations(req, sorted(gateways))
+        routes = [(dst, gateways[dst.version]) for dst in destinations]
         with _cni_errors():
             problems += self.pods.check_pod(
                 req.netns,
                 req.ifname,
                 host,
                 bridge,
-                address,
-                gateway_of(address.network).ip,
+                held,
+                routes,
                 self.settings.mtu_provider(),
-                self._routes(req),
                 netns_fd=netns_fd,
             )
         return problems
@@ -595,17 +621,20 @@ class CniHandler:
             )
         return value
 
-    def _routes(self, req: Request) -> tuple[IPv4Network, ...]:
-        """What the pod routes via the gateway: everything, or the cluster's networks."""
+    def _destinations(self, req: Request, families: Sequence[int]) -> tuple[IPNetwork, ...]:
+        """What the pod routes via its gateways, for each of ``families``: everything, or
+        the cluster's networks of that family."""
         if self._flag(req, "isDefaultGateway", self.settings.default_gateway):
-            return (IPv4Network("0.0.0.0/0"),)
+            return tuple(default_route(f) for f in families)
         networks = tuple(self.settings.cluster_networks())
-        if not networks:
+        missing = [f for f in families if not any(n.version == f for n in networks)]
+        if missing:
             raise CniError(
                 Code.TRY_AGAIN_LATER,
-                "the flannelpy agent does not know the cluster network yet; try again later",
+                f"the flannelpy agent does not know the IPv{missing[0]} cluster network yet;"
+                " try again later",
             )
-        return networks
+        return tuple(n for n in networks if n.version in families)
 
     @staticmethod
     def _seconds(req: Request, key: str, default: float) -> float:
@@ -635,7 +664,41 @@ class _Plumbing:
     """The pod's plumbing options, read from the conflist once per ADD."""
 
     hairpin: bool
-    routes: tuple[IPv4Network, ...]
+    destinations: tuple[IPNetwork, ...]  # routed via the gateway of their family
+
+
+def pod_routes(allocs: Sequence[Allocation], destinations: Sequence[IPNetwork]) -> list[PodRoute]:
+    """(destination, gateway) per destination, via the gateway of its family's address."""
+    gateways = {a.family: a.gateway for a in allocs}
+    return [(dst, gateways[dst.version]) for dst in destinations if dst.version in gateways]
+
+
+def build_result(
+    cni_version: str,
+    host_veth: str,
+    host_mac: str,
+    ifname: str,
+    pod_mac: str,
+    netns: str,
+    allocs: Sequence[Allocation],
+    routes: Sequence[PodRoute],
+    dns: dict[str, Any],
+) -> Result:
+    """The ADD result: the host end and the pod interface, one ``ips`` entry per family
+    (IPv4 first) on the pod interface with its gateway, and the pod's routes."""
+    return Result(
+        cni_version=cni_version,
+        interfaces=(
+            Interface(name=host_veth, mac=host_mac),
+            Interface(name=ifname, mac=pod_mac, sandbox=netns),
+        ),
+        ips=tuple(
+            IPConfig(address=str(a.interface), gateway=str(a.gateway), interface=1)
+            for a in allocs
+        ),
+        routes=tuple(RouteEntry(dst=str(dst), gw=str(gw)) for dst, gw in routes),
+        dns=dns,
+    )
 
 
 def _owner(record: Record) -> str:

@@ -23,8 +23,8 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from ipaddress import IPv4Address, IPv4Interface
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface, ip_interface
 from typing import Any
 
 from flannelpy.fsutil import atomic_write
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 SUFFIX = ".json"
 FORMAT_VERSION = 1
+
+IPAddress = IPv4Address | IPv6Address
+IPInterface = IPv4Interface | IPv6Interface
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,10 @@ class Record:
     netns: str
     host_veth: str
     bridge: str
-    address: IPv4Interface  # the pod's address with the lease prefix, e.g. 10.244.1.5/24
-    gateway: IPv4Address
+    # The pod's addresses with their lease's prefix, one per family, IPv4 first
+    # (e.g. 10.244.1.5/24 and fc00:0:0:1::5/64), and each one's gateway.
+    addresses: tuple[IPInterface, ...]
+    gateways: tuple[IPAddress, ...]
     result: dict[str, Any]  # the ADD result as rendered for cniVersion 1.1.0
     created_at: float = field(default_factory=time.time)
 
@@ -55,12 +60,30 @@ class Record:
     def key(self) -> tuple[str, str, str]:
         return (self.network, self.container_id, self.ifname)
 
+    @property
+    def address(self) -> IPInterface:
+        """The first family's address."""
+        return self.addresses[0]
+
     def to_doc(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["address"] = str(self.address)
-        doc["gateway"] = str(self.gateway)
-        doc["version"] = FORMAT_VERSION
-        return doc
+        # Field by field: dataclasses.asdict deep-copies the result, a cost on every ADD.
+        return {
+            "network": self.network,
+            "container_id": self.container_id,
+            "ifname": self.ifname,
+            "netns": self.netns,
+            "host_veth": self.host_veth,
+            "bridge": self.bridge,
+            # "address"/"gateway" (the first family's) are what records before dual stack
+            # held; kept so an older agent still finds the pod's veth and address.
+            "address": str(self.addresses[0]),
+            "gateway": str(self.gateways[0]),
+            "addresses": [str(a) for a in self.addresses],
+            "gateways": [str(g) for g in self.gateways],
+            "result": self.result,
+            "created_at": self.created_at,
+            "version": FORMAT_VERSION,
+        }
 
     @staticmethod
     def from_doc(doc: Any) -> Record:
@@ -73,6 +96,16 @@ class Record:
             raise ValueError(f"record lacks {', '.join(missing)}")
         if not all(isinstance(doc[k], str) for k in wanted) or not isinstance(doc["result"], dict):
             raise ValueError("record fields have the wrong types")
+        addresses = doc.get("addresses", [doc["address"]])
+        gateways = doc.get("gateways", [doc["gateway"]])
+        if (
+            not isinstance(addresses, list)
+            or not isinstance(gateways, list)
+            or not addresses
+            or len(addresses) != len(gateways)
+            or not all(isinstance(a, str) for a in addresses + gateways)
+        ):
+            raise ValueError("record addresses and gateways must be equally long lists of text")
         return Record(
             network=doc["network"],
             container_id=doc["container_id"],
@@ -80,11 +113,15 @@ class Record:
             netns=doc["netns"],
             host_veth=doc["host_veth"],
             bridge=doc["bridge"],
-            address=IPv4Interface(doc["address"]),
-            gateway=IPv4Address(doc["gateway"]),
+            addresses=tuple(ip_interface(a) for a in addresses),
+            gateways=tuple(_address(g) for g in gateways),
             result=doc["result"],
             created_at=float(doc.get("created_at", 0.0)),
         )
+
+
+def _address(text: str) -> IPAddress:
+    return ip_interface(text).ip  # a plain address is an interface with a full prefix
 
 
 def _check_names(network: str, container_id: str, ifname: str) -> None:

@@ -4,8 +4,10 @@
 ``start`` and ``resume`` drive the rollout in the foreground, one line per event, and
 end with a summary; ``pause`` and ``abort`` only change the record, which the driver
 polls. The store is found as the agent finds it: its ``--etcd-*`` flags and FLANNELD_*
-variables. The etcd client and the driver are imported in :func:`run`, not when the
-``flannelpy`` parser is built.
+variables; with ``--kube-subnet-mgr`` (FLANNELD_KUBE_SUBNET_MGR), the Kubernetes API
+through ``--kubeconfig-file`` (an operator's, which may patch Nodes and the flannelpy
+ConfigMaps: not the agents' ServiceAccount). The clients and the driver are imported
+in :func:`run`, not when the ``flannelpy`` parser is built.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from flannelpy.commands.store import connected, store_parent, store_settings
+from flannelpy.commands.store import add_agent_flags, connected, store_parent
+from flannelpy.config.settings import settings_from_args
 from flannelpy.control.records import ForceRecord
 from flannelpy.errors import ConfigError, FlannelpyError
 from flannelpy.rollout.flanneld import flanneld_nodes
@@ -25,17 +28,34 @@ from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT
 from flannelpy.rollout.show import describe_state, how_to_go_back, status_rows, summary
 
 if TYPE_CHECKING:
+    from flannelpy.config.settings import AgentSettings
     from flannelpy.rollout.driver import WallClock
-    from flannelpy.rollout.store import RolloutStore
+    from flannelpy.rollout.store import RolloutStorage
 
-KUBE_REFUSAL = (
-    "rollout works in etcd mode only (unset FLANNELD_KUBE_SUBNET_MGR); in Kubernetes mode "
-    "annotate nodes with flannelpy.io/override one at a time"
-)
+KUBE_FLAGS = ("kube_subnet_mgr", "kube_api_url", "kubeconfig_file", "kube_annotation_prefix")
+DEFAULT_KUBE_NAMESPACE = "kube-flannelpy"  # the manifests'
+DEFAULT_KUBE_CONFIG_MAP = "kube-flannelpy-cfg"
+
+
+def _kube_parent() -> argparse.ArgumentParser:
+    """The agent's Kubernetes flags (same names and FLANNELD_* variables), and where
+    flannelpy's namespace and ConfigMap are."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = add_agent_flags(
+        parent, KUBE_FLAGS, "kubernetes",
+        "Kubernetes mode (each agent flag also read from FLANNELD_<NAME>)",
+    )  # fmt: skip
+    group.add_argument("--kube-namespace", default=DEFAULT_KUBE_NAMESPACE,
+                       help="the namespace of flannelpy's ConfigMap and status Leases "
+                       f"(default {DEFAULT_KUBE_NAMESPACE})")  # fmt: skip
+    group.add_argument("--kube-config-map", default=DEFAULT_KUBE_CONFIG_MAP,
+                       help="the ConfigMap holding net-conf.json "
+                       f"(default {DEFAULT_KUBE_CONFIG_MAP})")  # fmt: skip
+    return parent
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    common = store_parent()
+    common = argparse.ArgumentParser(add_help=False, parents=[store_parent(), _kube_parent()])
 
     target = argparse.ArgumentParser(add_help=False)
     target.add_argument("--backend", required=True, metavar="TYPE", help="vxlan or host-gw")
@@ -65,13 +85,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Switch the cluster's backend one node at a time: set the node's target, "
         "wait until it applied and is Ready, verify that it and every peer reach each other "
         "(full-MTU probes included), then the next node. A failed step rolls that node "
-        "back and stops. The state lives in etcd, so a killed rollout resumes.",
+        "back and stops. The state lives in etcd (Kubernetes mode: a ConfigMap), so a "
+        "killed rollout resumes. In Kubernetes mode each node is cordoned and out of "
+        "external load balancers while it changes.",
     )
     actions = rollout.add_subparsers(dest="rollout_command", required=True)
     actions.add_parser("plan", parents=[target, force, common],
                        help="show the plan and what would stop it; change nothing")
-    actions.add_parser("start", parents=[target, force, driving, common],
-                       help="start a rollout and drive it")
+    begin = actions.add_parser("start", parents=[target, force, driving, common],
+                               help="start a rollout and drive it")
+    begin.add_argument("--no-cordon", action="store_true",
+                       help="Kubernetes mode: leave nodes schedulable and in external load "
+                       "balancers while they change")  # fmt: skip
     status = actions.add_parser("status", parents=[common], help="show the rollout and nodes")
     status.add_argument("--json", action="store_true", help="print the record as JSON")
     actions.add_parser("pause", parents=[common], help="stop after the current step")
@@ -86,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     from flannelpy.rollout.store import RolloutStore
 
     try:
-        settings = store_settings(args, os.environ, KUBE_REFUSAL)
+        settings = settings_from_args(args, os.environ)
+        if settings.kube_subnet_mgr:
+            return _kube_command(args, settings)
         with connected(settings) as etcd:
             return _command(args, RolloutStore(etcd, settings.etcd_prefix))
     except FlannelpyError as e:
@@ -96,6 +123,19 @@ def run(args: argparse.Namespace) -> int:
         print("flannelpy rollout: interrupted; the rollout record keeps its state: run "
               "flannelpy rollout resume to continue", file=sys.stderr)  # fmt: skip
         return 130
+
+
+def _kube_command(args: argparse.Namespace, settings: AgentSettings) -> int:
+    from flannelpy.rollout.kube_store import KubeRolloutStore
+    from flannelpy.subnet.kube.api import build_api_client
+
+    client = build_api_client(settings)
+    try:
+        store = KubeRolloutStore(client, settings.kube_annotation_prefix,
+                                 args.kube_namespace, args.kube_config_map)  # fmt: skip
+        return _command(args, store)
+    finally:
+        client.close()
 
 
 def _wall_clock(args: argparse.Namespace) -> WallClock:
@@ -116,7 +156,7 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def _command(args: argparse.Namespace, store: RolloutStore) -> int:
+def _command(args: argparse.Namespace, store: RolloutStorage) -> int:
     from flannelpy.rollout.driver import make_plan, operator, prepare_resume, request_stop, start
 
     clock = _wall_clock(args)
@@ -147,7 +187,8 @@ def _command(args: argparse.Namespace, store: RolloutStore) -> int:
             print(f"flannelpy rollout: WARNING: the disruption policy is skipped (--force): "
                   f"{force.reason}; every override and an event per node record it",
                   file=sys.stderr)  # fmt: skip
-        record = start(store, plan, clock(), args.step_timeout or DEFAULT_STEP_TIMEOUT, force)
+        record = start(store, plan, clock(), args.step_timeout or DEFAULT_STEP_TIMEOUT, force,
+                       cordon=not args.no_cordon)  # fmt: skip
         _print(f"rollout {record.id} started")
         return _drive(args, store, record.id, clock)
     if command == "resume":
@@ -171,7 +212,7 @@ def _command(args: argparse.Namespace, store: RolloutStore) -> int:
     return _status(args, store)
 
 
-def _drive(args: argparse.Namespace, store: RolloutStore, record_id: str,
+def _drive(args: argparse.Namespace, store: RolloutStorage, record_id: str,
            clock: WallClock) -> int:  # fmt: skip
     from flannelpy.rollout.driver import drive
 
@@ -189,7 +230,7 @@ def _drive(args: argparse.Namespace, store: RolloutStore, record_id: str,
     return 1 if record.state in ("failed", "aborted") else 0
 
 
-def _status(args: argparse.Namespace, store: RolloutStore) -> int:
+def _status(args: argparse.Namespace, store: RolloutStorage) -> int:
     record, _ = store.read_record()
     nodes = store.read_nodes()
     if args.json:

@@ -25,16 +25,27 @@ STORE_TIMEOUT = 3.0  # seconds per etcd request: a person is waiting
 STORE_FLAGS = tuple(f.name for f in fields(AgentSettings) if f.name.startswith("etcd_"))
 
 
-def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """The agent's ``--etcd-*`` flags on ``parser``."""
+def add_agent_flags(
+    parser: argparse.ArgumentParser, dests: tuple[str, ...], title: str, description: str
+) -> argparse._ArgumentGroup:
+    """Put the agent's own flags named by ``dests`` into a new group of ``parser``: the
+    very same actions, so an operator's command takes each flag, FLANNELD_* variable and
+    default exactly as the agent does."""
     agent = argparse.ArgumentParser(add_help=False)
     add_agent_arguments(agent)
-    group = parser.add_argument_group(
-        "store", "etcd, as the agent reaches it (each flag also read from FLANNELD_<NAME>)"
-    )
+    group = parser.add_argument_group(title, description)
     for action in agent._actions:
-        if action.dest in STORE_FLAGS:
+        if action.dest in dests:
             group._add_action(action)
+    return group
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent's ``--etcd-*`` flags on ``parser``."""
+    add_agent_flags(
+        parser, STORE_FLAGS, "store",
+        "etcd, as the agent reaches it (each flag also read from FLANNELD_<NAME>)",
+    )  # fmt: skip
 
 
 def store_parent() -> argparse.ArgumentParser:

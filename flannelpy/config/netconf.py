@@ -28,11 +28,10 @@ DEFAULT_VXLAN_PORT = 8472  # the Linux kernel's default, and Flannel's
 
 # Backends flannelpy implements, and the ones Flannel has that we do not (so the
 # error can say "not supported" rather than "unknown").
-SUPPORTED_BACKENDS = ("host-gw", "vxlan")
+SUPPORTED_BACKENDS = ("host-gw", "vxlan", "wireguard")
 FLANNEL_ONLY_BACKENDS = frozenset(
     {
         "udp",
-        "wireguard",
         "ipip",
         "alloc",
         "ipsec",

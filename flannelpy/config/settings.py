@@ -43,7 +43,7 @@ class AgentSettings:
     iface_regex: tuple[str, ...] = ()
     iface_can_reach: str | None = None  # an IPv4 address
     public_ip: IPv4Address | None = None
-    # Accepted as flanneld does; not used until IPv6 is (EnableIPv6 is refused for now).
+    # The IPv6 address to advertise (dual stack); None: the underlay interface's global one.
     public_ipv6: str | None = None
     subnet_file: str = "/run/flannel/subnet.env"
     subnet_lease_renew_margin: int = 60  # minutes before expiry, 1..1439
@@ -143,7 +143,8 @@ _FLAGS: tuple[_Flag, ...] = (
           split_commas=False),
     _Flag("iface_can_reach", "str", "pick the interface that routes to this IPv4 address"),
     _Flag("public_ip", "str", "IPv4 address to advertise to peers"),
-    _Flag("public_ipv6", "str", "IPv6 address to advertise to peers (not used yet)"),
+    _Flag("public_ipv6", "str",
+          "IPv6 address to advertise to peers (dual stack; default: the interface's)"),
     _Flag("subnet_file", "str", "where to write subnet.env"),
     _Flag("subnet_lease_renew_margin", "int", "renew the lease this many minutes before expiry"),
     _Flag("ip_masq", "bool", "masquerade traffic leaving the overlay"),
@@ -233,9 +234,6 @@ def go_style_argv(args: Sequence[str]) -> list[str]:
 def start_notes(settings: AgentSettings) -> list[str]:
     """Sentences to log at start about flags taken for compatibility with flanneld."""
     notes: list[str] = []
-    if settings.public_ipv6 is not None:
-        notes.append(f"--public-ipv6 {settings.public_ipv6} is accepted but not used: "
-                     "flannelpy does not carry IPv6 yet")  # fmt: skip
     return notes
 
 

@@ -37,8 +37,12 @@ from flannelpy.subnet.keys import (
 
 if TYPE_CHECKING:
     from flannelpy.subnet.kube.manager import KubeSubnetManager
+    from flannelpy.subnet.kube.node_status import LeasePublisher
 
 OVERRIDE_ANNOTATION = "flannelpy.io/override"  # kept equal to flannelpy.subnet.kube's
+# Kubernetes mode: how long after a rollout's last override change the status record
+# follows probe rounds (longer than any step should wait for verification).
+ROLLOUT_FOLLOW_SECONDS = 900.0
 
 log = logging.getLogger("flannelpy.control")
 
@@ -66,6 +70,10 @@ class NodeControl(Protocol):
         ...
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None: ...
+
+    def record_blocked(self, node: str, change: str, sentence: str) -> None:
+        """A disruptive change this node has started to hold back (raises StoreError)."""
+        ...
 
 
 ACTIVE_ROLLOUT_STATES = ("running", "rolling-back", "finalizing")
@@ -234,21 +242,35 @@ class EtcdNodeControl:
                "At": force.at}  # fmt: skip
         self._store.put(key, json.dumps(doc, separators=(",", ":")).encode())
 
+    def record_blocked(self, node: str, change: str, sentence: str) -> None:
+        return None  # this node's status record carries it (NodeStatus.blocked)
+
 
 class KubeNodeControl:
     """Kubernetes mode: the ConfigMap's net-conf.json (the kubelet updates the mounted
     file in place), and this Node's override annotation as the node watch sees it.
 
-    There is no rollout record and no status record here: ``rollout`` is an etcd-mode
-    tool. A blocked change shows in status.json, ``doctor`` and the metric; a forced
-    one leaves an Event on the Node.
+    The status record is this node's Lease (:mod:`flannelpy.subnet.kube.node_status`),
+    which no agent watches. The rollout record is not read here: an override a rollout
+    wrote is checked against the policy like any other (the rollout checked it too), and
+    a rollout is in progress while some Node's override names one and one changed
+    in the last :data:`ROLLOUT_FOLLOW_SECONDS` (the node watch shows every Node). A
+    blocked change shows in status.json, ``doctor`` and the metric, and both a blocked
+    and a forced one leave an Event on the Node (a repeat counts in the same Event's
+    series, :mod:`flannelpy.subnet.kube.events`).
     """
 
     POLL_SECONDS = 2.0  # the kubelet refreshes ConfigMap volumes every minute or so
 
-    def __init__(self, manager: KubeSubnetManager, config_path: str) -> None:
+    def __init__(self, manager: KubeSubnetManager, config_path: str,
+                 publisher: LeasePublisher | None = None) -> None:  # fmt: skip
         self._manager = manager
         self._config_path = config_path
+        self._publisher = publisher
+        self._config_backend: Mapping[str, Any] | None = None  # as last read from the file
+        from flannelpy.subnet.kube.events import NodeEvents
+
+        self._events = NodeEvents(manager.api_client, lambda: manager.node_name)
 
     def watch(self, on_change: Callable[[ControlSnapshot], None], stop: threading.Event) -> None:
         # Decide nothing before the node list has shown our Node's override (or that
@@ -266,19 +288,44 @@ class KubeNodeControl:
                 raw, self._manager.own_override, f"annotation {OVERRIDE_ANNOTATION}", None
             )
             if raw is not None and snap != last:
+                self._config_backend = _backend_of(raw)
                 on_change(snap)
                 last = snap
+            self._events.flush()  # repeats counted since the last series update
             stop.wait(self.POLL_SECONDS)
 
     def publish_status(self, status: NodeStatus) -> None:
-        return None  # no status record in Kubernetes mode (see the class docstring)
+        if self._publisher is not None:
+            self._publisher.publish(status.node, status.to_json(), self._config_backend)
 
     def rollout_in_progress(self) -> bool:
-        return False
+        # A rollout rewrites an override every step: overrides an aborted one left
+        # behind stop costing a write per probe round once they stand still.
+        idle = time.monotonic() - self._manager.rollout_changed_at
+        return bool(self._manager.rollout_overrides) and idle < ROLLOUT_FOLLOW_SECONDS
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
-        self._manager.create_node_event(
-            "DisruptionPolicyOverridden",
+        from flannelpy.subnet.kube.event_series import EventSpec
+
+        self._events.record(EventSpec(
+            "OverrideForced", "ApplyConfigChange",
             f"flannelpy applied a disruptive change ({change}) past the disruption policy: "
             f"{force.reason} (by {force.by} at {force.at})",
-        )
+        ))  # fmt: skip
+
+    def record_blocked(self, node: str, change: str, sentence: str) -> None:
+        from flannelpy.subnet.kube.event_series import EventSpec
+
+        self._events.record(EventSpec("ConfigChangeBlocked", "BlockConfigChange", sentence))
+
+
+def _backend_of(raw: bytes) -> Mapping[str, Any] | None:
+    """The Backend object of a net-conf.json, if it parses (for the status record)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    backend = next((v for k, v in doc.items() if k.lower() == "backend"), None)
+    return backend if isinstance(backend, dict) else None

@@ -36,7 +36,7 @@ import subprocess
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from flannelpy.errors import ConfigError, DataplaneError
@@ -48,7 +48,9 @@ FORWARD_CHAIN = "FLANNEL-FWD"
 MASQ_COMMENT = "flanneld masq"
 FORWARD_COMMENT = "flanneld forward"
 KUBE_PROXY_MARK = "0x4000/0x4000"  # kube-proxy's masquerade mark: it does the NAT itself
+Net = IPv4Network | IPv6Network  # one family per rule set: iptables or ip6tables
 MULTICAST = "224.0.0.0/4"
+MULTICAST6 = "ff00::/8"  # what Flannel's IPv6 masquerade rule excludes (ip6tables)
 RANDOM_FULLY = "--random-fully"
 OUR_CHAINS = (("nat", MASQ_CHAIN), ("filter", FORWARD_CHAIN))
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
@@ -103,8 +105,8 @@ class SyncResult:
 
 
 def masq_rules(
-    network: IPv4Network | Sequence[IPv4Network],
-    node_subnets: Sequence[IPv4Network],
+    network: Net | Sequence[Net],
+    node_subnets: Sequence[Net],
     random_fully: bool,
 ) -> list[Rule]:
     """Flannel's masquerade rules for this node; one RETURN pair per subnet the node holds.
@@ -115,9 +117,12 @@ def masq_rules(
     """
     networks = _networks(network)
     primary = str(networks[0])
+    # ip6tables: the same chains and rules with IPv6 ranges, as Flannel writes them.
+    multicast = MULTICAST6 if networks[0].version == 6 else MULTICAST
     subnets = list(dict.fromkeys(node_subnets))  # order kept, duplicates dropped
     for subnet in subnets:
-        if not any(subnet.subnet_of(net) for net in networks):
+        if not any(subnet.version == net.version and subnet.subnet_of(net)  # type: ignore[arg-type]
+                   for net in networks):
             raise ConfigError(
                 f"node subnet {subnet} is outside the network {_names(networks)}"
             )
@@ -143,13 +148,13 @@ def masq_rules(
             if src != dst:
                 rules.append(rule("-s", src, "-d", dst, *comment, "-j", "RETURN"))
     for net in map(str, networks):
-        rules.append(rule("-s", net, "!", "-d", MULTICAST, *comment, *masq))
+        rules.append(rule("-s", net, "!", "-d", multicast, *comment, *masq))
     for net in map(str, networks):
         rules.append(rule("!", "-s", net, "-d", net, *comment, *masq))
     return rules
 
 
-def forward_rules(network: IPv4Network | Sequence[IPv4Network]) -> list[Rule]:
+def forward_rules(network: Net | Sequence[Net]) -> list[Rule]:
     """Flannel's forward rules: accept anything to or from the network (every pod range)."""
     comment = ("-m", "comment", "--comment", FORWARD_COMMENT)
     rules = [Rule("filter", "FORWARD", (*comment, "-j", FORWARD_CHAIN))]
@@ -159,14 +164,14 @@ def forward_rules(network: IPv4Network | Sequence[IPv4Network]) -> list[Rule]:
     return rules
 
 
-def _networks(network: IPv4Network | Sequence[IPv4Network]) -> list[IPv4Network]:
-    nets = [network] if isinstance(network, IPv4Network) else list(network)
+def _networks(network: Net | Sequence[Net]) -> list[Net]:
+    nets = [network] if isinstance(network, IPv4Network | IPv6Network) else list(network)
     if not nets:
         raise ConfigError("no pod network given for the firewall rules; set Network")
     return list(dict.fromkeys(nets))
 
 
-def _names(networks: Sequence[IPv4Network]) -> str:
+def _names(networks: Sequence[Net]) -> str:
     return " or ".join(str(n) for n in networks)
 
 
@@ -315,7 +320,9 @@ class IptablesFirewall:
         wait_seconds: int = 5,
         random_fully: bool | None = None,  # None: detect once, on first use
         timeout: float = 30.0,
+        ipv6: bool = False,  # ip6tables (dual stack): the same chains in the IPv6 tables
     ) -> None:
+        self._iptables = "ip6tables" if ipv6 else "iptables"
         self._run = run
         self._prefix = tuple(command_prefix)
         self._lock_file = lock_file or os.environ.get("XTABLES_LOCKFILE") or DEFAULT_LOCK_FILE
@@ -328,7 +335,7 @@ class IptablesFirewall:
     @property
     def random_fully(self) -> bool:
         if self._random_fully is None:
-            proc = self._exec(["iptables", "--version"])
+            proc = self._exec([self._iptables, "--version"])
             self._random_fully = proc.returncode == 0 and random_fully_supported(
                 proc.stdout + proc.stderr, platform.release()
             )
@@ -414,12 +421,12 @@ class IptablesFirewall:
         return restore_script(table, rewrite, jumps), problems
 
     def _list(self, table: str, chain: str) -> list[str]:
-        proc = self._exec(["iptables", *self._wait, "-t", table, "-S", chain])
+        proc = self._exec([self._iptables, *self._wait, "-t", table, "-S", chain])
         if proc.returncode == 0:
             return proc.stdout.splitlines()
         if chain in BUILTIN_CHAINS:
             raise DataplaneError(
-                f"iptables cannot list {table}/{chain}: {_first_line(proc.stderr)}; "
+                f"{self._iptables} cannot list {table}/{chain}: {_first_line(proc.stderr)}; "
                 "check that iptables works on this host"
             )
         # A missing user chain is an error for iptables; for us it is "missing",
@@ -428,10 +435,10 @@ class IptablesFirewall:
         return []
 
     def _restore(self, table: str, script: str) -> None:
-        proc = self._exec(["iptables-restore", *self._wait, "--noflush"], input=script)
+        proc = self._exec([f"{self._iptables}-restore", *self._wait, "--noflush"], input=script)
         if proc.returncode != 0:
             raise DataplaneError(
-                f"iptables-restore failed for table {table}: {_first_line(proc.stderr)}; "
+                f"{self._iptables}-restore failed for table {table}: {_first_line(proc.stderr)}; "
                 "check the iptables installation and the xtables lock"
             )
 

@@ -1,12 +1,16 @@
-"""The prober's transport: ICMP echoes over one raw socket, DF on every packet (root).
+"""The prober's transport: ICMP echoes over raw sockets, never fragmented (root).
 
 Implements :class:`flannelpy.observe.prober.Transport`: ``send`` returns a
 ticket, ``take_replies`` hands back a :class:`Reply` per echo answered (an echo
 reply with its round-trip time, or the ICMP error that quoted it).
+:class:`IcmpTransport` is IPv4 (DF set), :class:`Icmp6Transport` ICMPv6 (with
+IPV6_DONTFRAG the sender never fragments: a packet over the route's MTU is refused
+with EMSGSIZE), :class:`DualTransport` both behind one ticket space.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import secrets
@@ -15,7 +19,7 @@ import socket
 import struct
 import threading
 import time
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address, ip_address
 from typing import NamedTuple
 
 from flannelpy.errors import DataplaneError
@@ -35,6 +39,23 @@ ICMP_DEST_UNREACH = 3
 ICMP_ECHO = 8
 ICMP_TIME_EXCEEDED = 11
 ICMP_FRAG_NEEDED = 4  # code of ICMP_DEST_UNREACH
+
+IP6_ICMP_HEADERS = 48  # IPv6 header + ICMPv6 echo header
+IPV6_PKTINFO = 50
+IPV6_DONTFRAG = 62
+ICMP6_FILTER = 1
+ICMP6_DEST_UNREACH = 1
+ICMP6_PACKET_TOO_BIG = 2
+ICMP6_TIME_EXCEEDED = 3
+ICMP6_ECHO_REQUEST = 128
+ICMP6_ECHO_REPLY = 129
+
+_UNREACH6 = {
+    0: "no route to destination",
+    1: "communication administratively prohibited",
+    3: "address unreachable",
+    4: "port unreachable",
+}
 
 _UNREACH = {
     0: "network unreachable",
@@ -98,27 +119,27 @@ class IcmpTransport:
     that constructs the transport. Close it (or use ``with``) to stop the thread.
     """
 
+    headers = IP_ICMP_HEADERS
+
     def __init__(self) -> None:
-        try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-        except PermissionError as e:
-            raise DataplaneError(
-                "cannot open a raw ICMP socket for the prober (needs root or CAP_NET_RAW); "
-                "run the agent with that capability"
-            ) from e
-        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        # Pass only what can answer an echo: replies, unreachables, time exceeded.
-        wanted = (1 << ICMP_ECHO_REPLY) | (1 << ICMP_DEST_UNREACH) | (1 << ICMP_TIME_EXCEEDED)
-        sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~wanted & 0xFFFFFFFF))
-        self._sock = sock
+        self._sock = self._open()
         self._ident = secrets.randbits(16)
         self._seq = secrets.randbits(16)
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[IPv4Address, float]] = {}  # seq -> (target, sent at)
+        # seq -> (target, sent at)
+        self._pending: dict[int, tuple[IPv4Address | IPv6Address, float]] = {}
         self._replies: list[Reply] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="prober-icmp-rx", daemon=True)
         self._thread.start()
+
+    def _open(self) -> socket.socket:
+        sock = _raw_socket(socket.AF_INET, socket.IPPROTO_ICMP)
+        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        # Pass only what can answer an echo: replies, unreachables, time exceeded.
+        wanted = (1 << ICMP_ECHO_REPLY) | (1 << ICMP_DEST_UNREACH) | (1 << ICMP_TIME_EXCEEDED)
+        sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~wanted & 0xFFFFFFFF))
+        return sock
 
     def __enter__(self) -> IcmpTransport:
         return self
@@ -131,22 +152,30 @@ class IcmpTransport:
         self._thread.join(timeout=2.0)
         self._sock.close()
 
-    def send(self, source: IPv4Address, target: IPv4Address, size: int) -> int:
-        if size < IP_ICMP_HEADERS:
-            raise ValueError(f"an echo needs at least {IP_ICMP_HEADERS} bytes, not {size}")
+    def send(
+        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
+    ) -> int:
+        if size < self.headers:
+            raise ValueError(f"an echo needs at least {self.headers} bytes, not {size}")
         with self._lock:
             seq = self._next_seq()
             self._pending[seq] = (target, time.perf_counter())  # before send: replies are fast
-        packet = echo_request(self._ident, seq, size - IP_ICMP_HEADERS)
-        pktinfo = struct.pack("=i4s4s", 0, source.packed, bytes(4))
         try:
-            self._sock.sendmsg(
-                [packet], [(socket.IPPROTO_IP, IP_PKTINFO, pktinfo)], 0, (str(target), 0)
-            )
+            self._sendmsg(source, target, seq, size - self.headers)
         except OSError:
             self.cancel(seq)
             raise
         return seq
+
+    def _sendmsg(
+        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address,
+        seq: int, payload_len: int,
+    ) -> None:
+        packet = echo_request(self._ident, seq, payload_len)
+        pktinfo = struct.pack("=i4s4s", 0, source.packed, bytes(4))
+        self._sock.sendmsg(
+            [packet], [(socket.IPPROTO_IP, IP_PKTINFO, pktinfo)], 0, (str(target), 0)
+        )
 
     def take_replies(self) -> list[Reply]:
         with self._lock:
@@ -156,6 +185,16 @@ class IcmpTransport:
     def cancel(self, ticket: int) -> None:
         with self._lock:
             self._pending.pop(ticket, None)
+
+    def _claim(self, seq: int, peer: IPv4Address | IPv6Address) -> float | None:
+        """Take the outstanding echo ``seq`` if it went to ``peer``: its send time, or
+        None when it is not ours (another prober, a late or spoofed answer)."""
+        with self._lock:
+            sent = self._pending.get(seq)
+            if sent is None or sent[0] != peer:
+                return None
+            del self._pending[seq]
+        return sent[1]
 
     def _next_seq(self) -> int:
         for _ in range(0x10000):
@@ -177,12 +216,14 @@ class IcmpTransport:
                 log.exception("prober receive failed")
                 self._closed.wait(0.2)
                 continue
-            reply = self._match(data, IPv4Address(addr[0]), time.perf_counter())
+            reply = self._match(data, ip_address(addr[0].split("%")[0]), time.perf_counter())
             if reply is not None:
                 with self._lock:
                     self._replies.append(reply)
 
-    def _match(self, packet: bytes, sender: IPv4Address, now: float) -> Reply | None:
+    def _match(
+        self, packet: bytes, sender: IPv4Address | IPv6Address, now: float
+    ) -> Reply | None:
         icmp = packet[(packet[0] & 0x0F) * 4 :] if packet else b""
         if len(icmp) < 8:
             return None
@@ -190,17 +231,15 @@ class IcmpTransport:
         if kind == ICMP_ECHO_REPLY:
             if ident != self._ident or icmp_checksum(icmp) != 0:
                 return None
-            with self._lock:
-                sent = self._pending.get(seq)
-                if sent is None or sent[0] != sender:
-                    return None
-                del self._pending[seq]
-            return Reply(seq, now - sent[1])
+            sent_at = self._claim(seq, sender)
+            return None if sent_at is None else Reply(seq, now - sent_at)
         if kind in (ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED):
             return self._match_error(icmp, kind, code, sender)
         return None
 
-    def _match_error(self, icmp: bytes, kind: int, code: int, sender: IPv4Address) -> Reply | None:
+    def _match_error(
+        self, icmp: bytes, kind: int, code: int, sender: IPv4Address | IPv6Address
+    ) -> Reply | None:
         """An ICMP error quoting one of our echoes: the quoted IP header plus 8 bytes."""
         inner = icmp[8:]
         if len(inner) < 20:
@@ -213,11 +252,8 @@ class IcmpTransport:
         if qkind != ICMP_ECHO or ident != self._ident:
             return None
         target = IPv4Address(inner[16:20])
-        with self._lock:
-            sent = self._pending.get(seq)
-            if sent is None or sent[0] != target:
-                return None
-            del self._pending[seq]
+        if self._claim(seq, target) is None:
+            return None
         if kind == ICMP_TIME_EXCEEDED:
             return Reply(seq, None, f"time exceeded at {sender} on the way to {target}")
         if code == ICMP_FRAG_NEEDED:
@@ -231,3 +267,134 @@ class IcmpTransport:
             )
         reason = _UNREACH.get(code, f"destination unreachable (code {code})")
         return Reply(seq, None, f"{reason}: reported by {sender} for {target}")
+
+
+def echo6_request(ident: int, seq: int, payload_len: int) -> bytes:
+    """An ICMPv6 echo request, checksum zero: the kernel fills it in on raw ICMPv6
+    sockets (it covers the pseudo-header, which needs the source it picks)."""
+    payload, _ = _payload(payload_len)
+    return struct.pack("!BBHHH", ICMP6_ECHO_REQUEST, 0, 0, ident, seq) + payload
+
+
+def _raw_socket(family: socket.AddressFamily, proto: int) -> socket.socket:
+    try:
+        return socket.socket(family, socket.SOCK_RAW, proto)
+    except PermissionError as e:
+        raise DataplaneError(
+            "cannot open a raw ICMP socket for the prober (needs root or CAP_NET_RAW); "
+            "run the agent with that capability"
+        ) from e
+    except OSError as e:
+        raise DataplaneError(
+            f"cannot open a raw {'ICMPv6' if family == socket.AF_INET6 else 'ICMP'} socket "
+            f"for the prober ({e.strerror or e}); enable that family in the kernel"
+        ) from e
+
+
+class Icmp6Transport(IcmpTransport):
+    """ICMPv6 echoes with IPV6_DONTFRAG: never fragmented by the sender, so a full-size
+    echo over a path that cannot carry it is refused here (EMSGSIZE, once the kernel
+    knows the path MTU) or lost, or answered by a Packet Too Big."""
+
+    headers = IP6_ICMP_HEADERS
+
+    def _open(self) -> socket.socket:
+        sock = _raw_socket(socket.AF_INET6, socket.IPPROTO_ICMPV6)
+        sock.setsockopt(socket.IPPROTO_IPV6, IPV6_DONTFRAG, 1)
+        wanted = (ICMP6_ECHO_REPLY, ICMP6_DEST_UNREACH, ICMP6_PACKET_TOO_BIG, ICMP6_TIME_EXCEEDED)
+        blocked = [0xFFFFFFFF] * 8  # a set bit blocks that type
+        for kind in wanted:
+            blocked[kind >> 5] &= ~(1 << (kind & 31)) & 0xFFFFFFFF
+        sock.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *blocked))
+        return sock
+
+    def _sendmsg(
+        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address,
+        seq: int, payload_len: int,
+    ) -> None:
+        packet = echo6_request(self._ident, seq, payload_len)
+        pktinfo = struct.pack("=16si", source.packed, 0)
+        self._sock.sendmsg(
+            [packet], [(socket.IPPROTO_IPV6, IPV6_PKTINFO, pktinfo)], 0, (str(target), 0)
+        )
+
+    def _match(
+        self, packet: bytes, sender: IPv4Address | IPv6Address, now: float
+    ) -> Reply | None:
+        """Raw ICMPv6 sockets deliver the ICMPv6 message without the IPv6 header; the
+        kernel has verified its checksum."""
+        if len(packet) < 8:
+            return None
+        kind, code, _, ident, seq = struct.unpack("!BBHHH", packet[:8])
+        if kind == ICMP6_ECHO_REPLY:
+            if ident != self._ident:
+                return None
+            sent_at = self._claim(seq, sender)
+            return None if sent_at is None else Reply(seq, now - sent_at)
+        if kind in (ICMP6_DEST_UNREACH, ICMP6_PACKET_TOO_BIG, ICMP6_TIME_EXCEEDED):
+            return self._match_error(packet, kind, code, sender)
+        return None
+
+    def _match_error(
+        self, icmp: bytes, kind: int, code: int, sender: IPv4Address | IPv6Address
+    ) -> Reply | None:
+        """An ICMPv6 error quoting one of our echoes: the quoted IPv6 header, then ours."""
+        inner = icmp[8:]
+        quoted = inner[40:48]
+        if len(quoted) < 8 or inner[6] != socket.IPPROTO_ICMPV6:
+            return None
+        qkind, _, _, ident, seq = struct.unpack("!BBHHH", quoted)
+        if qkind != ICMP6_ECHO_REQUEST or ident != self._ident:
+            return None
+        target = IPv6Address(inner[24:40])
+        if self._claim(seq, target) is None:
+            return None
+        if kind == ICMP6_TIME_EXCEEDED:
+            return Reply(seq, None, f"time exceeded at {sender} on the way to {target}")
+        if kind == ICMP6_PACKET_TOO_BIG:
+            (next_mtu,) = struct.unpack("!I", icmp[4:8])
+            return Reply(
+                seq, None,
+                f"packet too big: {sender} forwards at most {next_mtu} bytes towards {target}",
+                too_big=True,
+            )  # fmt: skip
+        reason = _UNREACH6.get(code, f"destination unreachable (code {code})")
+        return Reply(seq, None, f"{reason}: reported by {sender} for {target}")
+
+
+class DualTransport:
+    """An IPv4 and an IPv6 transport behind one ticket space (even: IPv4, odd: IPv6);
+    each echo goes out on the one of its target's family."""
+
+    def __init__(self, v4: IcmpTransport, v6: IcmpTransport | None) -> None:
+        self._v4 = v4
+        self._v6 = v6
+
+    def send(
+        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
+    ) -> int:
+        if target.version == 4:
+            return self._v4.send(source, target, size) << 1
+        if self._v6 is None:
+            raise OSError(
+                errno.EAFNOSUPPORT, "no ICMPv6 socket (IPv6 is disabled in this kernel)"
+            )
+        return self._v6.send(source, target, size) << 1 | 1
+
+    def take_replies(self) -> list[Reply]:
+        replies = [r._replace(ticket=r.ticket << 1) for r in self._v4.take_replies()]
+        if self._v6 is not None:
+            replies += [r._replace(ticket=r.ticket << 1 | 1) for r in self._v6.take_replies()]
+        return replies
+
+    def cancel(self, ticket: int) -> None:
+        if ticket & 1:
+            if self._v6 is not None:
+                self._v6.cancel(ticket >> 1)
+        else:
+            self._v4.cancel(ticket >> 1)
+
+    def close(self) -> None:
+        self._v4.close()
+        if self._v6 is not None:
+            self._v6.close()

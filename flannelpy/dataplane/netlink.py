@@ -26,7 +26,15 @@ import select
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+    ip_network,
+)
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -53,6 +61,7 @@ from flannelpy.errors import DataplaneError
 log = logging.getLogger(__name__)
 
 WATCH_POLL_SECONDS = 0.5  # how often watch() looks at its stop event
+IFA_F_NODAD = 0x02  # linux/if_addr.h
 NO_GATEWAY = IPv4Address(0)  # stands in for a route of ours that has no gateway
 
 # Errors that mean "already gone" for each kind of delete.
@@ -92,7 +101,8 @@ def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: i
         name = rtnl.decode_link(buf, offset, length).name
         return "link" if name.startswith(OWN_LINK_PREFIX) else None
     if msg_type == rtnl.RTM_DELADDR:
-        return "address" if buf[offset + rtnl.HDR.size] == rtnl.AF_INET else None
+        family = buf[offset + rtnl.HDR.size]
+        return "address" if family in (rtnl.AF_INET, rtnl.AF_INET6) else None
     if msg_type == rtnl.RTM_DELROUTE:
         row = rtnl.decode_route(buf, offset, length)
         ours = row is not None and row.protocol == protocol and row.table == rtnl.RT_TABLE_MAIN
@@ -103,7 +113,7 @@ def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: i
             return "fdb" if row_n.dst is not None else None
         # An administrative delete reports NUD_FAILED whatever the entry was, so
         # only deletions of live dynamic entries (ARP cache expiry) are dropped.
-        if row_n.family == rtnl.AF_INET and not row_n.state & rtnl.NUD_DYNAMIC:
+        if row_n.family in (rtnl.AF_INET, rtnl.AF_INET6) and not row_n.state & rtnl.NUD_DYNAMIC:
             return "neighbour"
     return None
 
@@ -142,8 +152,16 @@ class NetlinkKernel:
             addrs.setdefault(row.ifindex, []).append(
                 IPv4Interface(f"{row.address}/{row.prefixlen}")
             )
+        addrs6: dict[int, list[IPv6Interface]] = {}
+        for row6 in nl.dump_addresses6(sock):
+            addrs6.setdefault(row6.ifindex, []).append(
+                IPv6Interface(f"{row6.address}/{row6.prefixlen}")
+            )
         return [
-            Interface(link.name, link.index, link.mtu, tuple(addrs.get(link.index, ())))
+            Interface(
+                link.name, link.index, link.mtu,
+                tuple(addrs.get(link.index, ())), tuple(addrs6.get(link.index, ())),
+            )
             for link in sorted(nl.dump_links(sock), key=lambda r: r.index)
         ]
 
@@ -159,7 +177,9 @@ class NetlinkKernel:
             reach_route = None
             if can_reach is not None:
                 row = nl.route_get(sock, can_reach)
-                reach_route = (row.oif, row.prefsrc) if row is not None and row.oif else None
+                src = row.prefsrc if row is not None else None
+                src4 = src if isinstance(src, IPv4Address) else None
+                reach_route = (row.oif, src4) if row is not None and row.oif else None
             default_oif = next(
                 (
                     r.oif
@@ -190,8 +210,9 @@ class NetlinkKernel:
                 net = IPv4Network(f"{r.dst}/{r.dst_len}", strict=False)
                 via = f" via {r.gateway}" if r.gateway else ""
                 where = f" dev {dev}" if dev else ""
+                gw = r.gateway if isinstance(r.gateway, IPv4Address) else None
                 found.append(ForeignRoute(net, f"route {net}{via}{where}", r.protocol,
-                                          r.gateway or None, dev))  # fmt: skip
+                                          gw or None, dev))  # fmt: skip
             for a in nl.dump_addresses(sock):
                 dev = names.get(a.ifindex, str(a.ifindex))
                 if dev in ignored:
@@ -209,21 +230,31 @@ class NetlinkKernel:
             wanted = [by_name[n] for n in dict.fromkeys(link_names) if n in by_name]
             links = [_vxlan_link(r, names) for r in wanted if r.kind == "vxlan"]
             link_index = {r.index for r in wanted if r.kind == "vxlan"}
-            addresses = [
+            addresses: list[Address] = [
                 Address(names[a.ifindex], IPv4Interface(f"{a.address}/{a.prefixlen}"))
                 for a in nl.dump_addresses(sock)
                 if a.ifindex in link_index
             ]
+            # Our IPv6 VTEP address only: the kernel's own link-local ones are not ours.
+            addresses += [
+                Address(names[a6.ifindex], IPv6Interface(f"{a6.address}/{a6.prefixlen}"))
+                for a6 in (nl.dump_addresses6(sock) if link_index else ())
+                if a6.ifindex in link_index and not a6.address.is_link_local
+            ]
+            route_rows = nl.dump_routes(sock, protocol=0 if self.adopt else self.protocol)
+            route_rows += nl.dump_routes(sock, protocol=self.protocol, family=rtnl.AF_INET6)
             routes = [
                 Route(
-                    dst=IPv4Network((int(r.dst), r.dst_len), strict=False),
-                    gateway=r.gateway or NO_GATEWAY,
+                    dst=ip_network((int(r.dst), r.dst_len), strict=False)
+                    if r.dst.version == 4
+                    else IPv6Network((int(r.dst), r.dst_len), strict=False),
+                    gateway=r.gateway or (NO_GATEWAY if r.dst.version == 4 else IPv6Address(0)),
                     ifname=names.get(r.oif, ""),
                     onlink=bool(r.flags & rtnl.RTNH_F_ONLINK),
                     protocol=None if r.protocol == self.protocol else r.protocol,
                     blackhole=r.route_type == rtnl.RTN_BLACKHOLE,
                 )
-                for r in nl.dump_routes(sock, protocol=0 if self.adopt else self.protocol)
+                for r in route_rows
                 if r.protocol == self.protocol or _adoptable(self.adopt, r, names)
             ]
             neighbours: list[Neighbour] = []
@@ -275,6 +306,7 @@ class NetlinkKernel:
     def watch(self, on_event: Callable[[str], None], stop: threading.Event) -> None:
         groups = (
             rtnl.RTMGRP_LINK | rtnl.RTMGRP_NEIGH | rtnl.RTMGRP_IPV4_IFADDR | rtnl.RTMGRP_IPV4_ROUTE
+            | rtnl.RTMGRP_IPV6_IFADDR | rtnl.RTMGRP_IPV6_ROUTE
         )
         with nl.NetlinkSocket(groups=groups, rcvbuf=self.watch_buffer) as sock:
             while not stop.is_set():
@@ -305,8 +337,10 @@ class NetlinkKernel:
 
 
 def _adoptable(adopt: FlannelRouteShape | None, r: rtnl.RouteRow, names: dict[int, str]) -> bool:
-    """A route another Flannel left, which a replace of ours may take over."""
-    if adopt is None:
+    """A route another Flannel left, which a replace of ours may take over (IPv4 only)."""
+    if adopt is None or not isinstance(r.dst, IPv4Address):
+        return False
+    if r.gateway is not None and not isinstance(r.gateway, IPv4Address):
         return False
     dst = IPv4Network((int(r.dst), r.dst_len), strict=False)
     return adopt.adoptable(dst, r.gateway or None, names.get(r.oif, ""), r.protocol)
@@ -378,9 +412,12 @@ class _Batch:
         if not routes:
             return []
         names = {index: name for name, index in self.index.items()}
+        rows = nl.dump_routes(self.sock)
+        if any(route.dst.version == 6 for route in routes):
+            rows += nl.dump_routes(self.sock, family=rtnl.AF_INET6)
         foreign = {
-            (int(r.dst), r.dst_len): r.protocol
-            for r in nl.dump_routes(self.sock)
+            (r.dst.version, int(r.dst), r.dst_len): r.protocol
+            for r in rows
             if r.protocol != self.protocol and not _adoptable(self.adopt, r, names)
         }
         kept = []
@@ -388,7 +425,9 @@ class _Batch:
             if route.blackhole:  # its own metric: added beside a connected route, never over it
                 kept.append(route)
                 continue
-            proto = foreign.get((int(route.dst.network_address), route.dst.prefixlen))
+            proto = foreign.get(
+                (route.dst.version, int(route.dst.network_address), route.dst.prefixlen)
+            )
             if proto is None:
                 kept.append(route)
                 continue
@@ -411,11 +450,16 @@ class _Batch:
                     )
                 continue
             try:
+                # IPv6 (flannel-v6.<VNI>): no duplicate address detection, which would
+                # leave the VTEP address tentative (unusable) for a second or more; the
+                # address is the node's own lease's, unique by construction.
+                nodad = {"flags": IFA_F_NODAD} if a.address.version == 6 else {}
                 self.ipr.addr(
                     "del" if delete else "replace",
                     index=self.index[a.ifname],
                     address=str(a.address.ip),
                     prefixlen=a.address.network.prefixlen,
+                    **nodad,
                 )
             except NetlinkError as e:
                 if not (delete and e.code in _GONE_ON_DELETE):
@@ -502,7 +546,11 @@ def _vxlan_link(row: rtnl.LinkRow, names: dict[int, str]) -> VxlanLink:
     return VxlanLink(
         name=row.name,
         vni=vni,
-        local_ip=rtnl.ipv4(v.get(rtnl.IFLA_VXLAN_LOCAL)) or IPv4Address(0),
+        local_ip=(
+            rtnl.ipv4(v.get(rtnl.IFLA_VXLAN_LOCAL))
+            or rtnl.ipv6(v.get(rtnl.IFLA_VXLAN_LOCAL6))
+            or IPv4Address(0)
+        ),
         underlay=names.get(under, ""),
         port=port,
         mtu=row.mtu,
@@ -515,7 +563,8 @@ def _vxlan_link(row: rtnl.LinkRow, names: dict[int, str]) -> VxlanLink:
 def _permanent_neighbours(sock: nl.NetlinkSocket, ifindex: int, dev: str) -> list[Neighbour]:
     return [
         Neighbour(dev, r.dst, r.lladdr)
-        for r in nl.dump_neighbours(sock, rtnl.AF_INET, ifindex)
+        for family in (rtnl.AF_INET, rtnl.AF_INET6)
+        for r in nl.dump_neighbours(sock, family, ifindex)
         if r.state & rtnl.NUD_PERMANENT and r.dst is not None and r.lladdr is not None
     ]
 
@@ -537,7 +586,7 @@ def _request(
             protocol,
             entry.dst.network_address.packed,
             entry.dst.prefixlen,
-            gateway=entry.gateway if entry.gateway != NO_GATEWAY else None,
+            gateway=entry.gateway if int(entry.gateway) != 0 else None,
             oif=ifindex,
             onlink=entry.onlink,
             blackhole_metric=BLACKHOLE_METRIC if entry.blackhole else None,
@@ -595,7 +644,8 @@ def _create_vxlan(ipr: IPRoute, sock: nl.NetlinkSocket, link: VxlanLink) -> None
             "ifname": link.name,
             "kind": "vxlan",
             "vxlan_id": link.vni,
-            "vxlan_local": str(link.local_ip),
+            # flannel-v6.<VNI>: an IPv6 underlay (VXLAN over IPv6 costs 70 bytes, not 50).
+            ("vxlan_local6" if link.local_ip.version == 6 else "vxlan_local"): str(link.local_ip),
             "vxlan_link": underlay.index,
             "vxlan_port": link.port,
             "vxlan_learning": int(link.learning),

@@ -15,6 +15,8 @@ creates both at start, even when only one family is configured::
       chain forward   type filter hook forward priority filter    (with --iptables-forward-rules)
         ip saddr <Network> accept ; ip daddr <Network> accept
     table ip6 flannel-ipv6  comment "rules for flannel-ipv6"        (empty for IPv4 only)
+      the same two chains with ``ip6`` matches, the IPv6Network and the node's IPv6
+      subnet, excluding ff00::/8 instead of 224.0.0.0/4 (with EnableIPv6)
 
 The rule texts here are the ones flanneld writes; ``nft list table`` prints
 them back the same on both implementations. The tables are ours alone, so a
@@ -31,10 +33,10 @@ import logging
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
-from flannelpy.dataplane.firewall import MISSING, MULTICAST, SyncResult
+from flannelpy.dataplane.firewall import MISSING, MULTICAST, MULTICAST6, SyncResult
 from flannelpy.errors import ConfigError, DataplaneError
 
 log = logging.getLogger(__name__)
@@ -51,88 +53,122 @@ CHANGED = "changed"  # there, but not as the last rebuild left it (or the rules 
 AT_START = "start"  # there at start: flanneld rewrites its tables at start, and so do we
 
 
+Net = IPv4Network | IPv6Network  # one family per rule set: its own table
+
+
 @dataclass(frozen=True)
 class NftRules:
-    """The content of our tables: the rule texts of each chain; None: no such chain."""
+    """The content of our tables: the rule texts of each chain; None: no such chain.
+
+    ``postrtg``/``forward`` go to ``ip flannel-ipv4``, ``postrtg6``/``forward6`` to
+    ``ip6 flannel-ipv6`` (dual stack)."""
 
     postrtg: tuple[str, ...] | None
     forward: tuple[str, ...] | None
+    postrtg6: tuple[str, ...] | None = None
+    forward6: tuple[str, ...] | None = None
 
 
 # --- pure: the rules --------------------------------------------------------------------
 
 
 def masq_rules(
-    network: IPv4Network | Sequence[IPv4Network],
-    node_subnets: Sequence[IPv4Network],
+    network: Net | Sequence[Net],
+    node_subnets: Sequence[Net],
     random_fully: bool,
 ) -> tuple[str, ...]:
     """Flannel's ``postrtg`` rules; with one range and one subnet, exactly flanneld's.
 
+    IPv6 ranges give the rules of ``ip6 flannel-ipv6`` (``ip6`` matches, ff00::/8).
     Several pod ranges (the primary Network first, then the other address pools)
     and subnets extend them as the iptables rules are extended: pod-to-pod
     traffic between any of them keeps its source.
     """
     networks = _networks(network)
+    ip = _family(networks[0])
+    multicast = MULTICAST6 if networks[0].version == 6 else MULTICAST
     primary = str(networks[0])
     subnets = list(dict.fromkeys(node_subnets))
     for subnet in subnets:
-        if not any(subnet.subnet_of(net) for net in networks):
+        if not any(_within(subnet, net) for net in networks):
             names = " or ".join(map(str, networks))
             raise ConfigError(f"node subnet {subnet} is outside the network {names}")
     masquerade = "masquerade fully-random" if random_fully else "masquerade"
     rules = [f"meta mark {KUBE_PROXY_MARK} return"]
     for subnet in subnets:
         for net in map(str, networks):
-            rules.append(f"ip saddr {subnet} ip daddr {net} return")
-            rules.append(f"ip saddr {net} ip daddr {subnet} return")
+            rules.append(f"{ip} saddr {subnet} {ip} daddr {net} return")
+            rules.append(f"{ip} saddr {net} {ip} daddr {subnet} return")
     for subnet in subnets:
-        rules.append(f"ip saddr != {subnet} ip daddr {primary} return")
+        rules.append(f"{ip} saddr != {subnet} {ip} daddr {primary} return")
     for src in map(str, networks):
         for dst in map(str, networks):
             if src != dst:
-                rules.append(f"ip saddr {src} ip daddr {dst} return")
+                rules.append(f"{ip} saddr {src} {ip} daddr {dst} return")
     for net in map(str, networks):
-        rules.append(f"ip saddr {net} ip daddr != {MULTICAST} {masquerade}")
+        rules.append(f"{ip} saddr {net} {ip} daddr != {multicast} {masquerade}")
     for net in map(str, networks):
-        rules.append(f"ip saddr != {net} ip daddr {net} {masquerade}")
+        rules.append(f"{ip} saddr != {net} {ip} daddr {net} {masquerade}")
     return tuple(rules)
 
 
-def forward_rules(network: IPv4Network | Sequence[IPv4Network]) -> tuple[str, ...]:
+def forward_rules(network: Net | Sequence[Net]) -> tuple[str, ...]:
     """Flannel's ``forward`` rules: accept anything to or from the network (every pod range)."""
+    networks = _networks(network)
+    ip = _family(networks[0])
     rules: list[str] = []
-    for net in map(str, _networks(network)):
-        rules += [f"ip saddr {net} accept", f"ip daddr {net} accept"]
+    for net in map(str, networks):
+        rules += [f"{ip} saddr {net} accept", f"{ip} daddr {net} accept"]
     return tuple(rules)
 
 
-def _networks(network: IPv4Network | Sequence[IPv4Network]) -> list[IPv4Network]:
-    nets = [network] if isinstance(network, IPv4Network) else list(network)
+def _networks(network: Net | Sequence[Net]) -> list[Net]:
+    nets = [network] if isinstance(network, IPv4Network | IPv6Network) else list(network)
     if not nets:
         raise ConfigError("no pod network given for the firewall rules; set Network")
+    if len({n.version for n in nets}) > 1:
+        names = ", ".join(map(str, nets))
+        raise ConfigError(f"pod networks {names} mix IPv4 and IPv6; give one family per table")
     return list(dict.fromkeys(nets))
+
+
+def _family(network: Net) -> str:
+    return "ip6" if network.version == 6 else "ip"
+
+
+def _within(subnet: Net, network: Net) -> bool:
+    if isinstance(subnet, IPv4Network) and isinstance(network, IPv4Network):
+        return subnet.subnet_of(network)
+    if isinstance(subnet, IPv6Network) and isinstance(network, IPv6Network):
+        return subnet.subnet_of(network)
+    return False
 
 
 def rebuild_script(rules: NftRules) -> str:
     """One ``nft -f`` transaction that leaves our tables exactly ``rules``.
 
     ``add`` before ``delete`` makes the delete valid when a table is absent; the
-    chains are created in flanneld's order (postrtg, then forward).
+    chains are created in flanneld's order (postrtg, then forward), IPv4 table first.
     """
     lines: list[str] = []
     for family, table in TABLES:
         lines += [f"add table {family} {table}", f"delete table {family} {table}"]
     for family, table in TABLES:
         lines.append(f'add table {family} {table} {{ comment "rules for {table}" ; }}')
-    prefix = f"ip {IPV4_TABLE}"
     chains = (
-        (POSTRTG_CHAIN, "nat", "postrouting", "srcnat", POSTRTG_COMMENT, rules.postrtg),
-        (FORWARD_CHAIN, "filter", "forward", "filter", FORWARD_COMMENT, rules.forward),
-    )
-    for chain, kind, hook, priority, comment, chain_rules in chains:
+        (IPV4_TABLE, POSTRTG_CHAIN, "nat", "postrouting", "srcnat", POSTRTG_COMMENT,
+         rules.postrtg),
+        (IPV4_TABLE, FORWARD_CHAIN, "filter", "forward", "filter", FORWARD_COMMENT,
+         rules.forward),
+        (IPV6_TABLE, POSTRTG_CHAIN, "nat", "postrouting", "srcnat", POSTRTG_COMMENT,
+         rules.postrtg6),
+        (IPV6_TABLE, FORWARD_CHAIN, "filter", "forward", "filter", FORWARD_COMMENT,
+         rules.forward6),
+    )  # fmt: skip
+    for table, chain, kind, hook, priority, comment, chain_rules in chains:
         if chain_rules is None:
             continue
+        prefix = f"ip6 {table}" if table == IPV6_TABLE else f"ip {table}"
         lines.append(
             f"add chain {prefix} {chain} {{ type {kind} hook {hook} priority {priority} ; "
             f'comment "{comment}" ; }}'

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from flannelpy.dataplane.rtnl import (
     AF_INET,
+    AF_INET6,
     HDR,
     I32,
     IFADDR,
@@ -61,6 +62,7 @@ from flannelpy.dataplane.rtnl import (
     RTMSG,
     U32,
     AddrRow,
+    AddrRow6,
     LinkRow,
     LinkStatsRow,
     NeighRow,
@@ -69,6 +71,7 @@ from flannelpy.dataplane.rtnl import (
     RouteRow,
     attr,
     decode_addr,
+    decode_addr6,
     decode_link,
     decode_link_stats,
     decode_neigh,
@@ -347,11 +350,12 @@ def get_link(sock: NetlinkSocket, name: str) -> LinkRow | None:
 
 
 def dump_routes(
-    sock: NetlinkSocket, table: int = RT_TABLE_MAIN, protocol: int = 0
+    sock: NetlinkSocket, table: int = RT_TABLE_MAIN, protocol: int = 0, family: int = AF_INET
 ) -> list[RouteRow]:
-    """IPv4 routes of ``table`` (and ``protocol`` if non-zero), filtered by the kernel
-    when the socket is strict, and again here for kernels that ignore the filter."""
-    body = RTMSG.pack(AF_INET, 0, 0, 0, table & 0xFF, protocol, 0, 0, 0)
+    """Routes of ``family`` (IPv4 by default) in ``table`` (and ``protocol`` if non-zero),
+    filtered by the kernel when the socket is strict, and again here for kernels that
+    ignore the filter."""
+    body = RTMSG.pack(family, 0, 0, 0, table & 0xFF, protocol, 0, 0, 0)
     if table > 0xFF:
         body += attr(RTA_TABLE, U32.pack(table))
 
@@ -362,6 +366,8 @@ def dump_routes(
                 continue
             row = decode_route(buf, offset, length)
             if row is None or row.table != table or (protocol and row.protocol != protocol):
+                continue
+            if (row.dst.version == 6) != (family == AF_INET6):
                 continue
             rows.append(row)
         return rows
@@ -390,13 +396,24 @@ def dump_neighbours(sock: NetlinkSocket, family: int, ifindex: int = 0) -> list[
 
 
 def dump_addresses(sock: NetlinkSocket) -> list[AddrRow]:
-    body = IFADDR.pack(AF_INET, 0, 0, 0, 0)
+    return _dump_addresses(sock, AF_INET, decode_addr)
 
-    def once() -> list[AddrRow]:
+
+def dump_addresses6(sock: NetlinkSocket) -> list[AddrRow6]:
+    return _dump_addresses(sock, AF_INET6, decode_addr6)
+
+
+def _dump_addresses(
+    sock: NetlinkSocket, family: int, decode: Callable[[bytes, int, int], T | None]
+) -> list[T]:
+    """One family's addresses; ``decode`` drops what it cannot read (or another family)."""
+    body = IFADDR.pack(family, 0, 0, 0, 0)
+
+    def once() -> list[T]:
         rows = []
         for buf, offset, length, msg_type in sock.dump(RTM_GETADDR, body):
             if msg_type == RTM_NEWADDR:
-                row = decode_addr(buf, offset, length)
+                row = decode(buf, offset, length)
                 if row is not None:
                     rows.append(row)
         return rows

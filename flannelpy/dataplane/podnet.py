@@ -18,7 +18,19 @@ there costs ~0.3 ms, where pyroute2's ``IPRoute(netns=...)`` forks a helper, ~6 
   3. One datagram: the pod end up, its address, the default route via the gateway.
 
 MACs are chosen here rather than read back: the pod's is ``0a:58:<its IPv4>``
-(locally administered, unique per address on the node), the host end's random.
+(locally administered, unique per address on the node; an IPv6-only pod's takes its
+address's last four bytes), the host end's random.
+
+IPv6, as the reference ``bridge`` plugin does it: the bridge gets the first address
+of the node's IPv6 pod subnet and ``accept_ra=0`` (it owns its routes), and
+``net.ipv6.conf.all.forwarding=1`` is set; in the pod, ``accept_dad=0`` (and
+``keep_addr_on_down=1``) is written for the interface before its address goes on,
+then ADD waits until no address of
+the pod interface is tentative (the reference's ``SettleAddresses``) and the bridge's
+gateway neither, so the address is usable when ADD returns. Both the gateway and the
+pod address are also added with ``IFA_F_NODAD``: a gateway address on a bridge that
+has no carrier yet would otherwise sit tentative for a DAD round after the first
+port comes up.
 
 Deleting either end of a veth deletes both, so DEL removes the host end from
 the node namespace and never needs the pod namespace. The host name is a hash
@@ -49,7 +61,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+    ip_address,
+)
 from typing import Any, TypeVar
 
 from flannelpy.dataplane import nlbatch as nl
@@ -65,6 +85,25 @@ BRIDGE_RECHECK_SECONDS = 5.0  # how stale ensure_bridge's knowledge of the addre
 _GONE = {errno.ENODEV, errno.ENOENT, errno.ESRCH}
 
 HOST_VETH_PREFIX = "veth"
+SETTLE_SECONDS = 5.0  # the longest ADD waits for IPv6 addresses to leave tentative (as bridge's)
+
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
+IPInterface = IPv4Interface | IPv6Interface
+PodRoute = tuple[IPNetwork, IPAddress]  # (destination, gateway) in the pod
+
+_AF_INET6 = socket.AF_INET6
+_IFA_FLAGS = 8  # u32 flags attribute (the header's byte holds only the low 8 bits)
+_IFA_F_NODAD = 0x02
+_IFA_F_TENTATIVE = 0x40
+_IFA_F_DADFAILED = 0x08
+_RTA_DST = 1
+_RTA_OIF = 4
+_RTA_GATEWAY = 5
+_RTM_GETADDR = 22
+_RTM_NEWADDR = 20
+_RTM_GETROUTE = 26
+_RTM_NEWROUTE = 24
 
 T = TypeVar("T")
 
@@ -106,9 +145,10 @@ def veth_owner(netns: str, container_id: str, ifname: str) -> str:
     return "flannelpy " + _digest(netns, container_id, ifname)
 
 
-def pod_mac(ip: IPv4Address) -> str:
-    """``0a:58:`` + the address: locally administered, unicast, stable for an IP."""
-    return "0a:58:" + ip.packed.hex(":")
+def pod_mac(ip: IPAddress) -> str:
+    """``0a:58:`` + the IPv4 address (an IPv6 one's last 4 bytes): locally administered,
+    unicast, stable for an IP."""
+    return "0a:58:" + ip.packed[-4:].hex(":")
 
 
 def random_mac() -> str:
@@ -174,14 +214,19 @@ def hairpin_request(port: str, on: bool) -> rtnl.Request:
     )
 
 
-def address_request(index: int, address: IPv4Interface, delete: bool = False) -> rtnl.Request:
+def address_request(index: int, address: IPInterface, delete: bool = False) -> rtnl.Request:
+    """Add (replace) or delete an address; an IPv6 one skips DAD (module doc)."""
     net = address.network
+    v6 = address.version == 6
+    family = _AF_INET6 if v6 else socket.AF_INET
     body = (
-        rtnl.IFADDR.pack(socket.AF_INET, net.prefixlen, 0, rtnl.RT_SCOPE_UNIVERSE, index)
+        rtnl.IFADDR.pack(family, net.prefixlen, 0, rtnl.RT_SCOPE_UNIVERSE, index)
         + rtnl.attr(rtnl.IFA_LOCAL, address.ip.packed)
         + rtnl.attr(rtnl.IFA_ADDRESS, address.ip.packed)
     )
-    if net.prefixlen < 31:
+    if v6 and not delete:
+        body += _u32(_IFA_FLAGS, _IFA_F_NODAD)
+    elif not v6 and net.prefixlen < 31:
         body += rtnl.attr(rtnl.IFA_BROADCAST, net.broadcast_address.packed)
     if delete:
         return rtnl.Request(rtnl.RTM_DELADDR, 0, body)
@@ -209,16 +254,169 @@ def alias_request(name: str, alias: str) -> rtnl.Request:
     return rtnl.Request(rtnl.RTM_NEWLINK, 0, body)
 
 
-def pod_route_request(index: int, gateway: IPv4Address, dst: IPv4Network) -> rtnl.Request:
+def pod_route_request(index: int, gateway: IPAddress, dst: IPNetwork) -> rtnl.Request:
     """A route in the pod via the gateway, created only if none exists for ``dst``:
     a route the plugin did not add (another interface's default) is never replaced."""
-    route = rtnl.route_request(
-        False, rtnl.RTPROT_BOOT, dst.network_address.packed, dst.prefixlen, gateway, index
+    if dst.version == 4 and isinstance(gateway, IPv4Address):
+        route = rtnl.route_request(
+            False, rtnl.RTPROT_BOOT, dst.network_address.packed, dst.prefixlen, gateway, index
+        )
+        return rtnl.Request(route.msg_type, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, route.body)
+    if dst.version != gateway.version:
+        raise ValueError(f"route to {dst} via {gateway}: the families differ")
+    head = rtnl.RTMSG.pack(
+        _AF_INET6, dst.prefixlen, 0, 0, rtnl.RT_TABLE_MAIN, rtnl.RTPROT_BOOT,
+        rtnl.RT_SCOPE_UNIVERSE, rtnl.RTN_UNICAST, 0,
+    )  # fmt: skip
+    body = (
+        head
+        + rtnl.attr(_RTA_DST, dst.network_address.packed)
+        + _u32(_RTA_OIF, index)
+        + rtnl.attr(_RTA_GATEWAY, gateway.packed)
     )
-    return rtnl.Request(route.msg_type, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, route.body)
+    return rtnl.Request(rtnl.RTM_NEWROUTE, rtnl.NLM_F_CREATE | rtnl.NLM_F_EXCL, body)
 
 
 DEFAULT_ROUTE = IPv4Network("0.0.0.0/0")
+DEFAULT_ROUTE6 = IPv6Network("::/0")
+
+
+def default_route(family: int) -> IPNetwork:
+    return DEFAULT_ROUTE6 if family == 6 else DEFAULT_ROUTE
+
+
+# --- reading addresses and routes of both families ----------------------------------
+
+
+@dataclass(frozen=True)
+class AddrInfo:
+    ifindex: int
+    address: IPInterface
+    flags: int  # IFA_F_*
+
+    @property
+    def tentative(self) -> bool:
+        return bool(self.flags & _IFA_F_TENTATIVE)
+
+    @property
+    def dad_failed(self) -> bool:
+        return bool(self.flags & _IFA_F_DADFAILED)
+
+
+def dump_addresses(sock: nl.NetlinkSocket, ifindex: int = 0) -> list[AddrInfo]:
+    """Addresses of both families (of one link when ``ifindex``), with their flags."""
+    rows = []
+    for buf, offset, length, msg_type in sock.dump(
+        _RTM_GETADDR, rtnl.IFADDR.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+    ):
+        if msg_type != _RTM_NEWADDR:
+            continue
+        head = rtnl.IFADDR.unpack_from(buf, offset + rtnl.HDR.size)
+        family, prefixlen, flags, _scope, index = head
+        if ifindex and index != ifindex:
+            continue
+        attrs = rtnl.parse_attrs(
+            buf, offset + rtnl.HDR.size + rtnl.IFADDR.size, offset + length
+        )
+        raw = attrs.get(rtnl.IFA_LOCAL) or attrs.get(rtnl.IFA_ADDRESS)
+        if raw is None or family not in (socket.AF_INET, _AF_INET6):
+            continue
+        if _IFA_FLAGS in attrs:
+            flags = rtnl.U32.unpack(attrs[_IFA_FLAGS])[0]
+        interface: IPInterface = (
+            IPv6Interface((IPv6Address(raw), prefixlen))
+            if family == _AF_INET6
+            else IPv4Interface((IPv4Address(raw), prefixlen))
+        )
+        rows.append(AddrInfo(index, interface, flags))
+    return rows
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    dst: IPNetwork
+    gateway: IPAddress | None
+    oif: int
+
+
+def dump_routes(sock: nl.NetlinkSocket) -> list[RouteInfo]:
+    """Main-table routes of both families: destination, gateway, device."""
+    rows = []
+    for family in (socket.AF_INET, _AF_INET6):
+        head = rtnl.RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0)
+        for buf, offset, length, msg_type in sock.dump(_RTM_GETROUTE, head):
+            if msg_type != _RTM_NEWROUTE:
+                continue
+            fam, dst_len, _s, _t, table, _p, _sc, _rt, _f = rtnl.RTMSG.unpack_from(
+                buf, offset + rtnl.HDR.size
+            )
+            if fam != family or table != rtnl.RT_TABLE_MAIN:
+                continue
+            attrs = rtnl.parse_attrs(
+                buf, offset + rtnl.HDR.size + rtnl.RTMSG.size, offset + length
+            )
+            size = 16 if family == _AF_INET6 else 4
+            raw_dst = attrs.get(_RTA_DST, bytes(size))
+            raw_gw = attrs.get(_RTA_GATEWAY)
+            oif = rtnl.U32.unpack(attrs[_RTA_OIF])[0] if _RTA_OIF in attrs else 0
+            dst: IPNetwork = (
+                IPv6Network((IPv6Address(raw_dst), dst_len))
+                if family == _AF_INET6
+                else IPv4Network((IPv4Address(raw_dst), dst_len))
+            )
+            gw = ip_address(raw_gw) if raw_gw and len(raw_gw) == size else None
+            rows.append(RouteInfo(dst, gw, oif))
+    return rows
+
+
+def write_sysctl(path: str, value: str) -> None:
+    """Write ``/proc/sys/<path>`` in the calling thread's network namespace."""
+    try:
+        with open(f"/proc/sys/{path}", "w", encoding="ascii") as f:
+            f.write(value)
+    except OSError as e:
+        raise DataplaneError(
+            f"cannot set {path.replace('/', '.')}={value} ({e.strerror}); the agent needs"
+            " write access to /proc/sys/net"
+        ) from e
+
+
+def read_sysctl(path: str) -> str | None:
+    try:
+        with open(f"/proc/sys/{path}", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _settle(
+    sock: nl.NetlinkSocket, ifindex: int, what: str, wanted: Sequence[IPInterface] = ()
+) -> None:
+    """Wait until no IPv6 address of ``ifindex`` (only those in ``wanted``, if given) is
+    tentative; fail at once on DADFAILED, after SETTLE_SECONDS otherwise."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    pause = 0.001
+    while True:
+        pending = [
+            a for a in dump_addresses(sock, ifindex)
+            if a.address.version == 6 and (not wanted or a.address in wanted)
+            and (a.tentative or a.dad_failed)
+        ]  # fmt: skip
+        failed = [a for a in pending if a.dad_failed]
+        if failed:
+            raise DataplaneError(
+                f"{what}: address {failed[0].address} failed duplicate address detection;"
+                " another host on the link uses it"
+            )
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise DataplaneError(
+                f"{what}: address {pending[0].address} is still tentative after"
+                f" {SETTLE_SECONDS:g} s; check that the link is up"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 # --- reading links ----------------------------------------------------------------
@@ -290,12 +488,14 @@ class PodNetwork:
     def __init__(self) -> None:
         self._bridge_lock = threading.Lock()
         # bridge name -> (ifindex, gateways present, monotonic time of the next full check)
-        self._bridges: dict[str, tuple[int, frozenset[IPv4Interface], float]] = {}
+        self._bridges: dict[str, tuple[int, frozenset[IPInterface], float]] = {}
+        # bridge ifindex -> its IPv6 gateways seen usable (not tentative) after an ADD
+        self._settled: dict[int, set[IPAddress]] = {}
 
     # -- the bridge
 
     def ensure_bridge(
-        self, gateways: Sequence[IPv4Interface], mtu: int, bridge: str = "cni0"
+        self, gateways: Sequence[IPInterface], mtu: int, bridge: str = "cni0"
     ) -> int:
         """Make ``bridge`` exist, up, with ``mtu`` and every gateway address; return its index.
 
@@ -323,7 +523,7 @@ class PodNetwork:
                 self._bridges[bridge] = (index, wanted, expires)
                 return index
 
-    def remove_gateway(self, gateway: IPv4Interface, bridge: str = "cni0") -> None:
+    def remove_gateway(self, gateway: IPInterface, bridge: str = "cni0") -> None:
         """Take a released lease's gateway off the bridge. Its on-link route goes with
         it, so the node no longer takes that subnet (soon another node's) for local."""
         with nl.NetlinkSocket() as sock, self._bridge_lock:
@@ -331,12 +531,13 @@ class PodNetwork:
             link = get_link(sock, bridge)
             if link is None:
                 return
+            self._settled.pop(link.index, None)
             replies = sock.batch([address_request(link.index, gateway, delete=True)])
             if replies[0].error not in (0, errno.EADDRNOTAVAIL):
                 _check(replies, [f"remove gateway address {gateway} from {bridge}"])
 
     def _ensure_bridge(
-        self, sock: nl.NetlinkSocket, bridge: str, gateways: Sequence[IPv4Interface], mtu: int
+        self, sock: nl.NetlinkSocket, bridge: str, gateways: Sequence[IPInterface], mtu: int
     ) -> int:
         link = get_link(sock, bridge)
         if link is None:
@@ -357,13 +558,18 @@ class PodNetwork:
         if not link.up or link.mtu != mtu:
             fixes.append(link_set_request(link.index, up=True, mtu=mtu))
             labels.append(f"set {bridge} up with MTU {mtu}")
-        have = {
-            IPv4Interface(f"{a.address}/{a.prefixlen}")
-            for a in nl.dump_addresses(sock)
-            if a.ifindex == link.index
-        }
+        have = {a.address for a in dump_addresses(sock, link.index)}
+        if any(gw.version == 6 for gw in gateways):
+            # As the reference bridge plugin: the bridge owns its routes (no RA), and the
+            # node forwards IPv6 for its pods.
+            write_sysctl(f"net/ipv6/conf/{bridge}/accept_ra", "0")
+            if read_sysctl(f"net/ipv6/conf/{bridge}/disable_ipv6") == "1":
+                write_sysctl(f"net/ipv6/conf/{bridge}/disable_ipv6", "0")
+            if read_sysctl("net/ipv6/conf/all/forwarding") != "1":
+                write_sysctl("net/ipv6/conf/all/forwarding", "1")
         for gw in gateways:
             if gw not in have:
+                self._settled.pop(link.index, None)
                 fixes.append(address_request(link.index, gw))
                 labels.append(f"add gateway address {gw} to {bridge}")
         if fixes:
@@ -378,23 +584,35 @@ class PodNetwork:
         ifname: str,
         host_veth: str,
         bridge_index: int,
-        address: IPv4Interface,
-        gateway: IPv4Address,
+        addresses: Sequence[IPInterface],
+        routes: Sequence[PodRoute],
         mtu: int,
         hairpin: bool = True,
         owner: str | None = None,
-        routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
         netns_fd: int | None = None,
     ) -> PodLink:
-        """Create and configure the pod's veth pair, with ``routes`` via the gateway in
-        the pod (the default route unless told otherwise) and hairpin mode on the host
-        port when ``hairpin``. ``owner`` (``veth_owner``) becomes the host end's alias.
-        All or nothing: on failure nothing is left."""
-        link = PodLink(host_veth, random_mac(), ifname, pod_mac(address.ip))
+        """Create and configure the pod's veth pair: ``addresses`` (one per family, the
+        first names the MAC), ``routes`` (destination, gateway) in the pod, hairpin mode
+        on the host port when ``hairpin``. ``owner`` (``veth_owner``) becomes the host
+        end's alias. Returns once every IPv6 address of the pod interface and every IPv6
+        gateway on the bridge is usable (not tentative). All or nothing: on failure
+        nothing is left."""
+        link = PodLink(host_veth, random_mac(), ifname, pod_mac(addresses[0].ip))
         owner = owner or veth_owner(netns, "", ifname)
         self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
         try:
-            self._configure_pod_side(netns, netns_fd, ifname, address, gateway, routes)
+            self._configure_pod_side(netns, netns_fd, ifname, addresses, routes)
+            v6_gateways = {gw for _, gw in routes if gw.version == 6}
+            if v6_gateways - self._settled.get(bridge_index, set()):
+                with nl.NetlinkSocket() as sock:
+                    wanted = [
+                        a.address for a in dump_addresses(sock, bridge_index)
+                        if a.address.ip in v6_gateways
+                    ]  # fmt: skip
+                    _settle(sock, bridge_index, "the bridge's IPv6 gateway", wanted)
+                # Added without DAD, a gateway never turns tentative again; a re-added one
+                # (ensure_bridge) is checked again.
+                self._settled.setdefault(bridge_index, set()).update(v6_gateways)
         except BaseException:
             self.delete_host_veth(host_veth, owner)
             raise
@@ -461,23 +679,32 @@ class PodNetwork:
         netns: str,
         netns_fd: int | None,
         ifname: str,
-        address: IPv4Interface,
-        gateway: IPv4Address,
-        routes: Sequence[IPv4Network],
+        addresses: Sequence[IPInterface],
+        routes: Sequence[PodRoute],
     ) -> None:
+        v6 = any(a.version == 6 for a in addresses)
+
         def inside() -> None:
             with nl.NetlinkSocket() as sock:
                 link = get_link(sock, ifname)
                 if link is None:
                     raise DataplaneError(f"{ifname} did not appear in the pod namespace {netns}")
+                if v6:  # before the link is up: no DAD for any address (reference bridge)
+                    for name in ("lo", ifname):
+                        if read_sysctl(f"net/ipv6/conf/{name}/disable_ipv6") == "1":
+                            write_sysctl(f"net/ipv6/conf/{name}/disable_ipv6", "0")
+                    write_sysctl(f"net/ipv6/conf/{ifname}/accept_dad", "0")
+                    # As the reference's IPAM does: the pod may take its link down and up
+                    # without losing its IPv6 address.
+                    write_sysctl(f"net/ipv6/conf/{ifname}/keep_addr_on_down", "1")
                 replies = sock.batch(
                     [
                         link_set_request(link.index, up=True),
-                        address_request(link.index, address),
-                        *(pod_route_request(link.index, gateway, dst) for dst in routes),
+                        *(address_request(link.index, a) for a in addresses),
+                        *(pod_route_request(link.index, gw, dst) for dst, gw in routes),
                     ]
                 )
-                for reply, dst in zip(replies[2:], routes, strict=True):
+                for reply, (dst, _) in zip(replies[1 + len(addresses) :], routes, strict=True):
                     if reply.error == errno.EEXIST:
                         raise DataplaneError(
                             f"the pod namespace {netns} already has a route to {dst} that"
@@ -488,10 +715,12 @@ class PodNetwork:
                     replies,
                     [
                         f"set {ifname} up in {netns}",
-                        f"add address {address} to {ifname} in {netns}",
-                        *(f"add the route to {dst} via {gateway} in {netns}" for dst in routes),
+                        *(f"add address {a} to {ifname} in {netns}" for a in addresses),
+                        *(f"add the route to {dst} via {gw} in {netns}" for dst, gw in routes),
                     ],
                 )
+                if v6:
+                    _settle(sock, link.index, f"{ifname} in {netns}")
 
         _in_netns(netns, netns_fd, inside)
 
@@ -541,10 +770,9 @@ class PodNetwork:
         ifname: str,
         host_veth: str,
         bridge: str,
-        address: IPv4Interface,
-        gateway: IPv4Address,
+        addresses: Sequence[IPInterface],
+        routes: Sequence[PodRoute],
         mtu: int | None = None,
-        routes: Sequence[IPv4Network] = (DEFAULT_ROUTE,),
         netns_fd: int | None = None,
     ) -> list[str]:
         """What is wrong with a pod's plumbing, one sentence each; empty when all is well."""
@@ -560,8 +788,14 @@ class PodNetwork:
             problems.append(f"host veth {host_veth} is not attached to {bridge}")
         elif not host.up:
             problems.append(f"host veth {host_veth} is down")
+        if br is not None:
+            with nl.NetlinkSocket() as sock:
+                have = {a.address.ip for a in dump_addresses(sock, br.index)}
+            for gw in sorted({gw for _, gw in routes}, key=lambda g: (g.version, g)):
+                if gw not in have:
+                    problems.append(f"bridge {bridge} lacks the gateway address {gw}")
         problems += _in_netns(
-            netns, netns_fd, _pod_problems, netns, ifname, address, gateway, mtu, routes
+            netns, netns_fd, _pod_problems, netns, ifname, addresses, mtu, routes
         )
         return problems
 
@@ -569,10 +803,9 @@ class PodNetwork:
 def _pod_problems(
     netns: str,
     ifname: str,
-    address: IPv4Interface,
-    gateway: IPv4Address,
+    addresses: Sequence[IPInterface],
     mtu: int | None,
-    routes: Sequence[IPv4Network],
+    routes: Sequence[PodRoute],
 ) -> list[str]:
     with nl.NetlinkSocket() as sock:
         link = get_link(sock, ifname)
@@ -583,21 +816,18 @@ def _pod_problems(
             problems.append(f"{ifname} is down in {netns}")
         if mtu and link.mtu != mtu:
             problems.append(f"{ifname} has MTU {link.mtu} in {netns}, expected {mtu}")
-        have = {
-            IPv4Interface(f"{a.address}/{a.prefixlen}")
-            for a in nl.dump_addresses(sock)
-            if a.ifindex == link.index
-        }
-        if address not in have:
-            problems.append(f"{ifname} lacks address {address} in {netns}")
-        have_routes = {
-            (str(r.dst), r.dst_len)
-            for r in nl.dump_routes(sock)
-            if r.oif == link.index and r.gateway == gateway
-        }
-        for dst in routes:
-            if (str(dst.network_address), dst.prefixlen) not in have_routes:
-                what = "default route" if dst == DEFAULT_ROUTE else f"route to {dst}"
+        have = {a.address: a for a in dump_addresses(sock, link.index)}
+        for address in addresses:
+            found = have.get(address)
+            if found is None:
+                problems.append(f"{ifname} lacks address {address} in {netns}")
+            elif found.tentative or found.dad_failed:
+                state = "failed duplicate address detection" if found.dad_failed else "tentative"
+                problems.append(f"address {address} of {ifname} in {netns} is {state}")
+        have_routes = {(r.dst, r.gateway) for r in dump_routes(sock) if r.oif == link.index}
+        for dst, gateway in routes:
+            if (dst, gateway) not in have_routes:
+                what = "default route" if dst.prefixlen == 0 else f"route to {dst}"
                 problems.append(f"{netns} has no {what} via {gateway} on {ifname}")
         return problems
 
@@ -622,6 +852,8 @@ def _in_netns(netns: str, netns_fd: int | None, fn: Callable[..., T], *args: Any
         ) from e
 
 
-def gateway_of(subnet: IPv4Network) -> IPv4Interface:
+def gateway_of(subnet: IPNetwork) -> IPInterface:
     """The gateway address of a lease: its first address, with the lease's prefix."""
-    return IPv4Interface(f"{subnet.network_address + 1}/{subnet.prefixlen}")
+    if isinstance(subnet, IPv6Network):
+        return IPv6Interface((subnet.network_address + 1, subnet.prefixlen))
+    return IPv4Interface((subnet.network_address + 1, subnet.prefixlen))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 from typing import NamedTuple
 
 # --- netlink / rtnetlink constants (linux/netlink.h, linux/rtnetlink.h, linux/neighbour.h)
@@ -44,8 +44,11 @@ RTMGRP_LINK = 0x1
 RTMGRP_NEIGH = 0x4
 RTMGRP_IPV4_IFADDR = 0x10
 RTMGRP_IPV4_ROUTE = 0x40
+RTMGRP_IPV6_IFADDR = 0x100
+RTMGRP_IPV6_ROUTE = 0x400
 
 AF_INET = socket.AF_INET
+AF_INET6 = socket.AF_INET6
 AF_BRIDGE = 7
 
 RT_TABLE_MAIN = 254
@@ -72,7 +75,7 @@ IFLA_BRPORT_MODE = 4  # hairpin (linux/if_link.h)
 VETH_INFO_PEER = 1  # linux/veth.h
 RTPROT_BOOT = 3  # what `ip route add` tags routes with
 IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
-IFLA_VXLAN_ID, IFLA_VXLAN_LINK, IFLA_VXLAN_LOCAL = 1, 3, 4
+IFLA_VXLAN_ID, IFLA_VXLAN_LINK, IFLA_VXLAN_LOCAL, IFLA_VXLAN_LOCAL6 = 1, 3, 4, 17
 IFLA_VXLAN_LEARNING, IFLA_VXLAN_PORT, IFLA_VXLAN_GBP = 7, 15, 23
 RTEXT_FILTER_SKIP_STATS = 1 << 3
 IFF_UP = 0x1
@@ -127,9 +130,17 @@ def mac_text(raw: bytes) -> str:
     return raw.hex(":")
 
 
-def neigh_request(delete: bool, ifindex: int, ip: IPv4Address, mac: str | None = None) -> Request:
-    """A permanent ARP entry (replace on set); ``mac`` only for set."""
-    body = NDMSG.pack(AF_INET, 0, 0, ifindex, NUD_PERMANENT, 0, 0) + attr(NDA_DST, ip.packed)
+def family_of(ip: IPv4Address | IPv6Address) -> int:
+    return AF_INET6 if ip.version == 6 else AF_INET
+
+
+def neigh_request(
+    delete: bool, ifindex: int, ip: IPv4Address | IPv6Address, mac: str | None = None
+) -> Request:
+    """A permanent ARP (or IPv6 neighbour) entry (replace on set); ``mac`` only for set."""
+    body = NDMSG.pack(family_of(ip), 0, 0, ifindex, NUD_PERMANENT, 0, 0) + attr(
+        NDA_DST, ip.packed
+    )
     if delete:
         return Request(RTM_DELNEIGH, 0, body)
     assert mac is not None
@@ -138,7 +149,7 @@ def neigh_request(delete: bool, ifindex: int, ip: IPv4Address, mac: str | None =
     )
 
 
-def fdb_request(delete: bool, ifindex: int, mac: str, dst: IPv4Address) -> Request:
+def fdb_request(delete: bool, ifindex: int, mac: str, dst: IPv4Address | IPv6Address) -> Request:
     """A vxlan FDB remote, ``bridge fdb append|del <mac> dev <dev> dst <dst> self permanent``."""
     body = (
         NDMSG.pack(AF_BRIDGE, 0, 0, ifindex, NUD_PERMANENT, NTF_SELF, 0)
@@ -157,29 +168,31 @@ def route_request(
     protocol: int,
     dst: bytes,
     dst_len: int,
-    gateway: IPv4Address | None = None,
+    gateway: IPv4Address | IPv6Address | None = None,
     oif: int = 0,
     onlink: bool = False,
     blackhole_metric: int | None = None,
 ) -> Request:
-    """A main-table IPv4 route tagged with ``protocol``; replace on set.
+    """A main-table route (IPv4, or IPv6 for a 16-byte ``dst``) tagged with ``protocol``;
+    replace on set.
 
     A delete names only dst and protocol, so it removes our route for that
     destination whatever its next hop or type, and never a route another tool owns.
     With ``blackhole_metric`` it is a blackhole route of that metric (no device).
     """
+    family = AF_INET6 if len(dst) == 16 else AF_INET
     if delete:
-        head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_NOWHERE, 0, 0)
+        head = RTMSG.pack(family, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_NOWHERE, 0, 0)
         return Request(RTM_DELROUTE, 0, head + attr(RTA_DST, dst))
     if blackhole_metric is not None:
         head = RTMSG.pack(
-            AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE, 0
+            family, dst_len, 0, 0, RT_TABLE_MAIN, protocol, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE, 0
         )
         body = head + attr(RTA_DST, dst) + attr(RTA_PRIORITY, U32.pack(blackhole_metric))
         return Request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)
     scope = RT_SCOPE_UNIVERSE if gateway is not None else RT_SCOPE_LINK
     flags = RTNH_F_ONLINK if onlink else 0
-    head = RTMSG.pack(AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, protocol, scope, RTN_UNICAST, flags)
+    head = RTMSG.pack(family, dst_len, 0, 0, RT_TABLE_MAIN, protocol, scope, RTN_UNICAST, flags)
     body = head + attr(RTA_DST, dst) + attr(RTA_OIF, U32.pack(oif))
     if gateway is not None:
         body += attr(RTA_GATEWAY, gateway.packed)
@@ -214,15 +227,15 @@ class LinkRow:
 
 
 class RouteRow(NamedTuple):  # a tuple: thousands are built per dump
-    dst: IPv4Address
+    dst: IPv4Address | IPv6Address
     dst_len: int
-    gateway: IPv4Address | None
+    gateway: IPv4Address | IPv6Address | None
     oif: int
     protocol: int
     table: int
     route_type: int
     flags: int
-    prefsrc: IPv4Address | None = None
+    prefsrc: IPv4Address | IPv6Address | None = None
 
 
 class NeighRow(NamedTuple):  # a tuple: thousands are built per dump
@@ -230,7 +243,7 @@ class NeighRow(NamedTuple):  # a tuple: thousands are built per dump
     ifindex: int
     state: int
     flags: int
-    dst: IPv4Address | None
+    dst: IPv4Address | IPv6Address | None
     lladdr: str | None
 
 
@@ -240,8 +253,18 @@ class AddrRow(NamedTuple):  # a tuple: thousands are built per dump
     prefixlen: int
 
 
+class AddrRow6(NamedTuple):
+    ifindex: int
+    address: IPv6Address
+    prefixlen: int
+
+
 def ipv4(raw: bytes | None) -> IPv4Address | None:
     return IPv4Address(raw) if raw is not None and len(raw) == 4 else None
+
+
+def ipv6(raw: bytes | None) -> IPv6Address | None:
+    return IPv6Address(raw) if raw is not None and len(raw) == 16 else None
 
 
 def decode_link(buf: bytes, offset: int, length: int) -> LinkRow:
@@ -328,6 +351,8 @@ def decode_route(buf: bytes, offset: int, length: int) -> RouteRow | None:
     family, dst_len, _s, _t, table, proto, _scope, rtype, flags = RTMSG.unpack_from(
         buf, offset + HDR.size
     )
+    if family == AF_INET6:
+        return _decode_route6(buf, offset, length, dst_len, table, proto, rtype, flags)
     if family != AF_INET:
         return None
     dst = gateway = prefsrc = None
@@ -356,11 +381,27 @@ def decode_route(buf: bytes, offset: int, length: int) -> RouteRow | None:
     )
 
 
+def _decode_route6(
+    buf: bytes, offset: int, length: int, dst_len: int, table: int, proto: int, rtype: int,
+    flags: int,
+) -> RouteRow:
+    attrs = parse_attrs(buf, offset + HDR.size + RTMSG.size, offset + length)
+    table_raw = attrs.get(RTA_TABLE)
+    oif_raw = attrs.get(RTA_OIF)
+    return RouteRow(
+        ipv6(attrs.get(RTA_DST)) or IPv6Address(0), dst_len, ipv6(attrs.get(RTA_GATEWAY)),
+        U32.unpack(oif_raw)[0] if oif_raw and len(oif_raw) == 4 else 0, proto,
+        U32.unpack(table_raw)[0] if table_raw and len(table_raw) == 4 else table,
+        rtype, flags, ipv6(attrs.get(RTA_PREFSRC)),
+    )  # fmt: skip
+
+
 def decode_neigh(buf: bytes, offset: int, length: int) -> NeighRow:
     family, _p1, _p2, ifindex, state, flags, _type = NDMSG.unpack_from(buf, offset + HDR.size)
     # Hot path (three dumps of thousands of entries): scan the two attributes we
     # need in place instead of building a dict per message.
-    dst = lladdr = None
+    dst: IPv4Address | IPv6Address | None = None
+    lladdr = None
     pos = offset + HDR.size + NDMSG.size
     end = offset + length
     unpack = ATTR.unpack_from
@@ -370,6 +411,8 @@ def decode_neigh(buf: bytes, offset: int, length: int) -> NeighRow:
             break
         if attr_type == NDA_DST and attr_len == 8:
             dst = IPv4Address(_BE32.unpack_from(buf, pos + 4)[0])
+        elif attr_type == NDA_DST and attr_len == 20:
+            dst = IPv6Address(buf[pos + 4 : pos + 20])
         elif attr_type == NDA_LLADDR and attr_len == 10:
             lladdr = buf[pos + 4 : pos + 10].hex(":")
         pos += (attr_len + 3) & ~3
@@ -384,3 +427,13 @@ def decode_addr(buf: bytes, offset: int, length: int) -> AddrRow | None:
     # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer on point-to-point links.
     address = ipv4(attrs.get(IFA_LOCAL)) or ipv4(attrs.get(IFA_ADDRESS))
     return AddrRow(index, address, prefixlen) if address is not None else None
+
+
+def decode_addr6(buf: bytes, offset: int, length: int) -> AddrRow6 | None:
+    family, prefixlen, _flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
+    if family != AF_INET6:
+        return None
+    attrs = parse_attrs(buf, offset + HDR.size + IFADDR.size, offset + length)
+    # IPv6 addresses carry IFA_ADDRESS (IFA_LOCAL too on point-to-point links).
+    address = ipv6(attrs.get(IFA_LOCAL)) or ipv6(attrs.get(IFA_ADDRESS))
+    return AddrRow6(index, address, prefixlen) if address is not None else None

@@ -8,7 +8,18 @@ changes when a device is re-created, a name does not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+)
+
+# Dual stack: every entry below holds either family; its address says which.
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
 
 # Routes we own carry this protocol number (see /etc/iproute2/rt_protos), so that
 # stale ones from a previous run or a removed peer are garbage-collected without
@@ -24,11 +35,12 @@ BLACKHOLE_METRIC = 1024
 
 @dataclass(frozen=True)
 class VxlanLink:
-    """The VXLAN device (Flannel: ``flannel.<VNI>``, learning off)."""
+    """The VXLAN device (Flannel: ``flannel.<VNI>``, ``flannel-v6.<VNI>`` over an IPv6
+    underlay; learning off)."""
 
     name: str
     vni: int
-    local_ip: IPv4Address
+    local_ip: IPv4Address | IPv6Address
     underlay: str  # name of the underlay interface
     port: int  # UDP destination port; 8472 is the kernel's (and Flannel's) default
     mtu: int
@@ -40,7 +52,7 @@ class VxlanLink:
 @dataclass(frozen=True)
 class Address:
     ifname: str
-    address: IPv4Interface  # e.g. 10.244.1.0/32 on flannel.1
+    address: IPv4Interface | IPv6Interface  # 10.244.1.0/32 on flannel.1, fd00:1::/128 on -v6
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,8 @@ class Route:
     """A route in the main table with protocol :data:`ROUTE_PROTOCOL` (or one being taken
     over, see ``protocol``). Keyed by ``dst``."""
 
-    dst: IPv4Network
-    gateway: IPv4Address
+    dst: IPv4Network | IPv6Network
+    gateway: IPv4Address | IPv6Address
     ifname: str
     onlink: bool = False
     # None: ours (ROUTE_PROTOCOL). Another value: a route another Flannel left that we
@@ -60,18 +72,19 @@ class Route:
     blackhole: bool = False
 
 
-def blackhole_route(dst: IPv4Network) -> Route:
+def blackhole_route(dst: IPv4Network | IPv6Network) -> Route:
     """What --ip-blackhole-route asks for the node's own subnet: packets to its unused
     addresses are dropped here instead of following the default route out."""
-    return Route(dst=dst, gateway=IPv4Address(0), ifname="", blackhole=True)
+    none = IPv6Address(0) if isinstance(dst, IPv6Network) else IPv4Address(0)
+    return Route(dst=dst, gateway=none, ifname="", blackhole=True)
 
 
 @dataclass(frozen=True)
 class Neighbour:
-    """A permanent ARP entry. Keyed by ``(ifname, ip)``."""
+    """A permanent ARP (or IPv6 neighbour) entry. Keyed by ``(ifname, ip)``."""
 
     ifname: str
-    ip: IPv4Address
+    ip: IPv4Address | IPv6Address
     mac: str
 
 
@@ -81,15 +94,15 @@ class FdbEntry:
 
     ifname: str
     mac: str
-    dst: IPv4Address
+    dst: IPv4Address | IPv6Address
 
 
 @dataclass(frozen=True)
 class Unreachable:
     """A peer the backend cannot reach (host-gw to a peer that is not on our L2 segment)."""
 
-    subnet: IPv4Network
-    public_ip: IPv4Address
+    subnet: IPv4Network | IPv6Network
+    public_ip: IPv4Address | IPv6Address
     reason: str
 
 
@@ -174,7 +187,13 @@ class UnderlayInterface:
     ip: IPv4Address  # the interface's own address: the vxlan local address (--public-ip may differ)
     networks: tuple[IPv4Network, ...]  # subnets directly connected on this interface
     mtu: int
+    # The interface's first global IPv6 address (the IPv6 vxlan local address) and its
+    # connected IPv6 subnets; None and () on a node without IPv6 there.
+    ip6: IPv6Address | None = None
+    networks6: tuple[IPv6Network, ...] = ()
 
-    def on_link(self, peer: IPv4Address) -> bool:
+    def on_link(self, peer: IPv4Address | IPv6Address) -> bool:
         """True when ``peer`` is on one of our connected subnets: reachable without a gateway."""
+        if isinstance(peer, IPv6Address):
+            return any(peer in net for net in self.networks6)
         return any(peer in net for net in self.networks)

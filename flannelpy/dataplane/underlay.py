@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv6Interface
 
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import InterfaceNotFound
@@ -24,15 +24,32 @@ class Interface:
     index: int
     mtu: int
     addresses: tuple[IPv4Interface, ...]  # IPv4 only, kernel order (primary first)
+    addresses6: tuple[IPv6Interface, ...] = ()  # IPv6, kernel order
+
+
+def global_ipv6(iface: Interface) -> IPv6Interface | None:
+    """The interface's first IPv6 address usable as a VXLAN/route endpoint: global scope
+    (ULA included), not link-local, multicast or loopback. Flannel's IPv6 auto-detection
+    takes the interface's global address the same way."""
+    for addr in iface.addresses6:
+        ip = addr.ip
+        if not (ip.is_link_local or ip.is_multicast or ip.is_loopback or ip.is_unspecified):
+            return addr
+    return None
 
 
 def _underlay(
     iface: Interface, ip: IPv4Address, public_ip: IPv4Address | None
 ) -> UnderlayInterface:
     networks = tuple(dict.fromkeys(a.network for a in iface.addresses))
+    v6 = global_ipv6(iface)
+    networks6 = tuple(dict.fromkeys(
+        a.network for a in iface.addresses6 if not a.ip.is_link_local and a.network.prefixlen
+    ))  # fmt: skip
     return UnderlayInterface(
-        name=iface.name, index=iface.index, ip=ip, networks=networks, mtu=iface.mtu
-    )
+        name=iface.name, index=iface.index, ip=ip, networks=networks, mtu=iface.mtu,
+        ip6=v6.ip if v6 is not None else None, networks6=networks6,
+    )  # fmt: skip
 
 
 def _names(interfaces: Sequence[Interface]) -> str:

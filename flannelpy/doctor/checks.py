@@ -26,6 +26,8 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 
+from flannelpy.backend import ipv6 as ipv6_plan
+from flannelpy.backend.vxlan import vtep_mtu
 from flannelpy.doctor.facts import (
     BRIDGE,
     COUNTER_FIELDS,
@@ -46,6 +48,7 @@ from flannelpy.doctor.facts import (
 from flannelpy.doctor.kernel_checks import check_dataplane, check_firewall
 from flannelpy.doctor.plan import Plan, peer_name, plan_node
 from flannelpy.doctor.report import duration, listed
+from flannelpy.doctor.wireguard_check import check_wireguard
 from flannelpy.observe import mtu as mtu_check
 from flannelpy.subnet.survey import find_overlaps
 
@@ -67,6 +70,7 @@ def diagnose(facts: NodeFacts) -> list[Finding]:
     findings += check_links(facts, plan)
     if not isinstance(plan, str):
         findings += check_mtu(facts, plan)
+        findings += check_wireguard(facts, plan)
         findings += check_dataplane(facts, plan)
         findings += check_firewall(facts, plan)
     findings += check_overlap(facts)
@@ -286,15 +290,23 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
         f"net-conf.json's MTU {underlay_mtu}" if underlay_mtu
         else f"{plan.ctx.underlay.name}'s MTU {plan.ctx.underlay.mtu}"
     )
+    dual = ipv6_plan.enabled(plan.ctx)
     if plan.backend.type_name == "vxlan":
-        basis += " minus 50 for VXLAN"
+        basis += " minus 70 for VXLAN over IPv6" if dual else " minus 50 for VXLAN"
     findings: list[Finding] = []
     wrong: list[str] = []
-    devices = [plan.device] if plan.backend.type_name == "vxlan" else []
-    for name in [*devices, BRIDGE]:
+    # Each VTEP carries its own underlay family's overhead; cni0 and pods the smaller.
+    expected = {BRIDGE: want}
+    if plan.backend.type_name == "vxlan":
+        expected[plan.device] = vtep_mtu(plan.ctx)
+        if dual:
+            expected[ipv6_plan.device_name_v6(plan.ctx.config.backend.vni)] = (
+                ipv6_plan.vtep6_mtu(plan.ctx)
+            )
+    for name, mtu in expected.items():
         link = links.get(name)
-        if link is not None and link.mtu != want:
-            wrong.append(f"{name} {link.mtu}")
+        if link is not None and link.mtu != mtu:
+            wrong.append(f"{name} {link.mtu} (not {mtu})")
     veths = [v for v in _pod_veths(facts.links) if v.mtu != want]
     wrong += [f"{v.name} {v.mtu}" for v in sorted(veths, key=lambda v: v.name)]
     if wrong:
@@ -325,6 +337,7 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
         )  # fmt: skip
     report = mtu_check.mtu_mismatches(want, plan.peers)
     findings += _peer_mtus(plan, report)
+    findings += _flanneld_ipv6_mtus(plan)
     if not findings:
         unknown = len(report.unknown)
         also = f"; {unknown} advertise none (flanneld), probes verify those" if unknown else ""
@@ -345,6 +358,31 @@ def _peer_mtus(plan: Plan, report: mtu_check.MtuReport) -> list[Finding]:
                 "dropped silently on the way to the smaller",
                 "give every node the same underlay MTU (or set Backend.MTU in net-conf.json) "
                 "and restart the agents", ", ".join(names))
+    ]  # fmt: skip
+
+
+def _flanneld_ipv6_mtus(plan: Plan) -> list[Finding]:
+    """flanneld subtracts 50 for VXLAN over IPv6 too, 20 bytes short of the real 70: the
+    kernel caps its flannel-v6 device at underlay−70, but its pods get underlay−50, so
+    their full-size IPv6 packets are refused on their own node and depend on ICMPv6
+    Packet Too Big reaching the sender (lost where ICMPv6 is filtered)."""
+    if plan.backend.type_name != "vxlan" or not ipv6_plan.enabled(plan.ctx):
+        return []
+    theirs = [p for p in plan.peers if mtu_check.runs_flanneld_vxlan_v6(p)]
+    if not theirs:
+        return []
+    underlay = plan.ctx.config.backend.mtu or plan.ctx.underlay.mtu
+    flanneld_mtu = underlay - ipv6_plan.FLANNELD_VXLAN6_OVERHEAD
+    right = underlay - ipv6_plan.VXLAN6_ENCAP_OVERHEAD
+    names = [peer_name(p) for p in theirs]
+    return [
+        Finding("warning", "mtu", f"{len(names)} flanneld peer(s) run VXLAN over IPv6 with "
+                f"pod MTU {flanneld_mtu} (underlay {underlay} minus 50), but VXLAN over IPv6 "
+                f"costs 70 bytes, so only {right} fits: their pods' full-size IPv6 packets "
+                "are refused by their own VTEP and get through only if ICMPv6 Packet Too Big "
+                f"reaches the sender ({listed(names)})",
+                f"run flannelpy on those nodes, or give their pods MTU {right}",
+                ", ".join(names))
     ]  # fmt: skip
 
 
@@ -427,11 +465,17 @@ def check_probes(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
     names: dict[str, str] = {}
     if not isinstance(plan, str):
         names = {str(lease.subnet): peer_name(lease) for lease in plan.peers}
+        names |= {str(lease.ipv6_subnet): peer_name(lease)
+                  for lease in plan.peers if lease.ipv6_subnet is not None}  # fmt: skip
 
     def label(subnet: str) -> str:
+        """A dual-stack peer's IPv6 side is probed on its own, keyed by its IPv6 subnet."""
         return f"{names[subnet]} ({subnet})" if subnet in names else subnet
 
-    down, mtu_bad, lossy = [], [], []
+    down: list[str] = []
+    mtu_bad: list[str] = []
+    mtu_bad6: list[str] = []
+    lossy: list[str] = []
     for subnet, result in sorted(probes.items()):
         if not isinstance(result, Mapping):
             continue
@@ -439,7 +483,7 @@ def check_probes(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
             err = result.get("error")
             down.append(f"{label(subnet)}{': ' + str(err) if err else ''}")
         elif result.get("mtu_ok") is False:
-            mtu_bad.append(label(subnet))
+            (mtu_bad6 if ":" in subnet else mtu_bad).append(label(subnet))
         loss, rounds = result.get("loss"), result.get("probes")
         enough = not isinstance(rounds, int) or rounds >= LOSS_MIN_PROBES
         if result.get("reachable") is not False and isinstance(loss, int | float) \
@@ -458,6 +502,14 @@ def check_probes(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
                     "small ones do: connections with large packets hang silently",
                     "make the MTU consistent (see the mtu findings; underlay MTU minus 50 "
                     "everywhere for vxlan)", ", ".join(m.split()[0] for m in mtu_bad))
+        )  # fmt: skip
+    if mtu_bad6:
+        findings.append(
+            Finding("error", "peers", f"full-size IPv6 packets do not reach {listed(mtu_bad6)} "
+                    "while small ones do: IPv6 connections with large packets hang silently",
+                    "give those nodes an overlay MTU of the underlay MTU minus 70 (vxlan over "
+                    "an IPv6 underlay; flanneld subtracts 50, see the mtu findings)",
+                    ", ".join(m.split()[0] for m in mtu_bad6))
         )  # fmt: skip
     if lossy:
         findings.append(

@@ -17,6 +17,7 @@ from flannelpy.dataplane.state import (
     ObservedState,
     UnderlayInterface,
 )
+from flannelpy.dataplane.uapi import WgDeviceConfig
 from flannelpy.subnet.lease import Lease
 
 Severity = Literal["ok", "warning", "error"]
@@ -76,6 +77,16 @@ class CounterSnapshot:
 
 
 @dataclass(frozen=True)
+class WireguardFacts:
+    """The WireGuard device as found: which implementation serves it, and its peers."""
+
+    implementation: str | None  # "kernel", "userspace" (wireguard-go), None: no device
+    device: WgDeviceConfig | None = None
+    pid: int | None = None  # of wireguard-go
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """Everything diagnose() looks at. ``None`` means unknown (not gathered or failed);
     the ``*_error`` fields say why, and the checks that need the value report it."""
@@ -107,6 +118,7 @@ class NodeFacts:
     status_error: str | None = None
     status_mtime: float | None = None
     previous: CounterSnapshot | None = None
+    wireguard: WireguardFacts | None = None  # with the wireguard backend only
 
 
 def parse_snapshot(raw: str) -> CounterSnapshot | None:

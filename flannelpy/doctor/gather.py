@@ -21,7 +21,14 @@ from ipaddress import IPv4Address
 from typing import Any
 
 from flannelpy.config.settings import AgentSettings
-from flannelpy.doctor.facts import BRIDGE, LinkCounters, LinkInfo, NodeFacts, parse_snapshot
+from flannelpy.doctor.facts import (
+    BRIDGE,
+    LinkCounters,
+    LinkInfo,
+    NodeFacts,
+    WireguardFacts,
+    parse_snapshot,
+)
 from flannelpy.doctor.plan import own_lease
 from flannelpy.errors import DataplaneError, FlannelpyError, StoreError, StoreUnavailable
 from flannelpy.fsutil import atomic_write
@@ -51,6 +58,8 @@ def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> N
     with _Store(settings) as store:
         facts = replace(facts, **store.read())
         facts = replace(facts, **_kernel_facts(settings, facts))
+        if facts.config is not None and facts.config.backend.type == "wireguard":
+            facts = replace(facts, wireguard=_wireguard_facts(settings))
         nftables = facts.config is not None and facts.config.enable_nftables
         facts = replace(facts, **(_nft_facts() if nftables else _firewall_facts()))
         if facts.underlay is not None:
@@ -156,6 +165,36 @@ def first_snapshot(manager: SubnetManager, timeout: float) -> Mapping[str, Lease
     return leases
 
 
+def _wireguard_facts(settings: AgentSettings) -> WireguardFacts:
+    """The device through wireguard-go's socket in the agent's run dir, else the kernel."""
+    import os
+
+    from flannelpy.backend.wireguard import DEVICE
+    from flannelpy.dataplane.uapi import uapi_get
+    from flannelpy.dataplane.wireguard import KernelConfigurator
+
+    sock_dir = os.path.join(settings.run_dir, "wireguard")
+    sock = os.path.join(sock_dir, f"{DEVICE}.sock")
+    if os.path.exists(sock):
+        pid = None
+        try:
+            with open(os.path.join(sock_dir, f"{DEVICE}.pid")) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+        try:
+            return WireguardFacts("userspace", uapi_get(sock), pid)
+        except DataplaneError as e:
+            return WireguardFacts("userspace", None, pid, str(e))
+    kinds = {link.name: link.kind for link in read_links()}
+    if kinds.get(DEVICE) == "wireguard":
+        try:
+            return WireguardFacts("kernel", KernelConfigurator(DEVICE).get())
+        except (DataplaneError, OSError) as e:
+            return WireguardFacts("kernel", None, error=str(e))
+    return WireguardFacts(None, error=f"no {DEVICE} device and no wireguard-go socket {sock}")
+
+
 def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:
     """Links, our routes/neighbours/FDB, foreign routes and the underlay, in one namespace."""
     from flannelpy.backend.vxlan import device_name
@@ -168,7 +207,7 @@ def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:
     try:
         links = read_links()
         observed = kernel.observe([device], [device])
-        foreign = kernel.survey({device, BRIDGE})
+        foreign = kernel.survey({device, BRIDGE, "flannel-wg", "flannel-wg-v6"})
         vtep_mac = kernel.link_mac(device)
     except (DataplaneError, OSError) as e:
         return {"kernel_error": str(e)}

@@ -9,6 +9,7 @@ protocol 75, or on our vxlan device) but no longer wanted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from flannelpy.dataplane.diff import diff
@@ -34,6 +35,7 @@ from flannelpy.dataplane.state import (
 from flannelpy.doctor.facts import Finding, NodeFacts
 from flannelpy.doctor.plan import Plan, peer_name
 from flannelpy.doctor.report import listed, peers_have
+from flannelpy.subnet.lease import Lease
 
 
 def check_dataplane(facts: NodeFacts, plan: Plan) -> list[Finding]:
@@ -95,7 +97,10 @@ def _addr(a: Any) -> str:
 
 
 def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> list[Finding]:
-    by_subnet = {lease.subnet: lease for lease in plan.peers}
+    by_subnet: dict[IPv4Network | IPv6Network, Lease] = {
+        lease.subnet: lease for lease in plan.peers
+    }
+    by_subnet.update({x.ipv6_subnet: x for x in plan.peers if x.ipv6_subnet is not None})
     present = {route.dst for route in observed.routes}
     missing = [r for r in changes.routes_to_set if r.dst not in present]
     wrong = [r for r in changes.routes_to_set if r.dst in present]
@@ -142,8 +147,12 @@ def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> li
 
 
 def _entry_findings(plan: Plan, changes: Changes) -> list[Finding]:
-    by_vtep = {lease.vtep_ip: lease for lease in plan.peers}
-    by_public = {lease.attrs.public_ip: lease for lease in plan.peers}
+    by_vtep: dict[IPv4Address | IPv6Address, Lease] = {x.vtep_ip: x for x in plan.peers}
+    by_vtep.update({x.vtep_ip6: x for x in plan.peers if x.vtep_ip6 is not None})
+    by_public: dict[IPv4Address | IPv6Address, Lease] = {
+        x.attrs.public_ip: x for x in plan.peers
+    }
+    by_public.update({x.attrs.public_ipv6: x for x in plan.peers if x.attrs.public_ipv6})
 
     def neigh(n: Neighbour) -> str:
         lease = by_vtep.get(n.ip)

@@ -18,6 +18,15 @@ Rules (field-notes §2, issue 3):
 
 Times are wall-clock seconds (the state outlives the process). A wall clock
 stepped backwards can only lengthen a cooldown, never shorten it.
+
+Both families: an IPv6 lease (a /64) is far too large to list, so nothing here
+enumerates a range. Addresses that left the never-used set (assigned, released,
+held, reserved) are kept in one sorted list, and the next never-used address
+after the cursor is found by bisection over it; state grows with the addresses
+in use, never with the range. IPv6 has no broadcast address, but its last one is
+skipped too, as for IPv4. ``forget_cooled`` (called for IPv6 pools, whose cursor
+wraps only after 2^64 allocations) drops released addresses whose cooldown has
+passed, so an IPv6 pool's state stays bounded by the pods it serves.
 """
 
 from __future__ import annotations
@@ -27,7 +36,16 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+    ip_address,
+    ip_network,
+)
 from typing import Any
 
 from flannelpy.ipam.errors import IpamExhausted
@@ -35,26 +53,36 @@ from flannelpy.ipam.errors import IpamExhausted
 DOC_VERSION = 1
 
 Key = tuple[str, str]  # (container_id, ifname)
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
+IPInterface = IPv4Interface | IPv6Interface
 
 
 @dataclass(frozen=True)
 class Allocation:
     """One pod interface's address."""
 
-    ip: IPv4Address
-    subnet: IPv4Network
+    ip: IPAddress
+    subnet: IPNetwork
     container_id: str
     ifname: str
     assigned_at: float  # wall-clock seconds
 
     @property
-    def gateway(self) -> IPv4Address:
+    def gateway(self) -> IPAddress:
         """The subnet's first address, held by the node's bridge."""
         return self.subnet.network_address + 1
 
     @property
-    def interface(self) -> IPv4Interface:
+    def family(self) -> int:
+        """4 or 6."""
+        return self.subnet.version
+
+    @property
+    def interface(self) -> IPInterface:
         """The pod's address with the lease's prefix length, e.g. 10.244.1.5/24."""
+        if isinstance(self.ip, IPv6Address):
+            return IPv6Interface((self.ip, self.subnet.prefixlen))
         return IPv4Interface((self.ip, self.subnet.prefixlen))
 
 
@@ -62,7 +90,7 @@ class Allocation:
 class Accounting:
     """A lease's numbers at one instant; ``free`` never includes cooling addresses."""
 
-    subnet: IPv4Network
+    subnet: IPNetwork
     total: int  # allocatable addresses (excludes network, gateway, broadcast, reserved)
     assigned: int
     cooling: int
@@ -90,13 +118,20 @@ def exhaustion_message(accounting: Sequence[Accounting]) -> str:
 
 
 class PoolAllocator:
-    """Allocations and cooldown state of one lease subnet."""
+    """Allocations and cooldown state of one lease subnet (either family)."""
 
-    def __init__(self, subnet: IPv4Network, reserved: Iterable[IPv4Address] = ()) -> None:
+    def __init__(self, subnet: IPNetwork, reserved: Iterable[IPAddress] = ()) -> None:
         self.subnet = subnet
-        self._usable = _usable_addresses(subnet, reserved)
-        # Never-used addresses, sorted; they only ever leave this list.
-        self._fresh: list[int] = sorted(self._usable)
+        # The allocatable range: the network address, the gateway (first address)
+        # and the last address are never handed out.
+        self._lo = int(subnet.network_address) + 2
+        self._hi = int(subnet.broadcast_address) - 1
+        self._reserved = frozenset(
+            int(ip) for ip in reserved if self._lo <= int(ip) <= self._hi
+        )
+        # Every address that is not never-used: assigned, released, held or reserved,
+        # sorted. Never-used addresses are the range minus this list.
+        self._taken: list[int] = sorted(self._reserved)
         self._by_key: dict[Key, Allocation] = {}
         self._by_ip: dict[int, Allocation] = {}
         # Released, not re-assigned addresses sorted by (released_at, seq): the
@@ -108,6 +143,10 @@ class PoolAllocator:
         # The JSON entry of every assigned or released address (see to_json).
         self._entries: dict[int, str] = {}
         self._held: dict[int, Key] = {}  # address -> the foreign pod interface holding it
+
+    @property
+    def family(self) -> int:
+        return self.subnet.version
 
     # --- queries ---------------------------------------------------------------
 
@@ -123,7 +162,7 @@ class PoolAllocator:
         first_cooling = self._first_cooling_index(now, cooldown)
         cooling = len(self._released) - first_cooling
         next_free_in = self._released[first_cooling][0] + cooldown - now if cooling else None
-        total = len(self._usable)
+        total = max(0, self._hi - self._lo + 1) - len(self._reserved)
         assigned = len(self._by_ip) + len(self._held)
         return Accounting(
             subnet=self.subnet,
@@ -151,7 +190,7 @@ class PoolAllocator:
         if ip is None:
             accounting = self.accounting(now, cooldown)
             raise IpamExhausted(exhaustion_message([accounting]), [accounting])
-        allocation = Allocation(IPv4Address(ip), self.subnet, container_id, ifname, now)
+        allocation = Allocation(self._address(ip), self.subnet, container_id, ifname, now)
         self._assign(allocation)
         self._last = ip
         return allocation
@@ -166,39 +205,53 @@ class PoolAllocator:
         self._push_released(ip, now)
         return allocation
 
-    def held(self) -> dict[IPv4Address, Key]:
-        return {IPv4Address(ip): key for ip, key in sorted(self._held.items())}
+    def forget_cooled(self, now: float, cooldown: float) -> int:
+        """Drop released addresses whose cooldown has passed: they become never-used
+        again (reached by the cursor after it wraps). Returns how many. For pools whose
+        range dwarfs their pods (IPv6), where the released list would grow forever."""
+        done = self._first_cooling_index(now, cooldown)
+        for _, _, ip in self._released[:done]:
+            self._released_ips.discard(ip)
+            self._entries.pop(ip, None)
+            self._untake(ip)
+        del self._released[:done]
+        return done
 
-    def hold(self, ip: IPv4Address, container_id: str, ifname: str) -> bool:
+    def held(self) -> dict[IPAddress, Key]:
+        return {self._address(ip): key for ip, key in sorted(self._held.items())}
+
+    def hold(self, ip: IPAddress, container_id: str, ifname: str) -> bool:
         """Keep ``ip`` for a pod another IPAM gave it to. False when it is not ours to
         keep: outside the allocatable range, or assigned by us (to that pod or another)."""
-        address = int(ip)
-        if address not in self._usable or address in self._by_ip:
+        if ip.version != self.family:
             return False
-        self._fresh_remove(address)
+        address = int(ip)
+        if not self._usable(address) or address in self._by_ip:
+            return False
         if address in self._released_ips:
             self._released = [e for e in self._released if e[2] != address]
             self._released_ips.discard(address)
             self._entries.pop(address, None)
+        self._take(address)
         self._held[address] = (container_id, ifname)
         return True
 
-    def release_held(self, container_id: str, ifname: str, now: float) -> IPv4Address | None:
+    def release_held(self, container_id: str, ifname: str, now: float) -> IPAddress | None:
         """Free the address held for (container_id, ifname) into cooldown; None: none held."""
         for ip, key in self._held.items():
             if key == (container_id, ifname):
                 del self._held[ip]
                 self._push_released(ip, now)
-                return IPv4Address(ip)
+                return self._address(ip)
         return None
 
-    def release_holds_except(self, keep: set[IPv4Address], now: float) -> list[IPv4Address]:
+    def release_holds_except(self, keep: set[IPAddress], now: float) -> list[IPAddress]:
         """Free every held address not in ``keep`` (its owner forgot it) into cooldown."""
-        freed = [ip for ip in self._held if IPv4Address(ip) not in keep]
+        freed = [ip for ip in self._held if self._address(ip) not in keep]
         for ip in freed:
             del self._held[ip]
             self._push_released(ip, now)
-        return [IPv4Address(ip) for ip in freed]
+        return [self._address(ip) for ip in freed]
 
     # --- persistence -----------------------------------------------------------
 
@@ -208,7 +261,7 @@ class PoolAllocator:
         Entries are rendered once, when they change, so a write costs a join
         rather than an encode of the whole pool.
         """
-        last = json.dumps(str(IPv4Address(self._last)) if self._last is not None else None)
+        last = json.dumps(str(self._address(self._last)) if self._last is not None else None)
         allocations = ",".join(self._entries[ip] for ip in sorted(self._by_ip))
         # Least recently released first: the order allocation reuses them in.
         released = ",".join(self._entries[ip] for _, _, ip in self._released)
@@ -223,21 +276,19 @@ class PoolAllocator:
         return doc
 
     @classmethod
-    def from_doc(
-        cls, doc: Mapping[str, Any], reserved: Iterable[IPv4Address] = ()
-    ) -> PoolAllocator:
+    def from_doc(cls, doc: Mapping[str, Any], reserved: Iterable[IPAddress] = ()) -> PoolAllocator:
         """Rebuild from ``to_doc()`` output; raises ValueError naming what is wrong."""
         if doc.get("version") != DOC_VERSION:
             raise ValueError(f"unsupported IPAM state version {doc.get('version')!r}")
         try:
-            subnet = IPv4Network(doc["subnet"])
+            subnet = ip_network(doc["subnet"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"IPAM state has no valid subnet: {doc.get('subnet')!r}") from e
         pool = cls(subnet, reserved)
         for entry in _list(doc, "allocations"):
             ip = pool._parse_usable(entry, "allocation")
             allocation = Allocation(
-                ip=IPv4Address(ip),
+                ip=pool._address(ip),
                 subnet=subnet,
                 container_id=_text(entry, "container_id"),
                 ifname=_text(entry, "ifname"),
@@ -249,22 +300,40 @@ class PoolAllocator:
         for entry in _list(doc, "released"):
             ip = pool._parse_usable(entry, "released address")
             if ip in pool._by_ip or ip in pool._released_ips:
-                raise ValueError(f"IPAM state lists released {IPv4Address(ip)} twice")
-            pool._fresh_remove(ip)
+                raise ValueError(f"IPAM state lists released {pool._address(ip)} twice")
             pool._push_released(ip, _number(entry, "released_at"))
         last = doc.get("last")
         if last is not None:
             try:
-                pool._last = int(IPv4Address(last))
+                parsed = ip_address(last)
+                if parsed.version != subnet.version:
+                    raise ValueError(last)
+                pool._last = int(parsed)
             except ValueError as e:
                 raise ValueError(f"IPAM state has an invalid last address {last!r}") from e
         return pool
 
     # --- internals -------------------------------------------------------------
 
+    def _address(self, ip: int) -> IPAddress:
+        return IPv6Address(ip) if self.family == 6 else IPv4Address(ip)
+
+    def _usable(self, ip: int) -> bool:
+        return self._lo <= ip <= self._hi and ip not in self._reserved
+
+    def _take(self, ip: int) -> None:
+        index = bisect.bisect_left(self._taken, ip)
+        if index == len(self._taken) or self._taken[index] != ip:
+            self._taken.insert(index, ip)
+
+    def _untake(self, ip: int) -> None:
+        index = bisect.bisect_left(self._taken, ip)
+        if index < len(self._taken) and self._taken[index] == ip:
+            del self._taken[index]
+
     def _assign(self, allocation: Allocation) -> None:
         ip = int(allocation.ip)
-        self._fresh_remove(ip)
+        self._take(ip)
         self._by_ip[ip] = allocation
         self._by_key[(allocation.container_id, allocation.ifname)] = allocation
         self._entries[ip] = _compact(
@@ -279,12 +348,23 @@ class PoolAllocator:
     def _take_fresh(self) -> int | None:
         # Round-robin from the last address handed out, as host-local does:
         # it spreads reuse across the range, which cooldown then formalises.
-        if not self._fresh:
-            return None
-        index = 0 if self._last is None else bisect.bisect_right(self._fresh, self._last)
-        if index == len(self._fresh):
-            index = 0
-        return self._fresh.pop(index)
+        last = self._last
+        start = last + 1 if last is not None and self._lo <= last < self._hi else self._lo
+        found = self._next_untaken(start)
+        if found is None and start > self._lo:
+            found = self._next_untaken(self._lo)
+        return found
+
+    def _next_untaken(self, start: int) -> int | None:
+        """The lowest never-used address >= ``start`` in range, without listing any:
+        ``taken`` is strictly increasing, so ``taken[j] - j`` never decreases, and the
+        run of taken addresses from ``start`` on ends where it first exceeds its start."""
+        taken = self._taken
+        i = bisect.bisect_left(taken, start)
+        if i < len(taken) and taken[i] == start:
+            j = bisect.bisect_right(range(len(taken)), start - i, lo=i, key=lambda k: taken[k] - k)
+            start += j - i
+        return start if start <= self._hi else None
 
     def _take_released(self, now: float, cooldown: float) -> int | None:
         if not self._released:
@@ -298,29 +378,26 @@ class PoolAllocator:
 
     def _push_released(self, ip: int, released_at: float) -> None:
         self._seq += 1
+        self._take(ip)
         bisect.insort(self._released, (released_at, self._seq, ip))
         self._released_ips.add(ip)
-        self._entries[ip] = _compact({"ip": str(IPv4Address(ip)), "released_at": released_at})
+        self._entries[ip] = _compact({"ip": str(self._address(ip)), "released_at": released_at})
 
     def _first_cooling_index(self, now: float, cooldown: float) -> int:
         # Sorted by released_at, so the addresses past cooldown form a prefix.
         return bisect.bisect_right(self._released, now, key=lambda e: e[0] + cooldown)
 
-    def _fresh_remove(self, ip: int) -> None:
-        index = bisect.bisect_left(self._fresh, ip)
-        if index < len(self._fresh) and self._fresh[index] == ip:
-            del self._fresh[index]
-
     def _parse_usable(self, entry: Any, what: str) -> int:
         if not isinstance(entry, Mapping):
             raise ValueError(f"IPAM state has a {what} that is not an object: {entry!r}")
         try:
-            ip = int(IPv4Address(entry["ip"]))
-        except (KeyError, ValueError) as e:
+            parsed = ip_address(entry["ip"])
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"IPAM state has a {what} without a valid ip: {entry!r}") from e
-        if ip not in self._usable:
+        ip = int(parsed)
+        if parsed.version != self.family or not self._usable(ip):
             raise ValueError(
-                f"IPAM state has a {what} {IPv4Address(ip)} that is not an allocatable "
+                f"IPAM state has a {what} {parsed} that is not an allocatable "
                 f"address of {self.subnet}"
             )
         return ip
@@ -328,12 +405,6 @@ class PoolAllocator:
 
 def _compact(entry: dict[str, Any]) -> str:
     return json.dumps(entry, separators=(",", ":"))
-
-
-def _usable_addresses(subnet: IPv4Network, reserved: Iterable[IPv4Address]) -> frozenset[int]:
-    first = int(subnet.network_address) + 2  # skip the network address and the gateway
-    last = int(subnet.broadcast_address) - 1
-    return frozenset(range(first, last + 1)) - {int(ip) for ip in reserved}
 
 
 def _check_cooldown(cooldown: float) -> None:

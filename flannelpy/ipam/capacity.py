@@ -120,6 +120,8 @@ class LeaseUsage:
     @classmethod
     def of(cls, accounting: Accounting, allocatable: bool) -> LeaseUsage:
         a = accounting
+        if not isinstance(a.subnet, IPv4Network):  # NodeIpam.usage() lists IPv4 leases only
+            raise ValueError(f"warm capacity is IPv4-only, got the lease {a.subnet}")
         return cls(a.subnet, a.total, a.assigned, a.cooling, a.free, allocatable)
 
     @property

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from ipaddress import AddressValueError, IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 
 from flannelpy.fsutil import atomic_write
 
@@ -35,17 +35,17 @@ DEFAULT_IFNAME = "eth0"  # what a pre-0.8 file (container id alone) was made for
 class HostLocalEntry:
     """One address host-local handed out: to the pod interface (container_id, ifname)."""
 
-    ip: IPv4Address
+    ip: IPv4Address | IPv6Address  # a dual-stack node's host-local holds both families
     container_id: str
     ifname: str
 
 
 def parse_entry(name: str, content: str) -> HostLocalEntry | None:
     """The entry of the file ``name`` holding ``content``; None for host-local's other files
-    (``lock``, ``last_reserved_ip.*``), IPv6 addresses and empty files."""
+    (``lock``, ``last_reserved_ip.*``) and empty files."""
     try:
-        ip = IPv4Address(name)
-    except (AddressValueError, ValueError):
+        ip = ip_address(name)
+    except ValueError:
         return None
     lines = [line.strip() for line in content.strip().splitlines()]
     if not lines or not lines[0]:
@@ -55,10 +55,13 @@ def parse_entry(name: str, content: str) -> HostLocalEntry | None:
 
 
 def within(
-    entries: Iterable[HostLocalEntry], subnets: Sequence[IPv4Network]
+    entries: Iterable[HostLocalEntry], subnets: Sequence[IPv4Network | IPv6Network]
 ) -> list[HostLocalEntry]:
-    """The entries whose address lies in one of ``subnets``, by address."""
-    return sorted((e for e in entries if any(e.ip in s for s in subnets)), key=lambda e: e.ip)
+    """The entries whose address lies in one of ``subnets``, by family, then address."""
+    return sorted(
+        (e for e in entries if any(e.ip in s for s in subnets)),
+        key=lambda e: (e.ip.version, int(e.ip)),
+    )
 
 
 def render(entries: Iterable[HostLocalEntry]) -> dict[str, str]:
@@ -67,7 +70,7 @@ def render(entries: Iterable[HostLocalEntry]) -> dict[str, str]:
 
 
 def read_dir(directory: str) -> list[HostLocalEntry]:
-    """Every IPv4 entry in host-local's network dir; [] when it does not exist."""
+    """Every entry (both families) in host-local's network dir; [] when it does not exist."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

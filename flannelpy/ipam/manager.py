@@ -16,6 +16,13 @@ Warm capacity (``ipam.capacity``): ``set_low_free_watch`` names a threshold and 
 callback; the allocation that leaves fewer free addresses than that (or an ADD
 that finds none) calls it before returning, so the agent asks for another lease
 while addresses remain instead of waiting for a periodic loop (field-notes §2).
+
+Both families: leases of either family may be given to ``set_leases``; a pod gets
+one address per family that has a lease (``allocate_all``), each in its family's
+pool file, so crash-safety is the same for both (an address without a CNI record,
+from an ADD that died between the two, is released by the start-up GC). Warm
+capacity stays IPv4-only: ``usage()`` and the low-free watch see IPv4 leases only,
+since a node's IPv6 subnet (a /64) cannot run dry.
 """
 
 from __future__ import annotations
@@ -24,11 +31,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Address, IPv4Network
 from types import TracebackType
 
 from flannelpy.errors import ConfigError
-from flannelpy.ipam.allocator import Accounting, Allocation, PoolAllocator, exhaustion_message
+from flannelpy.ipam.allocator import (
+    Accounting,
+    Allocation,
+    IPAddress,
+    IPNetwork,
+    PoolAllocator,
+    exhaustion_message,
+)
 from flannelpy.ipam.capacity import LeaseUsage
 from flannelpy.ipam.errors import IpamExhausted
 from flannelpy.ipam.hostlocal import HostLocalEntry, remove_entry
@@ -65,9 +78,9 @@ class NodeIpam:
         self._lock = threading.Lock()
         self._waiters: list[object] = []  # tickets of allocate() calls waiting, oldest first
         self._store = IpamStore(state_dir, fsync=fsync)
-        self._pools: dict[IPv4Network, PoolAllocator] = {}
-        self._leases: list[IPv4Network] = []
-        self._allocatable: list[IPv4Network] = []
+        self._pools: dict[IPNetwork, PoolAllocator] = {}
+        self._leases: list[IPNetwork] = []
+        self._allocatable: list[IPNetwork] = []
         self._low_free: tuple[int, LowFreeCallback | None] = (0, None)
         # host-local's data dir on this node (ipam.hostlocal): its entries are held for
         # their pods, and a release forgets the released pod's entry there too.
@@ -100,10 +113,14 @@ class NodeIpam:
     ) -> None:
         self.close()
 
+    def families(self) -> list[int]:
+        """The address families pods get (those with a lease), IPv4 first."""
+        return sorted({s.version for s in self._leases})
+
     def set_leases(
         self,
-        subnets: Sequence[IPv4Network],
-        allocatable: Sequence[IPv4Network] | None = None,
+        subnets: Sequence[IPNetwork],
+        allocatable: Sequence[IPNetwork] | None = None,
     ) -> None:
         """The node's leases in preference order (oldest first); ``allocatable``
         (default: all) may receive new addresses, walked in the leases' order; the
@@ -183,16 +200,17 @@ class NodeIpam:
                     self._pools[s].accounting(now, self.cooldown_seconds), s in self._allocatable
                 )
                 for s in self._leases
+                if s.version == 4  # warm capacity is IPv4-only (module doc)
             ]
 
-    def is_empty(self, subnet: IPv4Network) -> bool:
+    def is_empty(self, subnet: IPNetwork) -> bool:
         """No address of ``subnet`` is assigned or cooling (by the longest cooldown any
         request used): only then may its lease be released."""
         with self._lock, self._store.locked():
             self._refresh()
             return self._is_empty(subnet, self._clock())
 
-    def remove_lease_if_empty(self, subnet: IPv4Network) -> bool:
+    def remove_lease_if_empty(self, subnet: IPNetwork) -> bool:
         """Forget ``subnet`` and delete its state file if no address of it is assigned
         or cooling; False (and nothing changes) otherwise.
 
@@ -216,9 +234,11 @@ class NodeIpam:
         ifname: str,
         cooldown: float | None = None,
         wait: float | None = None,
+        family: int | None = None,
     ) -> Allocation:
-        """The existing allocation of (container_id, ifname), or a new one from the
-        first allocatable lease with a free address, on disk before returning.
+        """The existing allocation of (container_id, ifname) in ``family`` (default: the
+        first family with a lease, IPv4 first), or a new one from the first allocatable
+        lease of that family with a free address, on disk before returning.
 
         When every address is assigned or cooling, waits for the next cooling
         address if it frees within ``wait`` seconds; otherwise raises
@@ -228,10 +248,12 @@ class NodeIpam:
         wait = self.wait_seconds if wait is None else wait
         _check_seconds("ipCooldownSeconds", cooldown)
         _check_seconds("ipWaitSeconds", wait)
+        if family is None:
+            family = (self.families() or [4])[0]
         deadline = self._clock() + wait
         ticket = object()  # our place among waiting requests, once we wait
         threshold, on_low = self._low_free
-        watching = threshold > 0 and on_low is not None
+        watching = threshold > 0 and on_low is not None and family == 4
         left: int | None = None  # free addresses after this request, when watched
         allocation: Allocation | None = None
         exhausted: IpamExhausted | None = None
@@ -239,7 +261,7 @@ class NodeIpam:
             while True:
                 with self._lock, self._store.locked():
                     self._refresh()
-                    found = self._find(container_id, ifname)
+                    found = self._find(container_id, ifname, family)
                     if found is not None:
                         return found
                     if cooldown > self._longest_cooldown:
@@ -250,7 +272,8 @@ class NodeIpam:
                     # came later must not take the address a bounded wait is waiting for.
                     # A request that will not wait takes any free one (it would fail else).
                     ahead = self._ahead(ticket) if wait > 0 else 0
-                    for subnet in self._allocatable:
+                    serving = [s for s in self._allocatable if s.version == family]
+                    for subnet in serving:
                         pool = self._pools[subnet]
                         free = pool.accounting(now, cooldown).free
                         if free > ahead:
@@ -262,9 +285,7 @@ class NodeIpam:
                         if watching:
                             left = self._free(now, cooldown)
                         break
-                    accounting = [
-                        self._pools[s].accounting(now, cooldown) for s in self._allocatable
-                    ]
+                    accounting = [self._pools[s].accounting(now, cooldown) for s in serving]
                     step = _next_free_in(accounting)
                     owed = sum(a.free for a in accounting) > 0  # to earlier waiters, soon taken
                     if (step is None and not owed) or now + (step or 0) > deadline:
@@ -287,34 +308,78 @@ class NodeIpam:
             self._notify_low(on_low, left)
         return allocation
 
-    def release(self, container_id: str, ifname: str) -> Allocation | None:
-        """Put (container_id, ifname)'s address into cooldown; None when it has none."""
+    def allocate_all(
+        self,
+        container_id: str,
+        ifname: str,
+        cooldown: float | None = None,
+        wait: float | None = None,
+    ) -> list[Allocation]:
+        """One allocation per family with a lease, IPv4 first (see ``allocate``). When a
+        later family has no free address, the ones this call made are released again."""
+        families = self.families()
+        if not families:
+            return [self.allocate(container_id, ifname, cooldown, wait)]  # raises: no lease
+        had = {a.family for a in self.find_all(container_id, ifname)}
+        made: list[Allocation] = []
+        try:
+            for family in families:
+                made.append(self.allocate(container_id, ifname, cooldown, wait, family))
+        except BaseException:
+            for alloc in made:
+                if alloc.family not in had:
+                    self._release_one(alloc)
+            raise
+        return made
+
+    def _release_one(self, alloc: Allocation) -> None:
         with self._lock, self._store.locked():
             self._refresh()
-            for subnet, pool in self._pools.items():
+            pool = self._pools.get(alloc.subnet)
+            if pool is not None and pool.find(alloc.container_id, alloc.ifname) == alloc:
+                pool.release(alloc.container_id, alloc.ifname, self._clock())
+                self._save(alloc.subnet)
+
+    def release(self, container_id: str, ifname: str) -> Allocation | None:
+        """Put (container_id, ifname)'s addresses (every family) into cooldown; returns
+        the first family's, None when it has none."""
+        with self._lock, self._store.locked():
+            self._refresh()
+            first: Allocation | None = None
+            for subnet, pool in sorted(self._pools.items(), key=_by_family):
                 released = pool.release(container_id, ifname, self._clock())
                 if released is not None:
                     self._save(subnet)
                     self._forget_host_local(released.ip, container_id, ifname)
-                    return released
-            for subnet, pool in self._pools.items():  # a pod host-local gave its address
+                    first = first or released
+            if first is not None:
+                return first
+            # A pod host-local gave its addresses (one per family).
+            for subnet, pool in sorted(self._pools.items(), key=_by_family):
                 ip = pool.release_held(container_id, ifname, self._clock())
                 if ip is not None:
                     self._save(subnet)
                     self._foreign = [e for e in self._foreign if e.ip != ip]
                     self._forget_host_local(ip, container_id, ifname)
-                    return Allocation(ip, subnet, container_id, ifname, self._clock())
-            return None
+                    first = first or Allocation(ip, subnet, container_id, ifname, self._clock())
+            return first
 
-    def _forget_host_local(self, ip: IPv4Address, container_id: str, ifname: str) -> None:
+    def _forget_host_local(self, ip: IPAddress, container_id: str, ifname: str) -> None:
         # Else a restart would hold the released address for a pod that is gone.
         if self._host_local_dir:
             remove_entry(self._host_local_dir, HostLocalEntry(ip, container_id, ifname))
 
     def find(self, container_id: str, ifname: str) -> Allocation | None:
+        """The first family's allocation of (container_id, ifname)."""
+        found = self.find_all(container_id, ifname)
+        return found[0] if found else None
+
+    def find_all(self, container_id: str, ifname: str) -> list[Allocation]:
+        """Every allocation of (container_id, ifname), IPv4 first."""
         with self._lock, self._store.locked():
             self._refresh()
-            return self._find(container_id, ifname)
+            every = (p.find(container_id, ifname) for p in self._pools.values())
+            return sorted((a for a in every if a is not None), key=_alloc_order)
 
     def allocations(self) -> list[Allocation]:
         """Every allocation on every pool (current or former leases), by address."""
@@ -324,13 +389,13 @@ class NodeIpam:
 
     def host_local_entries(self) -> list[HostLocalEntry]:
         """Every address this node's pods hold (ours and held ones), as host-local records
-        them: what host-local must know before it serves this node again."""
+        them (both families): what host-local must know before it serves this node again."""
         with self._lock, self._store.locked():
             self._refresh()
             entries = [HostLocalEntry(a.ip, a.container_id, a.ifname) for a in self._allocations()]
             for pool in self._pools.values():
                 entries += [HostLocalEntry(ip, *key) for ip, key in pool.held().items()]
-            return sorted(entries, key=lambda e: e.ip)
+            return sorted(entries, key=lambda e: (e.ip.version, int(e.ip)))
 
     def accounting(self) -> list[Accounting]:
         """Per current lease, then per former lease that still has pods, with the
@@ -339,7 +404,7 @@ class NodeIpam:
             self._refresh()
             now = self._clock()
             result = [self._pools[s].accounting(now, self.cooldown_seconds) for s in self._leases]
-            for subnet, pool in sorted(self._pools.items()):
+            for subnet, pool in sorted(self._pools.items(), key=_by_family):
                 if subnet not in self._leases:
                     former = pool.accounting(now, self.cooldown_seconds)
                     if former.assigned:
@@ -357,7 +422,7 @@ class NodeIpam:
         with self._lock, self._store.locked():
             self._refresh()
             now = self._clock()
-            changed: set[IPv4Network] = set()
+            changed: set[IPNetwork] = set()
             for old in rejected:
                 pool = self._pools.get(old.subnet)
                 if pool is None or pool.find(old.container_id, old.ifname) != old:
@@ -365,16 +430,17 @@ class NodeIpam:
                 if pool.release(old.container_id, old.ifname, now) is not None:
                     released.append(old)
                     changed.add(old.subnet)
-            for subnet in sorted(changed):
+            for subnet in sorted(changed, key=_net_order):
                 self._save(subnet)
         return released
 
     # --- internals (called with both locks held, unless said otherwise) -----------
 
     def _free(self, now: float, cooldown: float) -> int:
-        return sum(self._pools[s].accounting(now, cooldown).free for s in self._allocatable)
+        serving = [s for s in self._allocatable if s.version == 4]  # warm capacity: IPv4
+        return sum(self._pools[s].accounting(now, cooldown).free for s in serving)
 
-    def _is_empty(self, subnet: IPv4Network, now: float) -> bool:
+    def _is_empty(self, subnet: IPNetwork, now: float) -> bool:
         pool = self._pools.get(subnet)
         if pool is None:  # perhaps another process's file
             pool = self._load(subnet)
@@ -398,8 +464,10 @@ class NodeIpam:
             return self._waiters.index(ticket)
         return len(self._waiters)
 
-    def _find(self, container_id: str, ifname: str) -> Allocation | None:
+    def _find(self, container_id: str, ifname: str, family: int) -> Allocation | None:
         for pool in self._pools.values():
+            if pool.family != family:
+                continue
             found = pool.find(container_id, ifname)
             if found is not None:
                 return found
@@ -407,9 +475,9 @@ class NodeIpam:
 
     def _allocations(self) -> list[Allocation]:
         every = [a for pool in self._pools.values() for a in pool.allocations()]
-        return sorted(every, key=lambda a: a.ip)
+        return sorted(every, key=_alloc_order)
 
-    def _load(self, subnet: IPv4Network) -> PoolAllocator:
+    def _load(self, subnet: IPNetwork) -> PoolAllocator:
         doc = self._store.load(subnet)
         if doc is None:
             return PoolAllocator(subnet)
@@ -430,8 +498,23 @@ class NodeIpam:
                     if entry.ip in subnet:
                         pool.hold(entry.ip, entry.container_id, entry.ifname)
 
-    def _save(self, subnet: IPv4Network) -> None:
-        self._store.save(subnet, self._pools[subnet].to_json())
+    def _save(self, subnet: IPNetwork) -> None:
+        pool = self._pools[subnet]
+        if subnet.version == 6:  # bounded state: see PoolAllocator.forget_cooled
+            pool.forget_cooled(self._clock(), self._longest_cooldown)
+        self._store.save(subnet, pool.to_json())
+
+
+def _net_order(subnet: IPNetwork) -> tuple[int, IPNetwork]:
+    return (subnet.version, subnet)
+
+
+def _by_family(item: tuple[IPNetwork, PoolAllocator]) -> tuple[int, IPNetwork]:
+    return _net_order(item[0])
+
+
+def _alloc_order(alloc: Allocation) -> tuple[int, IPAddress]:
+    return (alloc.family, alloc.ip)
 
 
 def _next_free_in(accounting: Sequence[Accounting]) -> float | None:

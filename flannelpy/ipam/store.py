@@ -6,6 +6,7 @@ Layout of the state directory (mode 0700)::
     cooldown.json         {"longest_cooldown_seconds": N}: the longest ipCooldownSeconds
                           any ADD asked for, so a restart does not end one early
     10.244.1.0_24.json    PoolAllocator.to_doc() of lease 10.244.1.0/24
+    fc00-0-0-1--_64.json  the same of the IPv6 subnet fc00:0:0:1::/64 (":" written "-")
     .10.244.1.0_24.json.*.tmp   the next version while it is being written
 
 A write goes to a uniquely named temp file, which is renamed over the real one
@@ -28,7 +29,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 
 from flannelpy.errors import StoreError
@@ -38,11 +39,16 @@ log = logging.getLogger("flannelpy.ipam")
 
 LOCK_NAME = "lock"
 COOLDOWN_NAME = "cooldown.json"
-_POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})_(\d{1,2})\.json$")
+_POOL_FILE = re.compile(
+    r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|[0-9a-f-]{2,39})_(\d{1,3})\.json$"
+)
+
+IPNetwork = IPv4Network | IPv6Network
 
 
-def pool_file_name(subnet: IPv4Network) -> str:
-    return f"{subnet.network_address}_{subnet.prefixlen}.json"
+def pool_file_name(subnet: IPNetwork) -> str:
+    # No ":" in file names: tools that copy state directories (tar, scp) treat it specially.
+    return f"{str(subnet.network_address).replace(':', '-')}_{subnet.prefixlen}.json"
 
 
 class IpamStore:
@@ -66,8 +72,8 @@ class IpamStore:
         self._held = False
         # Bytes last read or written per file (None: the file was absent).
         # A subnet missing here is unknown, so changed() reports True.
-        self._seen: dict[IPv4Network, bytes | None] = {}
-        self._paths: dict[IPv4Network, str] = {}
+        self._seen: dict[IPNetwork, bytes | None] = {}
+        self._paths: dict[IPNetwork, str] = {}
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -89,13 +95,13 @@ class IpamStore:
             self._held = False
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def path(self, subnet: IPv4Network) -> str:
+    def path(self, subnet: IPNetwork) -> str:
         path = self._paths.get(subnet)
         if path is None:
             path = self._paths[subnet] = os.path.join(self.directory, pool_file_name(subnet))
         return path
 
-    def subnets(self) -> list[IPv4Network]:
+    def subnets(self) -> list[IPNetwork]:
         """The subnets that have a state file, in address order."""
         self._require_lock()
         found = []
@@ -103,12 +109,12 @@ class IpamStore:
             match = _POOL_FILE.match(name)
             if match:
                 try:
-                    found.append(IPv4Network(f"{match[1]}/{match[2]}"))
+                    found.append(ip_network(f"{match[1].replace('-', ':')}/{match[2]}"))
                 except ValueError:
                     continue  # not one of ours (a host address with a prefix, say)
-        return sorted(found)
+        return sorted(found, key=lambda n: (n.version, n))
 
-    def load(self, subnet: IPv4Network) -> dict[str, Any] | None:
+    def load(self, subnet: IPNetwork) -> dict[str, Any] | None:
         """The subnet's state document, or None when it has no file yet."""
         data = self._read(subnet)
         self._seen[subnet] = data
@@ -122,13 +128,13 @@ class IpamStore:
             raise self.corrupt(subnet, "not a JSON object")
         return doc
 
-    def changed(self, subnet: IPv4Network) -> bool:
+    def changed(self, subnet: IPNetwork) -> bool:
         """Whether the file differs from what this store last read or wrote."""
         if subnet not in self._seen:
             return True
         return self._read(subnet) != self._seen[subnet]
 
-    def save(self, subnet: IPv4Network, data: bytes) -> None:
+    def save(self, subnet: IPNetwork, data: bytes) -> None:
         """Replace the subnet's file with ``data`` (a JSON document) atomically,
         and durably when ``fsync``."""
         self._require_lock()
@@ -144,7 +150,7 @@ class IpamStore:
             ) from e
         self._seen[subnet] = data
 
-    def delete(self, subnet: IPv4Network) -> None:
+    def delete(self, subnet: IPNetwork) -> None:
         """Remove the subnet's file (a missing one is success), durably when ``fsync``."""
         self._require_lock()
         path = self.path(subnet)
@@ -192,14 +198,14 @@ class IpamStore:
                 "check free space and permissions of the state directory"
             ) from e
 
-    def corrupt(self, subnet: IPv4Network, why: str) -> StoreError:
+    def corrupt(self, subnet: IPNetwork, why: str) -> StoreError:
         """The error for a state file that cannot be used as it is."""
         return StoreError(
             f"IPAM state file {self.path(subnet)} is invalid: {why}; restore it from a backup "
             "or move it away once no pod uses addresses of that lease"
         )
 
-    def _read(self, subnet: IPv4Network) -> bytes | None:
+    def _read(self, subnet: IPNetwork) -> bytes | None:
         self._require_lock()
         try:
             with open(self.path(subnet), "rb") as f:

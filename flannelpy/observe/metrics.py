@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import TypeVar
 
 from prometheus_client import (
@@ -46,6 +46,7 @@ from flannelpy.dataplane.linkstats import RoleStats
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.errors import KeyExists, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.ipam.allocator import Accounting
+from flannelpy.observe.kernel_counters import KernelCollector, KernelReading
 from flannelpy.observe.mtu import mtu_mismatches
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
@@ -92,6 +93,14 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_interface_bytes_total": "counter",
     "flannelpy_interfaces": "gauge",
     "flannelpy_interfaces_up": "gauge",
+    # kernel counters (scrape time, flannelpy.observe.kernel_counters)
+    "flannelpy_node_tcp_retransmitted_segments_total": "counter",
+    "flannelpy_node_tcp_sent_segments_total": "counter",
+    "flannelpy_pod_tcp_retransmitted_segments_total": "counter",
+    "flannelpy_pod_tcp_sent_segments_total": "counter",
+    "flannelpy_kernel_drops_total": "counter",
+    "flannelpy_kernel_icmp_unreachable_sent_total": "counter",
+    "flannelpy_pod_namespaces_counted": "gauge",
     # IPAM (scrape time)
     "flannelpy_ipam_assigned_addresses": "gauge",
     "flannelpy_ipam_cooling_addresses": "gauge",
@@ -135,7 +144,15 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_agent_events_total": "counter",
     # the metrics themselves
     "flannelpy_scrape_errors_total": "counter",
+    # the wireguard backend
+    "flannelpy_wireguard_implementation": "gauge",
+    "flannelpy_wireguard_repairs_total": "counter",
+    "flannelpy_wireguard_unencrypted_peers": "gauge",
 }
+
+
+WIREGUARD_IMPLEMENTATIONS = ("kernel", "userspace")
+WIREGUARD_REPAIR_KINDS = ("peers_set", "peers_removed", "key", "port", "process")
 
 
 def sample_names() -> frozenset[str]:
@@ -161,6 +178,11 @@ def _label(value: str, allowed: Sequence[str] | None = None) -> str:
         return value if value in allowed else "other"
     folded = value.strip().lower()
     return folded if _SAFE_LABEL.fullmatch(folded) else "other"
+
+
+def _family(peer_subnet: str) -> str:
+    """The ``family`` label of a probed peer's subnet."""
+    return "ipv6" if ":" in peer_subnet else "ipv4"
 
 
 def _gauge_value(value: float | bool | None) -> float:
@@ -202,6 +224,7 @@ class AgentMetrics:
         self._lock = threading.Lock()
         self._link_provider: LinkProvider | None = None
         self._ipam_provider: IpamProvider | None = None
+        self._kernel_provider: Callable[[], KernelReading] | None = None
         self._overlay_mtu: int | None = None
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
@@ -311,21 +334,22 @@ class AgentMetrics:
 
         self._reachable = Gauge(
             "flannelpy_peer_reachable",
-            "1 when the last probe of the peer (by its lease subnet) was answered.",
-            ["peer"], registry=r,
+            "1 when the last probe of the peer (by its lease subnet of that family) was "
+            "answered.",
+            ["peer", "family"], registry=r,
         )  # fmt: skip
         self._rtt = Gauge(
             "flannelpy_peer_rtt_seconds", "Round-trip time of the last answered probe.",
-            ["peer"], registry=r,
+            ["peer", "family"], registry=r,
         )  # fmt: skip
         self._loss = Gauge(
             "flannelpy_peer_loss_ratio", "Share of recent probes not answered (0..1).",
-            ["peer"], registry=r,
+            ["peer", "family"], registry=r,
         )  # fmt: skip
         self._mtu_ok = Gauge(
             "flannelpy_peer_path_mtu_verified",
             "1 when a full overlay-MTU probe with DF set reached the peer, 0 when it failed.",
-            ["peer"], registry=r,
+            ["peer", "family"], registry=r,
         )  # fmt: skip
 
         self._mtu = Gauge(
@@ -346,6 +370,23 @@ class AgentMetrics:
         )  # fmt: skip
         for kind in AGENT_EVENT_KINDS:
             self._agent_events.labels(kind)
+
+        self._wg_impl = Gauge(
+            "flannelpy_wireguard_implementation",
+            "1 for the WireGuard implementation this node runs (kernel or userspace).",
+            ["implementation"], registry=r,
+        )  # fmt: skip
+        self._wg_repairs = Counter(
+            "flannelpy_wireguard_repairs_total",
+            "Changes written to the WireGuard device that it did not have (peers, key, "
+            "port, a restarted wireguard-go), by kind.", ["kind"], registry=r,
+        )  # fmt: skip
+
+        self._wg_unencrypted = Gauge(
+            "flannelpy_wireguard_unencrypted_peers",
+            "Peer nodes a wireguard node still reaches without encryption (vxlan while a "
+            "rollout is under way); 0 when the switch is complete.", registry=r,
+        )  # fmt: skip
 
         self._blocked = Counter(
             "flannelpy_blocked_operations_total",
@@ -369,13 +410,16 @@ class AgentMetrics:
         for reason in WATCH_RESTART_REASONS:
             self._watch_restarts.labels(reason)
         self._store_errors.labels("unavailable")
-        for provider in ("links", "ipam"):
+        # increase() sees no rise in a series that appears at 1: the first block must count.
+        self._blocked.labels("backend_change")
+        for provider in ("links", "ipam", "kernel"):
             self._scrape_errors.labels(provider)
         self._mtu_mismatch.set(0)
         self._mtu_unknown.set(0)
         for state in LEASE_STATES:
             self._lease_count.labels(state).set(0)
         r.register(ScrapeCollector(self._read_links, self._read_ipam))
+        r.register(KernelCollector(self._read_kernel))
         r.register(self._scrape_errors)
 
     # -- providers --------------------------------------------------------------------
@@ -383,6 +427,22 @@ class AgentMetrics:
     def set_link_provider(self, fn: LinkProvider | None) -> None:
         """Read interface counters per role at scrape time (e.g. a NetlinkLinkStats)."""
         self._link_provider = fn
+
+    def set_kernel_provider(self, fn: Callable[[], KernelReading] | None) -> None:
+        """Read TCP and drop counters of the node and its pods at scrape time (a
+        ``kernel_counters.KernelCounters``, which also follows ADD and DEL)."""
+        self._kernel_provider = fn
+
+    def cni_done(self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None) -> None:
+        """A CNI request answered with success, with the pod namespace's descriptor if
+        the executable passed one: the kernel counters keep the pod's table open."""
+        hook = getattr(self._kernel_provider, "on_cni", None)
+        if hook is None:
+            return
+        try:
+            hook(env, stdin, netns_fd)
+        except Exception as e:  # a CNI request never fails on metrics
+            log.warning("pod counters could not follow a CNI request error=%s", e)
 
     def set_ipam_provider(self, fn: IpamProvider | None) -> None:
         """Read IPAM accounting per lease at scrape time (e.g. ``NodeIpam.accounting``)."""
@@ -447,7 +507,9 @@ class AgentMetrics:
             counts[backend] = counts.get(backend, 0) + 1
         with self._lock:
             self._peer_leases = peers
-            gone = self._probed - {str(lease.subnet) for lease in peers}
+            gone = self._probed - {
+                str(net) for lease in peers for net in (lease.subnet, lease.ipv6_subnet) if net
+            }
             vanished = self._backends - counts.keys()
             self._backends = set(counts)
         for backend, count in counts.items():
@@ -528,33 +590,47 @@ class AgentMetrics:
 
     def probe(
         self,
-        peer_subnet: IPv4Network | str,
+        peer_subnet: IPv4Network | IPv6Network | str,
         reachable: bool,
         rtt_seconds: float | None,
         loss_ratio: float | None,
         mtu_ok: bool | None,
     ) -> None:
-        """The prober's current view of one peer (labelled by its lease subnet).
+        """The prober's current view of one side of a peer, labelled by its lease subnet
+        of that family and the family ("ipv4", "ipv6": at most two series per peer).
         None means "not known yet" and is exported as NaN."""
         peer = str(peer_subnet)
+        family = _family(peer)
         with self._lock:
             self._probed.add(peer)
-        self._reachable.labels(peer).set(1 if reachable else 0)
-        self._rtt.labels(peer).set(_gauge_value(rtt_seconds))
-        self._loss.labels(peer).set(_gauge_value(loss_ratio))
-        self._mtu_ok.labels(peer).set(_gauge_value(mtu_ok))
+        self._reachable.labels(peer, family).set(1 if reachable else 0)
+        self._rtt.labels(peer, family).set(_gauge_value(rtt_seconds))
+        self._loss.labels(peer, family).set(_gauge_value(loss_ratio))
+        self._mtu_ok.labels(peer, family).set(_gauge_value(mtu_ok))
 
-    def forget_probe(self, peer_subnet: IPv4Network | str) -> None:
-        """Remove a peer's probe series (it left the cluster)."""
+    def forget_probe(self, peer_subnet: IPv4Network | IPv6Network | str) -> None:
+        """Remove a peer's probe series of that subnet's family (it left the cluster)."""
         peer = str(peer_subnet)
         with self._lock:
             self._probed.discard(peer)
         for gauge in (self._reachable, self._rtt, self._loss, self._mtu_ok):
-            gauge.remove(peer)
+            gauge.remove(peer, _family(peer))
 
     def agent_event(self, kind: str) -> None:
         """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""
         self._agent_events.labels(_label(kind, AGENT_EVENT_KINDS)).inc()
+
+    # -- wireguard --------------------------------------------------------------------
+
+    def wireguard_implementation(self, implementation: str) -> None:
+        for name in WIREGUARD_IMPLEMENTATIONS:
+            self._wg_impl.labels(name).set(1 if name == implementation else 0)
+
+    def wireguard_unencrypted_peers(self, count: int) -> None:
+        self._wg_unencrypted.set(count)
+
+    def wireguard_repair(self, kind: str, count: int = 1) -> None:
+        self._wg_repairs.labels(_label(kind, WIREGUARD_REPAIR_KINDS)).inc(count)
 
     # -- disruption policy ------------------------------------------------------------
 
@@ -571,6 +647,13 @@ class AgentMetrics:
     def _read_links(self) -> Sequence[RoleStats] | None:
         fn = self._link_provider
         return None if fn is None else self._read("links", fn)
+
+    def _read_kernel(self) -> KernelReading | None:
+        fn = self._kernel_provider
+        if fn is None:
+            return None
+        got = self._read("kernel", lambda: [fn()])
+        return got[0] if got else None
 
     def _read_ipam(self) -> Sequence[Accounting] | None:
         fn = self._ipam_provider

@@ -71,6 +71,18 @@ def describe_mismatch(own_mtu: int, peer: PeerMtu) -> str:
     )
 
 
+def runs_flanneld_vxlan_v6(lease: Lease) -> bool:
+    """A flanneld lease (no MTU of ours) with a VXLAN VTEP over IPv6: flanneld gave that
+    device underlay−50, 20 bytes more than VXLAN over IPv6 leaves room for."""
+    data = lease.attrs.backend_v6_data or {}
+    return (
+        lease.attrs.mtu is None
+        and lease.attrs.backend_type == "vxlan"
+        and lease.attrs.public_ipv6 is not None
+        and bool(data.get("VtepMAC"))
+    )
+
+
 def describe_unknown(peer: PeerMtu) -> str:
     return (
         f"peer {peer.subnet} ({peer.public_ip}) advertises no overlay MTU (flanneld or an "

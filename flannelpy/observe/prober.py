@@ -2,11 +2,13 @@
 carry full-size packets?
 
 Each round sends a peer two ICMP echoes from our overlay address to its overlay
-address, at once: a small one (ping's default size) and one of exactly the
-overlay MTU with DF set. A path that answers the small echo but not the big one
-is the silent-drop case of field notes §1: connections hang, nothing logs an
-error. A local EMSGSIZE for the big echo means our own route's MTU is below the
-overlay MTU, which is just as conclusive.
+address, at once (ICMPv6 to the IPv6 side of a dual-stack peer, a peer of its own
+here, so the budget below counts both families): a small one (ping's default
+size) and one of exactly the overlay MTU with DF set (IPV6_DONTFRAG over IPv6).
+A path that answers the small echo but not the big one is the silent-drop case
+of field notes §1: connections hang, nothing logs an error. A local EMSGSIZE for
+the big echo means our own route's MTU is below the overlay MTU, which is just as
+conclusive.
 
 Scheduling: at most ``peers_per_interval`` peers are probed per interval, so the
 cost does not grow with the cluster. With N peers the *cycle* is ``interval *
@@ -57,7 +59,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address, ip_address
 from typing import Any, Literal, Protocol
 
 from flannelpy.dataplane.icmp import Reply
@@ -66,6 +68,7 @@ from flannelpy.errors import ConfigError
 log = logging.getLogger("flannelpy.prober")
 
 SMALL_PROBE_BYTES = 84  # total IP packet of ping's default 56-byte payload
+SMALL_PROBE_BYTES6 = 104  # the same over IPv6 (40-byte header)
 BLOCKED_POLL_SECONDS = 0.02  # how soon to look again when max_in_flight holds a peer back
 # Rounds per interval (20 rounds/s at the 5 s default): a 100-node cluster is probed in
 # full every interval, a 1,000-node one every 50 s.
@@ -87,8 +90,13 @@ class ProbeResult:
     mtu_ok: bool | None  # None: not verified either way yet
     last_error: str | None  # the latest round's problem; None when it went fine
     probes: int  # rounds completed since the peer was added
-    target: IPv4Address | None = None
+    target: IPv4Address | IPv6Address | None = None
     label: str = ""
+
+    @property
+    def family(self) -> str:
+        """"ipv6" for the IPv6 side of a dual-stack peer, else "ipv4"."""
+        return "ipv6" if self.target is not None and self.target.version == 6 else "ipv4"
 
     def as_status(self) -> dict[str, Any]:
         """The ``status.json`` form: {reachable, rtt_ms, loss, mtu_ok, error, probes}."""
@@ -122,7 +130,7 @@ def summarize(
     *,
     down_after: int = 3,
     mtu_strikes: int = 3,
-    target: IPv4Address | None = None,
+    target: IPv4Address | IPv6Address | None = None,
     label: str = "",
 ) -> ProbeResult:
     """Turn a peer's window of rounds (oldest first) into a ProbeResult."""
@@ -221,8 +229,11 @@ def needs_confirmation(latest: RoundOutcome, result: ProbeResult) -> bool:
 class Transport(Protocol):
     """Sends ICMP echoes with DF set and hands back what answered them."""
 
-    def send(self, source: IPv4Address, target: IPv4Address, size: int) -> int:
-        """Send one echo request of ``size`` bytes (whole IP packet); return its ticket.
+    def send(
+        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
+    ) -> int:
+        """Send one echo request of ``size`` bytes (whole IP packet), never fragmented,
+        over the target's family (``source`` is of the same); return its ticket.
 
         Raises OSError when the kernel refuses it (EMSGSIZE: larger than the route MTU).
         """
@@ -265,7 +276,7 @@ class _Round:
 @dataclass
 class _Peer:
     key: str
-    target: IPv4Address
+    target: IPv4Address | IPv6Address
     label: str
     window: int
     phase: float = 0.0
@@ -292,6 +303,7 @@ class Prober:
         *,
         mtu_provider: Callable[[], int | None],
         own_address_provider: Callable[[], IPv4Address | None],
+        own_address6_provider: Callable[[], IPv6Address | None] = lambda: None,
         interval_seconds: float = 5.0,
         window: int = 20,
         timeout_seconds: float = 1.0,
@@ -316,6 +328,7 @@ class Prober:
         self._clock = clock
         self._mtu = mtu_provider
         self._own = own_address_provider
+        self._own6 = own_address6_provider
         self.interval = interval_seconds
         self.window = window
         self.timeout = timeout_seconds
@@ -340,11 +353,12 @@ class Prober:
 
     # --- API -----------------------------------------------------------------
 
-    def set_peers(self, peers: Mapping[str, tuple[IPv4Address, str]]) -> None:
+    def set_peers(self, peers: Mapping[str, tuple[IPv4Address | IPv6Address, str]]) -> None:
         """Replace the peer set: ``{key: (overlay address to probe, label)}``.
 
         ``key`` identifies the peer (its lease subnet, say) in results and phases; a
-        peer whose address changes starts a fresh history.
+        peer whose address changes starts a fresh history. An IPv6 address is probed
+        from ``own_address6_provider``'s address, and waits while that is None.
         """
         now = self._clock()
         with self._lock:
@@ -359,7 +373,7 @@ class Prober:
                 if peer is not None:
                     peer.label = label
                     continue
-                peer = _Peer(key, IPv4Address(target), label, self.window)
+                peer = _Peer(key, ip_address(target), label, self.window)
                 self._peers[key] = peer
                 added.append(peer)
             cycle = cycle_seconds(len(self._peers), self.interval, self.peers_per_interval)
@@ -503,7 +517,7 @@ class Prober:
             finished.append((peer.key, result))
         return finished
 
-    def _outcome(self, rnd: _Round, target: IPv4Address) -> RoundOutcome:
+    def _outcome(self, rnd: _Round, target: IPv4Address | IPv6Address) -> RoundOutcome:
         small_ok = rnd.small.rtt is not None
         errors = []
         if not small_ok:
@@ -517,7 +531,7 @@ class Prober:
                 errors.append(rnd.big.error or self._timeout_text(rnd.big.size, target, True))
         return RoundOutcome(small_ok, rnd.small.rtt, big, "; ".join(errors) or None)
 
-    def _timeout_text(self, size: int, target: IPv4Address, df: bool) -> str:
+    def _timeout_text(self, size: int, target: IPv4Address | IPv6Address, df: bool) -> str:
         kind = f"{size}-byte DF echo (the overlay MTU)" if df else f"{size}-byte echo"
         return f"no reply from {target} to a {kind} within {self.timeout:g} s"
 
@@ -530,9 +544,8 @@ class Prober:
         if owner != (self._phase_owner or "") or jumped_back:
             self._phase_owner = owner
             self._reschedule_all(owner, now)
+        sources: dict[int, IPv4Address | IPv6Address | None] = {4: source, 6: self._own6()}
         mtu = self._mtu()
-        big_size = mtu if mtu is not None and mtu > SMALL_PROBE_BYTES else None
-        needed = 1 if big_size is None else 2
         due = self._due
         while due and due[0][0] <= now:
             key = due[0][2]
@@ -540,19 +553,27 @@ class Prober:
             if peer is None or not self._current_entry(due[0]):
                 heapq.heappop(due)  # dropped, or rescheduled since
                 continue
-            if source is not None and peer.current is None:
-                if len(self._tickets) + needed > self.max_in_flight:
+            src = sources[peer.target.version]
+            if src is not None and peer.current is None:
+                small = SMALL_PROBE_BYTES if peer.target.version == 4 else SMALL_PROBE_BYTES6
+                big_size = mtu if mtu is not None and mtu > small else None
+                if len(self._tickets) + (1 if big_size is None else 2) > self.max_in_flight:
                     return True
-                peer.current = self._start_round(source, peer.target, big_size, now)
+                peer.current = self._start_round(src, peer.target, small, big_size, now)
                 self._in_flight[key] = peer
             heapq.heappop(due)
             self._advance(peer, now)
         return False
 
     def _start_round(
-        self, source: IPv4Address, target: IPv4Address, big_size: int | None, now: float
+        self,
+        source: IPv4Address | IPv6Address,
+        target: IPv4Address | IPv6Address,
+        small_size: int,
+        big_size: int | None,
+        now: float,
     ) -> _Round:
-        rnd = _Round(now + self.timeout, _Echo(SMALL_PROBE_BYTES), None)
+        rnd = _Round(now + self.timeout, _Echo(small_size), None)
         if big_size is not None:
             rnd.big = _Echo(big_size)
         for echo in rnd.echoes():
@@ -597,10 +618,13 @@ class Prober:
             )
 
 
-def _send_error_text(e: OSError, source: IPv4Address, target: IPv4Address, size: int) -> str:
+def _send_error_text(
+    e: OSError, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
+) -> str:
     if e.errno == errno.EMSGSIZE:
+        kind = "DF" if target.version == 4 else "unfragmentable"
         return (
-            f"message too long: this node refuses to send a {size}-byte DF packet to "
+            f"message too long: this node refuses to send a {size}-byte {kind} packet to "
             f"{target}, so its route MTU is below the overlay MTU"
         )
     return f"cannot send an echo from {source} to {target}: {e.strerror or e}"

@@ -8,6 +8,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from flannelpy.backend.wireguard import OVERHEAD_IPV4 as WIREGUARD_OVERHEAD_IPV4
 from flannelpy.config.netconf import (
     VXLAN_ENCAP_OVERHEAD,
     BackendConfig,
@@ -18,6 +19,7 @@ from flannelpy.control.policy import (
     disruptive_changes,
 )
 from flannelpy.control.records import BackendSummary
+from flannelpy.errors import ConfigError
 
 
 def _backend_key(doc: Mapping[str, Any]) -> str | None:
@@ -36,6 +38,26 @@ def with_backend(doc: Mapping[str, Any], backend: Mapping[str, Any]) -> dict[str
         for k, v in doc.items()
         if k == key or k.lower() != "backend"
     }
+
+
+def rewrite_backend(raw: bytes, backend: Mapping[str, Any]) -> tuple[str, NetworkConfig, bool]:
+    """A valid net-conf.json ``raw`` with its Backend replaced by ``backend``: the new text,
+    the config it parses to, and whether anything changed (False: a resumed step already
+    wrote it). Both stores write through this so etcd and the ConfigMap get the same
+    bytes. Raises ConfigError when the result is not a valid config."""
+    doc = json.loads(raw)  # the caller parsed it as a config already: an object
+    out = with_backend(doc, backend)
+    # Keep the layout the operator wrote (indented or on one line) so a diff of the
+    # config shows only the Backend.
+    if "\n" in raw.decode("utf-8", "replace").strip():
+        data = json.dumps(out, indent=2, ensure_ascii=False) + "\n"
+    else:
+        data = json.dumps(out, ensure_ascii=False)
+    try:
+        config = parse_network_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"the config with the target Backend is invalid: {e}") from e
+    return data, config, out != doc
 
 
 def _set(doc: dict[str, Any], name: str, value: Any) -> None:
@@ -85,8 +107,12 @@ def backend_config(doc: Mapping[str, Any]) -> BackendConfig:
     return _parse_backend_json(json.dumps(doc, sort_keys=True))
 
 
+# What each backend's encapsulation costs over an IPv4 underlay (rollouts plan IPv4 MTUs).
+_ENCAP_OVERHEAD = {"vxlan": VXLAN_ENCAP_OVERHEAD, "wireguard": WIREGUARD_OVERHEAD_IPV4}
+
+
 def _overhead(backend_type: str) -> int:
-    return VXLAN_ENCAP_OVERHEAD if backend_type == "vxlan" else 0
+    return _ENCAP_OVERHEAD.get(backend_type, 0)
 
 
 def expected_summary(current: BackendSummary, target: BackendConfig) -> BackendSummary:

@@ -8,7 +8,12 @@ and continues; a driver that finds another's claim stops. Pause and abort only c
 the record; a driver polling it stops after the current step.
 
 The decisions are :mod:`flannelpy.rollout.plan` (pure); this module reads and writes the
-record and the overrides through a :class:`RolloutStore`, with injected clocks.
+record and the overrides through a :class:`RolloutStorage`, with injected clocks.
+
+In Kubernetes mode (and unless the record says otherwise) a node is cordoned and out
+of external load balancers from just before its override is written until it is
+verified or rolled back (:mod:`flannelpy.rollout.cordon`); a node whose rollback
+failed stays cordoned for the operator.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from flannelpy.rollout.steps import (
     next_action,
     record_after,
 )
-from flannelpy.rollout.store import RolloutStore
+from flannelpy.rollout.store import RolloutStorage
 
 WINDOW_POLL = 30.0  # seconds between looks at the record while waiting for a window
 CAS_RETRIES = 20  # record writes racing pause/abort requests: read again and retry
@@ -60,7 +65,7 @@ Display = Callable[[str], None]
 
 
 def drive(
-    store: RolloutStore,
+    store: RolloutStorage,
     record_id: str,
     wall_clock: WallClock,
     sleep: Callable[[float], None],
@@ -100,7 +105,7 @@ def drive(
 class _Driver:
     def __init__(
         self,
-        store: RolloutStore,
+        store: RolloutStorage,
         record_id: str,
         wall_clock: WallClock,
         sleep: Callable[[float], None],
@@ -172,10 +177,21 @@ class _Driver:
             override = nodes.overrides.get(action.node)
             previous = _override_doc(override) if override is not None else None
         updated = record_after(record, action, now, previous)
+        node: str | None = getattr(action, "node", None)
+        # Returned before the record says so: a driver killed in between finds the step
+        # still open, does it again and finds nothing left to undo.
+        returning = record.cordon and isinstance(action, MarkVerified | MarkRolledBack)
+        if returning and node and store.uncordon(node):
+            self.say("uncordoned (schedulable, back in external load balancers)", node)
         if updated != record:
             if store.put_record(updated, revision) is None:
                 return None  # the record changed meanwhile (a request, or another driver)
             self.record = updated
+        # After the record names the step (so a resumed driver finishes it), before the
+        # override: the node is out for the whole change.
+        taking_out = updated.cordon and isinstance(action, WriteOverride)
+        if taking_out and node and store.cordon(node, updated.id):
+            self.say("cordoned (unschedulable, out of external load balancers)", node)
         _perform(store, record, updated, action, nodes.overrides, now)
         self._show(record, updated, action)
         if isinstance(action, Fail | Finish | Halt):
@@ -211,7 +227,7 @@ def _switches_more(record: RolloutRecord, action: Any) -> bool:
 
 
 def cut_off_flanneld(
-    store: RolloutStore,
+    store: RolloutStorage,
     record: RolloutRecord,
     current: BackendConfig,
     statuses: Mapping[str, NodeStatus],
@@ -232,7 +248,7 @@ def _override_doc(override: NodeOverride) -> dict[str, Any]:
 
 
 def _perform(
-    store: RolloutStore,
+    store: RolloutStorage,
     before: RolloutRecord,
     record: RolloutRecord,
     action: Any,
@@ -306,7 +322,7 @@ def _user() -> str:
 
 
 def _update(
-    store: RolloutStore, record_id: str, change: Callable[[RolloutRecord], RolloutRecord]
+    store: RolloutStorage, record_id: str, change: Callable[[RolloutRecord], RolloutRecord]
 ) -> RolloutRecord:
     """Read, change and compare-and-swap the record, again on a race."""
     for _ in range(CAS_RETRIES):
@@ -321,19 +337,19 @@ def _update(
     raise StoreError(f"the rollout record at {store.record_key} keeps changing; try again")
 
 
-def _claim(store: RolloutStore, record_id: str, token: str, now: datetime) -> RolloutRecord:
+def _claim(store: RolloutStorage, record_id: str, token: str, now: datetime) -> RolloutRecord:
     """Make this process the record's driver (a previous one, if alive, stops)."""
     return _update(store, record_id, lambda r: r if r.state in TERMINAL else
                    replace(r, driver=token, updated_at=now.isoformat()))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
-# The commands' operations, as functions over a RolloutStore
+# The commands' operations, as functions over a RolloutStorage
 # ---------------------------------------------------------------------------
 
 
 def make_plan(
-    store: RolloutStore,
+    store: RolloutStorage,
     backend_type: str,
     now: datetime,
     direct_routing: bool = False,
@@ -355,11 +371,12 @@ def make_plan(
 
 
 def start(
-    store: RolloutStore,
+    store: RolloutStorage,
     plan: RolloutPlan,
     now: datetime,
     step_timeout: float = DEFAULT_STEP_TIMEOUT,
     force: ForceRecord | None = None,
+    cordon: bool = True,
 ) -> RolloutRecord:
     """Record a new rollout of ``plan`` (state running). Raises ConfigError when the plan
     has problems, the policy blocks it, or another rollout is not finished."""
@@ -377,7 +394,7 @@ def start(
     key = next((k for k in config.raw if k.lower() == "backend"), None)
     rollout_id = f"{now.astimezone(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
     record = new_record(plan, rollout_id, config.raw.get(key) if key else None, now,
-                        step_timeout, force)  # fmt: skip
+                        step_timeout, force, cordon)  # fmt: skip
     if store.put_record(record, revision) is None:
         raise ConfigError("another rollout was started at the same moment; check "
                           "flannelpy rollout status")  # fmt: skip
@@ -385,7 +402,7 @@ def start(
 
 
 def request_stop(
-    store: RolloutStore, what: Literal["pause", "abort"], now: datetime
+    store: RolloutStorage, what: Literal["pause", "abort"], now: datetime
 ) -> RolloutRecord:
     """``pause`` or ``abort``: at once when no step is in flight, else after it."""
     record, _ = store.read_record()
@@ -410,7 +427,9 @@ def request_stop(
     return _update(store, record.id, change)
 
 
-def prepare_resume(store: RolloutStore, now: datetime, step_timeout: float | None) -> RolloutRecord:
+def prepare_resume(
+    store: RolloutStorage, now: datetime, step_timeout: float | None
+) -> RolloutRecord:
     """Make a paused rollout runnable again (a pause request is withdrawn; an abort
     request stands). Raises ConfigError when there is nothing to resume."""
     record, _ = store.read_record()

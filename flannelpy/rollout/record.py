@@ -80,6 +80,7 @@ class RolloutRecord:
     driver: str | None = None  # the driver that may act; another one stops
     config_written: bool = False
     note: str | None = None  # what the final step could not finish
+    cordon: bool = True  # cordon each node while it changes (Kubernetes mode)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -107,7 +108,7 @@ class RolloutRecord:
                 "request": self.request, "nextWindow": self.next_window,
                 "force": self.force.to_doc() if self.force else None,
                 "driver": self.driver, "configWritten": self.config_written,
-                "note": self.note,
+                "note": self.note, "cordon": self.cordon,
             },
             indent=1,
         )  # fmt: skip
@@ -129,7 +130,7 @@ class RolloutRecord:
                 force=ForceRecord(str(force["Reason"]), str(force["By"]), str(force["At"]))
                 if isinstance(force, dict) else None,
                 driver=doc.get("driver"), config_written=bool(doc.get("configWritten")),
-                note=doc.get("note"),
+                note=doc.get("note"), cordon=bool(doc.get("cordon", True)),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"the rollout record lacks or mangles a field: {e!r}") from e
@@ -142,6 +143,7 @@ def new_record(
     now: datetime,
     step_timeout: float = DEFAULT_STEP_TIMEOUT,
     force: ForceRecord | None = None,
+    cordon: bool = True,
 ) -> RolloutRecord:
     stamp = now.isoformat()
     return RolloutRecord(
@@ -163,4 +165,5 @@ def new_record(
         updated_at=stamp,
         step_timeout=step_timeout,
         force=force,
+        cordon=cordon,
     )

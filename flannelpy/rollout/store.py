@@ -9,15 +9,14 @@ overwritten: the loser re-reads and decides again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from flannelpy.config.netconf import NetworkConfig, parse_network_config
+from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import NodeOverride, NodeStatus
-from flannelpy.errors import ConfigError, KeyExists, StoreError
-from flannelpy.rollout.backends import with_backend
+from flannelpy.errors import KeyExists, StoreError
+from flannelpy.rollout.backends import rewrite_backend
 from flannelpy.rollout.record import RolloutRecord
 from flannelpy.subnet.etcd.config import network_config_of, read_network_config, swap_config
 from flannelpy.subnet.etcd.kv import KeyValue, Store
@@ -47,6 +46,28 @@ class NodesSnapshot:
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     overrides: dict[str, NodeOverride] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # key -> why it cannot be read
+
+
+class RolloutStorage(Protocol):
+    """What the driver and the commands need of a mode's store: etcd's
+    :class:`RolloutStore`, or Kubernetes mode's (:mod:`flannelpy.rollout.kube_store`)."""
+
+    record_key: str
+
+    def read_config(self) -> ConfigDoc: ...
+    def read_nodes(self) -> NodesSnapshot: ...
+    def read_leases(self) -> list[Lease]: ...
+    def read_record(self) -> tuple[RolloutRecord | None, int]: ...
+    def put_record(self, record: RolloutRecord, mod_revision: int) -> int | None: ...
+    def write_override(self, node: str, override: NodeOverride) -> None: ...
+    def delete_override(self, node: str, generation: int | None = None) -> bool: ...
+    def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig: ...
+
+    def cordon(self, node: str, rollout: str) -> bool:
+        """Take ``node`` out of scheduling and load balancing while it changes."""
+        ...
+
+    def uncordon(self, node: str) -> bool: ...
 
 
 class RolloutStore:
@@ -153,18 +174,9 @@ class RolloutStore:
             written.clear()
             network_config_of(self.prefix, kv)  # raises when missing or invalid
             assert kv is not None
-            doc = json.loads(kv.value)  # parse_network_config accepted it: an object
-            out = with_backend(doc, backend)
-            text = kv.value.decode("utf-8", "replace")
-            if "\n" in text.strip():
-                data = json.dumps(out, indent=2, ensure_ascii=False) + "\n"
-            else:
-                data = json.dumps(out, ensure_ascii=False)
-            try:
-                written.append(parse_network_config(data))
-            except ConfigError as e:
-                raise ConfigError(f"the config with the target Backend is invalid: {e}") from e
-            return None if out == doc else data.encode()  # None: already there (a resumed step)
+            data, config, changed = rewrite_backend(kv.value, backend)
+            written.append(config)
+            return data.encode() if changed else None  # None: already there (a resumed step)
 
         swap_config(
             self.store, self.prefix, edit,
@@ -172,3 +184,11 @@ class RolloutStore:
             "run flannelpy rollout resume",
         )  # fmt: skip
         return written[0]
+
+    # -- the cordon ----------------------------------------------------------------------
+
+    def cordon(self, node: str, rollout: str) -> bool:
+        return False  # etcd mode knows no scheduler: nothing to cordon
+
+    def uncordon(self, node: str) -> bool:
+        return False

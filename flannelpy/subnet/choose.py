@@ -16,6 +16,12 @@ Given the network config, every lease in the store and what we advertise,
 3. a random pick among the first 100 free subnets from SubnetMin (random, so
    nodes starting together rarely race for the same key).
 
+With IPv6 enabled, the IPv6 subnet is chosen on its own, as Flannel does: the
+previous one (FLANNEL_IPV6_SUBNET) if it fits and is free, else a random pick
+among the first 100 free IPv6 subnets from IPv6SubnetMin. It is not paired with
+the IPv4 subnet by index, so leases written by flanneld (which picks both at
+random) never make a paired walk collide.
+
 With address pools (field-notes §3, :mod:`flannelpy.subnet.pools`) passed as
 ``pools=``, steps 1 and 1b accept a lease in any pool, whatever its tags (fail
 open: a drained or untagged pool keeps serving what it has); step 2 only takes
@@ -31,7 +37,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.errors import ConfigError, PoolExhausted
@@ -151,6 +157,7 @@ def choose_lease(
     pools: Sequence[Pool] | None = None,
     cluster: str | None = None,
     holder_gone: Callable[[Lease], bool] = lambda _: False,
+    previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
     """Apply the acquire order above. Raises PoolExhausted when no subnet is free.
 
@@ -165,17 +172,17 @@ def choose_lease(
         )
     if pools is not None:
         return _choose_lease_in_pools(
-            config, pools, cluster, leases, attrs, previous_subnet, rng, holder_gone
-        )
+            config, pools, cluster, leases, attrs, previous_subnet, rng, holder_gone,
+            previous_ipv6_subnet,
+        )  # fmt: skip
     reused, delete, conflict = _reuse_own(
         leases, attrs, lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None),
         holder_gone,
     )  # fmt: skip
     if reused is not None:
         return reused
-    return replace(
-        _choose_fresh(config, leases, delete, previous_subnet, rng), name_conflict=conflict
-    )
+    fresh = _choose_fresh(config, leases, delete, previous_subnet, rng, previous_ipv6_subnet)
+    return replace(fresh, name_conflict=conflict)
 
 
 def _choose_fresh(
@@ -184,26 +191,65 @@ def _choose_fresh(
     delete: list[Lease],
     previous_subnet: IPv4Network | None,
     rng: random.Random,
+    previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
-    """Steps 2 and 3 over the config's Network: the previous subnet, else a free one."""
+    """Steps 2 and 3 over the config's Network: the previous subnet, else a free one;
+    the IPv6 subnet likewise, on its own."""
     held = _Held([lease for lease in leases if all(lease is not d for d in delete)])
-    if previous_subnet is not None:
-        previous_v6 = _paired_v6(config, previous_subnet)
-        if lease_fits(config, previous_subnet, previous_v6) and held.is_free(
-            previous_subnet, previous_v6
-        ):
-            return LeaseChoice(previous_subnet, previous_v6, "previous", delete=tuple(delete))
+    v6 = choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng)
+    if (
+        previous_subnet is not None
+        and lease_fits(config, previous_subnet, v6)
+        and held.is_free(previous_subnet, None)
+    ):
+        return LeaseChoice(previous_subnet, v6, "previous", delete=tuple(delete))
 
     free = []
-    for v4, v6 in candidate_subnets(config):
-        if held.is_free(v4, v6):
-            free.append((v4, v6))
+    for v4 in candidate_subnets(config):
+        if held.is_free(v4, None):
+            free.append(v4)
             if len(free) >= FREE_CANDIDATES:
                 break
     if not free:
         raise PoolExhausted(_exhausted_message(config))
-    v4, v6 = rng.choice(free)
-    return LeaseChoice(v4, v6, "free", delete=tuple(delete))
+    return LeaseChoice(rng.choice(free), v6, "free", delete=tuple(delete))
+
+
+def choose_ipv6_subnet(
+    config: NetworkConfig,
+    held: _Held,
+    previous: IPv6Network | None,
+    rng: random.Random,
+) -> IPv6Network | None:
+    """The IPv6 subnet of a new lease (None without IPv6): ``previous`` if it fits the
+    config and nobody holds it, else a random one of the first 100 free from
+    IPv6SubnetMin (Flannel's independent pick). Raises PoolExhausted when none is free."""
+    if not config.enable_ipv6:
+        return None
+    if previous is not None and _v6_fits(config, previous) and held.is_free(None, previous):
+        return previous
+    free = []
+    for v6 in ipv6_candidates(config):
+        if held.is_free(None, v6):
+            free.append(v6)
+            if len(free) >= FREE_CANDIDATES:
+                break
+    if not free:
+        raise PoolExhausted(
+            f"no free IPv6 subnet in {config.ipv6_network}: every /{config.ipv6_subnet_len} "
+            f"between {config.ipv6_subnet_min} and {config.ipv6_subnet_max} is leased; free "
+            "some leases or enlarge IPv6Network"
+        )
+    return rng.choice(free)
+
+
+def _v6_fits(config: NetworkConfig, subnet: IPv6Network) -> bool:
+    assert config.ipv6_network is not None and config.ipv6_subnet_len is not None
+    assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
+    return _in_range(
+        subnet, config.ipv6_network, config.ipv6_subnet_len,
+        config.ipv6_subnet_min, config.ipv6_subnet_max,
+    )  # fmt: skip
 
 
 def _choose_lease_in_pools(
@@ -215,6 +261,7 @@ def _choose_lease_in_pools(
     previous_subnet: IPv4Network | None,
     rng: random.Random,
     holder_gone: Callable[[Lease], bool],
+    previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
     """choose_lease's order over several pools (same steps, pool-aware fit)."""
     def fit(lease: Lease) -> tuple[bool, Pool | None]:
@@ -225,7 +272,9 @@ def _choose_lease_in_pools(
     if reused is not None:
         return reused
     return replace(
-        _choose_fresh_in_pools(config, pools, cluster, leases, delete, previous_subnet, rng),
+        _choose_fresh_in_pools(
+            config, pools, cluster, leases, delete, previous_subnet, rng, previous_ipv6_subnet
+        ),
         name_conflict=conflict,
     )
 
@@ -238,22 +287,24 @@ def _choose_fresh_in_pools(
     delete: list[Lease],
     previous_subnet: IPv4Network | None,
     rng: random.Random,
+    previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
     """Steps 2 and 3 over several pools: the previous subnet if its pool takes new
     leases, else a new subnet."""
     others = [lease for lease in leases if all(lease is not d for d in delete)]
     if previous_subnet is not None:
         # The previous subnet would be a new key: its pool must accept new leases.
-        previous_v6 = _paired_v6(config, previous_subnet)
-        pool = lease_fits_pools(config, pools, previous_subnet, previous_v6)
+        held = _Held(others)
+        v6 = choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng)
+        pool = lease_fits_pools(config, pools, previous_subnet, v6)
         if (
             pool is not None
             and eligibility(pool, cluster).create_leases
-            and _Held(others).is_free(previous_subnet, previous_v6)
+            and held.is_free(previous_subnet, None)
         ):
-            return LeaseChoice(previous_subnet, previous_v6, "previous", None, tuple(delete), pool)
+            return LeaseChoice(previous_subnet, v6, "previous", None, tuple(delete), pool)
 
-    new = choose_new_subnet(config, pools, cluster, others, rng)
+    new = choose_new_subnet(config, pools, cluster, others, rng, previous_ipv6_subnet)
     return LeaseChoice(new.subnet, new.ipv6_subnet, "free", None, tuple(delete), new.pool)
 
 
@@ -263,6 +314,7 @@ def choose_new_subnet(
     cluster: str | None,
     leases: Sequence[Lease],
     rng: random.Random,
+    previous_ipv6_subnet: IPv6Network | None = None,
 ) -> PoolChoice:
     """The subnet for a NEW lease (field-notes §3), chosen among ``pools``.
 
@@ -288,14 +340,14 @@ def choose_new_subnet(
             refusals.append(f"{pool.network} is IPv4 only, but the network config enables IPv6")
             continue
         free = []
-        for v4, v6 in _pool_candidates(config, pool):
-            if held.is_free(v4, v6):
-                free.append((v4, v6))
+        for v4 in _pool_candidates(config, pool):
+            if held.is_free(v4, None):
+                free.append(v4)
                 if len(free) >= FREE_CANDIDATES:
                     break
         if free:
-            v4, v6 = rng.choice(free)
-            return PoolChoice(v4, v6, pool)
+            v4 = rng.choice(free)
+            return PoolChoice(v4, choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng), pool)
         span = leasable_range(pool, config)
         if span.count:
             refusals.append(
@@ -326,15 +378,13 @@ def _creation_order(config: NetworkConfig, pools: Sequence[Pool]) -> list[Pool]:
     return [primary, *others]
 
 
-def _pool_candidates(
-    config: NetworkConfig, pool: Pool
-) -> Iterator[tuple[IPv4Network, IPv6Network | None]]:
+def _pool_candidates(config: NetworkConfig, pool: Pool) -> Iterator[IPv4Network]:
     if pool.primary:
-        yield from candidate_subnets(config)  # SubnetMin..SubnetMax, IPv6 paired
+        yield from candidate_subnets(config)  # SubnetMin..SubnetMax
         return
     span = leasable_range(pool, config)
     for index in range(span.count):
-        yield span.subnet(index), None
+        yield span.subnet(index)
 
 
 def _not_eligible(pool: Pool, cluster: str | None) -> str:
@@ -391,50 +441,27 @@ def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | No
     return next((lease for lease in leases if match(lease)), None)
 
 
-def candidate_subnets(
-    config: NetworkConfig,
-) -> Iterator[tuple[IPv4Network, IPv6Network | None]]:
-    """Every subnet the config can lease, from SubnetMin up, v4 and v6 walked in step
-    (as Flannel pairs them for dual stack)."""
+def candidate_subnets(config: NetworkConfig) -> Iterator[IPv4Network]:
+    """Every IPv4 subnet the config can lease, from SubnetMin up."""
     assert config.network is not None
-    v4_size = 1 << (32 - config.subnet_len)
-    v4_first = int(config.subnet_min)
-    v4_last = int(config.subnet_max)
-    v6_first = v6_last = v6_size = 0
-    if config.enable_ipv6:
-        assert config.ipv6_subnet_len is not None
-        assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
-        v6_size = 1 << (128 - config.ipv6_subnet_len)
-        v6_first, v6_last = int(config.ipv6_subnet_min), int(config.ipv6_subnet_max)
-    index = 0
-    while True:
-        v4_addr = v4_first + index * v4_size
-        if v4_addr > v4_last:
-            return
-        v6: IPv6Network | None = None
-        if config.enable_ipv6:
-            v6_addr = v6_first + index * v6_size
-            if v6_addr > v6_last:
-                return
-            v6 = IPv6Network((v6_addr, config.ipv6_subnet_len))
-        yield IPv4Network((v4_addr, config.subnet_len)), v6
-        index += 1
+    size = 1 << (32 - config.subnet_len)
+    addr, last = int(config.subnet_min), int(config.subnet_max)
+    while addr <= last:
+        yield IPv4Network((addr, config.subnet_len))
+        addr += size
 
 
-def _paired_v6(config: NetworkConfig, subnet: IPv4Network) -> IPv6Network | None:
-    """The IPv6 subnet Flannel's paired walk gives the same index as ``subnet``."""
+def ipv6_candidates(config: NetworkConfig) -> Iterator[IPv6Network]:
+    """Every IPv6 subnet the config can lease, from IPv6SubnetMin up."""
     if not config.enable_ipv6:
-        return None
-    assert config.ipv6_subnet_len is not None and config.ipv6_subnet_min is not None
-    index = (int(subnet.network_address) - int(config.subnet_min)) >> (32 - config.subnet_len)
-    if index < 0:
-        return None
-    addr = int(config.ipv6_subnet_min) + (index << (128 - config.ipv6_subnet_len))
-    try:
-        net = ip_network((addr, config.ipv6_subnet_len))
-    except ValueError:
-        return None
-    return net if isinstance(net, IPv6Network) else None
+        return
+    assert config.ipv6_subnet_len is not None
+    assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
+    size = 1 << (128 - config.ipv6_subnet_len)
+    addr, last = int(config.ipv6_subnet_min), int(config.ipv6_subnet_max)
+    while addr <= last:
+        yield IPv6Network((addr, config.ipv6_subnet_len))
+        addr += size
 
 
 class _Held:
@@ -447,8 +474,8 @@ class _Held:
                 if net is not None:
                     self._by_len.setdefault((net.version, net.prefixlen), set()).add(net)
 
-    def is_free(self, v4: IPv4Network, v6: IPv6Network | None) -> bool:
-        return not self._overlaps(v4) and (v6 is None or not self._overlaps(v6))
+    def is_free(self, v4: IPv4Network | None, v6: IPv6Network | None) -> bool:
+        return (v4 is None or not self._overlaps(v4)) and (v6 is None or not self._overlaps(v6))
 
     def _overlaps(self, net: IPv4Network | IPv6Network) -> bool:
         # Overlap, not equality: a lease written under another SubnetLen (or by

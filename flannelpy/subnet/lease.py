@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from flannelpy.subnet.bounded_json import loads_bounded
@@ -27,7 +27,7 @@ class LeaseAttrs:
     public_ip: IPv4Address
     backend_type: str
     backend_data: Mapping[str, Any] | None = None
-    public_ipv6: str | None = None
+    public_ipv6: IPv6Address | None = None  # the node's IPv6 underlay address (dual stack)
     backend_v6_data: Mapping[str, Any] | None = None
     # Extensions (Flannel ignores them): the node's name, used to recognise a
     # node re-created with a new address, its overlay MTU, and whether a vxlan
@@ -45,7 +45,7 @@ class LeaseAttrs:
     def to_json(self) -> str:
         doc: dict[str, Any] = {
             "PublicIP": str(self.public_ip),
-            "PublicIPv6": self.public_ipv6,
+            "PublicIPv6": str(self.public_ipv6) if self.public_ipv6 is not None else None,
             "BackendType": self.backend_type,
         }
         if self.backend_data is not None:
@@ -82,18 +82,39 @@ class LeaseAttrs:
             ext = {}
         mtu = ext.get("MTU")
         name = ext.get("NodeName")
-        public_ipv6 = doc.get("PublicIPv6")
+        public_ipv6 = _ipv6_or_none(doc.get("PublicIPv6"))
         backend_type = doc.get("BackendType")
         return cls(
             public_ip=public_ip,
             backend_type=backend_type if isinstance(backend_type, str) else "",
             backend_data=_object_or_none(doc.get("BackendData")),
-            public_ipv6=public_ipv6 if isinstance(public_ipv6, str) else None,
+            public_ipv6=public_ipv6,
             backend_v6_data=_object_or_none(doc.get("BackendV6Data")),
             node_name=name if isinstance(name, str) else None,
             mtu=mtu if isinstance(mtu, int) and not isinstance(mtu, bool) else None,
             direct_routing=True if ext.get("DirectRouting") is True else None,
         )
+
+    @property
+    def vtep_mac_v6(self) -> str | None:
+        """The MAC of the node's IPv6 VTEP (``flannel-v6.<VNI>``), from BackendV6Data."""
+        mac = (self.backend_v6_data or {}).get("VtepMAC")
+        return str(mac).lower() if mac else None
+
+
+def _ipv6_or_none(value: Any) -> IPv6Address | None:
+    """PublicIPv6: absent, null or not a string is "no IPv6" (as for the other fields);
+    a string must be an IPv6 address (a lease from another machine naming a bogus one
+    is refused, not half-read)."""
+    if not isinstance(value, str) or value == "":
+        return None
+    if len(value) > 64:
+        raise ValueError(f"lease value has no valid PublicIPv6: {value[:64]!r}...")
+    try:
+        return IPv6Address(value)
+    except ValueError as e:
+        raise ValueError(f"lease value has no valid PublicIPv6: {value!r}") from e
+
 
 def _object_or_none(value: Any) -> Mapping[str, Any] | None:
     return value if isinstance(value, dict) else None
@@ -124,3 +145,14 @@ class Lease:
     def gateway(self) -> IPv4Address:
         """The first usable address of the subnet: the bridge gateway, FLANNEL_SUBNET's address."""
         return self.subnet.network_address + 1
+
+    @property
+    def vtep_ip6(self) -> IPv6Address | None:
+        """The IPv6 VTEP address (on ``flannel-v6.<VNI>`` as /128): the IPv6 subnet's
+        network address, as Flannel does; None without IPv6."""
+        return self.ipv6_subnet.network_address if self.ipv6_subnet is not None else None
+
+    @property
+    def gateway6(self) -> IPv6Address | None:
+        """The IPv6 bridge gateway, FLANNEL_IPV6_SUBNET's address; None without IPv6."""
+        return self.ipv6_subnet.network_address + 1 if self.ipv6_subnet is not None else None

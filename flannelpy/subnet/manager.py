@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Protocol
 
 from flannelpy.config.netconf import NetworkConfig
@@ -49,9 +49,11 @@ class SubnetManager(Protocol):
         previous_subnet: IPv4Network | None,
         pools: Sequence[Pool] | None = None,
         cluster: str | None = None,
+        previous_ipv6_subnet: IPv6Network | None = None,
     ) -> Lease:
         """Reuse or create our (first) lease, Flannel's order; ``pools`` None: the
-        config's Network alone. Raises PoolExhausted / StoreError."""
+        config's Network alone; ``previous_*``: subnet.env's FLANNEL_SUBNET and
+        FLANNEL_IPV6_SUBNET. Raises PoolExhausted / StoreError."""
         ...
 
     def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:

@@ -10,6 +10,8 @@ ADD, and read back by the agent at start to prefer the same subnet again::
     FLANNEL_MTU=1450
     FLANNEL_IPMASQ=true
 
+In IPv6-only mode (EnableIPv4 false) the two IPv4 keys are absent, as in Flannel's.
+
 FLANNEL_SUBNET is the lease's first usable address with the lease's prefix,
 not its network address: the CNI plugin gives that address to the bridge.
 FLANNEL_IPMASQ is true when the agent masquerades (``--ip-masq``); the plugin
@@ -37,12 +39,16 @@ log = logging.getLogger(__name__)
 
 FILE_MODE = 0o644  # the CNI plugin may run as another user; the content is not secret
 REQUIRED_KEYS = ("FLANNEL_NETWORK", "FLANNEL_SUBNET", "FLANNEL_MTU", "FLANNEL_IPMASQ")
+V4_KEYS = ("FLANNEL_NETWORK", "FLANNEL_SUBNET")
+V6_KEYS = ("FLANNEL_IPV6_NETWORK", "FLANNEL_IPV6_SUBNET")
 
 
 @dataclass(frozen=True)
 class SubnetEnv:
-    network: IPv4Network  # FLANNEL_NETWORK, the whole cluster network
-    subnet: IPv4Interface  # FLANNEL_SUBNET, e.g. 10.244.1.1/24 for lease 10.244.1.0/24
+    """The file's values. ``network``/``subnet`` are None only in IPv6-only mode."""
+
+    network: IPv4Network | None  # FLANNEL_NETWORK, the whole cluster network
+    subnet: IPv4Interface | None  # FLANNEL_SUBNET, e.g. 10.244.1.1/24 for lease 10.244.1.0/24
     mtu: int  # FLANNEL_MTU, the overlay MTU pods should use
     ipmasq: bool  # FLANNEL_IPMASQ, true when the agent does the masquerading
     ipv6_network: IPv6Network | None = None
@@ -71,6 +77,8 @@ class SubnetEnv:
     @property
     def lease_subnet(self) -> IPv4Network:
         """The lease's subnet, e.g. 10.244.1.0/24 for FLANNEL_SUBNET=10.244.1.1/24."""
+        if self.subnet is None:
+            raise ConfigError("subnet.env has no FLANNEL_SUBNET (IPv6-only); use ipv6_subnet")
         return self.subnet.network
 
 
@@ -85,7 +93,9 @@ def first_usable_v6(subnet: IPv6Network) -> IPv6Interface:
 
 def render(env: SubnetEnv) -> str:
     """The file's text, keys in Flannel's order, booleans as Go prints them."""
-    lines = [f"FLANNEL_NETWORK={env.network}", f"FLANNEL_SUBNET={env.subnet}"]
+    lines = []
+    if env.network is not None and env.subnet is not None:
+        lines += [f"FLANNEL_NETWORK={env.network}", f"FLANNEL_SUBNET={env.subnet}"]
     if env.ipv6_network is not None and env.ipv6_subnet is not None:
         lines += [
             f"FLANNEL_IPV6_NETWORK={env.ipv6_network}",
@@ -118,19 +128,23 @@ def parse(text: str) -> dict[str, str]:
 def from_text(text: str, source: str = "subnet.env") -> SubnetEnv:
     """Parse and validate; ConfigError names missing keys or the bad value."""
     values = parse(text)
-    missing = [k for k in REQUIRED_KEYS if k not in values]
-    has_v6 = [k for k in ("FLANNEL_IPV6_NETWORK", "FLANNEL_IPV6_SUBNET") if k in values]
-    if len(has_v6) == 1:
-        missing.append(
-            "FLANNEL_IPV6_SUBNET" if has_v6[0] == "FLANNEL_IPV6_NETWORK" else "FLANNEL_IPV6_NETWORK"
-        )
+    has_v4 = [k for k in V4_KEYS if k in values]
+    has_v6 = [k for k in V6_KEYS if k in values]
+    # Each family's pair is all or nothing; IPv4 may be absent only when IPv6 is there.
+    v4_needed = has_v4 or len(has_v6) != len(V6_KEYS)
+    missing = [k for k in REQUIRED_KEYS if k not in values and (k not in V4_KEYS or v4_needed)]
+    missing += [k for k in V6_KEYS if has_v6 and k not in values]
     if missing:
         raise ConfigError(
             f"{source} is missing {', '.join(missing)}; let the agent rewrite it or add them"
         )
     return SubnetEnv(
-        network=_field(source, values, "FLANNEL_NETWORK", lambda v: IPv4Network(v, strict=True)),
-        subnet=_field(source, values, "FLANNEL_SUBNET", IPv4Interface),
+        network=(
+            _field(source, values, "FLANNEL_NETWORK", lambda v: IPv4Network(v, strict=True))
+            if has_v4
+            else None
+        ),
+        subnet=_field(source, values, "FLANNEL_SUBNET", IPv4Interface) if has_v4 else None,
         mtu=_field(source, values, "FLANNEL_MTU", _positive_int),
         ipmasq=_field(source, values, "FLANNEL_IPMASQ", _go_bool),
         ipv6_network=(
@@ -157,30 +171,51 @@ def read_subnet_env(path: str) -> SubnetEnv | None:
 
 
 def read_previous_subnet(path: str) -> IPv4Network | None:
-    """The lease subnet recorded by the last run, to ask for the same one again.
+    """The IPv4 lease subnet recorded by the last run (FLANNEL_SUBNET), to ask for the
+    same one again. See :func:`read_previous_subnets`."""
+    return read_previous_subnets(path)[0]
 
-    Only FLANNEL_SUBNET matters here (as in Flannel). A missing file is normal
-    on a first start; an unreadable one is logged and ignored, because the
-    worst outcome is a different subnet, not a failed start.
+
+def read_previous_subnets(path: str) -> tuple[IPv4Network | None, IPv6Network | None]:
+    """The lease subnets recorded by the last run: FLANNEL_SUBNET and FLANNEL_IPV6_SUBNET
+    (as in Flannel), to ask for the same ones again.
+
+    A missing file is normal on a first start; an unreadable one or a bad value is
+    logged and ignored, because the worst outcome is a different subnet, not a
+    failed start.
     """
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
     except FileNotFoundError:
-        return None
+        return None, None
     except (OSError, UnicodeDecodeError) as e:
         log.warning("previous subnet file unreadable, ignoring it path=%s error=%s", path, e)
-        return None
-    value = parse(text).get("FLANNEL_SUBNET")
-    if value is None:
+        return None, None
+    values = parse(text)
+    v4 = _previous(path, values, "FLANNEL_SUBNET", IPv4Interface)
+    v6 = _previous(path, values, "FLANNEL_IPV6_SUBNET", IPv6Interface)
+    if v4 is None and v6 is None:
         log.warning("previous subnet file has no FLANNEL_SUBNET, ignoring it path=%s", path)
+    return (
+        v4.network if isinstance(v4, IPv4Interface) else None,
+        v6.network if isinstance(v6, IPv6Interface) else None,
+    )
+
+
+def _previous(
+    path: str, values: dict[str, str], key: str, convert: Callable[[str], T]
+) -> T | None:
+    value = values.get(key)
+    if value is None:
         return None
     try:
-        return IPv4Interface(value).network
+        return convert(value)
     except ValueError as e:
         log.warning(
-            "previous subnet unparsable, ignoring it path=%s value=%r error=%s", path, value, e
-        )
+            "previous subnet unparsable, ignoring it path=%s key=%s value=%r error=%s",
+            path, key, value, e,
+        )  # fmt: skip
         return None
 
 

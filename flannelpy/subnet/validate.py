@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from flannelpy.subnet.lease import Lease
 
@@ -50,6 +50,13 @@ class Bounds:
     host: tuple[IPv4Network, ...]  # the node's connected subnets (the underlay's)
     public_ip: IPv4Address  # ours
     host_ips: tuple[IPv4Address, ...] = ()  # the node's own addresses
+    # IPv6 (dual stack): the config's IPv6Network (empty: IPv6 off, a peer's IPv6 half is
+    # then never programmed and not checked), our own IPv6 subnets, the node's connected
+    # IPv6 subnets and addresses.
+    ipv6_networks: tuple[IPv6Network, ...] = ()
+    own6: tuple[IPv6Network, ...] = ()
+    host6: tuple[IPv6Network, ...] = ()
+    host_ips6: tuple[IPv6Address, ...] = ()
 
 
 def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
@@ -81,22 +88,63 @@ def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
     problem = backend_data_problem(lease)
     if problem is not None:
         return no(BACKEND_DATA, problem)
+    return check_peer_v6(lease, bounds)
+
+
+def check_peer_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
+    """The IPv6 half of :func:`check_peer`: the same rules for IPv6Subnet, PublicIPv6
+    and BackendV6Data. A bad IPv6 half rejects the whole lease: programming only half
+    of a peer would leave its pods reachable in one family and not the other, silently."""
+    subnet6, ip6 = lease.ipv6_subnet, lease.attrs.public_ipv6
+    if not bounds.ipv6_networks or (subnet6 is None and ip6 is None):
+        return None
+
+    def no(reason: str, detail: str) -> Rejection:
+        return Rejection(lease.key, reason, detail)
+
+    if subnet6 is not None:
+        if not any(subnet6.subnet_of(net) for net in bounds.ipv6_networks):
+            nets = ", ".join(str(n) for n in bounds.ipv6_networks)
+            return no(OUTSIDE_NETWORK, f"IPv6 subnet {subnet6} lies outside IPv6Network ({nets})")
+        mine = next((n for n in bounds.own6 if n.overlaps(subnet6)), None)
+        if mine is not None:
+            return no(OVERLAPS_OWN, f"IPv6 subnet {subnet6} overlaps this node's own {mine}")
+        host = next((n for n in bounds.host6 if n.prefixlen > 0 and n.overlaps(subnet6)), None)
+        if host is not None:
+            return no(OVERLAPS_HOST, f"IPv6 subnet {subnet6} overlaps {host}, connected here")
+        if any(a in subnet6 for a in bounds.host_ips6):
+            return no(OVERLAPS_HOST, f"IPv6 subnet {subnet6} holds an address of this node")
+    if ip6 is not None:
+        if (
+            ip6.is_loopback or ip6.is_multicast or ip6.is_unspecified or ip6.is_link_local
+            or ip6.ipv4_mapped is not None
+            or any(ip6 in net for net in bounds.ipv6_networks)
+        ):  # fmt: skip
+            return no(BAD_ADDRESS, f"PublicIPv6 {ip6} cannot be a node's underlay address")
+        if ip6 in bounds.host_ips6:
+            return no(OWN_ADDRESS, f"PublicIPv6 {ip6} is this node's own address")
+    problem = _vxlan_data_problem(lease.attrs.backend_v6_data, "BackendV6Data")
+    if problem is not None:
+        return no(BACKEND_DATA, problem)
     return None
 
 
 def backend_data_problem(lease: Lease) -> str | None:
     """What is wrong with the types of the lease's BackendData (VNI, VtepMAC), or None."""
-    data = lease.attrs.backend_data
+    return _vxlan_data_problem(lease.attrs.backend_data, "BackendData")
+
+
+def _vxlan_data_problem(data: Mapping[str, object] | None, name: str) -> str | None:
     if data is None:
         return None
     vni = data.get("VNI")
     if vni is not None and (
         not isinstance(vni, int) or isinstance(vni, bool) or not 0 <= vni <= MAX_VNI
     ):
-        return f"BackendData.VNI {_short(vni)} is not an integer in 0..{MAX_VNI}"
+        return f"{name}.VNI {_short(vni)} is not an integer in 0..{MAX_VNI}"
     mac = data.get("VtepMAC")
     if mac is not None and (not isinstance(mac, str) or not _MAC.match(mac)):
-        return f"BackendData.VtepMAC {_short(mac)} is not a MAC address"
+        return f"{name}.VtepMAC {_short(mac)} is not a MAC address"
     return None
 
 

@@ -22,10 +22,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from ipaddress import IPv4Interface
+from ipaddress import IPv4Interface, IPv6Interface, IPv6Network
 
 import flannelpy
-from flannelpy_lab import flanneld, procs, topology
+from flannelpy_lab import flanneld, procs, prometheus, topology
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
 
@@ -41,6 +41,8 @@ class SubnetEnv:
     subnet: str  # the lease's first address with its prefix, "10.244.3.1/24"
     mtu: int
     ipmasq: bool
+    ipv6_subnet: str | None = None  # FLANNEL_IPV6_SUBNET (dual stack), "fd10:244:0:3::1/64"
+    ipv6_network: str | None = None  # FLANNEL_IPV6_NETWORK (dual stack), "fd10:244::/56"
 
 
 def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
@@ -69,6 +71,7 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
     else:
         argv += ["--etcd-endpoints", ",".join(state.etcd_endpoints),
                  "--etcd-prefix", state.etcd_prefix]  # fmt: skip
+    argv += prometheus.metrics_addr(state, str(node.ip))  # scraped from the host side
     argv += list(state.extra.get("agent_args", []))
     return argv + list(state.extra.get(NODE_ARGS_KEY, {}).get(node.name, []))
 
@@ -106,7 +109,7 @@ def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
     """Start the node's agent (ours or flanneld) detached; record its pid and start time."""
     prepare_dirs(node)
     if node.runs_flanneld:
-        env = dict(os.environ)
+        env = flanneld.environ(state)
         argv = flanneld.argv(state, node)
     else:
         env = agent_env(agent_source(state, node))
@@ -152,7 +155,23 @@ def parse_subnet_env(text: str, source: str = "subnet.env") -> SubnetEnv:
         subnet=subnet,
         mtu=mtu,
         ipmasq=values.get("FLANNEL_IPMASQ", "false").lower() == "true",
+        ipv6_subnet=_ipv6_interface(values.get("FLANNEL_IPV6_SUBNET")),
+        ipv6_network=_ipv6_network(values.get("FLANNEL_IPV6_NETWORK")),
     )
+
+
+def _ipv6_network(text: str | None) -> str | None:
+    try:
+        return str(IPv6Network(text)) if text else None
+    except ValueError:
+        return None
+
+
+def _ipv6_interface(text: str | None) -> str | None:
+    try:
+        return str(IPv6Interface(text)) if text else None
+    except ValueError:
+        return None
 
 
 def read_subnet_env(node: NodeInfo, newer_than: float | None = None) -> SubnetEnv | None:

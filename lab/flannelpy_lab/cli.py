@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--flanneld-nodes", type=int, default=0, metavar="K",
         help="run the real upstream flanneld (built by scripts/build-peers.sh) on the last K "
-        "nodes instead of our agent (default 0)",
+        "nodes instead of our agent (default 0); with --kube it runs with --kube-subnet-mgr",
     )
     up.add_argument(
         "--etcd-members", type=int, choices=plan.ETCD_MEMBER_COUNTS, default=1, metavar="N",
@@ -78,12 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
         "assigning the podCIDRs, manifests/ applied; agents use --kube-subnet-mgr",
     )
     up.add_argument(
+        "--kubelet", action="store_true",
+        help="implies --kube: kube-scheduler, and on every node a real kubelet and containerd; "
+        "the agents run as the manifests' DaemonSet (image built by scripts/build-images.sh), "
+        "and a test Deployment spreads one busybox pod per node",
+    )
+    up.add_argument(
+        "--ip-family", choices=("ipv4", "dual"), default="ipv4",
+        help="dual: an IPv6 ULA underlay on the lab switch beside IPv4 and EnableIPv6 with "
+        "an IPv6 pod network (IPv6-only is not supported yet)",
+    )
+    up.add_argument(
         "--enable-nftables", action="store_true",
         help='net-conf.json with "EnableNFTables": true (Flannel\'s nftables tables, not '
         "iptables chains)",
     )
     up.add_argument(
         "--no-agents", action="store_true", help="build the underlay and etcd only, start no agents"
+    )
+    up.add_argument(
+        "--prometheus", action="store_true",
+        help="run a real Prometheus on the host's lab address scraping every agent (bound on "
+        "its node's lab address), with manifests/prometheusrule.yaml's alerts (for: and range "
+        "windows shortened)",
     )
     up.add_argument(
         "--pods-per-node", type=int, default=2,
@@ -180,8 +197,13 @@ def _up(args: argparse.Namespace) -> int:
         progress=_progress,
         flanneld_nodes=args.flanneld_nodes,
         etcd_members=args.etcd_members,
-        net_conf_extra={"EnableNFTables": True} if args.enable_nftables else None,
+        net_conf_extra={
+            **({"EnableNFTables": True} if args.enable_nftables else {}),
+            **plan.ip_family_net_conf(args.ip_family),
+        } or None,
         kube=args.kube,
+        kubelets=args.kubelet,
+        with_prometheus=args.prometheus,
     )
     print(summary(lab.state))
     return 0
@@ -195,6 +217,10 @@ def summary(state: LabState) -> str:
         f"files in {state.lab_dir}",
         "",
     ]
+    prom = state.extra.get("prometheus")
+    if prom:
+        lines[-1:-1] = [f"Prometheus {prom['url']} scrapes every agent (rules: "
+                        f"{state.lab_dir}/prometheus/rules.yml)"]  # fmt: skip
     kube_config = state.extra.get("kube_kubeconfig")
     if kube_config:
         admin = kube_config.replace("flannelpy.kubeconfig", "admin.kubeconfig")
@@ -238,7 +264,8 @@ def _pod(args: argparse.Namespace) -> int:
     lab = Lab.load(args.name)
     if args.pod_command == "add":
         pod = lab.add_pod(args.node, args.pod)
-        print(f"pod {pod.name} on {pod.node}: {pod.address} (netns {pod.namespace})")
+        shown = " ".join(a for a in (pod.address, pod.address6) if a)
+        print(f"pod {pod.name} on {pod.node}: {shown} (netns {pod.namespace})")
     else:
         lab.delete_pod(args.pod)
         print(f"pod {args.pod} deleted")

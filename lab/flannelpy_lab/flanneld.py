@@ -2,7 +2,12 @@
 
 ``flannelpy-lab up --flanneld-nodes K`` runs the pinned upstream flanneld (built by
 ``scripts/build-peers.sh``) on the last K nodes, against the lab's etcd and
-``net-conf.json``, with per-node paths for everything it writes.
+``net-conf.json``, with per-node paths for everything it writes. With ``--kube`` it
+runs with ``--kube-subnet-mgr`` against the lab's kube-apiserver instead, as Flannel's
+DaemonSet runs it: the kubeconfig holding the flannelpy ServiceAccount's token (Flannel's
+own ClusterRole is a subset of ours: pods get, nodes get/list/watch, nodes/status
+patch), the net-conf.json the agents read, NODE_NAME and POD_NAMESPACE from the
+downward API, and the DaemonSet's EVENT_QUEUE_DEPTH and CONT_WHEN_CACHE_NOT_READY.
 
 Pods on a flanneld node are NOT made by the upstream flannel CNI plugin: its Go
 module is not available to the build here. They are made by the real reference
@@ -13,8 +18,9 @@ as the flannel plugin builds its delegate config (``delegate_conf``) at every AD
 from __future__ import annotations
 
 import os
+import re
 import subprocess
-from ipaddress import IPv4Interface
+from ipaddress import IPv4Interface, IPv6Interface
 from typing import TYPE_CHECKING, Any
 
 from flannelpy_lab import etcd
@@ -27,6 +33,8 @@ if TYPE_CHECKING:
 BINARY_ENV = "FLANNELPY_FLANNELD"  # an explicit flanneld binary, instead of the pinned build
 BUILD_SCRIPT = "scripts/build-peers.sh"
 CNI_VERSION = "1.0.0"
+KUBE_NAMESPACE = "kube-flannelpy"  # the manifests' namespace, as POD_NAMESPACE
+_PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
 
 def repo_root() -> str:
@@ -59,10 +67,18 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
     """flanneld's command line, run inside the node namespace; every path it writes is
     the node's own (the lab's nodes share one filesystem)."""
     flanneld = state.extra.get("flanneld_binary") or binary()
+    kubeconfig = state.extra.get("kube_kubeconfig")
+    if kubeconfig:
+        from flannelpy_lab import agents  # agents imports this module
+
+        store = ["--kube-subnet-mgr", "--kubeconfig-file", kubeconfig,
+                 "--net-config-path", agents.kube_net_conf_path(state)]  # fmt: skip
+    else:
+        store = ["--etcd-endpoints", ",".join(state.etcd_endpoints),
+                 "--etcd-prefix", state.etcd_prefix]  # fmt: skip
     return [
         flanneld,
-        "--etcd-endpoints", ",".join(state.etcd_endpoints),
-        "--etcd-prefix", state.etcd_prefix,
+        *store,
         "--iface", node.underlay_iface,
         "--ip-masq",
         "--subnet-file", node.subnet_env,
@@ -71,8 +87,23 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
     ]  # fmt: skip
 
 
+def environ(state: LabState) -> dict[str, str]:
+    """flanneld's environment: ours without proxy variables (the API server is on the
+    lab's address), plus what Flannel's DaemonSet gives it in Kubernetes mode."""
+    env = {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
+    if state.extra.get("kube_kubeconfig"):
+        env.update(POD_NAMESPACE=KUBE_NAMESPACE, EVENT_QUEUE_DEPTH="5000",
+                   CONT_WHEN_CACHE_NOT_READY="false")  # fmt: skip
+    return env
+
+
 def has_lease(state: LabState, node: NodeInfo) -> bool:
-    """Is the node's lease (PublicIP = its underlay address) in the lab's etcd?"""
+    """Is the node's lease (PublicIP = its underlay address) in the lab's etcd, or in
+    Kubernetes mode on its Node (Flannel's public-ip annotation and a podCIDR)?"""
+    if state.extra.get("kube_kubeconfig"):
+        from flannelpy_lab import kube  # kube imports this module
+
+        return kube.node_has_lease(state, node)
     try:
         leases = etcd.read_leases(state.etcd_endpoints, state.etcd_prefix)
     except Exception:  # etcd briefly unreachable: not ready yet
@@ -94,8 +125,18 @@ def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
     """The ``bridge`` config the flannel CNI plugin hands on, from subnet.env and the upstream
     conflist's delegate (``hairpinMode``, ``isDefaultGateway``): bridge cni0 (the plugin's
     default name), isGateway, mtu = FLANNEL_MTU, ipMasq = not FLANNEL_IPMASQ, host-local over
-    the subnet's network with a route to FLANNEL_NETWORK. ``ipam.dataDir`` is the lab's
-    addition, passed through as a user's ``ipam`` in the flannel conflist would be."""
+    the subnet's network with a route to FLANNEL_NETWORK. Dual stack (FLANNEL_IPV6_SUBNET
+    set), as the plugin's getDelegateIPAM: a second range, the IPv6 subnet's network, and a
+    route to FLANNEL_IPV6_NETWORK; the pods' default routes of both families come from the
+    bridge plugin's isDefaultGateway. ``ipam.dataDir`` is the lab's addition, passed through
+    as a user's ``ipam`` in the flannel conflist would be."""
+    # The plugin parses FLANNEL_SUBNET with net.ParseCIDR: the network, not .1
+    ranges = [[{"subnet": str(IPv4Interface(env.subnet).network)}]]
+    routes = [{"dst": env.network}]
+    if env.ipv6_subnet:
+        ranges.append([{"subnet": str(IPv6Interface(env.ipv6_subnet).network)}])
+    if env.ipv6_network:
+        routes.append({"dst": env.ipv6_network})
     return {
         "type": "bridge",
         "name": name,
@@ -108,9 +149,8 @@ def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
         "ipam": {
             "type": "host-local",
             "dataDir": host_local_dir(node),
-            # The plugin parses FLANNEL_SUBNET with net.ParseCIDR: the network, not .1
-            "ranges": [[{"subnet": str(IPv4Interface(env.subnet).network)}]],
-            "routes": [{"dst": env.network}],
+            "ranges": ranges,
+            "routes": routes,
         },
     }
 

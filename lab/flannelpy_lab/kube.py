@@ -5,9 +5,11 @@ ServiceAccount tokens on the host's lab address (the agents in the node namespac
 it over the underlay), and kube-controller-manager running only the node IPAM controller,
 so every podCIDR is the real controller's. The manifests' objects are applied with the real
 kubectl (all but the DaemonSet: the agents run as lab processes), the ConfigMap's
-net-conf.json is set to the lab's network config and written to the file the agents read
-(what the kubelet's ConfigMap projection does), and each agent gets a kubeconfig holding a
-token of the manifests' ServiceAccount, so the ClusterRole there is what is enforced.
+net-conf.json is set to the lab's network config, a projector process
+(flannelpy_lab.projector) keeps the file the agents read in step with the ConfigMap as
+the kubelet keeps a ConfigMap volume (the ``..data`` symlink swap), and each agent gets a
+kubeconfig holding a token of the manifests' ServiceAccount, so the ClusterRole and the
+Role there are what is enforced.
 
 Nodes are created as a kubelet registers them (name, hostname label, InternalIP, Ready).
 No kubelet renews their Leases, so the node lifecycle controller, which would turn them
@@ -19,6 +21,7 @@ points at another directory holding them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +30,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,9 +39,10 @@ from ipaddress import IPv4Interface
 from typing import Any
 
 from flannelpy_lab import agents, plan, procs
+from flannelpy_lab import etcd as lab_etcd
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.flanneld import repo_root
-from flannelpy_lab.state import LabState
+from flannelpy_lab.state import LabState, NodeInfo
 
 BUILD_SCRIPT = "scripts/build-kube.sh"
 PIN_FILE = "tests/peers/kubernetes/go.mod"
@@ -54,7 +59,15 @@ NET_CONF_KEY = "net-conf.json"
 READY_TIMEOUT = 60.0  # seconds for etcd, then kube-apiserver, then every podCIDR
 TOKEN_DURATION = "48h"
 # Started in this order, stopped in the reverse one.
-PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager")
+PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+KUBELETS_KEY = "kubelets"  # in the record: real kubelets (flannelpy_lab.kubelet) run the nodes
+# With real kubelets, the controllers a cluster's workloads and node health need.
+KUBELET_CONTROLLERS = (
+    "node-ipam-controller", "node-lifecycle-controller", "taint-eviction-controller",
+    "daemonset-controller", "deployment-controller", "replicaset-controller",
+    "serviceaccount-controller", "root-ca-certificate-publisher-controller",
+    "garbage-collector-controller", "pod-garbage-collector-controller",
+)
 _PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
 Save = Callable[[], None]
@@ -135,6 +148,9 @@ def process_refs(state: LabState) -> list[procs.ProcessRef]:
 
 
 def stop(state: LabState) -> None:
+    projector = projector_ref(state)
+    if projector:  # first: it watches kube-apiserver
+        procs.stop([projector])
     for ref in process_refs(state):
         procs.stop([ref])
 
@@ -185,12 +201,15 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     _start_apiserver(state, save)
     _start_controller_manager(state, save)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
+    if rec.get(KUBELETS_KEY):  # the kubelets register the Nodes, the DaemonSet runs agents
+        save()
+        return
     say(f"      kube-apiserver at {api_url(state)} ready in {rec['ready_seconds']} s; "
         "applying the manifests")  # fmt: skip
     apply_manifests(state)
     set_net_conf(state, plan.net_conf_json(state.network, state.backend, state.direct_routing,
                                            state.extra.get("net_conf_extra")))  # fmt: skip
-    sync_net_conf(state)
+    start_projector(state, save)
     register_nodes(state)
     wait_pod_cidrs(state)
     write_agent_kubeconfig(state)
@@ -230,6 +249,21 @@ def _make_pki(state: LabState) -> None:
     os.chmod(p("tokens.csv"), 0o600)
     _write_kubeconfig(state, admin_kubeconfig(state), api_url(state), admin)
     _write_kubeconfig(state, _path(state, "kcm.kubeconfig"), api_url(state), kcm)
+    # kube-apiserver's client certificate to the kubelets (exec, logs, port-forward).
+    client_cert(state, "apiserver-kubelet-client", "kube-apiserver-kubelet-client")
+
+
+def client_cert(state: LabState, name: str, cn: str, org: str | None = None) -> tuple[str, str]:
+    """A client certificate signed by the lab's CA (user ``cn``, group ``org``); returns
+    the certificate's and the key's paths."""
+    p = lambda ext: _path(state, "pki", f"{name}.{ext}")  # noqa: E731
+    subject = f"/CN={cn}" + (f"/O={org}" if org else "")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+             "-keyout", p("key"), "-out", p("csr"))  # fmt: skip
+    _openssl("x509", "-req", "-in", p("csr"), "-CA", _path(state, "pki", "ca.crt"),
+             "-CAkey", _path(state, "pki", "ca.key"), "-CAcreateserial", "-days", "2",
+             "-out", p("crt"))  # fmt: skip
+    return p("crt"), p("key")
 
 
 def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> None:
@@ -261,16 +295,7 @@ def _spawn(state: LabState, name: str, argv: list[str], save: Save) -> procs.Pro
 
 
 def _wait(state: LabState, name: str, ref: procs.ProcessRef, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not check():
-        log = _path(state, f"{name}.log")
-        if not procs.alive(ref):
-            raise LabError(f"{name} exited at start; last lines of {log}:\n"
-                           f"{procs.log_tail(log)}")  # fmt: skip
-        if time.monotonic() > deadline:
-            raise LabError(f"{name} was not ready within {READY_TIMEOUT:g} s; last lines of "
-                           f"{log}:\n{procs.log_tail(log)}")  # fmt: skip
-        time.sleep(0.2)
+    procs.wait_started(name, ref, _path(state, f"{name}.log"), check, READY_TIMEOUT)
 
 
 def _start_etcd(state: LabState, save: Save) -> None:
@@ -316,7 +341,10 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--secure-port", str(API_PORT),
         "--tls-cert-file", p("apiserver.crt"), "--tls-private-key-file", p("apiserver.key"),
         "--client-ca-file", p("ca.crt"), "--token-auth-file", p("tokens.csv"),
-        "--authorization-mode", "RBAC",
+        "--authorization-mode", "Node,RBAC",  # Node: what a kubelet may read and write
+        "--kubelet-client-certificate", p("apiserver-kubelet-client.crt"),
+        "--kubelet-client-key", p("apiserver-kubelet-client.key"),
+        "--kubelet-preferred-address-types", "InternalIP",
         # No Service reaches the API server here: the "kubernetes" endpoints need no upkeep.
         "--endpoint-reconciler-type", "none",
         "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
@@ -342,13 +370,15 @@ def _subnet_len(state: LabState) -> int:
 
 
 def _start_controller_manager(state: LabState, save: Save) -> None:
-    # Only the node IPAM controller: the lab runs no workloads, and the node lifecycle
-    # controller would taint the kubelet-less Nodes unreachable.
+    # Without kubelets only the node IPAM controller: the lab runs no workloads, and the
+    # node lifecycle controller would taint the kubelet-less Nodes unreachable.
+    controllers = KUBELET_CONTROLLERS if record(state).get(KUBELETS_KEY) else (
+        "node-ipam-controller",)
     _spawn(state, "kube-controller-manager", [
         os.path.join(record(state)["bin_dir"], "kube-controller-manager"),
         "--kubeconfig", _path(state, "kcm.kubeconfig"),
         "--bind-address", "127.0.0.1", "--secure-port", str(_free_port()),
-        "--leader-elect=false", "--controllers", "node-ipam-controller",
+        "--leader-elect=false", "--controllers", ",".join(controllers),
         "--use-service-account-credentials",
         "--service-account-private-key-file", _path(state, "pki", "sa.key"),
         "--root-ca-file", _path(state, "pki", "ca.crt"),
@@ -377,19 +407,52 @@ def set_net_conf(state: LabState, net_conf: str) -> None:
             "-p", patch)  # fmt: skip
 
 
-def sync_net_conf(state: LabState) -> str:
-    """Write the ConfigMap's net-conf.json to the agents' file (atomically, as the kubelet
-    updates a projected ConfigMap); return it."""
+def projector_ref(state: LabState) -> procs.ProcessRef | None:
+    """The ConfigMap projector's process (flannelpy_lab.projector), if it was started."""
+    started = state.extra.get(STATE_KEY, {}).get("projector")
+    return procs.ref_of(*started) if started else None
+
+
+def start_projector(state: LabState, save: Save) -> None:
+    """Project the ConfigMap into the lab directory as the kubelet projects the agents'
+    ConfigMap volume, from now on until ``down``: the agents' net-conf.json is
+    ``<lab dir>/net-conf.json -> ..data/net-conf.json``, swapped atomically on every change
+    (flannelpy_lab.projector). Returns once the first version is there."""
+    path = agents.kube_net_conf_path(state)
+    with contextlib.suppress(FileNotFoundError):  # a plain file would shadow the link
+        if not os.path.islink(path):
+            os.unlink(path)
+    argv = [sys.executable, "-m", "flannelpy_lab.projector", "--kubeconfig",
+            admin_kubeconfig(state), "--namespace", NAMESPACE, "--configmap", CONFIG_MAP,
+            "--dir", os.path.dirname(path)]  # fmt: skip
+    ref = procs.spawn_detached(argv, _path(state, "projector.log"), env=_env())
+    record(state)["projector"] = [ref.pid, ref.start_ticks]
+    save()
+    sync_net_conf(state)
+
+
+def sync_net_conf(state: LabState, timeout: float = 10.0) -> str:
+    """Wait until the agents' net-conf.json shows the ConfigMap's (the projector writes
+    it, as the kubelet does; it watches, so this takes well under a second); return it."""
     cm = kubectl_json(state, "get", "configmap", CONFIG_MAP, "-n", NAMESPACE)
     text = cm.get("data", {}).get(NET_CONF_KEY)
     if not text:
         raise LabError(f"ConfigMap {NAMESPACE}/{CONFIG_MAP} has no {NET_CONF_KEY}; "
                        "restore it from manifests/")  # fmt: skip
     path = agents.kube_net_conf_path(state)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-    return str(text)
+    log = _path(state, "projector.log")
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return str(text)
+        if not procs.alive(projector_ref(state)):
+            raise LabError(f"the ConfigMap projector is not running; last lines of {log}:\n"
+                           f"{procs.log_tail(log)}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise LabError(f"{path} did not show the ConfigMap within {timeout:g} s; last "
+                           f"lines of {log}:\n{procs.log_tail(log)}")  # fmt: skip
+        time.sleep(0.1)
 
 
 def node_manifest(name: str, internal_ip: str) -> dict[str, Any]:
@@ -399,7 +462,10 @@ def node_manifest(name: str, internal_ip: str) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": {
             "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64"}},
+            "kubernetes.io/arch": "amd64"},
+            # A kubelet always sets this one. flanneld v0.28.9 needs some annotation: on a
+            # Node with none it panics writing its own (a nil map in AcquireLease).
+            "annotations": {"volumes.kubernetes.io/controller-managed-attach-detach": "true"}},
         "status": {
             "addresses": [{"type": "InternalIP", "address": internal_ip},
                           {"type": "Hostname", "address": name}],
@@ -444,3 +510,99 @@ def write_agent_kubeconfig(state: LabState) -> None:
     token = kubectl(state, "create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE,
                     "--duration", TOKEN_DURATION).stdout.strip()  # fmt: skip
     _write_kubeconfig(state, agent_kubeconfig(state), api_url(state), token)
+
+
+# -- reading Nodes, and the faults of a real server (restarts, a re-created Node) -----------
+
+ANNOTATION_PREFIX = "flannel.alpha.coreos.com/"
+
+
+def api_json(state: LabState, path: str, timeout: float = 5.0) -> Any:
+    """GET ``path`` from kube-apiserver as cluster admin (no kubectl process: cheap enough
+    to poll); LabError when it does not answer."""
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}),
+        urllib.request.HTTPSHandler(
+            context=ssl.create_default_context(cafile=_path(state, "pki", "ca.crt"))),
+    )  # fmt: skip
+    request = urllib.request.Request(api_url(state) + path)
+    request.add_header("Authorization", f"Bearer {_admin_token(state)}")
+    try:
+        with opener.open(request, timeout=timeout) as resp:
+            return json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise LabError(f"kube-apiserver GET {path} failed ({e}); is the control plane "
+                       "running (`flannelpy-lab status`)?") from e  # fmt: skip
+
+
+def node_lease(node: dict[str, Any]) -> dict[str, Any] | None:
+    """A Node as the lab's lease record (``status`` lists these): its podCIDR and Flannel's
+    annotations, whoever wrote them; None until it has both."""
+    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    cidr = (node.get("spec") or {}).get("podCIDR")
+    public_ip = annotations.get(ANNOTATION_PREFIX + "public-ip")
+    if not cidr or not public_ip:
+        return None
+    name = (node.get("metadata") or {}).get("name")
+    return {"key": name, "subnet": cidr, "public_ip": public_ip,
+            "backend": annotations.get(ANNOTATION_PREFIX + "backend-type"),
+            "node_name": name, "error": None}  # fmt: skip
+
+
+def node_leases(state: LabState) -> list[dict[str, Any]]:
+    items = api_json(state, "/api/v1/nodes").get("items") or []
+    return [lease for lease in map(node_lease, items) if lease]
+
+
+def node_has_lease(state: LabState, node: NodeInfo) -> bool:
+    """Has ``node``'s agent published its lease on its Node (a flanneld node's readiness)?"""
+    try:
+        doc = api_json(state, f"/api/v1/nodes/{node.name}", timeout=2.0)
+    except LabError:  # the API briefly unreachable: not ready yet
+        return False
+    lease = node_lease(doc)
+    return lease is not None and lease["public_ip"] == str(node.ip)
+
+
+def _ref(state: LabState, name: str) -> procs.ProcessRef | None:
+    started = record(state).get("processes", {}).get(name)
+    return procs.ref_of(*started) if started else None
+
+
+def stop_apiserver(state: LabState, save: Save) -> None:
+    """Stop kube-apiserver (SIGTERM, as a restart by an operator or a static-pod update
+    does); etcd and the controller-manager keep running."""
+    ref = _ref(state, "kube-apiserver")
+    if ref:
+        procs.stop([ref])
+    record(state)["processes"].pop("kube-apiserver", None)
+    save()
+
+
+def start_apiserver(state: LabState, save: Save) -> float:
+    """Start kube-apiserver again on the same etcd and certificates; returns the seconds
+    until it was ready."""
+    t0 = time.monotonic()
+    _start_apiserver(state, save)
+    return time.monotonic() - t0
+
+
+def bump_etcd_revision(state: LabState, writes: int = 1) -> None:
+    """Write keys outside the API server's prefix straight into its etcd: the revision
+    moves on without any Node changing, so a Node watch resumed from before is older than
+    what a freshly started watch cache holds (the real server answers 410 Gone)."""
+    with lab_etcd.client(record(state)["etcd_url"]) as c:
+        for i in range(writes):
+            c.put(f"/fpl-lab/revision-bump/{i}", str(time.time()))
+
+
+def recreate_node(state: LabState, node: NodeInfo, pod_cidr: str) -> None:
+    """Delete ``node``'s Node and register it again with ``pod_cidr`` in its spec, as an
+    operator moves a node to another podCIDR (the field is immutable once set); the node
+    IPAM controller takes the CIDR as allocated. The annotations go with the old object."""
+    kubectl(state, "delete", "node", node.name, "--wait=true")
+    doc = node_manifest(node.name, str(node.ip))
+    doc["spec"] = {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}
+    kubectl(state, "create", "-f", "-", stdin=json.dumps(doc))
+    kubectl(state, "taint", "nodes", node.name, "node.kubernetes.io/not-ready:NoSchedule-",
+            check=False)  # fmt: skip

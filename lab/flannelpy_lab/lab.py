@@ -21,8 +21,9 @@ from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
-from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, status, topology
+from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, prometheus, status, topology
 from flannelpy_lab import kube as control_plane
+from flannelpy_lab import kubelet as real_nodes
 from flannelpy_lab import state as state_io
 from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
@@ -84,7 +85,10 @@ def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
         namespaces.update(n.namespace for n in state.nodes)
     for ns in namespaces:
         refs += _refs(procs.pids_in_netns(netns_path(ns)))
+    real_nodes.stop(state, name)  # before the sweep: pods run outside the node namespaces
     procs.stop(set(refs))
+    if state:
+        prometheus.stop(state)
     if state:  # the Kubernetes control plane, if any (its etcd is swept by its data dir)
         control_plane.stop(state)
     etcd_refs = _refs(procs.pids_with_files_under(directory))
@@ -143,6 +147,8 @@ class Lab:
         etcd_members: int = 1,
         net_conf_extra: dict[str, Any] | None = None,
         kube: bool = False,
+        with_prometheus: bool = False,
+        kubelets: bool = False,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -153,8 +159,15 @@ class Lab:
         own (``flannelpy_lab.etcd``), and every agent given all their URLs.
 
         ``kube``: Kubernetes mode against a real control plane (``flannelpy_lab.kube``)
-        on the host side; the agents run with ``--kube-subnet-mgr``."""
+        on the host side; the agents run with ``--kube-subnet-mgr``.
+
+        ``with_prometheus``: a real Prometheus on the host's lab address scraping every
+        agent, the manifests' alert rules loaded (``flannelpy_lab.prometheus``).
+
+        ``kubelets`` (implies ``kube``): a real kubelet and containerd per node, the agents
+        run by the manifests' DaemonSet, a test Deployment (``flannelpy_lab.kubelet``)."""
         say = progress or _quiet
+        kube = kube or kubelets
         plan.validate_request(
             name, nodes, backend, direct_routing, segments, network, flanneld_nodes,
             etcd_members,
@@ -162,9 +175,6 @@ class Lab:
         # Before anything is built: a missing flanneld fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
         if kube:  # so does a control plane that was not built
-            if flanneld_nodes:
-                raise ConfigError("--flanneld-nodes cannot be combined with --kube yet; "
-                                  "drop one of them")  # fmt: skip
             control_plane.bin_dir()
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
         state = _claim(
@@ -186,10 +196,15 @@ class Lab:
             state.extra["net_conf_extra"] = dict(net_conf_extra)
         if kube:
             control_plane.record(state)
+        if kubelets:
+            control_plane.record(state)[control_plane.KUBELETS_KEY] = True
+            real_nodes.record(state)
+        if with_prometheus:
+            prometheus.record(state)
         lab = cls(state)
         try:
             lab._build(start_agents, timeout, say)
-            if start_agents and pods_per_node:
+            if start_agents and pods_per_node and not kubelets:
                 lab._add_initial_pods(pods_per_node, cni_exec, say)
         except BaseException:
             say("lab up failed; removing what was built")
@@ -240,12 +255,19 @@ class Lab:
             say(f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
                 f"{control_plane.api_url(s)}")  # fmt: skip
             control_plane.start(s, self._save, say)
+        if real_nodes.enabled(s):  # the DaemonSet runs the agents
+            real_nodes.start(s, self._save, say)
+            return
         if not start_agents:
             return
         for node in s.nodes:
             agents.start(s, node)
         self._save()
         self._wait_all_ready(s.nodes, timeout, say)
+        if prometheus.STATE_KEY in s.extra:
+            say(f"[6/{UP_STEPS}] starting Prometheus at {prometheus.url(s)}")
+            prometheus.start(s)
+            self._save()
 
     def _add_initial_pods(self, per_node: int, cni_exec: str, say: Progress) -> None:
         form = self.install_cni(cni_exec)
@@ -309,7 +331,10 @@ class Lab:
     def _on_ready(self, node: NodeInfo, env: SubnetEnv) -> None:
         # On a flanneld node cni0 is the bridge plugin's, made at the node's first pod.
         if self.state.overlay_bridge and not node.runs_flanneld:
-            topology.ensure_overlay_bridge(node.namespace, env.subnet, env.mtu)
+            topology.ensure_overlay_bridge(
+                node.namespace, env.subnet, env.mtu,
+                env.ipv6_subnet,
+            )  # fmt: skip
         node.overlay_address = env.subnet
         self._save()
 
@@ -367,19 +392,6 @@ class Lab:
 
     # -- agents' store and arguments ---------------------------------------
 
-    def use_kube_api(self, url: str) -> None:
-        """Run the agents in Kubernetes mode against the API server at ``url`` (reachable
-        from the nodes, e.g. on the host's lab address): Node objects hold the podCIDRs, the
-        network config is a file (the ConfigMap's net-conf.json). Agents started from now on
-        use it."""
-        path = agents.kube_net_conf_path(self.state)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(plan.net_conf_json(self.state.network, self.state.backend,
-                                       self.state.direct_routing,
-                                       self.state.extra.get("net_conf_extra")))
-        self.state.extra["kube_api_url"] = url
-        self._save()
-
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
@@ -388,10 +400,33 @@ class Lab:
         return control_plane.kubectl(self.state, *args, stdin=stdin, check=check)
 
     def sync_kube_net_conf(self) -> str:
-        """Write the ConfigMap's net-conf.json to the agents' file again (after a change),
-        as the kubelet updates a projected ConfigMap; returns it."""
+        """Wait until the agents' file shows the ConfigMap's net-conf.json (the lab's
+        projector keeps it in step, as the kubelet does a ConfigMap volume); returns it."""
         self._require_control_plane()
         return control_plane.sync_net_conf(self.state)
+
+    def stop_kube_apiserver(self) -> None:
+        """Stop the control plane's kube-apiserver (agents, etcd and the controller-manager
+        keep running); ``start_kube_apiserver`` brings it back."""
+        self._require_control_plane()
+        control_plane.stop_apiserver(self.state, self._save)
+
+    def start_kube_apiserver(self) -> float:
+        """Start kube-apiserver again; returns the seconds until it was ready."""
+        self._require_control_plane()
+        return control_plane.start_apiserver(self.state, self._save)
+
+    def bump_kube_etcd_revision(self, writes: int = 1) -> None:
+        """Move the control plane's etcd revision on without touching any Kubernetes
+        object (``flannelpy_lab.kube.bump_etcd_revision``)."""
+        self._require_control_plane()
+        control_plane.bump_etcd_revision(self.state, writes)
+
+    def recreate_kube_node(self, node: str, pod_cidr: str) -> None:
+        """Delete the node's Node and register it again with ``pod_cidr``, as an operator
+        moves a node to another podCIDR; its agent keeps running."""
+        self._require_control_plane()
+        control_plane.recreate_node(self.state, self.node(node), pod_cidr)
 
     def _require_control_plane(self) -> None:
         if control_plane.STATE_KEY not in self.state.extra:
@@ -434,6 +469,9 @@ class Lab:
             agents.start(self.state, node)
         self._save()
         self._wait_all_ready(self.state.nodes, timeout, _quiet)
+        if prometheus.STATE_KEY in self.state.extra and not procs.alive(prometheus.ref(self.state)):
+            prometheus.start(self.state)  # a lab built with start_agents=False
+            self._save()
 
     # -- etcd -------------------------------------------------------------
 

@@ -41,7 +41,7 @@ ETCD_MEMBER_FIRST_HOST = 241  # member eJ is .240+J; re-created nodes stay below
 ETCD_MEMBER_COUNTS = (1, 3, 5)  # odd: a majority survives any one partition
 MAX_NODES = 99
 IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
-BACKENDS = ("vxlan", "host-gw")
+BACKENDS = ("vxlan", "host-gw", "wireguard")
 DEFAULT_NETWORK = "10.244.0.0/16"
 DEFAULT_ETCD_PREFIX = "/coreos.com/network"
 LAB_ROOT = "/run/flannelpy-lab"
@@ -134,6 +134,39 @@ def pinned_mac(lab: str, role: str) -> str:
     digest = hashlib.sha256(f"{lab}/{role}".encode()).digest()
     octets = [0x02, *digest[:5]]
     return ":".join(f"{o:02x}" for o in octets)
+
+
+# Dual stack (``lab up --ip-family dual``): a ULA underlay per segment, never routed out
+# (no node has an IPv6 default route and the host leg carries no IPv6), and a ULA pod
+# network. Node I on segment S gets fd00:64:S::I/64 beside 100.64.S.I/24.
+IPV6_UNDERLAY = "fd00:64:{segment}::{host}/64"
+DEFAULT_IPV6_NETWORK = "fd10:244::/56"
+IP_FAMILIES = ("ipv4", "dual")
+
+
+def ip_family_net_conf(family: str) -> dict[str, Any]:
+    """The net-conf.json keys of ``--ip-family`` (none for ipv4)."""
+    if family not in IP_FAMILIES:
+        raise ConfigError(
+            f"--ip-family {family!r} is unknown; use one of {', '.join(IP_FAMILIES)} "
+            "(ipv6-only is not supported by the agent yet)"
+        )
+    if family == "dual":
+        return {"EnableIPv6": True, "IPv6Network": DEFAULT_IPV6_NETWORK}
+    return {}
+
+
+def ipv6_enabled(state: LabState) -> bool:
+    return bool((state.extra.get("net_conf_extra") or {}).get("EnableIPv6"))
+
+
+def ipv6_underlay_address(node: NodeInfo) -> str:
+    """The node's IPv6 underlay address (dual-stack labs), with its /64."""
+    return IPV6_UNDERLAY.format(segment=node.segment, host=host_number(node))
+
+
+def ipv6_underlay_ip(node: NodeInfo) -> str:
+    return ipv6_underlay_address(node).split("/")[0]
 
 
 def net_conf(network: str, backend: str, direct_routing: bool) -> dict[str, Any]:

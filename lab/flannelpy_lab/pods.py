@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from ipaddress import ip_interface
 from typing import Any
 
 import flannelpy
@@ -174,7 +175,7 @@ def add_pod(
     try:
         topology.ip("link", "set", "lo", "up", ns=pod.namespace)
         result = runtime_for(state, node).add(_attachment(pod, port_mappings))
-        pod.address = result["ips"][0]["address"]
+        pod.address, pod.address6 = result_addresses(result)
     except BaseException:
         topology.ip("netns", "del", pod.namespace, check=False)
         raise
@@ -190,24 +191,42 @@ def delete_pod(state: LabState, name: str) -> None:
     state.pods.remove(pod)
 
 
-def ping_pod(src: PodInfo, dst: PodInfo, attempts: int = 2) -> bool:
-    if dst.ip is None:
+def result_addresses(result: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The pod's IPv4 and IPv6 address (CIDR) from an ADD result; None for a family it
+    has none of (an IPv4-only or IPv6-only node)."""
+    found: dict[int, str] = {}
+    for entry in result.get("ips") or []:
+        address = entry.get("address") if isinstance(entry, dict) else None
+        if isinstance(address, str):
+            try:
+                found.setdefault(ip_interface(address).version, address)
+            except ValueError:
+                continue
+    return found.get(4), found.get(6)
+
+
+def ping_pod(src: PodInfo, dst: PodInfo, attempts: int = 2, family: int = 4) -> bool:
+    """``src`` reaches ``dst`` in ``family`` (4 or 6); False when ``dst`` has no address
+    of that family."""
+    target = dst.ip6 if family == 6 else dst.ip
+    if target is None:
         return False
     for _ in range(attempts):
-        argv = ["ping", "-c", "1", "-W", "1", str(dst.ip)]
+        argv = ["ping", f"-{family}", "-c", "1", "-W", "1", str(target)]
         if topology.run_in(src.namespace, argv, timeout=10).returncode == 0:
             return True
     return False
 
 
-def pod_matrix(pods: list[PodInfo]) -> dict[str, dict[str, bool]]:
-    """Every ordered pair of pods, pinged from inside the source pod, in parallel."""
+def pod_matrix(pods: list[PodInfo], family: int = 4) -> dict[str, dict[str, bool]]:
+    """Every ordered pair of pods, pinged in ``family`` from inside the source pod, in
+    parallel."""
     pairs = [(a, b) for a in pods for b in pods if a.name != b.name]
     out: dict[str, dict[str, bool]] = {p.name: {} for p in pods}
     if not pairs:
         return out
     with ThreadPoolExecutor(max_workers=min(PING_WORKERS, len(pairs))) as pool:
-        results = list(pool.map(lambda pair: ping_pod(*pair), pairs))
+        results = list(pool.map(lambda pair: ping_pod(pair[0], pair[1], family=family), pairs))
     for (a, b), ok in zip(pairs, results, strict=True):
         out[a.name][b.name] = ok
     return out

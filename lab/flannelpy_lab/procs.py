@@ -15,7 +15,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flannelpy_lab.errors import LabError
@@ -177,3 +177,18 @@ def log_tail(path: str, lines: int = 10) -> str:
     except FileNotFoundError:
         return "(no log)"
     return "".join(tail).rstrip() or "(log is empty)"
+
+
+def wait_started(what: str, ref: ProcessRef, log: str, check: Callable[[], bool],
+                 timeout: float) -> None:  # fmt: skip
+    """Poll ``check`` until a process just started answers; raises LabError as soon as
+    it exits (no point waiting out the timeout) or when ``timeout`` passes, with the
+    end of its ``log``, where the reason is."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if not alive(ref):
+            raise LabError(f"{what} exited at start; last lines of {log}:\n{log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise LabError(f"{what} was not ready within {timeout:g} s; last lines of "
+                           f"{log}:\n{log_tail(log)}")  # fmt: skip
+        time.sleep(0.2)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from ipaddress import IPv4Address, IPv4Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface
 from typing import Any
 
 from flannelpy_lab.errors import LabError
@@ -85,6 +85,7 @@ class PodInfo:
     container_id: str
     ifname: str = "eth0"
     address: str | None = None  # "10.244.3.5/24", from the CNI result
+    address6: str | None = None  # "fc00:0:0:3::5/64": the IPv6 one, on an IPv6-enabled node
 
     @property
     def netns_path(self) -> str:
@@ -93,6 +94,10 @@ class PodInfo:
     @property
     def ip(self) -> IPv4Address | None:
         return IPv4Interface(self.address).ip if self.address else None
+
+    @property
+    def ip6(self) -> IPv6Address | None:
+        return IPv6Interface(self.address6).ip if self.address6 else None
 
 
 @dataclass

@@ -12,7 +12,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flannelpy_lab import agents, etcd, pods, procs, topology
+from flannelpy_lab import agents, etcd, kube, plan, pods, procs, prometheus, topology
+from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
 
 PING_WORKERS = 32
@@ -33,6 +34,12 @@ def overlay_address(node: NodeInfo) -> str | None:
     """The node's overlay address: FLANNEL_SUBNET's address from its subnet.env."""
     env = agents.read_subnet_env(node)
     return env.subnet if env else None
+
+
+def overlay_address6(node: NodeInfo) -> str | None:
+    """The node's IPv6 overlay address (dual stack): FLANNEL_IPV6_SUBNET's address."""
+    env = agents.read_subnet_env(node)
+    return env.ipv6_subnet if env else None
 
 
 def matrix(
@@ -59,8 +66,11 @@ def matrix(
 def collect(state: LabState) -> dict[str, Any]:
     """The status document (see module doc); never raises for an unreachable etcd."""
     etcd_error = None
-    if state.extra.get("kube_api_url"):
-        leases = leases_from_agents(state)  # Kubernetes mode: Node objects, not etcd
+    if state.extra.get("kube_api_url"):  # Kubernetes mode: the Node objects, flanneld's
+        try:  # as well as ours; with the API server down, what our agents report
+            leases = kube.node_leases(state)
+        except LabError as e:
+            leases, etcd_error = leases_from_agents(state), str(e)
     else:
         try:
             leases = etcd.read_leases(state.etcd_endpoints, state.etcd_prefix)
@@ -96,7 +106,12 @@ def collect(state: LabState) -> dict[str, Any]:
             }
         )
     reach = matrix(state.nodes, overlay)
+    # Dual stack: the same node-pair matrix in IPv6, over the IPv6 underlay.
+    reach6 = None
+    if plan.ipv6_enabled(state):
+        reach6 = matrix(state.nodes, {n.name: overlay_address6(n) for n in state.nodes})
     pod_reach = pods.pod_matrix(state.pods)
+    pod_reach6 = pods.pod_matrix(state.pods, family=6) if reach6 is not None else None
     return {
         "name": state.name,
         "backend": state.backend,
@@ -108,11 +123,22 @@ def collect(state: LabState) -> dict[str, Any]:
         "etcd_members": etcd.cluster_status(state),  # empty: one etcd on the host
         "nodes": nodes,
         "matrix": reach,
+        "matrix_ipv6": reach6,
         "pod_matrix": pod_reach,
+        "pod_matrix_ipv6": pod_reach6,
         "cni_exec": state.extra.get("cni_exec"),
         "leases": leases,
-        "ok": all_reach(reach) and all_reach(pod_reach),
+        "prometheus": prometheus_status(state),
+        "ok": all(all_reach(r or {}) for r in (reach, pod_reach, reach6, pod_reach6)),
     }
+
+
+def prometheus_status(state: LabState) -> dict[str, Any] | None:
+    """The lab's Prometheus (``up --prometheus``): its address and whether it runs."""
+    address = prometheus.url(state)
+    if address is None:
+        return None
+    return {"url": address, "running": procs.alive(prometheus.ref(state))}
 
 
 def leases_from_agents(state: LabState) -> list[dict[str, Any]]:
@@ -159,6 +185,10 @@ def render_text(doc: dict[str, Any]) -> str:
     lines = [f"lab {doc['name']}: {mode}, network {network}, etcd {endpoint}"]
     if doc.get("etcd_error"):
         lines.append(f"warning: {doc['etcd_error']}")
+    prom = doc.get("prometheus")
+    if prom:
+        lines.append(f"prometheus {prom['url']} ({'running' if prom['running'] else 'down'}); "
+                     f"alerts: {prom['url']}/api/v1/alerts")  # fmt: skip
     rows = [["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "RUNS",
              "AGENT"]]  # fmt: skip
     for n in doc["nodes"]:
@@ -190,6 +220,9 @@ def render_text(doc: dict[str, Any]) -> str:
     lines += ["", f"leases in etcd: {len(doc['leases'])}", *_table(rows)]
     lines += ["", "reachability over the overlay (ping from row to column):"]
     lines += render_matrix(doc["matrix"])
+    if doc.get("matrix_ipv6"):
+        lines += ["", "IPv6 (over the IPv6 underlay):"]
+        lines += render_matrix(doc["matrix_ipv6"])
     pairs = [ok for row in doc["matrix"].values() for ok in row.values()]
     failed = pairs.count(False)
     verdict = (
@@ -207,6 +240,9 @@ def render_text(doc: dict[str, Any]) -> str:
         lines += ["", f"pods ({doc.get('cni_exec') or '?'} CNI executable):", *_table(rows)]
         lines += ["", "pod-to-pod reachability (ping from row to column):"]
         lines += render_matrix(pod_reach)
+        if doc.get("pod_matrix_ipv6"):
+            lines += ["", "pod-to-pod in IPv6:"]
+            lines += render_matrix(doc["pod_matrix_ipv6"])
         pairs = [ok for row in pod_reach.values() for ok in row.values()]
         failed = pairs.count(False)
         lines += ["", f"all {len(pairs)} pod pairs reach each other" if not failed

@@ -8,6 +8,7 @@ and replayed by hand. The layout, for lab ``demo`` with two segments::
     fpl-demo-rtr: eth1 100.64.0.253/24, eth2 100.64.1.253/24, ip_forward=1
     fpl-demo-sw2: br0 ── rtr, n3, n4
     fpl-demo-nI:  eth0 100.64.S.I/24 (+ route to the other segment via .253), ip_forward=1
+                  dual stack: also fd00:64:S::I/64 (ULA, one segment only, never routed out)
 
 Nodes have no default route and the host reaches the lab only through its own
 leg, so no lab packet can leave the machine through the host's default route.
@@ -135,6 +136,11 @@ def build_node(state: LabState, node: NodeInfo) -> None:
     if route is not None:
         ip("route", "add", route[0], "via", route[1], ns=node.namespace)
     set_sysctl(node.namespace, "net.ipv4.ip_forward", "1")
+    if plan.ipv6_enabled(state):
+        # The ULA underlay (dual stack); nodad: usable at once, unique by the plan.
+        ip("addr", "add", plan.ipv6_underlay_address(node), "dev", node.underlay_iface,
+           "nodad", ns=node.namespace)  # fmt: skip
+        set_sysctl(node.namespace, "net.ipv6.conf.all.forwarding", "1")
 
 
 def build_etcd_member(state: LabState, member: EtcdMemberInfo) -> None:
@@ -197,8 +203,9 @@ def destroy(state: LabState | None, lab: str) -> None:
         delete_namespace(ns)
 
 
-def ensure_overlay_bridge(ns: str, address: str, mtu: int) -> None:
-    """Give the node its overlay address: bridge ``cni0`` holding FLANNEL_SUBNET's address.
+def ensure_overlay_bridge(ns: str, address: str, mtu: int, address6: str | None = None) -> None:
+    """Give the node its overlay address: bridge ``cni0`` holding FLANNEL_SUBNET's address
+    (and FLANNEL_IPV6_SUBNET's in dual stack).
 
     The lab's stand-in for what the CNI plugin does on a node's first pod;
     idempotent, and it replaces a stale address after the lease changed.
@@ -214,6 +221,9 @@ def ensure_overlay_bridge(ns: str, address: str, mtu: int) -> None:
             ip("addr", "del", str(old), "dev", bridge, ns=ns)
     if wanted not in current:
         ip("addr", "add", str(wanted), "dev", bridge, ns=ns)
+    if address6 is not None:
+        # nodad: usable at once (a tentative address cannot source the status pings).
+        ip("addr", "replace", str(address6), "dev", bridge, "nodad", ns=ns)
     ip("link", "set", bridge, "up", ns=ns)
 
 

@@ -31,11 +31,17 @@ from flannelpy_lab.state import NodeInfo, PodInfo
 from flannelpy.subnet import subnet_env
 from tests.support.kernel_entries import (
     VXLAN_DEVICE,
+    entry_mismatches,
     expected_entries,
     kernel_entries,
     read_leases,
 )
-from tests.support.lab_util import running_lab, running_mixed_lab, wait_until
+from tests.support.lab_util import (
+    print_agent_logs_if_failed,
+    running_lab,
+    running_mixed_lab,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.lab]
 
@@ -65,12 +71,7 @@ def mixed_lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
 def lab(request: pytest.FixtureRequest, mixed_lab: Lab) -> Iterator[Lab]:
     """The module's mixed lab; a failing test prints every node's log tail."""
     yield mixed_lab
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        for node in mixed_lab.nodes:
-            with open(node.agent_log, encoding="utf-8", errors="replace") as f:
-                tail = "".join(f.readlines()[-30:])
-            print(f"--- {node.name} ({node.agent_kind}) {node.agent_log}:\n{tail}")
+    print_agent_logs_if_failed(request, mixed_lab)
 
 
 def _pod_on(lab: Lab, node: str) -> PodInfo:
@@ -150,17 +151,7 @@ def test_each_kernel_holds_exactly_what_the_other_leases_ask_for(lab: Lab) -> No
     def mismatches() -> dict[str, str]:
         leases = read_leases(lab)
         assert len(leases) == 4, [lease.key for lease in leases]
-        out = {}
-        for node in lab.nodes:
-            have = kernel_entries(lab, node)
-            want = expected_entries(node, leases, backend, _direct_peers(lab, node))
-            for kind in ("routes", "neighbours", "fdb"):
-                h, w = getattr(have, kind), getattr(want, kind)
-                if h != w:
-                    out[f"{node.name} ({node.agent_kind}) {kind}"] = (
-                        f"missing {sorted(w - h)}, extra {sorted(h - w)}"
-                    )
-        return out
+        return entry_mismatches(lab, leases, backend, lambda node: _direct_peers(lab, node))
 
     try:
         wait_until(lambda: not mismatches(), timeout=CONVERGE, interval=0.5,

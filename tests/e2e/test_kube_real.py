@@ -2,8 +2,8 @@
 
 kube-apiserver with RBAC, kube-controller-manager's node IPAM controller and the real
 kubectl, built by scripts/build-kube.sh (flannelpy_lab.kube). The agents authenticate
-with the manifests' ServiceAccount, so the ClusterRole in manifests/ is what the API
-server enforces.
+with the manifests' ServiceAccount, so the ClusterRole and the Role in manifests/ are
+what the API server enforces.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flannelpy_lab import Lab, plan, procs
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 
-from flannelpy.subnet.kube.api import RBAC_RULES
+from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES
 from tests.support.lab_util import (
     host_snapshot,
     lab_residue,
@@ -93,13 +93,15 @@ def test_pods_and_nodes_on_different_nodes_reach_each_other(lab: Lab) -> None:
                 assert lab.ping(a.name, b.name, attempts=3), (a.name, b.name)
 
 
-def can_i(lab: Lab, verb: str, resource: str) -> bool:
-    """``kubectl auth can-i`` as the agents' ServiceAccount; "nodes/status" is the status
-    subresource (kubectl would read it as the Node named "status")."""
+def can_i(lab: Lab, verb: str, resource: str, namespace: str | None = "default") -> bool:
+    """``kubectl auth can-i`` as the agents' ServiceAccount in ``namespace`` (None: in every
+    namespace); "nodes/status" is the status subresource (kubectl would read it as the
+    Node named "status")."""
     resource, _, sub = resource.partition("/")
     where = ["--subresource", sub] if sub else []
-    proc = lab.kubectl("auth", "can-i", verb, resource, *where, "--as", SERVICE_ACCOUNT,
-                       check=False)  # fmt: skip
+    where += ["-n", namespace] if namespace else ["--all-namespaces"]
+    proc = lab.kubectl("auth", "can-i", verb, resource, *where,
+                       "--as", SERVICE_ACCOUNT, check=False)  # fmt: skip
     return proc.stdout.strip() == "yes"
 
 
@@ -107,13 +109,26 @@ def test_service_account_can_do_exactly_what_the_agent_uses(lab: Lab) -> None:
     def can(verb: str, resource: str) -> bool:
         return can_i(lab, verb, resource)
 
-    for _, resource, verbs in RBAC_RULES:
-        for verb in verbs:
-            assert can(verb, resource), (verb, resource)
+    for group, resource, verbs in RBAC_RULES:
+        for verb in verbs:  # kubectl reads a bare "events" as the core group's
+            assert can(verb, f"{resource}.{group}" if group else resource), (verb, resource)
     for verb, resource in [("patch", "nodes"), ("update", "nodes"), ("delete", "nodes"),
                            ("update", "nodes/status"), ("list", "pods"), ("get", "secrets"),
-                           ("get", "configmaps"), ("create", "nodes")]:  # fmt: skip
+                           ("get", "configmaps"), ("create", "nodes"), ("create", "events"),
+                           ("delete", "events.events.k8s.io")]:  # fmt: skip
         assert not can(verb, resource), (verb, resource)
+    # Leases in the agents' namespace only (the Role): not the kubelets' heartbeats in
+    # kube-node-lease, nor another namespace's leader elections, nor cluster-wide.
+    ours = control_plane.NAMESPACE
+    for group, resource, verbs in NAMESPACED_RBAC_RULES:
+        name = f"{resource}.{group}"
+        for verb in verbs:
+            assert can_i(lab, verb, name, ours), (verb, name, ours)
+            for elsewhere in ("kube-node-lease", "default", "kube-system"):
+                assert not can_i(lab, verb, name, elsewhere), (verb, name, elsewhere)
+            assert not can_i(lab, verb, name, None), (verb, name, "every namespace")
+        for verb in ("get", "list", "watch", "update", "delete", "deletecollection"):
+            assert not can_i(lab, verb, name, ours), (verb, name, ours)
 
 
 def test_rbac_without_patch_nodes_status_is_forbidden_and_restoring_recovers(lab: Lab) -> None:
@@ -154,6 +169,44 @@ def test_rbac_without_patch_nodes_status_is_forbidden_and_restoring_recovers(lab
     wait_until(lambda: all(ok for row in lab.status()["pod_matrix"].values()
                            for ok in row.values()),
                timeout=15, what="every pod pair reaching again")  # fmt: skip
+
+
+def test_a_refused_status_lease_is_named_once_and_the_agent_runs_on(lab: Lab) -> None:
+    """Without the RoleBinding the Lease write is refused (403): the agent says which
+    permission is missing, once, and serves its node all the same."""
+    ns = control_plane.NAMESPACE
+    saved = json.loads(lab.kubectl("get", "rolebinding", "flannelpy", "-n", ns, "-o",
+                                   "json").stdout)  # fmt: skip
+    meta = saved["metadata"]
+    restore = {**saved, "metadata": {k: meta[k] for k in ("name", "namespace", "labels")}}
+    node = lab.node("n1")
+    lab.kill_agent("n1")
+    lab.kubectl("delete", "rolebinding", "flannelpy", "-n", ns)
+    try:
+        wait_until(lambda: not can_i(lab, "patch", "leases.coordination.k8s.io", ns),
+                   timeout=10, what="RBAC dropping patch leases")  # fmt: skip
+        log_start = os.path.getsize(node.agent_log)
+        lab.start_agent("n1")
+        lab.wait_ready("n1")
+        said = f"may not patch leases.coordination.k8s.io in namespace {ns}"
+
+        def lines() -> list[str]:
+            with open(node.agent_log, encoding="utf-8") as f:
+                f.seek(log_start)
+                return [line for line in f.read().splitlines() if said in line]
+
+        wait_until(lines, timeout=30, what="n1's agent naming the missing permission")
+        print("n1's agent:", lines()[0])
+        assert len(lines()) == 1, lines()
+        assert "Role" in lines()[0], lines()[0]
+        wait_until(lambda: all(ok for row in lab.status()["pod_matrix"].values()
+                               for ok in row.values()),
+                   timeout=15, what="every pod pair reaching, n1's too")  # fmt: skip
+        assert procs.alive(procs.ref_of(node.agent_pid, node.agent_start_ticks))
+    finally:
+        lab.kubectl("apply", "-f", "-", stdin=json.dumps(restore))
+    wait_until(lambda: can_i(lab, "patch", "leases.coordination.k8s.io", ns), timeout=10,
+               what="RBAC allowing patch leases again")  # fmt: skip
 
 
 def our_routes(lab: Lab, node: str) -> set[str]:

@@ -37,11 +37,10 @@ from flannelpy.subnet.keys import subnet_to_key
 from flannelpy.subnet.survey import check_no_overlap
 from tests.support.kernel_entries import (
     VXLAN_DEVICE,
-    expected_entries,
-    kernel_entries,
+    entry_mismatches,
     read_leases,
 )
-from tests.support.lab_util import running_mixed_lab, wait_until
+from tests.support.lab_util import print_agent_logs_if_failed, running_mixed_lab, wait_until
 from tests.support.traffic import PodTraffic, TrafficReport
 
 pytestmark = [pytest.mark.lab]
@@ -64,10 +63,7 @@ def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     backend, direct_routing = request.param
     with running_mixed_lab(backend, direct_routing=direct_routing, pods_per_node=1) as lab:
         yield lab
-        if getattr(request.node, "rep_call", None) and request.node.rep_call.failed:
-            for node in lab.nodes:
-                with open(node.agent_log, encoding="utf-8", errors="replace") as f:
-                    print(f"--- {node.name} ({node.agent_kind}):\n" + "".join(f.readlines()[-25:]))
+        print_agent_logs_if_failed(request, lab, lines=25)
 
 
 def _lease_subnets(lab: Lab) -> dict[IPv4Address, IPv4Network]:
@@ -82,18 +78,8 @@ def _network_routes(lab: Lab, node: str, protocol: str) -> list[dict[str, object
 
 
 def _kernel_mismatches(lab: Lab) -> dict[str, str]:
-    leases = read_leases(lab)
-    out = {}
-    for node in lab.nodes:
-        have = kernel_entries(lab, node)
-        want = expected_entries(node, leases, lab.state.backend, _direct_peers(lab))
-        for kind in ("routes", "neighbours", "fdb"):
-            h, w = getattr(have, kind), getattr(want, kind)
-            if h != w:
-                out[f"{node.name} ({node.agent_kind}) {kind}"] = (
-                    f"missing {sorted(w - h)}, extra {sorted(h - w)}"
-                )
-    return out
+    direct = _direct_peers(lab)
+    return entry_mismatches(lab, read_leases(lab), lab.state.backend, lambda node: direct)
 
 
 def _direct_peers(lab: Lab) -> set[IPv4Address]:

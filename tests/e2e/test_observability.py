@@ -121,7 +121,7 @@ def probe(lab: Lab, node: str, peer: str) -> dict[str, Any]:
 
 
 def peer_metric(lab: Lab, node: str, name: str, peer: str) -> float:
-    return value(scrape(lab, node)[1], name, peer=subnet_of(lab, peer))
+    return value(scrape(lab, node)[1], name, peer=subnet_of(lab, peer), family="ipv4")
 
 
 def doctor(lab: Lab, node: str) -> tuple[int, list[dict[str, Any]]]:
@@ -179,10 +179,10 @@ def test_metrics_scrape_has_every_family_with_the_lab_values(lab: Lab) -> None:
     assert value(samples, "flannelpy_peers_mtu_mismatch") == 0
     for peer in ("n2", "n3"):
         subnet = subnet_of(lab, peer)
-        assert value(samples, "flannelpy_peer_reachable", peer=subnet) == 1
-        assert value(samples, "flannelpy_peer_path_mtu_verified", peer=subnet) == 1
-        assert 0 < value(samples, "flannelpy_peer_rtt_seconds", peer=subnet) < 1
-        assert value(samples, "flannelpy_peer_loss_ratio", peer=subnet) == 0
+        assert value(samples, "flannelpy_peer_reachable", peer=subnet, family="ipv4") == 1
+        assert value(samples, "flannelpy_peer_path_mtu_verified", peer=subnet, family="ipv4") == 1
+        assert 0 < value(samples, "flannelpy_peer_rtt_seconds", peer=subnet, family="ipv4") < 1
+        assert value(samples, "flannelpy_peer_loss_ratio", peer=subnet, family="ipv4") == 0
 
     # The lab's ADDs for n1's pods, each answered with success.
     assert value(samples, "flannelpy_cni_requests_total", command="ADD", code="0") == len(on_n1)
@@ -364,10 +364,10 @@ def test_dropping_vxlan_traffic_makes_the_peer_unreachable_and_doctor_names_it(
         result = probe(lab, "n1", "n3")
         _, on_n1 = scrape(lab, "n1")
         n3 = subnet_of(lab, "n3")
-        assert value(on_n1, "flannelpy_peer_reachable", peer=n3) == 0
-        assert math.isnan(value(on_n1, "flannelpy_peer_rtt_seconds", peer=n3))
+        assert value(on_n1, "flannelpy_peer_reachable", peer=n3, family="ipv4") == 0
+        assert math.isnan(value(on_n1, "flannelpy_peer_rtt_seconds", peer=n3, family="ipv4"))
         # 3 unanswered rounds in a row are at least 3/20 of the window.
-        assert value(on_n1, "flannelpy_peer_loss_ratio", peer=n3) >= 3 / WINDOW
+        assert value(on_n1, "flannelpy_peer_loss_ratio", peer=n3, family="ipv4") >= 3 / WINDOW
         assert result["rtt_ms"] is None and result["error"], result
 
         code, bad = doctor(lab, "n1")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any
 
@@ -127,12 +127,13 @@ class Node:
 
 
 @contextmanager
-def make_node(subnet: IPv4Network = SUBNET, **settings: Any) -> Iterator[Node]:
+def make_node(*subnets: IPv4Network | IPv6Network, **settings: Any) -> Iterator[Node]:
+    """A node namespace serving CNI on a socket; leases ``subnets`` (default ``SUBNET``)."""
     state_dir = tempfile.mkdtemp(prefix="fpcni")  # short: a socket path must fit 108 bytes
     try:
         with temp_netns("cn") as ns:
             ipam = NodeIpam(os.path.join(state_dir, "ipam"))
-            ipam.set_leases([subnet])
+            ipam.set_leases(list(subnets) or [SUBNET])
             records = RecordStore(os.path.join(state_dir, "records"))
             pods = PodNetwork()
             state = {"ready": True}

@@ -125,7 +125,8 @@ def test_metrics_endpoint_serves_the_registry(served: Served) -> None:
         for s in family.samples
     }
     assert samples[("flannelpy_cni_requests_total", (("code", "0"), ("command", "ADD")))] == 1
-    assert samples[("flannelpy_peer_rtt_seconds", (("peer", "10.244.2.0/24"),))] == 0.0007
+    rtt = ("flannelpy_peer_rtt_seconds", (("family", "ipv4"), ("peer", "10.244.2.0/24")))
+    assert samples[rtt] == 0.0007
 
 
 def test_unknown_paths_are_404(served: Served) -> None:

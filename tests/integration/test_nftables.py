@@ -11,7 +11,7 @@ import os
 import secrets
 import subprocess
 from collections.abc import Iterator
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 import pytest
 
@@ -54,6 +54,31 @@ FLANNEL_IPV4 = """table ip flannel-ipv4 {
 """
 FLANNEL_IPV6 = """table ip6 flannel-ipv6 {
 	comment "rules for flannel-ipv6"
+}
+"""
+NET6 = IPv6Network("fd10:244::/56")
+SUBNET6 = IPv6Network("fd10:244:0:1::/64")
+# Dual stack (EnableIPv6): flanneld v0.28.9 fills its IPv6 table the same way (the lab
+# test ``tests/e2e/test_dual_stack.py`` compares it with flanneld's byte for byte).
+FLANNEL_IPV6_DUAL = """table ip6 flannel-ipv6 {
+	comment "rules for flannel-ipv6"
+	chain postrtg {
+		comment "chain to manage traffic masquerading by flannel"
+		type nat hook postrouting priority srcnat; policy accept;
+		meta mark 0x00004000 return
+		ip6 saddr fd10:244:0:1::/64 ip6 daddr fd10:244::/56 return
+		ip6 saddr fd10:244::/56 ip6 daddr fd10:244:0:1::/64 return
+		ip6 saddr != fd10:244:0:1::/64 ip6 daddr fd10:244::/56 return
+		ip6 saddr fd10:244::/56 ip6 daddr != ff00::/8 masquerade fully-random
+		ip6 saddr != fd10:244::/56 ip6 daddr fd10:244::/56 masquerade fully-random
+	}
+
+	chain forward {
+		comment "chain to accept flannel traffic"
+		type filter hook forward priority filter; policy accept;
+		ip6 saddr fd10:244::/56 accept
+		ip6 daddr fd10:244::/56 accept
+	}
 }
 """
 
@@ -126,6 +151,26 @@ def test_a_deleted_rule_chain_or_table_is_repaired(netns: str, fw: NftablesFirew
     nft(netns, "add", "rule", "ip", "flannel-ipv4", "forward", "ip", "saddr", "192.0.2.1", "drop")
     assert fw.sync(rules(fw.random_fully)).reason == CHANGED
     assert nft(netns, "list", "table", "ip", "flannel-ipv4") == expected_ipv4(fw)
+
+
+def test_dual_stack_fills_the_ipv6_table_and_repairs_it(netns: str, fw: NftablesFirewall) -> None:
+    rf = fw.random_fully
+    dual = NftRules(
+        masq_rules(NET, [SUBNET], rf), forward_rules(NET),
+        masq_rules(NET6, [SUBNET6], rf), forward_rules(NET6),
+    )  # fmt: skip
+    expected6 = FLANNEL_IPV6_DUAL if rf else FLANNEL_IPV6_DUAL.replace(" fully-random", "")
+    assert fw.sync(dual).reason == MISSING
+    assert nft(netns, "list", "table", "ip", "flannel-ipv4") == expected_ipv4(fw)
+    assert nft(netns, "list", "table", "ip6", "flannel-ipv6") == expected6
+    assert not fw.sync(dual).repaired
+    nft(netns, "delete", "chain", "ip6", "flannel-ipv6", "forward")
+    result = fw.sync(dual)
+    assert (result.repaired, result.details) == (True, ("ip6 flannel-ipv6: changed",))
+    assert nft(netns, "list", "table", "ip6", "flannel-ipv6") == expected6
+    # Back to IPv4 only: the IPv6 table is emptied again.
+    fw.sync(rules(rf))
+    assert nft(netns, "list", "table", "ip6", "flannel-ipv6") == FLANNEL_IPV6
 
 
 def test_remove_deletes_only_our_tables(netns: str, fw: NftablesFirewall) -> None:

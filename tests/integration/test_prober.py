@@ -6,6 +6,10 @@ way they happen on an overlay: the peer side's MTU lowered (packets over it are
 dropped without a word), our own route MTU lowered (the kernel refuses with
 EMSGSIZE), random loss by iptables in B, and the peer's link going down.
 
+The IPv6 side of a dual-stack peer: two namespaces joined by VXLAN over an IPv6
+underlay, as ``flannel-v6.<VNI>`` is built; the full-size ICMPv6 echo (never
+fragmented) passes at underlay − 70 and fails at flanneld's underlay − 50.
+
 Also here: tx checksum offload on a vxlan device (--vxlan-tx-checksum-off).
 """
 
@@ -15,12 +19,12 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 
 import pytest
 
 from flannelpy.dataplane.ethtool import set_tx_checksum, tx_checksum
-from flannelpy.dataplane.icmp import IcmpTransport
+from flannelpy.dataplane.icmp import DualTransport, Icmp6Transport, IcmpTransport
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import InterfaceNotFound
 from flannelpy.observe.prober import Prober, ProbeResult
@@ -172,6 +176,114 @@ def test_loss_then_peer_down(pair: Pair) -> None:
     )
     for r in results.values():
         assert r.rtt_seconds is None and r.last_error is not None
+
+
+# --- the IPv6 side over VXLAN on an IPv6 underlay ----------------------------------------
+
+VTEP6_A, VTEP6_B = IPv6Address("fd10:244:0:1::"), IPv6Address("fd10:244:0:2::")
+UNDERLAY6_A, UNDERLAY6_B = "fd00:99::1", "fd00:99::2"
+V4_A, V4_B = IPv4Address("10.98.0.1"), IPv4Address("10.98.0.2")
+
+
+@dataclass
+class Vxlan6Pair:
+    a: Netns
+    vx_a: str
+    prober: Prober
+    mtu: list[int]
+
+    def after(self, rounds: int) -> dict[str, ProbeResult]:
+        start = {k: r.probes for k, r in self.prober.results().items()}
+
+        def probe() -> dict[str, ProbeResult] | None:
+            rs = self.prober.results()
+            done = len(rs) == 2 and all(r.probes >= start.get(k, 0) + rounds
+                                        for k, r in rs.items())  # fmt: skip
+            return rs if done else None
+
+        found = wait_until(probe, timeout=rounds * INTERVAL * 3 + 5,
+                           what=f"{rounds} more probe rounds to both families")  # fmt: skip
+        assert found is not None
+        return found
+
+
+@pytest.fixture
+def vxlan6_pair() -> Iterator[Vxlan6Pair]:
+    """A's VTEP is created without a lower device, as flanneld's can be set above the
+    underlay's room; B's with one (the kernel then caps it at underlay − 70)."""
+    with temp_netns("v6a") as a, temp_netns("v6b") as b:
+        ua, ub = unique_name("u6a"), unique_name("u6b")
+        vx_a, vx_b = unique_name("x6a"), unique_name("x6b")
+        sh(f"ip link add {ua} netns {a.name} mtu 1500 type veth peer name {ub} "
+           f"netns {b.name} mtu 1500")  # fmt: skip
+        mac_a, mac_b = "02:00:00:99:00:0a", "02:00:00:99:00:0b"
+        for ns, under, me, peer, vx, mac, peer_mac, vtep, peer_vtep, v4, lower in (
+            (a, ua, UNDERLAY6_A, UNDERLAY6_B, vx_a, mac_a, mac_b, VTEP6_A, VTEP6_B, V4_A, ""),
+            (b, ub, UNDERLAY6_B, UNDERLAY6_A, vx_b, mac_b, mac_a, VTEP6_B, VTEP6_A, V4_B,
+             f"dev {ub}"),
+        ):  # fmt: skip
+            ns.ip(f"addr add {me}/64 dev {under} nodad")
+            ns.ip(f"addr add {v4}/24 dev {under}")
+            ns.ip(f"link set {under} up")
+            ns.ip(f"link add {vx} address {mac} type vxlan id 1 local {me} dstport 8472 "
+                  f"nolearning {lower}")  # fmt: skip
+            ns.ip(f"link set {vx} mtu 1430 up")
+            ns.ip(f"addr add {vtep}/128 dev {vx} nodad")
+            ns.ip(f"neigh add {peer_vtep} lladdr {peer_mac} dev {vx} nud permanent")
+            ns.exec(f"bridge fdb append {peer_mac} dev {vx} dst {peer}")
+            ns.ip(f"route add {peer_vtep}/64 via {peer_vtep} dev {vx} onlink")
+        transport = DualTransport(
+            run_in_netns(a.name, IcmpTransport), run_in_netns(a.name, Icmp6Transport)
+        )
+        mtu = [1430]
+        prober = Prober(
+            transport,
+            mtu_provider=lambda: mtu[0],
+            own_address_provider=lambda: V4_A,
+            own_address6_provider=lambda: VTEP6_A,
+            interval_seconds=INTERVAL,
+            timeout_seconds=0.15,
+        )
+        prober.set_peers({"10.244.2.0/24": (V4_B, "b"), "fd10:244:0:2::/64": (VTEP6_B, "b")})
+        stop = threading.Event()
+        thread = a.start(prober.run, stop)
+        try:
+            yield Vxlan6Pair(a, vx_a, prober, mtu)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+            transport.close()
+    assert not thread.is_alive()
+
+
+def test_ipv6_full_size_probe_over_vxlan6_fails_at_minus_50_passes_at_minus_70(
+    vxlan6_pair: Vxlan6Pair,
+) -> None:
+    pair = vxlan6_pair
+    results = pair.after(3)
+    v4, v6 = results["10.244.2.0/24"], results["fd10:244:0:2::/64"]
+    assert (v4.family, v6.family) == ("ipv4", "ipv6")
+    assert v6.reachable and v6.mtu_ok is True and v6.last_error is None, v6
+    assert v6.rtt_seconds is not None and 0 < v6.rtt_seconds < 0.1
+    assert v4.mtu_ok is True, v4
+
+    # flanneld's MTU over an IPv6 underlay: 1500 - 50 on our VTEP and as the overlay MTU.
+    # 1450 bytes plus 70 of encapsulation do not fit the 1500-byte underlay.
+    pair.a.ip(f"link set {pair.vx_a} mtu 1450")
+    pair.mtu[0] = 1450
+    results = pair.after(4)
+    v4, v6 = results["10.244.2.0/24"], results["fd10:244:0:2::/64"]
+    assert v6.reachable and v6.mtu_ok is False, v6
+    assert v6.loss_ratio < 0.5  # the small echoes still pass: the silent large-packet case
+    assert "1450" in (v6.last_error or ""), v6.last_error
+    assert v4.mtu_ok is True, v4  # the IPv4 side, over the 1500-byte link, is fine
+
+    # underlay - 70, as flannelpy computes it: the full-size echo crosses again
+    pair.a.ip(f"link set {pair.vx_a} mtu 1430")
+    pair.mtu[0] = 1430
+    results = pair.after(2)
+    v6 = results["fd10:244:0:2::/64"]
+    assert v6.mtu_ok is True and v6.last_error is None, v6
 
 
 # --- tx checksum offload on a vxlan device ---------------------------------------------

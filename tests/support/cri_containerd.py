@@ -40,12 +40,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from flannelpy_lab.images import PAUSE_IMAGE
+from flannelpy_lab.kubelet import containerd_config
+
 from tests.support.cri_api import CriClient, CriError
 from tests.support.image_archive import write_image_archive
 from tests.support.podman_util import BUSYBOX, is_static_elf, write_rootfs_tar
 from tests.support.waiting import wait_until
 
-PAUSE_IMAGE = "localhost/flannelpy-pause:1"
 # The pause container's process: sleeps until the runtime kills it, as pause does.
 PAUSE_ENTRYPOINT = ("/bin/sleep", "2147483647")
 # Host paths containerd 1.6 uses whatever its configuration says.
@@ -187,49 +189,8 @@ def require_tools() -> None:
 
 
 def config_toml(base: str, cni_bin_dir: str, cni_conf_dir: str) -> str:
-    def path(*parts: str) -> str:
-        return json.dumps(os.path.join(base, *parts))  # a JSON string is a TOML basic string
-
-    cri = '[plugins."io.containerd.grpc.v1.cri"'
-    return f"""\
-version = 2
-root = {path("root")}
-state = {path("state")}
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
-                    "io.containerd.tracing.processor.v1.otlp"]
-
-[grpc]
-  address = {path("containerd.sock")}
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = {path("opt")}
-
-{cri}]
-  sandbox_image = {json.dumps(PAUSE_IMAGE)}
-  netns_mounts_under_state_dir = true
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  enable_selinux = false
-  disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-
-{cri}.containerd]
-  snapshotter = "overlayfs"
-  default_runtime_name = "runc"
-
-{cri}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-{cri}.containerd.runtimes.runc.options]
-  SystemdCgroup = false
-
-{cri}.cni]
-  bin_dir = {json.dumps(cni_bin_dir)}
-  conf_dir = {json.dumps(cni_conf_dir)}
-  max_conf_num = 1
-"""
+    # The lab's own config, so these tests exercise the containerd the lab's nodes run.
+    return containerd_config(base, cni_bin_dir, cni_conf_dir)
 
 
 def _start(base: str, node_netns: str) -> subprocess.Popen[bytes]:

@@ -10,6 +10,7 @@ its public IP on the underlay).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
@@ -99,3 +100,24 @@ def expected_entries(
         want.neighbours.add((vtep_ip, mac))
         want.fdb.add((mac, public_ip))
     return want
+
+
+def entry_mismatches(
+    lab: Lab,
+    leases: list[PeerLease],
+    backend: str,
+    direct: Callable[[NodeInfo], set[IPv4Address]],
+) -> dict[str, str]:
+    """Per node and kind, how the kernel's entries differ from what ``leases`` ask for
+    (empty when every node holds exactly them); ``direct(node)`` as in ``expected_entries``."""
+    out = {}
+    for node in lab.nodes:
+        have = kernel_entries(lab, node)
+        want = expected_entries(node, leases, backend, direct(node))
+        for kind in ("routes", "neighbours", "fdb"):
+            h, w = getattr(have, kind), getattr(want, kind)
+            if h != w:
+                out[f"{node.name} ({node.agent_kind}) {kind}"] = (
+                    f"missing {sorted(w - h)}, extra {sorted(h - w)}"
+                )
+    return out

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from ipaddress import IPv4Interface
 from typing import Any
 
 import pytest
@@ -63,25 +62,6 @@ def running_mixed_lab(backend: str = "vxlan", **kwargs: Any) -> Iterator[Lab]:
     with running_lab(4, backend, flanneld_nodes=2, **kwargs) as lab:
         assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"] * 2
         yield lab
-
-
-@contextmanager
-def running_kube_lab(nodes: int = 3) -> Iterator[tuple[Lab, Any]]:
-    """A vxlan lab in Kubernetes mode against the API-server stand-in (one Node per lab
-    node, podCIDR 10.244.<i>.0/24), agents ready and one pod per node; down on exit."""
-    from tests.support.kube_standin import KubeStandin
-
-    with running_lab(nodes, "vxlan", start_agents=False) as lab:
-        host_ip = str(IPv4Interface(lab.state.host_address).ip)
-        with KubeStandin(host=host_ip) as api:
-            for i, node in enumerate(lab.nodes, start=1):
-                api.add_node(node.name, pod_cidr=f"10.244.{i}.0/24")
-            lab.use_kube_api(api.url)
-            lab.start_agents()
-            lab.install_cni()
-            for node in lab.nodes:
-                lab.add_pod(node.name)
-            yield lab, api
 
 
 @contextmanager
@@ -171,3 +151,15 @@ def lab_residue(before: HostSnapshot, after: HostSnapshot, name: str) -> list[st
         new = getattr(after, kind) - getattr(before, kind)
         residue += [f"{kind}: {item}" for item in sorted(new) if any(m in item for m in markers)]
     return residue
+
+
+def print_agent_logs_if_failed(request: pytest.FixtureRequest, lab: Lab, lines: int = 30) -> None:
+    """For a fixture's teardown: when the test's call failed, print the last ``lines``
+    of every node's agent log (pytest shows them with the failure)."""
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.failed:
+        return
+    for node in lab.nodes:
+        with open(node.agent_log, encoding="utf-8", errors="replace") as f:
+            tail = "".join(f.readlines()[-lines:])
+        print(f"--- {node.name} ({node.agent_kind}) {node.agent_log}:\n{tail}")

@@ -28,17 +28,29 @@ def opened(store: FakeStore, tmp: Path) -> OpenedStore:
     return OpenedStore(manager=EtcdSubnetManager(store, agent_settings(tmp)), etcd=store)
 
 
-def test_ipv6_config_is_refused_before_the_host_is_touched(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("doc", "says", "reads"),
+    [
+        ({"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56"},
+         "not IPv6-only yet", []),
+        # Dual stack needs an IPv6 underlay address: none on the interface, none given
+        # (found by reading the interfaces, which changes nothing).
+        ({"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56"},
+         "has no global IPv6 address; add one, or choose another interface",
+         ["find_underlay"]),
+    ],
+)
+def test_ipv6_config_the_node_cannot_run_is_refused_before_the_host_is_touched(
+    tmp_path: Path, doc: dict[str, object], says: str, reads: list[str]
+) -> None:
     store = FakeStore()
-    doc = {"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56",
-           "Backend": {"Type": "vxlan"}}  # fmt: skip
-    put_network_config(store, PREFIX, json.dumps(doc))
+    put_network_config(store, PREFIX, json.dumps({**doc, "Backend": {"Type": "vxlan"}}))
     kernel = HostTouchingKernel()
 
-    with pytest.raises(ConfigError, match="EnableIPv6 is not supported"):
+    with pytest.raises(ConfigError, match=says):
         build_agent(agent_settings(tmp_path), opened(store, tmp_path), kernel)
 
-    assert kernel.calls == []
+    assert kernel.calls == reads
     assert not (tmp_path / "state").exists() and not (tmp_path / "run").exists()
     assert store.closed, "the manager is closed on the way out"
 

@@ -216,3 +216,16 @@ def test_a_newer_change_replaces_one_that_keeps_failing(agent: AgentHarness) -> 
     assert state.backend.type_name == "vxlan" and own_lease_backend(agent) == "vxlan"
     doc = json.loads((Path(agent.settings.state_dir) / APPLIED_FILE).read_text())
     assert doc["Backend"] == {"Type": "vxlan"}
+
+
+def test_enabling_ipv6_live_is_refused_until_a_restart(
+    agent: AgentHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = len(agent.kernel.applied)
+    with caplog.at_level("WARNING"):
+        change_config(agent, {"Type": "host-gw"}, EnableIPv6=True, IPv6Network="fd00::/56")
+        agent.reconcile()
+    assert "EnableIPv6 or IPv6Network changed; restart the agent to apply it" in caplog.text
+    assert agent.writer.state.backend.type_name == "vxlan"  # nothing of the change applied
+    assert not agent.writer.state.config.enable_ipv6
+    assert len(agent.kernel.applied) == before

@@ -247,7 +247,34 @@ tests:
     values: '0x5 1x30'
   - series: 'flannelpy_blocked_operations_total{node="n1",kind="backend_change"}'
     values: '0x35'
+  # n1's pods send 100 TCP segments/s, 5/s retransmitted (5%); n2's 1% ; n3 sends 0.5/s
+  # with half of them retransmitted (idle: no alert)
+  - series: 'flannelpy_pod_tcp_sent_segments_total{node="n1"}'
+    values: '0+6000x30'
+  - series: 'flannelpy_pod_tcp_retransmitted_segments_total{node="n1"}'
+    values: '0+300x30'
+  - series: 'flannelpy_pod_tcp_sent_segments_total{node="n2"}'
+    values: '0+6000x30'
+  - series: 'flannelpy_pod_tcp_retransmitted_segments_total{node="n2"}'
+    values: '0+60x30'
+  - series: 'flannelpy_pod_tcp_sent_segments_total{node="n3"}'
+    values: '0+30x30'
+  - series: 'flannelpy_pod_tcp_retransmitted_segments_total{node="n3"}'
+    values: '0+15x30'
+  # n1's node namespace: 3 frag_needed drops/s; no_route 0.1/s
+  - series: 'flannelpy_kernel_drops_total{node="n1",scope="node",reason="frag_needed"}'
+    values: '0+180x30'
+  - series: 'flannelpy_kernel_drops_total{node="n1",scope="node",reason="no_route"}'
+    values: '0+6x30'
   alert_rule_test:
+  - eval_time: 20m
+    alertname: FlannelpyTCPRetransmissionsHigh
+    exp_alerts:
+    - exp_labels: {severity: warning, node: n1}
+  - eval_time: 20m
+    alertname: FlannelpyKernelDropsRising
+    exp_alerts:
+    - exp_labels: {severity: warning, node: n1, scope: node, reason: frag_needed}
   - eval_time: 70m
     alertname: FlannelpyAddressPoolHalfUsed
     exp_alerts:

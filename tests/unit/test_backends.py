@@ -232,7 +232,7 @@ def test_host_gw_without_vtep_mac_has_no_device_but_owns_its_name() -> None:
     backend = get_backend("host-gw")
     state = backend.plan(ctx, [OWN], [PEER_SAME_SEGMENT], None)
     assert not state.links and not state.addresses and not state.owned_devices
-    assert backend.device_names(ctx) == ("flannel.4",)
+    assert backend.device_names(ctx) == ("flannel.4", "flannel-v6.4")
 
 
 def test_host_gw_advertises_its_vtep_only_while_it_has_one() -> None:

@@ -229,17 +229,55 @@ def test_deleted_stale_lease_frees_its_subnet_for_the_new_choice() -> None:
     assert choice.subnet in {net("10.244.2.0/24"), net("10.244.3.0/24")}
 
 
-def test_dual_stack_walk_pairs_v4_and_v6_subnets() -> None:
-    cfg = config(Network="10.244.0.0/16", EnableIPv6=True, IPv6Network="fd00:10:244::/56")
-    pairs = list(candidate_subnets(cfg))[:2]
-    assert pairs == [
-        (net("10.244.1.0/24"), IPv6Network("fd00:10:244:1::/64")),
-        (net("10.244.2.0/24"), IPv6Network("fd00:10:244:2::/64")),
-    ]
-    choice = choose(cfg, [], attrs("192.168.1.5"), previous="10.244.5.0/24")
-    assert (choice.subnet, choice.ipv6_subnet) == (
-        net("10.244.5.0/24"), IPv6Network("fd00:10:244:5::/64")
+DUAL = config(
+    Network="10.244.0.0/16", EnableIPv6=True, IPv6Network="fd00:10:244::/56",
+    IPv6SubnetMax="fd00:10:244:3::",
+)  # fmt: skip
+
+
+def test_dual_stack_picks_the_ipv6_subnet_on_its_own() -> None:
+    # Flannel picks the IPv6 subnet independently of the IPv4 one: with the first IPv6
+    # subnets held (by a flanneld node's random pick), a new lease still gets a free one.
+    held = [lease("10.244.9.0/24", "192.168.1.9", v6="fd00:10:244:1::/64"),
+            lease("10.244.8.0/24", "192.168.1.8", v6="fd00:10:244:2::/64")]  # fmt: skip
+    picks = {choose(DUAL, held, attrs("192.168.1.5"), seed=s).ipv6_subnet for s in range(20)}
+    assert picks == {IPv6Network("fd00:10:244:3::/64")}
+    v4_picks = {choose(DUAL, held, attrs("192.168.1.5"), seed=s).subnet for s in range(20)}
+    assert len(v4_picks) > 1  # the IPv4 pick stays random over its whole range
+
+
+def test_dual_stack_keeps_both_previous_subnets() -> None:
+    choice = choose_lease(
+        DUAL, [], attrs("192.168.1.5"), net("10.244.5.0/24"), random.Random(1),
+        previous_ipv6_subnet=IPv6Network("fd00:10:244:2::/64"),
     )  # fmt: skip
+    assert (choice.reason, choice.subnet, choice.ipv6_subnet) == (
+        "previous", net("10.244.5.0/24"), IPv6Network("fd00:10:244:2::/64")
+    )  # fmt: skip
+    # A previous IPv6 subnet another node took meanwhile: a fresh one, the IPv4 kept.
+    taken = [lease("10.244.9.0/24", "192.168.1.9", v6="fd00:10:244:2::/64")]
+    choice = choose_lease(
+        DUAL, taken, attrs("192.168.1.5"), net("10.244.5.0/24"), random.Random(1),
+        previous_ipv6_subnet=IPv6Network("fd00:10:244:2::/64"),
+    )  # fmt: skip
+    assert choice.subnet == net("10.244.5.0/24")
+    assert choice.ipv6_subnet in {IPv6Network("fd00:10:244:1::/64"),
+                                  IPv6Network("fd00:10:244:3::/64")}  # fmt: skip
+
+
+def test_dual_stack_out_of_ipv6_subnets_is_said() -> None:
+    held = [lease(f"10.244.{i}.0/24", f"192.168.1.{i}", v6=f"fd00:10:244:{i}::/64")
+            for i in (1, 2, 3)]  # fmt: skip
+    with pytest.raises(PoolExhausted, match="no free IPv6 subnet in fd00:10:244::/56"):
+        choose(DUAL, held, attrs("192.168.1.5"))
+
+
+def test_reused_dual_lease_without_ipv6_is_replaced() -> None:
+    # A lease of ours from an IPv4-only run does not fit a dual-stack config (Flannel).
+    old = lease("10.244.7.0/24", "192.168.1.5")
+    choice = choose(DUAL, [old], attrs("192.168.1.5"))
+    assert choice.delete == (old,)
+    assert choice.ipv6_subnet is not None
 
 
 def test_ipv6_only_config_is_refused() -> None:
@@ -281,7 +319,7 @@ def test_choice_is_always_inside_the_range_aligned_and_not_held_by_another(
         # Only when every candidate is held by a lease that is not ours to reuse.
         free = [
             v4
-            for v4, _ in candidate_subnets(SMALL)
+            for v4 in candidate_subnets(SMALL)
             if all(not held.subnet.overlaps(v4) for held in leases)
         ]
         assert free == []
@@ -451,12 +489,14 @@ def test_exhaustion_reasons_for_the_primary_and_empty_pools(
                                    "flannelpy.io/role=1")
 
 
-def test_dual_stack_pairs_the_primary_and_skips_ipv4_only_pools() -> None:
+def test_dual_stack_gives_the_primary_an_ipv6_subnet_and_skips_ipv4_only_pools() -> None:
     cfg = config(Network="10.244.0.0/22", EnableIPv6=True, IPv6Network="fd00:10:244::/56")
     pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", role="1")]
     choice = new_subnet(pools, [], cfg=cfg, seed=3)
-    index = (int(choice.subnet.network_address) - int(net("10.244.0.0/22").network_address)) >> 8
-    assert choice.ipv6_subnet == IPv6Network(f"fd00:10:244:{index:x}::/64")
+    assert choice.subnet.subnet_of(net("10.244.0.0/22"))
+    assert choice.ipv6_subnet is not None and choice.ipv6_subnet.prefixlen == 64
+    assert choice.ipv6_subnet.subnet_of(IPv6Network("fd00:10:244::/56"))
+    assert choice.ipv6_subnet != IPv6Network("fd00:10:244::/64")  # the first one is skipped
     with pytest.raises(PoolExhausted) as err:
         new_subnet(pools, fill("10.244.0.0/22"), cfg=cfg)
     assert "10.250.0.0/22 is IPv4 only, but the network config enables IPv6" in str(err.value)

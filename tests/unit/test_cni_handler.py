@@ -9,7 +9,13 @@ import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+)
 from typing import Any
 
 import pytest
@@ -18,7 +24,15 @@ from hypothesis import strategies as st
 
 from flannelpy.cni.handler import CniHandler, CniSettings, KeyLocks
 from flannelpy.cni.records import Record, RecordStore
-from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink, gateway_of, host_veth_name
+from flannelpy.dataplane.podnet import (
+    IPInterface,
+    LinkInfo,
+    NetnsMissing,
+    PodLink,
+    PodRoute,
+    gateway_of,
+    host_veth_name,
+)
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
 from flannelpy.ipam.hostlocal import HostLocalEntry
@@ -55,16 +69,18 @@ class FakePods:
         ifname: str,
         host_veth: str,
         bridge_index: int,
-        address: IPv4Interface,
-        gateway: IPv4Address,
+        addresses: Sequence[IPInterface],
+        routes: Sequence[PodRoute],
         mtu: int,
         hairpin: bool = True,
         owner: str | None = None,
-        routes: Sequence[IPv4Network] = (),
         netns_fd: int | None = None,
     ) -> PodLink:
-        self.calls.append(("add_pod", netns, ifname, host_veth, str(address), str(gateway), mtu))
-        self.options.append((hairpin, owner, [str(r) for r in routes]))
+        # Addresses and the gateways routes use, comma-joined: one family reads as before.
+        gateways = ",".join(dict.fromkeys(str(gw) for _, gw in routes))
+        shown = ",".join(str(a) for a in addresses)
+        self.calls.append(("add_pod", netns, ifname, host_veth, shown, gateways, mtu))
+        self.options.append((hairpin, owner, [str(dst) for dst, _ in routes]))
         self._maybe_fail("add_pod")
         self.veths[host_veth] = netns
         return PodLink(host_veth, "02:00:00:00:00:01", ifname, "0a:58:0a:f4:01:02")
@@ -396,8 +412,8 @@ def test_check_of_a_pod_attached_before_the_take_over_checks_its_held_address(
     prev = _flannel_cni_result("10.244.1.7/24")
     assert env.call("CHECK", cid="old-pod", prevResult=prev) == (0, None)
     (call,) = [c for c in env.pods.calls if c[0] == "check_pod"]
-    assert call[1:7] == (POD_NS, "eth0", "veth1a2b3c4d", "cni0",
-                         IPv4Interface("10.244.1.7/24"), IPv4Address("10.244.1.1"))  # fmt: skip
+    assert call[1:7] == (POD_NS, "eth0", "veth1a2b3c4d", "cni0", [IPv4Interface("10.244.1.7/24")],
+                         [(IPv4Network("0.0.0.0/0"), IPv4Address("10.244.1.1"))])  # fmt: skip
     # What is broken is reported as for our own pods.
     env.pods.problems = ["host veth veth1a2b3c4d does not exist"]
     status, err = env.call("CHECK", cid="old-pod", prevResult=prev)
@@ -561,8 +577,8 @@ def test_record_round_trip_and_validation(tmp_path: Any) -> None:
         netns=POD_NS,
         host_veth="veth12345678",
         bridge="cni0",
-        address=IPv4Interface("10.244.1.9/24"),
-        gateway=IPv4Address("10.244.1.1"),
+        addresses=(IPv4Interface("10.244.1.9/24"), IPv6Interface("fc00:0:0:1::9/64")),
+        gateways=(IPv4Address("10.244.1.1"), IPv6Address("fc00:0:0:1::1")),
         result={"cniVersion": "1.1.0"},
     )
     store.write(record)
@@ -572,6 +588,9 @@ def test_record_round_trip_and_validation(tmp_path: Any) -> None:
     for bad in [("../x", "c", "eth0"), (NETWORK, "../c", "eth0"), (NETWORK, "c", "a/b")]:
         with pytest.raises(ValueError):
             store.path(*bad)
+    # A record written before dual stack (one IPv4 address) still reads.
+    old = {k: v for k, v in record.to_doc().items() if k not in ("addresses", "gateways")}
+    assert Record.from_doc(old).addresses == (IPv4Interface("10.244.1.9/24"),)
     with pytest.raises(ValueError, match="lacks gateway, result"):
         Record.from_doc(
             {k: v for k, v in record.to_doc().items() if k not in ("gateway", "result")}

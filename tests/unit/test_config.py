@@ -384,7 +384,8 @@ def _vx(**options: Any) -> dict[str, Any]:
         ),
         pytest.param(
             {**_NET, "Backend": {"Type": "vxlan2"}},
-            'Backend "Type" "vxlan2" is not a known backend; set it to one of: host-gw, vxlan',
+            'Backend "Type" "vxlan2" is not a known backend; set it to one of: '
+            "host-gw, vxlan, wireguard",
             id="be-unknown",
         ),
         pytest.param(_vx(VNI="one"), 'Backend "VNI" must be a whole number, not "one"', id="vni"),
@@ -418,7 +419,7 @@ def test_flannel_backends_we_do_not_support(backend: str) -> None:
         parse({**_NET, "Backend": {"Type": backend.upper()}})
     assert str(exc.value) == (
         f'net-conf.json: flannelpy does not support the "{backend}" backend; '
-        'set Backend "Type" to one of: host-gw, vxlan'
+        'set Backend "Type" to one of: host-gw, vxlan, wireguard'
     )
 
 

@@ -542,3 +542,58 @@ def test_the_blackhole_route_of_ip_blackhole_route_is_planned_not_stale() -> Non
     # With the flag and the route gone, it is missing.
     (missing,) = problems(diagnose(replace(facts, settings=flagged.settings)))
     assert missing.check == "routes"
+
+
+def _dual_facts(flanneld_peer: bool) -> NodeFacts:
+    """healthy_facts in dual stack: IPv6 underlay fd00:64::1, every lease with its /64;
+    n3 a flanneld node (no MTU of ours) when ``flanneld_peer``."""
+    import json as _json
+    from ipaddress import IPv6Address, IPv6Network
+
+    from flannelpy.config.netconf import parse_network_config
+
+    config = parse_network_config(_json.dumps({
+        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
+        "Backend": {"Type": "vxlan"},
+    }))  # fmt: skip
+
+    def dual(lease: Lease, n: int, mtu: int | None) -> Lease:
+        return replace(lease, ipv6_subnet=IPv6Network(f"fc00:0:0:{n}::/64"), attrs=replace(
+            lease.attrs, public_ipv6=IPv6Address(f"fd00:64::{n}"), mtu=mtu,
+            backend_v6_data=lease.attrs.backend_data))  # fmt: skip
+
+    facts = healthy_facts()
+    under = replace(facts.underlay, ip6=IPv6Address("fd00:64::1"),  # type: ignore[type-var]
+                    networks6=(IPv6Network("fd00:64::/64"),))  # fmt: skip
+    links = [
+        replace(x, mtu=1430) if x.name in ("cni0", "veth1", "veth2") else x for x in facts.links
+    ] + [LinkInfo("flannel-v6.1", "vxlan", 1430, True, counters=COUNTS)]
+    return replace(
+        facts, config=config, underlay=under, links=tuple(links),
+        leases=(dual(OWN, 1, 1430), dual(N2, 2, 1430),
+                dual(N3, 3, None if flanneld_peer else 1430)),
+        status={**(facts.status or {}), "mtu": 1430},
+    )  # fmt: skip
+
+
+def test_dual_stack_device_mtus_are_per_family_and_flanneld_v6_is_named() -> None:
+    mtu = [f for f in diagnose(_dual_facts(flanneld_peer=False)) if f.check == "mtu"]
+    # flannel.1 1450 (IPv4 underlay), flannel-v6.1 and pods 1430 (IPv6 underlay): all right.
+    assert [f.severity for f in mtu] == ["ok"], mtu
+    assert "minus 70 for VXLAN over IPv6" in mtu[0].message
+    mtu = [f for f in diagnose(_dual_facts(flanneld_peer=True)) if f.check == "mtu"]
+    (warning,) = [f for f in mtu if f.severity == "warning"]
+    assert "run VXLAN over IPv6 with pod MTU 1450" in warning.message
+    assert "only 1430 fits" in warning.message and warning.subject == "n3"
+
+
+def test_a_peer_whose_ipv6_path_fails_full_size_packets_is_named() -> None:
+    facts = _dual_facts(flanneld_peer=True)
+    ok = {"reachable": True, "rtt_ms": 0.2, "loss": 0.0, "mtu_ok": True, "error": None,
+          "probes": 20}  # fmt: skip
+    probes = {**(facts.status or {})["probes"], "fc00:0:0:2::/64": ok,
+              "fc00:0:0:3::/64": {**ok, "mtu_ok": False}}  # fmt: skip
+    peers = [f for f in diagnose(_status(facts, probes=probes)) if f.check == "peers"]
+    (bad,) = [f for f in peers if f.severity == "error"]
+    assert bad.message.startswith("full-size IPv6 packets do not reach n3 (fc00:0:0:3::/64)")
+    assert "minus 70" in bad.action and bad.subject == "n3"

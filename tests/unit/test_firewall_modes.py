@@ -3,7 +3,7 @@ other mode's rules before the first sync, as flanneld does at start."""
 
 from __future__ import annotations
 
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from flannelpy.agent.compose import _firewall_factory
@@ -64,6 +64,19 @@ def test_nftables_mode_removes_the_iptables_chains_then_syncs_flannels_tables() 
         "ip saddr != 10.244.0.0/16 ip daddr 10.244.0.0/16 masquerade fully-random"
     )
     assert rules.forward == ("ip saddr 10.244.0.0/16 accept", "ip daddr 10.244.0.0/16 accept")
+
+
+def test_nftables_mode_in_dual_stack_fills_flannels_ipv6_table() -> None:
+    log: list[Any] = []
+    net6, subnet6 = IPv6Network("fd10:244::/56"), IPv6Network("fd10:244:0:1::/64")
+    factory(True, log, ip_masq=True)([NET, net6], [SUBNET, subnet6])()
+    assert [entry[:2] for entry in log[1:]] == [("nft", "sync")]
+    rules = log[1][2]
+    assert rules.postrtg[1] == "ip saddr 10.244.1.0/24 ip daddr 10.244.0.0/16 return"
+    assert rules.postrtg6 is not None and rules.postrtg6[1] == (
+        "ip6 saddr fd10:244:0:1::/64 ip6 daddr fd10:244::/56 return"
+    )
+    assert rules.forward6 == ("ip6 saddr fd10:244::/56 accept", "ip6 daddr fd10:244::/56 accept")
 
 
 def test_nftables_mode_honours_the_flags() -> None:

@@ -142,10 +142,8 @@ def test_what_cannot_work_is_refused_in_one_sentence(argv: list[str], expected: 
     assert "\n" not in message and ". " not in message
 
 
-def test_public_ipv6_is_noted_at_start_as_not_used_yet() -> None:
-    (note,) = start_notes(agent(["--public-ipv6", "2001:db8::1"]))
-    assert "--public-ipv6 2001:db8::1 is accepted but not used" in note
-    assert start_notes(agent([])) == []
+def test_public_ipv6_is_used_so_no_note_says_otherwise() -> None:
+    assert start_notes(agent(["--public-ipv6", "2001:db8::1"])) == []
 
 
 def test_cli_main_takes_go_spellings(
@@ -164,7 +162,7 @@ def test_cli_main_takes_go_spellings(
     assert rc == 0
     (s,) = seen
     assert s.etcd_endpoints == ("http://10.0.0.9:2379",) and s.v == 2
-    assert "IPv6" in caplog.text
+    assert s.public_ipv6 == "2001:db8::9"
 
 
 class RecordingFirewall:

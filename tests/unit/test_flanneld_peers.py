@@ -117,7 +117,7 @@ def test_an_override_keeps_the_config_s_own_backend_for_flanneld_peers() -> None
     assert wanted_config(config_doc(True), None).flanneld_backend.direct_routing is True
 
 
-@pytest.mark.parametrize("backend", ["wireguard", "ipsec", "udp", "extension"])
+@pytest.mark.parametrize("backend", ["ipsec", "udp", "extension"])
 @pytest.mark.parametrize("ip", [ON_LINK, "192.168.2.20"])
 def test_a_peer_of_a_backend_we_do_not_speak_is_reported_not_routed(backend: str, ip: str) -> None:
     state = plan(ctx_for(True, None), flanneld_peer(ip, backend))

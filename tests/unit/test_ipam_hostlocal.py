@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,8 @@ def entry(last: int, cid: str, ifname: str = "eth0") -> HostLocalEntry:
         ("10.244.13.5", "  id5 \r\n eth0 \n", entry(5, "id5")),
         ("last_reserved_ip.0", "10.244.13.5", None),
         ("lock", "", None),
-        ("fd00::5", "id\r\neth0", None),  # IPv6 is not ours
+        # A dual-stack node's IPv6 range: the same format, named by the IPv6 address.
+        ("fd00::5", "id\r\neth0", HostLocalEntry(IPv6Address("fd00::5"), "id", "eth0")),
         ("10.244.13.6", "", None),
     ],
 )

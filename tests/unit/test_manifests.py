@@ -32,8 +32,8 @@ MANIFEST = MANIFESTS / "kube-flannelpy.yml"
 VAGRANT = ROOT / "vagrant"
 # The oldest Kubernetes minor still supported upstream when this was written, and a recent one.
 SCHEMA_VERSIONS = ("1.31", "1.34")
-ORDER = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
-         "DaemonSet"]
+ORDER = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+         "RoleBinding", "ConfigMap", "DaemonSet"]
 # Flannel's defaults, exactly as its kube-flannel.yml ships them.
 FLANNEL_NET_CONF = {"Network": "10.244.0.0/16", "EnableNFTables": False,
                     "Backend": {"Type": "vxlan"}}
@@ -123,16 +123,16 @@ def test_documents_come_in_dependency_order() -> None:
 def test_objects_refer_to_each_other_by_the_right_names() -> None:
     ns = _one("Namespace")["metadata"]["name"]
     sa = _one("ServiceAccount")["metadata"]
-    role = _one("ClusterRole")["metadata"]["name"]
-    binding = _one("ClusterRoleBinding")
     for doc in DOCS:
-        if doc["kind"] in ("ServiceAccount", "ConfigMap", "DaemonSet"):
+        if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "DaemonSet"):
             assert doc["metadata"]["namespace"] == ns, doc["kind"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "flannelpy", doc["kind"]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
-                                  "kind": "ClusterRole", "name": role}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
-                                    "namespace": sa["namespace"]}]
+    for kind in ("ClusterRole", "Role"):
+        binding = _one(f"{kind}Binding")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                      "kind": kind, "name": _one(kind)["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
+                                        "namespace": sa["namespace"]}]
     assert _pod()["serviceAccountName"] == sa["name"]
     (cfg,) = [v for v in _pod()["volumes"] if "configMap" in v]
     assert cfg["configMap"]["name"] == _one("ConfigMap")["metadata"]["name"]
@@ -150,23 +150,34 @@ def _normalised(rules: Any) -> list[tuple[str, str, tuple[str, ...]]]:
     return sorted((group, resource, tuple(sorted(verbs))) for group, resource, verbs in rules)
 
 
+def _granted(kind: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    rules = _one(kind)["rules"]
+    assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rule in rules), kind
+    return _normalised((group, resource, rule["verbs"]) for rule in rules
+                       for group in rule["apiGroups"] for resource in rule["resources"])
+
+
 def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
     from flannelpy.subnet.kube.api import RBAC_RULES
 
-    granted = [
-        (group, resource, rule["verbs"])
-        for rule in _one("ClusterRole")["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-    ]
-    assert all(set(rule) == {"apiGroups", "resources", "verbs"}
-               for rule in _one("ClusterRole")["rules"])
-    assert _normalised(granted) == _normalised(RBAC_RULES)
-    # Flannel's, plus creating Events (the record of a change forced past the
-    # disruption policy); nothing else.
-    assert _normalised(granted) == [("", "events", ("create",)),
-                                    ("", "nodes", ("get", "list", "watch")),
-                                    ("", "nodes/status", ("patch",)), ("", "pods", ("get",))]
+    assert _granted("ClusterRole") == _normalised(RBAC_RULES)
+    # Flannel's, plus Events (forced and blocked changes, a repeat patched into the
+    # series); nothing else.
+    assert _granted("ClusterRole") == [("", "nodes", ("get", "list", "watch")),
+                                       ("", "nodes/status", ("patch",)), ("", "pods", ("get",)),
+                                       ("events.k8s.io", "events", ("create", "patch"))]
+
+
+def test_leases_are_granted_in_the_agents_namespace_only() -> None:
+    """Each node's status Lease: a Role in kube-flannelpy, not the ClusterRole (which would
+    let an agent rewrite kube-node-lease heartbeats and leader elections anywhere)."""
+    from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES
+    from flannelpy.subnet.kube.node_status import DEFAULT_NAMESPACE
+
+    assert _one("Role")["metadata"]["namespace"] == DEFAULT_NAMESPACE
+    assert _granted("Role") == _normalised(NAMESPACED_RBAC_RULES)
+    assert _granted("Role") == [("coordination.k8s.io", "leases", ("create", "patch"))]
+    assert not any(resource == "leases" for _, resource, _ in _granted("ClusterRole"))
 
 
 # --- ConfigMap -----------------------------------------------------------------------

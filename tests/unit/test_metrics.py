@@ -7,7 +7,8 @@ import math
 import struct
 import threading
 from collections.abc import Sequence
-from ipaddress import IPv4Address, IPv4Network
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from flannelpy.errors import (
 )
 from flannelpy.ipam.allocator import Accounting
 from flannelpy.observe.health import Heartbeats, readiness, split_host_port
+from flannelpy.observe.kernel_counters import KernelReading
 from flannelpy.observe.metrics import FAMILIES, AgentMetrics, sample_names, store_error_kind
 from flannelpy.subnet.etcd.client import _error_kind
 from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
@@ -105,6 +107,12 @@ def links(n_pods: int = 3) -> list[RoleStats]:
     ]
 
 
+def kernel_reading() -> KernelReading:
+    counts = {"tcp_sent": 100, "tcp_retransmitted": 3, "no_route": 1, "frag_needed": 2,
+              "icmp_unreachable_sent": 2}  # fmt: skip
+    return KernelReading(counts, counts, pod_namespaces=2, pod_namespaces_unreadable=0)
+
+
 @pytest.fixture
 def metrics() -> AgentMetrics:
     return AgentMetrics()
@@ -115,6 +123,7 @@ def populated() -> AgentMetrics:
     m = AgentMetrics()
     m.set_link_provider(links)
     m.set_ipam_provider(pools)
+    m.set_kernel_provider(kernel_reading)
     m.cni_request("ADD", 0, 0.004)
     m.lease("10.244.1.0/24", 2_000_000_000.0)
     m.renewal("success")
@@ -128,6 +137,9 @@ def populated() -> AgentMetrics:
     m.blocked_operation("backend_change")
     m.lease_counts(serving=2, draining=1)
     m.pool_utilisation({IPv4Network("10.244.0.0/16"): 0.25})
+    m.wireguard_implementation("userspace")
+    m.wireguard_repair("peers_set")
+    m.wireguard_unencrypted_peers(0)
     return m
 
 
@@ -158,6 +170,7 @@ def test_no_label_names_a_pod_or_an_interface() -> None:
     assert label_names <= {
         "version", "python", "role", "direction", "subnet", "command", "code", "le",
         "result", "backend", "kind", "reason", "peer", "provider", "state", "pool",
+        "scope", "readable", "implementation", "family",
     }  # fmt: skip
 
 
@@ -471,14 +484,16 @@ def test_probe_series_per_peer_unknowns_are_nan(metrics: AgentMetrics) -> None:
     metrics.probe(IPv4Network("10.244.2.0/24"), True, 0.0004, 0.0, True)
     metrics.probe("10.244.3.0/24", False, None, 1.0, None)
     s = scrape(metrics)
-    assert value(s, "flannelpy_peer_reachable", peer="10.244.2.0/24") == 1
-    assert value(s, "flannelpy_peer_rtt_seconds", peer="10.244.2.0/24") == 0.0004
-    assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.2.0/24") == 0
-    assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24") == 1
-    assert value(s, "flannelpy_peer_reachable", peer="10.244.3.0/24") == 0
-    assert math.isnan(value(s, "flannelpy_peer_rtt_seconds", peer="10.244.3.0/24"))
-    assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.3.0/24") == 1
-    assert math.isnan(value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.3.0/24"))
+    assert value(s, "flannelpy_peer_reachable", peer="10.244.2.0/24", family="ipv4") == 1
+    assert value(s, "flannelpy_peer_rtt_seconds", peer="10.244.2.0/24", family="ipv4") == 0.0004
+    assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.2.0/24", family="ipv4") == 0
+    assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24", family="ipv4") == 1
+    assert value(s, "flannelpy_peer_reachable", peer="10.244.3.0/24", family="ipv4") == 0
+    assert math.isnan(value(s, "flannelpy_peer_rtt_seconds", peer="10.244.3.0/24",
+                            family="ipv4"))  # fmt: skip
+    assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.3.0/24", family="ipv4") == 1
+    assert math.isnan(value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.3.0/24",
+                            family="ipv4"))  # fmt: skip
 
 
 def test_probe_series_of_departed_peers_are_removed(metrics: AgentMetrics) -> None:
@@ -493,6 +508,26 @@ def test_probe_series_of_departed_peers_are_removed(metrics: AgentMetrics) -> No
     assert peers == {"10.244.3.0/24"}
     metrics.forget_probe("10.244.3.0/24")
     assert not [n for (n, _) in scrape(metrics) if n.startswith("flannelpy_peer_")]
+
+
+def test_probe_series_per_family_and_departed_ipv6_sides_removed(metrics: AgentMetrics) -> None:
+    metrics.probe("10.244.2.0/24", True, 0.001, 0.0, True)
+    metrics.probe("fd10:244:0:2::/64", True, 0.001, 0.0, False)
+    metrics.probe("fd10:244:0:3::/64", True, 0.001, 0.0, True)
+    s = scrape(metrics)
+    assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24",
+                 family="ipv4") == 1  # fmt: skip
+    assert value(s, "flannelpy_peer_path_mtu_verified", peer="fd10:244:0:2::/64",
+                 family="ipv6") == 0  # fmt: skip
+    dual = replace(peer("10.244.2.0/24", "192.168.1.2"),
+                   ipv6_subnet=IPv6Network("fd10:244:0:2::/64"))  # fmt: skip
+    metrics.peers([dual])  # the peer of fd10:244:0:3::/64 is gone
+    sides = {
+        (dict(labels)["peer"], dict(labels)["family"])
+        for (name, labels) in scrape(metrics)
+        if name == "flannelpy_peer_reachable"
+    }
+    assert sides == {("10.244.2.0/24", "ipv4"), ("fd10:244:0:2::/64", "ipv6")}
 
 
 def test_blocked_operations_counted_by_kind(metrics: AgentMetrics) -> None:

@@ -4,7 +4,7 @@ adapter against a fake ``nft``."""
 from __future__ import annotations
 
 import subprocess
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 import pytest
@@ -35,6 +35,18 @@ FLANNEL_POSTRTG = (
     "ip saddr != 10.244.0.0/16 ip daddr 10.244.0.0/16 masquerade fully-random",
 )
 FLANNEL_FORWARD = ("ip saddr 10.244.0.0/16 accept", "ip daddr 10.244.0.0/16 accept")
+NET6 = IPv6Network("fd10:244::/56")
+SUBNET6 = IPv6Network("fd10:244:0:1::/64")
+# The same functions with knftables.IPv6Family ("ip6") and ff00::/8 (dual stack).
+FLANNEL_POSTRTG6 = (
+    "meta mark 0x4000 return",
+    "ip6 saddr fd10:244:0:1::/64 ip6 daddr fd10:244::/56 return",
+    "ip6 saddr fd10:244::/56 ip6 daddr fd10:244:0:1::/64 return",
+    "ip6 saddr != fd10:244:0:1::/64 ip6 daddr fd10:244::/56 return",
+    "ip6 saddr fd10:244::/56 ip6 daddr != ff00::/8 masquerade fully-random",
+    "ip6 saddr != fd10:244::/56 ip6 daddr fd10:244::/56 masquerade fully-random",
+)
+FLANNEL_FORWARD6 = ("ip6 saddr fd10:244::/56 accept", "ip6 daddr fd10:244::/56 accept")
 
 
 def test_masq_rules_are_flannels() -> None:
@@ -49,6 +61,18 @@ def test_masq_rules_without_fully_random() -> None:
 
 def test_forward_rules_are_flannels() -> None:
     assert forward_rules(NET) == FLANNEL_FORWARD
+
+
+def test_ipv6_rules_are_flannels() -> None:
+    assert masq_rules(NET6, [SUBNET6], random_fully=True) == FLANNEL_POSTRTG6
+    assert forward_rules(NET6) == FLANNEL_FORWARD6
+
+
+def test_mixed_families_in_one_table_are_refused() -> None:
+    with pytest.raises(ConfigError, match="mix IPv4 and IPv6"):
+        forward_rules([NET, NET6])
+    with pytest.raises(ConfigError, match=r"node subnet 10\.244\.1\.0/24 is outside"):
+        masq_rules(NET6, [SUBNET], random_fully=True)
 
 
 def test_several_pools_and_subnets_keep_pod_to_pod_sources() -> None:
@@ -101,6 +125,20 @@ def test_rebuild_script_replaces_both_tables_in_flannels_chain_order() -> None:
         "add chain ip flannel-ipv4 forward { type filter hook forward priority filter ; "
         'comment "chain to accept flannel traffic" ; }',
         *(f"add rule ip flannel-ipv4 forward {r}" for r in FLANNEL_FORWARD),
+    ]
+
+
+def test_rebuild_script_fills_the_ipv6_table_in_dual_stack() -> None:
+    rules = NftRules(FLANNEL_POSTRTG, FLANNEL_FORWARD, FLANNEL_POSTRTG6, FLANNEL_FORWARD6)
+    ipv4 = rebuild_script(NftRules(FLANNEL_POSTRTG, FLANNEL_FORWARD)).splitlines()
+    assert rebuild_script(rules).splitlines() == [
+        *ipv4,
+        "add chain ip6 flannel-ipv6 postrtg { type nat hook postrouting priority srcnat ; "
+        'comment "chain to manage traffic masquerading by flannel" ; }',
+        *(f"add rule ip6 flannel-ipv6 postrtg {r}" for r in FLANNEL_POSTRTG6),
+        "add chain ip6 flannel-ipv6 forward { type filter hook forward priority filter ; "
+        'comment "chain to accept flannel traffic" ; }',
+        *(f"add rule ip6 flannel-ipv6 forward {r}" for r in FLANNEL_FORWARD6),
     ]
 
 

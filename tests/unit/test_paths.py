@@ -35,7 +35,9 @@ capabilities = st.builds(
     vni=st.none() | st.integers(1, 3),
     vtep_mac=st.none() | st.just(MAC),
     follows_peer=st.booleans(),  # False: a flanneld end
-    foreign_backend=st.none() | st.just("wireguard"),
+    foreign_backend=st.none() | st.just("ipsec"),
+    encrypts=st.booleans(),  # a wireguard end
+    wireguard_key=st.booleans(),
 )
 
 
@@ -51,6 +53,9 @@ def test_a_chosen_path_is_one_both_ends_can_use(a: Capabilities, b: Capabilities
     path = choose_path(a, b, on_link)
     if path == "direct":
         assert on_link
+        assert not a.encrypts and not b.encrypts  # never plain to a node that asked for encryption
+    elif path == "wireguard":
+        assert a.encrypts and b.encrypts and a.wireguard_key and b.wireguard_key
     elif path == "vxlan":
         assert a.has_vtep and b.has_vtep and a.vni == b.vni
 
@@ -136,8 +141,11 @@ def lease(backend: str, data: dict[str, object] | None = None,
         (lease("vxlan", {"VtepMAC": MAC}), Capabilities(False, None, None)),
         (lease("vxlan", {"VNI": True, "VtepMAC": MAC}), Capabilities(False, None, None)),
         # another backend's data is no VTEP, whatever it holds
+        (lease("ipsec", {"VNI": 1, "VtepMAC": MAC}),
+         Capabilities(False, None, None, foreign_backend="ipsec")),
+        # a wireguard node keeps a VTEP while a peer is vxlan; without a key, no tunnel
         (lease("wireguard", {"VNI": 1, "VtepMAC": MAC}),
-         Capabilities(False, None, None, foreign_backend="wireguard")),
+         Capabilities(False, 1, MAC, encrypts=True, wireguard_key=False)),
     ],
 )
 def test_peer_capabilities_come_from_the_lease(peer: Lease, expected: Capabilities) -> None:

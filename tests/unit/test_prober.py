@@ -1,4 +1,5 @@
-"""The prober's pure parts: scheduling, phase spreading, windowed statistics, verdicts.
+"""The prober's pure parts: scheduling, phase spreading, windowed statistics, verdicts,
+the IPv6 side of dual-stack peers (sources, sizes, budget, ICMPv6 matching).
 
 A fake clock and a fake transport that models a network: per-target reachability,
 a path that silently drops packets over some size, a local route MTU that makes
@@ -9,22 +10,35 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import math
+import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.dataplane.icmp import Reply, echo_request, icmp_checksum
+from flannelpy.agent.planning import probe_peers, probe_source6
+from flannelpy.backend.base import NodeContext
+from flannelpy.config.netconf import parse_network_config
+from flannelpy.dataplane.icmp import (
+    Icmp6Transport,
+    Reply,
+    echo6_request,
+    echo_request,
+    icmp_checksum,
+)
+from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError
 from flannelpy.observe.prober import (
     SMALL_PROBE_BYTES,
+    SMALL_PROBE_BYTES6,
     Prober,
     ProbeResult,
     RoundOutcome,
@@ -37,6 +51,7 @@ from flannelpy.observe.prober import (
     slot_after,
     summarize,
 )
+from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.waiting import wait_until
 
 T0 = 1_700_000_000.0
@@ -633,3 +648,150 @@ def test_a_mass_outage_hurries_a_bounded_number_of_peers() -> None:
     assert sum(per_interval.values()) <= 1000 + 10 * 25
     advance(prober, clock, 150.0)  # three more cycles: every peer settles as down
     assert not any(r.reachable for r in prober.results().values())
+
+
+# --- the IPv6 side of a dual-stack peer ----------------------------------------------
+
+OWN6 = IPv6Address("fd10:244:0:1::")
+
+
+def make_dual(
+    n_peers: int, own6: IPv6Address | None = OWN6, **kwargs: object
+) -> tuple[Prober, FakeNet, FakeClock]:
+    """Each peer probed in both families: ``p<i>`` over IPv4, ``p<i>v6`` over IPv6."""
+    clock = FakeClock()
+    net = FakeNet(clock)
+    options: dict = {"interval_seconds": 5.0, "timeout_seconds": 1.0, **kwargs}
+    prober = Prober(
+        net, clock, mtu_provider=lambda: MTU, own_address_provider=lambda: OWN,
+        own_address6_provider=lambda: own6, **options,
+    )  # fmt: skip
+    peers: dict[str, tuple[IPv4Address | IPv6Address, str]] = {}
+    for i in range(n_peers):
+        peers[f"p{i}"] = (peer_ip(i), f"node{i}")
+        peers[f"p{i}v6"] = (peer_ip6(i), f"node{i}")
+    prober.set_peers(peers)
+    return prober, net, clock
+
+
+def peer_ip6(i: int) -> IPv6Address:
+    return IPv6Address(f"fd10:244:0:{i + 2:x}::")
+
+
+def test_ipv6_side_is_probed_from_our_ipv6_address_at_its_own_sizes() -> None:
+    prober, net, clock = make_dual(1)
+    net.path_mtu[peer_ip6(0)] = MTU - 20  # flanneld: 20 bytes short
+    v6 = rounds(prober, clock, 3, "p0v6")
+    sent6 = [s for s in net.sent if s.target == peer_ip6(0)]
+    assert {s.source for s in sent6} == {OWN6}
+    assert {s.size for s in sent6} == {SMALL_PROBE_BYTES6, MTU}
+    assert v6.family == "ipv6" and v6.target == peer_ip6(0)
+    assert v6.reachable and v6.mtu_ok is False  # small answered, full size lost 3 times
+    assert f"{MTU}-byte DF echo" in (v6.last_error or "")
+    v4 = prober.results()["p0"]
+    assert v4.family == "ipv4" and v4.mtu_ok is True
+    assert {s.source for s in net.sent if s.target == peer_ip(0)} == {OWN}
+
+
+def test_ipv6_side_waits_while_we_have_no_ipv6_address() -> None:
+    prober, net, clock = make_dual(2, own6=None)
+    advance(prober, clock, 20.0)
+    assert net.sent and all(s.target.version == 4 for s in net.sent)
+    assert set(prober.results()) == {"p0", "p1"}
+
+
+def test_the_budget_counts_both_families() -> None:
+    # 50 dual-stack peers are 100 probed sides: at 50 per interval, a two-interval cycle
+    prober, net, clock = make_dual(50, peers_per_interval=50)
+    assert prober.cycle == 10.0
+    start = clock.t
+    advance(prober, clock, 40.0)
+    per_side = Counter(s.target for s in net.small_sends())
+    per_side6 = Counter(s.target for s in net.sent if s.size == SMALL_PROBE_BYTES6)
+    assert len(per_side) == 50 and len(per_side6) == 50
+    assert set(per_side.values()) | set(per_side6.values()) <= {4, 5}  # 4 whole cycles
+    smalls = [s for s in net.sent if s.size in (SMALL_PROBE_BYTES, SMALL_PROBE_BYTES6)]
+    assert len(smalls) <= 100 * 4 + 100
+    assert all(s.at - start <= 40.0 for s in smalls)
+
+
+def _icmp6_matcher(target: IPv6Address, seq: int) -> Icmp6Transport:
+    """The ICMPv6 transport's matching, without its socket: one echo outstanding."""
+    t = Icmp6Transport.__new__(Icmp6Transport)
+    t._ident, t._lock = 0x4242, threading.Lock()
+    t._pending = {seq: (target, 10.0)}
+    return t
+
+
+def _quoted6(target: IPv6Address, ident: int, seq: int) -> bytes:
+    """What an ICMPv6 error quotes: our packet's IPv6 header, then our echo."""
+    header = struct.pack("!IHBB", 6 << 28, 1402, 58, 64) + OWN6.packed + target.packed
+    return header + echo6_request(ident, seq, 16)
+
+
+def test_icmp6_matching_of_replies_and_errors() -> None:
+    peer = peer_ip6(0)
+    reply = struct.pack("!BBHHH", 129, 0, 0, 0x4242, 9) + b"x" * 8
+    assert _icmp6_matcher(peer, 9)._match(reply, peer, 10.5) == Reply(9, 0.5)
+    assert _icmp6_matcher(peer, 9)._match(reply, peer_ip6(1), 10.5) is None  # other sender
+    other = struct.pack("!BBHHH", 129, 0, 0, 0x4343, 9)
+    assert _icmp6_matcher(peer, 9)._match(other, peer, 10.5) is None  # another process's
+    router = IPv6Address("fd00:64::1")
+    too_big = struct.pack("!BBHI", 2, 0, 0, 1430) + _quoted6(peer, 0x4242, 9)
+    got = _icmp6_matcher(peer, 9)._match(too_big, router, 10.5)
+    assert got is not None and got.too_big and got.ticket == 9
+    assert got.error == f"packet too big: {router} forwards at most 1430 bytes towards {peer}"
+    unreach = struct.pack("!BBHI", 1, 3, 0, 0) + _quoted6(peer, 0x4242, 9)
+    got = _icmp6_matcher(peer, 9)._match(unreach, router, 10.5)
+    assert got is not None and not got.too_big
+    assert got.error == f"address unreachable: reported by {router} for {peer}"
+    for truncated in (too_big[:8], too_big[:50], b"", reply[:7]):
+        assert _icmp6_matcher(peer, 9)._match(truncated, router, 10.5) is None
+
+
+# --- the agent's peer set: one entry per family ----------------------------------------
+
+
+def _dual_peer(n: int, backend: str = "vxlan", v6: bool = True) -> Lease:
+    data = {"VNI": 1, "VtepMAC": f"02:00:00:00:00:{n:02x}"} if backend == "vxlan" else None
+    return Lease(
+        subnet=IPv4Network(f"10.244.{n}.0/24"),
+        ipv6_subnet=IPv6Network(f"fd10:244:0:{n:x}::/64") if v6 else None,
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address(f"192.168.1.{n}"), backend_type=backend, backend_data=data,
+            public_ipv6=IPv6Address(f"fd00:64::{n:x}") if v6 else None,
+            backend_v6_data=data if v6 else None, node_name=f"n{n}",
+        ),
+    )  # fmt: skip
+
+
+def _dual_ctx(backend: str) -> NodeContext:
+    config = parse_network_config(json.dumps({
+        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd10:244::/56",
+        "Backend": {"Type": backend},
+    }))  # fmt: skip
+    under = UnderlayInterface(
+        name="eth0", index=2, ip=IPv4Address("192.168.1.1"),
+        networks=(IPv4Network("192.168.1.0/24"),), mtu=1500,
+        ip6=IPv6Address("fd00:64::1"), networks6=(IPv6Network("fd00:64::/64"),),
+    )  # fmt: skip
+    return NodeContext(config=config, underlay=under, public_ip=IPv4Address("192.168.1.1"),
+                       node_name="n1", public_ipv6=IPv6Address("fd00:64::1"))  # fmt: skip
+
+
+def test_probe_peers_add_the_ipv6_side_where_the_peer_answers() -> None:
+    vxlan, hostgw, v4only = _dual_peer(2), _dual_peer(3, "host-gw"), _dual_peer(4, v6=False)
+    got = probe_peers([vxlan, hostgw, v4only], ipv6=True)
+    assert got == {
+        "10.244.2.0/24": (IPv4Address("10.244.2.1"), "n2"),
+        "fd10:244:0:2::/64": (IPv6Address("fd10:244:0:2::"), "n2"),  # its flannel-v6 VTEP
+        "10.244.3.0/24": (IPv4Address("10.244.3.1"), "n3"),
+        "fd10:244:0:3::/64": (IPv6Address("fd10:244:0:3::1"), "n3"),  # cni0's gateway
+        "10.244.4.0/24": (IPv4Address("10.244.4.1"), "n4"),
+    }
+    assert set(probe_peers([vxlan, hostgw], ipv6=False)) == {"10.244.2.0/24", "10.244.3.0/24"}
+    own = _dual_peer(1)
+    assert probe_source6(_dual_ctx("vxlan"), own) == IPv6Address("fd10:244:0:1::")
+    assert probe_source6(_dual_ctx("host-gw"), own) == IPv6Address("fd10:244:0:1::1")
+    assert probe_source6(_dual_ctx("vxlan"), _dual_peer(1, v6=False)) is None
+    assert probe_source6(_dual_ctx("vxlan"), None) is None

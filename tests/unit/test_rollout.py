@@ -24,7 +24,7 @@ from flannelpy.control.records import (
     ProbeSummary,
 )
 from flannelpy.errors import ConfigError
-from flannelpy.rollout.backends import target_backend, with_backend
+from flannelpy.rollout.backends import expected_summary, target_backend, with_backend
 from flannelpy.rollout.driver import (
     _claim,
     drive,
@@ -668,3 +668,22 @@ def test_a_long_store_outage_ends_the_driver_with_the_record_intact() -> None:
     env.store.set_available(True)
     assert _record(env).entry("n2").state == "applying"
     assert env.drive(record.id).state == "done"
+
+
+@pytest.mark.parametrize(
+    ("current", "target", "expected_mtu"),
+    [
+        ("vxlan", "wireguard", 1440),  # 1500 underlay: VXLAN costs 50, WireGuard over IPv4 60
+        ("wireguard", "vxlan", 1450),
+        ("host-gw", "wireguard", 1440),
+        ("wireguard", "host-gw", 1500),
+    ],
+)
+def test_expected_mtu_counts_each_backends_encapsulation(
+    current: str, target: str, expected_mtu: int
+) -> None:
+    overlay = {"vxlan": 1450, "wireguard": 1440, "host-gw": 1500}[current]
+    summary = BackendSummary(current, 1, 8472, False, overlay)
+    config = parse_network_config(json.dumps(
+        {"Network": "10.244.0.0/16", "Backend": {"Type": target}}))
+    assert expected_summary(summary, config.backend).mtu == expected_mtu

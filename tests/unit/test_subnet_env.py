@@ -15,6 +15,7 @@ from flannelpy.subnet.subnet_env import (
     SubnetEnv,
     first_usable,
     read_previous_subnet,
+    read_previous_subnets,
     read_subnet_env,
     render,
     write_subnet_env,
@@ -154,3 +155,48 @@ def test_previous_subnet_unparsable_is_a_warning_not_a_crash(
     with caplog.at_level(logging.WARNING, logger="flannelpy.subnet.subnet_env"):
         assert read_previous_subnet(str(path)) is None
     assert "ignoring it" in caplog.text
+
+
+DUAL_TEXT = (
+    "FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET=10.244.1.1/24\n"
+    "FLANNEL_IPV6_NETWORK=fd00:10:244::/56\nFLANNEL_IPV6_SUBNET=fd00:10:244:7::1/64\n"
+    "FLANNEL_MTU=1430\nFLANNEL_IPMASQ=true\n"
+)
+
+
+def test_dual_stack_file_is_flannels_and_both_subnets_read_back(tmp_path: Path) -> None:
+    env = SubnetEnv.for_lease(
+        IPv4Network("10.244.0.0/16"), IPv4Network("10.244.1.0/24"), 1430, True,
+        IPv6Network("fd00:10:244::/56"), IPv6Network("fd00:10:244:7::/64"),
+    )  # fmt: skip
+    path = tmp_path / "subnet.env"
+    write_subnet_env(str(path), env)
+    assert path.read_text() == DUAL_TEXT
+    assert read_subnet_env(str(path)) == env
+    assert read_previous_subnets(str(path)) == (
+        IPv4Network("10.244.1.0/24"), IPv6Network("fd00:10:244:7::/64")
+    )  # fmt: skip
+
+
+def test_ipv6_only_file_has_no_ipv4_keys(tmp_path: Path) -> None:
+    # Flannel's WriteSubnetFile writes the IPv4 pair only when EnableIPv4.
+    env = SubnetEnv(None, None, 1430, False, IPv6Network("fd00:10:244::/56"),
+                    IPv6Interface("fd00:10:244:7::1/64"))  # fmt: skip
+    path = tmp_path / "subnet.env"
+    write_subnet_env(str(path), env)
+    assert path.read_text() == (
+        "FLANNEL_IPV6_NETWORK=fd00:10:244::/56\nFLANNEL_IPV6_SUBNET=fd00:10:244:7::1/64\n"
+        "FLANNEL_MTU=1430\nFLANNEL_IPMASQ=false\n"
+    )
+    assert read_subnet_env(str(path)) == env
+    assert read_previous_subnets(str(path)) == (None, IPv6Network("fd00:10:244:7::/64"))
+
+
+def test_previous_ipv6_subnet_unparsable_keeps_the_ipv4_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "subnet.env"
+    path.write_text(DUAL_TEXT.replace("fd00:10:244:7::1/64", "fd00::zz/64"))
+    with caplog.at_level(logging.WARNING, logger="flannelpy.subnet.subnet_env"):
+        assert read_previous_subnets(str(path)) == (IPv4Network("10.244.1.0/24"), None)
+    assert "FLANNEL_IPV6_SUBNET" in caplog.text

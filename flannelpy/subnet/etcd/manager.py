@@ -145,6 +145,7 @@ class EtcdSubnetManager:
         previous_subnet: IPv4Network | None,
         pools: Sequence[Pool] | None = None,
         cluster: str | None = None,
+        previous_ipv6_subnet: IPv6Network | None = None,
     ) -> Lease:
         config = self.get_network_config()
         for attempt in range(1, RACE_RETRIES + 1):
@@ -152,6 +153,7 @@ class EtcdSubnetManager:
             choice = choose_lease(
                 config, list(leases.values()), attrs, previous_subnet, self._rng,
                 pools=pools, cluster=cluster, holder_gone=self._holder_gone,
+                previous_ipv6_subnet=previous_ipv6_subnet,
             )  # fmt: skip
             if choice.name_conflict is not None:
                 self._name_conflict(choice.name_conflict, attrs)
@@ -281,8 +283,9 @@ class EtcdSubnetManager:
             )  # fmt: skip
             return
         log.info(
-            "lease acquired subnet=%s public_ip=%s reason=%s expiration=%s",
-            lease.subnet, lease.attrs.public_ip, choice.reason, lease.expiration,
+            "lease acquired subnet=%s ipv6_subnet=%s public_ip=%s reason=%s expiration=%s",
+            lease.subnet, lease.ipv6_subnet, lease.attrs.public_ip, choice.reason,
+            lease.expiration,
         )  # fmt: skip
 
     def renew_lease(self, lease: Lease) -> Lease:

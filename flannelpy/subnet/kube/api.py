@@ -21,14 +21,33 @@ from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUn
 
 T = TypeVar("T")
 
-# (apiGroup, resource, verbs): exactly what Kubernetes mode calls (see manager.py).
-# "" is the core group.
-RBAC_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+# (apiGroup, resource, verbs): exactly what Kubernetes mode calls (see manager.py), in two
+# scopes. "" is the core group.
+Rules = tuple[tuple[str, str, tuple[str, ...]], ...]
+# The ClusterRole's: in every namespace (pods and Events are namespaced, but the agent's
+# pod and its Node's Events are not in a namespace known in advance).
+RBAC_RULES: Rules = (
     ("", "pods", ("get",)),
     ("", "nodes", ("get", "list", "watch")),
     ("", "nodes/status", ("patch",)),
-    ("", "events", ("create",)),  # a record of each change forced past the policy
+    # Events about our Node (forced and blocked changes), as series (events.py).
+    ("events.k8s.io", "events", ("create", "patch")),
 )
+# The Role's, in the agents' own namespace only: cluster-wide, leases would let an agent
+# rewrite every node's kube-node-lease heartbeat and every controller's leader election.
+NAMESPACED_RBAC_RULES: Rules = (
+    # This node's status record: its own Lease (node_status.py).
+    ("coordination.k8s.io", "leases", ("create", "patch")),
+)
+
+
+class Forbidden(StoreError):
+    """The API server refused a call (403): the ServiceAccount lacks a permission."""
+
+
+def _rules_text(rules: Rules) -> str:
+    return "; ".join(f"{res}{'.' + group if group else ''}: {','.join(verbs)}"
+                     for group, res, verbs in rules)  # fmt: skip
 
 
 def build_api_client(settings: AgentSettings) -> kclient.ApiClient:
@@ -114,10 +133,10 @@ def api_error(what: str, e: ApiException) -> StoreError:
             "token or --kubeconfig-file"
         )
     if status == 403:
-        rules = "; ".join(f"{res}: {','.join(verbs)}" for _, res, verbs in RBAC_RULES)
-        return StoreError(
+        return Forbidden(
             f"kubernetes API {what}: forbidden ({message}); the agent's ClusterRole must "
-            f"allow {rules}"
+            f"allow {_rules_text(RBAC_RULES)}, and its Role in its own namespace "
+            f"{_rules_text(NAMESPACED_RBAC_RULES)}"
         )
     if status == 404:
         return StoreError(f"kubernetes API {what}: not found ({message})")

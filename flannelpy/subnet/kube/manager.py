@@ -9,8 +9,10 @@ only when something differs. Peers are the nodes annotated
 
 The watch is the usual list → watch from the list's resourceVersion, with
 bookmarks; 410 Gone re-lists, a broken connection resumes from the last
-resourceVersion after a backoff. Unlike Flannel, a node whose podCIDR or
-public-ip changes is followed, and nothing waits for an informer cache sync:
+resourceVersion after a backoff (afresh when the watch that broke had served, so an
+API server restart is not waited out at an earlier outage's delays). Unlike Flannel,
+a node whose podCIDR or public-ip changes is followed, and nothing waits for an
+informer cache sync:
 our own Node is read directly, and the list is one consistent snapshot read in
 pages of raw JSON (no client models).
 
@@ -28,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUn
 from flannelpy.retry import Backoff
 from flannelpy.subnet.kube import node as kn
 from flannelpy.subnet.kube.api import UNREACHABLE, build_api_client, call, read_json
+from flannelpy.subnet.kube.node_status import override_rollout
 from flannelpy.subnet.kube.watch import LeaseMap, StreamCloser
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
@@ -107,7 +110,17 @@ class KubeSubnetManager:
         # Our Node's override annotation as the node watch last saw it (None: absent).
         self.own_override: str | None = None
         self.own_override_seen = threading.Event()
+        # Nodes whose override names a rollout (node -> the id and override): while any
+        # does and one changed lately, the status record follows probe rounds, so the
+        # rollout can verify its steps.
+        self.rollout_overrides: dict[str, str] = {}
+        self.rollout_changed_at = float("-inf")  # monotonic: the last change of those
         self._warned: dict[str, str] = {}
+
+    @property
+    def api_client(self) -> kclient.ApiClient:
+        """The client this manager talks through (the status Lease shares it)."""
+        return self._api_client
 
     # -- identity and config ---------------------------------------------------------------
 
@@ -167,6 +180,10 @@ class KubeSubnetManager:
         """The ``node-public-ip`` annotation of our Node: acts as --public-ip."""
         return kn.node_public_ip(self._own_node(patient=True), self._keys)
 
+    def node_public_ipv6(self) -> IPv6Address | None:
+        """The ``node-public-ipv6`` annotation of our Node: acts as --public-ipv6."""
+        return kn.node_public_ipv6(self._own_node(patient=True), self._keys)
+
     def _own_node(self, patient: bool) -> dict[str, Any]:
         name = self.node_name
 
@@ -212,6 +229,7 @@ class KubeSubnetManager:
         previous_subnet: IPv4Network | None,
         pools: Sequence[Pool] | None = None,
         cluster: str | None = None,
+        previous_ipv6_subnet: IPv6Network | None = None,
     ) -> Lease:
         """Our podCIDR as a lease, once the controller-manager has assigned it (address
         pools do not apply: the controller-manager owns pod CIDRs).
@@ -301,11 +319,10 @@ class KubeSubnetManager:
                     if state.rv is None:
                         state.replace_all(*self._list(config, stop))
                         state.deliver(on_leases, always=True)
-                    started = time.monotonic()
-                    events = self._watch(state, config, on_leases, closer, stop)
+                    self._watch(state, config, on_leases, closer, stop)
                     # A watch that ends at once with nothing in it (a proxy closing it,
                     # say) must not turn into a tight reconnect loop.
-                    if events or time.monotonic() - started >= 1.0:
+                    if state.take_watch_health(time.monotonic()):
                         backoff.reset()
                     else:
                         self._sleep(stop, backoff.next())
@@ -315,6 +332,8 @@ class KubeSubnetManager:
                 except StoreError as e:
                     if stop.is_set():
                         break
+                    if state.take_watch_health(time.monotonic()):
+                        backoff.reset()  # it broke after serving: retry soon
                     delay = backoff.next()
                     log.warning(
                         "node watch failed; retrying after a delay delay=%.1f error=%s",
@@ -346,6 +365,7 @@ class KubeSubnetManager:
             meta = doc.get("metadata") or {}
             rv = rv or kn.resource_version(doc)
             for node in doc.get("items") or []:
+                self._note_rollout(kn.node_name(node), node)
                 if kn.node_name(node) == self.node_name:  # a watch replays no ADDED for it
                     self.own_override = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
                     self.own_override_seen.set()
@@ -387,11 +407,13 @@ class KubeSubnetManager:
             ),
         )  # fmt: skip
         closer.attach(resp)
+        state.watch_opened(time.monotonic())
         count = 0
         try:
             for event in self._events(resp, stop):
                 count += 1
                 self._apply(event, state, config)
+                state.watch_event()  # after: an ERROR event (raised above) is no sign of health
                 state.deliver(on_leases)
         finally:
             closer.detach()
@@ -427,6 +449,7 @@ class KubeSubnetManager:
             raise StoreUnavailable(f"node watch error {code}: {message}")
         if kind in ("ADDED", "MODIFIED"):
             name = kn.node_name(obj)
+            self._note_rollout(name, obj)
             if name == state.own_node:
                 self.own_override = kn.node_annotations(obj).get(OVERRIDE_ANNOTATION)
                 self.own_override_seen.set()
@@ -435,7 +458,19 @@ class KubeSubnetManager:
             name = kn.node_name(obj)
             state.put(name, None)
             self._warned.pop(name, None)
+            self.rollout_overrides.pop(name, None)
         state.rv = kn.resource_version(obj) or state.rv  # BOOKMARK carries only this
+
+    def _note_rollout(self, name: str, node: Mapping[str, Any]) -> None:
+        raw = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
+        rollout = override_rollout(raw)
+        before = self.rollout_overrides.get(name)
+        if rollout:
+            self.rollout_overrides[name] = f"{rollout} {raw}"
+        else:
+            self.rollout_overrides.pop(name, None)
+        if self.rollout_overrides.get(name) != before:
+            self.rollout_changed_at = time.monotonic()
 
     def _lease_of(self, node: Mapping[str, Any], config: NetworkConfig) -> Lease | None:
         name = kn.node_name(node)
@@ -448,26 +483,6 @@ class KubeSubnetManager:
             return None
         self._warned.pop(name, None)
         return lease
-
-    def create_node_event(self, reason: str, message: str, kind: str = "Warning") -> None:
-        """A core/v1 Event about our Node (``kubectl describe node`` shows it)."""
-        name = self.node_name
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._clock()))
-        body: Any = {
-            "metadata": {"generateName": f"{name}.flannelpy-", "namespace": "default"},
-            "involvedObject": {"kind": "Node", "name": name, "uid": name, "apiVersion": "v1"},
-            "reason": reason, "message": message, "type": kind,
-            "source": {"component": "flannelpy", "host": name},
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }  # fmt: skip
-        resp: Any = call(  # an urllib3 response: _preload_content=False
-            "create event",
-            lambda: self._api.create_namespaced_event(
-                "default", body, _preload_content=False, _request_timeout=self._timeout()
-            ),
-        )
-        resp.read()  # a response left unread never gives its connection back to the pool
-        resp.release_conn()
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ Flannel's annotations, with the default prefix ``flannel.alpha.coreos.com/``::
     public-ip             the address peers send to
     public-ip-overwrite   set by the user: advertised instead of our own address
     node-public-ip        set by the user: acts as --public-ip for that node
+    public-ipv6, backend-v6-data, public-ipv6-overwrite, node-public-ipv6
+                          the same for IPv6 (dual stack), as Flannel writes them
     flannelpy-mtu         ours: the node's overlay MTU (Flannel ignores it)
 """
 
@@ -26,7 +28,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from ipaddress import IPv4Address, IPv4Network, IPv6Network, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 from typing import Any
 
 from flannelpy.config.netconf import NetworkConfig
@@ -201,7 +203,9 @@ def own_subnets(node: Node, config: NetworkConfig) -> tuple[IPv4Network, IPv6Net
         )
     if not config.enable_ipv6:
         return v4, None
-    if v6 is not None and (config.ipv6_network is None or not v6.subnet_of(config.ipv6_network)):
+    if v6 is None:
+        return None  # dual stack: wait until the controller-manager assigns both families
+    if config.ipv6_network is None or not v6.subnet_of(config.ipv6_network):
         raise ConfigError(
             f"node {name} has IPv6 pod CIDR {v6}, which is outside IPv6Network "
             f"{config.ipv6_network} of net-conf.json; make them match"
@@ -223,6 +227,24 @@ def node_public_ip(node: Node, keys: AnnotationKeys) -> IPv4Address | None:
 
 def public_ip_overwrite(node: Node, keys: AnnotationKeys) -> IPv4Address | None:
     return _ipv4_or_none(node_annotations(node).get(keys.public_ip_overwrite))
+
+
+def node_public_ipv6(node: Node, keys: AnnotationKeys) -> IPv6Address | None:
+    """The user-set ``node-public-ipv6`` annotation (acts as --public-ipv6), if valid."""
+    return _ipv6_or_none(node_annotations(node).get(keys.node_public_ipv6))
+
+
+def public_ipv6_overwrite(node: Node, keys: AnnotationKeys) -> IPv6Address | None:
+    return _ipv6_or_none(node_annotations(node).get(keys.public_ipv6_overwrite))
+
+
+def _ipv6_or_none(text: Any) -> IPv6Address | None:
+    if not text or len(str(text)) > 64:
+        return None
+    try:
+        return IPv6Address(str(text).strip())
+    except ValueError:
+        return None
 
 
 def _ipv4_or_none(text: Any) -> IPv4Address | None:
@@ -276,13 +298,23 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
     if public_ip is None:
         raise NotALease(f"annotation {keys.public_ip} is not an IPv4 address")
     backend_data = _backend_data(notes.get(keys.backend_data), keys.backend_data)
+    public_ipv6 = None
+    if config.enable_ipv6:
+        written = notes.get(keys.public_ipv6)
+        public_ipv6 = public_ipv6_overwrite(node, keys) or _ipv6_or_none(written)
+        if written and public_ipv6 is None:
+            raise NotALease(f"annotation {keys.public_ipv6} is not an IPv6 address")
     mtu_text = str(notes.get(keys.mtu) or "")
     attrs = LeaseAttrs(
         public_ip=public_ip,
         backend_type=str(notes.get(keys.backend_type) or ""),
         backend_data=backend_data,
-        public_ipv6=notes.get(keys.public_ipv6_overwrite) or notes.get(keys.public_ipv6),
-        backend_v6_data=_json_object(notes.get(keys.backend_v6_data)),
+        public_ipv6=public_ipv6,
+        backend_v6_data=(
+            _backend_data(notes.get(keys.backend_v6_data), keys.backend_v6_data)
+            if public_ipv6 is not None
+            else None
+        ),
         node_name=node_name(node) or None,
         mtu=_mtu_or_none(mtu_text),
         direct_routing=True if notes.get(keys.direct_routing) == "true" else None,
@@ -322,11 +354,16 @@ def duplicate_claims(by_node: Mapping[str, Lease], kept: Mapping[str, Lease]) ->
 
 
 def advertised_attrs(attrs: LeaseAttrs, node: Node, keys: AnnotationKeys) -> LeaseAttrs:
-    """What we advertise: ``attrs`` with a valid ``public-ip-overwrite`` as the public
-    IP, and the Node's name as the node name."""
+    """What we advertise: ``attrs`` with a valid ``public-ip-overwrite`` (and
+    ``public-ipv6-overwrite`` in dual stack) as the public IP, and the Node's name as
+    the node name."""
     overwrite = public_ip_overwrite(node, keys)
+    overwrite6 = public_ipv6_overwrite(node, keys) if attrs.public_ipv6 is not None else None
     name = node_name(node) or attrs.node_name
-    return replace(attrs, public_ip=overwrite or attrs.public_ip, node_name=name)
+    return replace(
+        attrs, public_ip=overwrite or attrs.public_ip,
+        public_ipv6=overwrite6 or attrs.public_ipv6, node_name=name,
+    )  # fmt: skip
 
 
 def backend_data_text(data: Mapping[str, Any] | None) -> str:
@@ -341,8 +378,8 @@ def desired_annotations(advertised: LeaseAttrs, keys: AnnotationKeys) -> dict[st
         keys.backend_data: backend_data_text(advertised.backend_data),
         keys.public_ip: str(advertised.public_ip),
     }
-    if advertised.public_ipv6:
-        wanted[keys.public_ipv6] = advertised.public_ipv6
+    if advertised.public_ipv6 is not None:
+        wanted[keys.public_ipv6] = str(advertised.public_ipv6)
         wanted[keys.backend_v6_data] = backend_data_text(advertised.backend_v6_data)
     if advertised.mtu is not None:
         wanted[keys.mtu] = str(advertised.mtu)

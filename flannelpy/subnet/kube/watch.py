@@ -19,6 +19,7 @@ from flannelpy.subnet.manager import LeasesCallback
 log = logging.getLogger("flannelpy.subnet.kube.manager")
 
 STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
+HEALTHY_WATCH = 1.0  # seconds: a watch open this long (or bringing events) was healthy
 
 
 class StreamCloser:
@@ -75,6 +76,25 @@ class LeaseMap:
         self._delivered: dict[str, Lease] | None = None
         self._dirty = False
         self._duplicates: list[str] = []
+        self._watch_opened: float | None = None  # monotonic time; None: no watch open
+        self._watch_events = 0
+
+    def watch_opened(self, now: float) -> None:
+        self._watch_opened = now
+        self._watch_events = 0
+
+    def watch_event(self) -> None:
+        self._watch_events += 1
+
+    def take_watch_health(self, now: float) -> bool:
+        """Was the watch opened last healthy (it brought events or stayed open
+        HEALTHY_WATCH seconds)? Then whatever ended it starts a fresh backoff: a watch
+        that served for hours and then broke (an API server restart) is resumed at once,
+        not after the delays its last outage reached. Forgets that watch."""
+        opened, self._watch_opened = self._watch_opened, None
+        if opened is None:
+            return False
+        return self._watch_events > 0 or now - opened >= HEALTHY_WATCH
 
     def replace_all(self, by_node: dict[str, Lease], rv: str) -> None:
         self.by_node = by_node

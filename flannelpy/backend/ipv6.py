@@ -1,0 +1,172 @@
+"""The IPv6 half of a dual-stack node's plan (pure), merged into each backend's plan.
+
+Flannel runs the two families side by side, each over its own underlay family:
+
+- vxlan: a second device ``flannel-v6.<VNI>`` with the node's IPv6 underlay address
+  as local address, carrying the lease's IPv6 network address as /128; per peer the
+  same three entries as over IPv4 (:mod:`flannelpy.backend.vxlan`), in the same order:
+  neighbour ``S6.network → M6``, FDB ``M6 → dst PublicIPv6``, route ``S6 via
+  S6.network dev flannel-v6.<VNI> onlink``. ``M6`` is the peer's BackendV6Data VtepMAC.
+- host-gw and DirectRouting: ``S6 via PublicIPv6 dev <underlay>`` for a peer whose
+  PublicIPv6 is on one of the underlay's connected IPv6 subnets.
+
+Each pair's path is chosen per family by the same symmetric rule
+(:func:`~flannelpy.backend.paths.choose_path`), from the IPv6 capabilities of both
+ends: a VTEP over IPv6 counts only with BackendV6Data's VNI and VtepMAC.
+
+VXLAN over IPv6 costs 70 bytes (outer IPv6 40 + UDP 8 + VXLAN 8 + inner Ethernet 14),
+not the 50 of IPv4. Flannel subtracts 50 for both, so its full-size packets over an
+IPv6 underlay do not fit; ours get MTU underlay−70 on ``flannel-v6.<VNI>``, and a
+dual-stack node's overlay MTU (pods, subnet.env) is the smaller of the two families'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from ipaddress import IPv6Interface
+
+from flannelpy.backend.base import NodeContext, vxlan_link
+from flannelpy.backend.paths import (
+    Capabilities,
+    NoPath,
+    choose_path,
+    own_capabilities,
+    peer_capabilities,
+)
+from flannelpy.dataplane.state import (
+    Address,
+    DesiredState,
+    FdbEntry,
+    Neighbour,
+    Route,
+    Unreachable,
+    VxlanLink,
+    blackhole_route,
+)
+from flannelpy.subnet.lease import Lease
+
+VXLAN6_ENCAP_OVERHEAD = 70  # outer Ethernet 14 + IPv6 40 + UDP 8 + VXLAN 8
+FLANNELD_VXLAN6_OVERHEAD = 50  # what flanneld subtracts over IPv6 (its gap: 20 bytes short)
+
+
+def device_name_v6(vni: int) -> str:
+    return f"flannel-v6.{vni}"
+
+
+def enabled(ctx: NodeContext) -> bool:
+    """This node runs IPv6: the config enables it and we have an IPv6 underlay address."""
+    return ctx.config.enable_ipv6 and ctx.underlay.ip6 is not None
+
+
+def vtep6_mtu(ctx: NodeContext) -> int:
+    return (ctx.config.backend.mtu or ctx.underlay.mtu) - VXLAN6_ENCAP_OVERHEAD
+
+
+def vtep6_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink | None:
+    """``flannel-v6.<VNI>`` over the IPv6 underlay, or None without IPv6. It shares the
+    IPv4 device's MAC: the two are separate L2 domains, and one advertised MAC per
+    node keeps the MAC stable across restarts through one mechanism."""
+    if not enabled(ctx):
+        return None
+    assert ctx.underlay.ip6 is not None
+    return vxlan_link(
+        ctx, device_name_v6(ctx.config.backend.vni), ctx.underlay.ip6, vtep6_mtu(ctx), vtep_mac
+    )
+
+
+def backend_v6_data(ctx: NodeContext, vtep_mac: str | None) -> dict[str, object] | None:
+    """BackendV6Data as flanneld writes it for vxlan: ``{"VNI", "VtepMAC"}``."""
+    if not enabled(ctx) or vtep_mac is None:
+        return None
+    return {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
+
+
+def own_capabilities_v6(ctx: NodeContext) -> Capabilities:
+    """Ours, as :func:`~flannelpy.backend.base.plan_peers` takes them (the VTEP is set
+    from the IPv6 device in :func:`plan_ipv6`)."""
+    return own_capabilities(ctx.config.backend, None)
+
+
+def peer_capabilities_v6(peer: Lease, flanneld_direct_routing: bool) -> Capabilities:
+    """A peer's IPv6 capabilities: its IPv4 ones with the VTEP from BackendV6Data."""
+    data = peer.attrs.backend_v6_data
+    as_v4 = replace(peer, attrs=replace(peer.attrs, backend_data=data))
+    return peer_capabilities(as_v4, flanneld_direct_routing)
+
+
+def plan_ipv6(
+    ctx: NodeContext,
+    own: Sequence[Lease],
+    peers: Sequence[Lease],
+    caps: Capabilities,
+    link6: VxlanLink | None,
+) -> DesiredState:
+    """The IPv6 entries: a path per peer that has an IPv6 subnet and PublicIPv6.
+
+    ``caps`` are our capabilities (prefers direct, wireguard); our IPv6 VTEP is
+    ``link6``. Peers must already be the routable ones (not ourselves, not overlapping)."""
+    if not enabled(ctx) or not any(lease.ipv6_subnet is not None for lease in own):
+        return DesiredState()
+    caps6 = replace(
+        caps, vni=link6.vni if link6 else None, vtep_mac=link6.mac if link6 else None
+    )
+    flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
+    own6 = [lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None]
+    routes: set[Route] = set()
+    neighbours: set[Neighbour] = set()
+    fdb: set[FdbEntry] = set()
+    unreachable: set[Unreachable] = set()
+    for peer in peers:
+        subnet6, ip6, vtep6 = peer.ipv6_subnet, peer.attrs.public_ipv6, peer.vtep_ip6
+        if subnet6 is None or ip6 is None or vtep6 is None:
+            continue  # an IPv4-only peer: nothing to route in IPv6
+        if ip6 == ctx.underlay.ip6 or any(subnet6.overlaps(n) for n in own6):
+            continue
+        on_link = ctx.underlay.on_link(ip6)
+        peer_caps = peer_capabilities_v6(peer, flanneld_direct_routing)
+        path = choose_path(caps6, peer_caps, on_link)
+        if isinstance(path, NoPath):
+            where = "on" if on_link else "not on"
+            unreachable.add(Unreachable(
+                subnet=subnet6, public_ip=ip6,
+                reason=f"no IPv6 path to peer {ip6}, which is {where} an IPv6 subnet of "
+                       f"{ctx.underlay.name}: {path.reason}",
+            ))  # fmt: skip
+        elif path == "direct":
+            routes.add(Route(dst=subnet6, gateway=ip6, ifname=ctx.underlay.name))
+        elif path == "vxlan":
+            assert link6 is not None and peer_caps.vtep_mac is not None
+            neighbours.add(Neighbour(link6.name, vtep6, peer_caps.vtep_mac))
+            fdb.add(FdbEntry(link6.name, peer_caps.vtep_mac, ip6))
+            routes.add(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True))
+        # wireguard: IPv4 only for now (its device carries no IPv6 peers yet).
+    if ctx.blackhole_own_subnets:
+        routes.update(blackhole_route(net) for net in own6)
+    links = [link6] if link6 else []
+    return DesiredState(
+        links=frozenset(links),
+        addresses=frozenset(
+            Address(link.name, IPv6Interface(f"{net.network_address}/128"))
+            for link in links
+            for net in own6
+        ),
+        routes=frozenset(routes),
+        neighbours=frozenset(neighbours),
+        fdb=frozenset(fdb),
+        owned_devices=frozenset(link.name for link in links),
+        unreachable=frozenset(unreachable),
+    )
+
+
+def merge(a: DesiredState, b: DesiredState) -> DesiredState:
+    """Both families' entries in one plan (their keys never collide: families differ)."""
+    return DesiredState(
+        links=a.links | b.links,
+        addresses=a.addresses | b.addresses,
+        routes=a.routes | b.routes,
+        neighbours=a.neighbours | b.neighbours,
+        fdb=a.fdb | b.fdb,
+        owned_devices=a.owned_devices | b.owned_devices,
+        unreachable=a.unreachable | b.unreachable,
+    )

@@ -1,0 +1,389 @@
+"""wireguard: Flannel's encrypted backend, on the kernel module or on wireguard-go.
+
+As Flannel v0.28 does it, per node: one device ``flannel-wg`` (``flannel-wg-v6``
+for IPv6 in separate mode) listening on ``ListenPort`` (51820; ``ListenPortV6``
+51821), our lease's network address /32 on it, one route for the whole
+``Network`` through it (scope link), and one peer per peer node: its public key,
+endpoint ``PublicIP:Port``, its subnets as allowed IPs, the keepalive and the
+PSK. WireGuard's allowed IPs then pick the peer of each packet. The lease's
+BackendData is Flannel's ``{"PublicKey", "Port"}``; while a peer is still vxlan
+(a rollout) it also carries our VTEP's ``{"VNI", "VtepMAC"}`` and the node keeps
+that VTEP, as host-gw nodes do, so the pair talks vxlan until both ends run
+wireguard (the rule is in :mod:`flannelpy.backend.paths`). flanneld ignores the
+extra keys.
+
+Options (``Backend`` of net-conf.json, Flannel's names): ``ListenPort``,
+``ListenPortV6``, ``PSK`` (base64, as ``wg genpsk``), ``PersistentKeepaliveInterval``
+(seconds), ``Mode`` (separate, auto, ipv4, ipv6), ``MTU``; ours:
+``Implementation`` (auto: the kernel module when present, else wireguard-go;
+kernel; userspace). The overlay MTU is the underlay's minus 60 over IPv4
+(IP 20 + UDP 8 + WireGuard header 16 + tag 16) and 80 over IPv6; Flannel
+subtracts 80 for both.
+
+Planning stays pure: :meth:`WireguardBackend.plan` returns the routes and hands
+the device's desired state to the device runtime (:mod:`flannelpy.dataplane.wireguard`),
+which reconciles the device itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from typing import Any, Literal, Protocol
+
+from flannelpy.backend.base import NodeContext, node_needs_vtep, plan_peers, routable_peers
+from flannelpy.backend.paths import (
+    Capabilities,
+    choose_path,
+    own_capabilities,
+    peer_capabilities,
+)
+from flannelpy.backend.vxlan import device_name as vxlan_device_name
+from flannelpy.backend.vxlan import vtep_link
+from flannelpy.config.netconf import BackendConfig, fold_keys
+from flannelpy.dataplane.state import DesiredState, Route
+from flannelpy.dataplane.uapi import WgPeer
+from flannelpy.dataplane.wireguard import WgDeviceSpec, is_key
+from flannelpy.errors import ConfigError
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+
+log = logging.getLogger("flannelpy.backend.wireguard")
+
+DEVICE = "flannel-wg"
+DEVICE_V6 = "flannel-wg-v6"
+DEFAULT_LISTEN_PORT = 51820
+DEFAULT_LISTEN_PORT_V6 = 51821
+OVERHEAD_IPV4 = 60  # outer IPv4 20 + UDP 8 + type/index/counter 16 + Poly1305 tag 16
+OVERHEAD_IPV6 = 80  # the same over a 40-byte IPv6 header (Flannel uses 80 for both)
+MODES = ("separate", "auto", "ipv4", "ipv6")
+IMPLEMENTATIONS = ("auto", "kernel", "userspace")
+NO_GATEWAY = IPv4Address(0)
+_WHERE = "net-conf.json"
+
+Mode = Literal["separate", "auto", "ipv4", "ipv6"]
+
+
+@dataclass(frozen=True)
+class WireguardConfig:
+    listen_port: int = DEFAULT_LISTEN_PORT
+    listen_port_v6: int = DEFAULT_LISTEN_PORT_V6
+    psk: str | None = None
+    keepalive: int = 0  # seconds; 0 is off
+    mode: Mode = "separate"
+    implementation: str = "auto"
+
+
+def parse_wireguard_config(backend: BackendConfig) -> WireguardConfig:
+    """The wireguard options of ``Backend``, checked (pure). Keys match case-insensitively
+    as in Go's decoder; every error is one sentence naming the key and the fix."""
+    _, values = fold_keys(backend.raw, "Backend ")
+
+    def integer(name: str, default: int, low: int, high: int) -> int:
+        value = values.get(name.lower())
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(
+                f'{_WHERE}: Backend "{name}" must be a whole number in {low}..{high}, not '
+                f'{value!r}; write it like "{name}": {default or 25}'
+            )
+        return value
+
+    def choice(name: str, default: str, allowed: Sequence[str]) -> str:
+        value = values.get(name.lower())
+        if value is None or value == "":
+            return default
+        if not isinstance(value, str) or value.lower() not in allowed:
+            raise ConfigError(
+                f'{_WHERE}: Backend "{name}" {value!r} is not known; use one of: '
+                f"{', '.join(allowed)}"
+            )
+        return value.lower()
+
+    port = integer("ListenPort", DEFAULT_LISTEN_PORT, 1, 65535)
+    port_v6 = integer("ListenPortV6", DEFAULT_LISTEN_PORT_V6, 1, 65535)
+    keepalive = integer("PersistentKeepaliveInterval", 0, 0, 65535)
+    mode = choice("Mode", "separate", MODES)
+    if mode == "ipv6":
+        raise ConfigError(
+            f'{_WHERE}: Backend "Mode" "ipv6" tunnels over an IPv6 underlay, which flannelpy '
+            'does not run yet; use "separate" (the default) or "ipv4"'
+        )
+    implementation = choice("Implementation", "auto", IMPLEMENTATIONS)
+    psk = values.get("psk")
+    if psk in (None, ""):
+        psk = None
+    elif not is_key(psk):
+        raise ConfigError(
+            f'{_WHERE}: Backend "PSK" must be a base64 WireGuard key (32 bytes), as '
+            "`wg genpsk` prints; write a new one or leave the key out"
+        )
+    return WireguardConfig(
+        listen_port=port, listen_port_v6=port_v6, psk=psk, keepalive=keepalive,
+        mode=mode,  # type: ignore[arg-type]
+        implementation=implementation,
+    )  # fmt: skip
+
+
+def overlay_mtu(underlay_mtu: int, underlay_is_ipv6: bool = False) -> int:
+    return underlay_mtu - (OVERHEAD_IPV6 if underlay_is_ipv6 else OVERHEAD_IPV4)
+
+
+def lease_public_key(lease: Lease) -> str | None:
+    """The peer's WireGuard public key, when its BackendData carries a valid one."""
+    key = (lease.attrs.backend_data or {}).get("PublicKey")
+    return key if is_key(key) else None
+
+
+def lease_port(lease: Lease, default: int) -> int:
+    """The peer's port; 0 or absent means ours, as Flannel does for older leases."""
+    port = (lease.attrs.backend_data or {}).get("Port")
+    if isinstance(port, int) and not isinstance(port, bool) and 0 < port <= 65535:
+        return port
+    return default
+
+
+def plan_device(
+    ctx: NodeContext,
+    config: WireguardConfig,
+    own: Sequence[Lease],
+    wireguard_peers: Sequence[Lease],
+    own_public_key: str | None,
+    mtu: int,
+) -> WgDeviceSpec:
+    """The device's desired state (pure): one WireGuard peer per public key, whose
+    allowed IPs are all that node's subnets (a node may hold several leases)."""
+    by_key: dict[str, list[Lease]] = {}
+    for lease in wireguard_peers:
+        key = lease_public_key(lease)
+        if key is None or key == own_public_key:
+            continue
+        by_key.setdefault(key, []).append(lease)
+    peers = set()
+    for key, leases in by_key.items():
+        leases.sort(key=lambda lease: lease.subnet)
+        first = leases[0]
+        peers.add(WgPeer(
+            public_key=key,
+            endpoint=(first.attrs.public_ip, lease_port(first, config.listen_port)),
+            allowed_ips=frozenset(lease.subnet for lease in leases),
+            keepalive=config.keepalive,
+            preshared_key=config.psk,
+        ))  # fmt: skip
+    first_own = min(own, key=lambda lease: lease.subnet, default=None)
+    address = IPv4Interface(f"{first_own.vtep_ip}/32") if first_own else None
+    return WgDeviceSpec(
+        name=DEVICE, listen_port=config.listen_port, mtu=mtu, address=address,
+        peers=frozenset(peers),
+    )  # fmt: skip
+
+
+def network_route(network: IPv4Network) -> Route:
+    """The route for the whole Network through the device, as Flannel adds it."""
+    return Route(dst=network, gateway=NO_GATEWAY, ifname=DEVICE)
+
+
+class DeviceSink(Protocol):
+    """Where the planned device goes (the device below, or a recorder in tests)."""
+
+    def set_desired(self, spec: WgDeviceSpec) -> None: ...
+
+
+class WireguardRuntime:
+    """This node's key and device, shared by every WireguardBackend of the process (a
+    live switch to wireguard builds a new backend; the key and device stay one).
+
+    ``key_file``: ``WIREGUARD_KEY_FILE`` when set (Flannel's variable), else
+    ``<state-dir>/wireguard.key``. Nothing on the host changes until the key or the
+    device is first needed."""
+
+    def __init__(
+        self, key_file: str, socket_dir: str, sink: DeviceSink | None = None,
+        implementation: str | None = None,
+        on_repair: Callable[[str, int], None] | None = None,
+        on_prepared: Callable[[str], None] | None = None,
+        on_unencrypted: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.key_file = key_file
+        self.socket_dir = socket_dir
+        self._sink = sink
+        self._on_repair = on_repair
+        self._on_prepared = on_prepared
+        self._on_unencrypted = on_unencrypted
+        self.implementation = implementation  # chosen by prepare(); None until then
+        self._private_key: str | None = None
+        self._lock = threading.Lock()
+        self.device: Any = None  # the WireguardDevice once started
+
+    def prepare(self, config: WireguardConfig) -> str:
+        """Choose kernel or userspace (refusing what cannot run) and load the key."""
+        from flannelpy.dataplane import wireguard as dp
+
+        with self._lock:
+            if self.implementation is None:
+                self.implementation = dp.choose_implementation(
+                    config.implementation, dp.kernel_module_available(), dp.find_wireguard_go()
+                )
+            if self._private_key is None:
+                self._private_key = dp.load_or_create_key(self.key_file)
+                log.info("wireguard implementation=%s key_file=%s public_key=%s",
+                         self.implementation, self.key_file,
+                         dp.public_key(self._private_key))  # fmt: skip
+                if self._on_prepared is not None:
+                    self._on_prepared(self.implementation)
+            return self.implementation
+
+    @property
+    def public_key(self) -> str:
+        from flannelpy.dataplane.wireguard import public_key
+
+        if self._private_key is None:
+            raise ConfigError("the WireGuard key is not loaded; the agent must prepare it first")
+        return public_key(self._private_key)
+
+    def set_desired(self, spec: WgDeviceSpec) -> None:
+        if self._sink is None:
+            from flannelpy.dataplane.wireguard import WireguardDevice
+
+            assert self._private_key is not None and self.implementation is not None
+            device = WireguardDevice(
+                spec.name, self._private_key, self.implementation,  # type: ignore[arg-type]
+                self.socket_dir, on_repair=self._on_repair,
+            )  # fmt: skip
+            self.device = device
+            self._sink = device
+        assert self._sink is not None
+        self._sink.set_desired(spec)
+
+    def report_unencrypted(self, count: int) -> None:
+        if self._on_unencrypted is not None:
+            self._on_unencrypted(count)
+
+    def stop(self) -> None:
+        if self.device is not None:
+            self.device.stop()
+
+
+def default_key_file(state_dir: str) -> str:
+    return os.environ.get("WIREGUARD_KEY_FILE") or os.path.join(state_dir, "wireguard.key")
+
+
+_runtime: WireguardRuntime | None = None
+
+
+def set_runtime(runtime: WireguardRuntime | None) -> None:
+    """Install the node's runtime (the composition root does, once per agent)."""
+    global _runtime
+    _runtime = runtime
+
+
+def current_runtime() -> WireguardRuntime | None:
+    return _runtime
+
+
+def get_runtime() -> WireguardRuntime:
+    if _runtime is None:
+        raise ConfigError("the wireguard backend has no device runtime; start it through the agent")
+    return _runtime
+
+
+class WireguardBackend:
+    type_name = "wireguard"
+
+    def __init__(self, runtime: WireguardRuntime | None = None) -> None:
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> WireguardRuntime:
+        return self._runtime or get_runtime()
+
+    def config(self, ctx: NodeContext) -> WireguardConfig:
+        return parse_wireguard_config(ctx.config.backend)
+
+    def mtu(self, ctx: NodeContext) -> int:
+        return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu)
+
+    def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
+        # The transition VTEP is ours too (the WireGuard device is the runtime's).
+        return (vxlan_device_name(ctx.config.backend.vni),)
+
+    def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
+        config = self.config(ctx)
+        self.runtime.prepare(config)
+        data: dict[str, Any] = {"PublicKey": self.runtime.public_key, "Port": config.listen_port}
+        if vtep_mac:
+            data.update({"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac})
+        return LeaseAttrs(
+            public_ip=ctx.public_ip,
+            backend_type=self.type_name,
+            backend_data=data,
+            node_name=ctx.node_name,
+            mtu=self.mtu(ctx),
+        )
+
+    def device_spec(
+        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease],
+        own_public_key: str | None,
+    ) -> WgDeviceSpec:  # fmt: skip
+        """The WireGuard device this node should have (pure)."""
+        return plan_device(ctx, self.config(ctx), own, wireguard_peers(ctx, own, peers),
+                           own_public_key, self.mtu(ctx))  # fmt: skip
+
+    def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
+        return node_needs_vtep(ctx, peers)
+
+    def plan(
+        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
+    ) -> DesiredState:
+        config = self.config(ctx)
+        link = vtep_link(ctx, vtep_mac) if vtep_mac else None
+        desired = plan_peers(ctx, own, peers, link)
+        # Without a runtime (the doctor judging a node) planning only computes.
+        runtime = self._runtime or current_runtime()
+        if runtime is not None:
+            runtime.prepare(config)
+            spec = self.device_spec(ctx, own, peers, runtime.public_key)
+            runtime.set_desired(spec)
+            runtime.report_unencrypted(unencrypted_peers(ctx, own, peers))
+        routes = set(desired.routes)
+        if ctx.config.network is not None:
+            routes.add(network_route(ctx.config.network))
+        return replace(desired, routes=frozenset(routes))
+
+
+def unencrypted_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> int:
+    """Peer nodes this wireguard node still reaches in plaintext (vxlan during a rollout):
+    zero once the switch is complete. Counted by node, not by lease."""
+    plain = {peer.attrs.public_ip for peer, path in _paths(ctx, own, peers)
+             if path in ("vxlan", "direct")}  # fmt: skip
+    return len(plain)
+
+
+def wireguard_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> list[Lease]:
+    """The peers the pair rule sends through WireGuard (both ends run it)."""
+    return [peer for peer, path in _paths(ctx, own, peers) if path == "wireguard"]
+
+
+def _paths(
+    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]
+) -> list[tuple[Lease, object]]:
+    # Our VTEP does not change whether a pair is wireguard; for vxlan, assume we have one.
+    caps: Capabilities = own_capabilities(ctx.config.backend, None)
+    caps = replace(caps, vni=ctx.config.backend.vni)
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    return [
+        (peer, choose_path(caps, peer_capabilities(peer, flanneld_dr),
+                           ctx.underlay.on_link(peer.attrs.public_ip)))
+        for peer in routable_peers(ctx, own, peers)
+    ]  # fmt: skip
+
+
+def backend_data_problem(data: Mapping[str, Any] | None) -> str | None:
+    """Why a wireguard lease's BackendData cannot be used, or None (for validation)."""
+    if not isinstance(data, Mapping) or not is_key(data.get("PublicKey")):
+        return "its BackendData has no valid WireGuard PublicKey"
+    return None

@@ -1,0 +1,349 @@
+"""The rollout's reads and writes in Kubernetes mode, over the API server.
+
+Where each thing lives (all bounded: one object per node, or one in all):
+
+- the network config: the ``net-conf.json`` key of the flannelpy ConfigMap (the
+  agents read it as the kubelet projects it);
+- a node's override: its Node's ``flannelpy.io/override`` annotation (what the agent
+  already follows, from the node watch it runs anyway);
+- a node's status: its Lease in the flannelpy namespace
+  (:mod:`flannelpy.subnet.kube.node_status`), which no agent watches;
+- the rollout record: the ``rollout.json`` key of the ConfigMap ``flannelpy-rollout``
+  in the same namespace, replaced only with its resourceVersion (a compare-and-swap,
+  as in etcd). Agents never read it: an override a rollout writes is checked against
+  the policy on the node, like any other.
+
+The cordon (:mod:`flannelpy.rollout.cordon`) patches the Node. The driver runs with
+the operator's credentials (their kubeconfig), not the agents' ServiceAccount.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes import client as kclient
+
+from flannelpy.config.netconf import NetworkConfig, parse_network_config
+from flannelpy.control.records import NodeOverride, NodeStatus
+from flannelpy.errors import ConfigError, StoreError
+from flannelpy.rollout.backends import rewrite_backend
+from flannelpy.rollout.cordon import cordon_patch, uncordon_patch
+from flannelpy.rollout.record import RolloutRecord
+from flannelpy.rollout.store import ConfigDoc, NodesSnapshot
+from flannelpy.subnet.kube import node as kn
+from flannelpy.subnet.kube.api import call, read_json, rv_number
+from flannelpy.subnet.kube.manager import OVERRIDE_ANNOTATION
+from flannelpy.subnet.kube.node_status import DEFAULT_NAMESPACE, NodeSummary, read_summaries
+from flannelpy.subnet.lease import Lease
+
+CONFIG_MAP = "kube-flannelpy-cfg"  # the manifests' ConfigMap and key
+NET_CONF_KEY = "net-conf.json"
+RECORD_CONFIG_MAP = "flannelpy-rollout"
+RECORD_KEY = "rollout.json"
+MERGE_PATCH = "application/merge-patch+json"
+TIMEOUT = (5.0, 15.0)
+CONFIG_PROPAGATION = 180.0  # seconds for every agent to read the new net-conf.json
+CAS_RETRIES = 5
+
+
+def _fresh_backend(summary: NodeSummary, backend: Mapping[str, Any]) -> bool:
+    return summary.config_backend is not None and dict(summary.config_backend) == json.loads(
+        json.dumps(dict(backend), sort_keys=True)
+    )
+
+
+def _read_or_none(what: str, get: Callable[[], Any]) -> dict[str, Any] | None:
+    """GET one object (``get`` passes ``_preload_content=False``) and decode it; None
+    when it does not exist, which every caller treats as its own answer (no record
+    yet, a node gone), unlike :func:`read_json` where a 404 is an error."""
+
+    def op() -> Any:
+        try:
+            return get()
+        except kclient.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    resp = call(f"get {what}", op)
+    if resp is None:
+        return None
+    try:
+        doc: dict[str, Any] = json.loads(resp.data)
+    except ValueError as e:
+        raise StoreError(f"{what}: not JSON ({e})") from e
+    finally:
+        resp.release_conn()
+    return doc
+
+
+class KubeRolloutStore:
+    def __init__(
+        self,
+        api_client: kclient.ApiClient,
+        annotation_prefix: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        config_map: str = CONFIG_MAP,
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = api_client
+        self._api = kclient.CoreV1Api(api_client)
+        self._keys = kn.annotation_keys(annotation_prefix)
+        self.namespace, self.config_map = namespace, config_map
+        self.record_key = f"ConfigMap {namespace}/{RECORD_CONFIG_MAP}"
+        self.config_key = f"ConfigMap {namespace}/{config_map} ({NET_CONF_KEY})"
+        self._sleep, self._monotonic = sleep, monotonic
+        self.summaries: dict[str, NodeSummary] = {}  # as last read
+
+    # -- reading ------------------------------------------------------------------
+
+    def _config_map(self, name: str) -> dict[str, Any] | None:
+        return _read_or_none(
+            f"configmap {self.namespace}/{name}",
+            lambda: self._api.read_namespaced_config_map(
+                name, self.namespace, _preload_content=False, _request_timeout=TIMEOUT
+            ),
+        )
+
+    def read_config(self) -> ConfigDoc:
+        cm = self._config_map(self.config_map)
+        text = ((cm or {}).get("data") or {}).get(NET_CONF_KEY)
+        if not isinstance(text, str):
+            raise ConfigError(f"{self.config_key} is missing; apply manifests/ (or give "
+                              "--kube-namespace / --kube-config-map)")  # fmt: skip
+        assert cm is not None
+        try:
+            config = parse_network_config(text)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in {self.config_key})") from e
+        return ConfigDoc(text.encode(), rv_number(kn.resource_version(cm)), config)
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        doc = read_json("list nodes", lambda: self._api.list_node(
+            _preload_content=False, _request_timeout=TIMEOUT))  # fmt: skip
+        return [n for n in doc.get("items") or [] if isinstance(n, dict)]
+
+    def read_node_objects(self) -> dict[str, dict[str, Any]]:
+        return {kn.node_name(n): n for n in self._nodes()}
+
+    def read_nodes(self) -> NodesSnapshot:
+        snap = NodesSnapshot()
+        nodes = self.read_node_objects()
+        for name, node in nodes.items():
+            raw = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
+            if raw:
+                try:
+                    snap.overrides[name] = NodeOverride.from_json(raw)
+                except ValueError as e:
+                    snap.errors[f"node {name} annotation {OVERRIDE_ANNOTATION}"] = str(e)
+        summaries, errors = read_summaries(self._client, self.namespace)
+        snap.errors.update(errors)
+        self.summaries = {}
+        for name, summary in summaries.items():
+            if name not in nodes:
+                continue  # a Lease outliving its Node: not a node to roll out
+            try:
+                status = NodeStatus.from_json(summary.status_json)
+            except ValueError as e:
+                snap.errors[f"lease {name}/status"] = str(e)
+                continue
+            if status.node != name:
+                snap.errors[f"lease {name}/status"] = f"holds the status of {status.node!r}"
+                continue
+            snap.statuses[name] = status
+            self.summaries[name] = summary
+        return snap
+
+    def read_leases(self) -> list[Lease]:
+        """Every Node's lease as its annotations make it (flanneld's nodes included)."""
+        config = self.read_config().config
+        leases = []
+        for node in self._nodes():
+            try:
+                lease = kn.node_to_lease(node, self._keys, config)
+            except ValueError:
+                continue  # the agents report it
+            if lease is not None:
+                leases.append(lease)
+        return leases
+
+    def read_record(self) -> tuple[RolloutRecord | None, int]:
+        cm = self._config_map(RECORD_CONFIG_MAP)
+        if cm is None:
+            return None, 0
+        raw = (cm.get("data") or {}).get(RECORD_KEY)
+        revision = rv_number(kn.resource_version(cm))
+        if not raw:
+            return None, revision
+        try:
+            return RolloutRecord.from_json(raw), revision
+        except ValueError as e:
+            raise StoreError(f"{e} ({self.record_key}); if no rollout is running, delete the "
+                             "ConfigMap") from e  # fmt: skip
+
+    # -- writing ------------------------------------------------------------------
+
+    def put_record(self, record: RolloutRecord, mod_revision: int) -> int | None:
+        """Write the record if its ConfigMap still has ``mod_revision`` (0: none); the new
+        revision, or None when someone else wrote it first."""
+        body: Any = {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": RECORD_CONFIG_MAP, "namespace": self.namespace,
+                         "labels": {"app.kubernetes.io/name": "flannelpy"}},
+            "data": {RECORD_KEY: record.to_json()},
+        }  # fmt: skip
+        if mod_revision:
+            body["metadata"]["resourceVersion"] = str(mod_revision)
+
+        def write() -> Any:
+            try:
+                if mod_revision:
+                    return self._api.replace_namespaced_config_map(
+                        RECORD_CONFIG_MAP, self.namespace, body, _preload_content=False,
+                        _request_timeout=TIMEOUT)  # fmt: skip
+                return self._api.create_namespaced_config_map(
+                    self.namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
+            except kclient.ApiException as e:
+                if e.status in (409, 404):  # changed, created or removed meanwhile
+                    return None
+                raise
+
+        resp = call(f"write {self.record_key}", write)
+        if resp is None:
+            return None
+        try:
+            return rv_number(kn.resource_version(json.loads(resp.data))) or 1
+        finally:
+            resp.release_conn()
+
+    def _node(self, name: str) -> dict[str, Any] | None:
+        return _read_or_none(
+            f"node {name}",
+            lambda: self._api.read_node(name, _preload_content=False, _request_timeout=TIMEOUT),
+        )
+
+    def _patch_node(self, name: str, patch: Mapping[str, Any]) -> bool:
+        """Merge-patch a Node; False on a conflict (the patch named an older
+        resourceVersion)."""
+        body: Any = dict(patch)
+
+        def op() -> bool:
+            try:
+                resp: Any = self._api.patch_node(name, body, _content_type=MERGE_PATCH,
+                                            _preload_content=False, _request_timeout=TIMEOUT)
+            except kclient.ApiException as e:
+                if e.status == 409:
+                    return False
+                raise
+            resp.read()
+            resp.release_conn()
+            return True
+
+        return call(f"patch node {name}", op)
+
+    def write_override(self, node: str, override: NodeOverride) -> None:
+        self._patch_node(node, {"metadata": {"annotations": {
+            OVERRIDE_ANNOTATION: override.to_json()}}})  # fmt: skip
+
+    def delete_override(self, node: str, generation: int | None = None) -> bool:
+        """Remove ``node``'s override (only while it has ``generation``, when given);
+        False when there is none. The patch carries the Node's resourceVersion, so an
+        override written meanwhile is not removed unseen."""
+        for _ in range(CAS_RETRIES):
+            obj = self._node(node)
+            raw = kn.node_annotations(obj).get(OVERRIDE_ANNOTATION) if obj else None
+            if not raw or obj is None:
+                return False
+            if generation is not None:
+                try:
+                    if NodeOverride.from_json(raw).generation != generation:
+                        return False
+                except ValueError:
+                    return False
+            patch = {"metadata": {"annotations": {OVERRIDE_ANNOTATION: None},
+                                  "resourceVersion": kn.resource_version(obj)}}  # fmt: skip
+            if self._patch_node(node, patch):
+                return True
+        raise StoreError(f"node {node}'s override kept changing while being deleted; run the "
+                         "command again")  # fmt: skip
+
+    def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig:
+        """Put ``backend`` into the ConfigMap's net-conf.json (every other key as written,
+        compare-and-swapped), then wait until every node's status says its agent reads it:
+        only then may the overrides go, or a node would fall back to the old Backend."""
+        written = self._swap_config(backend)
+        deadline = self._monotonic() + CONFIG_PROPAGATION
+        while True:
+            self.read_nodes()
+            behind = sorted(n for n, s in self.summaries.items()
+                            if not _fresh_backend(s, backend))  # fmt: skip
+            if not behind:
+                return written
+            if self._monotonic() > deadline:
+                raise StoreError(
+                    f"{', '.join(behind)} still read{'s' if len(behind) == 1 else ''} the old "
+                    f"net-conf.json {CONFIG_PROPAGATION:g} s after {self.config_key} changed; "
+                    "once the kubelet updates it there, run flannelpy rollout resume"
+                )
+            self._sleep(1.0)
+
+    def _swap_config(self, backend: Mapping[str, Any]) -> NetworkConfig:
+        for _ in range(CAS_RETRIES):
+            doc = self.read_config()
+            data, config, changed = rewrite_backend(doc.raw, backend)
+            if not changed:
+                return config  # already there (a resumed step)
+            patch = {"metadata": {"resourceVersion": str(doc.mod_revision)},
+                     "data": {NET_CONF_KEY: data}}  # fmt: skip
+            body: Any = patch
+
+            def op(body: Any = body) -> bool:
+                try:
+                    resp: Any = self._api.patch_namespaced_config_map(
+                        self.config_map, self.namespace, body, _content_type=MERGE_PATCH,
+                        _preload_content=False, _request_timeout=TIMEOUT)  # fmt: skip
+                except kclient.ApiException as e:
+                    if e.status == 409:
+                        return False
+                    raise
+                resp.read()
+                resp.release_conn()
+                return True
+
+            if call(f"patch {self.config_key}", op):
+                return config
+        raise StoreError(f"{self.config_key} kept changing while the rollout wrote its "
+                         "Backend; run flannelpy rollout resume")  # fmt: skip
+
+    # -- the cordon ------------------------------------------------------------------
+
+    def cordon(self, node: str, rollout: str) -> bool:
+        """Cordon ``node`` and take it out of external load balancers; False when this
+        rollout (or one before, unfinished) already had."""
+        obj = self._node(node)
+        if obj is None:
+            raise StoreError(f"node {node} is gone; it cannot be cordoned")
+        try:
+            patch = cordon_patch(obj, rollout)
+        except ValueError as e:
+            raise StoreError(f"node {node}: {e}") from e
+        if patch is None:
+            return False
+        return self._patch_node(node, patch)
+
+    def uncordon(self, node: str) -> bool:
+        """Undo what a rollout's cordon set on ``node``; False when there was nothing."""
+        obj = self._node(node)
+        if obj is None:
+            return False
+        try:
+            patch = uncordon_patch(obj)
+        except ValueError as e:
+            raise StoreError(f"node {node}: {e}") from e
+        if patch is None:
+            return False
+        return self._patch_node(node, patch)
