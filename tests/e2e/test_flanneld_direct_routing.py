@@ -113,8 +113,8 @@ def test_every_pod_pair_reaches_under_strict_rp_filter(dr_lab: tuple[Lab, bool])
 def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
     dr_lab: tuple[Lab, bool],
 ) -> None:
-    """A lease of a backend we do not speak, from an address on our segment: a plain
-    route would send its pods' traffic unencrypted; ours report it instead."""
+    """A wireguard lease from an address on our segment, while our nodes run vxlan: a
+    plain route would send its pods' traffic unencrypted; ours report it instead."""
     from pathlib import Path
 
     from flannelpy.subnet.keys import lease_key
@@ -143,14 +143,14 @@ def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
         for node in ("n1", "n2"):
             routes = lab.exec(node, ["ip", "-4", "route", "show", str(subnet)]).stdout
             assert routes.strip() == "", f"{node} routes the wireguard peer: {routes}"
-            assert "it runs the wireguard backend" in reasons()[node]
+            assert "one node runs wireguard and the other neither runs it" in reasons()[node]
         # The doctor, run beside n1's agent, names it too.
         doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "10.244.200.0/24 (100.64.0.99) cannot be reached" in doctor.stdout, (
             doctor.stdout + doctor.stderr
         )
-        assert "it runs the wireguard backend" in doctor.stdout
+        assert "one node runs wireguard and the other neither runs it" in doctor.stdout
     finally:
         store.delete_if_mod_revision(key, revision)
         store.close()
