@@ -80,6 +80,20 @@ def _read_or_none(what: str, get: Callable[[], Any]) -> dict[str, Any] | None:
     return doc
 
 
+def _unless_conflict(send: Callable[[], Any]) -> bool:
+    """Send one write; False when the server answers 409 Conflict (the body named an
+    older resourceVersion), so the caller re-reads and tries again."""
+    try:
+        resp = send()
+    except kclient.ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+    resp.read()
+    resp.release_conn()
+    return True
+
+
 class KubeRolloutStore:
     def __init__(
         self,
@@ -230,20 +244,9 @@ class KubeRolloutStore:
         """Merge-patch a Node; False on a conflict (the patch named an older
         resourceVersion)."""
         body: Any = dict(patch)
-
-        def op() -> bool:
-            try:
-                resp: Any = self._api.patch_node(name, body, _content_type=MERGE_PATCH,
-                                            _preload_content=False, _request_timeout=TIMEOUT)
-            except kclient.ApiException as e:
-                if e.status == 409:
-                    return False
-                raise
-            resp.read()
-            resp.release_conn()
-            return True
-
-        return call(f"patch node {name}", op)
+        return call(f"patch node {name}", lambda: _unless_conflict(
+            lambda: self._api.patch_node(name, body, _content_type=MERGE_PATCH,
+                                         _preload_content=False, _request_timeout=TIMEOUT)))
 
     def write_override(self, node: str, override: NodeOverride) -> None:
         self._patch_node(node, {"metadata": {"annotations": {
@@ -302,17 +305,9 @@ class KubeRolloutStore:
             body: Any = patch
 
             def op(body: Any = body) -> bool:
-                try:
-                    resp: Any = self._api.patch_namespaced_config_map(
-                        self.config_map, self.namespace, body, _content_type=MERGE_PATCH,
-                        _preload_content=False, _request_timeout=TIMEOUT)  # fmt: skip
-                except kclient.ApiException as e:
-                    if e.status == 409:
-                        return False
-                    raise
-                resp.read()
-                resp.release_conn()
-                return True
+                return _unless_conflict(lambda: self._api.patch_namespaced_config_map(
+                    self.config_map, self.namespace, body, _content_type=MERGE_PATCH,
+                    _preload_content=False, _request_timeout=TIMEOUT))
 
             if call(f"patch {self.config_key}", op):
                 return config
