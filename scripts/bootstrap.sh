@@ -13,7 +13,8 @@ APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containerne
               debootstrap  # the Debian 12 bases of the flannelpy image (scripts/build-images.sh)
               prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
               wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
-              tcpdump)  # the wireguard test captures the underlay to see it carries no plaintext
+              tcpdump  # the wireguard test captures the underlay to see it carries no plaintext
+              iperf3)  # bench/throughput.py measures pod-to-pod TCP throughput with it
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -64,7 +64,7 @@ class Capacity:
         self.on_low_free = on_low_free  # runs in a CNI request's thread: only enqueues
         self.clocks = clocks
         self._empty_since: dict[IPv4Network, float] = {}
-        self._ipam_view: tuple[tuple[IPv4Network, ...], ...] = ()
+        self._ipam_view: tuple[tuple[IPv4Network | IPv6Network, ...], ...] = ()
         self._v6_view: tuple[IPv6Network | None, ...] = ()
 
     def serves(self, lease: Lease) -> bool:
@@ -80,8 +80,9 @@ class Capacity:
         if again:
             self._ipam_view = ()
         own = self.state.own
-        subnets = [lease.subnet for lease in own]
-        serving = [lease.subnet for lease in own if self.serves(lease)]
+        # Each lease by its IPv4 subnet (an IPv6-only one by its IPv6 subnet).
+        subnets = [lease.primary_subnet for lease in own]
+        serving = [lease.primary_subnet for lease in own if self.serves(lease)]
         view = (tuple(subnets), tuple(serving))
         if view == self._ipam_view and not self._v6_changed(own):
             return
@@ -107,8 +108,10 @@ class Capacity:
         self.counts.capacity_checked()
         self.state.capacity_due = False
         self.sync_ipam()
-        if self.kube_mode:
-            return  # the controller-manager owns pod CIDRs: one lease, its podCIDR
+        if self.kube_mode or self.state.config.network is None:
+            # The controller-manager owns pod CIDRs: one lease, its podCIDR; IPv6-only,
+            # warm capacity is off (it is IPv4-only).
+            return
         usage = self.pods.ipam.usage()
         now = self.clocks.wall()
         self._empty_since = update_empty_since(usage, self._empty_since, now)
@@ -160,6 +163,8 @@ class Capacity:
 
     def _pool_metrics(self) -> None:
         s = self.state
+        if s.config.network is None:
+            return  # IPv6-only: no pools
         self.metrics.pool_utilisation(
             {c.pool.network: c.utilisation
              for c in pool_capacity(s.config, s.pools, list(s.leases.values()))}
@@ -167,10 +172,13 @@ class Capacity:
 
 
 def _with_v6(
-    own: list[Lease], subnets: list[IPv4Network]
+    own: list[Lease], subnets: list[IPv4Network | IPv6Network]
 ) -> list[IPv4Network | IPv6Network]:
-    """``subnets`` (IPv4, in order) each followed by its lease's IPv6 subnet, if any."""
-    v6_of = {lease.subnet: lease.ipv6_subnet for lease in own}
+    """``subnets`` (by lease, in order) each followed by its lease's IPv6 subnet, if any
+    (an IPv6-only lease's is the subnet itself)."""
+    v6_of: dict[IPv4Network | IPv6Network, IPv6Network | None] = {
+        lease.subnet: lease.ipv6_subnet for lease in own if lease.subnet is not None
+    }
     out: list[IPv4Network | IPv6Network] = []
     for net in subnets:
         out.append(net)

@@ -84,11 +84,9 @@ def build_agent(
         applied = load_applied(settings.state_dir)
         if applied is not None:
             config = wanted_config(json.dumps(config.raw).encode(), applied)
-        if not config.enable_ipv4 or config.network is None:
-            raise ConfigError(
-                "net-conf.json: EnableIPv4 is false, and flannelpy runs IPv4 or dual stack "
-                "(not IPv6-only yet); set EnableIPv4 true with a Network"
-            )
+        ipv6_only = not config.enable_ipv4 or config.network is None
+        if ipv6_only:
+            _check_ipv6_only(config, kube is not None)
         if config.backend_defaulted:
             raise ConfigError(NO_BACKEND)
         backend = get_backend(config.backend.type)
@@ -99,15 +97,18 @@ def build_agent(
         # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
         # flanneld (it also picks the interface when no --iface is given).
         public_ip = (kube.node_public_ip() if kube else None) or settings.public_ip
-        underlay = kernel.find_underlay(
-            settings.iface, settings.iface_regex,
-            _ip_or_none(settings.iface_can_reach), public_ip,
-        )  # fmt: skip
+        if ipv6_only:
+            underlay = kernel.find_underlay(settings.iface, settings.iface_regex, ipv6_only=True)
+        else:
+            underlay = kernel.find_underlay(
+                settings.iface, settings.iface_regex,
+                _ip_or_none(settings.iface_can_reach), public_ip,
+            )  # fmt: skip
         public_ipv6 = _public_ipv6(config, settings, underlay, kube)
         ctx = NodeContext(
             config=config,
             underlay=underlay,
-            public_ip=public_ip or underlay.ip,
+            public_ip=None if ipv6_only else (public_ip or underlay.ip),
             public_ipv6=public_ipv6,
             node_name=kube.node_name if kube else node_name_default(settings),
             blackhole_own_subnets=settings.ip_blackhole_route,
@@ -116,20 +117,22 @@ def build_agent(
         ours = {*_all_backend_devices(ctx), "cni0"}
         # Routes a Flannel that ran here before left for its peers are ours to take over
         # (dataplane.adopt), not an overlap.
-        shape = FlannelRouteShape(
-            config.network, config.subnet_len, _all_backend_devices(ctx)[0], underlay.name
-        )
-        foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
-        check_no_overlap(config.network, foreign, settings.allow_overlap)
-        if hasattr(kernel, "adopt"):  # the netlink adapter; test fakes own nothing to adopt
-            kernel.adopt = shape
+        # The overlap check and the take-over read IPv4 routes: nothing to do IPv6-only.
+        if config.network is not None:
+            shape = FlannelRouteShape(
+                config.network, config.subnet_len, _all_backend_devices(ctx)[0], underlay.name
+            )
+            foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
+            check_no_overlap(config.network, foreign, settings.allow_overlap)
+            if hasattr(kernel, "adopt"):  # the netlink adapter; test fakes own nothing to adopt
+                kernel.adopt = shape
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
             vtep_mac = load_vtep_mac(
                 kernel, settings.state_dir, backend.device_names(ctx)[0],
                 advertised=kube.own_vtep_mac() if kube else None,
             )  # fmt: skip
-        if config.enable_ipv6:
+        if config.enable_ipv6 and not ipv6_only:
             log.info(
                 "dual stack: address pools beyond Network, the warm-capacity count, the "
                 "rollout's verification and wireguard stay IPv4-only for now"
@@ -145,7 +148,9 @@ def build_agent(
 
     capacity = parse_capacity(config.raw)
     pools = None
-    if opened.etcd is not None:
+    if ipv6_only:
+        pass  # _check_ipv6_only refused the IPv4-only features: no pools, no warm capacity
+    elif opened.etcd is not None:
         pools = PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
     elif capacity.max_leases_per_node > 1:
         log.warning("MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
@@ -191,6 +196,32 @@ def build_agent(
             link_stats=_link_stats,
         )
     )
+
+
+IPV6_ONLY_BACKENDS = ("vxlan", "host-gw")
+
+
+def _check_ipv6_only(config: NetworkConfig, kube: bool) -> None:
+    """IPv6-only mode (EnableIPv4 false) runs vxlan and host-gw in etcd mode, without
+    the features that stay IPv4-only: refuse the rest with one sentence each."""
+    if kube:
+        raise ConfigError(
+            "net-conf.json: IPv6-only (EnableIPv4 false) runs in etcd mode only for now; "
+            "use --etcd-endpoints, or enable IPv4 with a Network"
+        )
+    if config.backend.type not in IPV6_ONLY_BACKENDS:
+        raise ConfigError(
+            f"net-conf.json: IPv6-only (EnableIPv4 false) runs the vxlan and host-gw "
+            f"backends, not {config.backend.type}; choose one of them or enable IPv4"
+        )
+    capacity = parse_capacity(config.raw)
+    if capacity.max_leases_per_node > 1 or capacity.min_free_addresses:
+        raise ConfigError(
+            "net-conf.json: MaxLeasesPerNode and MinFreeAddresses (warm capacity) are "
+            "IPv4-only; remove them for IPv6-only (EnableIPv4 false)"
+        )
+    log.info("IPv6-only: address pools, warm capacity and the rollout's verification "
+             "are IPv4-only and stay off")  # fmt: skip
 
 
 def _public_ipv6(
@@ -410,22 +441,24 @@ def _firewall_factory(
             assert nft is not None
             nft_fw = nft
             postrtg = None
-            if settings.ip_masq:
-                random_fully = nft_fw.random_fully and not settings.ip_masq_fully_random_disable
+            random_fully = nft_fw.random_fully and not settings.ip_masq_fully_random_disable
+            if settings.ip_masq and networks:  # IPv6-only: no IPv4 table
                 postrtg = nft_rules.masq_rules(networks, subnets, random_fully)
             postrtg6 = None
             if settings.ip_masq and networks6:
                 postrtg6 = nft_rules.masq_rules(networks6, subnets6, random_fully)
             forward_chain = forward_chain6 = None
             if settings.iptables_forward_rules:
-                forward_chain = nft_rules.forward_rules(networks)
+                if networks:
+                    forward_chain = nft_rules.forward_rules(networks)
                 if networks6:
                     forward_chain6 = nft_rules.forward_rules(networks6)
             desired = nft_rules.NftRules(postrtg, forward_chain, postrtg6, forward_chain6)
             steps.append(lambda: nft_fw.sync(desired))
         else:
             assert firewall is not None
-            steps.extend(iptables_steps(firewall, networks, subnets))
+            if networks:  # IPv6-only: ip6tables alone
+                steps.extend(iptables_steps(firewall, networks, subnets))
         if networks6 and firewall6 is not None and not nftables:
             steps.extend(iptables_steps(firewall6, networks6, subnets6))
 

@@ -29,7 +29,7 @@ class FirewallRules:
         """Build the rule set for the current pools and leases (when they changed)."""
         s = self.state
         own = s.own_subnets()
-        if self.factory is None or not own:
+        if self.factory is None or not s.own:
             return
         networks = [pool.network for pool in s.pools]
         if s.config.network is not None and s.config.network not in networks:

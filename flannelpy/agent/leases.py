@@ -15,8 +15,10 @@ from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.agent.state import Clocks, NodeState
 from flannelpy.agent.vtep import VtepMac
+from flannelpy.backend.base import is_own_address
 from flannelpy.errors import StoreError
 from flannelpy.observe.metrics import AgentMetrics
+from flannelpy.subnet.choose import same_public_address
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool
@@ -62,7 +64,7 @@ class OwnLeases:
         """The pools to lease from; None (the config's Network alone, Flannel's way)
         while no pool beyond the primary exists and the primary is untagged."""
         pools = self.state.pools
-        if len(pools) == 1 and pools[0].primary and not pools[0].tags:
+        if not pools or (len(pools) == 1 and pools[0].primary and not pools[0].tags):
             return None
         return pools
 
@@ -74,7 +76,7 @@ class OwnLeases:
             attrs, previous, self.pools_for_leasing(), self.cluster,
             previous_ipv6_subnet=previous_v6,
         )  # fmt: skip
-        self.metrics.lease(lease.subnet, lease.expiration)
+        self.metrics.lease(lease.primary_subnet, lease.expiration)
         log.info(
             "lease acquired subnet=%s ipv6_subnet=%s public_ip=%s public_ipv6=%s backend=%s",
             lease.subnet, lease.ipv6_subnet, attrs.public_ip, attrs.public_ipv6,
@@ -88,7 +90,7 @@ class OwnLeases:
         lost = False
         for lease in self.state.own:
             current = leases.get(lease.key)
-            if current is None or current.attrs.public_ip != lease.attrs.public_ip:
+            if current is None or not same_public_address(current.attrs, lease.attrs):
                 lost = True
         return lost
 
@@ -96,7 +98,7 @@ class OwnLeases:
         """A lease advertising our address under our name (or no name): ours from an
         earlier run, e.g. a second lease the node held before a restart."""
         ctx = self.state.ctx
-        return lease.attrs.public_ip == ctx.public_ip and lease.attrs.node_name in (
+        return is_own_address(ctx, lease) and lease.attrs.node_name in (
             None, ctx.node_name,
         )  # fmt: skip
 
@@ -117,10 +119,10 @@ class OwnLeases:
                             key, why.reason, why.detail)  # fmt: skip
                 continue
             found.append(lease)
-        found.sort(key=lambda x: x.subnet)
+        found.sort(key=lambda x: x.order)
         s.own.extend(found)
         for lease in found:
-            self.metrics.lease(lease.subnet, lease.expiration)
+            self.metrics.lease(lease.primary_subnet, lease.expiration)
             log.info("kept a lease this node already held subnet=%s", lease.subnet)
         return found
 
@@ -144,7 +146,7 @@ class OwnLeases:
                 self.state.own = [new, *(x for x in self.state.own[1:] if x.key != new.key)]
                 if new.subnet != lease.subnet:
                     log.warning("lease changed old=%s new=%s", lease.subnet, new.subnet)
-                    self.metrics.drop_lease(lease.subnet)
+                    self.metrics.drop_lease(lease.primary_subnet)
                     moved_from = lease.subnet
                 continue
             log.warning("own lease disappeared from the store; re-creating subnet=%s",
@@ -162,15 +164,15 @@ class OwnLeases:
 
     def add(self, lease: Lease) -> None:
         self.state.own.append(lease)
-        self.metrics.lease(lease.subnet, lease.expiration)
+        self.metrics.lease(lease.primary_subnet, lease.expiration)
 
     def replace(self, renewed: Lease) -> None:
         self.state.own = [renewed if x.key == renewed.key else x for x in self.state.own]
-        self.metrics.lease(renewed.subnet, renewed.expiration)
+        self.metrics.lease(renewed.primary_subnet, renewed.expiration)
 
     def forget(self, lease: Lease) -> None:
         self.state.own = [x for x in self.state.own if x.key != lease.key]
-        self.metrics.drop_lease(lease.subnet)
+        self.metrics.drop_lease(lease.primary_subnet)
 
     def renew_due(self) -> None:
         """Renew every lease whose renewal is due, always the current version (the

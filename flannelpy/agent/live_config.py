@@ -24,6 +24,7 @@ from flannelpy.agent.state import Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, backend_doc
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
+from flannelpy.backend.wireguard import retire_unless
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
@@ -127,8 +128,8 @@ class LiveConfig:
         try:
             wanted = wanted_config(snap.config, snap.override)
             backend = get_backend(wanted.backend.type)
-            if wanted.network is None:
-                raise ConfigError("Network is required (IPv6-only is not supported yet)")
+            if (wanted.network is None) != (s.config.network is None):
+                raise ConfigError("EnableIPv4 or Network changed; restart the agent to apply it")
             if (wanted.enable_ipv6, wanted.ipv6_network) != (
                 s.config.enable_ipv6, s.config.ipv6_network,
             ):  # fmt: skip
@@ -167,8 +168,8 @@ class LiveConfig:
 
     def _take_pools(self, snap: ControlSnapshot) -> None:
         """Pool records and warm-capacity settings apply at once (never disruptive)."""
-        if self.settings.kube_subnet_mgr:
-            return
+        if self.settings.kube_subnet_mgr or self.state.config.network is None:
+            return  # IPv6-only: pools and warm capacity are IPv4-only
         s = self.state
         pools, ignored = records_to_pools(s.config, snap.pools, self.settings.etcd_prefix)
         for problem in ignored:
@@ -249,6 +250,7 @@ class LiveConfig:
         s = self.state
         self.planner.replan()
         result = self.reconciler.reconcile_once("config change")
+        retire_unless(s.backend.type_name)  # wireguard-go and its device, once unused
         if not self.leases.rewrite_attrs():
             s.attrs_dirty = True
             raise StoreError("could not advertise the new backend on our lease; retrying")

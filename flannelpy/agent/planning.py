@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from ipaddress import IPv4Address, IPv4Network, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
@@ -51,8 +51,9 @@ def probe_peers(
     that family), so the per-interval budget counts both."""
     out: dict[str, tuple[IPv4Address | IPv6Address, str]] = {}
     for p in peers:
-        label = p.attrs.node_name or str(p.attrs.public_ip)
-        out[str(p.subnet)] = (p.gateway, label)
+        label = p.attrs.node_name or str(p.attrs.public_ip or p.attrs.public_ipv6)
+        if p.subnet is not None and p.gateway is not None:
+            out[str(p.subnet)] = (p.gateway, label)
         target6 = probe_target6(p) if ipv6 else None
         if target6 is not None:
             out[str(p.ipv6_subnet)] = (target6, label)
@@ -70,7 +71,8 @@ class Planner:
         self.prober: Prober | None = None  # set once it runs
         # Lease values the manager could not parse (it logs them): counted and shown here.
         self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
-        self._said_unknown_mtu: set[IPv4Network] = set()  # peers logged as MTU unknown
+        # Peers logged as MTU unknown.
+        self._said_unknown_mtu: set[IPv4Network | IPv6Network] = set()
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
         """Hand the prober the current peers: each lease's IPv4 overlay address (its
@@ -116,7 +118,7 @@ class Planner:
             own=tuple(s.own_subnets()),
             host=tuple(ctx.underlay.networks),
             public_ip=ctx.public_ip,
-            host_ips=(ctx.underlay.ip,),
+            host_ips=(ctx.underlay.ip,) if ctx.underlay.ip is not None else (),
             ipv6_networks=(s.config.ipv6_network,) if s.config.ipv6_network is not None else (),
             own6=tuple(x.ipv6_subnet for x in s.own if x.ipv6_subnet is not None),
             host6=tuple(ctx.underlay.networks6),
@@ -146,7 +148,7 @@ class Planner:
         s = self.state
         report = mtu_mismatches(s.mtu, list(peers))
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
-            backend_of = {p.subnet: p.attrs.backend_type for p in peers}
+            backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
             mixed = [p for p in report.mismatched
                      if backend_of.get(p.subnet) != s.backend.type_name]  # fmt: skip
             for peer in report.mismatched:

@@ -76,7 +76,7 @@ class NodeState:
         return [p for k, p in self.leases.items() if k not in own_keys and k not in self.rejected]
 
     def own_subnets(self) -> list[IPv4Network]:
-        return [lease.subnet for lease in self.own]
+        return [lease.subnet for lease in self.own if lease.subnet is not None]
 
     def view(self) -> AgentView:
         return AgentView(

@@ -240,12 +240,13 @@ def write_node_subnet_env(
 ) -> None:
     """Flannel's subnet.env names one subnet: our first lease that takes new pods."""
     own = state.own
-    assert own and state.config.network is not None
+    assert own
     lease = next((x for x in own if serves(x)), own[0])
     v6 = lease.ipv6_subnet if state.config.enable_ipv6 else None
-    env = SubnetEnv(
-        network=state.config.network,
-        subnet=IPv4Interface(f"{lease.gateway}/{lease.subnet.prefixlen}"),
+    v4 = lease.subnet if state.config.network is not None else None
+    env = SubnetEnv(  # IPv6-only: no FLANNEL_NETWORK / FLANNEL_SUBNET, as Flannel writes it
+        network=state.config.network if v4 is not None else None,
+        subnet=IPv4Interface(f"{lease.gateway}/{v4.prefixlen}") if v4 is not None else None,
         mtu=state.mtu,
         ipmasq=settings.ip_masq,
         ipv6_network=state.config.ipv6_network if v6 is not None else None,

@@ -18,6 +18,7 @@ import queue
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.agent.capacity import Capacity
@@ -98,10 +99,14 @@ class AgentParts:
     ticker: bool = True  # False in tests, which put their own Tick events
 
 
+def _primary_pool(network: IPv4Network | None) -> list[Pool]:
+    """The config's Network as the one pool; none IPv6-only (pools are IPv4-only)."""
+    return [Pool(network, primary=True)] if network is not None else []
+
+
 class Writer:
     def __init__(self, parts: AgentParts, beats: Heartbeats) -> None:
         settings, metrics, clocks = parts.settings, parts.metrics, parts.clocks
-        assert parts.ctx.config.network is not None  # compose refuses a config without it
         self.settings = settings
         self.metrics = metrics
         self.clocks = clocks
@@ -111,7 +116,7 @@ class Writer:
         self.state = s = NodeState(
             backend=parts.backend,
             ctx=parts.ctx,
-            pools=list(parts.pools or [Pool(parts.ctx.config.network, primary=True)]),
+            pools=list(parts.pools or _primary_pool(parts.ctx.config.network)),
             capacity=parts.capacity or CapacitySettings(),
             known_devices=set(parts.backend.device_names(parts.ctx)),
             applied_generation=parts.applied_generation,

@@ -42,7 +42,8 @@ class NodeContext:
 
     config: NetworkConfig
     underlay: UnderlayInterface
-    public_ip: IPv4Address  # advertised to peers; the underlay address unless --public-ip
+    # Advertised to peers; the underlay address unless --public-ip. None IPv6-only.
+    public_ip: IPv4Address | None
     node_name: str
     # Dual stack: advertised as PublicIPv6; the underlay's global IPv6 unless --public-ipv6.
     public_ipv6: IPv6Address | None = None
@@ -77,8 +78,15 @@ class Backend(Protocol):
 def node_needs_vtep(ctx: NodeContext, peers: Sequence[Lease]) -> bool:
     """:func:`~flannelpy.backend.paths.needs_vtep` for this node among ``peers``."""
     # A lease advertising our own address is a stale one of ours, not a peer.
-    others = [peer for peer in peers if peer.attrs.public_ip != ctx.public_ip]
+    others = [peer for peer in peers if not is_own_address(ctx, peer)]
     return needs_vtep(ctx.config.backend, others)
+
+
+def is_own_address(ctx: NodeContext, lease: Lease) -> bool:
+    """Does ``lease`` advertise this node's address (IPv4, or IPv6 when IPv6-only)?"""
+    if ctx.public_ip is not None:
+        return lease.attrs.public_ip == ctx.public_ip
+    return ctx.public_ipv6 is not None and lease.attrs.public_ipv6 == ctx.public_ipv6
 
 
 def vxlan_link(
@@ -106,12 +114,16 @@ def routable_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease
     A peer lease that advertises our own address is a stale lease of this node
     (re-created, or left by a previous run); routing to it would loop.
     """
-    own_nets = [lease.subnet for lease in own]
+    own_nets = [net for lease in own for net in lease.subnets]
     return [
         peer
         for peer in peers
-        if peer.attrs.public_ip != ctx.public_ip
-        and not any(peer.subnet.overlaps(net) for net in own_nets)
+        if not is_own_address(ctx, peer)
+        and not any(
+            mine.version == theirs.version and theirs.overlaps(mine)  # type: ignore[arg-type]
+            for theirs in peer.subnets
+            for mine in own_nets
+        )
     ]
 
 
@@ -143,7 +155,9 @@ def plan_peers(
     fdb: set[FdbEntry] = set()
     unreachable: set[Unreachable] = set()
     for peer in routable_peers(ctx, own, peers):
-        ip = peer.attrs.public_ip
+        ip, subnet, vtep_ip = peer.attrs.public_ip, peer.subnet, peer.vtep_ip
+        if ip is None or subnet is None or vtep_ip is None or not ctx.config.enable_ipv4:
+            continue  # an IPv6-only peer or node: the path is backend.ipv6's
         on_link = ctx.underlay.on_link(ip)
         peer_caps = peer_capabilities(peer, flanneld_direct_routing)
         path = choose_path(caps, peer_caps, on_link)
@@ -152,21 +166,21 @@ def plan_peers(
             where = (f"on a subnet of {ctx.underlay.name}" if on_link
                      else f"not on a subnet of {ctx.underlay.name} ({networks})")
             unreachable.add(Unreachable(
-                subnet=peer.subnet, public_ip=ip,
+                subnet=subnet, public_ip=ip,
                 reason=f"no path to peer {ip}, which is {where}: {path.reason}",
             ))
         elif path == "wireguard":
             continue  # the WireGuard device's peer (backend.wireguard), under its one route
         elif path == "direct":
-            routes.add(Route(dst=peer.subnet, gateway=ip, ifname=ctx.underlay.name))
+            routes.add(Route(dst=subnet, gateway=ip, ifname=ctx.underlay.name))
         else:
             # choose_path answers vxlan only when both ends have a VTEP (a peer's needs its MAC).
             assert link is not None and peer_caps.vtep_mac is not None
-            neighbours.add(Neighbour(link.name, peer.vtep_ip, peer_caps.vtep_mac))
+            neighbours.add(Neighbour(link.name, vtep_ip, peer_caps.vtep_mac))
             fdb.add(FdbEntry(link.name, peer_caps.vtep_mac, ip))
-            routes.add(Route(dst=peer.subnet, gateway=peer.vtep_ip, ifname=link.name, onlink=True))
+            routes.add(Route(dst=subnet, gateway=vtep_ip, ifname=link.name, onlink=True))
     if ctx.blackhole_own_subnets:
-        routes.update(blackhole_route(lease.subnet) for lease in own)
+        routes.update(blackhole_route(lease.subnet) for lease in own if lease.subnet is not None)
     links = [link] if link else []
     return DesiredState(
         links=frozenset(links),
@@ -174,6 +188,7 @@ def plan_peers(
             Address(dev.name, IPv4Interface(f"{lease.vtep_ip}/32"))
             for dev in links
             for lease in own
+            if lease.vtep_ip is not None
         ),
         routes=frozenset(routes),
         neighbours=frozenset(neighbours),

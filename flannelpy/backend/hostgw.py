@@ -41,7 +41,10 @@ class HostGwBackend:
         return (device_name(vni), ipv6.device_name_v6(vni))
 
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
-        data = {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac} if vtep_mac else None
+        data = (
+            {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
+            if vtep_mac and ctx.config.enable_ipv4 else None
+        )
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,

@@ -47,14 +47,20 @@ def vtep_mtu(ctx: NodeContext) -> int:
 
 
 def overlay_mtu(ctx: NodeContext) -> int:
-    """What pods get: one MTU for both families, so the smaller one in dual stack."""
+    """What pods get: one MTU for both families, so the smaller one in dual stack
+    (IPv6-only: the IPv6 VTEP's)."""
+    if not ctx.config.enable_ipv4:
+        return ipv6.vtep6_mtu(ctx)
     if ipv6.enabled(ctx):
         return min(vtep_mtu(ctx), ipv6.vtep6_mtu(ctx))
     return vtep_mtu(ctx)
 
 
-def vtep_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink:
-    """The VTEP device, the same under vxlan and (during a transition) under host-gw."""
+def vtep_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink | None:
+    """The IPv4 VTEP device, the same under vxlan and (during a transition) under
+    host-gw; None IPv6-only (no IPv4 underlay address)."""
+    if not ctx.config.enable_ipv4 or ctx.underlay.ip is None:
+        return None
     return vxlan_link(
         ctx, device_name(ctx.config.backend.vni), ctx.underlay.ip, vtep_mtu(ctx), vtep_mac
     )
@@ -74,7 +80,11 @@ class VxlanBackend:
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
-            backend_data={"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac},
+            # IPv6-only: the IPv4 VTEP does not exist; BackendV6Data carries the MAC.
+            backend_data=(
+                {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
+                if ctx.config.enable_ipv4 else None
+            ),
             public_ipv6=ctx.public_ipv6 if ipv6.enabled(ctx) else None,
             backend_v6_data=ipv6.backend_v6_data(ctx, vtep_mac),
             node_name=ctx.node_name,

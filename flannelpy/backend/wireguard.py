@@ -12,6 +12,13 @@ that VTEP, as host-gw nodes do, so the pair talks vxlan until both ends run
 wireguard (the rule is in :mod:`flannelpy.backend.paths`). flanneld ignores the
 extra keys.
 
+Dual stack (``EnableIPv6``), ``Mode`` separate as Flannel: a second device
+``flannel-wg-v6`` on ``ListenPortV6`` with the same key, one peer per node at
+``[PublicIPv6]:Port`` of its BackendV6Data (Flannel's ``{"PublicKey", "Port"}``), its
+IPv6 subnets as allowed IPs, our IPv6 lease's network address /128 on it and the
+``IPv6Network`` routed through it. The other modes (one device for both families) are
+refused with dual stack; the pods' MTU is the smaller of the two devices'.
+
 Options (``Backend`` of net-conf.json, Flannel's names): ``ListenPort``,
 ``ListenPortV6``, ``PSK`` (base64, as ``wg genpsk``), ``PersistentKeepaliveInterval``
 (seconds), ``Mode`` (separate, auto, ipv4, ipv6), ``MTU``; ours:
@@ -32,9 +39,17 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+)
 from typing import Any, Literal, Protocol
 
+from flannelpy.backend import ipv6
 from flannelpy.backend.base import NodeContext, node_needs_vtep, plan_peers, routable_peers
 from flannelpy.backend.paths import (
     Capabilities,
@@ -45,7 +60,7 @@ from flannelpy.backend.paths import (
 from flannelpy.backend.vxlan import device_name as vxlan_device_name
 from flannelpy.backend.vxlan import vtep_link
 from flannelpy.config.netconf import BackendConfig, fold_keys
-from flannelpy.dataplane.state import DesiredState, Route
+from flannelpy.dataplane.state import DesiredState, Route, blackhole_route
 from flannelpy.dataplane.uapi import WgPeer
 from flannelpy.dataplane.wireguard import WgDeviceSpec, is_key
 from flannelpy.errors import ConfigError
@@ -62,6 +77,9 @@ OVERHEAD_IPV6 = 80  # the same over a 40-byte IPv6 header (Flannel uses 80 for b
 MODES = ("separate", "auto", "ipv4", "ipv6")
 IMPLEMENTATIONS = ("auto", "kernel", "userspace")
 NO_GATEWAY = IPv4Address(0)
+# After a live switch away: how long the device still receives from peers that have not
+# seen our new lease yet (the lease watch delivers in well under a second).
+RETIRE_AFTER_SECONDS = 5.0
 _WHERE = "net-conf.json"
 
 Mode = Literal["separate", "auto", "ipv4", "ipv6"]
@@ -141,7 +159,12 @@ def lease_public_key(lease: Lease) -> str | None:
 
 def lease_port(lease: Lease, default: int) -> int:
     """The peer's port; 0 or absent means ours, as Flannel does for older leases."""
-    port = (lease.attrs.backend_data or {}).get("Port")
+    return backend_data_port(lease.attrs.backend_data, default)
+
+
+def backend_data_port(data: Mapping[str, Any] | None, default: int) -> int:
+    """``Port`` of a lease's BackendData or BackendV6Data, else ``default``."""
+    port = (data or {}).get("Port")
     if isinstance(port, int) and not isinstance(port, bool) and 0 < port <= 65535:
         return port
     return default
@@ -158,23 +181,28 @@ def plan_device(
     """The device's desired state (pure): one WireGuard peer per public key, whose
     allowed IPs are all that node's subnets (a node may hold several leases)."""
     by_key: dict[str, list[Lease]] = {}
+    own = [lease for lease in own if lease.subnet is not None]  # wireguard is IPv4-only
     for lease in wireguard_peers:
+        if lease.subnet is None or lease.attrs.public_ip is None:
+            continue
         key = lease_public_key(lease)
         if key is None or key == own_public_key:
             continue
         by_key.setdefault(key, []).append(lease)
     peers = set()
     for key, leases in by_key.items():
-        leases.sort(key=lambda lease: lease.subnet)
+        leases.sort(key=lambda lease: lease.order)
         first = leases[0]
+        first_ip = first.attrs.public_ip
+        assert first_ip is not None  # IPv4-only leases were kept above
         peers.add(WgPeer(
             public_key=key,
-            endpoint=(first.attrs.public_ip, lease_port(first, config.listen_port)),
-            allowed_ips=frozenset(lease.subnet for lease in leases),
+            endpoint=(first_ip, lease_port(first, config.listen_port)),
+            allowed_ips=frozenset(lease.subnet for lease in leases if lease.subnet is not None),
             keepalive=config.keepalive,
             preshared_key=config.psk,
         ))  # fmt: skip
-    first_own = min(own, key=lambda lease: lease.subnet, default=None)
+    first_own = min(own, key=lambda lease: lease.order, default=None)
     address = IPv4Interface(f"{first_own.vtep_ip}/32") if first_own else None
     return WgDeviceSpec(
         name=DEVICE, listen_port=config.listen_port, mtu=mtu, address=address,
@@ -185,6 +213,57 @@ def plan_device(
 def network_route(network: IPv4Network) -> Route:
     """The route for the whole Network through the device, as Flannel adds it."""
     return Route(dst=network, gateway=NO_GATEWAY, ifname=DEVICE)
+
+
+def network_route_v6(network: IPv6Network) -> Route:
+    """The route for the whole IPv6Network through ``flannel-wg-v6`` (Mode separate)."""
+    return Route(dst=network, gateway=IPv6Address(0), ifname=DEVICE_V6)
+
+
+def lease_public_key_v6(lease: Lease) -> str | None:
+    """The peer's public key for IPv6: BackendV6Data's (Flannel writes the same key)."""
+    key = (lease.attrs.backend_v6_data or {}).get("PublicKey")
+    return key if is_key(key) else None
+
+
+def plan_device_v6(
+    config: WireguardConfig,
+    own: Sequence[Lease],
+    wireguard_peers: Sequence[Lease],
+    own_public_key: str | None,
+    mtu: int,
+) -> WgDeviceSpec:
+    """``flannel-wg-v6`` (pure): one peer per IPv6 public key, at ``[PublicIPv6]:Port`` of
+    its BackendV6Data, with its IPv6 subnets as allowed IPs; our IPv6 lease's network
+    address /128 on it, as Flannel's ``ConfigureV6``."""
+    by_key: dict[str, list[Lease]] = {}
+    for lease in wireguard_peers:
+        key = lease_public_key_v6(lease)
+        if key is None or key == own_public_key or lease.ipv6_subnet is None:
+            continue
+        if lease.attrs.public_ipv6 is None:
+            continue
+        by_key.setdefault(key, []).append(lease)
+    peers = set()
+    for key, leases in by_key.items():
+        leases.sort(key=lambda lease: lease.order)
+        first = leases[0]
+        assert first.attrs.public_ipv6 is not None
+        port = backend_data_port(first.attrs.backend_v6_data, config.listen_port_v6)
+        peers.add(WgPeer(
+            public_key=key,
+            endpoint=(first.attrs.public_ipv6, port),
+            allowed_ips=frozenset(lease.ipv6_subnet for lease in leases
+                                  if lease.ipv6_subnet is not None),
+            keepalive=config.keepalive,
+            preshared_key=config.psk,
+        ))  # fmt: skip
+    own6 = sorted(lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None)
+    address = IPv6Interface(f"{own6[0].network_address}/128") if own6 else None
+    return WgDeviceSpec(
+        name=DEVICE_V6, listen_port=config.listen_port_v6, mtu=mtu, address=address,
+        peers=frozenset(peers),
+    )  # fmt: skip
 
 
 class DeviceSink(Protocol):
@@ -218,6 +297,8 @@ class WireguardRuntime:
         self._private_key: str | None = None
         self._lock = threading.Lock()
         self.device: Any = None  # the WireguardDevice once started
+        self.device_v6: Any = None  # flannel-wg-v6's, on a dual-stack node (Mode separate)
+        self._retiring = 0  # bumped by every use and every retire: a stale timer does nothing
 
     def prepare(self, config: WireguardConfig) -> str:
         """Choose kernel or userspace (refusing what cannot run) and load the key."""
@@ -246,6 +327,10 @@ class WireguardRuntime:
         return public_key(self._private_key)
 
     def set_desired(self, spec: WgDeviceSpec) -> None:
+        if spec.name == DEVICE_V6:
+            return self._set_desired_v6(spec)
+        with self._lock:
+            self._retiring += 1  # in use again: a pending retire is off
         if self._sink is None:
             from flannelpy.dataplane.wireguard import WireguardDevice
 
@@ -259,6 +344,21 @@ class WireguardRuntime:
         assert self._sink is not None
         self._sink.set_desired(spec)
 
+    def _set_desired_v6(self, spec: WgDeviceSpec) -> None:
+        """The IPv6 device: a second wireguard-go (or kernel device) with the same key."""
+        if self._sink is not None and self.device is None:  # a recorder (tests) takes both
+            self._sink.set_desired(spec)
+            return
+        if self.device_v6 is None:
+            from flannelpy.dataplane.wireguard import WireguardDevice
+
+            assert self._private_key is not None and self.implementation is not None
+            self.device_v6 = WireguardDevice(
+                spec.name, self._private_key, self.implementation,  # type: ignore[arg-type]
+                self.socket_dir, on_repair=self._on_repair,
+            )  # fmt: skip
+        self.device_v6.set_desired(spec)
+
     def report_unencrypted(self, count: int) -> None:
         if self._on_unencrypted is not None:
             self._on_unencrypted(count)
@@ -266,6 +366,41 @@ class WireguardRuntime:
     def stop(self) -> None:
         if self.device is not None:
             self.device.stop()
+        if self.device_v6 is not None:
+            self.device_v6.stop()
+
+    def retire(self, after: float = RETIRE_AFTER_SECONDS) -> threading.Timer | None:
+        """The node switched to another backend: stop wireguard-go and delete the device
+        ``after`` seconds from now, unless wireguard is planned again before. The device
+        keeps its peers meanwhile (make-before-break): peers still on wireguard send
+        through it until they see our new lease and move the pair to vxlan."""
+        with self._lock:
+            if self.device is None and self.device_v6 is None:
+                return None
+            self._retiring += 1
+            ticket = self._retiring
+        timer = threading.Timer(after, self._retire, args=(ticket,))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _retire(self, ticket: int) -> None:
+        with self._lock:
+            devices = [d for d in (self.device, self.device_v6) if d is not None]
+            if ticket != self._retiring or not devices:
+                return
+            if self._sink is self.device:
+                self._sink = None
+            self.device = self.device_v6 = None
+        for device in devices:
+            log.info("wireguard no longer used; removing device=%s", device.name)
+            device.stop()
+
+
+def retire_unless(backend_type: str) -> None:
+    """After a backend switch: the WireGuard device goes unless the node runs wireguard."""
+    if backend_type != WireguardBackend.type_name and _runtime is not None:
+        _runtime.retire()
 
 
 def default_key_file(state_dir: str) -> str:
@@ -305,7 +440,15 @@ class WireguardBackend:
         return parse_wireguard_config(ctx.config.backend)
 
     def mtu(self, ctx: NodeContext) -> int:
+        """The pods' MTU: dual stack takes the smaller of the two devices'."""
+        v4 = self.device_mtu(ctx)
+        return min(v4, self.device_mtu_v6(ctx)) if ipv6.enabled(ctx) else v4
+
+    def device_mtu(self, ctx: NodeContext) -> int:
         return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu)
+
+    def device_mtu_v6(self, ctx: NodeContext) -> int:
+        return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu, underlay_is_ipv6=True)
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
         # The transition VTEP is ours too (the WireGuard device is the runtime's).
@@ -317,12 +460,25 @@ class WireguardBackend:
         data: dict[str, Any] = {"PublicKey": self.runtime.public_key, "Port": config.listen_port}
         if vtep_mac:
             data.update({"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac})
+        v6 = ipv6.enabled(ctx)
+        if v6 and config.mode != "separate":
+            raise ConfigError(
+                f'{_WHERE}: Backend "Mode" "{config.mode}" carries IPv6 inside flannel-wg, '
+                'which flannelpy does not do yet; use "separate" (the default) for dual stack'
+            )
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
             backend_data=data,
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
+            public_ipv6=ctx.public_ipv6 if v6 else None,
+            # Flannel's BackendV6Data for wireguard: the same key, the IPv6 port.
+            backend_v6_data=(
+                {"PublicKey": self.runtime.public_key, "Port": config.listen_port_v6}
+                if v6
+                else None
+            ),
         )
 
     def device_spec(
@@ -331,7 +487,7 @@ class WireguardBackend:
     ) -> WgDeviceSpec:  # fmt: skip
         """The WireGuard device this node should have (pure)."""
         return plan_device(ctx, self.config(ctx), own, wireguard_peers(ctx, own, peers),
-                           own_public_key, self.mtu(ctx))  # fmt: skip
+                           own_public_key, self.device_mtu(ctx))  # fmt: skip
 
     def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
         return node_needs_vtep(ctx, peers)
@@ -348,11 +504,29 @@ class WireguardBackend:
             runtime.prepare(config)
             spec = self.device_spec(ctx, own, peers, runtime.public_key)
             runtime.set_desired(spec)
+            if ipv6.enabled(ctx):
+                runtime.set_desired(plan_device_v6(
+                    config, own, wireguard_peers(ctx, own, peers), runtime.public_key,
+                    self.device_mtu_v6(ctx),
+                ))  # fmt: skip
             runtime.report_unencrypted(unencrypted_peers(ctx, own, peers))
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
+        routes |= plan_routes_v6(ctx, own)
         return replace(desired, routes=frozenset(routes))
+
+
+def plan_routes_v6(ctx: NodeContext, own: Sequence[Lease]) -> set[Route]:
+    """Dual stack: the IPv6Network through flannel-wg-v6 and, with --ip-blackhole-route,
+    our own IPv6 subnets' blackholes (pure)."""
+    if not ipv6.enabled(ctx) or ctx.config.ipv6_network is None:
+        return set()
+    routes = {network_route_v6(ctx.config.ipv6_network)}
+    if ctx.blackhole_own_subnets:
+        routes |= {blackhole_route(lease.ipv6_subnet) for lease in own
+                   if lease.ipv6_subnet is not None}  # fmt: skip
+    return routes
 
 
 def unencrypted_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> int:
@@ -377,8 +551,9 @@ def _paths(
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     return [
         (peer, choose_path(caps, peer_capabilities(peer, flanneld_dr),
-                           ctx.underlay.on_link(peer.attrs.public_ip)))
+                           ctx.underlay.on_link(ip)))
         for peer in routable_peers(ctx, own, peers)
+        if (ip := peer.attrs.public_ip) is not None  # IPv6-only peers: backend.ipv6
     ]  # fmt: skip
 
 

@@ -44,9 +44,12 @@ class Kernel(Protocol):
         iface_regexes: Iterable[str] = (),
         can_reach: IPv4Address | None = None,
         public_ip: IPv4Address | None = None,
+        ipv6_only: bool = False,
     ) -> UnderlayInterface:
         """Flannel's interface choice: explicit names, then regexes, then the route to
-        ``can_reach``, else the default route's interface. Raises InterfaceNotFound."""
+        ``can_reach``, else the default route's interface. Raises InterfaceNotFound.
+        ``ipv6_only``: by --iface/--iface-regex only, an interface with a global IPv6
+        address (see :func:`~flannelpy.dataplane.underlay.choose_underlay_v6`)."""
         ...
 
     def survey(self, ignore_devices: Iterable[str]) -> list[ForeignRoute]:

@@ -55,7 +55,7 @@ from flannelpy.dataplane.state import (
     UnderlayInterface,
     VxlanLink,
 )
-from flannelpy.dataplane.underlay import Interface, choose_underlay
+from flannelpy.dataplane.underlay import Interface, choose_underlay, choose_underlay_v6
 from flannelpy.errors import DataplaneError
 
 log = logging.getLogger(__name__)
@@ -171,9 +171,12 @@ class NetlinkKernel:
         iface_regexes: Iterable[str] = (),
         can_reach: IPv4Address | None = None,
         public_ip: IPv4Address | None = None,
+        ipv6_only: bool = False,
     ) -> UnderlayInterface:
         with nl.NetlinkSocket(strict=True) as sock:
             interfaces = self._interfaces(sock)
+            if ipv6_only:
+                return choose_underlay_v6(interfaces, tuple(ifaces), tuple(iface_regexes))
             reach_route = None
             if can_reach is not None:
                 row = nl.route_get(sock, can_reach)

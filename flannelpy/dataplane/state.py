@@ -184,7 +184,9 @@ class UnderlayInterface:
 
     name: str
     index: int
-    ip: IPv4Address  # the interface's own address: the vxlan local address (--public-ip may differ)
+    # The interface's own IPv4 address: the vxlan local address (--public-ip may differ);
+    # None in IPv6-only mode.
+    ip: IPv4Address | None
     networks: tuple[IPv4Network, ...]  # subnets directly connected on this interface
     mtu: int
     # The interface's first global IPv6 address (the IPv6 vxlan local address) and its

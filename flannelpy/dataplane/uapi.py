@@ -14,7 +14,7 @@ import binascii
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network, ip_address, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 
 from flannelpy.errors import DataplaneError
 
@@ -28,8 +28,8 @@ class WgPeer:
     """One peer as configured on a device. Keys are base64, as leases and ``wg`` show them."""
 
     public_key: str
-    endpoint: tuple[IPv4Address, int] | None
-    allowed_ips: frozenset[IPv4Network]
+    endpoint: tuple[IPv4Address | IPv6Address, int] | None
+    allowed_ips: frozenset[IPv4Network | IPv6Network]
     keepalive: int = 0  # seconds; 0 is off
     preshared_key: str | None = None
 
@@ -70,18 +70,24 @@ def format_set(
         psk = key_to_hex(peer.preshared_key) if peer.preshared_key else ZERO_KEY_HEX
         lines.append(f"preshared_key={psk}")
         if peer.endpoint is not None:
-            lines.append(f"endpoint={peer.endpoint[0]}:{peer.endpoint[1]}")
+            host = peer.endpoint[0]
+            host_text = f"[{host}]" if host.version == 6 else str(host)
+            lines.append(f"endpoint={host_text}:{peer.endpoint[1]}")
         lines.append(f"persistent_keepalive_interval={peer.keepalive}")
         lines.append("replace_allowed_ips=true")
-        lines += [f"allowed_ip={net}" for net in sorted(peer.allowed_ips)]
+        lines += [f"allowed_ip={net}" for net in sorted(peer.allowed_ips, key=_net_order)]
     return ("\n".join(lines) + "\n\n").encode()
+
+
+def _net_order(net: IPv4Network | IPv6Network) -> tuple[int, IPv4Network | IPv6Network]:
+    return (net.version, net)
 
 
 @dataclass
 class _PeerBuilder:
     public_key: str
-    endpoint: tuple[IPv4Address, int] | None = None
-    allowed: list[IPv4Network] = field(default_factory=list)
+    endpoint: tuple[IPv4Address | IPv6Address, int] | None = None
+    allowed: list[IPv4Network | IPv6Network] = field(default_factory=list)
     keepalive: int = 0
     psk: str | None = None
 
@@ -91,8 +97,9 @@ class _PeerBuilder:
 
 
 def parse_get(text: str) -> WgDeviceConfig:
-    """The answer to ``get=1``: the device's key, port and peers (IPv4 allowed IPs only;
-    an IPv6 one is not ours). Raises DataplaneError on an error answer or a bad line."""
+    """The answer to ``get=1``: the device's key, port and peers (either family: the
+    IPv6 device ``flannel-wg-v6`` has IPv6 endpoints and allowed IPs). Raises
+    DataplaneError on an error answer or a bad line."""
     private_key: str | None = None
     listen_port = 0
     peers: list[_PeerBuilder] = []
@@ -114,15 +121,11 @@ def parse_get(text: str) -> WgDeviceConfig:
                 peers[-1].psk = None if value == ZERO_KEY_HEX else hex_to_key(value)
             elif key == "endpoint":
                 host, _, port = value.rpartition(":")
-                addr = ip_address(host.strip("[]"))
-                if isinstance(addr, IPv4Address):
-                    peers[-1].endpoint = (addr, int(port))
+                peers[-1].endpoint = (ip_address(host.strip("[]")), int(port))
             elif key == "persistent_keepalive_interval":
                 peers[-1].keepalive = int(value)
             elif key == "allowed_ip":
-                net = ip_network(value, strict=False)
-                if isinstance(net, IPv4Network):
-                    peers[-1].allowed.append(net)
+                peers[-1].allowed.append(ip_network(value, strict=False))
     except (ValueError, binascii.Error) as e:
         raise DataplaneError(f"unreadable answer from the WireGuard device: {e}") from e
     built = [peer.build() for peer in peers]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv6Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface
 
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import InterfaceNotFound
@@ -39,7 +39,7 @@ def global_ipv6(iface: Interface) -> IPv6Interface | None:
 
 
 def _underlay(
-    iface: Interface, ip: IPv4Address, public_ip: IPv4Address | None
+    iface: Interface, ip: IPv4Address | None, public_ip: IPv4Address | None
 ) -> UnderlayInterface:
     networks = tuple(dict.fromkeys(a.network for a in iface.addresses))
     v6 = global_ipv6(iface)
@@ -76,16 +76,20 @@ def _match_explicit(
     return f"no interface has address {spec}" if wanted else ""
 
 
-def _match_regex(
-    pattern: str, interfaces: Sequence[Interface]
-) -> tuple[Interface, IPv4Address] | None:
-    """Flannel's order: the regex is tried against every IPv4 address, then every name."""
+def _compile_iface_regex(pattern: str) -> re.Pattern[str]:
     try:
-        regex = re.compile(pattern)
+        return re.compile(pattern)
     except re.error as e:
         raise InterfaceNotFound(
             f"--iface-regex {pattern!r} is not a valid regular expression: {e}"
         ) from e
+
+
+def _match_regex(
+    pattern: str, interfaces: Sequence[Interface]
+) -> tuple[Interface, IPv4Address] | None:
+    """Flannel's order: the regex is tried against every IPv4 address, then every name."""
+    regex = _compile_iface_regex(pattern)
     for iface in interfaces:
         for addr in iface.addresses:
             if regex.search(str(addr.ip)):
@@ -160,4 +164,38 @@ def _choose_explicit(
     why = f" ({'; '.join(reasons)})" if reasons else ""
     raise InterfaceNotFound(
         f"no interface matches {' or '.join(asked)}{why}; the node has {_names(interfaces)}"
+    )
+
+
+def choose_underlay_v6(
+    interfaces: Sequence[Interface],
+    ifaces: Sequence[str] = (),
+    iface_regexes: Sequence[str] = (),
+    default_oif6: int | None = None,
+) -> UnderlayInterface:
+    """The IPv6-only choice: ``--iface`` (a name or an IPv6 address), ``--iface-regex``
+    (against names), else the IPv6 default route's device; the interface needs a
+    global IPv6 address, and has no IPv4 one to use (``ip`` is None)."""
+    candidates: list[Interface] = []
+    for spec in ifaces:
+        try:
+            wanted: IPv6Address | None = IPv6Address(spec)
+        except ValueError:
+            wanted = None
+        candidates += [i for i in interfaces if i.name == spec
+                       or (wanted is not None and any(a.ip == wanted for a in i.addresses6))]
+    for pattern in iface_regexes:
+        regex = _compile_iface_regex(pattern)
+        candidates += [i for i in interfaces if regex.search(i.name)]
+    if not ifaces and not iface_regexes:
+        candidates = [i for i in interfaces if i.index == default_oif6]
+    for iface in candidates:
+        if global_ipv6(iface) is not None:
+            return _underlay(iface, None, None)
+    raise InterfaceNotFound(
+        "IPv6-only: no interface with a global IPv6 address matches "
+        + (" or ".join([f"--iface {s}" for s in ifaces]
+                       + [f"--iface-regex {p}" for p in iface_regexes])
+           or "the IPv6 default route")
+        + f"; pass --iface with one of {_names(interfaces)}"
     )

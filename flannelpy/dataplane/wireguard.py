@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from ipaddress import IPv4Interface
+from ipaddress import IPv4Interface, IPv6Interface
 from typing import Any, Literal, Protocol
 
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, format_set, uapi_get, uapi_set
@@ -151,7 +151,8 @@ class WgDeviceSpec:
     name: str
     listen_port: int
     mtu: int
-    address: IPv4Interface | None  # our lease's network address /32, as Flannel's
+    # our lease's network address /32 (/128 on flannel-wg-v6), as Flannel's
+    address: IPv4Interface | IPv6Interface | None
     peers: frozenset[WgPeer] = frozenset()
 
 
@@ -254,8 +255,10 @@ class PyrouteLink:
                 if link.get_attr("IFLA_MTU") != spec.mtu:
                     ipr.link("set", index=index, mtu=spec.mtu)
                 if spec.address is not None:
+                    family = 10 if spec.address.version == 6 else 2  # AF_INET6, AF_INET
                     have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"])
-                            for a in ipr.get_addr(index=index, family=2)}  # fmt: skip
+                            for a in ipr.get_addr(index=index, family=family)
+                            if a["scope"] == 0}  # fmt: skip  # not a link-local one
                     want = (str(spec.address.ip), spec.address.network.prefixlen)
                     for addr, plen in have - {want}:
                         ipr.addr("del", index=index, address=addr, prefixlen=plen)
@@ -329,7 +332,7 @@ class KernelConfigurator:
                 for peer in changes.set:
                     spec: dict[str, Any] = {
                         "public_key": peer.public_key,
-                        "allowed_ips": [str(n) for n in sorted(peer.allowed_ips)],
+                        "allowed_ips": sorted(str(n) for n in peer.allowed_ips),
                         "persistent_keepalive": peer.keepalive,
                     }
                     if peer.endpoint is not None:
@@ -347,20 +350,18 @@ def _b64(value: Any) -> str:
 
 
 def _kernel_peer(msg: Any) -> WgPeer | None:
-    from ipaddress import IPv4Address, IPv4Network, ip_network
+    from ipaddress import ip_address, ip_network
 
     key = msg.get_attr("WGPEER_A_PUBLIC_KEY")
     if not key:
         return None
     allowed = set()
     for a in msg.get_attr("WGPEER_A_ALLOWEDIPS") or []:
-        net = ip_network(a.get_attr("WGALLOWEDIP_A_IPADDR") or "0.0.0.0/0", strict=False)
-        if isinstance(net, IPv4Network):
-            allowed.add(net)
+        allowed.add(ip_network(a.get_attr("WGALLOWEDIP_A_IPADDR") or "0.0.0.0/0", strict=False))
     endpoint = msg.get_attr("WGPEER_A_ENDPOINT")
     ep = None
-    if isinstance(endpoint, dict) and endpoint.get("family") == 2:
-        ep = (IPv4Address(endpoint["addr"]), int(endpoint["port"]))
+    if isinstance(endpoint, dict) and endpoint.get("family") in (2, 10):
+        ep = (ip_address(endpoint["addr"]), int(endpoint["port"]))
     psk = msg.get_attr("WGPEER_A_PRESHARED_KEY")
     psk_s = _b64(psk) if psk else None
     if psk_s is not None and base64.b64decode(psk_s) == bytes(32):

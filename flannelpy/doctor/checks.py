@@ -349,7 +349,7 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
 def _peer_mtus(plan: Plan, report: mtu_check.MtuReport) -> list[Finding]:
     if report.consistent:
         return []
-    by_subnet = {lease.subnet: lease for lease in plan.peers}
+    by_subnet = {lease.primary_subnet: lease for lease in plan.peers}
     names = [peer_name(by_subnet[p.subnet]) for p in report.mismatched]
     lines = [f"{name} {p.advertised}" for name, p in zip(names, report.mismatched, strict=True)]
     return [

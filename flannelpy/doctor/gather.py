@@ -204,10 +204,11 @@ def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:
     kernel = NetlinkKernel()
     vni = (facts.config.backend if facts.config else BackendConfig()).vni
     device = device_name(vni)
+    devices = vtep_devices(vni)
     try:
         links = read_links()
-        observed = kernel.observe([device], [device])
-        foreign = kernel.survey({device, BRIDGE, "flannel-wg", "flannel-wg-v6"})
+        observed = kernel.observe(devices, devices)
+        foreign = kernel.survey({*devices, BRIDGE, "flannel-wg", "flannel-wg-v6"})
         vtep_mac = kernel.link_mac(device)
     except (DataplaneError, OSError) as e:
         return {"kernel_error": str(e)}
@@ -225,6 +226,15 @@ def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:
     except DataplaneError as e:
         found["underlay_error"] = str(e)
     return found
+
+
+def vtep_devices(vni: int) -> tuple[str, ...]:
+    """The VTEPs whose addresses, neighbours and FDB entries the doctor reads: IPv4's
+    and IPv6's (dual stack and IPv6-only put the IPv6 peers on ``flannel-v6.<VNI>``)."""
+    from flannelpy.backend.ipv6 import device_name_v6
+    from flannelpy.backend.vxlan import device_name
+
+    return (device_name(vni), device_name_v6(vni))
 
 
 def read_links() -> list[LinkInfo]:

@@ -98,7 +98,7 @@ def _addr(a: Any) -> str:
 
 def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> list[Finding]:
     by_subnet: dict[IPv4Network | IPv6Network, Lease] = {
-        lease.subnet: lease for lease in plan.peers
+        lease.primary_subnet: lease for lease in plan.peers
     }
     by_subnet.update({x.ipv6_subnet: x for x in plan.peers if x.ipv6_subnet is not None})
     present = {route.dst for route in observed.routes}
@@ -147,10 +147,12 @@ def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> li
 
 
 def _entry_findings(plan: Plan, changes: Changes) -> list[Finding]:
-    by_vtep: dict[IPv4Address | IPv6Address, Lease] = {x.vtep_ip: x for x in plan.peers}
+    by_vtep: dict[IPv4Address | IPv6Address, Lease] = {
+        x.vtep_ip: x for x in plan.peers if x.vtep_ip is not None
+    }
     by_vtep.update({x.vtep_ip6: x for x in plan.peers if x.vtep_ip6 is not None})
     by_public: dict[IPv4Address | IPv6Address, Lease] = {
-        x.attrs.public_ip: x for x in plan.peers
+        x.attrs.public_ip: x for x in plan.peers if x.attrs.public_ip is not None
     }
     by_public.update({x.attrs.public_ipv6: x for x in plan.peers if x.attrs.public_ipv6})
 
@@ -201,7 +203,8 @@ def firewall_rules(facts: NodeFacts, plan: Plan) -> list[Rule]:
         forward = facts.settings.iptables_forward_rules
     rules: list[Rule] = []
     if masq:
-        rules += masq_rules(networks, [x.subnet for x in plan.own_all], facts.random_fully)
+        own4 = [x.subnet for x in plan.own_all if x.subnet is not None]
+        rules += masq_rules(networks, own4, facts.random_fully)
     if forward:
         rules += forward_rules(networks)
     return rules
@@ -262,7 +265,7 @@ def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
     networks = [facts.config.network, *facts.pool_networks]
     expected: list[str] = []
     if masq if isinstance(masq, bool) else facts.settings.ip_masq:
-        subnets = [x.subnet for x in plan.own_all]
+        subnets = [x.subnet for x in plan.own_all if x.subnet is not None]
         expected += nft_masq_rules(networks, subnets, facts.random_fully)
     if forward if isinstance(forward, bool) else facts.settings.iptables_forward_rules:
         expected += nft_forward_rules(networks)

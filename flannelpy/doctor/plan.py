@@ -71,10 +71,10 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     own_keys = {lease.key for lease in own_all}
     bounds = Bounds(
         networks=tuple(dict.fromkeys([network, *facts.pool_networks])),
-        own=tuple(lease.subnet for lease in own_all),
+        own=tuple(lease.subnet for lease in own_all if lease.subnet is not None),
         host=facts.underlay.networks,
         public_ip=ctx.public_ip,
-        host_ips=(facts.underlay.ip,),
+        host_ips=(facts.underlay.ip,) if facts.underlay.ip is not None else (),
     )
     accepted, rejected = split_peers({x.key: x for x in facts.leases}, own_keys, bounds)
     peers = tuple(accepted.values())
@@ -86,7 +86,7 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     )  # fmt: skip
 
 
-def own_lease(facts: NodeFacts, public_ip: IPv4Address) -> Lease | None:
+def own_lease(facts: NodeFacts, public_ip: IPv4Address | None) -> Lease | None:
     """Our lease: the subnet the agent reports, else the one advertising our address
     (Flannel's identity of a node), else the one carrying our node name."""
     reported = (facts.status or {}).get("lease")
@@ -94,7 +94,7 @@ def own_lease(facts: NodeFacts, public_ip: IPv4Address) -> Lease | None:
         if reported and str(lease.subnet) == reported:
             return lease
     for lease in facts.leases:
-        if lease.attrs.public_ip == public_ip:
+        if public_ip is not None and lease.attrs.public_ip == public_ip:
             return lease
     name = facts.settings.node_name
     return next((lease for lease in facts.leases if name and lease.attrs.node_name == name), None)

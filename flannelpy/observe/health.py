@@ -32,10 +32,11 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry
 
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.errors import ConfigError
+from flannelpy.observe.exposition import TextRenderer
 
 log = logging.getLogger("flannelpy.observe.health")
 
@@ -199,6 +200,7 @@ class HealthServer:
     ) -> None:
         self._host, self._port = split_host_port(addr)
         self._registry = registry
+        self._renderer = TextRenderer(registry)
         self._ready = ready
         self._live = live
         self._serve_metrics_here = serve_metrics
@@ -283,7 +285,7 @@ class HealthServer:
 
     def _serve_metrics(self, handler: BaseHTTPRequestHandler) -> None:
         try:
-            body = generate_latest(self._registry)
+            body = self._renderer.render()
         except Exception as e:  # report, but keep serving health checks
             log.warning("metrics scrape failed error=%s", e)
             _reply(handler, 500, f"metrics scrape failed: {e}\n".encode())

@@ -38,7 +38,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 
 import flannelpy
@@ -46,6 +45,7 @@ from flannelpy.dataplane.linkstats import RoleStats
 from flannelpy.dataplane.reconciler import ReconcileResult
 from flannelpy.errors import KeyExists, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.ipam.allocator import Accounting
+from flannelpy.observe.exposition import TextRenderer
 from flannelpy.observe.kernel_counters import KernelCollector, KernelReading
 from flannelpy.observe.mtu import mtu_mismatches
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
@@ -421,6 +421,7 @@ class AgentMetrics:
         r.register(ScrapeCollector(self._read_links, self._read_ipam))
         r.register(KernelCollector(self._read_kernel))
         r.register(self._scrape_errors)
+        self._renderer = TextRenderer(r)
 
     # -- providers --------------------------------------------------------------------
 
@@ -458,14 +459,14 @@ class AgentMetrics:
 
     # -- leases -----------------------------------------------------------------------
 
-    def lease(self, subnet: IPv4Network | str, expiration: float | None) -> None:
+    def lease(self, subnet: IPv4Network | IPv6Network | str, expiration: float | None) -> None:
         """Our lease and its expiry (unix time; None: a permanent reservation)."""
         key = str(subnet)
         with self._lock:
             self._leases.add(key)
         self._lease_expiry.labels(key).set(math.inf if expiration is None else expiration)
 
-    def drop_lease(self, subnet: IPv4Network | str) -> None:
+    def drop_lease(self, subnet: IPv4Network | IPv6Network | str) -> None:
         """Our lease is gone (replaced or released): remove its expiry series."""
         key = str(subnet)
         with self._lock:
@@ -642,7 +643,7 @@ class AgentMetrics:
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (what /metrics serves)."""
-        return generate_latest(self.registry)
+        return self._renderer.render()
 
     def _read_links(self) -> Sequence[RoleStats] | None:
         fn = self._link_provider

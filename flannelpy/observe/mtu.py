@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import NamedTuple
 
 from flannelpy.subnet.lease import Lease
@@ -21,8 +21,8 @@ from flannelpy.subnet.lease import Lease
 class PeerMtu(NamedTuple):
     """One peer lease's MTU advertisement (``advertised`` is None when it has none)."""
 
-    subnet: IPv4Network
-    public_ip: IPv4Address
+    subnet: IPv4Network | IPv6Network
+    public_ip: IPv4Address | IPv6Address
     advertised: int | None
 
 
@@ -53,8 +53,11 @@ def mtu_mismatches(own_mtu: int, peers: Iterable[Lease]) -> MtuReport:
     """
     mismatched: list[PeerMtu] = []
     unknown: list[PeerMtu] = []
-    for lease in sorted(peers, key=lambda lease: lease.subnet):
-        peer = PeerMtu(lease.subnet, lease.attrs.public_ip, lease.attrs.mtu)
+    for lease in sorted(peers, key=lambda lease: lease.order):
+        ip = lease.attrs.public_ip or lease.attrs.public_ipv6
+        if ip is None:
+            continue
+        peer = PeerMtu(lease.subnets[0], ip, lease.attrs.mtu)
         if peer.advertised is None:
             unknown.append(peer)
         elif peer.advertised != own_mtu:

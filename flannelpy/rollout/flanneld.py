@@ -49,6 +49,8 @@ def flanneld_nodes(
     for lease in leases:
         if not is_flanneld_lease(lease) or str(lease.subnet) in claimed:
             continue
+        if lease.subnet is None or lease.attrs.public_ip is None:
+            continue  # IPv6-only: the rollout is IPv4-only
         vni = (lease.attrs.backend_data or {}).get("VNI")
         found.append(
             FlanneldNode(

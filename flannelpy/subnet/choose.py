@@ -58,7 +58,7 @@ FREE_CANDIDATES = 100  # Flannel collects this many free subnets, then picks one
 class LeaseChoice:
     """The decision. ``existing`` set: rewrite that lease (same key); else create ``subnet``."""
 
-    subnet: IPv4Network
+    subnet: IPv4Network | None  # None IPv6-only
     ipv6_subnet: IPv6Network | None
     reason: str  # "public-ip" | "node-name" | "previous" | "free"
     existing: Lease | None = None
@@ -78,10 +78,16 @@ class PoolChoice:
 
 
 def lease_fits(
-    config: NetworkConfig, subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None
+    config: NetworkConfig, subnet: IPv4Network | None, ipv6_subnet: IPv6Network | None = None
 ) -> bool:
     """True if a lease on ``subnet`` (and ``ipv6_subnet``) is one this config could hand out."""
     if not config.enable_ipv4 or config.network is None:
+        # IPv6-only: an IPv6 subnet alone (a dual-stack lease no longer fits).
+        return (
+            subnet is None and ipv6_subnet is not None and config.enable_ipv6
+            and config.ipv6_network is not None and _v6_fits(config, ipv6_subnet)
+        )  # fmt: skip
+    if subnet is None:
         return False
     if not _in_range(
         subnet, config.network, config.subnet_len, config.subnet_min, config.subnet_max
@@ -123,20 +129,23 @@ def _in_range(
 def lease_fits_pools(
     config: NetworkConfig,
     pools: Sequence[Pool],
-    subnet: IPv4Network,
+    subnet: IPv4Network | None,
     ipv6_subnet: IPv6Network | None = None,
 ) -> Pool | None:
     """The pool a lease on ``subnet`` belongs to, or None if no pool could have leased it.
 
     Tags do not matter here: a lease in a drained or untagged pool still fits (it keeps
-    serving until its pods end). Pools other than the primary are IPv4 only.
+    serving until its pods end). Pools other than the primary are IPv4 only (IPv6-only:
+    no pools, None).
     """
+    if config.network is None:
+        return None
     for pool in _creation_order(config, pools):
         if pool.primary:
             if lease_fits(config, subnet, ipv6_subnet):
                 return pool
             continue
-        if ipv6_subnet is not None or config.enable_ipv6:
+        if subnet is None or ipv6_subnet is not None or config.enable_ipv6:
             continue
         rng = leasable_range(pool, config)
         if subnet.prefixlen != rng.length or not subnet.subnet_of(pool.network):
@@ -165,10 +174,11 @@ def choose_lease(
     store's pools (see the module docstring) as seen by ``cluster`` (None: an agent
     without a cluster name).
     """
-    if not config.enable_ipv4 or config.network is None:
+    ipv6_only = not config.enable_ipv4 or config.network is None
+    if ipv6_only and pools is not None:
         raise ConfigError(
-            "net-conf.json: EnableIPv4 is false, but etcd leases are keyed by an IPv4 "
-            "subnet; enable IPv4 (dual stack is supported)"
+            "net-conf.json: address pools are IPv4-only; IPv6-only (EnableIPv4 false) "
+            "leases from IPv6Network alone"
         )
     if pools is not None:
         return _choose_lease_in_pools(
@@ -197,6 +207,10 @@ def _choose_fresh(
     the IPv6 subnet likewise, on its own."""
     held = _Held([lease for lease in leases if all(lease is not d for d in delete)])
     v6 = choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng)
+    if not config.enable_ipv4 or config.network is None:
+        assert v6 is not None  # netconf: IPv6-only enables IPv6
+        reason = "previous" if v6 == previous_ipv6_subnet else "free"
+        return LeaseChoice(None, v6, reason, delete=tuple(delete))
     if (
         previous_subnet is not None
         and lease_fits(config, previous_subnet, v6)
@@ -412,7 +426,7 @@ def _reuse_own(
     (and in the pool it names). Returns the choice, or None and the leases of ours that
     no longer fit (to delete); and a lease under our name whose holder is alive."""
     delete: list[Lease] = []
-    mine = _find(leases, lambda lease: lease.attrs.public_ip == attrs.public_ip)
+    mine = _find(leases, lambda lease: same_public_address(lease.attrs, attrs))
     if mine is not None:
         fits, pool = fit(mine)
         if fits:
@@ -435,6 +449,13 @@ def _reuse_own(
                 return choice, [], None
             delete.append(named)
     return None, delete, None
+
+
+def same_public_address(a: LeaseAttrs, b: LeaseAttrs) -> bool:
+    """Flannel's "our lease" test, PublicIP; IPv6-only (no PublicIP), PublicIPv6."""
+    if a.public_ip is not None or b.public_ip is not None:
+        return a.public_ip == b.public_ip
+    return a.public_ipv6 is not None and a.public_ipv6 == b.public_ipv6
 
 
 def _find(leases: Sequence[Lease], match: Callable[[Lease], bool]) -> Lease | None:

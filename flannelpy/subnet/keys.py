@@ -3,7 +3,8 @@
 Flannel's keys, shared with flanneld so both can run in one cluster::
 
     <prefix>/config                              net-conf.json
-    <prefix>/subnets/10.244.1.0-24               a lease (dual stack: ...-24&fd00:1::-64)
+    <prefix>/subnets/10.244.1.0-24               a lease (dual stack: ...-24&fd00:1::-64;
+                                                 IPv6-only: 0.0.0.0-0&fd00:1::-64)
 
 flannelpy's own, under ``<prefix>/flannelpy/`` (Flannel never reads them)::
 
@@ -33,26 +34,44 @@ def subnets_prefix(prefix: str) -> str:
     return f"{prefix.rstrip('/')}/subnets/"
 
 
-def lease_key(prefix: str, subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None) -> str:
+def lease_key(
+    prefix: str, subnet: IPv4Network | None, ipv6_subnet: IPv6Network | None = None
+) -> str:
     """``<prefix>/subnets/10.244.1.0-24``."""
     return subnets_prefix(prefix) + subnet_to_key(subnet, ipv6_subnet)
 
 
-def subnet_to_key(subnet: IPv4Network, ipv6_subnet: IPv6Network | None = None) -> str:
-    """``10.244.1.0/24`` → ``10.244.1.0-24``; dual stack joins both with ``&``."""
-    key = f"{subnet.network_address}-{subnet.prefixlen}"
+# Flannel's key of an IPv6-only lease: its empty IPv4 subnet (0.0.0.0/0) joined with
+# the IPv6 one, ``0.0.0.0-0&fd00:1::-64`` (MakeSubnetKey with an empty ip.IP4Net).
+_NO_IPV4_KEY_PART = "0.0.0.0-0"
+
+
+def subnet_to_key(subnet: IPv4Network | None, ipv6_subnet: IPv6Network | None = None) -> str:
+    """``10.244.1.0/24`` → ``10.244.1.0-24``; dual stack joins both with ``&``;
+    IPv6-only (no IPv4 subnet) is ``0.0.0.0-0&fd00:1::-64``, as Flannel writes it."""
+    if subnet is None:
+        if ipv6_subnet is None:
+            raise ValueError("a lease key needs an IPv4 or an IPv6 subnet")
+        key = _NO_IPV4_KEY_PART
+    else:
+        key = f"{subnet.network_address}-{subnet.prefixlen}"
     if ipv6_subnet is not None:
         key += f"&{ipv6_subnet.network_address}-{ipv6_subnet.prefixlen}"
     return key
 
 
-def key_to_subnet(key: str) -> tuple[IPv4Network, IPv6Network | None]:
-    """Inverse of :func:`subnet_to_key`; raises ValueError for a key that is not a lease."""
+def key_to_subnet(key: str) -> tuple[IPv4Network | None, IPv6Network | None]:
+    """Inverse of :func:`subnet_to_key` (at least one of the two is set); raises
+    ValueError for a key that is not a lease."""
     v4_part, _, v6_part = key.partition("&")
-    v4 = _parse_key_part(v4_part, 4)
     v6 = _parse_key_part(v6_part, 6) if v6_part else None
-    assert v4 is None or isinstance(v4, IPv4Network)
     assert v6 is None or isinstance(v6, IPv6Network)
+    if v4_part == _NO_IPV4_KEY_PART:
+        if v6 is None:
+            raise ValueError(f"lease key {key!r} has neither an IPv4 nor an IPv6 subnet")
+        return None, v6
+    v4 = _parse_key_part(v4_part, 4)
+    assert v4 is None or isinstance(v4, IPv4Network)
     if v4 is None:
         raise ValueError(f"lease key {key!r} has no IPv4 subnet")
     return v4, v6

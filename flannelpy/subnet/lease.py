@@ -18,13 +18,14 @@ from flannelpy.subnet.bounded_json import loads_bounded
 from flannelpy.subnet.keys import subnet_to_key
 
 EXTENSION_KEY = "Flannelpy"
+_NO_IPV4 = "0.0.0.0"
 
 
 @dataclass(frozen=True)
 class LeaseAttrs:
     """What a node advertises with its lease (Flannel's LeaseAttrs plus extensions)."""
 
-    public_ip: IPv4Address
+    public_ip: IPv4Address | None  # None: IPv6-only (Flannel writes "0.0.0.0")
     backend_type: str
     backend_data: Mapping[str, Any] | None = None
     public_ipv6: IPv6Address | None = None  # the node's IPv6 underlay address (dual stack)
@@ -44,7 +45,8 @@ class LeaseAttrs:
 
     def to_json(self) -> str:
         doc: dict[str, Any] = {
-            "PublicIP": str(self.public_ip),
+            # An IPv6-only node has no IPv4 address: Flannel's zero ip.IP4 is "0.0.0.0".
+            "PublicIP": str(self.public_ip) if self.public_ip is not None else _NO_IPV4,
             "PublicIPv6": str(self.public_ipv6) if self.public_ipv6 is not None else None,
             "BackendType": self.backend_type,
         }
@@ -74,15 +76,19 @@ class LeaseAttrs:
         if not isinstance(doc, dict):
             raise ValueError("lease value is not a JSON object")
         try:
-            public_ip = IPv4Address(doc["PublicIP"])
+            public_ip: IPv4Address | None = IPv4Address(doc["PublicIP"])
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"lease value has no valid PublicIP: {doc.get('PublicIP')!r}") from e
+        if public_ip == IPv4Address(_NO_IPV4):
+            public_ip = None
         ext = doc.get(EXTENSION_KEY) or {}
         if not isinstance(ext, dict):
             ext = {}
         mtu = ext.get("MTU")
         name = ext.get("NodeName")
         public_ipv6 = _ipv6_or_none(doc.get("PublicIPv6"))
+        if public_ip is None and public_ipv6 is None:
+            raise ValueError('lease value has neither a PublicIP nor a PublicIPv6')
         backend_type = doc.get("BackendType")
         return cls(
             public_ip=public_ip,
@@ -122,9 +128,13 @@ def _object_or_none(value: Any) -> Mapping[str, Any] | None:
 
 @dataclass(frozen=True)
 class Lease:
-    """A subnet held by a node. ``expiration`` is a unix time, None for a reservation."""
+    """A subnet held by a node. ``expiration`` is a unix time, None for a reservation.
 
-    subnet: IPv4Network
+    ``subnet`` is the IPv4 subnet, ``ipv6_subnet`` the IPv6 one: both in dual stack,
+    only ``subnet`` in IPv4 mode, only ``ipv6_subnet`` in IPv6-only mode (at least
+    one, checked on construction)."""
+
+    subnet: IPv4Network | None
     attrs: LeaseAttrs
     expiration: float | None = None
     ipv6_subnet: IPv6Network | None = None
@@ -132,19 +142,50 @@ class Lease:
     revision: int = field(default=0, compare=False)
     store_lease_id: int | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.subnet is None and self.ipv6_subnet is None:
+            raise ValueError("a lease needs an IPv4 or an IPv6 subnet")
+
+    @property
+    def ipv4_subnet(self) -> IPv4Network:
+        """The IPv4 subnet, for code that runs only with IPv4 (pools, warm capacity,
+        rollouts): raises ValueError on an IPv6-only lease."""
+        if self.subnet is None:
+            raise ValueError(f"lease {self.key} has no IPv4 subnet (IPv6-only)")
+        return self.subnet
+
+    @property
+    def subnets(self) -> tuple[IPv4Network | IPv6Network, ...]:
+        """The lease's subnets, IPv4 first."""
+        return tuple(n for n in (self.subnet, self.ipv6_subnet) if n is not None)
+
+    @property
+    def primary_subnet(self) -> IPv4Network | IPv6Network:
+        """The subnet that names the lease in logs and metrics: IPv4, else IPv6."""
+        return self.subnets[0]
+
+    @property
+    def order(self) -> tuple[int, int, int, int]:
+        """A sort key: by IPv4 subnet (as IPv4Network sorts), IPv6-only leases first."""
+        v4 = (int(self.subnet.network_address), self.subnet.prefixlen) if self.subnet else (-1, 0)
+        v6 = self.ipv6_subnet
+        return (*v4, int(v6.network_address) if v6 else -1, v6.prefixlen if v6 else 0)
+
     @property
     def key(self) -> str:
         return subnet_to_key(self.subnet, self.ipv6_subnet)
 
     @property
-    def vtep_ip(self) -> IPv4Address:
-        """The VTEP address Flannel puts on the vxlan device: the subnet's network address."""
-        return self.subnet.network_address
+    def vtep_ip(self) -> IPv4Address | None:
+        """The VTEP address Flannel puts on the vxlan device: the subnet's network
+        address; None without IPv4."""
+        return self.subnet.network_address if self.subnet is not None else None
 
     @property
-    def gateway(self) -> IPv4Address:
-        """The first usable address of the subnet: the bridge gateway, FLANNEL_SUBNET's address."""
-        return self.subnet.network_address + 1
+    def gateway(self) -> IPv4Address | None:
+        """The first usable address of the subnet: the bridge gateway, FLANNEL_SUBNET's
+        address; None without IPv4."""
+        return self.subnet.network_address + 1 if self.subnet is not None else None
 
     @property
     def vtep_ip6(self) -> IPv6Address | None:

@@ -326,6 +326,8 @@ def _pool_capacity(pool: Pool, config: NetworkConfig, leases: Sequence[Lease]) -
     inside = 0
     for lease in leases:
         net = lease.subnet
+        if net is None:
+            continue  # an IPv6-only lease: pools are IPv4-only
         if net.overlaps(pool.network):
             inside += 1
         low, high = int(net.network_address), int(net.broadcast_address)

@@ -48,7 +48,7 @@ class Bounds:
     networks: tuple[IPv4Network, ...]  # the config's Network and every pool
     own: tuple[IPv4Network, ...]  # our own lease subnets
     host: tuple[IPv4Network, ...]  # the node's connected subnets (the underlay's)
-    public_ip: IPv4Address  # ours
+    public_ip: IPv4Address | None  # ours (None IPv6-only: ``networks`` is empty too)
     host_ips: tuple[IPv4Address, ...] = ()  # the node's own addresses
     # IPv6 (dual stack): the config's IPv6Network (empty: IPv6 off, a peer's IPv6 half is
     # then never programmed and not checked), our own IPv6 subnets, the node's connected
@@ -66,6 +66,10 @@ def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
     def no(reason: str, detail: str) -> Rejection:
         return Rejection(lease.key, reason, detail)
 
+    if subnet is None or ip is None or not bounds.networks:
+        # An IPv6-only lease, or an IPv6-only node: only the IPv6 half is programmed.
+        problem = backend_data_problem(lease)
+        return no(BACKEND_DATA, problem) if problem is not None else check_peer_v6(lease, bounds)
     if not any(subnet.subnet_of(net) for net in bounds.networks):
         nets = ", ".join(str(n) for n in bounds.networks)
         return no(OUTSIDE_NETWORK, f"subnet {subnet} lies outside the network and pools ({nets})")
@@ -75,7 +79,7 @@ def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
     host = next((n for n in bounds.host if n.prefixlen > 0 and n.overlaps(subnet)), None)
     if host is not None:
         return no(OVERLAPS_HOST, f"subnet {subnet} overlaps {host}, connected on this node")
-    if any(a in subnet for a in (bounds.public_ip, *bounds.host_ips)):
+    if any(a is not None and a in subnet for a in (bounds.public_ip, *bounds.host_ips)):
         return no(OVERLAPS_HOST, f"subnet {subnet} holds an address of this node")
     if (
         ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local
@@ -174,6 +178,8 @@ def split_peers(
 def check_own(lease: Lease, bounds: Bounds) -> Rejection | None:
     """Why a lease carrying our address must not be adopted as ours, or None."""
     subnet = lease.subnet
+    if subnet is None or not bounds.networks:
+        return _check_own_v6(lease, bounds)
     if not any(subnet.subnet_of(net) for net in bounds.networks):
         nets = ", ".join(str(n) for n in bounds.networks)
         detail = f"subnet {subnet} lies outside the network and pools ({nets})"
@@ -186,3 +192,14 @@ def check_own(lease: Lease, bounds: Bounds) -> Rejection | None:
     if problem is not None:
         return Rejection(lease.key, BACKEND_DATA, problem)
     return None
+
+
+def _check_own_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
+    """:func:`check_own` for an IPv6-only lease: its IPv6 subnet inside IPv6Network."""
+    subnet6 = lease.ipv6_subnet
+    if subnet6 is None or not any(subnet6.subnet_of(n) for n in bounds.ipv6_networks):
+        nets = ", ".join(str(n) for n in bounds.ipv6_networks) or "none"
+        detail = f"IPv6 subnet {subnet6} lies outside IPv6Network ({nets})"
+        return Rejection(lease.key, OUTSIDE_NETWORK, detail)
+    problem = _vxlan_data_problem(lease.attrs.backend_v6_data, "BackendV6Data")
+    return Rejection(lease.key, BACKEND_DATA, problem) if problem is not None else None

@@ -37,8 +37,8 @@ NODE_SOURCE_KEY = "node_agent_source"  # in LabState.extra: {node: source root}
 
 @dataclass(frozen=True)
 class SubnetEnv:
-    network: str
-    subnet: str  # the lease's first address with its prefix, "10.244.3.1/24"
+    network: str | None  # None IPv6-only (no FLANNEL_NETWORK)
+    subnet: str | None  # the lease's first address with its prefix, "10.244.3.1/24"
     mtu: int
     ipmasq: bool
     ipv6_subnet: str | None = None  # FLANNEL_IPV6_SUBNET (dual stack), "fd10:244:0:3::1/64"
@@ -134,6 +134,9 @@ def agent_ref(node: NodeInfo) -> procs.ProcessRef | None:
     return procs.ref_of(node.agent_pid, node.agent_start_ticks)
 
 
+V4_ENV = ("FLANNEL_NETWORK", "FLANNEL_SUBNET")
+
+
 def parse_subnet_env(text: str, source: str = "subnet.env") -> SubnetEnv:
     """Parse Flannel's subnet.env; raise ValueError naming missing or bad keys."""
     values: dict[str, str] = {}
@@ -142,16 +145,19 @@ def parse_subnet_env(text: str, source: str = "subnet.env") -> SubnetEnv:
         if line and not line.startswith("#") and "=" in line:
             key, _, value = line.partition("=")
             values[key.strip()] = value.strip()
-    missing = [k for k in REQUIRED_ENV if k not in values]
+    # IPv6-only (Flannel's too) has no FLANNEL_NETWORK/FLANNEL_SUBNET, but the IPv6 pair.
+    v6_only = "FLANNEL_SUBNET" not in values and "FLANNEL_IPV6_SUBNET" in values
+    required = [k for k in REQUIRED_ENV if not (v6_only and k in V4_ENV)]
+    missing = [k for k in required if k not in values]
     if missing:
         raise ValueError(f"{source} lacks {', '.join(missing)}")
     try:
-        subnet = str(IPv4Interface(values["FLANNEL_SUBNET"]))
+        subnet = None if v6_only else str(IPv4Interface(values["FLANNEL_SUBNET"]))
         mtu = int(values["FLANNEL_MTU"])
     except ValueError as e:
         raise ValueError(f"{source} has a bad FLANNEL_SUBNET or FLANNEL_MTU: {e}") from e
     return SubnetEnv(
-        network=values["FLANNEL_NETWORK"],
+        network=values.get("FLANNEL_NETWORK"),
         subnet=subnet,
         mtu=mtu,
         ipmasq=values.get("FLANNEL_IPMASQ", "false").lower() == "true",

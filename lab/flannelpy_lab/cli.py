@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and a test Deployment spreads one busybox pod per node",
     )
     up.add_argument(
-        "--ip-family", choices=("ipv4", "dual"), default="ipv4",
+        "--ip-family", choices=("ipv4", "dual", "ipv6"), default="ipv4",
         help="dual: an IPv6 ULA underlay on the lab switch beside IPv4 and EnableIPv6 with "
-        "an IPv6 pod network (IPv6-only is not supported yet)",
+        "an IPv6 pod network; ipv6: EnableIPv4 false, the overlay and pods IPv6 only "
+        "(etcd stays on the IPv4 lab addresses); vxlan or host-gw, etcd mode",
     )
     up.add_argument(
         "--enable-nftables", action="store_true",

@@ -191,6 +191,19 @@ def read_leases(endpoints: str | Sequence[str], prefix: str) -> list[dict[str, A
     return sorted(_on_any(endpoints, read), key=_sort_key)
 
 
+def read_lease_values(endpoints: str | Sequence[str], prefix: str) -> dict[str, bytes]:
+    """Every value under ``<prefix>/subnets/`` as stored, by key suffix (the bytes
+    flanneld would read)."""
+    subnets_prefix = f"{prefix.rstrip('/')}/subnets/"
+
+    def read(c: Any) -> dict[str, bytes]:
+        return {meta.key.decode()[len(subnets_prefix) :]: bytes(value)
+                for value, meta in c.get_prefix(subnets_prefix)}  # fmt: skip
+
+    result: dict[str, bytes] = _on_any(endpoints, read)
+    return result
+
+
 def member_status(member: EtcdMemberInfo, timeout: float = 1.0) -> dict[str, Any]:
     """What ``lab status`` shows of one member: running, its id, the leader it sees."""
     doc: dict[str, Any] = {
@@ -243,14 +256,15 @@ def _lease_doc(key: str, value: bytes) -> dict[str, Any]:
     doc: dict[str, Any] = dict.fromkeys(("subnet", "public_ip", "backend", "node_name", "error"))
     doc["key"] = key
     try:
-        subnet, _ = key_to_subnet(key)
+        subnet, subnet6 = key_to_subnet(key)
         attrs = LeaseAttrs.from_json(value)
     except ValueError as e:
         doc["error"] = str(e)
         return doc
     doc.update(
-        subnet=str(subnet),
-        public_ip=str(attrs.public_ip),
+        subnet=str(subnet) if subnet is not None else None,  # None: IPv6-only
+        ipv6_subnet=str(subnet6) if subnet6 is not None else None,
+        public_ip=str(attrs.public_ip) if attrs.public_ip is not None else None,
         backend=attrs.backend_type,
         node_name=attrs.node_name,
         backend_data=json.loads(json.dumps(attrs.backend_data)) if attrs.backend_data else None,
@@ -261,6 +275,6 @@ def _lease_doc(key: str, value: bytes) -> dict[str, Any]:
 
 def _sort_key(doc: dict[str, Any]) -> tuple[int, int, str]:
     subnet = doc["subnet"]
-    if subnet is None:
+    if subnet is None:  # undecodable, or IPv6-only (by key)
         return (1, 0, doc["key"])
     return (0, int(IPv4Network(subnet).network_address), doc["key"])

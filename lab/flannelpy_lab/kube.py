@@ -382,10 +382,22 @@ def _start_controller_manager(state: LabState, save: Save) -> None:
         "--use-service-account-credentials",
         "--service-account-private-key-file", _path(state, "pki", "sa.key"),
         "--root-ca-file", _path(state, "pki", "ca.crt"),
-        "--allocate-node-cidrs", "--cluster-cidr", state.network,
-        "--node-cidr-mask-size", str(_subnet_len(state)),
+        "--allocate-node-cidrs", *_cluster_cidr_args(state),
         "--service-cluster-ip-range", "10.96.0.0/16",
     ], save)  # fmt: skip
+
+
+def _cluster_cidr_args(state: LabState) -> list[str]:
+    """The node IPAM controller's ranges: the IPv4 network, and in dual stack the IPv6
+    one beside it (a v4 and a v6 podCIDR per Node, sized as net-conf.json's subnets)."""
+    conf = json.loads(plan.net_conf_json(state.network, state.backend, state.direct_routing,
+                                         state.extra.get("net_conf_extra")))  # fmt: skip
+    if not conf.get("EnableIPv6"):
+        return ["--cluster-cidr", state.network, "--node-cidr-mask-size",
+                str(_subnet_len(state))]  # fmt: skip
+    return ["--cluster-cidr", f"{state.network},{conf['IPv6Network']}",
+            "--node-cidr-mask-size-ipv4", str(_subnet_len(state)),
+            "--node-cidr-mask-size-ipv6", str(int(conf.get("IPv6SubnetLen", 64)))]  # fmt: skip
 
 
 def manifests_dir() -> str:

@@ -89,7 +89,7 @@ def migrate(
         os.unlink(old_conflist)  # the runtime reads one config: the running agent's
     pods.write_conflist(node)
     after = agents.read_subnet_env(node)
-    if after is None or after.subnet != before.subnet:
+    if after is None or after.subnet is None or after.subnet != before.subnet:
         raise LabError(
             f"node {node_name} changed its lease from {before.subnet} to "
             f"{after.subnet if after else 'none'} when migrating to {to}; see {node.agent_log}"

@@ -141,19 +141,26 @@ def pinned_mac(lab: str, role: str) -> str:
 # network. Node I on segment S gets fd00:64:S::I/64 beside 100.64.S.I/24.
 IPV6_UNDERLAY = "fd00:64:{segment}::{host}/64"
 DEFAULT_IPV6_NETWORK = "fd10:244::/56"
-IP_FAMILIES = ("ipv4", "dual")
+IP_FAMILIES = ("ipv4", "dual", "ipv6")
 
 
 def ip_family_net_conf(family: str) -> dict[str, Any]:
     """The net-conf.json keys of ``--ip-family`` (none for ipv4)."""
     if family not in IP_FAMILIES:
         raise ConfigError(
-            f"--ip-family {family!r} is unknown; use one of {', '.join(IP_FAMILIES)} "
-            "(ipv6-only is not supported by the agent yet)"
+            f"--ip-family {family!r} is unknown; use one of {', '.join(IP_FAMILIES)}"
         )
     if family == "dual":
         return {"EnableIPv6": True, "IPv6Network": DEFAULT_IPV6_NETWORK}
+    if family == "ipv6":
+        # IPv6-only: the pod network and the overlay are IPv6; etcd stays on the
+        # nodes' IPv4 lab addresses (the control plane, not the data path).
+        return {"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": DEFAULT_IPV6_NETWORK}
     return {}
+
+
+def ipv6_only(state: LabState) -> bool:
+    return (state.extra.get("net_conf_extra") or {}).get("EnableIPv4") is False
 
 
 def ipv6_enabled(state: LabState) -> bool:

@@ -203,9 +203,11 @@ def destroy(state: LabState | None, lab: str) -> None:
         delete_namespace(ns)
 
 
-def ensure_overlay_bridge(ns: str, address: str, mtu: int, address6: str | None = None) -> None:
+def ensure_overlay_bridge(
+    ns: str, address: str | None, mtu: int, address6: str | None = None
+) -> None:
     """Give the node its overlay address: bridge ``cni0`` holding FLANNEL_SUBNET's address
-    (and FLANNEL_IPV6_SUBNET's in dual stack).
+    (and FLANNEL_IPV6_SUBNET's in dual stack; only that one IPv6-only).
 
     The lab's stand-in for what the CNI plugin does on a node's first pod;
     idempotent, and it replaces a stale address after the lease changed.
@@ -215,11 +217,11 @@ def ensure_overlay_bridge(ns: str, address: str, mtu: int, address6: str | None 
         ip("link", "add", bridge, "type", "bridge", ns=ns)
     ip("link", "set", bridge, "mtu", str(mtu), ns=ns)
     current = addresses(ns, bridge)
-    wanted = IPv4Interface(address)
+    wanted = IPv4Interface(address) if address is not None else None
     for old in current:
         if old != wanted:
             ip("addr", "del", str(old), "dev", bridge, ns=ns)
-    if wanted not in current:
+    if wanted is not None and wanted not in current:
         ip("addr", "add", str(wanted), "dev", bridge, ns=ns)
     if address6 is not None:
         # nodad: usable at once (a tentative address cannot source the status pings).

@@ -6,25 +6,31 @@ plane with kube-scheduler, and on every node namespace a real kubelet and contai
 the API server's address and the interface set by the lab's kustomization), and a
 Deployment of busybox pods is spread over the nodes by the scheduler. Every check goes
 through Kubernetes: Node conditions, pod status, ``kubectl exec`` (the kubelet's
-streaming) for the echoes between pods.
+streaming) for the echoes between pods, ``flannelpy rollout`` (Kubernetes mode, the
+admin kubeconfig) for the backend rollout under cordon, the scheduler's bindings for
+where new pods go meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
 import pytest
-from flannelpy_lab import Lab, kubelet, procs
+from flannelpy_lab import Lab, images, kubelet, procs
 from flannelpy_lab import kube as control_plane
 
+from flannelpy.rollout import cordon
 from tests.support.lab_util import unique_lab_name, wait_until
 
 pytestmark = [pytest.mark.lab]
@@ -184,6 +190,180 @@ def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
         assert sent == 600, out[-300:]
         lost += sent - received
     assert lost == 0, f"{lost} of {600 * len(outputs)} echoes lost during the rollout"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms")
+
+
+def start_rollout(lab: Lab, *args: str) -> subprocess.Popen[str]:
+    """``flannelpy rollout`` as an operator runs it: Kubernetes mode, their kubeconfig."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
+    env.update(FLANNELD_KUBE_SUBNET_MGR="true",
+               FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state))  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "flannelpy", "rollout", *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]
+                 ) -> None:  # fmt: skip
+    """Every 0.1 s: each Node's spec.unschedulable, with the time it was read."""
+    while not stop.is_set():
+        before = time.monotonic()
+        proc = lab.kubectl("get", "nodes", "-o", "json", check=False)
+        if proc.returncode == 0:
+            nodes = json.loads(proc.stdout)["items"]
+            out.append(((before + time.monotonic()) / 2,
+                        {n["metadata"]["name"]: bool(n["spec"].get("unschedulable"))
+                         for n in nodes}))  # fmt: skip
+        stop.wait(0.1)
+
+
+def cordon_spans(samples: list[tuple[float, dict[str, bool]]], node: str
+                 ) -> list[tuple[float, float]]:  # fmt: skip
+    spans: list[tuple[float, float]] = []
+    start: float | None = None
+    last = 0.0
+    for at, marks in samples:
+        if marks.get(node) and start is None:
+            start = at
+        if not marks.get(node) and start is not None:
+            spans.append((start, last))
+            start = None
+        last = at
+    if start is not None:
+        spans.append((start, last))
+    return spans
+
+
+def probe_pod(name: str) -> dict[str, Any]:
+    """A bare pod (no nodeName): where it runs is the scheduler's choice."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"app": "sched-probe"}},
+            "spec": {"terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "main", "image": images.BUSYBOX_IMAGE,
+                                     "imagePullPolicy": "Never",
+                                     "command": ["/bin/sleep", "2147483647"]}]}}  # fmt: skip
+
+
+def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the_node(
+    lab: Lab,
+) -> None:
+    pods = workload_pods(lab)
+    assert len(pods) == len(NODES)
+    samples: list[tuple[float, dict[str, bool]]] = []
+    stop = threading.Event()
+    poller = threading.Thread(target=node_samples, args=(lab, stop, samples), daemon=True)
+    bound: list[tuple[str, str, float, float]] = []  # pod, node, created, seen bound
+    t0 = time.monotonic()
+    pingers = start_pings(lab, pods, count=100000)  # stopped by SIGINT once it is over
+    rollout: subprocess.Popen[str] | None = None
+    try:
+        poller.start()
+        time.sleep(2)  # traffic flows before the first node changes
+        rollout = start_rollout(lab, "start", "--backend", "host-gw")
+        probed: set[str] = set()
+        deadline = time.monotonic() + 150
+        while rollout.poll() is None and time.monotonic() < deadline:
+            cordoned = [n for n, c in (samples[-1][1] if samples else {}).items()
+                        if c and n not in probed]  # fmt: skip
+            for node in cordoned:  # while it is cordoned: two new pods for the scheduler
+                probed.add(node)
+                for i in range(2):
+                    name = f"sched-probe-{node}-{i}"
+                    created = time.monotonic()
+                    lab.kubectl("create", "-f", "-", stdin=json.dumps(probe_pod(name)))
+
+                    def placed(name: str = name) -> str | None:
+                        return items_one(lab, name)["spec"].get("nodeName") or None
+
+                    wait_until(lambda: placed() is not None, timeout=10,
+                               what=f"the scheduler binding {name}")  # fmt: skip
+                    bound.append((name, placed() or "", created, time.monotonic()))
+            time.sleep(0.05)
+        out = rollout.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        print(f"--- rollout to host-gw ({time.monotonic() - t0:.1f} s)\n{out}")
+        assert rollout.returncode == 0, out
+        time.sleep(2)  # and traffic flows on after the last node
+        for p in pods:
+            lab.kubectl("exec", p["metadata"]["name"], "--", "/bin/busybox", "killall", "-INT",
+                        "ping")  # fmt: skip
+        outputs = [p.communicate(timeout=30)[0] for p in pingers]
+    finally:
+        stop.set()
+        poller.join(timeout=10)
+        for proc in [*pingers, *([rollout] if rollout else [])]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lab.kubectl("delete", "pod", "-l", "app=sched-probe", "--wait=false", check=False)
+
+    last = [ln for ln in out.splitlines() if ln.startswith("rollout ")][-1]
+    assert f" done: {len(NODES)} of {len(NODES)} nodes switched to host-gw " in last, last
+    # Zero lost echoes: every sequence number answered (the one in flight when the
+    # SIGINT came, sent after the rollout was over, aside).
+    total, worst_rtt = 0, 0.0
+    for pinger_out in outputs:
+        match = _STATS.search(pinger_out)
+        assert match, pinger_out[-300:]
+        sent = int(match.group(1))
+        replies = {int(s): float(t) for s, t in _REPLY.findall(pinger_out)}
+        missing = sorted(set(range(sent - 1)) - set(replies))
+        assert missing == [], f"echoes {missing[:20]} lost of {sent}: {pinger_out[-300:]}"
+        total += sent
+        worst_rtt = max(worst_rtt, *replies.values())
+    took = time.monotonic() - t0
+    print(f"echoes: {total} sent over {len(outputs)} pairs in {took:.0f} s, 0 lost, "
+          f"slowest reply {worst_rtt} ms")
+    assert total >= len(outputs) * (took - 10) / ECHO_INTERVAL * 0.5, total
+
+    # The scheduler placed nothing on a node cordoned at the time: each probe pod's node
+    # was schedulable in every sample from its creation to its binding being seen.
+    spans = {n: cordon_spans(samples, n) for n in NODES}
+    print("cordoned (s from start):", {n: [(round(a - t0, 1), round(b - t0, 1)) for a, b in s]
+                                       for n, s in spans.items()})  # fmt: skip
+    print("bound:", [(p, n, round(c - t0, 1), round(b - t0, 1)) for p, n, c, b in bound])
+    assert all(len(s) == 1 for s in spans.values()), spans
+    every = sorted(s[0] for s in spans.values())
+    assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(every)), f"overlap: {every}"
+    assert {p.split("-")[2] for p, _, _, _ in bound} == set(NODES), bound
+    for name, node, created, seen in bound:
+        window = [marks for at, marks in samples if created - 0.2 <= at <= seen + 0.2]
+        assert not any(m.get(node) for m in window), f"{name} bound to cordoned {node}"
+        # ... while the node it was made for was out the whole time (the check meant it).
+        target = name.split("-")[2]
+        ((start, end),) = spans[target]
+        assert start <= created and seen <= end, (name, target, (created, seen), (start, end))
+
+    # Cordons gone; every node on host-gw: a route by the underlay to each peer's podCIDR
+    # through the peer's address, no VTEP (fdb entry) for any peer.
+    nodes = {n["metadata"]["name"]: n for n in items(lab, "nodes")}
+    for name, obj in nodes.items():
+        assert not obj["spec"].get("unschedulable"), name
+        assert cordon.EXCLUDE_LABEL not in obj["metadata"].get("labels", {}), name
+        assert cordon.CORDON_ANNOTATION not in obj["metadata"].get("annotations", {}), name
+    for name in NODES:
+        routes = {r["dst"]: r for r in json.loads(lab.exec(
+            name, ["ip", "-j", "route", "show", "proto", "75"]).stdout or "[]")}  # fmt: skip
+        fdb = json.loads(lab.exec(name, ["bridge", "-j", "fdb", "show"]).stdout or "[]")
+        for peer in NODES:
+            if peer == name:
+                continue
+            route = routes.get(nodes[peer]["spec"]["podCIDR"])
+            assert route, (name, peer, routes)
+            assert route.get("dev") == lab.node(name).underlay_iface, (name, route)
+            assert route.get("gateway") == str(lab.node(peer).ip), (name, route)
+            assert not [e for e in fdb if e.get("dst") == str(lab.node(peer).ip)], (name, fdb)
+    cm = items_one(lab, control_plane.CONFIG_MAP, "configmap", "-n", control_plane.NAMESPACE)
+    assert json.loads(cm["data"][control_plane.NET_CONF_KEY])["Backend"]["Type"] == "host-gw"
+    assert unreachable_pairs(lab, workload_pods(lab)) == []
+
+
+def items_one(lab: Lab, name: str, kind: str = "pod", *args: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(lab.kubectl("get", kind, name, *args, "-o",
+                                                   "json").stdout)  # fmt: skip
+    return found
 
 
 def our_routes(lab: Lab, node: str) -> set[str]:

@@ -28,6 +28,7 @@ from flannelpy_lab import Lab
 
 from tests.support import pod_util as pu
 from tests.support.lab_util import lab_run_argv, running_lab, wait_until
+from tests.support.underlay_capture import captured_flows, underlay_capture
 
 pytestmark = [pytest.mark.lab]
 
@@ -107,14 +108,7 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
     seg = lab.state.segments[0]
     host_ip = str(IPv4Interface(lab.state.host_address).ip)
     pcap = str(tmp_path / "underlay.pcap")
-    capture = subprocess.Popen(
-        ["ip", "netns", "exec", seg.switch_namespace, "tcpdump", "-i", "br0", "-U", "-s", "0",
-         "-w", pcap, "ip", "and", "not", "host", host_ip],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_until(lambda: os.path.exists(pcap) and os.path.getsize(pcap) > 0, 5.0, "capture")
-        time.sleep(0.3)  # tcpdump writes the header before it is attached to br0
+    with underlay_capture(seg.switch_namespace, pcap, ["ip", "and", "not", "host", host_ip]):
         pod_hex = POD_MARKER.encode().hex()
         under_hex = UNDERLAY_MARKER.encode().hex()
         a, b = lab.pod("n1-p1"), lab.pod("n3-p2")
@@ -138,15 +132,11 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
         plain = lab.exec("n1", ["ping", "-c", "2", "-i", "0.2", "-p", under_hex, str(n2.ip)])
         assert plain.returncode == 0
         time.sleep(0.5)
-    finally:
-        capture.send_signal(signal.SIGINT)
-        capture.wait(timeout=10)
     with open(pcap, "rb") as f:
         raw = f.read()
     assert UNDERLAY_MARKER.encode() in raw  # the capture sees plaintext when there is some
     assert POD_MARKER.encode() not in raw
-    flows = subprocess.run(["tcpdump", "-nn", "-r", pcap], capture_output=True, text=True,
-                           check=True).stdout.splitlines()  # fmt: skip
+    flows = captured_flows(pcap)
     node_ips = {str(n.ip) for n in lab.nodes}
 
     def tunnel(line: str) -> bool:  # "IP 100.64.0.1.51820 > 100.64.0.3.51820: UDP, length 128"

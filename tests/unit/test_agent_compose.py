@@ -31,8 +31,12 @@ def opened(store: FakeStore, tmp: Path) -> OpenedStore:
 @pytest.mark.parametrize(
     ("doc", "says", "reads"),
     [
+        # IPv6-only runs without the IPv4-only features: warm capacity is refused.
+        ({"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56",
+          "MaxLeasesPerNode": 2}, "warm capacity. are IPv4-only", []),
+        # IPv6-only needs an interface with a global IPv6 address.
         ({"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56"},
-         "not IPv6-only yet", []),
+         "no global IPv6 address", ["find_underlay"]),
         # Dual stack needs an IPv6 underlay address: none on the interface, none given
         # (found by reading the interfaces, which changes nothing).
         ({"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from ipaddress import IPv4Address, IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 import pytest
 from hypothesis import given, settings
@@ -280,10 +280,24 @@ def test_reused_dual_lease_without_ipv6_is_replaced() -> None:
     assert choice.ipv6_subnet is not None
 
 
-def test_ipv6_only_config_is_refused() -> None:
+def test_ipv6_only_config_leases_an_ipv6_subnet_alone_and_refuses_pools() -> None:
     cfg = config(EnableIPv4=False, EnableIPv6=True, IPv6Network="fd00:10:244::/56")
-    with pytest.raises(ConfigError, match="EnableIPv4"):
-        choose(cfg, [], attrs("192.168.1.5"))
+    me = LeaseAttrs(public_ip=None, backend_type="vxlan",
+                    public_ipv6=IPv6Address("fd00:64::5"))  # fmt: skip
+    other = LeaseAttrs(public_ip=None, backend_type="vxlan",
+                       public_ipv6=IPv6Address("fd00:64::6"))  # fmt: skip
+    held = Lease(None, other, ipv6_subnet=IPv6Network("fd00:10:244:1::/64"))
+    choice = choose(cfg, [held], me)
+    assert choice.subnet is None and choice.reason == "free"
+    assert choice.ipv6_subnet is not None and choice.ipv6_subnet.prefixlen == 64
+    assert choice.ipv6_subnet != held.ipv6_subnet
+    # Another IPv6-only node's lease is not ours (no PublicIP on either side): ours is
+    # recognised by PublicIPv6, and kept on restart.
+    mine = Lease(None, me, ipv6_subnet=IPv6Network("fd00:10:244:7::/64"))
+    again = choose(cfg, [held, mine], me)
+    assert (again.reason, again.ipv6_subnet) == ("public-ip", mine.ipv6_subnet)
+    with pytest.raises(ConfigError, match="address pools are IPv4-only"):
+        choose_lease(cfg, [], me, None, random.Random(1), pools=[])
 
 
 # --- property: whatever the store holds, the choice is valid -----------------

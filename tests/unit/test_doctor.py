@@ -18,6 +18,7 @@ from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.dataplane.state import (
     ROUTE_PROTOCOL,
     Address,
+    DesiredState,
     FdbEntry,
     Neighbour,
     ObservedState,
@@ -35,6 +36,8 @@ from flannelpy.doctor.facts import (
     NodeFacts,
     parse_snapshot,
 )
+from flannelpy.doctor.gather import vtep_devices
+from flannelpy.doctor.plan import Plan, plan_node
 from flannelpy.doctor.report import exit_code, render_json, render_line, render_text
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import network_config, underlay
@@ -597,3 +600,36 @@ def test_a_peer_whose_ipv6_path_fails_full_size_packets_is_named() -> None:
     (bad,) = [f for f in peers if f.severity == "error"]
     assert bad.message.startswith("full-size IPv6 packets do not reach n3 (fc00:0:0:3::/64)")
     assert "minus 70" in bad.action and bad.subject == "n3"
+
+
+def _as_read(desired: DesiredState, devices: tuple[str, ...]) -> ObservedState:
+    """What NetlinkKernel.observe(devices, devices) finds where the agent programmed
+    ``desired``: our routes on any device, everything else only on the devices read."""
+    return ObservedState(
+        links=frozenset(x for x in desired.links if x.name in devices),
+        addresses=frozenset(x for x in desired.addresses if x.ifname in devices),
+        routes=desired.routes,
+        neighbours=frozenset(x for x in desired.neighbours if x.ifname in devices),
+        fdb=frozenset(x for x in desired.fdb if x.ifname in devices),
+    )
+
+
+def test_dual_stack_kernel_is_read_on_the_ipv6_vtep_too() -> None:
+    facts = _dual_facts(flanneld_peer=False)
+    plan = plan_node(facts)
+    assert isinstance(plan, Plan) and plan.desired is not None
+    desired = plan.desired
+    assert "flannel-v6.1" in {x.name for x in desired.links}
+    kernel = ("addresses", "routes", "neighbours", "fdb", "links")
+
+    # Reading flannel.1 alone, the IPv6 half the agent programmed looks missing.
+    only_v4 = replace(facts, observed=_as_read(desired, ("flannel.1",)))
+    wrong = {f.check for f in diagnose(only_v4) if f.severity == "error"}
+    assert wrong == {"addresses", "routes", "neighbours", "fdb"}
+
+    devices = vtep_devices(facts.config.backend.vni)  # type: ignore[union-attr]
+    read = replace(facts, observed=_as_read(desired, devices))
+    assert [f for f in problems(diagnose(read)) if f.check in kernel] == []
+    ok = [f for f in diagnose(read) if f.check == "routes"]
+    assert [f.severity for f in ok] == ["ok"]
+    assert f"{len(desired.routes)} peer route(s)" in ok[0].message

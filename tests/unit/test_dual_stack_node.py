@@ -350,8 +350,10 @@ def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
 
     assert plan.ip_family_net_conf("ipv4") == {}
     assert plan.ip_family_net_conf("dual") == {"EnableIPv6": True, "IPv6Network": "fd10:244::/56"}
-    with pytest.raises(ConfigError, match="ipv6-only is not supported"):
-        plan.ip_family_net_conf("ipv6")
+    assert plan.ip_family_net_conf("ipv6") == {
+        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd10:244::/56"}
+    with pytest.raises(ConfigError, match="is unknown"):
+        plan.ip_family_net_conf("ipv5")
     state = plan.plan_lab(
         "ds", 3, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
         etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.7.0/24")],

@@ -203,6 +203,44 @@ def test_ipv6_only_and_warm_capacity_sees_ipv4_only(tmp_path: Path) -> None:
         assert [u.subnet for u in node.usage()] == [V4]
 
 
+TINY4 = IPv4Network("10.244.9.0/29")  # .2 .. .6 are allocatable (.1 is the gateway)
+
+
+@pytest.mark.parametrize(
+    ("leases", "full", "spare"),
+    [((TINY4, V6), TINY4, V6), ((V4, TINY6), TINY6, V4)],
+    ids=["ipv4-full", "ipv6-full"],
+)
+def test_each_familys_cooldown_holds_on_its_own_across_a_restart(
+    tmp_path: Path,
+    leases: tuple[IPv4Network | IPv6Network, ...],
+    full: IPv4Network | IPv6Network,
+    spare: IPv4Network | IPv6Network,
+) -> None:
+    clock = Clock()
+    with NodeIpam(str(tmp_path), fsync=False, clock=clock) as node:
+        node.set_leases(list(leases))
+        made = {f"c{i}": node.allocate_all(f"c{i}", "eth0") for i in range(5)}
+        node.release("c0", "eth0")
+    gone = {a.subnet: a.ip for a in made["c0"]}
+    clock.now += 29
+    # A restarted agent: the cooldown of both of c0's addresses comes from disk.
+    with NodeIpam(str(tmp_path), fsync=False, clock=clock) as node:
+        node.set_leases(list(leases))
+        # The full family's only candidate is c0's address, still cooling: no ADD, and
+        # the spare family's new address goes back rather than leaking.
+        with pytest.raises(IpamExhausted, match=rf"{full}: 4 assigned, 1 cooling down"):
+            node.allocate_all("late", "eth0")
+        assert node.find_all("late", "eth0") == []
+        # One family alone: the spare one has fresh addresses and never re-uses c0's.
+        (alone,) = [node.allocate("solo", "eth0", family=spare.version)]
+        assert alone.ip != gone[spare]
+        clock.now += 2  # c0 was released 31 s ago: past the 30 s cooldown
+        late = {a.subnet: a.ip for a in node.allocate_all("late", "eth0")}
+        assert late[full] == gone[full]  # the only address, cooled
+        assert late[spare] != gone[spare]  # fresh ones come before any released one
+
+
 # --- results -------------------------------------------------------------------------
 
 

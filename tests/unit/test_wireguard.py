@@ -8,7 +8,14 @@ import os
 import stat
 import subprocess
 from dataclasses import replace
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+)
 from typing import Any
 
 import pytest
@@ -177,10 +184,21 @@ def test_uapi_get_answer_is_parsed() -> None:
     got = parse_get(text)
     assert got.private_key == KEY_A and got.listen_port == 51820
     assert got.peers == {PUB_B: WgPeer(
-        PUB_B, (IPv4Address("100.64.0.2"), 51820), frozenset({IPv4Network("10.244.2.0/24")}),
-        25, None)}  # fmt: skip
+        PUB_B, (IPv4Address("100.64.0.2"), 51820),
+        frozenset({IPv4Network("10.244.2.0/24"), IPv6Network("fd00::/64")}), 25, None)}  # fmt: skip
     with pytest.raises(DataplaneError, match="errno 1"):
         parse_get("errno=1\n\n")
+
+
+def test_an_ipv6_peer_round_trips_through_the_uapi() -> None:
+    """flannel-wg-v6's peers: a bracketed IPv6 endpoint and IPv6 allowed IPs."""
+    peer = WgPeer(PUB_B, (IPv6Address("fd00:64::2"), 51821),
+                  frozenset({IPv6Network("fd10:244:0:2::/64")}), 0, None)  # fmt: skip
+    request = format_set(None, 51821, [peer]).decode()
+    assert "endpoint=[fd00:64::2]:51821\n" in request
+    assert "allowed_ip=fd10:244:0:2::/64\n" in request
+    answer = request.replace("set=1\n", "").replace("replace_allowed_ips=true\n", "")
+    assert parse_get(answer.rstrip("\n") + "\nerrno=0\n\n").peers == {PUB_B: peer}
 
 
 def test_uapi_set_replaces_each_peer_whole() -> None:
@@ -356,3 +374,48 @@ def test_the_device_is_repaired_and_a_new_one_handshakes_at_once() -> None:
     assert ("peers_set", 1) in repairs
     assert device.reconcile_once() == PeerChanges(counts={"peers_removed": 0, "peers_set": 0,
                                                           "key": 0, "port": 0})  # fmt: skip
+
+
+# --- dual stack: flannel-wg-v6 (Mode separate) ----------------------------------------
+
+
+def test_dual_stack_plans_the_ipv6_device_its_route_and_flannels_backend_v6_data(
+    tmp_path: Any,
+) -> None:
+    from tests.unit.test_dual_stack_node import ctx as dual_ctx
+
+    node = dual_ctx("wireguard")
+    rt, rec = runtime(tmp_path)
+    backend = WireguardBackend(rt)
+    attrs = backend.lease_attrs(node, None)
+    assert attrs.public_ipv6 == IPv6Address("fd00:64::10")
+    assert attrs.backend_v6_data == {"PublicKey": rt.public_key, "Port": 51821}
+    assert attrs.mtu == 1500 - 80  # the pods' MTU: the smaller family's
+    own = Lease(subnet=IPv4Network("10.244.1.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:1::/64"),
+                attrs=attrs)  # fmt: skip
+    peer = Lease(
+        subnet=IPv4Network("10.244.2.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:2::/64"),
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address("192.168.1.12"), backend_type="wireguard",
+            backend_data={"PublicKey": PUB_B, "Port": 51820},
+            public_ipv6=IPv6Address("fd00:64::12"),
+            backend_v6_data={"PublicKey": PUB_B, "Port": 0},  # 0: ours, as Flannel reads it
+        ),
+    )  # fmt: skip
+    desired = backend.plan(node, [own], [peer], None)
+    v4, v6 = rec.specs[-2], rec.specs[-1]
+    assert (v4.name, v4.listen_port, v4.mtu) == ("flannel-wg", 51820, 1440)
+    assert (v6.name, v6.listen_port, v6.mtu) == ("flannel-wg-v6", 51821, 1420)
+    assert v6.address == IPv6Interface("fc00:0:0:1::/128")
+    assert v6.peers == {WgPeer(PUB_B, (IPv6Address("fd00:64::12"), 51821),
+                               frozenset({IPv6Network("fc00:0:0:2::/64")}))}  # fmt: skip
+    assert Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0),
+                 ifname="flannel-wg-v6") in desired.routes  # fmt: skip
+
+
+def test_dual_stack_with_one_device_for_both_families_is_refused(tmp_path: Any) -> None:
+    from tests.unit.test_dual_stack_node import ctx as dual_ctx
+
+    rt, _ = runtime(tmp_path)
+    with pytest.raises(ConfigError, match='use "separate"'):
+        WireguardBackend(rt).lease_attrs(dual_ctx("wireguard", Mode="auto"), None)

@@ -258,7 +258,7 @@ class EtcdSubnetManager:
 
     def _own_lease(
         self,
-        subnet: IPv4Network,
+        subnet: IPv4Network | None,
         ipv6_subnet: IPv6Network | None,
         attrs: LeaseAttrs,
         revision: int,
