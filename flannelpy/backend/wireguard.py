@@ -170,6 +170,19 @@ def backend_data_port(data: Mapping[str, Any] | None, default: int) -> int:
     return default
 
 
+def leases_by_key(
+    leases: Sequence[Lease], key_of: Callable[[Lease], str | None], own_key: str | None
+) -> dict[str, list[Lease]]:
+    """The peers' leases grouped by public key, each group in lease order; leases without
+    a key, and our own key, are left out."""
+    by_key: dict[str, list[Lease]] = {}
+    for lease in sorted(leases, key=lambda lease: lease.order):
+        key = key_of(lease)
+        if key is not None and key != own_key:
+            by_key.setdefault(key, []).append(lease)
+    return by_key
+
+
 def plan_device(
     ctx: NodeContext,
     config: WireguardConfig,
@@ -180,18 +193,11 @@ def plan_device(
 ) -> WgDeviceSpec:
     """The device's desired state (pure): one WireGuard peer per public key, whose
     allowed IPs are all that node's subnets (a node may hold several leases)."""
-    by_key: dict[str, list[Lease]] = {}
     own = [lease for lease in own if lease.subnet is not None]  # wireguard is IPv4-only
-    for lease in wireguard_peers:
-        if lease.subnet is None or lease.attrs.public_ip is None:
-            continue
-        key = lease_public_key(lease)
-        if key is None or key == own_public_key:
-            continue
-        by_key.setdefault(key, []).append(lease)
+    usable = [lease for lease in wireguard_peers
+              if lease.subnet is not None and lease.attrs.public_ip is not None]
     peers = set()
-    for key, leases in by_key.items():
-        leases.sort(key=lambda lease: lease.order)
+    for key, leases in leases_by_key(usable, lease_public_key, own_public_key).items():
         first = leases[0]
         first_ip = first.attrs.public_ip
         assert first_ip is not None  # IPv4-only leases were kept above
@@ -236,17 +242,10 @@ def plan_device_v6(
     """``flannel-wg-v6`` (pure): one peer per IPv6 public key, at ``[PublicIPv6]:Port`` of
     its BackendV6Data, with its IPv6 subnets as allowed IPs; our IPv6 lease's network
     address /128 on it, as Flannel's ``ConfigureV6``."""
-    by_key: dict[str, list[Lease]] = {}
-    for lease in wireguard_peers:
-        key = lease_public_key_v6(lease)
-        if key is None or key == own_public_key or lease.ipv6_subnet is None:
-            continue
-        if lease.attrs.public_ipv6 is None:
-            continue
-        by_key.setdefault(key, []).append(lease)
+    usable = [lease for lease in wireguard_peers
+              if lease.ipv6_subnet is not None and lease.attrs.public_ipv6 is not None]
     peers = set()
-    for key, leases in by_key.items():
-        leases.sort(key=lambda lease: lease.order)
+    for key, leases in leases_by_key(usable, lease_public_key_v6, own_public_key).items():
         first = leases[0]
         assert first.attrs.public_ipv6 is not None
         port = backend_data_port(first.attrs.backend_v6_data, config.listen_port_v6)
