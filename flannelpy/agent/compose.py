@@ -86,7 +86,7 @@ def build_agent(
             config = wanted_config(json.dumps(config.raw).encode(), applied)
         ipv6_only = not config.enable_ipv4 or config.network is None
         if ipv6_only:
-            _check_ipv6_only(config, kube is not None)
+            _check_ipv6_only(config)
         if config.backend_defaulted:
             raise ConfigError(NO_BACKEND)
         backend = get_backend(config.backend.type)
@@ -198,21 +198,17 @@ def build_agent(
     )
 
 
-IPV6_ONLY_BACKENDS = ("vxlan", "host-gw")
+IPV6_ONLY_BACKENDS = ("vxlan", "host-gw", "wireguard")
 
 
-def _check_ipv6_only(config: NetworkConfig, kube: bool) -> None:
-    """IPv6-only mode (EnableIPv4 false) runs vxlan and host-gw in etcd mode, without
-    the features that stay IPv4-only: refuse the rest with one sentence each."""
-    if kube:
-        raise ConfigError(
-            "net-conf.json: IPv6-only (EnableIPv4 false) runs in etcd mode only for now; "
-            "use --etcd-endpoints, or enable IPv4 with a Network"
-        )
+def _check_ipv6_only(config: NetworkConfig) -> None:
+    """IPv6-only mode (EnableIPv4 false) runs vxlan, host-gw and wireguard, in etcd and
+    Kubernetes mode, without the features that stay IPv4-only: refuse the rest with one
+    sentence each."""
     if config.backend.type not in IPV6_ONLY_BACKENDS:
         raise ConfigError(
-            f"net-conf.json: IPv6-only (EnableIPv4 false) runs the vxlan and host-gw "
-            f"backends, not {config.backend.type}; choose one of them or enable IPv4"
+            f"net-conf.json: IPv6-only (EnableIPv4 false) runs the vxlan, host-gw and "
+            f"wireguard backends, not {config.backend.type}; choose one of them or enable IPv4"
         )
     capacity = parse_capacity(config.raw)
     if capacity.max_leases_per_node > 1 or capacity.min_free_addresses:

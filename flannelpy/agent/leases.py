@@ -16,6 +16,7 @@ from ipaddress import IPv4Network, IPv6Network
 from flannelpy.agent.state import Clocks, NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend.base import is_own_address
+from flannelpy.backend.wireguard import keeping_context, with_kept_key
 from flannelpy.errors import StoreError
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.choose import same_public_address
@@ -56,9 +57,12 @@ class OwnLeases:
     def attrs(self) -> LeaseAttrs:
         """What our leases advertise now (backend, VTEP)."""
         s = self.state
-        mac = self.vtep.if_needed(s.backend, s.ctx, s.peers())
+        peers = s.peers()
+        mac = self.vtep.if_needed(s.backend, s.ctx, peers)
         s.vtep_advertised = mac is not None
-        return s.backend.lease_attrs(s.ctx, mac)
+        ctx = keeping_context(s.ctx, s.backend.type_name, peers)
+        s.keeps_wireguard = ctx.keeps_wireguard
+        return with_kept_key(ctx, s.backend.lease_attrs(ctx, mac))
 
     def pools_for_leasing(self) -> list[Pool] | None:
         """The pools to lease from; None (the config's Network alone, Flannel's way)

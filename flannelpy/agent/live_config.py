@@ -24,7 +24,6 @@ from flannelpy.agent.state import Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, backend_doc
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
-from flannelpy.backend.wireguard import retire_unless
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
@@ -250,7 +249,6 @@ class LiveConfig:
         s = self.state
         self.planner.replan()
         result = self.reconciler.reconcile_once("config change")
-        retire_unless(s.backend.type_name)  # wireguard-go and its device, once unused
         if not self.leases.rewrite_attrs():
             s.attrs_dirty = True
             raise StoreError("could not advertise the new backend on our lease; retrying")

@@ -195,7 +195,7 @@ class NodeAgent:
         w = self.writer
         prober = Prober(
             transport,
-            mtu_provider=lambda: w.view.mtu,
+            mtu_provider=lambda: w.view.probe_mtu,
             own_address_provider=lambda: lease.gateway if (lease := w.view.lease) else None,
             own_address6_provider=lambda: probe_source6(w.view.ctx, w.view.lease),
             interval_seconds=self.settings.probe_interval,

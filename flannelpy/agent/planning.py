@@ -7,6 +7,7 @@ per change), overlay MTU disagreements, and the peer set the prober follows.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
@@ -14,6 +15,7 @@ from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext
+from flannelpy.backend.wireguard import keeping_context, plan_kept
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
@@ -23,6 +25,8 @@ from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 log = logging.getLogger("flannelpy.agent.planning")
 UNKNOWN_MTU_LINES = 3  # more new peers of unknown MTU than this: one line for them all
+# How long a device that left the plan stays: peers see our new lease well within it.
+LINGER_SECONDS = 5.0
 
 
 def probe_target6(peer: Lease) -> IPv6Address | None:
@@ -62,8 +66,9 @@ def probe_peers(
 
 class Planner:
     def __init__(
-        self, state: NodeState, reconciler: Reconciler, vtep: VtepMac, metrics: AgentMetrics
-    ) -> None:
+        self, state: NodeState, reconciler: Reconciler, vtep: VtepMac, metrics: AgentMetrics,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.state = state
         self.reconciler = reconciler
         self.vtep = vtep
@@ -73,6 +78,9 @@ class Planner:
         self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
         # Peers logged as MTU unknown.
         self._said_unknown_mtu: set[IPv4Network | IPv6Network] = set()
+        self.monotonic = monotonic
+        self._planned: set[str] = set()  # the devices of the last plan
+        self._lingering: dict[str, float] = {}  # device -> when it may be removed
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
         """Hand the prober the current peers: each lease's IPv4 overlay address (its
@@ -95,16 +103,40 @@ class Planner:
         self.check_mtu(peers)
         self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
-        if (vtep_mac is not None) != s.vtep_advertised:
+        ctx = keeping_context(s.ctx, s.backend.type_name, peers)
+        if (vtep_mac is not None) != s.vtep_advertised or (
+            ctx.keeps_wireguard != s.keeps_wireguard
+        ):
             s.attrs_dirty = True  # the writer rewrites our lease next
-        desired = s.backend.plan(s.ctx, s.own, peers, vtep_mac)
-        stale_links = frozenset(s.known_devices - {link.name for link in desired.links})
+        desired = s.backend.plan(ctx, s.own, peers, vtep_mac)
+        if s.backend.type_name != "wireguard":
+            desired = plan_kept(ctx, s.own, peers, desired)
+        stale_links = self._stale_links({link.name for link in desired.links})
         if desired.unreachable != s.unreachable:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
             s.unreachable = desired.unreachable
             self.metrics.peers_without_path(len(desired.unreachable))
         self.reconciler.set_desired(desired, stale_links)
+
+    def _stale_links(self, planned: set[str]) -> frozenset[str]:
+        """Our devices to remove: those not planned now, except one that left the plan
+        less than :data:`LINGER_SECONDS` ago. It stays (without its peer entries) so that
+        peers which have not seen our new lease yet still reach us through it: make
+        before break, as when the last node of a rollout to wireguard drops its VTEP."""
+        now = self.monotonic()
+        for name in self._planned - planned:
+            self._lingering[name] = now + LINGER_SECONDS
+        for name in planned:
+            self._lingering.pop(name, None)
+        self._planned = planned
+        self._lingering = {n: t for n, t in self._lingering.items() if t > now}
+        return frozenset(self.state.known_devices - planned - self._lingering.keys())
+
+    def linger_over(self) -> bool:
+        """A lingering device is due for removal: the writer replans."""
+        now = self.monotonic()
+        return any(t <= now for t in self._lingering.values())
 
     def bounds(self) -> Bounds:
         """What a peer lease must not contradict: the networks, our leases, our addresses."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 
 from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.wireguard import kept_device_mtu
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import BlockedChange
 from flannelpy.dataplane.state import Unreachable
@@ -50,6 +51,7 @@ class NodeState:
     known_devices: set[str] = field(default_factory=set)  # ours to remove when unplanned
     first_snapshot: bool = False
     vtep_advertised: bool = False  # whether our lease carries our VTEP
+    keeps_wireguard: bool = False  # whether our lease carries a kept WireGuard key
     unreachable: frozenset[Unreachable] = frozenset()
     mtu_report: MtuReport | None = None
     applied_generation: int | None = None
@@ -71,6 +73,15 @@ class NodeState:
     def mtu(self) -> int:
         return self.backend.mtu(self.ctx)
 
+    @property
+    def probe_mtu(self) -> int:
+        """The size of the prober's full-MTU probe: the overlay MTU, or the kept WireGuard
+        device's while pairs still run through it (switching back from wireguard), since a
+        probe at the new MTU would not fit those paths and fail the node's verification."""
+        if self.keeps_wireguard:
+            return min(self.mtu, kept_device_mtu(self.ctx))
+        return self.mtu
+
     def peers(self) -> list[Lease]:
         own_keys = {lease.key for lease in self.own}
         return [p for k, p in self.leases.items() if k not in own_keys and k not in self.rejected]
@@ -83,6 +94,7 @@ class NodeState:
             backend=self.backend,
             ctx=self.ctx,
             mtu=self.mtu,
+            probe_mtu=self.probe_mtu,
             own=tuple(self.own),
             peers=len(self.peers()),
             unreachable=self.unreachable,
@@ -105,6 +117,7 @@ class AgentView:
     backend: Backend
     ctx: NodeContext
     mtu: int
+    probe_mtu: int
     own: tuple[Lease, ...]
     peers: int
     unreachable: frozenset[Unreachable]

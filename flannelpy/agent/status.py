@@ -106,8 +106,9 @@ class StatusReporter:
         doc = {
             "node": view.ctx.node_name,
             "backend": view.backend.type_name,
-            "lease": str(view.own[0].subnet) if view.own else None,
-            "leases": [str(x.subnet) for x in view.own],
+            # Each lease by its IPv4 subnet (IPv6-only: its IPv6 subnet).
+            "lease": str(view.own[0].primary_subnet) if view.own else None,
+            "leases": [str(x.primary_subnet) for x in view.own],
             "public_ip": str(view.ctx.public_ip),
             "mtu": view.mtu,
             "peers": view.peers,

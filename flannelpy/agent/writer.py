@@ -135,7 +135,7 @@ class Writer:
             s, parts.manager, vtep, metrics, settings.cluster_name,
             settings.subnet_lease_renew_margin * 60.0, clocks,
         )  # fmt: skip
-        self.planner = Planner(s, self.reconciler, vtep, metrics)
+        self.planner = Planner(s, self.reconciler, vtep, metrics, clocks.monotonic)
         # Not in the SubnetManager protocol: only the etcd manager parses raw values.
         self.planner.undecodable = getattr(parts.manager, "undecodable", dict)
         self.firewall = FirewallRules(s, parts.firewall_factory)
@@ -239,7 +239,8 @@ class Writer:
 
     def pending(self) -> bool:
         s = self.state
-        return s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
+        return (s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
+                or self.planner.linger_over())  # fmt: skip
 
     def settle(self) -> None:
         """The follow-ups, in order; a failed one pauses them all briefly."""
@@ -256,6 +257,8 @@ class Writer:
                 self._pause()
                 return
         self.live.run_if_due()
+        if self.planner.linger_over():
+            self.planner.replan()  # a device that left the plan goes now
         if s.attrs_dirty:
             s.attrs_dirty = False
             if not self.leases.rewrite_attrs():

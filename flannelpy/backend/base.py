@@ -49,6 +49,10 @@ class NodeContext:
     public_ipv6: IPv6Address | None = None
     # --ip-blackhole-route: a blackhole route for each own subnet (see blackhole_route).
     blackhole_own_subnets: bool = False
+    # Switched away from wireguard while a peer still runs it: the WireGuard device and
+    # key stay, and the pair stays encrypted until that peer switches too (make before
+    # break; :func:`flannelpy.backend.wireguard.keeping_context` decides).
+    keeps_wireguard: bool = False
 
 
 class Backend(Protocol):
@@ -140,7 +144,7 @@ def plan_peers(
     routed into a black hole.
     """
     # Our VTEP is the link we create; whether we prefer direct follows from the config.
-    own_caps = own_capabilities(ctx.config.backend, None)
+    own_caps = own_capabilities(ctx.config.backend, None, ctx.keeps_wireguard)
     caps = Capabilities(
         prefers_direct=own_caps.prefers_direct,
         vni=link.vni if link else None,

@@ -26,11 +26,12 @@ The rule, for a pair of nodes:
 
 0. a peer of a backend we do not speak (ipsec, udp, ...) → no path: a plain
    route would carry its traffic unencrypted, or into a device it lacks;
-0b. both ends run wireguard (the peer's lease carries a valid PublicKey) →
-   wireguard, through the WireGuard device. When only one end does, the node that
-   asked for encryption never gets a plain direct route: vxlan while both ends
-   still have a VTEP (a wireguard node keeps one while any peer is vxlan), else
-   no path;
+0b. either end runs wireguard and both have a WireGuard key (a node that switched
+   away from wireguard keeps its device, and its key in its lease, while any peer
+   still runs wireguard) → wireguard, through the WireGuard device. Otherwise the
+   node that asked for encryption never gets a plain direct route: vxlan while both
+   ends still have a VTEP (a wireguard node keeps one while any peer is vxlan),
+   else no path;
 1. on the same L2 segment and (direct is wanted, or either end lacks a VTEP) →
    direct route ``peer-subnet via peer-PublicIP dev <underlay>``. Direct is
    wanted when an end prefers it and the other follows (ours follow a peer that
@@ -76,8 +77,10 @@ class Capabilities:
     follows_peer: bool = True
     # The backend type, when it is one we cannot build a path to (udp, ipsec, ...).
     foreign_backend: str | None = None
-    # Runs wireguard: asks for encryption (and, for a peer, advertises a usable key).
+    # Runs wireguard: asks for encryption.
     encrypts: bool = False
+    # Has a WireGuard device and key (a peer: advertises a valid PublicKey). A node that
+    # runs wireguard always has one; another keeps it while a peer still runs wireguard.
     wireguard_key: bool = False
 
     @property
@@ -100,8 +103,12 @@ def _prefers_direct(backend_type: str, direct_routing: bool) -> bool:
     return backend_type == "host-gw" or (backend_type == "vxlan" and direct_routing)
 
 
-def own_capabilities(backend: BackendConfig, vtep_mac: str | None) -> Capabilities:
-    """Ours: a VTEP when we are given its MAC, and always under vxlan (we create the device)."""
+def own_capabilities(
+    backend: BackendConfig, vtep_mac: str | None, keeps_wireguard: bool = False
+) -> Capabilities:
+    """Ours: a VTEP when we are given its MAC, and always under vxlan (we create the
+    device); a WireGuard key under wireguard, or while we keep the device after a switch
+    away (``keeps_wireguard``)."""
     backend_type = backend.type.lower()
     has_vtep = vtep_mac is not None or backend_type == "vxlan"
     return Capabilities(
@@ -109,7 +116,7 @@ def own_capabilities(backend: BackendConfig, vtep_mac: str | None) -> Capabiliti
         vni=backend.vni if has_vtep else None,
         vtep_mac=vtep_mac if has_vtep else None,
         encrypts=_encrypts(backend_type),
-        wireguard_key=_encrypts(backend_type),
+        wireguard_key=_encrypts(backend_type) or keeps_wireguard,
     )
 
 
@@ -138,8 +145,9 @@ def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Ca
         vtep_mac=mac if has_vtep else None,
         follows_peer=not flanneld,
         encrypts=_encrypts(backend_type),
-        wireguard_key=_encrypts(backend_type) and _is_wg_key(
-            (attrs.backend_data or {}).get("PublicKey")),
+        # A vxlan or host-gw lease of ours carries a key while that node keeps its device.
+        wireguard_key=backend_type in SPOKEN_BACKENDS and (_encrypts(backend_type) or not flanneld)
+        and _is_wg_key((attrs.backend_data or {}).get("PublicKey")),
         # flanneld's udp backend writes no BackendType at all.
         foreign_backend=None if backend_type in SPOKEN_BACKENDS else (
             backend_type or "udp (no BackendType)"
@@ -166,9 +174,9 @@ def choose_path(own: Capabilities, peer: Capabilities, on_link: bool) -> PathKin
                 "run vxlan, host-gw or wireguard on every node that shares pods with "
                 "flannelpy nodes"
             )
+    if (own.encrypts or peer.encrypts) and own.wireguard_key and peer.wireguard_key:
+        return "wireguard"
     if own.encrypts and peer.encrypts:
-        if own.wireguard_key and peer.wireguard_key:
-            return "wireguard"
         return NoPath("its wireguard lease carries no valid PublicKey; restart its agent")
     if own.encrypts or peer.encrypts:
         # Never plain direct to or from a node that asked for encryption.

@@ -298,12 +298,16 @@ class WireguardRuntime:
         self.device: Any = None  # the WireguardDevice once started
         self.device_v6: Any = None  # flannel-wg-v6's, on a dual-stack node (Mode separate)
         self._retiring = 0  # bumped by every use and every retire: a stale timer does nothing
+        self._retire_pending = False
+        # The options the device last ran with: a node that switched away keeps them.
+        self.config = WireguardConfig()
 
     def prepare(self, config: WireguardConfig) -> str:
         """Choose kernel or userspace (refusing what cannot run) and load the key."""
         from flannelpy.dataplane import wireguard as dp
 
         with self._lock:
+            self.config = config
             if self.implementation is None:
                 self.implementation = dp.choose_implementation(
                     config.implementation, dp.kernel_module_available(), dp.find_wireguard_go()
@@ -330,6 +334,7 @@ class WireguardRuntime:
             return self._set_desired_v6(spec)
         with self._lock:
             self._retiring += 1  # in use again: a pending retire is off
+            self._retire_pending = False
         if self._sink is None:
             from flannelpy.dataplane.wireguard import WireguardDevice
 
@@ -344,7 +349,11 @@ class WireguardRuntime:
         self._sink.set_desired(spec)
 
     def _set_desired_v6(self, spec: WgDeviceSpec) -> None:
-        """The IPv6 device: a second wireguard-go (or kernel device) with the same key."""
+        """The IPv6 device: a second wireguard-go (or kernel device) with the same key
+        (the only one IPv6-only)."""
+        with self._lock:
+            self._retiring += 1  # in use again: a pending retire is off
+            self._retire_pending = False
         if self._sink is not None and self.device is None:  # a recorder (tests) takes both
             self._sink.set_desired(spec)
             return
@@ -368,15 +377,22 @@ class WireguardRuntime:
         if self.device_v6 is not None:
             self.device_v6.stop()
 
+    @property
+    def running(self) -> bool:
+        """A device is up (and not yet retired): a node that switched away may keep it."""
+        return self.device is not None or self.device_v6 is not None
+
     def retire(self, after: float = RETIRE_AFTER_SECONDS) -> threading.Timer | None:
-        """The node switched to another backend: stop wireguard-go and delete the device
+        """No peer needs the device any more: stop wireguard-go and delete the device
         ``after`` seconds from now, unless wireguard is planned again before. The device
-        keeps its peers meanwhile (make-before-break): peers still on wireguard send
-        through it until they see our new lease and move the pair to vxlan."""
+        keeps its peers meanwhile (make-before-break): peers still sending through it
+        do so until they see our new lease and move the pair to vxlan. Idempotent: a
+        retire already pending is not pushed back."""
         with self._lock:
-            if self.device is None and self.device_v6 is None:
+            if (self.device is None and self.device_v6 is None) or self._retire_pending:
                 return None
             self._retiring += 1
+            self._retire_pending = True
             ticket = self._retiring
         timer = threading.Timer(after, self._retire, args=(ticket,))
         timer.daemon = True
@@ -391,15 +407,74 @@ class WireguardRuntime:
             if self._sink is self.device:
                 self._sink = None
             self.device = self.device_v6 = None
+            self._retire_pending = False
         for device in devices:
             log.info("wireguard no longer used; removing device=%s", device.name)
             device.stop()
 
 
-def retire_unless(backend_type: str) -> None:
-    """After a backend switch: the WireGuard device goes unless the node runs wireguard."""
-    if backend_type != WireguardBackend.type_name and _runtime is not None:
-        _runtime.retire()
+def runs_wireguard(lease: Lease) -> bool:
+    """The lease's node runs wireguard and advertises a usable key."""
+    return lease.attrs.backend_type.lower() == WireguardBackend.type_name and (
+        lease_public_key(lease) is not None
+    )
+
+
+def keeping_context(ctx: NodeContext, backend_type: str, peers: Sequence[Lease]) -> NodeContext:
+    """``ctx`` with ``keeps_wireguard`` set when this node, on another backend now, still
+    has its WireGuard device and a peer still runs wireguard: the pair then stays
+    encrypted until that peer switches too, so switching back from wireguard node by node
+    never leaves a pair without a path (the peer has dropped its VTEP). IPv4 only: the
+    IPv6 device is not kept."""
+    runtime = _runtime
+    keeps = (
+        backend_type != WireguardBackend.type_name
+        and ctx.public_ip is not None
+        and runtime is not None
+        and runtime.running
+        and any(runs_wireguard(peer) for peer in routable_peers(ctx, [], peers))
+    )
+    return replace(ctx, keeps_wireguard=keeps) if keeps != ctx.keeps_wireguard else ctx
+
+
+def kept_device_mtu(ctx: NodeContext) -> int:
+    """The kept device's MTU: the largest packet that crosses a pair still encrypted."""
+    return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu)
+
+
+def with_kept_key(ctx: NodeContext, attrs: LeaseAttrs) -> LeaseAttrs:
+    """Our lease while we keep the device: BackendData carries the key and port too, so
+    peers still on wireguard keep the pair encrypted."""
+    runtime = _runtime
+    if not ctx.keeps_wireguard or runtime is None:
+        return attrs
+    data = dict(attrs.backend_data or {})
+    data.update({"PublicKey": runtime.public_key, "Port": runtime.config.listen_port})
+    return replace(attrs, backend_data=data)
+
+
+def plan_kept(
+    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], desired: DesiredState
+) -> DesiredState:
+    """On a node that does not run wireguard: while it keeps the device, the device's
+    peers are the wireguard peers and the Network is routed through it as under
+    wireguard (the other peers' routes are more specific); once it does not, the
+    device is retired (a few seconds later, so peers that have not seen our new lease
+    yet still get through)."""
+    runtime = _runtime
+    if runtime is None or not runtime.running:
+        return desired
+    if not ctx.keeps_wireguard:
+        runtime.retire()
+        return desired
+    config = runtime.config
+    runtime.set_desired(plan_device(
+        ctx, config, own, device_peers(ctx, own, peers), runtime.public_key,
+        kept_device_mtu(ctx),
+    ))  # fmt: skip
+    if ctx.config.network is None:
+        return desired
+    return replace(desired, routes=desired.routes | {network_route(ctx.config.network)})
 
 
 def default_key_file(state_dir: str) -> str:
@@ -439,7 +514,10 @@ class WireguardBackend:
         return parse_wireguard_config(ctx.config.backend)
 
     def mtu(self, ctx: NodeContext) -> int:
-        """The pods' MTU: dual stack takes the smaller of the two devices'."""
+        """The pods' MTU: dual stack takes the smaller of the two devices', IPv6-only the
+        IPv6 device's."""
+        if not ctx.config.enable_ipv4:
+            return self.device_mtu_v6(ctx)
         v4 = self.device_mtu(ctx)
         return min(v4, self.device_mtu_v6(ctx)) if ipv6.enabled(ctx) else v4
 
@@ -468,7 +546,8 @@ class WireguardBackend:
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
-            backend_data=data,
+            # IPv6-only, Flannel writes BackendV6Data alone.
+            backend_data=data if ctx.config.enable_ipv4 else None,
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
             public_ipv6=ctx.public_ipv6 if v6 else None,
@@ -485,7 +564,7 @@ class WireguardBackend:
         own_public_key: str | None,
     ) -> WgDeviceSpec:  # fmt: skip
         """The WireGuard device this node should have (pure)."""
-        return plan_device(ctx, self.config(ctx), own, wireguard_peers(ctx, own, peers),
+        return plan_device(ctx, self.config(ctx), own, device_peers(ctx, own, peers),
                            own_public_key, self.device_mtu(ctx))  # fmt: skip
 
     def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
@@ -501,11 +580,11 @@ class WireguardBackend:
         runtime = self._runtime or current_runtime()
         if runtime is not None:
             runtime.prepare(config)
-            spec = self.device_spec(ctx, own, peers, runtime.public_key)
-            runtime.set_desired(spec)
+            if ctx.config.enable_ipv4:  # IPv6-only, Flannel creates flannel-wg-v6 alone
+                runtime.set_desired(self.device_spec(ctx, own, peers, runtime.public_key))
             if ipv6.enabled(ctx):
                 runtime.set_desired(plan_device_v6(
-                    config, own, wireguard_peers(ctx, own, peers), runtime.public_key,
+                    config, own, wireguard_peers_v6(ctx, own, peers), runtime.public_key,
                     self.device_mtu_v6(ctx),
                 ))  # fmt: skip
             runtime.report_unencrypted(unencrypted_peers(ctx, own, peers))
@@ -541,11 +620,41 @@ def wireguard_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Leas
     return [peer for peer, path in _paths(ctx, own, peers) if path == "wireguard"]
 
 
+def wireguard_peers_v6(
+    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]
+) -> list[Lease]:
+    """The IPv6 device's peers. Dual stack: the nodes the IPv4 pair rule sends through
+    WireGuard. IPv6-only: the rule applied to the IPv6 capabilities (BackendV6Data's key),
+    on the IPv6 underlay."""
+    if ctx.config.enable_ipv4:
+        return wireguard_peers(ctx, own, peers)
+    caps = ipv6.own_capabilities_v6(replace(ctx, keeps_wireguard=False))
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    return [
+        peer for peer in routable_peers(ctx, own, peers)
+        if (ip6 := peer.attrs.public_ipv6) is not None
+        and choose_path(caps, ipv6.peer_capabilities_v6(peer, flanneld_dr),
+                        ctx.underlay.on_link(ip6)) == "wireguard"
+    ]  # fmt: skip
+
+
+def device_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> list[Lease]:
+    """The IPv4 device's peers: those the pair rule sends through WireGuard, and those
+    of ours that still have a device and key although the pair now takes vxlan or a
+    direct route (it just switched back from wireguard): until such a peer sees our
+    lease change it still sends to us encrypted, and a device without it would drop
+    that. What leaves through the device is decided by our routes, and a pair that is
+    not wireguard has a more specific route elsewhere."""
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    return [peer for peer, path in _paths(ctx, own, peers)
+            if path == "wireguard" or peer_capabilities(peer, flanneld_dr).wireguard_key]
+
+
 def _paths(
     ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]
 ) -> list[tuple[Lease, object]]:
     # Our VTEP does not change whether a pair is wireguard; for vxlan, assume we have one.
-    caps: Capabilities = own_capabilities(ctx.config.backend, None)
+    caps: Capabilities = own_capabilities(ctx.config.backend, None, ctx.keeps_wireguard)
     caps = replace(caps, vni=ctx.config.backend.vni)
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     return [

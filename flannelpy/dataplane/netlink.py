@@ -291,13 +291,16 @@ class NetlinkKernel:
     def _apply(self, changes: Changes) -> ApplyResult:
         with nl.NetlinkSocket() as sock, _Batch(sock, self.protocol, self.adopt) as run:
             run.links(changes)
-            run.entries("routes_to_delete", changes.routes_to_delete)
             run.addresses("addresses_to_add", changes.addresses_to_add)
             run.addresses("addresses_to_delete", changes.addresses_to_delete)
             # Per peer: neighbour, FDB, then the route, so the kernel never ARPs.
             run.entries("neighbours_to_set", changes.neighbours_to_set)
             run.entries("fdb_to_set", changes.fdb_to_set)
             run.entries("routes_to_set", run.not_foreign(changes.routes_to_set))
+            # Old routes go only once the new ones are in (their destinations differ):
+            # a peer moving from the Network's route through flannel-wg to its own
+            # route through the VTEP, or back, is never without a route in between.
+            run.entries("routes_to_delete", changes.routes_to_delete)
             # A peer's stale neighbour and FDB go only once its route points elsewhere
             # (vxlan -> direct): packets routed to a deleted neighbour wait for an ARP
             # that never comes on the VTEP, and are dropped.

@@ -119,46 +119,50 @@ def check_lease(facts: NodeFacts, plan: Plan) -> list[Finding]:
                     "start the agent (or look at its log for why it cannot acquire a lease)")
         ]  # fmt: skip
     own = plan.own
+    held = own.primary_subnet
     findings: list[Finding] = []
     own_keys = {lease.key for lease in plan.own_all}
+    # IPv6-only, a node is known by its IPv6 address (its leases have no IPv4 one).
+    address = plan.ctx.public_ip if plan.ctx.config.enable_ipv4 else plan.ctx.public_ipv6
     twins = [
         lease for lease in facts.leases
-        if lease.key not in own_keys and lease.attrs.public_ip == plan.ctx.public_ip
+        if lease.key not in own_keys and address is not None and address in (
+            lease.attrs.public_ip, lease.attrs.public_ipv6)
     ]  # fmt: skip
     if twins:
-        names = ", ".join(str(t.subnet) for t in twins)
+        names = ", ".join(str(t.primary_subnet) for t in twins)
         findings.append(
             Finding("warning", "lease", f"{len(twins)} other lease(s) advertise this node's "
-                    f"address {plan.ctx.public_ip} ({names}): leftovers of an earlier run; "
+                    f"address {address} ({names}): leftovers of an earlier run; "
                     "peers route those subnets here", "delete the stale lease key(s) from etcd",
                     names)
         )  # fmt: skip
     ttl = facts.own_lease_ttl
     margin = facts.settings.subnet_lease_renew_margin * 60.0
     if facts.settings.kube_subnet_mgr:
-        findings.append(Finding("ok", "lease", f"{own.subnet} held (the Node's podCIDR; it "
+        findings.append(Finding("ok", "lease", f"{held} held (the Node's podCIDR; it "
                                 "does not expire)"))  # fmt: skip
     elif own.store_lease_id is None:
-        findings.append(Finding("ok", "lease", f"{own.subnet} is a reservation (never expires)"))
+        findings.append(Finding("ok", "lease", f"{held} is a reservation (never expires)"))
     elif ttl is None:
         findings.append(
-            Finding("ok", "lease", f"{own.subnet} held; its expiry could not be read")
+            Finding("ok", "lease", f"{held} held; its expiry could not be read")
         )
     elif ttl < LEASE_CRITICAL_SECONDS:
         findings.append(
-            Finding("error", "lease", f"{own.subnet} expires in {duration(ttl)}: the agent is "
+            Finding("error", "lease", f"{held} expires in {duration(ttl)}: the agent is "
                     "not renewing it, and when it expires another node may take the subnet",
-                    "start the agent or look at its log for renewal errors", str(own.subnet))
+                    "start the agent or look at its log for renewal errors", str(held))
         )  # fmt: skip
     elif ttl < margin - RENEW_SLACK_SECONDS:
         findings.append(
-            Finding("warning", "lease", f"{own.subnet} expires in {duration(ttl)}, past the "
+            Finding("warning", "lease", f"{held} expires in {duration(ttl)}, past the "
                     f"renewal point ({duration(margin)} before expiry): renewals are failing",
                     "look at the agent log for renewal errors and at the store's health",
-                    str(own.subnet))
+                    str(held))
         )  # fmt: skip
     else:
-        findings.append(Finding("ok", "lease", f"{own.subnet} held, expires in {duration(ttl)}"))
+        findings.append(Finding("ok", "lease", f"{held} held, expires in {duration(ttl)}"))
     return findings
 
 

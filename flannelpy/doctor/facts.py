@@ -119,6 +119,7 @@ class NodeFacts:
     status_mtime: float | None = None
     previous: CounterSnapshot | None = None
     wireguard: WireguardFacts | None = None  # with the wireguard backend only
+    wireguard_v6: WireguardFacts | None = None  # flannel-wg-v6, with IPv6 enabled too
 
 
 def parse_snapshot(raw: str) -> CounterSnapshot | None:

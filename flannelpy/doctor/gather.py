@@ -58,12 +58,18 @@ def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> N
     with _Store(settings) as store:
         facts = replace(facts, **store.read())
         facts = replace(facts, **_kernel_facts(settings, facts))
-        if facts.config is not None and facts.config.backend.type == "wireguard":
-            facts = replace(facts, wireguard=_wireguard_facts(settings))
+        config = facts.config
+        if config is not None and config.backend.type == "wireguard":
+            if config.enable_ipv4:
+                facts = replace(facts, wireguard=_wireguard_facts(settings))
+            if config.enable_ipv6:
+                facts = replace(facts, wireguard_v6=_wireguard_facts(settings, v6=True))
         nftables = facts.config is not None and facts.config.enable_nftables
         facts = replace(facts, **(_nft_facts() if nftables else _firewall_facts()))
         if facts.underlay is not None:
-            own = own_lease(facts, settings.public_ip or facts.underlay.ip)
+            v4 = config is None or config.enable_ipv4
+            own = own_lease(facts, (settings.public_ip or facts.underlay.ip) if v4 else None,
+                            facts.underlay.ip6)  # fmt: skip
             if own is not None and own.store_lease_id is not None:
                 facts = replace(facts, own_lease_ttl=store.ttl(own.store_lease_id))
     return facts
@@ -105,7 +111,9 @@ class _Store:
                 leases, _ = self.manager.list_leases()
                 from flannelpy.subnet.etcd.pools import PoolStore
 
-                pools = PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
+                # Pools are IPv4 ranges: none IPv6-only (the agent turns them off too).
+                pools = (PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
+                         if config.network is not None else [])  # fmt: skip
                 return {
                     "config": config, "leases": tuple(leases.values()),
                     "pool_networks": tuple(p.network for p in pools if not p.primary),
@@ -165,20 +173,22 @@ def first_snapshot(manager: SubnetManager, timeout: float) -> Mapping[str, Lease
     return leases
 
 
-def _wireguard_facts(settings: AgentSettings) -> WireguardFacts:
-    """The device through wireguard-go's socket in the agent's run dir, else the kernel."""
+def _wireguard_facts(settings: AgentSettings, v6: bool = False) -> WireguardFacts:
+    """The device (``flannel-wg``, or ``flannel-wg-v6``) through wireguard-go's socket in
+    the agent's run dir, else the kernel."""
     import os
 
-    from flannelpy.backend.wireguard import DEVICE
+    from flannelpy.backend import wireguard
     from flannelpy.dataplane.uapi import uapi_get
     from flannelpy.dataplane.wireguard import KernelConfigurator
 
+    device = wireguard.DEVICE_V6 if v6 else wireguard.DEVICE
     sock_dir = os.path.join(settings.run_dir, "wireguard")
-    sock = os.path.join(sock_dir, f"{DEVICE}.sock")
+    sock = os.path.join(sock_dir, f"{device}.sock")
     if os.path.exists(sock):
         pid = None
         try:
-            with open(os.path.join(sock_dir, f"{DEVICE}.pid")) as f:
+            with open(os.path.join(sock_dir, f"{device}.pid")) as f:
                 pid = int(f.read().strip())
         except (OSError, ValueError):
             pass
@@ -187,12 +197,12 @@ def _wireguard_facts(settings: AgentSettings) -> WireguardFacts:
         except DataplaneError as e:
             return WireguardFacts("userspace", None, pid, str(e))
     kinds = {link.name: link.kind for link in read_links()}
-    if kinds.get(DEVICE) == "wireguard":
+    if kinds.get(device) == "wireguard":
         try:
-            return WireguardFacts("kernel", KernelConfigurator(DEVICE).get())
+            return WireguardFacts("kernel", KernelConfigurator(device).get())
         except (DataplaneError, OSError) as e:
             return WireguardFacts("kernel", None, error=str(e))
-    return WireguardFacts(None, error=f"no {DEVICE} device and no wireguard-go socket {sock}")
+    return WireguardFacts(None, error=f"no {device} device and no wireguard-go socket {sock}")
 
 
 def _kernel_facts(settings: AgentSettings, facts: NodeFacts) -> dict[str, Any]:

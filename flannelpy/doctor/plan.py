@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 
 from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.ipv6 import device_name_v6
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.vxlan import device_name
 from flannelpy.control.change import wanted_config
@@ -32,18 +33,18 @@ class Plan:
     own_all: tuple[Lease, ...]  # every lease of this node (own first); () without own
     overlay_mtu: int
     desired: DesiredState | None  # None without our own lease
-    device: str  # flannel.<VNI>: ours under vxlan, stale under host-gw
+    device: str  # flannel.<VNI> (IPv6-only flannel-v6.<VNI>): ours under vxlan, stale under host-gw
     rejected: tuple[Rejection, ...] = ()  # peer leases the agent never programs
 
 
 def plan_node(facts: NodeFacts) -> Plan | str:
     """The agent's view of this node, or why it cannot be computed."""
-    if facts.config is None or facts.config.network is None:
+    if facts.config is None or (facts.config.enable_ipv4 and facts.config.network is None):
         return "the network config is unknown"
     if facts.underlay is None:
         return "the underlay interface is unknown"
     config = facts.config
-    network = facts.config.network
+    network = facts.config.network  # None IPv6-only
     running = (facts.status or {}).get("backend_config")
     try:
         if isinstance(running, Mapping):
@@ -54,27 +55,35 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     except ConfigError as e:
         return str(e)
     settings = facts.settings
+    underlay = facts.underlay
+    public_ipv6 = (IPv6Address(settings.public_ipv6) if settings.public_ipv6 else underlay.ip6)
     ctx = NodeContext(
         config=config,
-        underlay=facts.underlay,
-        public_ip=settings.public_ip or facts.underlay.ip,
+        underlay=underlay,
+        public_ip=(settings.public_ip or underlay.ip) if config.enable_ipv4 else None,
         node_name=settings.node_name or "",
+        public_ipv6=public_ipv6 if config.enable_ipv6 else None,
         blackhole_own_subnets=settings.ip_blackhole_route,
     )
-    own = own_lease(facts, ctx.public_ip)
+    own = own_lease(facts, ctx.public_ip, ctx.public_ipv6)
     reported = (facts.status or {}).get("leases") or []
     others = tuple(
         lease for lease in facts.leases
-        if own is not None and lease.key != own.key and str(lease.subnet) in reported
+        if own is not None and lease.key != own.key and str(lease.primary_subnet) in reported
     )  # fmt: skip
     own_all = (own, *others) if own is not None else ()
     own_keys = {lease.key for lease in own_all}
+    networks = [network, *facts.pool_networks] if network is not None else []
     bounds = Bounds(
-        networks=tuple(dict.fromkeys([network, *facts.pool_networks])),
+        networks=tuple(dict.fromkeys(networks)),
         own=tuple(lease.subnet for lease in own_all if lease.subnet is not None),
-        host=facts.underlay.networks,
+        host=underlay.networks,
         public_ip=ctx.public_ip,
-        host_ips=(facts.underlay.ip,) if facts.underlay.ip is not None else (),
+        host_ips=(underlay.ip,) if underlay.ip is not None else (),
+        ipv6_networks=(config.ipv6_network,) if config.ipv6_network is not None else (),
+        own6=tuple(x.ipv6_subnet for x in own_all if x.ipv6_subnet is not None),
+        host6=tuple(underlay.networks6),
+        host_ips6=tuple(ip for ip in (underlay.ip6, ctx.public_ipv6) if ip is not None),
     )
     accepted, rejected = split_peers({x.key: x for x in facts.leases}, own_keys, bounds)
     peers = tuple(accepted.values())
@@ -82,19 +91,29 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     desired = backend.plan(ctx, list(own_all), list(peers), vtep_mac) if own else None
     return Plan(
         backend, ctx, own, peers, own_all, backend.mtu(ctx), desired,
-        device_name(config.backend.vni), tuple(rejected[k] for k in sorted(rejected)),
+        # IPv6-only, the one VTEP is flannel-v6.<VNI>.
+        device_name(config.backend.vni) if config.enable_ipv4
+        else device_name_v6(config.backend.vni),
+        tuple(rejected[k] for k in sorted(rejected)),
     )  # fmt: skip
 
 
-def own_lease(facts: NodeFacts, public_ip: IPv4Address | None) -> Lease | None:
+def own_lease(
+    facts: NodeFacts, public_ip: IPv4Address | None, public_ipv6: IPv6Address | None = None
+) -> Lease | None:
     """Our lease: the subnet the agent reports, else the one advertising our address
-    (Flannel's identity of a node), else the one carrying our node name."""
+    (Flannel's identity of a node; IPv6-only, our IPv6 address), else the one carrying
+    our node name."""
     reported = (facts.status or {}).get("lease")
     for lease in facts.leases:
-        if reported and str(lease.subnet) == reported:
+        if reported and str(lease.primary_subnet) == reported:
             return lease
     for lease in facts.leases:
         if public_ip is not None and lease.attrs.public_ip == public_ip:
+            return lease
+        if public_ip is None and public_ipv6 is not None and (
+            lease.attrs.public_ipv6 == public_ipv6
+        ):
             return lease
     name = facts.settings.node_name
     return next((lease for lease in facts.leases if name and lease.attrs.node_name == name), None)

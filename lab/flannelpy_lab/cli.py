@@ -213,7 +213,8 @@ def _up(args: argparse.Namespace) -> int:
 def summary(state: LabState) -> str:
     mode = state.backend + (" (DirectRouting)" if state.direct_routing else "")
     lines = [
-        f"lab {state.name} is up: {len(state.nodes)} nodes, {mode}, network {state.network}",
+        f"lab {state.name} is up: {len(state.nodes)} nodes, {mode}, network "
+        f"{plan.pod_networks(state)}",
         f"etcd {','.join(state.etcd_endpoints)} (prefix {state.etcd_prefix}), "
         f"files in {state.lab_dir}",
         "",

@@ -130,9 +130,10 @@ def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
     route to FLANNEL_IPV6_NETWORK; the pods' default routes of both families come from the
     bridge plugin's isDefaultGateway. ``ipam.dataDir`` is the lab's addition, passed through
     as a user's ``ipam`` in the flannel conflist would be."""
-    # The plugin parses FLANNEL_SUBNET with net.ParseCIDR: the network, not .1
-    ranges = [[{"subnet": str(IPv4Interface(env.subnet).network)}]]
-    routes = [{"dst": env.network}]
+    # The plugin parses FLANNEL_SUBNET with net.ParseCIDR: the network, not .1. IPv6-only
+    # subnet.env has neither FLANNEL_SUBNET nor FLANNEL_NETWORK: the IPv6 range alone.
+    ranges = [[{"subnet": str(IPv4Interface(env.subnet).network)}]] if env.subnet else []
+    routes = [{"dst": env.network}] if env.network else []
     if env.ipv6_subnet:
         ranges.append([{"subnet": str(IPv6Interface(env.ipv6_subnet).network)}])
     if env.ipv6_network:

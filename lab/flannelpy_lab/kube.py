@@ -388,13 +388,17 @@ def _start_controller_manager(state: LabState, save: Save) -> None:
 
 
 def _cluster_cidr_args(state: LabState) -> list[str]:
-    """The node IPAM controller's ranges: the IPv4 network, and in dual stack the IPv6
-    one beside it (a v4 and a v6 podCIDR per Node, sized as net-conf.json's subnets)."""
+    """The node IPAM controller's ranges: the IPv4 network, in dual stack the IPv6 one
+    beside it (a v4 and a v6 podCIDR per Node), IPv6-only the IPv6 one alone; sized as
+    net-conf.json's subnets."""
     conf = json.loads(plan.net_conf_json(state.network, state.backend, state.direct_routing,
                                          state.extra.get("net_conf_extra")))  # fmt: skip
     if not conf.get("EnableIPv6"):
         return ["--cluster-cidr", state.network, "--node-cidr-mask-size",
                 str(_subnet_len(state))]  # fmt: skip
+    if conf.get("EnableIPv4") is False:  # IPv6-only: one IPv6 podCIDR per Node
+        return ["--cluster-cidr", conf["IPv6Network"], "--node-cidr-mask-size",
+                str(int(conf.get("IPv6SubnetLen", 64)))]  # fmt: skip
     return ["--cluster-cidr", f"{state.network},{conf['IPv6Network']}",
             "--node-cidr-mask-size-ipv4", str(_subnet_len(state)),
             "--node-cidr-mask-size-ipv6", str(int(conf.get("IPv6SubnetLen", 64)))]  # fmt: skip
@@ -553,10 +557,12 @@ def node_lease(node: dict[str, Any]) -> dict[str, Any] | None:
     annotations = (node.get("metadata") or {}).get("annotations") or {}
     cidr = (node.get("spec") or {}).get("podCIDR")
     public_ip = annotations.get(ANNOTATION_PREFIX + "public-ip")
-    if not cidr or not public_ip:
+    # IPv6-only, Flannel writes the IPv6 annotations alone (and the podCIDR is IPv6).
+    public_ipv6 = annotations.get(ANNOTATION_PREFIX + "public-ipv6")
+    if not cidr or not (public_ip or public_ipv6):
         return None
     name = (node.get("metadata") or {}).get("name")
-    return {"key": name, "subnet": cidr, "public_ip": public_ip,
+    return {"key": name, "subnet": cidr, "public_ip": public_ip, "public_ipv6": public_ipv6,
             "backend": annotations.get(ANNOTATION_PREFIX + "backend-type"),
             "node_name": name, "error": None}  # fmt: skip
 
@@ -573,7 +579,11 @@ def node_has_lease(state: LabState, node: NodeInfo) -> bool:
     except LabError:  # the API briefly unreachable: not ready yet
         return False
     lease = node_lease(doc)
-    return lease is not None and lease["public_ip"] == str(node.ip)
+    if lease is None:
+        return False
+    if plan.ipv6_only(state):
+        return lease["public_ipv6"] == plan.ipv6_underlay_ip(node)
+    return lease["public_ip"] == str(node.ip)
 
 
 def _ref(state: LabState, name: str) -> procs.ProcessRef | None:

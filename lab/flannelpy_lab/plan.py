@@ -163,6 +163,14 @@ def ipv6_only(state: LabState) -> bool:
     return (state.extra.get("net_conf_extra") or {}).get("EnableIPv4") is False
 
 
+def pod_networks(state: LabState) -> str:
+    """The pod network(s) the lab runs, for its one-line summaries."""
+    v6 = (state.extra.get("net_conf_extra") or {}).get("IPv6Network")
+    if ipv6_only(state):
+        return str(v6)
+    return f"{state.network}, {v6}" if ipv6_enabled(state) and v6 else state.network
+
+
 def ipv6_enabled(state: LabState) -> bool:
     return bool((state.extra.get("net_conf_extra") or {}).get("EnableIPv6"))
 

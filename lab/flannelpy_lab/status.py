@@ -89,7 +89,7 @@ def collect(state: LabState) -> dict[str, Any]:
                 "underlay_address": node.underlay_address,
                 "lease": lease["subnet"] if lease else None,
                 "backend": lease["backend"] if lease else None,
-                "overlay_address": overlay[node.name],
+                "overlay_address": overlay[node.name] or overlay_address6(node),
                 "segment": node.segment,
                 "agent_kind": node.agent_kind,  # "flannelpy" (ours) or "flanneld" (upstream)
                 "agent_pid": node.agent_pid,
@@ -105,18 +105,20 @@ def collect(state: LabState) -> dict[str, Any]:
                 ],
             }
         )
-    reach = matrix(state.nodes, overlay)
-    # Dual stack: the same node-pair matrix in IPv6, over the IPv6 underlay.
-    reach6 = None
+    # One node-pair and one pod-pair matrix per family the lab runs: IPv4 unless it is
+    # IPv6-only, IPv6 (over the IPv6 underlay) in dual stack and IPv6-only.
+    reach = pod_reach = reach6 = pod_reach6 = None
+    if not plan.ipv6_only(state):
+        reach = matrix(state.nodes, overlay)
+        pod_reach = pods.pod_matrix(state.pods)
     if plan.ipv6_enabled(state):
         reach6 = matrix(state.nodes, {n.name: overlay_address6(n) for n in state.nodes})
-    pod_reach = pods.pod_matrix(state.pods)
-    pod_reach6 = pods.pod_matrix(state.pods, family=6) if reach6 is not None else None
+        pod_reach6 = pods.pod_matrix(state.pods, family=6)
     return {
         "name": state.name,
         "backend": state.backend,
         "direct_routing": state.direct_routing,
-        "network": state.network,
+        "network": plan.pod_networks(state),
         "etcd_endpoint": state.etcd_endpoint,
         "etcd_endpoints": state.etcd_endpoints,
         "etcd_error": etcd_error,
@@ -218,36 +220,47 @@ def render_text(doc: dict[str, Any]) -> str:
             ]
         )
     lines += ["", f"leases in etcd: {len(doc['leases'])}", *_table(rows)]
-    lines += ["", "reachability over the overlay (ping from row to column):"]
-    lines += render_matrix(doc["matrix"])
-    if doc.get("matrix_ipv6"):
-        lines += ["", "IPv6 (over the IPv6 underlay):"]
-        lines += render_matrix(doc["matrix_ipv6"])
-    pairs = [ok for row in doc["matrix"].values() for ok in row.values()]
-    failed = pairs.count(False)
-    verdict = (
-        f"all {len(pairs)} node pairs reach each other"
-        if not failed
-        else f"{failed} of {len(pairs)} node pairs do not reach"
-    )
-    lines += ["", verdict]
-    pod_reach = doc.get("pod_matrix") or {}
-    if pod_reach:
+    node_matrices = _per_family(doc, "matrix")
+    for i, (family, reach) in enumerate(node_matrices):
+        title = ("reachability over the overlay" if family == "IPv4" else
+                 "IPv6 (over the IPv6 underlay)" if i else
+                 "reachability over the overlay in IPv6 (over the IPv6 underlay)")
+        lines += ["", f"{title} (ping from row to column):", *render_matrix(reach)]
+    lines += ["", _verdict("node", node_matrices)]
+    pod_matrices = _per_family(doc, "pod_matrix")
+    if any(reach for _, reach in pod_matrices):
         rows = [["POD", "NODE", "ADDRESS", "NAMESPACE"]]
         for n in doc["nodes"]:
             for p in n.get("pods", []):
                 rows.append([p["name"], n["name"], p["address"] or "-", p["namespace"]])
         lines += ["", f"pods ({doc.get('cni_exec') or '?'} CNI executable):", *_table(rows)]
-        lines += ["", "pod-to-pod reachability (ping from row to column):"]
-        lines += render_matrix(pod_reach)
-        if doc.get("pod_matrix_ipv6"):
-            lines += ["", "pod-to-pod in IPv6:"]
-            lines += render_matrix(doc["pod_matrix_ipv6"])
-        pairs = [ok for row in pod_reach.values() for ok in row.values()]
-        failed = pairs.count(False)
-        lines += ["", f"all {len(pairs)} pod pairs reach each other" if not failed
-                  else f"{failed} of {len(pairs)} pod pairs do not reach"]
+        for i, (family, reach) in enumerate(pod_matrices):
+            title = ("pod-to-pod reachability" if family == "IPv4" else
+                     "pod-to-pod in IPv6" if i else "pod-to-pod reachability in IPv6")
+            lines += ["", f"{title} (ping from row to column):", *render_matrix(reach)]
+        lines += ["", _verdict("pod", pod_matrices)]
     return "\n".join(lines)
+
+
+def _per_family(doc: dict[str, Any], key: str) -> list[tuple[str, dict[str, dict[str, bool]]]]:
+    """The document's matrices of one kind, IPv4 first, for the families the lab runs."""
+    found = [("IPv4", doc.get(key)), ("IPv6", doc.get(f"{key}_ipv6"))]
+    return [(family, reach) for family, reach in found if reach is not None]
+
+
+def _verdict(kind: str, matrices: list[tuple[str, dict[str, dict[str, bool]]]]) -> str:
+    """One line over every family: all pairs reach, or how many do not (and in which)."""
+    pairs = len([ok for row in (matrices[0][1] if matrices else {}).values() for ok in row])
+    failing = {family: sum(not ok for row in reach.values() for ok in row.values())
+               for family, reach in matrices}  # fmt: skip
+    both = " in both families" if len(matrices) > 1 else (
+        f" in {matrices[0][0]}" if matrices and matrices[0][0] == "IPv6" else "")
+    if not any(failing.values()):
+        return f"all {pairs} {kind} pairs reach each other{both}"
+    if len(matrices) == 1:
+        return f"{failing[matrices[0][0]]} of {pairs} {kind} pairs do not reach{both}"
+    parts = [f"{n} of {pairs} in {family}" for family, n in failing.items() if n]
+    return f"{kind} pairs that do not reach: {', '.join(parts)}"
 
 
 def render_members(members: list[dict[str, Any]]) -> list[str]:

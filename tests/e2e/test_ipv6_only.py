@@ -1,19 +1,22 @@
-"""IPv6-only on the lab (``EnableIPv4: false``): 3 nodes, vxlan or host-gw over the ULA
-underlay, real agents and etcd, one pod per node through the real CNI executable.
+"""IPv6-only on the lab (``EnableIPv4: false``): 3 nodes, vxlan, host-gw or wireguard over
+the ULA underlay, real agents and etcd, one pod per node through the real CNI executable.
 
 Every node pair (cni0's IPv6 address to cni0's) and every pod pair reaches over IPv6;
 a DF packet of exactly the overlay MTU (vxlan: underlay 1500 - 70 = 1430; host-gw:
-1500) crosses and one byte more is refused on the sending side; each pod is IPv6-only
-(its CNI result holds one IPv6 address, the IPv6 gateway and a default route ``::/0``,
-and it has no IPv4 address); subnet.env has no FLANNEL_NETWORK / FLANNEL_SUBNET; and
-the leases are Flannel's IPv6-only keys (``0.0.0.0-0&<subnet6>``) with
-``"PublicIP":"0.0.0.0"``.
+1500; wireguard, ``flannel-wg-v6`` alone: 1500 - 80 = 1420) crosses and one byte more
+is refused on the sending side; each pod is IPv6-only (its CNI result holds one IPv6
+address, the IPv6 gateway and a default route ``::/0``, and it has no IPv4 address);
+subnet.env has no FLANNEL_NETWORK / FLANNEL_SUBNET; and the leases are Flannel's
+IPv6-only keys (``0.0.0.0-0&<subnet6>``) with ``"PublicIP":"0.0.0.0"``. With
+wireguard, the underlay carries the pods' packets only as UDP 51821 between the nodes,
+never their payload.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from ipaddress import IPv6Interface, ip_interface
 from pathlib import Path
 
@@ -21,11 +24,14 @@ import pytest
 from flannelpy_lab import Lab, etcd, plan, pods, status, topology
 from flannelpy_lab.state import NodeInfo, PodInfo
 
-from tests.support.lab_util import running_lab
+from tests.support.lab_util import lab_run_argv, running_lab
+from tests.support.underlay_capture import captured_flows, underlay_capture
 
 pytestmark = [pytest.mark.lab]
 
 V6_HEADERS = 48  # IPv6 + ICMPv6 headers: ping's payload = packet - 48
+WG_PORT_V6 = 51821
+MARKER = "FLPWG6ONLY-SECRT"  # 16 bytes: ping -p takes at most 16
 
 
 def df_ping(ns: str, dst: str, packet: int) -> tuple[bool, str]:
@@ -54,9 +60,11 @@ def lease_values(lab: Lab) -> dict[str, dict[str, object]]:
     return {key: json.loads(value) for key, value in raw.items()}
 
 
-# vxlan: 1500 - 70 (VXLAN over IPv6); host-gw: the underlay's MTU.
-@pytest.mark.parametrize(("backend", "overlay_mtu"), [("vxlan", 1430), ("host-gw", 1500)])
-def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(backend: str, overlay_mtu: int) -> None:
+# vxlan: 1500 - 70 (VXLAN over IPv6); host-gw: the underlay's MTU; wireguard: 1500 - 80.
+@pytest.mark.parametrize(("backend", "overlay_mtu"),
+                         [("vxlan", 1430), ("host-gw", 1500), ("wireguard", 1420)])
+def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(backend: str, overlay_mtu: int,
+                                                            tmp_path: Path) -> None:
     with running_lab(
         3, backend, overlay_bridge=True, pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("ipv6"),
@@ -77,7 +85,11 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(backend: str, overla
             assert value["PublicIP"] == "0.0.0.0", value
             assert value["PublicIPv6"] == plan.ipv6_underlay_ip(node), value
             assert "BackendData" not in value, value
-            assert bool(value.get("BackendV6Data")) == (backend == "vxlan"), value
+            assert bool(value.get("BackendV6Data")) == (backend != "host-gw"), value
+            if backend == "wireguard":  # Flannel's: the key and the IPv6 port
+                data = value["BackendV6Data"]
+                assert isinstance(data, dict) and set(data) == {"PublicKey", "Port"}, value
+                assert data["Port"] == WG_PORT_V6, value
         # Every node pair over the overlay, cni0's IPv6 address to cni0's.
         for a in lab.nodes:
             for b in lab.nodes:
@@ -111,3 +123,36 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(backend: str, overla
         assert ok, f"DF {overlay_mtu} to {dst}: {out}"
         ok, out = df_ping(a.namespace, dst, overlay_mtu + 1)
         assert not ok and re.search(r"[Mm]essage too long|mtu ?= ?\d+", out), out
+        if backend == "wireguard":
+            assert_only_wireguard_on_the_wire(lab, a.namespace, dst, str(tmp_path / "u6.pcap"))
+        # lab status: the IPv6 matrices alone, and a verdict on them.
+        doc = lab.status()
+        assert doc["matrix"] is None and doc["pod_matrix"] is None, doc
+        assert status.all_reach(doc["matrix_ipv6"]) and status.all_reach(doc["pod_matrix_ipv6"])
+        assert doc["ok"], doc
+        text = status.render_text(doc)
+        assert "all 6 node pairs reach each other in IPv6" in text, text
+        assert "all 6 pod pairs reach each other in IPv6" in text, text
+        # The doctor reads the IPv6-only node as the agent plans it: no error.
+        doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "ERROR" not in doctor.stdout, doctor.stdout + doctor.stderr
+        if backend == "wireguard":
+            assert "WireGuard's flannel-wg-v6 runs in userspace" in doctor.stdout, doctor.stdout
+
+
+def assert_only_wireguard_on_the_wire(lab: Lab, pod_ns: str, dst: str, pcap: str) -> None:
+    """While a pod pings another with a marker, the IPv6 underlay carries UDP 51821
+    between node addresses and never the marker."""
+    no_ndp = "ip6 and not (icmp6[0] >= 133 and icmp6[0] <= 137)"
+    with underlay_capture(lab.state.segments[0].switch_namespace, pcap, [no_ndp]):
+        ping = topology.run_in(pod_ns, ["ping", "-c", "5", "-i", "0.1", "-p",
+                                        MARKER.encode().hex(), dst], timeout=15)  # fmt: skip
+        assert ping.returncode == 0, ping.stdout
+    with open(pcap, "rb") as f:
+        assert MARKER.encode() not in f.read()
+    node_ips = {plan.ipv6_underlay_ip(n) for n in lab.nodes}
+    tunnel = [line for line in captured_flows(pcap)
+              if "UDP" in line and line.split()[2].rsplit(".", 1) [0] in node_ips
+              and line.split()[2].endswith(f".{WG_PORT_V6}")]  # fmt: skip
+    assert tunnel, captured_flows(pcap)[:5]

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Iterator
 from ipaddress import IPv4Network, IPv6Network, ip_interface
 from pathlib import Path
-from typing import Any
 
 import pytest
 from flannelpy_lab import Lab, plan, status, topology
@@ -27,6 +26,7 @@ from prometheus_client.samples import Sample
 
 from tests.support.lab_util import (
     lab_run_argv,
+    nodes_json,
     print_agent_logs_if_failed,
     running_lab,
     wait_until,
@@ -63,10 +63,6 @@ def lab(request: pytest.FixtureRequest, dual_lab: Lab) -> Iterator[Lab]:
     yield dual_lab
     print_agent_logs_if_failed(request, dual_lab)
 
-
-def nodes_json(lab: Lab) -> dict[str, dict[str, Any]]:
-    items = json.loads(lab.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-    return {n["metadata"]["name"]: n for n in items}
 
 
 def subnet_env(lab: Lab, name: str) -> dict[str, str]:

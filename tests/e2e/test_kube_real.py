@@ -24,6 +24,7 @@ from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES
 from tests.support.lab_util import (
     host_snapshot,
     lab_residue,
+    nodes_json,
     running_real_kube_lab,
     unique_lab_name,
     wait_until,
@@ -40,11 +41,6 @@ def lab() -> Iterator[Lab]:
     with running_real_kube_lab() as lab:
         yield lab
 
-
-def nodes_json(lab: Lab) -> dict[str, dict[str, Any]]:
-    """The Node objects as the real kubectl returns them."""
-    items = json.loads(lab.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-    return {n["metadata"]["name"]: n for n in items}
 
 
 def test_leases_are_the_pod_cidrs_of_the_node_ipam_controller(lab: Lab) -> None:

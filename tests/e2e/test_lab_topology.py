@@ -343,3 +343,18 @@ def test_status_cli_json_without_agents(capsys: pytest.CaptureFixture[str]) -> N
             "overlay_address", "segment"}  # fmt: skip
     assert all(keys <= set(n) for n in doc["nodes"])
     assert [n["underlay_iface"] for n in doc["nodes"]] == ["eth0", "eth0"]
+
+
+def test_status_text_judges_every_family_the_lab_runs() -> None:
+    ok = {"n1": {"n2": True}, "n2": {"n1": True}}
+    half = {"n1": {"n2": True}, "n2": {"n1": False}}
+    base = {"name": "x", "backend": "vxlan", "nodes": [], "leases": []}
+    dual = status.render_text({**base, "matrix": ok, "matrix_ipv6": half})
+    assert "IPv6 (over the IPv6 underlay)" in dual
+    assert "node pairs that do not reach: 1 of 2 in IPv6" in dual
+    both = status.render_text({**base, "matrix": ok, "matrix_ipv6": ok})
+    assert "all 2 node pairs reach each other in both families" in both
+    v6 = status.render_text({**base, "matrix": None, "matrix_ipv6": half,
+                             "pod_matrix": None, "pod_matrix_ipv6": ok})  # fmt: skip
+    assert "1 of 2 node pairs do not reach in IPv6" in v6
+    assert "all 2 pod pairs reach each other in IPv6" in v6

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from flannelpy_lab import Lab, plan, status
 from flannelpy_lab import etcd as lab_etcd
 
 from tests.support import pod_util as pu
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 from tests.support.underlay_capture import captured_flows, underlay_capture
 
 pytestmark = [pytest.mark.lab]
@@ -38,6 +39,7 @@ V6_MTU = 1500 - 80
 V6_HEADERS = 48  # IPv6 40 + ICMPv6 8
 POD_MARKER = "FLPWG6-POD-SECRT"  # 16 bytes: ping -p takes at most 16
 UNDERLAY_MARKER = "FLPWG6-UNDERLAY!"
+DEVICE_V6 = "flannel-wg-v6"
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +168,32 @@ def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(
     assert any(tunnel(line) for line in flows), flows[:5]
     others = [line for line in flows if not tunnel(line) and not underlay_control(line)]
     assert not others, others[:5]
+
+
+def test_the_doctor_reads_both_devices_and_names_a_missing_ipv6_peer(lab: Lab) -> None:
+    """The doctor checks ``flannel-wg-v6`` as it checks ``flannel-wg``: all peers as the
+    leases say, and a peer removed by hand from the IPv6 device only is named."""
+    def doctor() -> str:
+        out = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        return out.stdout + out.stderr
+
+    text = doctor()
+    assert "WireGuard runs in userspace (wireguard-go" in text, text
+    assert "WireGuard's flannel-wg-v6 runs in userspace (wireguard-go" in text, text
+    assert "with all 2 peer(s) as the leases say" in text, text
+    # The agent is paused (it would repair the device within a second), so the doctor
+    # sees the device as it is: a peer removed from flannel-wg-v6 alone is named there.
+    key = wg(lab, "n1", DEVICE_V6, "peers").split()[0]
+    lab.kill_agent("n1", signal.SIGSTOP, wait=False)
+    try:
+        subprocess.run(
+            ["nsenter", "-t", str(wg_pid(lab, "n1", DEVICE_V6)), "-m", "-n", "wg", "set",
+             DEVICE_V6, "peer", key, "remove"], check=True, timeout=10,
+        )  # fmt: skip
+        text = doctor()
+        assert f"WireGuard's {DEVICE_V6} runs in userspace" in text, text
+        assert "1 peer(s) missing or different" in text, text
+    finally:
+        lab.kill_agent("n1", signal.SIGCONT, wait=False)
+    wait_until(lambda: key in wg(lab, "n1", DEVICE_V6, "peers"), 15.0, "the peer back")

@@ -163,3 +163,9 @@ def print_agent_logs_if_failed(request: pytest.FixtureRequest, lab: Lab, lines: 
         with open(node.agent_log, encoding="utf-8", errors="replace") as f:
             tail = "".join(f.readlines()[-lines:])
         print(f"--- {node.name} ({node.agent_kind}) {node.agent_log}:\n{tail}")
+
+
+def nodes_json(lab: Lab) -> dict[str, dict[str, Any]]:
+    """A Kubernetes-mode lab's Node objects by name, as the real kubectl returns them."""
+    items = json.loads(lab.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    return {n["metadata"]["name"]: n for n in items}

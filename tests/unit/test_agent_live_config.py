@@ -19,6 +19,7 @@ from flannelpy.agent.live_config import (
     CONTROL_RETRY_SECONDS,
     load_applied,
 )
+from flannelpy.agent.planning import LINGER_SECONDS
 from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
 from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.keys import override_key, status_key
@@ -85,7 +86,9 @@ def test_change_blocked_by_the_policy_applies_when_its_window_opens(agent: Agent
     assert published(agent).blocked is None
     applied = load_applied(agent.settings.state_dir)
     assert applied is not None and applied.backend == {"Type": "host-gw"}
-    # The vxlan device is ours and no longer planned: the reconciler removes it.
+    # The vxlan device is ours and no longer planned: once its linger is over, the
+    # reconciler removes it.
+    agent.tick(TICK_CONTROL, advance=LINGER_SECONDS)
     agent.reconcile()
     assert "flannel.1" not in {link.name for link in agent.kernel.state.links}
 
@@ -229,3 +232,28 @@ def test_enabling_ipv6_live_is_refused_until_a_restart(
     assert agent.writer.state.backend.type_name == "vxlan"  # nothing of the change applied
     assert not agent.writer.state.config.enable_ipv6
     assert len(agent.kernel.applied) == before
+
+
+def test_a_vtep_that_leaves_the_plan_lingers_before_it_is_removed(agent: AgentHarness) -> None:
+    """A switch to host-gw with no vxlan peer: the VTEP leaves the plan, but stays for
+    LINGER_SECONDS so a peer that has not seen our new lease still reaches us through it."""
+    def vteps() -> list[str]:
+        return [link.name for link in agent.kernel.state.links if link.name == "flannel.1"]
+
+    assert vteps() == ["flannel.1"]
+    change_config(agent, {"Type": "host-gw"})
+    assert agent.writer.state.backend.type_name == "host-gw"
+    agent.reconcile()
+    assert vteps() == ["flannel.1"], "removed at once: peers still encapsulating lose packets"
+    assert own_lease_backend(agent) == "host-gw"
+
+    agent.clock.advance(LINGER_SECONDS - 0.5)
+    agent.writer.settle()
+    agent.reconcile()
+    assert vteps() == ["flannel.1"]
+
+    agent.clock.advance(1.0)
+    assert agent.writer.pending(), "the idle writer loop must wake for the removal"
+    agent.writer.settle()
+    agent.reconcile()
+    assert vteps() == []

@@ -20,6 +20,7 @@ from flannelpy.backend.registry import get_backend
 from flannelpy.config.netconf import parse_network_config
 from flannelpy.dataplane.state import Address, FdbEntry, Neighbour, Route, UnderlayInterface
 from flannelpy.dataplane.underlay import Interface, choose_underlay
+from flannelpy.errors import ConfigError
 from flannelpy.subnet.keys import key_to_subnet, subnet_to_key
 from flannelpy.subnet.kube import node as kn
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -268,6 +269,39 @@ def test_kube_dual_stack_waits_for_both_pod_cidrs() -> None:
         IPv4Network("10.244.2.0/24"), IPv6Network("fc00:0:0:2::/64"))
 
 
+def test_kube_ipv6_only_reads_and_writes_the_ipv6_half_alone() -> None:
+    config = parse_network_config(json.dumps({
+        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fc00::/48",
+        "Backend": {"Type": "vxlan"},
+    }))  # fmt: skip
+    v6_node = {"metadata": {"name": "n1"}, "spec": {"podCIDRs": ["fc00:0:0:2::/64"]}}
+    assert kn.own_subnets(v6_node, config) == (None, IPv6Network("fc00:0:0:2::/64"))
+    assert kn.own_subnets({"metadata": {"name": "n1"}, "spec": {}}, config) is None
+    outside = {"metadata": {"name": "n1"}, "spec": {"podCIDRs": ["fd99::/64"]}}
+    with pytest.raises(ConfigError, match="outside IPv6Network"):
+        kn.own_subnets(outside, config)
+    # A flanneld peer IPv6-only: no public-ip, no backend-data.
+    peer = kn.node_to_lease({
+        "metadata": {"name": "n2", "annotations": {
+            KEYS.managed: "true", KEYS.backend_type: "vxlan", KEYS.public_ipv6: "fd00:64::2",
+            KEYS.backend_v6_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}'}},
+        "spec": {"podCIDRs": ["fc00:0:0:3::/64"]},
+    }, KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+    assert peer is not None and peer.subnet is None
+    assert peer.ipv6_subnet == IPv6Network("fc00:0:0:3::/64")
+    assert peer.attrs.public_ip is None and peer.attrs.public_ipv6 == IPv6Address("fd00:64::2")
+    with pytest.raises(kn.NotALease, match="public-ipv6"):
+        kn.node_to_lease({"metadata": {"name": "n2", "annotations": {KEYS.managed: "true"}},
+                          "spec": {"podCIDRs": ["fc00:0:0:3::/64"]}}, KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+    # What we write: the IPv6 annotations, and no IPv4 ones, as flanneld.
+    attrs = LeaseAttrs(public_ip=None, backend_type="vxlan", backend_data=None,
+                       public_ipv6=IPv6Address("fd00:64::1"),
+                       backend_v6_data={"VNI": 1, "VtepMAC": MAC}, mtu=1430)  # fmt: skip
+    wanted = kn.desired_annotations(attrs, KEYS)
+    assert KEYS.public_ip not in wanted and KEYS.backend_data not in wanted
+    assert wanted[KEYS.public_ipv6] == "fd00:64::1"
+
+
 # --- ip6tables ------------------------------------------------------------------------------
 
 
@@ -346,7 +380,6 @@ def test_etcd_dual_stack_acquire_and_restart_keep_both_subnets(tmp_path: object)
 def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
     from flannelpy_lab import plan
 
-    from flannelpy.errors import ConfigError
 
     assert plan.ip_family_net_conf("ipv4") == {}
     assert plan.ip_family_net_conf("dual") == {"EnableIPv6": True, "IPv6Network": "fd10:244::/56"}

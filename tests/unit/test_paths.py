@@ -22,12 +22,17 @@ from flannelpy.config.netconf import BackendConfig
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 MAC = "02:00:00:00:00:02"
+PUB = "HIgo9xNzJMWLKASShiTqIybxZ0U3wGLiUeJ1PKf8ykw="  # a WireGuard public key
 
 VXLAN = Capabilities(prefers_direct=False, vni=1, vtep_mac=MAC)
 VXLAN_DR = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC)
 HOSTGW = Capabilities(prefers_direct=True, vni=None, vtep_mac=None)
 HOSTGW_VTEP = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC)
 VXLAN_VNI2 = Capabilities(prefers_direct=False, vni=2, vtep_mac=MAC)
+WIREGUARD = Capabilities(prefers_direct=False, vni=None, vtep_mac=None, encrypts=True,
+                         wireguard_key=True)  # fmt: skip
+KEPT_WG = Capabilities(prefers_direct=False, vni=1, vtep_mac=MAC, wireguard_key=True)
+KEPT_WG_DR = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC, wireguard_key=True)
 
 capabilities = st.builds(
     Capabilities,
@@ -55,7 +60,8 @@ def test_a_chosen_path_is_one_both_ends_can_use(a: Capabilities, b: Capabilities
         assert on_link
         assert not a.encrypts and not b.encrypts  # never plain to a node that asked for encryption
     elif path == "wireguard":
-        assert a.encrypts and b.encrypts and a.wireguard_key and b.wireguard_key
+        # one end asked for encryption; the other runs wireguard or keeps its device
+        assert (a.encrypts or b.encrypts) and a.wireguard_key and b.wireguard_key
     elif path == "vxlan":
         assert a.has_vtep and b.has_vtep and a.vni == b.vni
 
@@ -77,6 +83,13 @@ def test_a_chosen_path_is_one_both_ends_can_use(a: Capabilities, b: Capabilities
         (VXLAN, VXLAN_VNI2, False, "neither"),
         (VXLAN, VXLAN_VNI2, True, "neither"),  # both encapsulate, different VNIs
         (VXLAN_DR, VXLAN_VNI2, True, "direct"),
+        # switching back from wireguard: a node that kept its key stays encrypted with a
+        # wireguard peer (which may have no VTEP any more), and talks plain to one like it
+        (KEPT_WG, WIREGUARD, False, "wireguard"),
+        (KEPT_WG, WIREGUARD, True, "wireguard"),
+        (KEPT_WG, KEPT_WG, False, "vxlan"),
+        (KEPT_WG, KEPT_WG_DR, True, "direct"),
+        (VXLAN, WIREGUARD, False, "neither"),  # no key kept, no VTEP on the peer
     ],
 )
 def test_choose_path_table(own: Capabilities, peer: Capabilities, on_link: bool,
@@ -146,6 +159,13 @@ def lease(backend: str, data: dict[str, object] | None = None,
         # a wireguard node keeps a VTEP while a peer is vxlan; without a key, no tunnel
         (lease("wireguard", {"VNI": 1, "VtepMAC": MAC}),
          Capabilities(False, 1, MAC, encrypts=True, wireguard_key=False)),
+        # a node of ours that switched away from wireguard keeps its key while a peer runs it
+        (lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}),
+         Capabilities(False, 1, MAC, wireguard_key=True)),
+        (lease("host-gw", {"PublicKey": PUB}), Capabilities(True, None, None, wireguard_key=True)),
+        # flanneld has no such transition: a key in its vxlan lease means nothing
+        (lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}, mtu=None),
+         Capabilities(False, 1, MAC, follows_peer=False)),
     ],
 )
 def test_peer_capabilities_come_from_the_lease(peer: Lease, expected: Capabilities) -> None:

@@ -419,3 +419,55 @@ def test_dual_stack_with_one_device_for_both_families_is_refused(tmp_path: Any) 
     rt, _ = runtime(tmp_path)
     with pytest.raises(ConfigError, match='use "separate"'):
         WireguardBackend(rt).lease_attrs(dual_ctx("wireguard", Mode="auto"), None)
+
+
+# --- IPv6-only (EnableIPv4 false): flannel-wg-v6 alone -------------------------------
+
+
+def ipv6_only_ctx() -> Any:
+    from flannelpy.backend.base import NodeContext
+    from flannelpy.dataplane.state import UnderlayInterface
+
+    config = parse_network_config(json.dumps({
+        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fc00::/48",
+        "Backend": {"Type": "wireguard"},
+    }))  # fmt: skip
+    under = UnderlayInterface(
+        name="eth0", index=2, ip=None, networks=(), mtu=1500,
+        ip6=IPv6Address("fd00:64::10"), networks6=(IPv6Network("fd00:64::/64"),),
+    )  # fmt: skip
+    return NodeContext(config=config, underlay=under, public_ip=None, node_name="n1",
+                       public_ipv6=IPv6Address("fd00:64::10"))  # fmt: skip
+
+
+def v6_lease(n: int, ip6: str, backend: str, v6_data: dict[str, Any] | None) -> Lease:
+    return Lease(subnet=None, ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64"), attrs=LeaseAttrs(
+        public_ip=None, backend_type=backend, backend_data=None,
+        public_ipv6=IPv6Address(ip6), backend_v6_data=v6_data, mtu=1420))  # fmt: skip
+
+
+def test_ipv6_only_runs_flannel_wg_v6_alone_with_flannels_backend_v6_data(tmp_path: Any) -> None:
+    """As Flannel's Mode separate with EnableIPv4 false: no flannel-wg, the key and the
+    IPv6 port in BackendV6Data only, and the pods' MTU that of the IPv6 device (−80)."""
+    node = ipv6_only_ctx()
+    rt, rec = runtime(tmp_path)
+    backend = WireguardBackend(rt)
+    attrs = backend.lease_attrs(node, None)
+    assert attrs.public_ip is None and attrs.backend_data is None
+    assert attrs.backend_v6_data == {"PublicKey": rt.public_key, "Port": 51821}
+    assert attrs.mtu == backend.mtu(node) == 1500 - 80
+    own = Lease(subnet=None, ipv6_subnet=IPv6Network("fc00:0:0:1::/64"), attrs=attrs)
+    peers = [
+        v6_lease(2, "fd00:64::12", "wireguard", {"PublicKey": PUB_B, "Port": 51821}),
+        v6_lease(3, "fd00:64::13", "wireguard", {"PublicKey": "not a key"}),
+        v6_lease(4, "fd00:64::14", "vxlan", {"VNI": 1, "VtepMAC": "02:00:00:00:00:04"}),
+    ]
+    desired = backend.plan(node, [own], peers, None)
+    (spec,) = rec.specs  # flannel-wg-v6 only
+    assert (spec.name, spec.listen_port, spec.mtu) == ("flannel-wg-v6", 51821, 1420)
+    assert spec.address == IPv6Interface("fc00:0:0:1::/128")
+    assert spec.peers == {WgPeer(PUB_B, (IPv6Address("fd00:64::12"), 51821),
+                                 frozenset({IPv6Network("fc00:0:0:2::/64")}))}  # fmt: skip
+    assert desired.routes == {Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0),
+                                    ifname="flannel-wg-v6")}  # fmt: skip
+    assert not desired.links  # and never a plain route to the vxlan peer

@@ -286,10 +286,12 @@ class KubeSubnetManager:
         """
         node = self._own_node(patient=False)
         subnets = kn.own_subnets(node, self._network_config())
-        if subnets is None or subnets[0] != lease.subnet:
-            now = subnets[0] if subnets else "unassigned"
+        had = (lease.subnet, lease.ipv6_subnet)
+        if subnets is None or subnets != had:
+            now = ", ".join(str(s) for s in subnets if s) if subnets else "unassigned"
+            was = ", ".join(str(s) for s in had if s)
             raise StoreError(
-                f"node {self.node_name}'s pod cidr is now {now}, not {lease.subnet}; "
+                f"node {self.node_name}'s pod cidr is now {now}, not {was}; "
                 "acquire the lease again"
             )
         # Attrs other than what we returned last are the agent's new wish (a backend

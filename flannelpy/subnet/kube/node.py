@@ -182,8 +182,12 @@ def pod_cidrs(node: Node) -> tuple[IPv4Network | None, IPv6Network | None]:
     return v4, v6
 
 
-def own_subnets(node: Node, config: NetworkConfig) -> tuple[IPv4Network, IPv6Network | None] | None:
-    """Our lease's subnets from our Node, or None while the podCIDR is not assigned.
+def own_subnets(
+    node: Node, config: NetworkConfig
+) -> tuple[IPv4Network | None, IPv6Network | None] | None:
+    """Our lease's subnets from our Node, or None while the podCIDR of a family the
+    network runs is not assigned (IPv4 only, both in dual stack, IPv6 only with
+    EnableIPv4 false).
 
     Raises ConfigError when the podCIDR lies outside Network: the cluster's
     ``--cluster-cidr`` and net-conf.json disagree, and only a person can fix that.
@@ -193,6 +197,8 @@ def own_subnets(node: Node, config: NetworkConfig) -> tuple[IPv4Network, IPv6Net
         v4, v6 = pod_cidrs(node)
     except ValueError as e:
         raise ConfigError(f"node {name}: {e}; fix spec.podCIDRs of the Node") from e
+    if not config.enable_ipv4:
+        return None if v6 is None else (None, _inside_ipv6_network(name, v6, config))
     if v4 is None:
         return None
     if config.network is None or not v4.subnet_of(config.network):
@@ -205,12 +211,16 @@ def own_subnets(node: Node, config: NetworkConfig) -> tuple[IPv4Network, IPv6Net
         return v4, None
     if v6 is None:
         return None  # dual stack: wait until the controller-manager assigns both families
+    return v4, _inside_ipv6_network(name, v6, config)
+
+
+def _inside_ipv6_network(name: str, v6: IPv6Network, config: NetworkConfig) -> IPv6Network:
     if config.ipv6_network is None or not v6.subnet_of(config.ipv6_network):
         raise ConfigError(
             f"node {name} has IPv6 pod CIDR {v6}, which is outside IPv6Network "
             f"{config.ipv6_network} of net-conf.json; make them match"
         )
-    return v4, v6
+    return v6
 
 
 def own_vtep_mac(node: Node, keys: AnnotationKeys) -> str | None:
@@ -288,21 +298,26 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
         v4, v6 = pod_cidrs(node)
     except ValueError as e:
         raise NotALease(str(e)) from e
-    if v4 is None:
+    ipv6_only = not config.enable_ipv4
+    if (v6 if ipv6_only else v4) is None:
         return None
-    if config.network is not None and not v4.subnet_of(config.network):
+    if v4 is not None and config.network is not None and not v4.subnet_of(config.network):
         raise NotALease(f"pod CIDR {v4} is outside Network {config.network}")
     # The overwrite is what the node will advertise once its agent sees it; using
-    # it at once saves one round trip through that agent.
-    public_ip = public_ip_overwrite(node, keys) or _ipv4_or_none(notes.get(keys.public_ip))
-    if public_ip is None:
-        raise NotALease(f"annotation {keys.public_ip} is not an IPv4 address")
-    backend_data = _backend_data(notes.get(keys.backend_data), keys.backend_data)
+    # it at once saves one round trip through that agent. IPv6-only, as flanneld, the
+    # IPv4 annotations are not read.
+    public_ip = None
+    backend_data = None
+    if not ipv6_only:
+        public_ip = public_ip_overwrite(node, keys) or _ipv4_or_none(notes.get(keys.public_ip))
+        if public_ip is None:
+            raise NotALease(f"annotation {keys.public_ip} is not an IPv4 address")
+        backend_data = _backend_data(notes.get(keys.backend_data), keys.backend_data)
     public_ipv6 = None
     if config.enable_ipv6:
         written = notes.get(keys.public_ipv6)
         public_ipv6 = public_ipv6_overwrite(node, keys) or _ipv6_or_none(written)
-        if written and public_ipv6 is None:
+        if (written or ipv6_only) and public_ipv6 is None:
             raise NotALease(f"annotation {keys.public_ipv6} is not an IPv6 address")
     mtu_text = str(notes.get(keys.mtu) or "")
     attrs = LeaseAttrs(
@@ -320,7 +335,8 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
         direct_routing=True if notes.get(keys.direct_routing) == "true" else None,
     )
     ipv6 = v6 if config.enable_ipv6 else None
-    return Lease(subnet=v4, attrs=attrs, expiration=None, ipv6_subnet=ipv6)
+    return Lease(subnet=None if ipv6_only else v4, attrs=attrs, expiration=None,
+                 ipv6_subnet=ipv6)  # fmt: skip
 
 
 def _backend_data(text: Any, key: str) -> Mapping[str, Any] | None:
@@ -372,12 +388,10 @@ def backend_data_text(data: Mapping[str, Any] | None) -> str:
 
 
 def desired_annotations(advertised: LeaseAttrs, keys: AnnotationKeys) -> dict[str, str]:
-    wanted = {
-        keys.managed: MANAGED_VALUE,
-        keys.backend_type: advertised.backend_type,
-        keys.backend_data: backend_data_text(advertised.backend_data),
-        keys.public_ip: str(advertised.public_ip),
-    }
+    wanted = {keys.managed: MANAGED_VALUE, keys.backend_type: advertised.backend_type}
+    if advertised.public_ip is not None:  # IPv6-only: no IPv4 annotations, as flanneld
+        wanted[keys.backend_data] = backend_data_text(advertised.backend_data)
+        wanted[keys.public_ip] = str(advertised.public_ip)
     if advertised.public_ipv6 is not None:
         wanted[keys.public_ipv6] = str(advertised.public_ipv6)
         wanted[keys.backend_v6_data] = backend_data_text(advertised.backend_v6_data)
