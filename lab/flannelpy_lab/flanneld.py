@@ -23,7 +23,7 @@ import subprocess
 from ipaddress import IPv4Interface, IPv6Interface
 from typing import TYPE_CHECKING, Any
 
-from flannelpy_lab import etcd
+from flannelpy_lab import etcd, plan
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
 
@@ -108,6 +108,8 @@ def has_lease(state: LabState, node: NodeInfo) -> bool:
         leases = etcd.read_leases(state.etcd_endpoints, state.etcd_prefix)
     except Exception:  # etcd briefly unreachable: not ready yet
         return False
+    if plan.ipv6_only(state):  # the lease's PublicIP is 0.0.0.0: known by PublicIPv6
+        return any(lease.get("public_ipv6") == plan.ipv6_underlay_ip(node) for lease in leases)
     return any(lease["public_ip"] == str(node.ip) for lease in leases)
 
 
