@@ -15,7 +15,7 @@ from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext
-from flannelpy.backend.wireguard import keeping_context, plan_kept
+from flannelpy.backend.wireguard import WireguardBackend, keeping_context, plan_kept
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
@@ -109,7 +109,7 @@ class Planner:
         ):
             s.attrs_dirty = True  # the writer rewrites our lease next
         desired = s.backend.plan(ctx, s.own, peers, vtep_mac)
-        if s.backend.type_name != "wireguard":
+        if s.backend.type_name != WireguardBackend.type_name:
             desired = plan_kept(ctx, s.own, peers, desired)
         stale_links = self._stale_links({link.name for link in desired.links})
         if desired.unreachable != s.unreachable:
