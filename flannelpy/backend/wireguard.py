@@ -10,7 +10,13 @@ BackendData is Flannel's ``{"PublicKey", "Port"}``; while a peer is still vxlan
 (a rollout) it also carries our VTEP's ``{"VNI", "VtepMAC"}`` and the node keeps
 that VTEP, as host-gw nodes do, so the pair talks vxlan until both ends run
 wireguard (the rule is in :mod:`flannelpy.backend.paths`). flanneld ignores the
-extra keys.
+extra keys. The way back mirrors it: a node that switched to vxlan or host-gw keeps its
+device, peers and key (in its lease's BackendData) while any peer still runs wireguard
+(:func:`keeping_context`, :func:`plan_kept`), so no pair is ever left without a path,
+and its device goes a few seconds after the last such peer switched.
+
+IPv6-only (``EnableIPv4`` false): ``flannel-wg-v6`` alone, the key and ``ListenPortV6``
+in BackendV6Data only, as Flannel.
 
 Dual stack (``EnableIPv6``), ``Mode`` separate as Flannel: a second device
 ``flannel-wg-v6`` on ``ListenPortV6`` with the same key, one peer per node at
