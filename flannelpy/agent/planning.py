@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from flannelpy.agent.state import NodeState
@@ -17,6 +18,7 @@ from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.wireguard import WireguardBackend, keeping_context, plan_kept
 from flannelpy.dataplane.reconciler import Reconciler
+from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
 from flannelpy.observe.prober import Prober
@@ -79,8 +81,9 @@ class Planner:
         # Peers logged as MTU unknown.
         self._said_unknown_mtu: set[IPv4Network | IPv6Network] = set()
         self.monotonic = monotonic
-        self._planned: set[str] = set()  # the devices of the last plan
-        self._lingering: dict[str, float] = {}  # device -> when it may be removed
+        self._planned: dict[str, VxlanLink] = {}  # the devices of the last plan
+        # device -> (when it may be removed, its last planned form)
+        self._lingering: dict[str, tuple[float, VxlanLink]] = {}
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
         """Hand the prober the current peers: each lease's IPv4 overlay address (its
@@ -111,7 +114,7 @@ class Planner:
         desired = s.backend.plan(ctx, s.own, peers, vtep_mac)
         if s.backend.type_name != WireguardBackend.type_name:
             desired = plan_kept(ctx, s.own, peers, desired)
-        stale_links = self._stale_links({link.name for link in desired.links})
+        desired, stale_links = self._with_lingering(desired)
         if desired.unreachable != s.unreachable:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
@@ -119,24 +122,34 @@ class Planner:
             self.metrics.peers_without_path(len(desired.unreachable))
         self.reconciler.set_desired(desired, stale_links)
 
-    def _stale_links(self, planned: set[str]) -> frozenset[str]:
-        """Our devices to remove: those not planned now, except one that left the plan
-        less than :data:`LINGER_SECONDS` ago. It stays (without its peer entries) so that
-        peers which have not seen our new lease yet still reach us through it: make
-        before break, as when the last node of a rollout to wireguard drops its VTEP."""
+    def _with_lingering(self, desired: DesiredState) -> tuple[DesiredState, frozenset[str]]:
+        """``desired`` with the devices that left the plan less than
+        :data:`LINGER_SECONDS` ago, and our devices to remove (the others not planned).
+        A lingering device stays, with no address, route, neighbour or FDB entry, so
+        that peers which have not seen our new lease yet still reach us through it:
+        make before break, as when the last node of a rollout to wireguard drops its
+        VTEP."""
         now = self.monotonic()
-        for name in self._planned - planned:
-            self._lingering[name] = now + LINGER_SECONDS
+        planned = {link.name: link for link in desired.links}
+        for name in self._planned.keys() - planned.keys():
+            self._lingering[name] = (now + LINGER_SECONDS, self._planned[name])
         for name in planned:
             self._lingering.pop(name, None)
         self._planned = planned
-        self._lingering = {n: t for n, t in self._lingering.items() if t > now}
-        return frozenset(self.state.known_devices - planned - self._lingering.keys())
+        self._lingering = {n: v for n, v in self._lingering.items() if v[0] > now}
+        stale = frozenset(self.state.known_devices - planned.keys() - self._lingering.keys())
+        if not self._lingering:
+            return desired, stale
+        kept = frozenset(link for _, link in self._lingering.values())
+        return replace(
+            desired, links=desired.links | kept,
+            owned_devices=desired.owned_devices | {link.name for link in kept},
+        ), stale  # fmt: skip
 
     def linger_over(self) -> bool:
         """A lingering device is due for removal: the writer replans."""
         now = self.monotonic()
-        return any(t <= now for t in self._lingering.values())
+        return any(until <= now for until, _ in self._lingering.values())
 
     def bounds(self) -> Bounds:
         """What a peer lease must not contradict: the networks, our leases, our addresses."""

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from flannelpy_lab import Lab
 
+from flannelpy.agent.planning import LINGER_SECONDS
 from flannelpy.control.records import NodeStatus
 from flannelpy.rollout.driver import drive, make_plan, start
 from flannelpy.rollout.record import RolloutRecord
@@ -178,11 +179,13 @@ def vxlan_devices(lab: Lab, node: str) -> list[str]:
 
 def assert_dataplanes(lab: Lab, route_dev: str, vtep: bool) -> None:
     """Every node's route to every peer goes through ``route_dev``; a VTEP on every
-    node (``vtep``) or on none."""
+    node (``vtep``) or, once its linger for peers still encapsulating is over, on none."""
     for node in NAMES:
         routes = peer_routes(lab, node)
         assert routes == dict.fromkeys(routes, route_dev), (node, routes)
-        assert vxlan_devices(lab, node) == (["flannel.1"] if vtep else []), node
+    want = ["flannel.1"] if vtep else []
+    wait_until(lambda: all(vxlan_devices(lab, node) == want for node in NAMES),
+               LINGER_SECONDS + 5.0, what=f"VTEPs {want} on every node")  # fmt: skip
 
 
 def rollout_lines(text: str) -> list[str]:

@@ -241,10 +241,14 @@ def test_a_vtep_that_leaves_the_plan_lingers_before_it_is_removed(agent: AgentHa
         return [link.name for link in agent.kernel.state.links if link.name == "flannel.1"]
 
     assert vteps() == ["flannel.1"]
+    assert [a for a in agent.kernel.state.addresses if a.ifname == "flannel.1"]
     change_config(agent, {"Type": "host-gw"})
     assert agent.writer.state.backend.type_name == "host-gw"
     agent.reconcile()
     assert vteps() == ["flannel.1"], "removed at once: peers still encapsulating lose packets"
+    state = agent.kernel.state  # the device stays bare: no address, neighbour or FDB entry
+    assert not [a for a in state.addresses if a.ifname == "flannel.1"], state.addresses
+    assert not [f for f in state.fdb if f.ifname == "flannel.1"], state.fdb
     assert own_lease_backend(agent) == "host-gw"
 
     agent.clock.advance(LINGER_SECONDS - 0.5)
