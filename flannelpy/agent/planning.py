@@ -15,7 +15,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
-from flannelpy.backend.base import NodeContext
+from flannelpy.backend.base import NodeContext, node_bounds
 from flannelpy.backend.wireguard import WireguardBackend, keeping_context, plan_kept
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import DesiredState, VxlanLink
@@ -154,21 +154,7 @@ class Planner:
     def bounds(self) -> Bounds:
         """What a peer lease must not contradict: the networks, our leases, our addresses."""
         s = self.state
-        ctx = s.ctx
-        networks = [p.network for p in s.pools]
-        if s.config.network is not None:
-            networks.insert(0, s.config.network)
-        return Bounds(
-            networks=tuple(dict.fromkeys(networks)),
-            own=tuple(s.own_subnets()),
-            host=tuple(ctx.underlay.networks),
-            public_ip=ctx.public_ip,
-            host_ips=(ctx.underlay.ip,) if ctx.underlay.ip is not None else (),
-            ipv6_networks=(s.config.ipv6_network,) if s.config.ipv6_network is not None else (),
-            own6=tuple(x.ipv6_subnet for x in s.own if x.ipv6_subnet is not None),
-            host6=tuple(ctx.underlay.networks6),
-            host_ips6=tuple(ip for ip in (ctx.underlay.ip6, ctx.public_ipv6) if ip is not None),
-        )
+        return node_bounds(s.ctx, s.own, [p.network for p in s.pools])
 
     def check_peers(self) -> None:
         """Set aside the peer leases that must never reach the kernel; each new rejection

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv6Address
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address
 from typing import Protocol
 
 from flannelpy.backend.paths import (
@@ -34,6 +34,7 @@ from flannelpy.dataplane.state import (
     blackhole_route,
 )
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.validate import Bounds
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,27 @@ def vxlan_link(
         mac=vtep_mac,
         gbp=backend.gbp,
         learning=backend.learning,
+    )
+
+
+def node_bounds(
+    ctx: NodeContext, own: Sequence[Lease], extra_networks: Sequence[IPv4Network] = ()
+) -> Bounds:
+    """What a peer lease must not contradict on this node: the Network (and address
+    pools beyond it), our leases of each family, our connected subnets and addresses."""
+    networks = [ctx.config.network] if ctx.config.network is not None else []
+    ipv6_network = ctx.config.ipv6_network
+    underlay = ctx.underlay
+    return Bounds(
+        networks=tuple(dict.fromkeys([*networks, *extra_networks])),
+        own=tuple(lease.subnet for lease in own if lease.subnet is not None),
+        host=tuple(underlay.networks),
+        public_ip=ctx.public_ip,
+        host_ips=(underlay.ip,) if underlay.ip is not None else (),
+        ipv6_networks=(ipv6_network,) if ipv6_network is not None else (),
+        own6=tuple(lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None),
+        host6=tuple(underlay.networks6),
+        host_ips6=tuple(ip for ip in (underlay.ip6, ctx.public_ipv6) if ip is not None),
     )
 
 

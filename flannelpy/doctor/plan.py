@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
-from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.base import Backend, NodeContext, node_bounds
 from flannelpy.backend.ipv6 import device_name_v6
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.vxlan import device_name
@@ -21,7 +21,7 @@ from flannelpy.dataplane.state import (
 from flannelpy.doctor.facts import NodeFacts
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.validate import Bounds, Rejection, split_peers
+from flannelpy.subnet.validate import Rejection, split_peers
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     if facts.underlay is None:
         return "the underlay interface is unknown"
     config = facts.config
-    network = facts.config.network  # None IPv6-only
     running = (facts.status or {}).get("backend_config")
     try:
         if isinstance(running, Mapping):
@@ -73,18 +72,7 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     )  # fmt: skip
     own_all = (own, *others) if own is not None else ()
     own_keys = {lease.key for lease in own_all}
-    networks = [network, *facts.pool_networks] if network is not None else []
-    bounds = Bounds(
-        networks=tuple(dict.fromkeys(networks)),
-        own=tuple(lease.subnet for lease in own_all if lease.subnet is not None),
-        host=underlay.networks,
-        public_ip=ctx.public_ip,
-        host_ips=(underlay.ip,) if underlay.ip is not None else (),
-        ipv6_networks=(config.ipv6_network,) if config.ipv6_network is not None else (),
-        own6=tuple(x.ipv6_subnet for x in own_all if x.ipv6_subnet is not None),
-        host6=tuple(underlay.networks6),
-        host_ips6=tuple(ip for ip in (underlay.ip6, ctx.public_ipv6) if ip is not None),
-    )
+    bounds = node_bounds(ctx, own_all, facts.pool_networks)
     accepted, rejected = split_peers({x.key: x for x in facts.leases}, own_keys, bounds)
     peers = tuple(accepted.values())
     vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
