@@ -1,43 +1,124 @@
 #!/usr/bin/env bash
-# Install what flannelpy's lab and tests need on a fresh Debian 12 machine (as root).
-# Idempotent: a second run installs nothing new.
+# Install what flannelpy needs on a fresh Debian 12 machine (as root). Idempotent: a second
+# run installs nothing new and takes about a second.
+#
+#   scripts/bootstrap.sh --lab   what the etcd lab needs (scripts/lab.sh): its Debian packages,
+#                                the .venv and the static CNI executable; nothing built with Go
+#   scripts/bootstrap.sh --dev   the same with the test tools in .venv (scripts/test.sh --fast)
+#   scripts/bootstrap.sh         everything the tests need: also the test tools, the Go-built
+#                                peers (flanneld, Kubernetes) and the flannelpy image
+#
+# Independent steps run at once: the Go builds need only Go and the module proxy, so they
+# start first and overlap the Debian packages, the venv and the image. Each step prints one
+# line with its time; its output goes to build/bootstrap/STEP.log, shown when it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containernetworking-plugins
-              procps psmisc python3-venv podman runc busybox-static ethtool
-              nftables  # nft: the tuning/portmap chain test reads the nat table with it
-              openssl  # the TLS etcd of the tests makes its certificates with it
-              git  # the pools upgrade test and bench/compare_commits.sh read old releases
-              containerd  # the CRI test drives containerd 1.6's CRI plugin with our conflist
-              debootstrap  # the Debian 12 bases of the flannelpy image (scripts/build-images.sh)
-              prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
-              wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
-              tcpdump  # the wireguard test captures the underlay to see it carries no plaintext
-              iperf3)  # bench/throughput.py measures pod-to-pod TCP throughput with it
-missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-  echo "bootstrap: installing ${missing[*]}" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+scope=all
+case "${1:-}" in
+  --lab) scope=lab ;;
+  --dev) scope=dev ;;
+  "") ;;
+  *) echo "bootstrap: unknown argument '$1': use --lab, --dev or nothing" >&2; exit 2 ;;
+esac
 
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-stamp=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml | sha1sum | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  echo "bootstrap: installing flannelpy and its Python dependencies into .venv" >&2
-  .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[test,kube]'
+# What the etcd lab runs: etcd, ip, iptables (masquerade), ping (the matrices), the
+# reference portmap plugin its conflist chains, ps/killall, the venv, gcc for the CNI
+# executable.
+LAB_PACKAGES=(etcd-server etcd-client iproute2 iptables iputils-ping containernetworking-plugins
+              procps psmisc python3-venv gcc libc6-dev)
+# What the tests add.
+TEST_PACKAGES=(podman runc busybox-static ethtool
+               nftables  # nft: the tuning/portmap chain test reads the nat table with it
+               openssl  # the TLS etcd of the tests makes its certificates with it
+               git  # the pools upgrade test and bench/compare_commits.sh read old releases
+               containerd  # the CRI test drives containerd 1.6's CRI plugin with our conflist
+               debootstrap  # the Debian 12 bases of the flannelpy image (scripts/build-images.sh)
+               prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
+               wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
+               tcpdump  # the wireguard test captures the underlay to see it carries no plaintext
+               iperf3)  # bench/throughput.py measures pod-to-pod TCP throughput with it
+
+LOG_DIR=build/bootstrap
+mkdir -p "$LOG_DIR"
+started=$SECONDS
+
+# step NAME COMMAND...: runs COMMAND with its output in $LOG_DIR/NAME.log and prints one line
+# with its time, or the log's tail when it fails.
+step() {
+  local name=$1 t0=$SECONDS
+  shift
+  # A child shell of its own: errexit is off in a caller's `if`, and must hold in the step.
+  if bash -euo pipefail -c '"$@"' "$name" "$@" >"$LOG_DIR/$name.log" 2>&1; then
+    echo "bootstrap: $name done in $((SECONDS - t0)) s" >&2
+  else
+    local rc=$?
+    echo "bootstrap: $name failed (exit $rc) after $((SECONDS - t0)) s; the end of $LOG_DIR/$name.log:" >&2
+    tail -n 25 "$LOG_DIR/$name.log" | sed 's/^/  | /' >&2
+    return "$rc"
+  fi
+}
+
+apt_packages() {
+  local missing=() pkg
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  ((${#missing[@]})) || return 0
+  echo "installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# venv SCOPE: the product and the lab in .venv; with "dev" or "all" also the test tools and
+# the Kubernetes client. A stamp per extent ("full" serves every scope) skips it next time.
+venv() {
+  local python=${PYTHON:-python3} key extras
+  [ -x .venv/bin/python ] || "$python" -m venv .venv
+  key=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml | sha1sum | cut -c1-12)
+  [ -f "$key-full" ] && return 0
+  [[ $1 == lab && -f "$key-lab" ]] && return 0
+  extras="" extent=lab
+  [[ $1 != lab ]] && extras="[test,kube]" extent=full
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e ".$extras"
   # The lab is a package of its own (lab/), outside the wheel the DaemonSet image installs.
   .venv/bin/pip install -q --no-deps -e lab
-  rm -f .venv/.installed-* && touch "$stamp"
+  rm -f .venv/.installed-*
+  touch "$key-$extent"
+}
+
+# go_peers: the real flanneld, then the real Kubernetes (the first build of both takes about
+# 12 minutes of two cores; each is cached by its pin and takes 0.1 s after that).
+go_peers() {
+  scripts/build-peers.sh && scripts/build-kube.sh
+}
+
+export -f apt_packages venv go_peers
+
+pids=()
+if [[ $scope == all ]]; then
+  step go-peers go_peers &
+  pids+=($!)
 fi
-scripts/build-peers.sh >/dev/null  # the real flanneld the mixed-cluster tests run (needs Go)
-scripts/build-kube.sh >/dev/null  # the real Kubernetes control plane of Kubernetes mode (needs Go)
-scripts/build-images.sh >/dev/null  # the flannelpy image the lab's kubelets run (cached)
+if [[ $scope == all ]]; then
+  step apt apt_packages "${LAB_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
+else
+  step apt apt_packages "${LAB_PACKAGES[@]}"
+fi
+step venv venv "$scope" &
+pids+=($!)
+step cni-executable scripts/build-cni.sh
+if [[ $scope == all ]]; then
+  step image scripts/build-images.sh &  # the flannelpy image the lab's kubelets run
+  pids+=($!)
+fi
+failed=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || failed=1
+done
+if ((failed)); then
+  echo "bootstrap: a step failed (above); fix it and run scripts/bootstrap.sh again" >&2
+  exit 1
+fi
+echo "bootstrap: ready in $((SECONDS - started)) s" >&2

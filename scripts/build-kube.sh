@@ -60,14 +60,18 @@ for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
   version_ldflags+=" -X $pkg.gitVersion=$pin -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
   version_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
+started=$SECONDS
+# One go build for every binary: the packages they share compile once, and the go tool keeps
+# every core busy across all of them. nice: tests running beside it keep their timing.
+# -mod=readonly: a go.sum out of date with go.mod fails loudly instead of rewriting git files.
+packages=()
 for bin in "${binaries[@]}"; do
-  started=$SECONDS
-  # nice: the build takes minutes of both cores on a small CI machine; tests running beside it
-  # keep their timing. -mod=readonly: a go.sum out of date with go.mod fails loudly instead of
-  # rewriting git files.
-  (cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build -mod=readonly -trimpath -buildvcs=false \
-    -tags selinux,notest,grpcnotrace -ldflags "-s -w$version_ldflags" \
-    -o "$tmp_dir/$bin" "k8s.io/kubernetes/cmd/$bin")
+  packages+=("k8s.io/kubernetes/cmd/$bin")
+done
+(cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build -mod=readonly -trimpath -buildvcs=false \
+  -tags selinux,notest,grpcnotrace -ldflags "-s -w$version_ldflags" \
+  -o "$tmp_dir/" "${packages[@]}")
+for bin in "${binaries[@]}"; do
   if [[ $bin == kubectl ]]; then
     reported=$("$tmp_dir/$bin" version --client 2>&1 | head -1)
     expected="Client Version: $pin"
@@ -79,8 +83,8 @@ for bin in "${binaries[@]}"; do
     echo "build-kube: the built $bin reports '$reported', not '$expected'; see the output above" >&2
     exit 1
   fi
-  echo "build-kube: $bin built in $((SECONDS - started)) s" >&2
 done
+echo "build-kube: ${binaries[*]} built in $((SECONDS - started)) s" >&2
 for bin in "${binaries[@]}"; do
   chmod 0755 "$tmp_dir/$bin"
   mv -f "$tmp_dir/$bin" "$out_dir/$bin"  # atomic: a running lab never sees half a binary

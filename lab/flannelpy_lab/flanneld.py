@@ -53,12 +53,13 @@ def binary() -> str:
     if not os.path.isfile(script):
         raise LabError(f"flanneld is not available: {BUILD_SCRIPT} is missing from "
                        f"{repo_root()}; set {BINARY_ENV} to a flanneld binary")  # fmt: skip
-    proc = subprocess.run(["bash", script], capture_output=True, text=True)
+    # The script's own lines (what it builds, about how long) reach the user on stderr.
+    proc = subprocess.run(["bash", script], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not os.access(lines[-1], os.X_OK):
-        why = proc.stderr.strip()[-400:]
         raise LabError(
-            f"flanneld is not built and {BUILD_SCRIPT} failed ({why}); run {BUILD_SCRIPT}"
+            f"flanneld is not built and {BUILD_SCRIPT} failed (exit {proc.returncode}, its "
+            f"output above); run {BUILD_SCRIPT}"
         )
     return lines[-1]
 

@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -74,11 +73,15 @@ Save = Callable[[], None]
 Progress = Callable[[str], None]
 
 
-def bin_dir() -> str:
-    """The directory holding the built control plane; LabError naming the build script."""
+def bin_dir(build: bool = False) -> str:
+    """The directory holding the built control plane; LabError naming the build script.
+    With ``build`` (a lab coming up), a missing pinned build is made first."""
     explicit = os.environ.get(BIN_DIR_ENV)
     directory = explicit or _pinned_dir()
     missing = [b for b in BINARIES if not os.access(os.path.join(directory, b), os.X_OK)]
+    if missing and build and not explicit:
+        _build(directory)
+        missing = [b for b in BINARIES if not os.access(os.path.join(directory, b), os.X_OK)]
     if missing:
         raise LabError(
             f"the Kubernetes control plane is not built in {directory} (no "
@@ -86,6 +89,15 @@ def bin_dir() -> str:
             + (f" or unset {BIN_DIR_ENV}" if explicit else "")
         )
     return directory
+
+
+def _build(directory: str) -> None:
+    """First use: build the pinned control plane; the script says what and how long."""
+    script = os.path.join(repo_root(), BUILD_SCRIPT)
+    if os.path.isfile(script):
+        say = f"flannelpy-lab: Kubernetes is not built in {directory}; building it now with "
+        print(say + f"{BUILD_SCRIPT} (the first build takes about 10 minutes)", file=sys.stderr)
+        subprocess.run(["bash", script], stdout=subprocess.DEVNULL, check=False)
 
 
 def _pinned_dir() -> str:
@@ -192,7 +204,7 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     agents' kubeconfig and net-conf.json. Records every process in the state (``save``
     after each start) so that ``down`` stops what a partial start left."""
     rec = record(state)
-    rec["bin_dir"] = bin_dir()
+    rec["bin_dir"] = bin_dir(build=True)
     rec["processes"] = {}
     os.makedirs(kube_dir(state), exist_ok=True)
     t0 = time.monotonic()
@@ -280,11 +292,13 @@ def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> No
     os.replace(tmp, path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+# The control plane's other listeners, on the lab's own host address like the API server:
+# fixed ports on an address no other lab has, so labs started side by side never race for a
+# port (as a "free" loopback port picked at start would).
+ETCD_CLIENT_PORT = 12379
+ETCD_PEER_PORT = 12380
+CONTROLLER_MANAGER_PORT = 10257
+SCHEDULER_PORT = 10259
 
 
 def _spawn(state: LabState, name: str, argv: list[str], save: Save) -> procs.ProcessRef:
@@ -302,8 +316,8 @@ def _start_etcd(state: LabState, save: Save) -> None:
     binary = shutil.which("etcd")
     if binary is None:
         raise LabError("etcd is not on PATH; install an etcd server (3.4 or newer)")
-    client = f"http://127.0.0.1:{_free_port()}"
-    peer = f"http://127.0.0.1:{_free_port()}"
+    client = f"http://{host_ip(state)}:{ETCD_CLIENT_PORT}"
+    peer = f"http://{host_ip(state)}:{ETCD_PEER_PORT}"
     record(state)["etcd_url"] = client
     ref = _spawn(state, "etcd", [
         binary, "--name", f"fpl-{state.name}-kube", "--data-dir", _path(state, "etcd"),
@@ -377,7 +391,7 @@ def _start_controller_manager(state: LabState, save: Save) -> None:
     _spawn(state, "kube-controller-manager", [
         os.path.join(record(state)["bin_dir"], "kube-controller-manager"),
         "--kubeconfig", _path(state, "kcm.kubeconfig"),
-        "--bind-address", "127.0.0.1", "--secure-port", str(_free_port()),
+        "--bind-address", host_ip(state), "--secure-port", str(CONTROLLER_MANAGER_PORT),
         "--leader-elect=false", "--controllers", ",".join(controllers),
         "--use-service-account-credentials",
         "--service-account-private-key-file", _path(state, "pki", "sa.key"),

@@ -316,7 +316,8 @@ def _start_scheduler(state: LabState, save: Save) -> None:
            0o600)  # fmt: skip
     argv = [os.path.join(control_plane.record(state)["bin_dir"], "kube-scheduler"),
             "--kubeconfig", kubeconfig, "--leader-elect=false",
-            "--bind-address", "127.0.0.1", "--secure-port", str(control_plane._free_port())]
+            "--bind-address", control_plane.host_ip(state),
+            "--secure-port", str(control_plane.SCHEDULER_PORT)]
     log = control_plane._path(state, "kube-scheduler.log")
     ref = procs.spawn_detached(argv, log)
     control_plane.record(state)["processes"]["kube-scheduler"] = [ref.pid, ref.start_ticks]

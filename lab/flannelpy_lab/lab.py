@@ -172,10 +172,11 @@ class Lab:
             name, nodes, backend, direct_routing, segments, network, flanneld_nodes,
             etcd_members,
         )
-        # Before anything is built: a missing flanneld fails fast, naming its build script.
+        # Before anything is set up: a Go peer not built yet is built now (first use, saying
+        # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
-        if kube:  # so does a control plane that was not built
-            control_plane.bin_dir()
+        if kube:
+            control_plane.bin_dir(build=True)
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
         state = _claim(
             name,
@@ -393,11 +394,12 @@ class Lab:
     # -- agents' store and arguments ---------------------------------------
 
     def kubectl(
-        self, *args: str, stdin: str | None = None, check: bool = True
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 30.0
     ) -> subprocess.CompletedProcess[str]:
-        """The real kubectl, as cluster admin, against the lab's control plane (``--kube``)."""
+        """The real kubectl, as cluster admin, against the lab's control plane (``--kube``);
+        ``timeout`` bounds the process (give a ``--timeout`` of its own more room)."""
         self._require_control_plane()
-        return control_plane.kubectl(self.state, *args, stdin=stdin, check=check)
+        return control_plane.kubectl(self.state, *args, stdin=stdin, check=check, timeout=timeout)
 
     def sync_kube_net_conf(self) -> str:
         """Wait until the agents' file shows the ConfigMap's net-conf.json (the lab's

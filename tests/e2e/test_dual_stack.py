@@ -22,7 +22,7 @@ from flannelpy_lab import Lab, plan, pods, status, topology
 from flannelpy_lab.state import PodInfo
 
 from tests.support.firewall_lab import nft_ruleset, normalized
-from tests.support.lab_util import lab_run_argv, running_lab, running_mixed_lab
+from tests.support.lab_util import converged_status, lab_run_argv, running_lab, running_mixed_lab
 
 pytestmark = [pytest.mark.lab]
 
@@ -61,13 +61,7 @@ def test_dual_stack_lab_reaches_in_both_families_with_the_mtu_right(
         3, backend, direct_routing=direct_routing, overlay_bridge=True, pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("dual"),
     ) as lab:  # fmt: skip
-        doc = lab.status()
-        assert status.all_reach(doc["matrix"]), doc["matrix"]
-        assert doc["matrix_ipv6"] and status.all_reach(doc["matrix_ipv6"]), doc["matrix_ipv6"]
-        assert status.all_reach(doc["pod_matrix"]), doc["pod_matrix"]
-        assert doc["pod_matrix_ipv6"] and status.all_reach(doc["pod_matrix_ipv6"]), (
-            doc["pod_matrix_ipv6"]
-        )
+        doc = converged_status(lab, ("matrix", "matrix_ipv6", "pod_matrix", "pod_matrix_ipv6"))
         # Flannel's dual lease keys, with each node's IPv6 underlay address advertised.
         for node in lab.nodes:
             env = Path(node.subnet_env).read_text()
@@ -109,9 +103,7 @@ def test_dual_stack_with_the_real_flanneld_reaches_and_its_ipv6_mtu_is_named() -
         "vxlan", overlay_bridge=True, pods_per_node=1,
         net_conf_extra={**plan.ip_family_net_conf("dual"), "EnableNFTables": True},
     ) as lab:  # fmt: skip
-        doc = lab.status()
-        for key in ("matrix", "pod_matrix"):
-            assert status.all_reach(doc[key]), (key, doc[key])
+        doc = converged_status(lab, ("matrix", "pod_matrix"))
         # Both tables of ours are flanneld's, byte for byte, with each node's subnets
         # (IPv4 and IPv6) written as placeholders.
         def ruleset(node: str) -> str:

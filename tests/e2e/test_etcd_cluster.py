@@ -45,6 +45,7 @@ from tests.support.lab_util import (
     host_snapshot,
     lab_residue,
     running_lab,
+    segment_ip,
     unique_lab_name,
     wait_until,
 )
@@ -63,7 +64,7 @@ AGENT_ARGS = ["--subnet-lease-ttl", str(LEASE_TTL_S), "--subnet-lease-renew-marg
 OUTAGE_S = 60.0
 # A peer that exists only as a lease: its FDB entry on a node proves the node's agent saw it.
 PEER_SUBNET = IPv4Network("10.244.250.0/24")
-PEER_IP = "100.64.0.200"
+PEER_HOST = 200  # its host number on the lab's segment (labs side by side differ)
 PEER_MAC = "02:00:00:00:fa:01"
 MOVED = re.compile(r"^(\S+) .*etcd requests moved to another endpoint "
                    r"from=\S*?(http://[0-9.:]+)\S* to=\S*?(http://[0-9.:]+)", re.M)  # fmt: skip
@@ -147,7 +148,7 @@ def has_peer(lab: Lab, node: str) -> bool:
     all nodes in parallel times its arrival to a few tenths of a second)?"""
     proc = lab.exec(node, ["bridge", "-j", "fdb", "show", "dev", VXLAN_DEVICE], check=False)
     entries = json.loads(proc.stdout or "[]") if proc.returncode == 0 else []
-    return any(e.get("mac", "").lower() == PEER_MAC and e.get("dst") == PEER_IP
+    return any(e.get("mac", "").lower() == PEER_MAC and e.get("dst") == segment_ip(lab, PEER_HOST)
                for e in entries)  # fmt: skip
 
 
@@ -287,7 +288,7 @@ def test_agents_outlive_leader_kill_partition_and_full_outage(lab: Lab) -> None:
         admin = EtcdStore([m.client_url for m in majority])
         key = lease_key(lab.state.etcd_prefix, PEER_SUBNET)
         peer = LeaseAttrs.from_json(json.dumps({
-            "PublicIP": PEER_IP, "BackendType": "vxlan",
+            "PublicIP": segment_ip(lab, PEER_HOST), "BackendType": "vxlan",
             "BackendData": {"VNI": 1, "VtepMAC": PEER_MAC},
         }))  # fmt: skip
         seen_at: dict[str, float] = {}  # node -> seconds from the write to its FDB entry

@@ -25,7 +25,7 @@ from flannelpy.control.records import NodeOverride
 from flannelpy.subnet.etcd.client import EtcdStore
 from flannelpy.subnet.keys import override_key
 from tests.support.kernel_entries import read_leases
-from tests.support.lab_util import lab_run_argv, running_mixed_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_mixed_lab, segment_ip, wait_until
 
 pytestmark = [pytest.mark.lab]
 
@@ -121,7 +121,8 @@ def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
 
     lab, _ = dr_lab
     subnet = IPv4Network("10.244.200.0/24")
-    doc = {"PublicIP": "100.64.0.99", "PublicIPv6": None, "BackendType": "wireguard",
+    public_ip = segment_ip(lab, 99)
+    doc = {"PublicIP": public_ip, "PublicIPv6": None, "BackendType": "wireguard",
            "BackendData": {"PublicKey": "x"}}  # fmt: skip
     store = EtcdStore([lab.etcd_endpoint])
     key = lease_key(lab.state.etcd_prefix.rstrip("/"), subnet)
@@ -147,7 +148,7 @@ def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
         # The doctor, run beside n1's agent, names it too.
         doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert "10.244.200.0/24 (100.64.0.99) cannot be reached" in doctor.stdout, (
+        assert f"10.244.200.0/24 ({public_ip}) cannot be reached" in doctor.stdout, (
             doctor.stdout + doctor.stderr
         )
         assert "one node runs wireguard and the other neither runs it" in doctor.stdout

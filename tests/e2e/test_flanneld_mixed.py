@@ -40,6 +40,7 @@ from tests.support.lab_util import (
     print_agent_logs_if_failed,
     running_lab,
     running_mixed_lab,
+    segment_ip,
     wait_until,
 )
 
@@ -215,7 +216,8 @@ def test_iptables_rules_are_flanneld_s_rule_for_rule(lab: Lab) -> None:
 
 
 RESERVED = {"n1": "10.244.201.0/24", "n3": "10.244.203.0/24"}  # one of ours, one flanneld
-FOREIGN = ("10.244.209.0/24", "100.64.0.99", "02:00:00:00:00:99")  # a machine not in the lab
+# A machine not in the lab: its subnet, host number on the segment and VTEP MAC.
+FOREIGN = ("10.244.209.0/24", 99, "02:00:00:00:00:99")
 
 
 def _reservation(public_ip: str, mac: str | None = None) -> str:
@@ -242,7 +244,7 @@ def test_reservations_without_ttl_are_taken_and_read_by_both_sides() -> None:
                 key = subnet_to_key(IPv4Network(subnet))
                 c.put(prefix + key, _reservation(str(lab.node(name).ip)))
             c.put(prefix + subnet_to_key(IPv4Network(FOREIGN[0])),
-                  _reservation(FOREIGN[1], FOREIGN[2]))  # fmt: skip
+                  _reservation(segment_ip(lab, FOREIGN[1]), FOREIGN[2]))  # fmt: skip
         lab.start_agents()
         for name, subnet in RESERVED.items():
             assert str(_subnet_env(lab, name).lease_subnet) == subnet, name

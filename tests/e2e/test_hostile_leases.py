@@ -22,7 +22,7 @@ from flannelpy_lab.errors import LabError
 from prometheus_client.parser import text_string_to_metric_families
 
 from flannelpy.subnet.etcd.client import EtcdStore
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import running_lab, segment_ip, wait_until
 
 pytestmark = [
     pytest.mark.lab,
@@ -31,7 +31,6 @@ pytestmark = [
 ]
 
 METRICS_URL = "http://127.0.0.1:9403/metrics"
-UNDERLAY_KEY = "100.64.0.0-24"
 DEEP_KEY = "10.244.200.0-24"
 _GET = (
     "import sys, urllib.request\n"
@@ -69,8 +68,13 @@ def rejected(lab: Lab, node: str) -> dict[str, float]:
     return found
 
 
+def underlay_key(lab: Lab) -> str:
+    """The lease key of the lab's own underlay segment (labs side by side differ)."""
+    return lab.state.segments[0].subnet.replace("/", "-")
+
+
 def connected_route(lab: Lab, node: str) -> list[dict[str, Any]]:
-    out = lab.exec(node, ["ip", "-j", "route", "show", "100.64.0.0/24"]).stdout
+    out = lab.exec(node, ["ip", "-j", "route", "show", lab.state.segments[0].subnet]).stdout
     return list(json.loads(out or "[]"))
 
 
@@ -80,9 +84,9 @@ def test_hostile_leases_are_ignored_counted_and_harm_no_node(lab: Lab) -> None:
     prefix = lab.state.etcd_prefix.rstrip("/")
     kv = EtcdStore([lab.etcd_endpoint])
     try:
-        underlay = {"PublicIP": "100.64.0.99", "BackendType": "vxlan",
+        underlay = {"PublicIP": segment_ip(lab, 99), "BackendType": "vxlan",
                     "BackendData": {"VNI": 1, "VtepMAC": "02:00:00:00:00:99"}}  # fmt: skip
-        kv.put(f"{prefix}/subnets/{UNDERLAY_KEY}", json.dumps(underlay).encode())
+        kv.put(f"{prefix}/subnets/{underlay_key(lab)}", json.dumps(underlay).encode())
         kv.put(f"{prefix}/subnets/{DEEP_KEY}", ("[" * 3000 + "]" * 3000).encode())
 
         def counted() -> bool:
@@ -119,7 +123,7 @@ def test_hostile_leases_are_ignored_counted_and_harm_no_node(lab: Lab) -> None:
         wait_until(n2_counts, timeout=30, interval=0.5, what="n2 back, counting again")
         assert alive(lab.node("n2").agent_pid) and lab.ping("n1", "n2", attempts=3)
     finally:
-        for key in (UNDERLAY_KEY, DEEP_KEY):
+        for key in (underlay_key(lab), DEEP_KEY):
             found = kv.get(f"{prefix}/subnets/{key}")
             if found is not None:
                 kv.delete_if_mod_revision(f"{prefix}/subnets/{key}", found.mod_revision)

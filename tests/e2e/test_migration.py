@@ -40,7 +40,12 @@ from tests.support.kernel_entries import (
     entry_mismatches,
     read_leases,
 )
-from tests.support.lab_util import print_agent_logs_if_failed, running_mixed_lab, wait_until
+from tests.support.lab_util import (
+    print_agent_logs_if_failed,
+    running_mixed_lab,
+    segment_ip,
+    wait_until,
+)
 from tests.support.traffic import PodTraffic, TrafficReport
 
 pytestmark = [pytest.mark.lab]
@@ -48,7 +53,8 @@ pytestmark = [pytest.mark.lab]
 CONVERGE = 20.0
 RATE = 20.0  # echoes per second per ordered pair
 SETTLE = 3.0  # seconds of traffic after each migration, before the session stops
-DEPARTED = ("10.244.250.0/24", "100.64.0.99", "02:00:00:00:00:99")  # never a lab node
+# Never a lab node: the departed machine's subnet, host number on the segment and VTEP MAC.
+DEPARTED = ("10.244.250.0/24", 99, "02:00:00:00:00:99")
 
 
 MODES = [  # (backend, DirectRouting)
@@ -86,7 +92,7 @@ def _direct_peers(lab: Lab) -> set[IPv4Address]:
     """With DirectRouting every peer is on the one segment: routed on the underlay."""
     if not lab.state.direct_routing:
         return set()
-    return {n.ip for n in lab.nodes} | {IPv4Address(DEPARTED[1])}
+    return {n.ip for n in lab.nodes} | {IPv4Address(_departed_ip(lab))}
 
 
 def _vtep_macs(lab: Lab) -> dict[IPv4Address, str | None]:
@@ -102,6 +108,10 @@ def _wait_kernels_match(lab: Lab) -> None:
             f"  {where}: {diff}" for where, diff in _kernel_mismatches(lab).items()))  # fmt: skip
 
 
+def _departed_ip(lab: Lab) -> str:
+    return segment_ip(lab, DEPARTED[1])
+
+
 def _departed_key(lab: Lab) -> str:
     prefix = f"{lab.state.etcd_prefix.rstrip('/')}/subnets/"
     return prefix + subnet_to_key(IPv4Network(DEPARTED[0]))
@@ -109,7 +119,7 @@ def _departed_key(lab: Lab) -> str:
 
 def _put_departed_peer(lab: Lab) -> None:
     """A lease of a machine outside the lab, as if a node had been there."""
-    doc = {"PublicIP": DEPARTED[1], "PublicIPv6": None, "BackendType": lab.state.backend}
+    doc = {"PublicIP": _departed_ip(lab), "PublicIPv6": None, "BackendType": lab.state.backend}
     if lab.state.backend == "vxlan":
         doc["BackendData"] = {"VNI": 1, "VtepMAC": DEPARTED[2]}
     with etcd.client(lab.etcd_endpoint) as c:
@@ -194,9 +204,9 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
     )
 
     assert _lease_subnets(lab) == {ip: s for ip, s in subnets.items()
-                                   if str(ip) != DEPARTED[1]}  # fmt: skip
+                                   if str(ip) != _departed_ip(lab)}  # fmt: skip
     # Each side kept the other's vxlan device: no peer had to learn a new MAC.
-    assert _vtep_macs(lab) == {ip: m for ip, m in macs.items() if str(ip) != DEPARTED[1]}
+    assert _vtep_macs(lab) == {ip: m for ip, m in macs.items() if str(ip) != _departed_ip(lab)}
     # New pods on both migrated nodes: addresses no existing pod holds.
     taken = {p.ip for p in before_pods}
     new = [lab.add_pod("n3"), lab.add_pod("n2")]

@@ -9,6 +9,7 @@ polling at the lab's pace.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -24,6 +25,35 @@ import pytest
 from flannelpy_lab import Lab
 
 from tests.support import waiting
+
+
+def converged_status(
+    lab: Lab, keys: tuple[str, ...] = ("matrix", "pod_matrix"), timeout: float = 30.0
+) -> dict[str, Any]:
+    """``lab.status()`` once every matrix in ``keys`` is present and all-reaching: agents come
+    up side by side, so a node may see the last peer's lease a moment after it is ready.
+    Fails with the last matrices if they do not converge in ``timeout`` seconds."""
+    from flannelpy_lab import status
+
+    last: dict[str, Any] = {}
+
+    def converged() -> bool:
+        nonlocal last
+        last = lab.status()
+        return all(last.get(k) and status.all_reach(last[k]) for k in keys)
+
+    try:
+        wait_until(converged, timeout=timeout, interval=1.0, what="every pair reaching")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {({k: last.get(k) for k in keys})}") from None
+    return last
+
+
+def segment_ip(lab: Lab, host: int, segment: int = 1) -> str:
+    """Host number ``host`` of the lab's underlay segment (a machine on the nodes' link that
+    is not a lab node): labs side by side get different segments, so never hard-code one."""
+    subnet = ipaddress.IPv4Network(lab.state.segments[segment - 1].subnet)
+    return str(subnet.network_address + host)
 
 
 def unique_lab_name(prefix: str = "t") -> str:

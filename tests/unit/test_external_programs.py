@@ -239,13 +239,16 @@ def scanned() -> dict[str, list[str]]:
 
 
 def bootstrap_packages() -> set[str]:
-    """APT_PACKAGES of scripts/bootstrap.sh, and what a build script installs itself."""
+    """LAB_PACKAGES and TEST_PACKAGES of scripts/bootstrap.sh, and what a build script
+    installs itself."""
     text = (REPO / "scripts" / "bootstrap.sh").read_text(encoding="utf-8")
     # Comments first: one may hold a parenthesis that is not the array's end.
     text = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in text.splitlines())
-    match = re.search(r"^APT_PACKAGES=\((.*?)\)", text, re.S | re.M)
-    assert match, "scripts/bootstrap.sh has no APT_PACKAGES=(...) array"
-    packages = set(match.group(1).split())
+    packages: set[str] = set()
+    for array in ("LAB_PACKAGES", "TEST_PACKAGES"):
+        match = re.search(rf"^{array}=\((.*?)\)", text, re.S | re.M)
+        assert match, f"scripts/bootstrap.sh has no {array}=(...) array"
+        packages |= set(match.group(1).split())
     for path in (REPO / "scripts").glob("*.sh"):
         for line in path.read_text(encoding="utf-8").splitlines():
             if "apt-get install" in line:
