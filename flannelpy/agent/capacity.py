@@ -14,8 +14,8 @@ from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
 
 from flannelpy.agent.events import EventCounts
 from flannelpy.agent.leases import OwnLeases
-from flannelpy.agent.pods import PodSide
 from flannelpy.agent.state import Clocks, NodeState, SayOnce
+from flannelpy.cni.pods import PodSide
 from flannelpy.errors import ConfigError, PoolExhausted, StoreError
 from flannelpy.ipam.capacity import plan_capacity, update_empty_since
 from flannelpy.observe.metrics import AgentMetrics

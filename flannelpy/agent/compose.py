@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 from flannelpy.agent.firewall import FirewallFactory, PodNet
 from flannelpy.agent.live_config import load_applied
 from flannelpy.agent.node import NodeAgent
-from flannelpy.agent.pods import PodAttachments, PodSide
 from flannelpy.agent.vtep import load_vtep_mac
 from flannelpy.agent.writer import AgentParts, ProbeTransport
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.registry import get_backend
+from flannelpy.cni.pods import PodAttachments, PodSide
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import wanted_config

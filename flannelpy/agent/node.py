@@ -71,7 +71,9 @@ class NodeAgent:
         self.metrics.overlay_mtu(w.state.mtu)
         if parts.link_stats is not None:  # a real kernel: its counters too
             self.metrics.set_link_provider(parts.link_stats(parts.ctx.underlay.name))
-            self.metrics.set_kernel_provider(kernel_counters.for_agent(self.settings.state_dir))
+            counters = kernel_counters.for_agent(self.settings.state_dir)
+            self.metrics.set_kernel_provider(counters)
+            w.pods.add_listener(counters.on_cni)  # keeps each pod's table open while it lives
         self.metrics.set_ipam_provider(w.pods.ipam.accounting)
         self._start_servers()
         lease = w.acquire_first()

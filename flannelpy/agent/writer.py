@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,11 +42,11 @@ from flannelpy.agent.firewall import FirewallFactory, FirewallRules
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.live_config import LiveConfig
 from flannelpy.agent.planning import Planner
-from flannelpy.agent.pods import PodSide
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
 from flannelpy.agent.vtep import VtepMac, quiet_router_adverts
 from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.cni.pods import PodSide
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.ethtool import set_tx_checksum
 from flannelpy.dataplane.kernel import Kernel
@@ -97,6 +98,7 @@ class AgentParts:
     link_stats: Callable[[str], LinkProvider] | None = None  # (underlay name) -> provider
     clocks: Clocks = field(default_factory=Clocks)
     ticker: bool = True  # False in tests, which put their own Tick events
+    jitter: Callable[[], float] = random.random  # 0.0 .. 1.0: spreads the status heartbeat
 
 
 def _primary_pool(network: IPv4Network | None) -> list[Pool]:
@@ -140,8 +142,9 @@ class Writer:
         self.planner.undecodable = getattr(parts.manager, "undecodable", dict)
         self.firewall = FirewallRules(s, parts.firewall_factory)
         self.status = StatusReporter(
-            settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks
-        )
+            settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks,
+            parts.jitter,
+        )  # fmt: skip
         self.pods = parts.pods(lambda: self.view.mtu, lambda: self.view.ready)
         self.capacity = Capacity(
             s, self.leases, parts.manager, self.pods, metrics, self.counts, say_once,

@@ -1,4 +1,7 @@
-"""The agent's side of CNI: the socket server, the command handler, pod plumbing, records.
+"""CNI, in one home: the spec (``spec``: validation, results, error JSON), the framing the
+executable speaks (``wire``), the socket server, the command handler, the records, and the
+agent's pod side (``pods.PodAttachments``: node IPAM, the bridge, the server, and the
+listeners told of each pod that comes and goes).
 
 ``server.CniServer`` receives what the thin executable (``cni_plugin``) forwards,
 ``handler.CniHandler`` runs the command against ``flannelpy.ipam.NodeIpam``,

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from ipaddress import ip_interface
 from typing import Any
 
-from cni_plugin.spec import (
+from flannelpy.cni.records import Record, RecordStore
+from flannelpy.cni.spec import (
     CniError,
     Code,
     Interface,
@@ -74,7 +75,6 @@ from cni_plugin.spec import (
     reply_version,
     version_reply,
 )
-from flannelpy.cni.records import Record, RecordStore
 from flannelpy.dataplane.netns import NotANetns, require_netns_fd
 from flannelpy.dataplane.podnet import (
     IPInterface,

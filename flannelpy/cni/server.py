@@ -20,7 +20,7 @@ unlinked the socket, so every later ADD failed with code 11 while DELs leaked.
 :meth:`CniServer.alive` tells liveness whether the loop turns and the socket
 path is still ours.
 
-Framing is :mod:`cni_plugin.wire`. The socket is 0600 in a 0700 directory: only
+Framing is :mod:`flannelpy.cni.wire`. The socket is 0600 in a 0700 directory: only
 root (the kubelet, the runtime) may ask for pod networking.
 
 The pod's namespace arrives as a descriptor (SCM_RIGHTS with the request's
@@ -45,8 +45,8 @@ import threading
 import time
 from typing import Protocol
 
-from cni_plugin import wire
-from cni_plugin.spec import CniError, Code
+from flannelpy.cni import wire
+from flannelpy.cni.spec import CniError, Code
 from flannelpy.dataplane.netns import enter_netns
 from flannelpy.errors import DataplaneError
 

@@ -431,19 +431,8 @@ class AgentMetrics:
 
     def set_kernel_provider(self, fn: Callable[[], KernelReading] | None) -> None:
         """Read TCP and drop counters of the node and its pods at scrape time (a
-        ``kernel_counters.KernelCounters``, which also follows ADD and DEL)."""
+        ``kernel_counters.KernelCounters``, which follows ADD and DEL as a pod listener)."""
         self._kernel_provider = fn
-
-    def cni_done(self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None) -> None:
-        """A CNI request answered with success, with the pod namespace's descriptor if
-        the executable passed one: the kernel counters keep the pod's table open."""
-        hook = getattr(self._kernel_provider, "on_cni", None)
-        if hook is None:
-            return
-        try:
-            hook(env, stdin, netns_fd)
-        except Exception as e:  # a CNI request never fails on metrics
-            log.warning("pod counters could not follow a CNI request error=%s", e)
 
     def set_ipam_provider(self, fn: IpamProvider | None) -> None:
         """Read IPAM accounting per lease at scrape time (e.g. ``NodeIpam.accounting``)."""

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from flannelpy_lab.errors import LabError
 from prometheus_client.parser import text_string_to_metric_families
 
 from flannelpy.subnet.etcd.client import EtcdStore
+from tests.support.agent_events import wait_for_reconcile_passes
 from tests.support.lab_util import running_lab, segment_ip, wait_until
 
 pytestmark = [
@@ -96,7 +96,8 @@ def test_hostile_leases_are_ignored_counted_and_harm_no_node(lab: Lab) -> None:
             )  # fmt: skip
 
         wait_until(counted, timeout=20, interval=0.5, what="every agent counting both leases")
-        time.sleep(3)  # a few reconcile passes later, nothing has changed
+        # Two whole reconcile passes after both were counted: nothing has changed.
+        wait_for_reconcile_passes(list(lab.nodes), passes=2)
         for node in lab.nodes:
             assert alive(pids[node.name]), f"the agent of {node.name} exited"
             assert lab.node(node.name).agent_pid == pids[node.name]

@@ -117,11 +117,12 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
         assert ping.returncode == 0, ping.stdout
         server = subprocess.Popen(
             ["ip", "netns", "exec", b.namespace, "python3", "-c",
-             "import socket;s=socket.create_server(('0.0.0.0',5599));c,_=s.accept();"
-             "print(c.recv(100).decode())"],
+             "import socket;s=socket.create_server(('0.0.0.0',5599));print('listening',"
+             "flush=True);c,_=s.accept();print(c.recv(100).decode())"],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(0.3)
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "listening"  # connect only once it is
         pu.run_in(a.namespace, ["python3", "-c",
                                 "import socket,sys;socket.create_connection((sys.argv[1],5599))"
                                 ".sendall(sys.argv[2].encode())", pod_ip(lab, b.name),

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from cni_plugin import client, wire
-from flannelpy.cni import CniHandler, CniServer, CniSettings, PodNetwork, RecordStore
+from cni_plugin import client
+from flannelpy.cni import CniHandler, CniServer, CniSettings, PodNetwork, RecordStore, wire
 from flannelpy.dataplane.podnet import host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,6 +118,25 @@ def quiet_count(node: AgentNode, kind: str) -> int:
     config), taken while no such change is in flight: the change is handled once the
     count passes it (one event per write the agent's watch delivers)."""
     return processed(fresh_status(node), kind)
+
+
+def wait_for_reconcile_passes(
+    nodes: list[AgentNode], passes: int = 2, timeout: float = 30.0
+) -> None:
+    """Wait until each node's agent has ended ``passes`` reconcile passes one after another
+    from this call on (status.json's ``last_reconcile``: the wall-clock end of the latest
+    pass). Passes run one at a time, so with 2 at least one whole pass began after the
+    call: what a node would repair or change, it has by then."""
+
+    def ended_after(node: AgentNode, mark: float) -> bool:
+        done = read_status(node).get("last_reconcile")
+        return isinstance(done, (int, float)) and done > mark
+
+    for _ in range(passes):
+        mark = time.time()
+        for node in nodes:
+            wait_until(partial(ended_after, node, mark), timeout,
+                       f"a reconcile pass of {node.name} ending after {mark:.1f}")  # fmt: skip
 
 
 def wait_for_capacity_round(nodes: list[AgentNode], timeout: float = 30.0) -> None:

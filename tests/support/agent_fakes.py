@@ -8,6 +8,7 @@ handled only when the test says so (``drain``): no thread races the assertions.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class FakePods:
     ready: Callable[[], bool]
     gateways: set[IPv4Interface] = field(default_factory=set)
     bridge_mtus: list[int] = field(default_factory=list)
+    listeners: list[Callable[[Any, bytes, int | None], None]] = field(default_factory=list)
     started: bool = False
 
     def __post_init__(self) -> None:
@@ -135,6 +137,9 @@ class FakePods:
 
     def remove_gateway(self, gateway: IPv4Interface) -> None:
         self.gateways.discard(gateway)
+
+    def add_listener(self, listener: Callable[[Any, bytes, int | None], None]) -> None:
+        self.listeners.append(listener)
 
     def start(self) -> None:
         self.started = True
@@ -182,6 +187,7 @@ class AgentHarness:
         config: str | None = None,
         kernel: FakeKernel | None = None,
         clock: FakeClock | None = None,
+        jitter: Callable[[], float] | None = None,
         **settings: Any,
     ) -> None:
         self.clock = clock or FakeClock()
@@ -213,6 +219,8 @@ class AgentHarness:
                 control=self.control,
                 clocks=Clocks(wall=self.clock, monotonic=self.clock),
                 ticker=False,
+                # Seeded: a run of a test is the same every time, and still spread.
+                jitter=jitter or random.Random(7).random,
             )
         )
         self.writer = self.agent.writer

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-from cni_plugin import spec, wire
+from flannelpy.cni import spec, wire
 
 Handler = Callable[[dict[str, str], bytes], tuple[int, bytes]]
 

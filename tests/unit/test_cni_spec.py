@@ -1,4 +1,4 @@
-"""cni_plugin/spec.py: the validation table, results per version, error JSON."""
+"""flannelpy/cni/spec.py: the validation table, results per version, error JSON."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cni_plugin import spec
-from cni_plugin.spec import (
+from flannelpy.cni import spec
+from flannelpy.cni.spec import (
     CniError,
     Code,
     Interface,

@@ -49,7 +49,7 @@ def test_the_tree_keeps_every_contract(tree_copy: Path) -> None:
         # the product importing the lab
         ("flannelpy/observe/mtu.py", "import flannelpy_lab.plan", "never imports the lab"),
         # the CNI executable importing the product
-        ("cni_plugin/wire.py", "import flannelpy.errors", "stands alone"),
+        ("cni_plugin/client.py", "import flannelpy.errors", "stands alone"),
     ],
 )
 def test_an_arrow_running_back_up_breaks_a_contract(

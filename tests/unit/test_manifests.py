@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cni_plugin.spec import parse_request
 from flannelpy.cli import build_parser
+from flannelpy.cni.spec import parse_request
 from flannelpy.config.netconf import parse_network_config
 from flannelpy.config.settings import settings_from_args
 

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from cni_plugin.spec import parse_request
+from flannelpy.cni.spec import parse_request
 
 CONFLIST = Path(__file__).resolve().parents[2] / "cni_plugin" / "10-flannelpy.conflist"
 

@@ -1,4 +1,6 @@
-"""The agent's CNI side: node IPAM, the pod bridge and the socket the executable calls."""
+"""The agent's CNI side: node IPAM, the pod bridge, the socket the executable calls, and
+the listeners told of every pod attached or detached (the kernel counters keep a pod's
+namespace open while it lives)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from flannelpy.observe.metrics import AgentMetrics
 if TYPE_CHECKING:
     from flannelpy.ipam.manager import NodeIpam
 
-log = logging.getLogger("flannelpy.agent.pods")
+log = logging.getLogger("flannelpy.cni.pods")
 
 # The node's pod subnets are given in one sequence, both families mixed; pods get
 # one address per family present (no IPv4 subnet: IPv6-only pods).
 PodSubnet = IPv4Network | IPv6Network
+# Told of each CNI request answered with success: its CNI_* environment, its stdin and the
+# pod namespace's descriptor if the executable passed one (valid during the call only).
+PodListener = Callable[[Mapping[str, str], bytes, "int | None"], None]
 
 
 class PodSide(Protocol):
@@ -35,6 +40,8 @@ class PodSide(Protocol):
     ) -> None: ...
 
     def remove_gateway(self, gateway: IPv4Interface | IPv6Interface) -> None: ...
+
+    def add_listener(self, listener: PodListener) -> None: ...
 
     def start(self) -> None: ...
 
@@ -91,6 +98,7 @@ class PodAttachments:
         )
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
         self._metrics = metrics
+        self._listeners: list[PodListener] = []
         self.server = CniServer(self.socket_path, self._handle)
         self._started = False
 
@@ -110,9 +118,17 @@ class PodAttachments:
             except (ValueError, AttributeError):
                 code = 999
         self._metrics.cni_request(env.get("CNI_COMMAND", "?"), code, time.monotonic() - started)
-        if exit_code == 0:  # the kernel counters keep the pod's table while it lives
-            self._metrics.cni_done(env, stdin, netns_fd)
+        if exit_code == 0:
+            for listener in self._listeners:
+                try:
+                    listener(env, stdin, netns_fd)
+                except Exception as e:  # a CNI request never fails on a listener
+                    log.warning("a pod listener failed on a CNI request error=%s", e)
         return exit_code, out
+
+    def add_listener(self, listener: PodListener) -> None:
+        """Tell ``listener`` of every CNI request answered with success from now on."""
+        self._listeners.append(listener)
 
     def use_leases(
         self, subnets: Sequence[PodSubnet], serving: Sequence[PodSubnet] | None = None

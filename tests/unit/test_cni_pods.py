@@ -1,0 +1,59 @@
+"""The agent's CNI side: where a pod without a default route sends the cluster's traffic."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from ipaddress import IPv4Network
+from pathlib import Path
+
+from flannelpy.cni.pods import PodAttachments
+from flannelpy.config.settings import AgentSettings
+from flannelpy.observe.metrics import AgentMetrics
+
+
+def test_the_cluster_network_is_the_configured_network(tmp_path: Path) -> None:
+    settings = replace(AgentSettings(), state_dir=str(tmp_path / "state"),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
+    network = IPv4Network("10.244.0.0/16")
+    pods = PodAttachments(settings, lambda: 1450, lambda: True, AgentMetrics(), network)
+    # Known from the start: no file to wait for, so such an ADD never has to retry.
+    assert tuple(pods.handler.settings.cluster_networks()) == (network,)
+
+
+class AnsweringHandler:
+    """The handler's surface: answers every request with ``exit_code`` and ``out``."""
+
+    def __init__(self, exit_code: int, out: bytes) -> None:
+        self.exit_code, self.out = exit_code, out
+
+    def handle(
+        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None
+    ) -> tuple[int, bytes]:
+        return self.exit_code, self.out
+
+
+def pod_side(tmp_path: Path) -> PodAttachments:
+    settings = replace(AgentSettings(), state_dir=str(tmp_path / "state"),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
+    return PodAttachments(settings, lambda: 1450, lambda: True, AgentMetrics(),
+                          IPv4Network("10.244.0.0/16"))  # fmt: skip
+
+
+def test_listeners_hear_each_answered_request_and_none_can_fail_one(tmp_path: Path) -> None:
+    pods = pod_side(tmp_path)
+    heard: list[tuple[str, bytes, int | None]] = []
+
+    def broken(env: Mapping[str, str], stdin: bytes, netns_fd: int | None) -> None:
+        raise RuntimeError("a listener's own bug")
+
+    pods.add_listener(broken)
+    pods.add_listener(lambda env, stdin, fd: heard.append((env["CNI_COMMAND"], stdin, fd)))
+    pods.handler = AnsweringHandler(0, b"{}")  # type: ignore[assignment]
+    assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 7) == (0, b"{}")
+    assert heard == [("ADD", b"config", 7)]  # told, though the first listener raised
+    # A request answered with an error attached nothing: no listener hears of it.
+    error = b'{"cniVersion": "1.0.0", "code": 11, "msg": "try again later"}'
+    pods.handler = AnsweringHandler(1, error)  # type: ignore[assignment]
+    assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 8) == (1, error)
+    assert heard == [("ADD", b"config", 7)]
