@@ -92,13 +92,14 @@ def kind_of(event: Event) -> str | None:
 
 
 class EventCounts:
-    """Events the writer finished handling, by kind, and capacity evaluations: what
-    tests read to know that nothing happened without sleeping. Thread-safe."""
+    """Events the writer finished handling, by kind, capacity evaluations and firewall
+    resyncs: what tests read to know that nothing happened without sleeping. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events = dict.fromkeys(EVENT_KINDS, 0)
         self._capacity_checks = 0
+        self._firewall_resyncs = 0
 
     def handled(self, kind: str) -> None:
         with self._lock:
@@ -108,6 +109,10 @@ class EventCounts:
         with self._lock:
             self._capacity_checks += 1
 
+    def firewall_resynced(self) -> None:
+        with self._lock:
+            self._firewall_resyncs += 1
+
     def events(self) -> dict[str, int]:
         with self._lock:
             return dict(self._events)
@@ -116,3 +121,8 @@ class EventCounts:
     def capacity_checks(self) -> int:
         with self._lock:
             return self._capacity_checks
+
+    @property
+    def firewall_resyncs(self) -> int:
+        with self._lock:
+            return self._firewall_resyncs

@@ -147,6 +147,7 @@ class StatusReporter:
             ],
             "events": self._counts.events(),
             "capacity_checks": self._counts.capacity_checks,
+            "firewall_resyncs": self._counts.firewall_resyncs,
         }
         with self._file_lock:
             atomic_write(

@@ -238,6 +238,7 @@ class Writer:
         elif name == TICK_FIREWALL:
             self.beats.beat("firewall")
             self.firewall.resync()
+            self.counts.firewall_resynced()  # tests wait on it rather than on the clock
         # TICK_CONTROL: settle() looks at a blocked or failed change when it is due.
 
     def pending(self) -> bool:

@@ -12,12 +12,17 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 from flannelpy_lab import Lab, etcd, plan
 
+from tests.support.agent_events import (
+    FIREWALL_RESYNCS,
+    fresh_status,
+    processed,
+    wait_until_processed,
+)
 from tests.support.firewall_lab import (
     counted_rules,
     in_ns,
@@ -67,7 +72,11 @@ def test_a_foreign_chain_put_first_is_never_fought(lab: Lab) -> None:
     writes = {"n1": log_count(lab, "n1", OURS_REPAIRED),
               "n3": log_count(lab, "n3", FLANNELD_REWROTE)}  # fmt: skip
 
-    time.sleep(5 * RESYNC + 1.0)  # five resyncs of both agents
+    # Five resyncs of ours begun after this point (counted by the agent), by when flanneld,
+    # on the same interval and observable only by its log, has made about as many.
+    mark = processed(fresh_status(lab.node("n1")), FIREWALL_RESYNCS)
+    wait_until_processed(lab.node("n1"), FIREWALL_RESYNCS, after=mark + 5,
+                         timeout=10 * RESYNC)  # fmt: skip
 
     for node in nodes:
         after = counted_rules(iptables_save(lab, node, counters=True))

@@ -31,6 +31,7 @@ from tests.support.waiting import wait_until
 
 EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick")
 CAPACITY_CHECKS = "capacity_checks"  # not an event kind: status.json's count of rounds
+FIREWALL_RESYNCS = "firewall_resyncs"  # nor this: the firewall resyncs finished
 
 
 class AgentNode(Protocol):
@@ -61,9 +62,10 @@ def read_status(node: AgentNode) -> dict[str, Any]:
 
 def processed(status: dict[str, Any], kind: str) -> int:
     """Events of ``kind`` handled according to ``status`` (0 before the first);
-    ``capacity_checks`` for the capacity rounds begun."""
-    if kind == CAPACITY_CHECKS:
-        return int(status[CAPACITY_CHECKS])
+    ``capacity_checks`` for the capacity rounds begun, ``firewall_resyncs`` for the
+    firewall resyncs finished."""
+    if kind in (CAPACITY_CHECKS, FIREWALL_RESYNCS):
+        return int(status[kind])
     assert kind in EVENT_KINDS, f"unknown event kind {kind!r}; use one of {EVENT_KINDS}"
     events = status.get("events")
     assert isinstance(events, dict), f"status.json has no 'events' counts: {sorted(status)}"

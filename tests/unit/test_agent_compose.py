@@ -163,9 +163,11 @@ def test_an_xtables_lock_timeout_during_lease_recovery_is_retried(tmp_path: Path
         assert agent.status()["ready"] is True
 
         fw.locked = False
-        synced = fw.synced
+        synced, resyncs = fw.synced, agent.writer.counts.firewall_resyncs
         agent.tick(TICK_FIREWALL)
         assert fw.synced > synced and agent.writer.state.rules_in_place
+        # Counted, for tests that wait for resyncs instead of sleeping through them.
+        assert agent.writer.counts.firewall_resyncs == resyncs + 1
     finally:
         agent.stop()
 
