@@ -84,8 +84,7 @@ def node_namespaces(pods: int) -> Iterator[str]:
             "addr add 192.168.77.1/24 dev ul0",
             "link set ul0 up",
             "link set ul0p up",
-            "link add flannel.1 type vxlan id 1 local 192.168.77.1 dev ul0 dstport 8472 "
-            "nolearning",
+            "link add flannel.1 type vxlan id 1 local 192.168.77.1 dev ul0 dstport 8472 nolearning",
             "link set flannel.1 up",
         ]
         for i in range(pods):
@@ -189,8 +188,11 @@ def http_scrapes(port: int, count: int, keep_alive: bool) -> tuple[list[float], 
 
 
 def run(pods: int, peers: int, scrapes: int) -> tuple[str, bool]:
-    with node_namespaces(pods) as node, tempfile.TemporaryDirectory() as state, \
-            pod_namespaces(pods) as pod_netns:
+    with (
+        node_namespaces(pods) as node,
+        tempfile.TemporaryDirectory() as state,
+        pod_namespaces(pods) as pod_netns,
+    ):
         say(f"namespace {node} ready with {pods} pod veths")
         ipam = NodeIpam(state, fsync=False)
         ipam.set_leases([LEASE])

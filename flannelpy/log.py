@@ -28,8 +28,10 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
         handler.setFormatter(_JsonFormatter())
     else:
         handler.setFormatter(
-            logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-                              datefmt="%Y-%m-%dT%H:%M:%S")
+            logging.Formatter(
+                "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+                datefmt="%Y-%m-%dT%H:%M:%S",
+            )
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]

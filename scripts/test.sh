@@ -58,6 +58,7 @@ echo "== tier static: ruff, ruff format, mypy, lint-imports" >&2
 (
   set -e
   .venv/bin/ruff check flannelpy cni_plugin lab tests bench scripts
+  .venv/bin/ruff format --check flannelpy cni_plugin lab tests bench scripts
   .venv/bin/mypy flannelpy cni_plugin lab/flannelpy_lab
   .venv/bin/lint-imports  # the layer contracts in pyproject.toml
 ) >"$results/static.log" 2>&1 &

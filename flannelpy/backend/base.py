@@ -95,7 +95,10 @@ def is_own_address(ctx: NodeContext, lease: Lease) -> bool:
 
 
 def vxlan_link(
-    ctx: NodeContext, name: str, local_ip: IPv4Address | IPv6Address, mtu: int,
+    ctx: NodeContext,
+    name: str,
+    local_ip: IPv4Address | IPv6Address,
+    mtu: int,
     vtep_mac: str | None,
 ) -> VxlanLink:
     """A VTEP device of either family: the config's VNI, port and flags over our underlay."""
@@ -189,12 +192,18 @@ def plan_peers(
         path = choose_path(caps, peer_caps, on_link)
         if isinstance(path, NoPath):
             networks = ", ".join(str(n) for n in ctx.underlay.networks) or "none"
-            where = (f"on a subnet of {ctx.underlay.name}" if on_link
-                     else f"not on a subnet of {ctx.underlay.name} ({networks})")
-            unreachable.add(Unreachable(
-                subnet=subnet, public_ip=ip,
-                reason=f"no path to peer {ip}, which is {where}: {path.reason}",
-            ))
+            where = (
+                f"on a subnet of {ctx.underlay.name}"
+                if on_link
+                else f"not on a subnet of {ctx.underlay.name} ({networks})"
+            )
+            unreachable.add(
+                Unreachable(
+                    subnet=subnet,
+                    public_ip=ip,
+                    reason=f"no path to peer {ip}, which is {where}: {path.reason}",
+                )
+            )
         elif path == "wireguard":
             continue  # the WireGuard device's peer (backend.wireguard), under its one route
         elif path == "direct":

@@ -43,7 +43,8 @@ class HostGwBackend:
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
         data = (
             {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
-            if vtep_mac and ctx.config.enable_ipv4 else None
+            if vtep_mac and ctx.config.enable_ipv4
+            else None
         )
         return LeaseAttrs(
             public_ip=ctx.public_ip,

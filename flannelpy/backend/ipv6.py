@@ -108,9 +108,7 @@ def plan_ipv6(
     ``link6``. Peers must already be the routable ones (not ourselves, not overlapping)."""
     if not enabled(ctx) or not any(lease.ipv6_subnet is not None for lease in own):
         return DesiredState()
-    caps6 = replace(
-        caps, vni=link6.vni if link6 else None, vtep_mac=link6.mac if link6 else None
-    )
+    caps6 = replace(caps, vni=link6.vni if link6 else None, vtep_mac=link6.mac if link6 else None)
     flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
     own6 = [lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None]
     routes: set[Route] = set()

@@ -57,9 +57,7 @@ from flannelpy.subnet.lease import Lease
 
 PathKind = Literal["direct", "vxlan", "wireguard"]
 
-_FIX_SEGMENTS = (
-    "host-gw needs every node on one L2 segment: use vxlan, or vxlan with DirectRouting"
-)
+_FIX_SEGMENTS = "host-gw needs every node on one L2 segment: use vxlan, or vxlan with DirectRouting"
 
 
 @dataclass(frozen=True)
@@ -146,12 +144,13 @@ def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Ca
         follows_peer=not flanneld,
         encrypts=_encrypts(backend_type),
         # A vxlan or host-gw lease of ours carries a key while that node keeps its device.
-        wireguard_key=backend_type in SPOKEN_BACKENDS and (_encrypts(backend_type) or not flanneld)
+        wireguard_key=backend_type in SPOKEN_BACKENDS
+        and (_encrypts(backend_type) or not flanneld)
         and _is_wg_key((attrs.backend_data or {}).get("PublicKey")),
         # flanneld's udp backend writes no BackendType at all.
-        foreign_backend=None if backend_type in SPOKEN_BACKENDS else (
-            backend_type or "udp (no BackendType)"
-        ),
+        foreign_backend=None
+        if backend_type in SPOKEN_BACKENDS
+        else (backend_type or "udp (no BackendType)"),
     )
 
 
@@ -206,8 +205,10 @@ def choose_path(own: Capabilities, peer: Capabilities, on_link: bool) -> PathKin
             f"the nodes are on different L2 segments and their VTEPs use different VNIs "
             f"({low} and {high}); set one VNI on every node"
         )
-    vteps = "neither has a VTEP" if own.vni is None and peer.vni is None else (
-        "only one of them has a VTEP"
+    vteps = (
+        "neither has a VTEP"
+        if own.vni is None and peer.vni is None
+        else ("only one of them has a VTEP")
     )
     return NoPath(f"the nodes are on different L2 segments and {vteps}; {_FIX_SEGMENTS}")
 
@@ -268,7 +269,7 @@ def pairs_without_path(nodes: Sequence[NodeView]) -> list[tuple[str, str, str]]:
     }
     found: list[tuple[str, str, str]] = []
     for i, a in enumerate(nodes):
-        for b in nodes[i + 1:]:
+        for b in nodes[i + 1 :]:
             a_sees_b = any(b.public_ip in net for net in a.underlay_networks)
             b_sees_a = any(a.public_ip in net for net in b.underlay_networks)
             forward = choose_path(caps[a.name], caps[b.name], a_sees_b)
@@ -278,9 +279,10 @@ def pairs_without_path(nodes: Sequence[NodeView]) -> list[tuple[str, str, str]]:
             elif isinstance(backward, NoPath):
                 found.append((a.name, b.name, backward.reason))
             elif forward != backward:
-                found.append((a.name, b.name, (
+                why = (
                     f"{a.name} takes a {forward} path and {b.name} a {backward} one, because "
-                    f"only one sees the other on its underlay networks; give both underlays "
-                    "the same subnet"
-                )))
+                    "only one sees the other on its underlay networks; give both underlays the "
+                    "same subnet"
+                )
+                found.append((a.name, b.name, why))
     return found

@@ -83,7 +83,8 @@ class VxlanBackend:
             # IPv6-only: the IPv4 VTEP does not exist; BackendV6Data carries the MAC.
             backend_data=(
                 {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
-                if ctx.config.enable_ipv4 else None
+                if ctx.config.enable_ipv4
+                else None
             ),
             public_ipv6=ctx.public_ipv6 if ipv6.enabled(ctx) else None,
             backend_v6_data=ipv6.backend_v6_data(ctx, vtep_mac),

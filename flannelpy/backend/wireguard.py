@@ -200,8 +200,11 @@ def plan_device(
     """The device's desired state (pure): one WireGuard peer per public key, whose
     allowed IPs are all that node's subnets (a node may hold several leases)."""
     own = [lease for lease in own if lease.subnet is not None]  # wireguard is IPv4-only
-    usable = [lease for lease in wireguard_peers
-              if lease.subnet is not None and lease.attrs.public_ip is not None]
+    usable = [
+        lease
+        for lease in wireguard_peers
+        if lease.subnet is not None and lease.attrs.public_ip is not None
+    ]
     peers = set()
     for key, leases in leases_by_key(usable, lease_public_key, own_public_key).items():
         first = leases[0]
@@ -248,8 +251,11 @@ def plan_device_v6(
     """``flannel-wg-v6`` (pure): one peer per IPv6 public key, at ``[PublicIPv6]:Port`` of
     its BackendV6Data, with its IPv6 subnets as allowed IPs; our IPv6 lease's network
     address /128 on it, as Flannel's ``ConfigureV6``."""
-    usable = [lease for lease in wireguard_peers
-              if lease.ipv6_subnet is not None and lease.attrs.public_ipv6 is not None]
+    usable = [
+        lease
+        for lease in wireguard_peers
+        if lease.ipv6_subnet is not None and lease.attrs.public_ipv6 is not None
+    ]
     peers = set()
     for key, leases in leases_by_key(usable, lease_public_key_v6, own_public_key).items():
         first = leases[0]
@@ -652,8 +658,11 @@ def device_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease])
     that. What leaves through the device is decided by our routes, and a pair that is
     not wireguard has a more specific route elsewhere."""
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
-    return [peer for peer, path in _paths(ctx, own, peers)
-            if path == "wireguard" or peer_capabilities(peer, flanneld_dr).wireguard_key]
+    return [
+        peer
+        for peer, path in _paths(ctx, own, peers)
+        if path == "wireguard" or peer_capabilities(peer, flanneld_dr).wireguard_key
+    ]
 
 
 def _paths(

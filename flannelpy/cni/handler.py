@@ -693,8 +693,7 @@ def build_result(
             Interface(name=ifname, mac=pod_mac, sandbox=netns),
         ),
         ips=tuple(
-            IPConfig(address=str(a.interface), gateway=str(a.gateway), interface=1)
-            for a in allocs
+            IPConfig(address=str(a.interface), gateway=str(a.gateway), interface=1) for a in allocs
         ),
         routes=tuple(RouteEntry(dst=str(dst), gw=str(gw)) for dst, gw in routes),
         dns=dns,
@@ -726,8 +725,10 @@ def _as_cni_error(e: BaseException) -> CniError | None:
         if e.accounting:
             hint = "ipWaitSeconds in the network config lets ADD wait for a cooling address"
         else:  # nothing to wait for: no lease of this node takes new pods
-            hint = ("the agent's log says why it holds no lease that takes new pods "
-                    "(e.g. every pool is drained or full: flannelpy pools list)")
+            hint = (
+                "the agent's log says why it holds no lease that takes new pods "
+                "(e.g. every pool is drained or full: flannelpy pools list)"
+            )
         return CniError(Code.NO_ADDRESS, str(e), hint)
     if isinstance(e, NetnsMissing | PodInterfaceExists):
         return CniError(Code.INVALID_ENVIRONMENT, str(e))

@@ -183,4 +183,3 @@ class PodAttachments:
         if self._started:
             self.server.stop()
             self._started = False
-

@@ -59,23 +59,35 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     target = argparse.ArgumentParser(add_help=False)
     target.add_argument("--backend", required=True, metavar="TYPE", help="vxlan or host-gw")
-    target.add_argument("--direct-routing", action="store_true",
-                        help="vxlan: route peers on the same L2 segment directly")
+    target.add_argument(
+        "--direct-routing",
+        action="store_true",
+        help="vxlan: route peers on the same L2 segment directly",
+    )
     target.add_argument("--vni", type=int, help="VXLAN ID (default: the config's)")
     target.add_argument("--port", type=int, help="VXLAN UDP port (default: the config's)")
     target.add_argument("--mtu", type=int, help="underlay MTU to assume (default: the config's)")
-    target.add_argument("--nodes", metavar="N1,N2,...",
-                        help="the order to switch nodes in (default: by name)")
+    target.add_argument(
+        "--nodes", metavar="N1,N2,...", help="the order to switch nodes in (default: by name)"
+    )
     force = argparse.ArgumentParser(add_help=False)
-    force.add_argument("--force", action="store_true",
-                       help="skip the disruption policy (an emergency; recorded)")
+    force.add_argument(
+        "--force", action="store_true", help="skip the disruption policy (an emergency; recorded)"
+    )
     force.add_argument("--reason", help="why the policy is skipped (with --force)")
 
     driving = argparse.ArgumentParser(add_help=False)
-    driving.add_argument("--wait", action="store_true",
-                         help="outside the maintenance window, wait for it instead of exiting")
-    driving.add_argument("--step-timeout", type=float, metavar="SECONDS",
-                         help=f"seconds each step may take (default {DEFAULT_STEP_TIMEOUT:g})")
+    driving.add_argument(
+        "--wait",
+        action="store_true",
+        help="outside the maintenance window, wait for it instead of exiting",
+    )
+    driving.add_argument(
+        "--step-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"seconds each step may take (default {DEFAULT_STEP_TIMEOUT:g})",
+    )
     # For tests of maintenance windows: the rollout's clock starts at this instant.
     driving.add_argument("--clock-start", metavar="ISO8601", help=argparse.SUPPRESS)
 
@@ -90,10 +102,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "external load balancers while it changes.",
     )
     actions = rollout.add_subparsers(dest="rollout_command", required=True)
-    actions.add_parser("plan", parents=[target, force, common],
-                       help="show the plan and what would stop it; change nothing")
-    begin = actions.add_parser("start", parents=[target, force, driving, common],
-                               help="start a rollout and drive it")
+    actions.add_parser(
+        "plan",
+        parents=[target, force, common],
+        help="show the plan and what would stop it; change nothing",
+    )
+    begin = actions.add_parser(
+        "start", parents=[target, force, driving, common], help="start a rollout and drive it"
+    )
     begin.add_argument("--no-cordon", action="store_true",
                        help="Kubernetes mode: leave nodes schedulable and in external load "
                        "balancers while they change")  # fmt: skip
@@ -101,8 +117,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the record as JSON")
     actions.add_parser("pause", parents=[common], help="stop after the current step")
     actions.add_parser("resume", parents=[driving, common], help="continue driving a rollout")
-    actions.add_parser("abort", parents=[common],
-                       help="stop after the current step for good (switched nodes stay)")
+    actions.add_parser(
+        "abort", parents=[common], help="stop after the current step for good (switched nodes stay)"
+    )
     rollout.set_defaults(run=run)
     return rollout
 
@@ -240,8 +257,10 @@ def _status(args: argparse.Namespace, store: RolloutStorage) -> int:
         _print("no rollout recorded")
     else:
         _print(summary(record))
-        _print(f"started {record.created_at}, last change {record.updated_at}, "
-               f"step timeout {record.step_timeout:g} s, driver {record.driver or '-'}")
+        _print(
+            f"started {record.created_at}, last change {record.updated_at}, "
+            f"step timeout {record.step_timeout:g} s, driver {record.driver or '-'}"
+        )
         if record.force is not None:
             _print(f"forced past the policy by {record.force.by} at {record.force.at}: "
                    f"{record.force.reason}")  # fmt: skip

@@ -261,9 +261,7 @@ class _Family:
 
 
 _V4 = _Family(4, "Network", "SubnetLen", "SubnetMin", "SubnetMax", 28, 30, 24)
-_V6 = _Family(
-    6, "IPv6Network", "IPv6SubnetLen", "IPv6SubnetMin", "IPv6SubnetMax", 124, 126, 64
-)
+_V6 = _Family(6, "IPv6Network", "IPv6SubnetLen", "IPv6SubnetMin", "IPv6SubnetMax", 124, 126, 64)
 
 
 @dataclass(frozen=True)
@@ -300,7 +298,7 @@ def _network(top: _Section, fam: _Family) -> Any:
     if text is None:
         raise ConfigError(
             f"{_WHERE}: {label} is required when {enable_key} is true; "
-            f"add it like \"{fam.network_key}\": {_EXAMPLES[fam.network_key]}"
+            f'add it like "{fam.network_key}": {_EXAMPLES[fam.network_key]}'
         )
     try:
         if "/" not in text:
@@ -362,8 +360,7 @@ def _bound(
     aligned = ip_network(f"{addr}/{subnet_len}", strict=False).network_address
     if aligned != addr:
         raise ConfigError(
-            f"{_WHERE}: {label} {addr} is not aligned to {fam.len_key} {subnet_len}; "
-            f"use {aligned}"
+            f"{_WHERE}: {label} {addr} is not aligned to {fam.len_key} {subnet_len}; use {aligned}"
         )
     return addr
 

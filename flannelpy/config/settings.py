@@ -139,23 +139,39 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("kube_annotation_prefix", "str", "prefix of the node annotations"),
     _Flag("net_config_path", "str", "net-conf.json to read in Kubernetes mode"),
     _Flag("iface", "repeat", "underlay interface name or IP; repeat to try several in order"),
-    _Flag("iface_regex", "repeat", "regex of underlay interface names or IPs; repeatable",
-          split_commas=False),
+    _Flag(
+        "iface_regex",
+        "repeat",
+        "regex of underlay interface names or IPs; repeatable",
+        split_commas=False,
+    ),
     _Flag("iface_can_reach", "str", "pick the interface that routes to this IPv4 address"),
     _Flag("public_ip", "str", "IPv4 address to advertise to peers"),
-    _Flag("public_ipv6", "str",
-          "IPv6 address to advertise to peers (dual stack; default: the interface's)"),
+    _Flag(
+        "public_ipv6",
+        "str",
+        "IPv6 address to advertise to peers (dual stack; default: the interface's)",
+    ),
     _Flag("subnet_file", "str", "where to write subnet.env"),
     _Flag("subnet_lease_renew_margin", "int", "renew the lease this many minutes before expiry"),
     _Flag("ip_masq", "bool", "masquerade traffic leaving the overlay"),
-    _Flag("ip_masq_fully_random_disable", "bool",
-          "masquerade without --random-fully (fully random source ports)"),
+    _Flag(
+        "ip_masq_fully_random_disable",
+        "bool",
+        "masquerade without --random-fully (fully random source ports)",
+    ),
     _Flag("iptables_resync", "float", "seconds between firewall rule checks"),
     _Flag("iptables_forward_rules", "bool", "add FORWARD accept rules for the network"),
-    _Flag("ip_blackhole_route", "bool",
-          "blackhole route for the node's own subnet, beneath cni0's connected route"),
-    _Flag("set_node_network_unavailable", "bool",
-          "set the Node's NetworkUnavailable condition to False once up (Kubernetes mode)"),
+    _Flag(
+        "ip_blackhole_route",
+        "bool",
+        "blackhole route for the node's own subnet, beneath cni0's connected route",
+    ),
+    _Flag(
+        "set_node_network_unavailable",
+        "bool",
+        "set the Node's NetworkUnavailable condition to False once up (Kubernetes mode)",
+    ),
     _Flag("v", "int", "klog verbosity as flanneld takes it; above 0 means --log-level debug"),
     _Flag("healthz_ip", "str", "address of the /healthz and /readyz server"),
     _Flag("healthz_port", "int", "port of the /healthz and /readyz server (0: off)"),
@@ -163,9 +179,12 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("node_name", "str", "this node's name (default: $NODE_NAME, else the hostname)"),
     _Flag("state_dir", "str", "directory for IPAM and other persistent state"),
     _Flag("run_dir", "str", "directory for the CNI socket and other runtime files"),
-    _Flag("host_local_dir", "str",
-          "host-local's data dir of pods made by a flanneld before this agent, whose "
-          "addresses are held (empty: none)"),
+    _Flag(
+        "host_local_dir",
+        "str",
+        "host-local's data dir of pods made by a flanneld before this agent, whose "
+        "addresses are held (empty: none)",
+    ),
     _Flag("allow_overlap", "bool", "start even if Network overlaps a route on this node"),
     _Flag("resync_interval", "float", "seconds between full kernel reconciles"),
     _Flag("startup_timeout", "float", "seconds to retry an unreachable store before giving up"),
@@ -173,16 +192,28 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("log_format", "str", "log format: text or json"),
     _Flag("log_level", "str", "log level: debug, info, warning or error"),
     _Flag("metrics_addr", "str", "HOST:PORT of /metrics, /healthz and /readyz, or off"),
-    _Flag("vxlan_tx_checksum_off", "bool",
-          "turn off tx checksum offload on the vxlan device (VXLAN checksum bug fix)"),
+    _Flag(
+        "vxlan_tx_checksum_off",
+        "bool",
+        "turn off tx checksum offload on the vxlan device (VXLAN checksum bug fix)",
+    ),
     _Flag("probe_interval", "float", "seconds between probe rounds to each peer"),
-    _Flag("probe_peers_per_interval", "int",
-          "peers probed per probe interval at most; more are covered over several intervals"),
-    _Flag("cluster_name", "str",
-          "this cluster's name, for address pools tagged flannelpy.io/cluster/<name>"),
-    _Flag("status_publish_interval", "float",
-          "seconds between this node's heartbeat status records in etcd when nothing "
-          "changed (jittered 80-100 %; a change is written at once)"),
+    _Flag(
+        "probe_peers_per_interval",
+        "int",
+        "peers probed per probe interval at most; more are covered over several intervals",
+    ),
+    _Flag(
+        "cluster_name",
+        "str",
+        "this cluster's name, for address pools tagged flannelpy.io/cluster/<name>",
+    ),
+    _Flag(
+        "status_publish_interval",
+        "float",
+        "seconds between this node's heartbeat status records in etcd when nothing "
+        "changed (jittered 80-100 %; a change is written at once)",
+    ),
 )
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AgentSettings)}
@@ -201,14 +232,19 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         if flag.kind == "bool":
             # Flannel style: --ip-masq, --ip-masq=true, --ip-masq=false.
             group.add_argument(
-                flag.option, nargs="?", const="true", default=None, metavar="BOOL",
+                flag.option,
+                nargs="?",
+                const="true",
+                default=None,
+                metavar="BOOL",
                 help=help_text,
             )
         elif flag.kind == "repeat":
             group.add_argument(flag.option, action="append", default=None, help=help_text)
         else:
-            group.add_argument(flag.option, default=None, metavar=flag.field.upper(),
-                               help=help_text)
+            group.add_argument(
+                flag.option, default=None, metavar=flag.field.upper(), help=help_text
+            )
 
 
 def go_style_argv(args: Sequence[str]) -> list[str]:
@@ -351,8 +387,10 @@ def _check_endpoints(urls: tuple[str, ...], source: str) -> tuple[str, ...]:
             port = parts.port
         except ValueError:
             port = None
-        if parts.scheme not in ("http", "https") or not parts.hostname or (
-            "://" not in url and port is None
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or ("://" not in url and port is None)
         ):
             raise ConfigError(
                 f"{source} entry {url!r} is not an etcd URL; write it like "
@@ -502,8 +540,7 @@ def _check_listen_addr(value: str, source: str) -> str | None:
             raise ValueError("IPv6 needs brackets")
     except ValueError:
         raise ConfigError(
-            f"{source} {value!r} is not IP:PORT; write it like 127.0.0.1:9403 or [::1]:9403, "
-            "or off"
+            f"{source} {value!r} is not IP:PORT; write it like 127.0.0.1:9403 or [::1]:9403, or off"
         ) from None
     return f"[{addr}]:{int(port)}" if addr.version == 6 else f"{addr}:{int(port)}"
 
@@ -546,9 +583,7 @@ def _check_together(settings: AgentSettings, sources: Mapping[str, str]) -> None
             "the lifetime"
         )
     if (settings.etcd_keyfile is None) != (settings.etcd_certfile is None):
-        raise ConfigError(
-            "--etcd-keyfile and --etcd-certfile go together; give both or neither"
-        )
+        raise ConfigError("--etcd-keyfile and --etcd-certfile go together; give both or neither")
 
 
 def _with_schemes(values: dict[str, Any]) -> None:

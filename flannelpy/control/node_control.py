@@ -88,8 +88,11 @@ def rollout_vouches(rollout: Mapping[str, Any] | None, rollout_id: str | None) -
 
 
 def _snapshot(
-    config: bytes | None, override_raw: str | bytes | None, override_where: str,
-    rollout_raw: bytes | None, pools: tuple[KeyValue, ...] = (),
+    config: bytes | None,
+    override_raw: str | bytes | None,
+    override_where: str,
+    rollout_raw: bytes | None,
+    pools: tuple[KeyValue, ...] = (),
 ) -> ControlSnapshot:
     override, override_error = None, None
     if override_raw:

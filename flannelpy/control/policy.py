@@ -346,7 +346,6 @@ def _known(obj: Mapping[str, Any], where: str, names: tuple[str, ...]) -> dict[s
     return values
 
 
-
 def _show(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -121,11 +121,11 @@ def masq_rules(
     multicast = MULTICAST6 if networks[0].version == 6 else MULTICAST
     subnets = list(dict.fromkeys(node_subnets))  # order kept, duplicates dropped
     for subnet in subnets:
-        if not any(subnet.version == net.version and subnet.subnet_of(net)  # type: ignore[arg-type]
-                   for net in networks):
-            raise ConfigError(
-                f"node subnet {subnet} is outside the network {_names(networks)}"
-            )
+        if not any(
+            subnet.version == net.version and subnet.subnet_of(net)  # type: ignore[arg-type]
+            for net in networks
+        ):
+            raise ConfigError(f"node subnet {subnet} is outside the network {_names(networks)}")
     masq = ("-j", "MASQUERADE", RANDOM_FULLY) if random_fully else ("-j", "MASQUERADE")
     comment = ("-m", "comment", "--comment", MASQ_COMMENT)
 

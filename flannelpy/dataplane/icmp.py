@@ -168,8 +168,11 @@ class IcmpTransport:
         return seq
 
     def _sendmsg(
-        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address,
-        seq: int, payload_len: int,
+        self,
+        source: IPv4Address | IPv6Address,
+        target: IPv4Address | IPv6Address,
+        seq: int,
+        payload_len: int,
     ) -> None:
         packet = echo_request(self._ident, seq, payload_len)
         pktinfo = struct.pack("=i4s4s", 0, source.packed, bytes(4))
@@ -221,9 +224,7 @@ class IcmpTransport:
                 with self._lock:
                     self._replies.append(reply)
 
-    def _match(
-        self, packet: bytes, sender: IPv4Address | IPv6Address, now: float
-    ) -> Reply | None:
+    def _match(self, packet: bytes, sender: IPv4Address | IPv6Address, now: float) -> Reply | None:
         icmp = packet[(packet[0] & 0x0F) * 4 :] if packet else b""
         if len(icmp) < 8:
             return None
@@ -309,8 +310,11 @@ class Icmp6Transport(IcmpTransport):
         return sock
 
     def _sendmsg(
-        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address,
-        seq: int, payload_len: int,
+        self,
+        source: IPv4Address | IPv6Address,
+        target: IPv4Address | IPv6Address,
+        seq: int,
+        payload_len: int,
     ) -> None:
         packet = echo6_request(self._ident, seq, payload_len)
         pktinfo = struct.pack("=16si", source.packed, 0)
@@ -318,9 +322,7 @@ class Icmp6Transport(IcmpTransport):
             [packet], [(socket.IPPROTO_IPV6, IPV6_PKTINFO, pktinfo)], 0, (str(target), 0)
         )
 
-    def _match(
-        self, packet: bytes, sender: IPv4Address | IPv6Address, now: float
-    ) -> Reply | None:
+    def _match(self, packet: bytes, sender: IPv4Address | IPv6Address, now: float) -> Reply | None:
         """Raw ICMPv6 sockets deliver the ICMPv6 message without the IPv6 header; the
         kernel has verified its checksum."""
         if len(packet) < 8:
@@ -376,9 +378,7 @@ class DualTransport:
         if target.version == 4:
             return self._v4.send(source, target, size) << 1
         if self._v6 is None:
-            raise OSError(
-                errno.EAFNOSUPPORT, "no ICMPv6 socket (IPv6 is disabled in this kernel)"
-            )
+            raise OSError(errno.EAFNOSUPPORT, "no ICMPv6 socket (IPv6 is disabled in this kernel)")
         return self._v6.send(source, target, size) << 1 | 1
 
     def take_replies(self) -> list[Reply]:

@@ -159,8 +159,11 @@ class NetlinkKernel:
             )
         return [
             Interface(
-                link.name, link.index, link.mtu,
-                tuple(addrs.get(link.index, ())), tuple(addrs6.get(link.index, ())),
+                link.name,
+                link.index,
+                link.mtu,
+                tuple(addrs.get(link.index, ())),
+                tuple(addrs6.get(link.index, ())),
             )
             for link in sorted(nl.dump_links(sock), key=lambda r: r.index)
         ]
@@ -311,8 +314,12 @@ class NetlinkKernel:
 
     def watch(self, on_event: Callable[[str], None], stop: threading.Event) -> None:
         groups = (
-            rtnl.RTMGRP_LINK | rtnl.RTMGRP_NEIGH | rtnl.RTMGRP_IPV4_IFADDR | rtnl.RTMGRP_IPV4_ROUTE
-            | rtnl.RTMGRP_IPV6_IFADDR | rtnl.RTMGRP_IPV6_ROUTE
+            rtnl.RTMGRP_LINK
+            | rtnl.RTMGRP_NEIGH
+            | rtnl.RTMGRP_IPV4_IFADDR
+            | rtnl.RTMGRP_IPV4_ROUTE
+            | rtnl.RTMGRP_IPV6_IFADDR
+            | rtnl.RTMGRP_IPV6_ROUTE
         )
         with nl.NetlinkSocket(groups=groups, rcvbuf=self.watch_buffer) as sock:
             while not stop.is_set():

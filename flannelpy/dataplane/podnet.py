@@ -315,9 +315,7 @@ def dump_addresses(sock: nl.NetlinkSocket, ifindex: int = 0) -> list[AddrInfo]:
         family, prefixlen, flags, _scope, index = head
         if ifindex and index != ifindex:
             continue
-        attrs = rtnl.parse_attrs(
-            buf, offset + rtnl.HDR.size + rtnl.IFADDR.size, offset + length
-        )
+        attrs = rtnl.parse_attrs(buf, offset + rtnl.HDR.size + rtnl.IFADDR.size, offset + length)
         raw = attrs.get(rtnl.IFA_LOCAL) or attrs.get(rtnl.IFA_ADDRESS)
         if raw is None or family not in (socket.AF_INET, _AF_INET6):
             continue
@@ -352,9 +350,7 @@ def dump_routes(sock: nl.NetlinkSocket) -> list[RouteInfo]:
             )
             if fam != family or table != rtnl.RT_TABLE_MAIN:
                 continue
-            attrs = rtnl.parse_attrs(
-                buf, offset + rtnl.HDR.size + rtnl.RTMSG.size, offset + length
-            )
+            attrs = rtnl.parse_attrs(buf, offset + rtnl.HDR.size + rtnl.RTMSG.size, offset + length)
             size = 16 if family == _AF_INET6 else 4
             raw_dst = attrs.get(_RTA_DST, bytes(size))
             raw_gw = attrs.get(_RTA_GATEWAY)
@@ -494,9 +490,7 @@ class PodNetwork:
 
     # -- the bridge
 
-    def ensure_bridge(
-        self, gateways: Sequence[IPInterface], mtu: int, bridge: str = "cni0"
-    ) -> int:
+    def ensure_bridge(self, gateways: Sequence[IPInterface], mtu: int, bridge: str = "cni0") -> int:
         """Make ``bridge`` exist, up, with ``mtu`` and every gateway address; return its index.
 
         Every ADD calls this, so the common case is one GETLINK: the addresses are
@@ -794,9 +788,7 @@ class PodNetwork:
             for gw in sorted({gw for _, gw in routes}, key=lambda g: (g.version, g)):
                 if gw not in have:
                     problems.append(f"bridge {bridge} lacks the gateway address {gw}")
-        problems += _in_netns(
-            netns, netns_fd, _pod_problems, netns, ifname, addresses, mtu, routes
-        )
+        problems += _in_netns(netns, netns_fd, _pod_problems, netns, ifname, addresses, mtu, routes)
         return problems
 
 

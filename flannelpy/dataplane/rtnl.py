@@ -138,9 +138,7 @@ def neigh_request(
     delete: bool, ifindex: int, ip: IPv4Address | IPv6Address, mac: str | None = None
 ) -> Request:
     """A permanent ARP (or IPv6 neighbour) entry (replace on set); ``mac`` only for set."""
-    body = NDMSG.pack(family_of(ip), 0, 0, ifindex, NUD_PERMANENT, 0, 0) + attr(
-        NDA_DST, ip.packed
-    )
+    body = NDMSG.pack(family_of(ip), 0, 0, ifindex, NUD_PERMANENT, 0, 0) + attr(NDA_DST, ip.packed)
     if delete:
         return Request(RTM_DELNEIGH, 0, body)
     assert mac is not None
@@ -382,7 +380,13 @@ def decode_route(buf: bytes, offset: int, length: int) -> RouteRow | None:
 
 
 def _decode_route6(
-    buf: bytes, offset: int, length: int, dst_len: int, table: int, proto: int, rtype: int,
+    buf: bytes,
+    offset: int,
+    length: int,
+    dst_len: int,
+    table: int,
+    proto: int,
+    rtype: int,
     flags: int,
 ) -> RouteRow:
     attrs = parse_attrs(buf, offset + HDR.size + RTMSG.size, offset + length)

@@ -182,8 +182,11 @@ def choose_underlay_v6(
             wanted: IPv6Address | None = IPv6Address(spec)
         except ValueError:
             wanted = None
-        candidates += [i for i in interfaces if i.name == spec
-                       or (wanted is not None and any(a.ip == wanted for a in i.addresses6))]
+        candidates += [
+            i
+            for i in interfaces
+            if i.name == spec or (wanted is not None and any(a.ip == wanted for a in i.addresses6))
+        ]
     for pattern in iface_regexes:
         regex = _compile_iface_regex(pattern)
         candidates += [i for i in interfaces if regex.search(i.name)]
@@ -194,8 +197,11 @@ def choose_underlay_v6(
             return _underlay(iface, None, None)
     raise InterfaceNotFound(
         "IPv6-only: no interface with a global IPv6 address matches "
-        + (" or ".join([f"--iface {s}" for s in ifaces]
-                       + [f"--iface-regex {p}" for p in iface_regexes])
-           or "the IPv6 default route")
+        + (
+            " or ".join(
+                [f"--iface {s}" for s in ifaces] + [f"--iface-regex {p}" for p in iface_regexes]
+            )
+            or "the IPv6 default route"
+        )
         + f"; pass --iface with one of {_names(interfaces)}"
     )

@@ -84,7 +84,8 @@ def check_sources(facts: NodeFacts) -> list[Finding]:
     findings: list[Finding] = []
     if facts.store_error:
         flags = (
-            "--kube-api-url/--kubeconfig-file/--net-config-path" if facts.settings.kube_subnet_mgr
+            "--kube-api-url/--kubeconfig-file/--net-config-path"
+            if facts.settings.kube_subnet_mgr
             else "--etcd-endpoints/--etcd-prefix"
         )
         action = f"give the doctor the agent's {flags} and check the store's health"
@@ -145,9 +146,7 @@ def check_lease(facts: NodeFacts, plan: Plan) -> list[Finding]:
     elif own.store_lease_id is None:
         findings.append(Finding("ok", "lease", f"{held} is a reservation (never expires)"))
     elif ttl is None:
-        findings.append(
-            Finding("ok", "lease", f"{held} held; its expiry could not be read")
-        )
+        findings.append(Finding("ok", "lease", f"{held} held; its expiry could not be read"))
     elif ttl < LEASE_CRITICAL_SECONDS:
         findings.append(
             Finding("error", "lease", f"{held} expires in {duration(ttl)}: the agent is "
@@ -291,7 +290,8 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
     want = plan.overlay_mtu
     underlay_mtu = facts.config.backend.mtu if facts.config and facts.config.backend.mtu else None
     basis = (
-        f"net-conf.json's MTU {underlay_mtu}" if underlay_mtu
+        f"net-conf.json's MTU {underlay_mtu}"
+        if underlay_mtu
         else f"{plan.ctx.underlay.name}'s MTU {plan.ctx.underlay.mtu}"
     )
     dual = ipv6_plan.enabled(plan.ctx)
@@ -304,8 +304,8 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
     if plan.backend.type_name == "vxlan":
         expected[plan.device] = vtep_mtu(plan.ctx)
         if dual:
-            expected[ipv6_plan.device_name_v6(plan.ctx.config.backend.vni)] = (
-                ipv6_plan.vtep6_mtu(plan.ctx)
+            expected[ipv6_plan.device_name_v6(plan.ctx.config.backend.vni)] = ipv6_plan.vtep6_mtu(
+                plan.ctx
             )
     for name, mtu in expected.items():
         link = links.get(name)
@@ -345,8 +345,14 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
     if not findings:
         unknown = len(report.unknown)
         also = f"; {unknown} advertise none (flanneld), probes verify those" if unknown else ""
-        findings.append(Finding("ok", "mtu", f"overlay MTU {want} ({basis}) on every device, "
-                                f"the same for {len(plan.peers) - unknown} peer(s){also}"))
+        findings.append(
+            Finding(
+                "ok",
+                "mtu",
+                f"overlay MTU {want} ({basis}) on every device, "
+                f"the same for {len(plan.peers) - unknown} peer(s){also}",
+            )
+        )
     return findings
 
 
@@ -490,8 +496,12 @@ def check_probes(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
             (mtu_bad6 if ":" in subnet else mtu_bad).append(label(subnet))
         loss, rounds = result.get("loss"), result.get("probes")
         enough = not isinstance(rounds, int) or rounds >= LOSS_MIN_PROBES
-        if result.get("reachable") is not False and isinstance(loss, int | float) \
-                and loss > LOSS_WARNING and enough:
+        if (
+            result.get("reachable") is not False
+            and isinstance(loss, int | float)
+            and loss > LOSS_WARNING
+            and enough
+        ):
             lossy.append(f"{label(subnet)} {loss:.0%}")
     findings: list[Finding] = []
     if down:
@@ -525,7 +535,6 @@ def check_probes(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
         findings.append(Finding("ok", "peers", f"all {len(probes)} probed peer(s) reachable, "
                                 "full-size packets pass"))  # fmt: skip
     return findings
-
 
 
 # --- the drop-counter baseline ------------------------------------------------------------

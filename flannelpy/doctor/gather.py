@@ -47,8 +47,6 @@ FIREWALL_CHAINS = (
 )
 
 
-
-
 def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> NodeFacts:
     """Every fact diagnose() needs, about the node (network namespace) we run in.
     Failures become ``*_error`` fields, never exceptions, so that one broken source
@@ -268,7 +266,12 @@ def read_links() -> list[LinkInfo]:
             master = names.get(st.master)
         links.append(
             LinkInfo(
-                row.name, row.kind, row.mtu, bool(row.flags & IFF_UP), master, counters,
+                row.name,
+                row.kind,
+                row.mtu,
+                bool(row.flags & IFF_UP),
+                master,
+                counters,
                 carrier=bool(row.flags & IFF_LOWER_UP),
             )
         )

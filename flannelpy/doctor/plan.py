@@ -55,7 +55,7 @@ def plan_node(facts: NodeFacts) -> Plan | str:
         return str(e)
     settings = facts.settings
     underlay = facts.underlay
-    public_ipv6 = (IPv6Address(settings.public_ipv6) if settings.public_ipv6 else underlay.ip6)
+    public_ipv6 = IPv6Address(settings.public_ipv6) if settings.public_ipv6 else underlay.ip6
     ctx = NodeContext(
         config=config,
         underlay=underlay,
@@ -99,8 +99,10 @@ def own_lease(
     for lease in facts.leases:
         if public_ip is not None and lease.attrs.public_ip == public_ip:
             return lease
-        if public_ip is None and public_ipv6 is not None and (
-            lease.attrs.public_ipv6 == public_ipv6
+        if (
+            public_ip is None
+            and public_ipv6 is not None
+            and (lease.attrs.public_ipv6 == public_ipv6)
         ):
             return lease
     name = facts.settings.node_name

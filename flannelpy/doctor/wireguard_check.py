@@ -30,8 +30,11 @@ def check_wireguard(facts: NodeFacts, plan: Plan) -> list[Finding]:
         findings += _check_device(DEVICE, facts.wireguard,
                                   plan.backend.device_spec(plan.ctx, own, peers, key))  # fmt: skip
     else:  # IPv6-only: the key is in BackendV6Data
-        key = own[0].attrs.backend_v6_data.get("PublicKey") if own and (
-            own[0].attrs.backend_v6_data) else None
+        key = (
+            own[0].attrs.backend_v6_data.get("PublicKey")
+            if own and (own[0].attrs.backend_v6_data)
+            else None
+        )
     if ipv6.enabled(plan.ctx):
         backend = plan.backend
         spec6 = plan_device_v6(
@@ -54,8 +57,14 @@ def check_wireguard(facts: NodeFacts, plan: Plan) -> list[Finding]:
 def _check_device(name: str, wg: WireguardFacts | None, spec: WgDeviceSpec) -> list[Finding]:
     if wg is None or wg.implementation is None or wg.device is None:
         why = wg.error if wg is not None and wg.error else "not found"
-        return [Finding("error", "wireguard", f"the WireGuard device {name} is not readable: "
-                        f"{why}", "check that the agent runs; see its log for wireguard-go")]
+        return [
+            Finding(
+                "error",
+                "wireguard",
+                f"the WireGuard device {name} is not readable: {why}",
+                "check that the agent runs; see its log for wireguard-go",
+            )
+        ]
     runs = "userspace (wireguard-go" + (f" pid {wg.pid})" if wg.pid else ")")
     if wg.implementation == "kernel":
         runs = "the kernel module"
@@ -69,9 +78,13 @@ def _check_device(name: str, wg: WireguardFacts | None, spec: WgDeviceSpec) -> l
             what.append(f"{len(missing)} peer(s) missing or different ({listed(missing)})")
         if extra:
             what.append(f"{len(extra)} peer(s) not in any lease ({listed(extra)})")
-        return [Finding("error", "wireguard",
-                        f"{where} runs in {runs}, but its device has {'; '.join(what)}",
-                        "the agent repairs this within a second; if it stays, see its log")]
+        return [
+            Finding(
+                "error",
+                "wireguard",
+                f"{where} runs in {runs}, but its device has {'; '.join(what)}",
+                "the agent repairs this within a second; if it stays, see its log",
+            )
+        ]
     return [Finding("ok", "wireguard", f"{where} runs in {runs} with all "
                     f"{len(wanted)} peer(s) as the leases say")]  # fmt: skip
-

@@ -126,9 +126,7 @@ class PoolAllocator:
         # and the last address are never handed out.
         self._lo = int(subnet.network_address) + 2
         self._hi = int(subnet.broadcast_address) - 1
-        self._reserved = frozenset(
-            int(ip) for ip in reserved if self._lo <= int(ip) <= self._hi
-        )
+        self._reserved = frozenset(int(ip) for ip in reserved if self._lo <= int(ip) <= self._hi)
         # Every address that is not never-used: assigned, released, held or reserved,
         # sorted. Never-used addresses are the range minus this list.
         self._taken: list[int] = sorted(self._reserved)

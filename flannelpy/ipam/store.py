@@ -39,9 +39,7 @@ log = logging.getLogger("flannelpy.ipam")
 
 LOCK_NAME = "lock"
 COOLDOWN_NAME = "cooldown.json"
-_POOL_FILE = re.compile(
-    r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|[0-9a-f-]{2,39})_(\d{1,3})\.json$"
-)
+_POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|[0-9a-f-]{2,39})_(\d{1,3})\.json$")
 
 IPNetwork = IPv4Network | IPv6Network
 

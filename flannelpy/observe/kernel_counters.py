@@ -523,8 +523,7 @@ def kernel_families(reading: KernelReading | None = None) -> list[Metric]:
     )
     unreachable = CounterMetricFamily(
         "flannelpy_kernel_icmp_unreachable_sent",
-        "ICMP destination-unreachable messages sent, every code (Icmp OutDestUnreachs), "
-        "by scope.",
+        "ICMP destination-unreachable messages sent, every code (Icmp OutDestUnreachs), by scope.",
         labels=["scope"],
     )
     namespaces = GaugeMetricFamily(

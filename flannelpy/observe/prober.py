@@ -95,7 +95,7 @@ class ProbeResult:
 
     @property
     def family(self) -> str:
-        """"ipv6" for the IPv6 side of a dual-stack peer, else "ipv4"."""
+        """ "ipv6" for the IPv6 side of a dual-stack peer, else "ipv4"."""
         return "ipv6" if self.target is not None and self.target.version == 6 else "ipv4"
 
     def as_status(self) -> dict[str, Any]:
@@ -607,14 +607,20 @@ class Prober:
             log.log(
                 logging.INFO if new.reachable else logging.WARNING,
                 "peer reachability changed peer=%s target=%s reachable=%s error=%r",
-                peer.label or peer.key, peer.target, new.reachable, new.last_error,
+                peer.label or peer.key,
+                peer.target,
+                new.reachable,
+                new.last_error,
             )
         old_mtu = old.mtu_ok if old is not None else None
         if new.mtu_ok is not None and new.mtu_ok != old_mtu:
             log.log(
                 logging.INFO if new.mtu_ok else logging.WARNING,
                 "peer path MTU check changed peer=%s target=%s mtu_ok=%s error=%r",
-                peer.label or peer.key, peer.target, new.mtu_ok, new.last_error,
+                peer.label or peer.key,
+                peer.target,
+                new.mtu_ok,
+                new.last_error,
             )
 
 

@@ -142,8 +142,7 @@ class _Driver:
         nodes = store.read_nodes()
         if record is None or record.id != self.record_id:
             raise StoreError(
-                f"rollout {self.record_id} is no longer in the store (another rollout "
-                "replaced it)"
+                f"rollout {self.record_id} is no longer in the store (another rollout replaced it)"
             )
         self.record = record
         if record.driver != self.token:
@@ -272,9 +271,7 @@ def _perform(
                                                     updated_at=now.isoformat()))  # fmt: skip
 
 
-def _event(
-    before: RolloutRecord, record: RolloutRecord, action: Any, took: str
-) -> str | None:
+def _event(before: RolloutRecord, record: RolloutRecord, action: Any, took: str) -> str | None:
     """The progress line for an action just performed."""
     if isinstance(action, WriteOverride):
         entry = record.entry(action.node)

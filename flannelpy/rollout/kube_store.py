@@ -220,7 +220,8 @@ class KubeRolloutStore:
                         RECORD_CONFIG_MAP, self.namespace, body, _preload_content=False,
                         _request_timeout=TIMEOUT)  # fmt: skip
                 return self._api.create_namespaced_config_map(
-                    self.namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
+                    self.namespace, body, _preload_content=False, _request_timeout=TIMEOUT
+                )
             except kclient.ApiException as e:
                 if e.status in (409, 404):  # changed, created or removed meanwhile
                     return None
@@ -244,9 +245,18 @@ class KubeRolloutStore:
         """Merge-patch a Node; False on a conflict (the patch named an older
         resourceVersion)."""
         body: Any = dict(patch)
-        return call(f"patch node {name}", lambda: _unless_conflict(
-            lambda: self._api.patch_node(name, body, _content_type=MERGE_PATCH,
-                                         _preload_content=False, _request_timeout=TIMEOUT)))
+        return call(
+            f"patch node {name}",
+            lambda: _unless_conflict(
+                lambda: self._api.patch_node(
+                    name,
+                    body,
+                    _content_type=MERGE_PATCH,
+                    _preload_content=False,
+                    _request_timeout=TIMEOUT,
+                )
+            ),
+        )
 
     def write_override(self, node: str, override: NodeOverride) -> None:
         self._patch_node(node, {"metadata": {"annotations": {
@@ -305,9 +315,16 @@ class KubeRolloutStore:
             body: Any = patch
 
             def op(body: Any = body) -> bool:
-                return _unless_conflict(lambda: self._api.patch_namespaced_config_map(
-                    self.config_map, self.namespace, body, _content_type=MERGE_PATCH,
-                    _preload_content=False, _request_timeout=TIMEOUT))
+                return _unless_conflict(
+                    lambda: self._api.patch_namespaced_config_map(
+                        self.config_map,
+                        self.namespace,
+                        body,
+                        _content_type=MERGE_PATCH,
+                        _preload_content=False,
+                        _request_timeout=TIMEOUT,
+                    )
+                )
 
             if call(f"patch {self.config_key}", op):
                 return config

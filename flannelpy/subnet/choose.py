@@ -278,6 +278,7 @@ def _choose_lease_in_pools(
     previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
     """choose_lease's order over several pools (same steps, pool-aware fit)."""
+
     def fit(lease: Lease) -> tuple[bool, Pool | None]:
         pool = lease_fits_pools(config, pools, lease.subnet, lease.ipv6_subnet)
         return pool is not None, pool

@@ -88,7 +88,7 @@ class LeaseAttrs:
         name = ext.get("NodeName")
         public_ipv6 = _ipv6_or_none(doc.get("PublicIPv6"))
         if public_ip is None and public_ipv6 is None:
-            raise ValueError('lease value has neither a PublicIP nor a PublicIPv6')
+            raise ValueError("lease value has neither a PublicIP nor a PublicIPv6")
         backend_type = doc.get("BackendType")
         return cls(
             public_ip=public_ip,

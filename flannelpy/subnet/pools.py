@@ -52,7 +52,9 @@ class Pool:
     @property
     def clusters(self) -> frozenset[str]:
         return frozenset(
-            key[len(CLUSTER_KEY_PREFIX):] for key in self.tags if key.startswith(CLUSTER_KEY_PREFIX)
+            key[len(CLUSTER_KEY_PREFIX) :]
+            for key in self.tags
+            if key.startswith(CLUSTER_KEY_PREFIX)
         )
 
 
@@ -83,7 +85,8 @@ def eligibility(pool: Pool, cluster: str | None) -> Eligibility:
         )
     # An unknown role value is treated as no tag: fail closed for creation, open for the rest.
     return Eligibility(
-        False, True,
+        False,
+        True,
         f"{pool.network} has {ROLE_KEY}={pool.role!r}, which is neither 1 nor 0: no new leases",
     )
 

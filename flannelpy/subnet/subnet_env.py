@@ -203,9 +203,7 @@ def read_previous_subnets(path: str) -> tuple[IPv4Network | None, IPv6Network | 
     )
 
 
-def _previous(
-    path: str, values: dict[str, str], key: str, convert: Callable[[str], T]
-) -> T | None:
+def _previous(path: str, values: dict[str, str], key: str, convert: Callable[[str], T]) -> T | None:
     value = values.get(key)
     if value is None:
         return None

@@ -62,35 +62,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for all agents to be ready (default 60)",
     )
     up.add_argument(
-        "--flanneld-nodes", type=int, default=0, metavar="K",
+        "--flanneld-nodes",
+        type=int,
+        default=0,
+        metavar="K",
         help="run the real upstream flanneld (built by scripts/build-peers.sh) on the last K "
         "nodes instead of our agent (default 0); with --kube it runs with --kube-subnet-mgr",
     )
     up.add_argument(
-        "--etcd-members", type=int, choices=plan.ETCD_MEMBER_COUNTS, default=1, metavar="N",
+        "--etcd-members",
+        type=int,
+        choices=plan.ETCD_MEMBER_COUNTS,
+        default=1,
+        metavar="N",
         help="etcd members: 1 runs on the host; 3 or 5 form a static cluster, each member in "
         "a namespace of its own on the switch, every agent given all their URLs (default 1)",
     )
     up.add_argument(
-        "--kube", action="store_true",
+        "--kube",
+        action="store_true",
         help="Kubernetes mode against a real control plane on the host (built by "
         "scripts/build-kube.sh): etcd, kube-apiserver with RBAC, kube-controller-manager "
         "assigning the podCIDRs, manifests/ applied; agents use --kube-subnet-mgr",
     )
     up.add_argument(
-        "--kubelet", action="store_true",
+        "--kubelet",
+        action="store_true",
         help="implies --kube: kube-scheduler, and on every node a real kubelet and containerd; "
         "the agents run as the manifests' DaemonSet (image built by scripts/build-images.sh), "
         "and a test Deployment spreads one busybox pod per node",
     )
     up.add_argument(
-        "--ip-family", choices=("ipv4", "dual", "ipv6"), default="ipv4",
+        "--ip-family",
+        choices=("ipv4", "dual", "ipv6"),
+        default="ipv4",
         help="dual: an IPv6 ULA underlay on the lab switch beside IPv4 and EnableIPv6 with "
         "an IPv6 pod network; ipv6: EnableIPv4 false, the overlay and pods IPv6 only "
         "(etcd stays on the IPv4 lab addresses); vxlan or host-gw, etcd mode",
     )
     up.add_argument(
-        "--enable-nftables", action="store_true",
+        "--enable-nftables",
+        action="store_true",
         help='net-conf.json with "EnableNFTables": true (Flannel\'s nftables tables, not '
         "iptables chains)",
     )
@@ -98,17 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-agents", action="store_true", help="build the underlay and etcd only, start no agents"
     )
     up.add_argument(
-        "--prometheus", action="store_true",
+        "--prometheus",
+        action="store_true",
         help="run a real Prometheus on the host's lab address scraping every agent (bound on "
         "its node's lab address), with manifests/prometheusrule.yaml's alerts (for: and range "
         "windows shortened)",
     )
     up.add_argument(
-        "--pods-per-node", type=int, default=2,
+        "--pods-per-node",
+        type=int,
+        default=2,
         help="pods created on each node through the CNI executable (default 2)",
     )
     up.add_argument(
-        "--cni-exec", choices=("auto", "static", "python"), default="auto",
+        "--cni-exec",
+        choices=("auto", "static", "python"),
+        default="auto",
         help="the CNI executable's form: the static build (no Python on the node) or the "
         "Python launcher; auto prefers the static build (default auto)",
     )
@@ -201,7 +218,8 @@ def _up(args: argparse.Namespace) -> int:
         net_conf_extra={
             **({"EnableNFTables": True} if args.enable_nftables else {}),
             **plan.ip_family_net_conf(args.ip_family),
-        } or None,
+        }
+        or None,
         kube=args.kube,
         kubelets=args.kubelet,
         with_prometheus=args.prometheus,

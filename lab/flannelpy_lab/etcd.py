@@ -130,8 +130,7 @@ def wait_answering(
     while time.monotonic() < deadline:
         if not procs.alive(ref):
             raise LabError(
-                f"etcd exited during start; last lines of {log_path}:\n"
-                + procs.log_tail(log_path)
+                f"etcd exited during start; last lines of {log_path}:\n" + procs.log_tail(log_path)
             )
         # A fresh client per try: pyetcd shuns an endpoint for minutes after one failure.
         try:
@@ -217,9 +216,7 @@ def member_status(member: EtcdMemberInfo, timeout: float = 1.0) -> dict[str, Any
         # Maintenance.Status, not pyetcd's status(): that one also lists the members,
         # which a member cut off from the leader cannot answer.
         with client(member.client_url, timeout) as c:
-            resp = c.maintenancestub.Status(
-                etcdrpc.StatusRequest(), timeout, metadata=c.metadata
-            )
+            resp = c.maintenancestub.Status(etcdrpc.StatusRequest(), timeout, metadata=c.metadata)
         doc.update(id=f"{resp.header.member_id:x}", leader_id=f"{resp.leader:x}",
                    raft_term=int(resp.raftTerm))  # fmt: skip
     except Exception as e:  # pyetcd/gRPC errors share no base worth naming

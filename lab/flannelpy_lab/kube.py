@@ -62,10 +62,16 @@ PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedule
 KUBELETS_KEY = "kubelets"  # in the record: real kubelets (flannelpy_lab.kubelet) run the nodes
 # With real kubelets, the controllers a cluster's workloads and node health need.
 KUBELET_CONTROLLERS = (
-    "node-ipam-controller", "node-lifecycle-controller", "taint-eviction-controller",
-    "daemonset-controller", "deployment-controller", "replicaset-controller",
-    "serviceaccount-controller", "root-ca-certificate-publisher-controller",
-    "garbage-collector-controller", "pod-garbage-collector-controller",
+    "node-ipam-controller",
+    "node-lifecycle-controller",
+    "taint-eviction-controller",
+    "daemonset-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "serviceaccount-controller",
+    "root-ca-certificate-publisher-controller",
+    "garbage-collector-controller",
+    "pod-garbage-collector-controller",
 )
 _PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
@@ -176,7 +182,10 @@ def _env() -> dict[str, str]:
 
 
 def kubectl(
-    state: LabState, *args: str, stdin: str | None = None, check: bool = True,
+    state: LabState,
+    *args: str,
+    stdin: str | None = None,
+    check: bool = True,
     timeout: float = 30.0,
 ) -> subprocess.CompletedProcess[str]:
     """The real kubectl as cluster admin; with ``check``, a failure is a LabError."""
@@ -243,15 +252,52 @@ def _make_pki(state: LabState) -> None:
     pki = _path(state, "pki")
     os.makedirs(pki, exist_ok=True)
     p = lambda name: os.path.join(pki, name)  # noqa: E731
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-             "-subj", f"/CN=fpl-{state.name}-ca", "-keyout", p("ca.key"), "-out", p("ca.crt"))
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", p("apiserver.key"), "-out", p("apiserver.csr"))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=fpl-{state.name}-ca",
+        "-keyout",
+        p("ca.key"),
+        "-out",
+        p("ca.crt"),
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        p("apiserver.key"),
+        "-out",
+        p("apiserver.csr"),
+    )
     with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
         f.write(f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", p("apiserver.csr"), "-CA", p("ca.crt"), "-CAkey",
-             p("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", p("apiserver.ext"),
-             "-out", p("apiserver.crt"))
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        p("apiserver.csr"),
+        "-CA",
+        p("ca.crt"),
+        "-CAkey",
+        p("ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        p("apiserver.ext"),
+        "-out",
+        p("apiserver.crt"),
+    )
     _openssl("genrsa", "-out", p("sa.key"), "2048")
     _openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
     admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
@@ -386,8 +432,9 @@ def _subnet_len(state: LabState) -> int:
 def _start_controller_manager(state: LabState, save: Save) -> None:
     # Without kubelets only the node IPAM controller: the lab runs no workloads, and the
     # node lifecycle controller would taint the kubelet-less Nodes unreachable.
-    controllers = KUBELET_CONTROLLERS if record(state).get(KUBELETS_KEY) else (
-        "node-ipam-controller",)
+    controllers = (
+        KUBELET_CONTROLLERS if record(state).get(KUBELETS_KEY) else ("node-ipam-controller",)
+    )
     _spawn(state, "kube-controller-manager", [
         os.path.join(record(state)["bin_dir"], "kube-controller-manager"),
         "--kubeconfig", _path(state, "kcm.kubeconfig"),

@@ -277,6 +277,7 @@ def start(state: LabState, save: Save, say: Progress) -> None:
         f"{', '.join(i.ref for i in to_import)}")  # fmt: skip
     for node in state.nodes:
         _start_containerd(state, node, save)
+
     # One import per node at a time, the nodes side by side (it is disk-bound).
     def import_all(node: NodeInfo) -> None:
         for image in to_import:
@@ -303,9 +304,11 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     wait_workload(state, len(state.nodes))
     rec["workload_seconds"] = round(time.monotonic() - t0, 1)
     save()
-    say(f"      images in {rec['images_seconds']} s, Nodes registered at "
+    say(
+        f"      images in {rec['images_seconds']} s, Nodes registered at "
         f"{rec['nodes_registered_seconds']} s, Ready with every agent pod at "
-        f"{rec['ready_seconds']} s, test pods Running at {rec['workload_seconds']} s")
+        f"{rec['ready_seconds']} s, test pods Running at {rec['workload_seconds']} s"
+    )
 
 
 def _start_scheduler(state: LabState, save: Save) -> None:
@@ -314,10 +317,16 @@ def _start_scheduler(state: LabState, save: Save) -> None:
     ca = control_plane._path(state, "pki", "ca.crt")
     _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)),
            0o600)  # fmt: skip
-    argv = [os.path.join(control_plane.record(state)["bin_dir"], "kube-scheduler"),
-            "--kubeconfig", kubeconfig, "--leader-elect=false",
-            "--bind-address", control_plane.host_ip(state),
-            "--secure-port", str(control_plane.SCHEDULER_PORT)]
+    argv = [
+        os.path.join(control_plane.record(state)["bin_dir"], "kube-scheduler"),
+        "--kubeconfig",
+        kubeconfig,
+        "--leader-elect=false",
+        "--bind-address",
+        control_plane.host_ip(state),
+        "--secure-port",
+        str(control_plane.SCHEDULER_PORT),
+    ]
     log = control_plane._path(state, "kube-scheduler.log")
     ref = procs.spawn_detached(argv, log)
     control_plane.record(state)["processes"]["kube-scheduler"] = [ref.pid, ref.start_ticks]
@@ -369,8 +378,9 @@ def _make_cgroups(parent: str) -> None:
 def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
     base = node_base(node)
     ca = control_plane._path(state, "pki", "ca.crt")
-    cert, key = control_plane.client_cert(state, f"node-{node.name}",
-                                          f"system:node:{node.name}", "system:nodes")
+    cert, key = control_plane.client_cert(
+        state, f"node-{node.name}", f"system:node:{node.name}", "system:nodes"
+    )
     kubeconfig = os.path.join(base, "kubelet.kubeconfig")
     _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)),
            0o600)  # fmt: skip
@@ -434,17 +444,32 @@ def apply_with_daemonset(state: LabState) -> None:
     items = rendered.get("items", [rendered])
     rest = [o for o in items if o.get("kind") != "DaemonSet"]
     ds = [o for o in items if o.get("kind") == "DaemonSet"]
-    control_plane.kubectl(state, "apply", "-f", "-",
-                          stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}))
-    control_plane.set_net_conf(state, plan.net_conf_json(
-        state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")))
-    control_plane.kubectl(state, "apply", "-f", "-",
-                          stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": ds}))
+    control_plane.kubectl(
+        state,
+        "apply",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}),
+    )
+    control_plane.set_net_conf(
+        state,
+        plan.net_conf_json(
+            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
+        ),
+    )
+    control_plane.kubectl(
+        state,
+        "apply",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": ds}),
+    )
 
 
 def _pods(state: LabState, namespace: str, selector: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = control_plane.kubectl_json(
-        state, "get", "pods", "-n", namespace, "-l", selector)["items"]
+        state, "get", "pods", "-n", namespace, "-l", selector
+    )["items"]
     return items
 
 

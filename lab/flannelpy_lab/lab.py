@@ -169,7 +169,13 @@ class Lab:
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
-            name, nodes, backend, direct_routing, segments, network, flanneld_nodes,
+            name,
+            nodes,
+            backend,
+            direct_routing,
+            segments,
+            network,
+            flanneld_nodes,
             etcd_members,
         )
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
@@ -250,8 +256,12 @@ class Lab:
             self._save()
             etcd.wait_answering(s, ref)
         say(f"[5/{UP_STEPS}] writing the network config to {s.etcd_prefix}/config")
-        etcd.put_config(s, plan.net_conf_json(s.network, s.backend, s.direct_routing,
-                                              s.extra.get("net_conf_extra")))
+        etcd.put_config(
+            s,
+            plan.net_conf_json(
+                s.network, s.backend, s.direct_routing, s.extra.get("net_conf_extra")
+            ),
+        )
         if control_plane.STATE_KEY in s.extra:
             say(f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
                 f"{control_plane.api_url(s)}")  # fmt: skip
@@ -288,7 +298,9 @@ class Lab:
         return installed
 
     def add_pod(
-        self, node: str, name: str | None = None,
+        self,
+        node: str,
+        name: str | None = None,
         port_mappings: list[dict[str, Any]] | None = None,
     ) -> PodInfo:
         """A new pod on ``node`` through the real CNI executable (ADD of the node's conflist)."""

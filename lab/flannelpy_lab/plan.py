@@ -147,9 +147,7 @@ IP_FAMILIES = ("ipv4", "dual", "ipv6")
 def ip_family_net_conf(family: str) -> dict[str, Any]:
     """The net-conf.json keys of ``--ip-family`` (none for ipv4)."""
     if family not in IP_FAMILIES:
-        raise ConfigError(
-            f"--ip-family {family!r} is unknown; use one of {', '.join(IP_FAMILIES)}"
-        )
+        raise ConfigError(f"--ip-family {family!r} is unknown; use one of {', '.join(IP_FAMILIES)}")
     if family == "dual":
         return {"EnableIPv6": True, "IPv6Network": DEFAULT_IPV6_NETWORK}
     if family == "ipv6":
@@ -201,8 +199,14 @@ def net_conf_json(
 
 
 def validate_request(
-    name: str, nodes: int, backend: str, direct_routing: bool, segments: int, network: str,
-    flanneld_nodes: int = 0, etcd_members: int = 1,
+    name: str,
+    nodes: int,
+    backend: str,
+    direct_routing: bool,
+    segments: int,
+    network: str,
+    flanneld_nodes: int = 0,
+    etcd_members: int = 1,
 ) -> None:
     validate_name(name)
     if etcd_members not in ETCD_MEMBER_COUNTS:

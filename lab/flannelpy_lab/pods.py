@@ -116,8 +116,12 @@ def runtime_for(state: LabState, node: NodeInfo) -> CniRuntime:
 
 
 def _attachment(pod: PodInfo, port_mappings: list[dict[str, Any]] | None = None) -> Attachment:
-    return Attachment(pod.container_id, pod.netns_path, pod.ifname,
-                      {"portMappings": port_mappings} if port_mappings else {})
+    return Attachment(
+        pod.container_id,
+        pod.netns_path,
+        pod.ifname,
+        {"portMappings": port_mappings} if port_mappings else {},
+    )
 
 
 def next_pod_name(state: LabState, node: str) -> str:
@@ -130,13 +134,25 @@ def next_pod_name(state: LabState, node: str) -> str:
 
 def cni_status(state: LabState, node: NodeInfo) -> subprocess.CompletedProcess[bytes]:
     """CNI STATUS of our plugin on ``node`` (exit 0: it serves ADD)."""
-    conf = {"cniVersion": "1.1.0", "name": NETWORK_NAME, "type": PLUGIN_NAME,
-            "agentSocket": node.cni_socket}
-    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-           "CNI_COMMAND": "STATUS", "CNI_PATH": state.cni_path}
+    conf = {
+        "cniVersion": "1.1.0",
+        "name": NETWORK_NAME,
+        "type": PLUGIN_NAME,
+        "agentSocket": node.cni_socket,
+    }
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        "CNI_COMMAND": "STATUS",
+        "CNI_PATH": state.cni_path,
+    }
     binary = os.path.join(state.cni_bin_dir, PLUGIN_NAME)
-    return subprocess.run(topology.exec_argv(node.namespace, [binary]), env=env,
-                          input=json.dumps(conf).encode(), capture_output=True, timeout=30)
+    return subprocess.run(
+        topology.exec_argv(node.namespace, [binary]),
+        env=env,
+        input=json.dumps(conf).encode(),
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def wait_cni_ready(state: LabState, node: NodeInfo, timeout: float = CNI_READY_TIMEOUT) -> None:
@@ -157,7 +173,9 @@ def wait_cni_ready(state: LabState, node: NodeInfo, timeout: float = CNI_READY_T
 
 
 def add_pod(
-    state: LabState, node_name: str, name: str | None = None,
+    state: LabState,
+    node_name: str,
+    name: str | None = None,
     port_mappings: list[dict[str, Any]] | None = None,
 ) -> PodInfo:
     """Create a pod namespace and run CNI ADD for it, as a runtime on ``node_name`` would."""
@@ -168,7 +186,9 @@ def add_pod(
         wait_cni_ready(state, node)
     name = name or next_pod_name(state, node_name)
     pod = PodInfo(
-        name=name, node=node_name, namespace=f"fpl-{state.name}-{name}",
+        name=name,
+        node=node_name,
+        namespace=f"fpl-{state.name}-{name}",
         container_id=f"{state.name}-{name}",
     )
     topology.ip("netns", "add", pod.namespace)

@@ -99,9 +99,14 @@ def collect(state: LabState) -> dict[str, Any]:
                 "cni_path": state.cni_path,
                 "cni_socket": node.cni_socket,
                 "pods": [
-                    {"name": p.name, "namespace": p.namespace, "address": p.address,
-                     "container_id": p.container_id}
-                    for p in state.pods if p.node == node.name
+                    {
+                        "name": p.name,
+                        "namespace": p.namespace,
+                        "address": p.address,
+                        "container_id": p.container_id,
+                    }
+                    for p in state.pods
+                    if p.node == node.name
                 ],
             }
         )
@@ -153,9 +158,16 @@ def leases_from_agents(state: LabState) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         if doc.get("lease"):
-            leases.append({"key": doc["lease"], "subnet": doc["lease"],
-                           "public_ip": doc.get("public_ip"), "backend": doc.get("backend"),
-                           "node_name": doc.get("node"), "error": None})
+            leases.append(
+                {
+                    "key": doc["lease"],
+                    "subnet": doc["lease"],
+                    "public_ip": doc.get("public_ip"),
+                    "backend": doc.get("backend"),
+                    "node_name": doc.get("node"),
+                    "error": None,
+                }
+            )
     return leases
 
 
@@ -222,9 +234,13 @@ def render_text(doc: dict[str, Any]) -> str:
     lines += ["", f"leases in etcd: {len(doc['leases'])}", *_table(rows)]
     node_matrices = _per_family(doc, "matrix")
     for i, (family, reach) in enumerate(node_matrices):
-        title = ("reachability over the overlay" if family == "IPv4" else
-                 "IPv6 (over the IPv6 underlay)" if i else
-                 "reachability over the overlay in IPv6 (over the IPv6 underlay)")
+        title = (
+            "reachability over the overlay"
+            if family == "IPv4"
+            else "IPv6 (over the IPv6 underlay)"
+            if i
+            else "reachability over the overlay in IPv6 (over the IPv6 underlay)"
+        )
         lines += ["", f"{title} (ping from row to column):", *render_matrix(reach)]
     lines += ["", _verdict("node", node_matrices)]
     pod_matrices = _per_family(doc, "pod_matrix")
@@ -235,8 +251,13 @@ def render_text(doc: dict[str, Any]) -> str:
                 rows.append([p["name"], n["name"], p["address"] or "-", p["namespace"]])
         lines += ["", f"pods ({doc.get('cni_exec') or '?'} CNI executable):", *_table(rows)]
         for i, (family, reach) in enumerate(pod_matrices):
-            title = ("pod-to-pod reachability" if family == "IPv4" else
-                     "pod-to-pod in IPv6" if i else "pod-to-pod reachability in IPv6")
+            title = (
+                "pod-to-pod reachability"
+                if family == "IPv4"
+                else "pod-to-pod in IPv6"
+                if i
+                else "pod-to-pod reachability in IPv6"
+            )
             lines += ["", f"{title} (ping from row to column):", *render_matrix(reach)]
         lines += ["", _verdict("pod", pod_matrices)]
     return "\n".join(lines)
@@ -253,8 +274,11 @@ def _verdict(kind: str, matrices: list[tuple[str, dict[str, dict[str, bool]]]]) 
     pairs = len([ok for row in (matrices[0][1] if matrices else {}).values() for ok in row])
     failing = {family: sum(not ok for row in reach.values() for ok in row.values())
                for family, reach in matrices}  # fmt: skip
-    both = " in both families" if len(matrices) > 1 else (
-        f" in {matrices[0][0]}" if matrices and matrices[0][0] == "IPv6" else "")
+    both = (
+        " in both families"
+        if len(matrices) > 1
+        else (f" in {matrices[0][0]}" if matrices and matrices[0][0] == "IPv6" else "")
+    )
     if not any(failing.values()):
         return f"all {pairs} {kind} pairs reach each other{both}"
     if len(matrices) == 1:

@@ -53,8 +53,11 @@ def our_routes(lab: Lab, node: str) -> dict[str, dict]:  # type: ignore[type-arg
 
 
 def vxlan_neighbours(lab: Lab, node: str) -> set[str]:
-    return {n["dst"] for n in ip_json(lab, node, "neigh", "show", "dev", "flannel.1")
-            if "PERMANENT" in n.get("state", [])}
+    return {
+        n["dst"]
+        for n in ip_json(lab, node, "neigh", "show", "dev", "flannel.1")
+        if "PERMANENT" in n.get("state", [])
+    }
 
 
 def vxlan_fdb(lab: Lab, node: str) -> dict[str, str]:
@@ -65,16 +68,37 @@ def vxlan_fdb(lab: Lab, node: str) -> dict[str, str]:
 def ping_df(lab: Lab, src: str, dst: str, payload: int) -> subprocess.CompletedProcess[str]:
     a, b = lab.node(src).overlay_ip, lab.node(dst).overlay_ip
     # Not -q: iputils 20221126 prints "message too long" only without it.
-    return lab.exec(src, ["ping", "-c", "1", "-W", "1", "-M", "do", "-s", str(payload),
-                          "-I", str(a), str(b)], check=False)
+    return lab.exec(
+        src,
+        ["ping", "-c", "1", "-W", "1", "-M", "do", "-s", str(payload), "-I", str(a), str(b)],
+        check=False,
+    )
 
 
 def start_ping(lab: Lab, src: str, dst: str, count: int, interval: float) -> subprocess.Popen[str]:
     a, b = lab.node(src).overlay_ip, lab.node(dst).overlay_ip
     return subprocess.Popen(
-        ["ip", "netns", "exec", lab.node(src).namespace, "ping", "-n", "-c", str(count),
-         "-i", str(interval), "-W", "1", "-I", str(a), str(b)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.node(src).namespace,
+            "ping",
+            "-n",
+            "-c",
+            str(count),
+            "-i",
+            str(interval),
+            "-W",
+            "1",
+            "-I",
+            str(a),
+            str(b),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def ping_counts(proc: subprocess.Popen[str], timeout: float) -> tuple[int, int]:
@@ -100,10 +124,29 @@ def run_agent_once(
     """Run an agent in the node's namespace with its own dirs; it is expected to exit."""
     info = lab.node(node)
     scratch = f"{info.node_dir}/scratch"
-    argv = ["ip", "netns", "exec", info.namespace, *_python(), "-m", "flannelpy", "agent",
-            "--iface", info.underlay_iface, "--node-name", f"{node}-probe",
-            "--subnet-file", f"{scratch}/subnet.env", "--state-dir", f"{scratch}/state",
-            "--run-dir", f"{scratch}/run", "--metrics-addr", "off", *extra]
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        info.namespace,
+        *_python(),
+        "-m",
+        "flannelpy",
+        "agent",
+        "--iface",
+        info.underlay_iface,
+        "--node-name",
+        f"{node}-probe",
+        "--subnet-file",
+        f"{scratch}/subnet.env",
+        "--state-dir",
+        f"{scratch}/state",
+        "--run-dir",
+        f"{scratch}/run",
+        "--metrics-addr",
+        "off",
+        *extra,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
@@ -213,15 +256,18 @@ def test_entries_deleted_by_hand_come_back_within_a_second(vxlan_lab: Lab) -> No
     lab.exec("n1", ["ip", "neigh", "del", peer_vtep, "dev", "flannel.1"])
     _restored_within(lab, 1.0, lambda: peer_vtep in vxlan_neighbours(lab, "n1"))
 
-    lab.exec("n1", ["bridge", "fdb", "del", mac, "dev", "flannel.1", "dst",
-                    str(lab.node("n2").ip)])
+    lab.exec("n1", ["bridge", "fdb", "del", mac, "dev", "flannel.1", "dst", str(lab.node("n2").ip)])
     _restored_within(lab, 1.0, lambda: mac in vxlan_fdb(lab, "n1"))
 
     lab.exec("n1", ["ip", "link", "del", "flannel.1"])
     _restored_within(
-        lab, 1.0,
-        lambda: peer_subnet in our_routes(lab, "n1") and mac in vxlan_fdb(lab, "n1")
-        and peer_vtep in vxlan_neighbours(lab, "n1"),
+        lab,
+        1.0,
+        lambda: (
+            peer_subnet in our_routes(lab, "n1")
+            and mac in vxlan_fdb(lab, "n1")
+            and peer_vtep in vxlan_neighbours(lab, "n1")
+        ),
     )
     # The device came back with the same VTEP MAC: peers' entries stay valid.
     assert lab.ping("n2", "n1", attempts=3)
@@ -266,8 +312,12 @@ def test_own_lease_deleted_is_reacquired_not_fatal(vxlan_lab: Lab) -> None:
         found = kv.get(key)
         assert found is not None
         assert kv.delete_if_mod_revision(key, found.mod_revision)
-        wait_until(lambda: kv.get(key) is not None, timeout=5, interval=0.05,
-                   what="n3 re-acquiring its lease")
+        wait_until(
+            lambda: kv.get(key) is not None,
+            timeout=5,
+            interval=0.05,
+            what="n3 re-acquiring its lease",
+        )
     finally:
         kv.close()
     assert "re-acquiring" in Path(lab.node("n3").agent_log).read_text()
@@ -287,10 +337,13 @@ def test_dead_peers_lease_removed_clears_every_node_within_2s(vxlan_lab: Lab) ->
         start = time.monotonic()
         for node in ("n1", "n2"):
             wait_until(
-                lambda node=node: str(gone) not in our_routes(lab, node)
-                and str(gone.network_address) not in vxlan_neighbours(lab, node)
-                and gone_ip not in vxlan_fdb(lab, node).values(),
-                timeout=2.0 - (time.monotonic() - start), interval=0.02,
+                lambda node=node: (
+                    str(gone) not in our_routes(lab, node)
+                    and str(gone.network_address) not in vxlan_neighbours(lab, node)
+                    and gone_ip not in vxlan_fdb(lab, node).values()
+                ),
+                timeout=2.0 - (time.monotonic() - start),
+                interval=0.02,
                 what=f"{node} dropping n3's entries",
             )
     finally:
@@ -320,8 +373,12 @@ def test_recreated_node_with_new_address_leaves_no_route_to_the_old_one(vxlan_la
     assert str(info.ip) != old_ip
     assert subnet_of(lab, "n3") == subnet  # took its own lease over by node name
     for node in ("n1", "n2"):
-        wait_until(lambda node=node: str(info.ip) in vxlan_fdb(lab, node).values(),
-                   timeout=3, interval=0.05, what=f"{node} learning n3's new address")
+        wait_until(
+            lambda node=node: str(info.ip) in vxlan_fdb(lab, node).values(),
+            timeout=3,
+            interval=0.05,
+            what=f"{node} learning n3's new address",
+        )
         assert old_ip not in vxlan_fdb(lab, node).values()
     assert lab.ping("n1", "n3", attempts=3) and lab.ping("n3", "n2", attempts=3)
 
@@ -341,12 +398,16 @@ def test_etcd_outage_keeps_the_data_plane_and_agents_recover(vxlan_lab: Lab) -> 
     kv = store(lab)
     try:
         found = kv.get(lease_key(lab, "n2"))
-        assert found is not None and kv.delete_if_mod_revision(lease_key(lab, "n2"),
-                                                                found.mod_revision)
+        assert found is not None and kv.delete_if_mod_revision(
+            lease_key(lab, "n2"), found.mod_revision
+        )
     finally:
         kv.close()
-    wait_until(lambda: str(subnet_of(lab, "n2")) not in our_routes(lab, "n1"), timeout=10,
-               what="n1 seeing n2's lease go after the outage")
+    wait_until(
+        lambda: str(subnet_of(lab, "n2")) not in our_routes(lab, "n1"),
+        timeout=10,
+        what="n1 seeing n2's lease go after the outage",
+    )
     lab.start_agent("n2")
     lab.wait_ready("n2")
     wait_until(lambda: lab.ping("n1", "n2"), timeout=10, what="n1 reaching n2 after the outage")
@@ -375,26 +436,37 @@ def test_invalid_config_unreachable_etcd_and_full_pool_each_say_one_sentence(
     kv = store(lab)
     try:
         kv.put("/bad/config", b'{"Network": "10.244.0.0/16", "SubnetLen": 31}')
-        bad = run_agent_once(lab, "n1", "--etcd-endpoints", lab.etcd_endpoint,
-                             "--etcd-prefix", "/bad")
+        bad = run_agent_once(
+            lab, "n1", "--etcd-endpoints", lab.etcd_endpoint, "--etcd-prefix", "/bad"
+        )
         assert bad.returncode == 2
         assert "SubnetLen" in _last_line(bad) and "Traceback" not in bad.stderr
 
-        down = run_agent_once(lab, "n1", "--etcd-endpoints", "http://127.0.0.1:9",
-                              "--startup-timeout", "2")
+        down = run_agent_once(
+            lab, "n1", "--etcd-endpoints", "http://127.0.0.1:9", "--startup-timeout", "2"
+        )
         assert down.returncode == 3, down.stderr
         assert "etcd" in _last_line(down) and "Traceback" not in down.stderr
 
         # /28 in /30s: SubnetMin is the second, so 3 subnets, all taken by others.
-        kv.put("/full/config", b'{"Network": "10.99.0.0/28", "SubnetLen": 30, '
-                               b'"Backend": {"Type": "vxlan"}}')
+        kv.put(
+            "/full/config",
+            b'{"Network": "10.99.0.0/28", "SubnetLen": 30, "Backend": {"Type": "vxlan"}}',
+        )
         for i, sub in enumerate(("10.99.0.4-30", "10.99.0.8-30", "10.99.0.12-30")):
-            kv.put(f"/full/subnets/{sub}",
-                   json.dumps({"PublicIP": f"100.127.0.{i + 1}", "BackendType": "vxlan",
-                               "BackendData": {"VNI": 1, "VtepMAC": f"02:00:00:00:00:0{i}"}})
-                   .encode())
-        full = run_agent_once(lab, "n1", "--etcd-endpoints", lab.etcd_endpoint,
-                              "--etcd-prefix", "/full")
+            kv.put(
+                f"/full/subnets/{sub}",
+                json.dumps(
+                    {
+                        "PublicIP": f"100.127.0.{i + 1}",
+                        "BackendType": "vxlan",
+                        "BackendData": {"VNI": 1, "VtepMAC": f"02:00:00:00:00:0{i}"},
+                    }
+                ).encode(),
+            )
+        full = run_agent_once(
+            lab, "n1", "--etcd-endpoints", lab.etcd_endpoint, "--etcd-prefix", "/full"
+        )
         assert full.returncode == 4, full.stderr
         assert "no free subnet" in _last_line(full) and "Traceback" not in full.stderr
     finally:
@@ -422,10 +494,13 @@ def test_network_overlapping_a_route_on_the_node_is_refused_before_touching_it(
     kv = store(lab)
     lab.exec("n1", ["ip", "route", "add", "10.98.0.0/24", "dev", "eth0"])
     try:
-        kv.put("/overlap/config",
-               b'{"Network": "10.98.0.0/16", "Backend": {"Type": "vxlan", "VNI": 7}}')
-        refused = run_agent_once(lab, "n1", "--etcd-endpoints", lab.etcd_endpoint,
-                                 "--etcd-prefix", "/overlap")
+        kv.put(
+            "/overlap/config",
+            b'{"Network": "10.98.0.0/16", "Backend": {"Type": "vxlan", "VNI": 7}}',
+        )
+        refused = run_agent_once(
+            lab, "n1", "--etcd-endpoints", lab.etcd_endpoint, "--etcd-prefix", "/overlap"
+        )
         assert refused.returncode == 2, refused.stderr
         line = _last_line(refused)
         assert "10.98.0.0/16 overlaps route 10.98.0.0/24" in line and "--allow-overlap" in line

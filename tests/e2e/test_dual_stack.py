@@ -104,6 +104,7 @@ def test_dual_stack_with_the_real_flanneld_reaches_and_its_ipv6_mtu_is_named() -
         net_conf_extra={**plan.ip_family_net_conf("dual"), "EnableNFTables": True},
     ) as lab:  # fmt: skip
         doc = converged_status(lab, ("matrix", "pod_matrix"))
+
         # Both tables of ours are flanneld's, byte for byte, with each node's subnets
         # (IPv4 and IPv6) written as placeholders.
         def ruleset(node: str) -> str:

@@ -73,7 +73,8 @@ def test_ruleset_is_flanneld_s_byte_for_byte(lab: Lab) -> None:
     # For the reader: both tables, in that order; nothing in iptables.
     ruleset = nft_ruleset(lab, "n1")
     assert re.findall(r"^table .*$", ruleset, re.MULTILINE) == [
-        "table ip flannel-ipv4 {", "table ip6 flannel-ipv6 {"
+        "table ip flannel-ipv4 {",
+        "table ip6 flannel-ipv6 {",
     ]
     assert "FLANNEL" not in iptables_save(lab, "n1") + iptables_save(lab, "n3")
 

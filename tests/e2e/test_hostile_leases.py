@@ -37,8 +37,7 @@ _GET = (
     "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 )
 _CONNECT = (
-    "import socket, sys\n"
-    "socket.create_connection((sys.argv[1], int(sys.argv[2])), 3).close()"
+    "import socket, sys\nsocket.create_connection((sys.argv[1], int(sys.argv[2])), 3).close()"
 )
 
 

@@ -61,10 +61,12 @@ def lease_values(lab: Lab) -> dict[str, dict[str, object]]:
 
 
 # vxlan: 1500 - 70 (VXLAN over IPv6); host-gw: the underlay's MTU; wireguard: 1500 - 80.
-@pytest.mark.parametrize(("backend", "overlay_mtu"),
-                         [("vxlan", 1430), ("host-gw", 1500), ("wireguard", 1420)])
-def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(backend: str, overlay_mtu: int,
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "overlay_mtu"), [("vxlan", 1430), ("host-gw", 1500), ("wireguard", 1420)]
+)
+def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
+    backend: str, overlay_mtu: int, tmp_path: Path
+) -> None:
     with running_lab(
         3, backend, overlay_bridge=True, pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("ipv6"),

@@ -64,7 +64,6 @@ def lab(request: pytest.FixtureRequest, dual_lab: Lab) -> Iterator[Lab]:
     print_agent_logs_if_failed(request, dual_lab)
 
 
-
 def subnet_env(lab: Lab, name: str) -> dict[str, str]:
     text = Path(lab.node(name).subnet_env).read_text(encoding="ascii")
     return dict(line.split("=", 1) for line in text.split())
@@ -145,8 +144,11 @@ def test_flanneld_ipv6_mtu_is_wrong_in_packets_and_named_by_prober_and_doctor(
                for name, n in nodes_json(lab).items()}  # fmt: skip
 
     def verified() -> dict[tuple[str, str], float]:
-        return {(s.labels["family"], s.labels["peer"]): s.value
-                for s in samples(lab, "n1") if s.name == "flannelpy_peer_path_mtu_verified"}
+        return {
+            (s.labels["family"], s.labels["peer"]): s.value
+            for s in samples(lab, "n1")
+            if s.name == "flannelpy_peer_path_mtu_verified"
+        }
 
     # NaN until a peer's first probe passed (flanneld's VTEP address is tentative for a
     # second or two after it starts).

@@ -56,8 +56,9 @@ def lab(request: pytest.FixtureRequest, mixed_lab: Lab) -> Iterator[Lab]:
 
 
 def nodes_json(lab: Lab) -> dict[str, dict[str, Any]]:
-    items = json.loads(lab.kubectl("get", "nodes", "-o", "json", "--show-managed-fields")
-                       .stdout)["items"]
+    items = json.loads(lab.kubectl("get", "nodes", "-o", "json", "--show-managed-fields").stdout)[
+        "items"
+    ]
     return {n["metadata"]["name"]: n for n in items}
 
 
@@ -108,8 +109,7 @@ def test_flanneld_writes_flannels_annotations_through_the_service_account(lab: L
         assert notes[PREFIX + "backend-type"] == "vxlan"
         assert notes[PREFIX + "public-ip"] == str(info.ip)
         link = json.loads(lab.exec(name, ["ip", "-j", "link", "show", VXLAN_DEVICE]).stdout)[0]
-        assert json.loads(notes[PREFIX + "backend-data"]) == {"VNI": 1,
-                                                              "VtepMAC": link["address"]}
+        assert json.loads(notes[PREFIX + "backend-data"]) == {"VNI": 1, "VtepMAC": link["address"]}
         assert PREFIX + "flannelpy-mtu" not in notes  # ours only
         conditions = {c["type"]: c for c in node["status"]["conditions"]}
         assert conditions["NetworkUnavailable"]["status"] == "False"

@@ -54,7 +54,6 @@ def lab(request: pytest.FixtureRequest, v6_lab: Lab) -> Iterator[Lab]:
     print_agent_logs_if_failed(request, v6_lab)
 
 
-
 def test_each_node_gets_one_ipv6_podcidr_and_only_ipv6_annotations(lab: Lab) -> None:
     network = IPv6Network(plan.DEFAULT_IPV6_NETWORK)
     nodes = nodes_json(lab)

@@ -60,27 +60,51 @@ def test_static_executable_needs_no_python(kube_lab: Lab) -> None:
     hide = []
     for path in _python_paths():
         hide.append(f"mount --bind /dev/null {path}")
-    for directory in ("/root/.pyenv", "/usr/lib/python3", "/usr/lib/python3.11",
-                      "/usr/local/lib/python3.11", str(Path(sys.prefix))):
+    for directory in (
+        "/root/.pyenv",
+        "/usr/lib/python3",
+        "/usr/lib/python3.11",
+        "/usr/local/lib/python3.11",
+        str(Path(sys.prefix)),
+    ):
         if os.path.isdir(directory):
             hide.append(f"mount -t tmpfs none {directory}")
     conf = json.loads(Path(node.conflist).read_text())
     plugin = {**conf["plugins"][0], "cniVersion": conf["cniVersion"], "name": conf["name"]}
     subprocess.run(["ip", "netns", "add", "fpl-nopy-pod"], check=True)
     try:
+
         def run(executable: str, command: str) -> subprocess.CompletedProcess[bytes]:
             script = "; ".join([*hide, f"exec ip netns exec {node.namespace} {executable}"])
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CNI_COMMAND": command,
-                   "CNI_CONTAINERID": "nopython", "CNI_NETNS": "/run/netns/fpl-nopy-pod",
-                   "CNI_IFNAME": "eth0", "CNI_PATH": lab.state.cni_path}
-            return subprocess.run(["unshare", "--mount", "--propagation", "private",
-                                   "sh", "-c", script], input=json.dumps(plugin).encode(),
-                                  env=env, capture_output=True, timeout=30)
+            env = {
+                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                "CNI_COMMAND": command,
+                "CNI_CONTAINERID": "nopython",
+                "CNI_NETNS": "/run/netns/fpl-nopy-pod",
+                "CNI_IFNAME": "eth0",
+                "CNI_PATH": lab.state.cni_path,
+            }
+            return subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                input=json.dumps(plugin).encode(),
+                env=env,
+                capture_output=True,
+                timeout=30,
+            )
 
         probe = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             "; ".join([*hide, "python3 -c 'print(1)' || exit 42"])],
-            capture_output=True, timeout=30)
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "; ".join([*hide, "python3 -c 'print(1)' || exit 42"]),
+            ],
+            capture_output=True,
+            timeout=30,
+        )
         assert probe.returncode != 0, "the test failed to hide Python"
         assert run(launcher, "VERSION").returncode != 0  # the Python form cannot run here
         added = run(binary, "ADD")

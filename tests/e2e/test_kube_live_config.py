@@ -84,9 +84,12 @@ def apply_configmap(lab: Lab, backend: str, policy: str) -> None:
     """``kubectl apply`` of the whole ConfigMap, as a GitOps pipeline does."""
     cm = json.loads(lab.kubectl("get", "configmap", control_plane.CONFIG_MAP, "-n",
                                 control_plane.NAMESPACE, "-o", "json").stdout)  # fmt: skip
-    doc = {"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"name": control_plane.CONFIG_MAP, "namespace": control_plane.NAMESPACE},
-           "data": {**cm["data"], control_plane.NET_CONF_KEY: net_conf(lab, backend, policy)}}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": control_plane.CONFIG_MAP, "namespace": control_plane.NAMESPACE},
+        "data": {**cm["data"], control_plane.NET_CONF_KEY: net_conf(lab, backend, policy)},
+    }
     lab.kubectl("apply", "-f", "-", stdin=json.dumps(doc))
     assert json.loads(lab.sync_kube_net_conf())["Backend"] == {"Type": backend}
 
@@ -145,8 +148,11 @@ def agent_log(lab: Lab, node: str) -> str:
 
 
 def wait_blocked(lab: Lab, node: str) -> dict[str, Any]:
-    doc: dict[str, Any] = wait_until(lambda: (d := status_json(lab, node))["blocked"] and d,
-                                     REACT, what=f"{node} to report the blocked change")
+    doc: dict[str, Any] = wait_until(
+        lambda: (d := status_json(lab, node))["blocked"] and d,
+        REACT,
+        what=f"{node} to report the blocked change",
+    )
     return doc
 
 

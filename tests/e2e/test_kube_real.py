@@ -42,7 +42,6 @@ def lab() -> Iterator[Lab]:
         yield lab
 
 
-
 def test_leases_are_the_pod_cidrs_of_the_node_ipam_controller(lab: Lab) -> None:
     nodes = nodes_json(lab)
     cidrs = {name: IPv4Network(n["spec"]["podCIDR"]) for name, n in nodes.items()}

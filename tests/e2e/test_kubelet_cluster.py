@@ -80,8 +80,11 @@ def test_daemonset_pods_run_the_manifests_unchanged(lab: Lab) -> None:
     assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(NODES)
     assert all(p["status"]["phase"] == "Running" and kubelet.pod_ready(p) for p in pods)
     # The DaemonSet in the API is the manifests' one but for the lab's image and env.
-    rendered = json.loads(lab.kubectl("apply", "-k", control_plane.manifests_dir(),
-                                      "--dry-run=client", "-o", "json").stdout)["items"]
+    rendered = json.loads(
+        lab.kubectl(
+            "apply", "-k", control_plane.manifests_dir(), "--dry-run=client", "-o", "json"
+        ).stdout
+    )["items"]
     (want,) = [o for o in rendered if o["kind"] == "DaemonSet"]
     (have,) = items(lab, "daemonsets", "-n", control_plane.NAMESPACE)
     w, h = want["spec"]["template"]["spec"], have["spec"]["template"]["spec"]
@@ -152,9 +155,25 @@ def start_pings(lab: Lab, pods: list[dict[str, Any]], count: int) -> list[subpro
     kubeconfig = control_plane.admin_kubeconfig(lab.state)
     return [
         subprocess.Popen(
-            [binary, "--kubeconfig", kubeconfig, "exec", a["metadata"]["name"], "--", "ping",
-             "-c", str(count), "-i", str(ECHO_INTERVAL), "-W", "1", b["status"]["podIP"]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                binary,
+                "--kubeconfig",
+                kubeconfig,
+                "exec",
+                a["metadata"]["name"],
+                "--",
+                "ping",
+                "-c",
+                str(count),
+                "-i",
+                str(ECHO_INTERVAL),
+                "-W",
+                "1",
+                b["status"]["podIP"],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=control_plane._env(),
         )
         for a in pods
@@ -165,8 +184,10 @@ def start_pings(lab: Lab, pods: list[dict[str, Any]], count: int) -> list[subpro
 
 def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
     pods = workload_pods(lab)
-    before = {p["metadata"]["uid"] for p in
-              items(lab, "pods", "-n", control_plane.NAMESPACE, "-l", AGENT_SELECTOR)}
+    before = {
+        p["metadata"]["uid"]
+        for p in items(lab, "pods", "-n", control_plane.NAMESPACE, "-l", AGENT_SELECTOR)
+    }
     pingers = start_pings(lab, pods, count=600)  # 60 s
     try:
         time.sleep(2)  # traffic flows before the first agent goes
@@ -316,8 +337,10 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
         total += sent
         worst_rtt = max(worst_rtt, *replies.values())
     took = time.monotonic() - t0
-    print(f"echoes: {total} sent over {len(outputs)} pairs in {took:.0f} s, 0 lost, "
-          f"slowest reply {worst_rtt} ms")
+    print(
+        f"echoes: {total} sent over {len(outputs)} pairs in {took:.0f} s, 0 lost, "
+        f"slowest reply {worst_rtt} ms"
+    )
     assert total >= len(outputs) * (took - 10) / ECHO_INTERVAL * 0.5, total
 
     # The scheduler placed nothing on a node cordoned at the time: each probe pod's node

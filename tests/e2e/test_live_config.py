@@ -104,7 +104,8 @@ def test_block_keeps_every_node_on_its_config_and_counts_the_attempt(
     for node in NODES:
         status = wait_until(
             lambda n=node: (s := node_status(store, n)) and s.blocked and s,
-            20, what=f"{node} to report the blocked change",
+            20,
+            what=f"{node} to report the blocked change",
         )
         assert "Block" in status.blocked.sentence and "vxlan -> host-gw" in status.blocked.change
         assert status.backend.type == "vxlan"
@@ -134,9 +135,7 @@ def test_block_keeps_every_node_on_its_config_and_counts_the_attempt(
     assert all_pods_reach_each_other(lab)
 
 
-def test_forced_override_applies_past_block_and_leaves_a_record(
-    lab: Lab, store: EtcdStore
-) -> None:
+def test_forced_override_applies_past_block_and_leaves_a_record(lab: Lab, store: EtcdStore) -> None:
     write_config(store, {"Type": "vxlan"}, {"Mode": "Block"})
     forced = NodeOverride(
         {"Type": "host-gw"}, generation=1,
@@ -145,7 +144,8 @@ def test_forced_override_applies_past_block_and_leaves_a_record(
     )  # fmt: skip
     store.put(override_key(PREFIX, "n2"), forced.to_json().encode())
     status = wait_until(
-        lambda: (s := node_status(store, "n2")) and s.applied_generation == 1 and s, 20,
+        lambda: (s := node_status(store, "n2")) and s.applied_generation == 1 and s,
+        20,
         what="n2 to apply the forced override",
     )
     assert status.backend.type == "host-gw" and status.blocked is None

@@ -340,8 +340,10 @@ def test_loss_raises_retransmissions_and_peer_loss_and_a_store_outage_fires(
         r2, s2 = pod_tcp(lab)
         assert source.poll() is None, "the TCP stream broke"
         clean, lossy = (r1 - r0, s1 - s0), (r2 - r1, s2 - s1)
-        print(f"\nn1's pods over {window:g} s: without loss {clean[0]:.0f} of {clean[1]:.0f} "
-              f"segments retransmitted, with 20% loss {lossy[0]:.0f} of {lossy[1]:.0f}")
+        print(
+            f"\nn1's pods over {window:g} s: without loss {clean[0]:.0f} of {clean[1]:.0f} "
+            f"segments retransmitted, with 20% loss {lossy[0]:.0f} of {lossy[1]:.0f}"
+        )
         # Flat without loss: the same stream, an equal window, (almost) no retransmission.
         assert clean[1] > 1000 and clean[0] <= max(2.0, clean[1] * 0.001), (clean, lossy)
         # Under 20% loss of n2's incoming VXLAN packets the sender retransmits.
@@ -428,4 +430,3 @@ def test_every_dashboard_panel_returns_data(lab: Lab) -> None:
     empty = [(title, expr) for title, expr in exprs
              if not prom.query(lab.state, grafana_to_promql(expr))]  # fmt: skip
     assert not empty, f"panels without data: {empty}"
-

@@ -148,8 +148,10 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
 
     def underlay_control(line: str) -> bool:  # the plain ping of n1 and n2's underlay
         fields = line.split()
-        return "ICMP echo" in line and {fields[2], fields[4].rstrip(":")} == {str(n1.ip),
-                                                                             str(n2.ip)}
+        return "ICMP echo" in line and {fields[2], fields[4].rstrip(":")} == {
+            str(n1.ip),
+            str(n2.ip),
+        }
 
     assert any(tunnel(line) for line in flows), flows[:5]
     others = [line for line in flows if not tunnel(line) and not underlay_control(line)]
@@ -186,9 +188,17 @@ def test_the_doctor_and_the_metric_name_the_implementation(lab: Lab) -> None:
     out = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert "WireGuard runs in userspace (wireguard-go" in out.stdout, out.stdout + out.stderr
+
     def metrics() -> list[str]:
-        out = lab.exec("n1", ["python3", "-c", "import urllib.request as u;print(u.urlopen("
-                              "'http://127.0.0.1:9403/metrics',timeout=5).read().decode())"])
+        out = lab.exec(
+            "n1",
+            [
+                "python3",
+                "-c",
+                "import urllib.request as u;print(u.urlopen("
+                "'http://127.0.0.1:9403/metrics',timeout=5).read().decode())",
+            ],
+        )
         return out.stdout.splitlines()
 
     lines = metrics()

@@ -126,9 +126,7 @@ def test_df_ping_at_exactly_the_ipv6_overlay_mtu_crosses_and_one_more_is_refused
     assert "message too long" in out or f"mtu={V6_MTU}" in out.replace(" ", ""), out
 
 
-def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(
-    lab: Lab, tmp_path
-) -> None:
+def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp_path) -> None:
     seg = lab.state.segments[0]
     pcap = str(tmp_path / "underlay6.pcap")
     no_ndp = "ip6 and not (icmp6[0] >= 133 and icmp6[0] <= 137)"
@@ -173,6 +171,7 @@ def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(
 def test_the_doctor_reads_both_devices_and_names_a_missing_ipv6_peer(lab: Lab) -> None:
     """The doctor checks ``flannel-wg-v6`` as it checks ``flannel-wg``: all peers as the
     leases say, and a peer removed by hand from the IPv6 device only is named."""
+
     def doctor() -> str:
         out = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
                              capture_output=True, text=True, timeout=60)  # fmt: skip

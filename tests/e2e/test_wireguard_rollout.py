@@ -74,8 +74,15 @@ def rollout(lab: Lab, backend: str) -> float:
 
 
 def metric(lab: Lab, node: str, name: str) -> float | None:
-    out = lab.exec(node, ["python3", "-c", "import urllib.request as u;print(u.urlopen("
-                          "'http://127.0.0.1:9403/metrics',timeout=5).read().decode())"])
+    out = lab.exec(
+        node,
+        [
+            "python3",
+            "-c",
+            "import urllib.request as u;print(u.urlopen("
+            "'http://127.0.0.1:9403/metrics',timeout=5).read().decode())",
+        ],
+    )
     for line in out.stdout.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -167,8 +174,10 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
         wait_until(lambda: wireguard_go_pids(lab) == [], 20, what="every wireguard-go to end")
         report = traffic.stop()
     print(report.summary())
-    print(f"rollouts: wireguard {to_wg:.1f} s, vxlan {back:.1f} s; "
-          f"longest gap {longest_gap_ms(report):.0f} ms")
+    print(
+        f"rollouts: wireguard {to_wg:.1f} s, vxlan {back:.1f} s; "
+        f"longest gap {longest_gap_ms(report):.0f} ms"
+    )
     wg_lines = subprocess.run(["tcpdump", "-nn", "-r", pcap, "udp", "port", "51820"],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert wg_lines.strip(), "the capture saw no WireGuard traffic"

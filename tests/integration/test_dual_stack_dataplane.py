@@ -110,9 +110,13 @@ def test_vxlan_dual_stack_reaches_in_both_families_with_the_ipv6_mtu_right(
     assert "mtu 1430" in link6 and "local fd00:64::1" in link6
     assert "mtu 1450" in a.ip("link show flannel.1")
     assert "fc00:0:0:2::/64 via fc00:0:0:2:: dev flannel-v6.1" in a.ip("-6 route show proto 75")
-    assert "dst fd00:64::2" in a.ip("neigh show dev flannel-v6.1") or "fd00:64::2" in sh(
-        ["ip", "netns", "exec", a.name, "bridge", "fdb", "show", "dev", "flannel-v6.1"]
-    ).stdout
+    assert (
+        "dst fd00:64::2" in a.ip("neigh show dev flannel-v6.1")
+        or "fd00:64::2"
+        in sh(
+            ["ip", "netns", "exec", a.name, "bridge", "fdb", "show", "dev", "flannel-v6.1"]
+        ).stdout
+    )
     # Each family crosses through its own device, node to node (VTEP to VTEP).
     ok4, out4 = ping(a, "10.244.2.0")
     assert ok4, out4

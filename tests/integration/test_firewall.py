@@ -183,10 +183,14 @@ def test_jumps_are_appended_and_a_foreign_chain_above_them_is_never_fought(
     jump = f"-A POSTROUTING {M} -j FLANNEL-POSTRTG"
     fwd_jump = f"-A FORWARD {F} -j FLANNEL-FWD"
     assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
-        "-P POSTROUTING ACCEPT", FOREIGN_POST, jump
+        "-P POSTROUTING ACCEPT",
+        FOREIGN_POST,
+        jump,
     ]
     assert ipt(netns, "-t", "filter", "-S", "FORWARD") == [
-        "-P FORWARD ACCEPT", FOREIGN_FWD, fwd_jump
+        "-P FORWARD ACCEPT",
+        FOREIGN_FWD,
+        fwd_jump,
     ]
 
     # A policy agent (Calico's Felix in Canal) puts its own chain first, after us.
@@ -208,7 +212,10 @@ def test_jumps_are_appended_and_a_foreign_chain_above_them_is_never_fought(
     result = firewall.sync(rules())
     assert (result.repaired, result.details) == (True, ("nat/POSTROUTING: missing",))
     assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
-        "-P POSTROUTING ACCEPT", "-A POSTROUTING -j cali-POSTROUTING", FOREIGN_POST, jump
+        "-P POSTROUTING ACCEPT",
+        "-A POSTROUTING -j cali-POSTROUTING",
+        FOREIGN_POST,
+        jump,
     ]
 
 
@@ -224,10 +231,13 @@ def test_start_moves_an_old_jump_from_the_top_to_the_end(netns: str) -> None:
     result = firewall.sync(masq_rules(NET, [SUBNET], True))
     assert result.repaired and "nat/POSTROUTING: duplicates" in result.details
     assert ipt(netns, "-t", "nat", "-S", "POSTROUTING") == [
-        "-P POSTROUTING ACCEPT", FOREIGN_POST, jump
+        "-P POSTROUTING ACCEPT",
+        FOREIGN_POST,
+        jump,
     ]
     assert ipt(netns, "-t", "nat", "-S", "FLANNEL-POSTRTG") == [
-        "-N FLANNEL-POSTRTG", *expected_nat(firewall)[6:]
+        "-N FLANNEL-POSTRTG",
+        *expected_nat(firewall)[6:],
     ]
     # A second copy appearing later is Flannel's "exists": left as it is.
     ipt(netns, "-t", "nat", "-I", "POSTROUTING", "1", *shlex.split(jump)[2:])

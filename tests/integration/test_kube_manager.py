@@ -477,8 +477,9 @@ def test_hostile_annotations_never_end_the_watch(
             P + "backend-data": "[" * 3000 + "]" * 3000,
         })  # fmt: skip
         standin.add_node("node-e", "10.244.7.0/24", peer_annotations("192.168.50.5", MAC_A))
-        w.wait_for(lambda m: "10.244.7.0-24" in m, "node-e added after the hostile nodes",
-                   timeout=5.0)
+        w.wait_for(
+            lambda m: "10.244.7.0-24" in m, "node-e added after the hostile nodes", timeout=5.0
+        )
         latest = w.calls[-1][0]
         assert latest["10.244.2.0-24"].attrs.mtu is None
         assert "10.244.6.0-24" not in latest

@@ -234,7 +234,11 @@ def reference_add(node_ns: str, netns: str, cid: str, data_dir: str) -> dict[str
     }  # fmt: skip
     proc = subprocess.run(
         ["ip", "netns", "exec", node_ns, f"{REFERENCE}/bridge"],
-        input=json.dumps(config), capture_output=True, text=True, env=env, timeout=30,
+        input=json.dumps(config),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout)

@@ -89,8 +89,10 @@ class Pair:
 def pair() -> Iterator[Pair]:
     with temp_netns("pra") as a, temp_netns("prb") as b:
         a_if, b_if = unique_name("pa"), unique_name("pb")
-        sh(f"ip link add {a_if} netns {a.name} mtu 1500 type veth peer name {b_if} "
-           f"netns {b.name} mtu 1500")
+        sh(
+            f"ip link add {a_if} netns {a.name} mtu 1500 type veth peer name {b_if} "
+            f"netns {b.name} mtu 1500"
+        )
         a.ip(f"addr add {OWN}/24 dev {a_if}")
         for addr in PEERS:
             b.ip(f"addr add {addr}/24 dev {b_if}")

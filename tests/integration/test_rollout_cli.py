@@ -156,8 +156,13 @@ def test_abort_stops_after_the_current_node_and_says_how_to_go_back(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result: list[int] = []
-    driver = threading.Thread(target=lambda: result.append(main(
-        ["rollout", "start", "--backend", "host-gw", "--step-timeout", "20", *cluster.flags])))
+    driver = threading.Thread(
+        target=lambda: result.append(
+            main(
+                ["rollout", "start", "--backend", "host-gw", "--step-timeout", "20", *cluster.flags]
+            )
+        )
+    )
     driver.start()
     try:
         wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"),

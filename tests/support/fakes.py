@@ -86,11 +86,15 @@ class FakeKernel:
         pass
 
 
-def underlay(ip: str = "192.168.1.10", networks: tuple[str, ...] = ("192.168.1.0/24",),
-             mtu: int = 1500) -> UnderlayInterface:
+def underlay(
+    ip: str = "192.168.1.10", networks: tuple[str, ...] = ("192.168.1.0/24",), mtu: int = 1500
+) -> UnderlayInterface:
     return UnderlayInterface(
-        name="eth0", index=2, ip=IPv4Address(ip),
-        networks=tuple(IPv4Network(n) for n in networks), mtu=mtu,
+        name="eth0",
+        index=2,
+        ip=IPv4Address(ip),
+        networks=tuple(IPv4Network(n) for n in networks),
+        mtu=mtu,
     )
 
 

@@ -100,4 +100,3 @@ def restart(lab: Lab, node: str) -> None:
     lab.kill_agent(node)
     lab.start_agent(node)
     lab.wait_ready(node)
-

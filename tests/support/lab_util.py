@@ -45,7 +45,7 @@ def converged_status(
     try:
         wait_until(converged, timeout=timeout, interval=1.0, what="every pair reaching")
     except AssertionError as e:
-        raise AssertionError(f"{e}: {({k: last.get(k) for k in keys})}") from None
+        raise AssertionError(f"{e}: { ({k: last.get(k) for k in keys}) }") from None
     return last
 
 

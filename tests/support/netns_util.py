@@ -70,9 +70,7 @@ class Netns:
         (0 is rtnetlink) that listen to any group, from ``/proc/net/netlink``."""
         table = self.exec("cat /proc/net/netlink").stdout.splitlines()[1:]
         rows = [line.split() for line in table]
-        return [
-            groups for row in rows if int(row[1]) == protocol and (groups := int(row[3], 16))
-        ]
+        return [groups for row in rows if int(row[1]) == protocol and (groups := int(row[3], 16))]
 
     def veth(self, name: str, address: str | None = None, peer: str | None = None) -> str:
         """A veth pair inside the namespace, both ends up; ``address`` (CIDR) on ``name``.

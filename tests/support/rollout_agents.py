@@ -142,8 +142,9 @@ class SimCluster:
                 assert isinstance(raw, dict)
                 decision = decide(parse_policy(raw), self.policy_clock(), ", ".join(changes))
                 if not decision.allowed:
-                    node.blocked = BlockedChange(generation, ", ".join(changes),
-                                                 decision.sentence or "", self.clock())
+                    node.blocked = BlockedChange(
+                        generation, ", ".join(changes), decision.sentence or "", self.clock()
+                    )
                     return
         node.blocked = None
         if wanted != node.running or generation != node.applied_generation:
@@ -172,7 +173,10 @@ class SimCluster:
                 self.lost.append((node.name, peer.name))
             before = node.probes.get(peer.subnet)
             node.probes[peer.subnet] = PeerProbe(
-                reachable=ok, mtu_ok=ok, ok=ok, probes=(before.probes if before else 0) + 1,
+                reachable=ok,
+                mtu_ok=ok,
+                ok=ok,
+                probes=(before.probes if before else 0) + 1,
                 at=self.clock(),
             )
 

@@ -40,8 +40,12 @@ def underlay_capture(switch_namespace: str, pcap: str, bpf: Sequence[str]) -> It
 
 def _packet_sockets(namespace: str) -> int:
     """Running AF_PACKET sockets in ``namespace`` (``/proc/net/packet``, column R)."""
-    rows = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/packet"],
-                          capture_output=True, text=True, check=True).stdout.splitlines()[1:]
+    rows = subprocess.run(
+        ["ip", "netns", "exec", namespace, "cat", "/proc/net/packet"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()[1:]
     return sum(1 for row in rows if len(row.split()) > 5 and row.split()[5] == "1")
 
 

@@ -32,16 +32,29 @@ def opened(store: FakeStore, tmp: Path) -> OpenedStore:
     ("doc", "says", "reads"),
     [
         # IPv6-only runs without the IPv4-only features: warm capacity is refused.
-        ({"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56",
-          "MaxLeasesPerNode": 2}, "warm capacity. are IPv4-only", []),
+        (
+            {
+                "EnableIPv4": False,
+                "EnableIPv6": True,
+                "IPv6Network": "fd00::/56",
+                "MaxLeasesPerNode": 2,
+            },
+            "warm capacity. are IPv4-only",
+            [],
+        ),
         # IPv6-only needs an interface with a global IPv6 address.
-        ({"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56"},
-         "no global IPv6 address", ["find_underlay"]),
+        (
+            {"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56"},
+            "no global IPv6 address",
+            ["find_underlay"],
+        ),
         # Dual stack needs an IPv6 underlay address: none on the interface, none given
         # (found by reading the interfaces, which changes nothing).
-        ({"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56"},
-         "has no global IPv6 address; add one, or choose another interface",
-         ["find_underlay"]),
+        (
+            {"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56"},
+            "has no global IPv6 address; add one, or choose another interface",
+            ["find_underlay"],
+        ),
     ],
 )
 def test_ipv6_config_the_node_cannot_run_is_refused_before_the_host_is_touched(
@@ -196,8 +209,11 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
     def sleep(seconds: float) -> None:
         waits.append(seconds)
         if len(waits) == 3:  # the operator writes it while the agent waits
-            put_network_config(store, PREFIX, json.dumps(
-                {"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}))
+            put_network_config(
+                store,
+                PREFIX,
+                json.dumps({"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}),
+            )
 
     config = _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
     assert str(config.network) == "10.244.0.0/16"

@@ -237,6 +237,7 @@ def test_enabling_ipv6_live_is_refused_until_a_restart(
 def test_a_vtep_that_leaves_the_plan_lingers_before_it_is_removed(agent: AgentHarness) -> None:
     """A switch to host-gw with no vxlan peer: the VTEP leaves the plan, but stays for
     LINGER_SECONDS so a peer that has not seen our new lease still reaches us through it."""
+
     def vteps() -> list[str]:
         return [link.name for link in agent.kernel.state.links if link.name == "flannel.1"]
 

@@ -47,8 +47,13 @@ class FakeProber:
     def __init__(self, count: int) -> None:
         self.current = {
             f"10.{i // 256}.{i % 256}.0/24": ProbeResult(
-                reachable=True, rtt_seconds=0.001, loss_ratio=0.0, mtu_ok=True,
-                last_error=None, probes=0, target=IPv4Address(f"10.{i // 256}.{i % 256}.0"),
+                reachable=True,
+                rtt_seconds=0.001,
+                loss_ratio=0.0,
+                mtu_ok=True,
+                last_error=None,
+                probes=0,
+                target=IPv4Address(f"10.{i // 256}.{i % 256}.0"),
             )
             for i in range(count)
         }

@@ -39,7 +39,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for match in _NAME.finditer(text):
         word = match.group(0)
-        if text[match.end():].lstrip().startswith("(") or word.lower() in _KEYWORDS:
+        if text[match.end() :].lstrip().startswith("(") or word.lower() in _KEYWORDS:
             continue  # a function call or a keyword
         names.add(word)
     return names
@@ -67,7 +67,7 @@ def dashboard_exprs(node: Any) -> Iterator[str]:
                 yield value
             elif key == "query" and isinstance(value, str) and value.startswith("label_values("):
                 # label_values(metric, label): the metric is the first argument.
-                yield value[len("label_values("):].split(",")[0]
+                yield value[len("label_values(") :].split(",")[0]
             else:
                 yield from dashboard_exprs(value)
     elif isinstance(node, list):

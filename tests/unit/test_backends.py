@@ -21,14 +21,21 @@ def test_vxlan_programs_flannels_recipe_per_peer() -> None:
     state = get_backend("vxlan").plan(ctx, [OWN], [PEER_SAME_SEGMENT], "02:00:00:00:00:01")
     (link,) = state.links
     assert (link.name, link.vni, link.port, link.mtu, link.learning) == (
-        "flannel.1", 1, 8472, 1450, False)
+        "flannel.1",
+        1,
+        8472,
+        1450,
+        False,
+    )
     assert link.local_ip == IPv4Address("192.168.1.10") and link.underlay == "eth0"
     assert state.addresses == {Address("flannel.1", IPv4Interface("10.244.1.0/32"))}
     assert state.neighbours == {
-        Neighbour("flannel.1", IPv4Address("10.244.2.0"), "02:00:00:00:00:02")}
+        Neighbour("flannel.1", IPv4Address("10.244.2.0"), "02:00:00:00:00:02")
+    }
     assert state.fdb == {FdbEntry("flannel.1", "02:00:00:00:00:02", IPv4Address("192.168.1.11"))}
     assert state.routes == {
-        Route(IPv4Network("10.244.2.0/24"), IPv4Address("10.244.2.0"), "flannel.1", onlink=True)}
+        Route(IPv4Network("10.244.2.0/24"), IPv4Address("10.244.2.0"), "flannel.1", onlink=True)
+    }
     assert state.owned_devices == {"flannel.1"}
 
 
@@ -40,10 +47,13 @@ def test_vxlan_mtu_follows_the_configured_underlay_mtu() -> None:
 def test_direct_routing_routes_same_segment_peers_directly_and_encapsulates_the_rest() -> None:
     ctx = context("vxlan", direct_routing=True)
     state = get_backend("vxlan").plan(
-        ctx, [OWN], [PEER_SAME_SEGMENT, PEER_OTHER_SEGMENT], "02:00:00:00:00:01")
+        ctx, [OWN], [PEER_SAME_SEGMENT, PEER_OTHER_SEGMENT], "02:00:00:00:00:01"
+    )
     assert Route(IPv4Network("10.244.2.0/24"), IPv4Address("192.168.1.11"), "eth0") in state.routes
-    assert Route(IPv4Network("10.244.3.0/24"), IPv4Address("10.244.3.0"), "flannel.1",
-                 onlink=True) in state.routes
+    assert (
+        Route(IPv4Network("10.244.3.0/24"), IPv4Address("10.244.3.0"), "flannel.1", onlink=True)
+        in state.routes
+    )
     assert {n.ip for n in state.neighbours} == {IPv4Address("10.244.3.0")}
     assert not state.unreachable
 
@@ -53,7 +63,8 @@ def test_host_gw_routes_via_peer_and_reports_peers_off_segment() -> None:
     backend = get_backend("HOST-GW")
     state = backend.plan(ctx, [OWN], [PEER_SAME_SEGMENT, PEER_OTHER_SEGMENT], None)
     assert state.routes == {
-        Route(IPv4Network("10.244.2.0/24"), IPv4Address("192.168.1.11"), "eth0")}
+        Route(IPv4Network("10.244.2.0/24"), IPv4Address("192.168.1.11"), "eth0")
+    }
     (unreachable,) = state.unreachable
     assert unreachable.subnet == IPv4Network("10.244.3.0/24")
     assert "192.168.2.12" in unreachable.reason and "vxlan" in unreachable.reason
@@ -174,6 +185,7 @@ def test_both_nodes_of_a_pair_plan_the_same_kind_of_path(
     own_kind: str, peer_kind: str, peer_ip: str
 ) -> None:
     """Each node plans from the other's advertised lease; the two plans must agree."""
+
     def node(kind: str, ip: str, subnet: str) -> tuple[NodeContext, Lease, str | None]:
         backend_type, direct_routing, mac = OWN_KINDS[kind]
         ctx = context(backend_type, ip=ip, direct_routing=direct_routing)
@@ -215,7 +227,12 @@ def test_host_gw_node_with_vtep_routes_on_link_peers_directly_and_encapsulates_t
     state = backend.plan(ctx, [OWN], peers, OWN_MAC)
     (link,) = state.links
     assert (link.name, link.vni, link.mtu, link.mac, link.local_ip) == (
-        "flannel.1", 1, 1450, OWN_MAC, IPv4Address("192.168.1.10"))
+        "flannel.1",
+        1,
+        1450,
+        OWN_MAC,
+        IPv4Address("192.168.1.10"),
+    )
     assert state.addresses == {Address("flannel.1", IPv4Interface("10.244.1.0/32"))}
     assert state.owned_devices == {"flannel.1"}
     assert state.routes == {
@@ -259,14 +276,14 @@ def test_vxlan_advertises_direct_routing_when_configured() -> None:
         ("host-gw", [lease("10.244.9.0/24", "192.168.1.10", mac="02:00:00:00:00:09")], False),
     ],
 )
-def test_needs_vtep_while_a_peer_is_vxlan(backend: str, peers: list[Lease],
-                                          expected: bool) -> None:
+def test_needs_vtep_while_a_peer_is_vxlan(backend: str, peers: list[Lease], expected: bool) -> None:
     assert get_backend(backend).needs_vtep(context(backend), peers) is expected
 
 
 def test_vni_mismatch_off_link_is_unreachable() -> None:
     state = get_backend("vxlan").plan(
-        context("vxlan"), [OWN], [peer_lease("vxlan-vni2", OFF_LINK)], OWN_MAC)
+        context("vxlan"), [OWN], [peer_lease("vxlan-vni2", OFF_LINK)], OWN_MAC
+    )
     (unreachable,) = state.unreachable
     assert "different VNIs (1 and 2)" in unreachable.reason
     assert not state.routes and not state.fdb
@@ -277,9 +294,7 @@ def test_ip_blackhole_route_plans_a_blackhole_for_the_own_subnet_only(backend: s
     ctx = replace(context(backend), blackhole_own_subnets=True)
     state = get_backend(backend).plan(ctx, [OWN], [PEER_SAME_SEGMENT], "02:00:00:00:00:01")
     blackholes = {r for r in state.routes if r.blackhole}
-    assert blackholes == {
-        Route(IPv4Network("10.244.1.0/24"), IPv4Address(0), "", blackhole=True)
-    }
+    assert blackholes == {Route(IPv4Network("10.244.1.0/24"), IPv4Address(0), "", blackhole=True)}
     # The peer keeps its ordinary route; without the flag there is no blackhole at all.
     assert any(r.dst == PEER_SAME_SEGMENT.subnet and not r.blackhole for r in state.routes)
     plain = get_backend(backend).plan(

@@ -499,8 +499,9 @@ def test_exhaustion_reasons_for_the_primary_and_empty_pools(
     assert "\n" not in str(err.value)
     # Freeing leases is suggested only where a usable pool is full.
     assert ("free some leases" in str(err.value)) == full
-    assert str(err.value).endswith("add a pool (flannelpy pools add CIDR) and tag it "
-                                   "flannelpy.io/role=1")
+    assert str(err.value).endswith(
+        "add a pool (flannelpy pools add CIDR) and tag it flannelpy.io/role=1"
+    )
 
 
 def test_dual_stack_gives_the_primary_an_ipv6_subnet_and_skips_ipv4_only_pools() -> None:
@@ -590,8 +591,12 @@ def pool_scenarios(draw: st.DrawFn) -> tuple[list[Pool], list[Lease], str | None
         if draw(st.booleans()):
             tags[f"cluster_{draw(st.sampled_from(['a', 'b']))}"] = "true"
         pools.append(pool(f"10.{third}.0.0/22", **tags))
-    subnets = draw(st.lists(st.sampled_from(
-        [f"10.{t}.{i}.0/24" for t in (244, 248, 250, 252) for i in range(4)]), unique=True))
+    subnets = draw(
+        st.lists(
+            st.sampled_from([f"10.{t}.{i}.0/24" for t in (244, 248, 250, 252) for i in range(4)]),
+            unique=True,
+        )
+    )
     leases = [lease(s, f"192.168.3.{i + 1}") for i, s in enumerate(subnets)]
     return pools, leases, draw(st.sampled_from([None, "a", "b"])), draw(st.integers(0, 2**32))
 
@@ -603,11 +608,17 @@ def test_a_new_subnet_is_free_aligned_and_in_the_first_eligible_pool_with_room(
 ) -> None:
     pools, leases, cluster, seed = scenario
     order = [p for p in pools if p.primary] + sorted(
-        (p for p in pools if not p.primary), key=lambda p: int(p.network.network_address))
+        (p for p in pools if not p.primary), key=lambda p: int(p.network.network_address)
+    )
+
     def room(p: Pool) -> list[IPv4Network]:
         span = leasable_range(p, SMALL_PRIMARY)
-        return [span.subnet(i) for i in range(span.count)
-                if not any(h.subnet.overlaps(span.subnet(i)) for h in leases)]
+        return [
+            span.subnet(i)
+            for i in range(span.count)
+            if not any(h.subnet.overlaps(span.subnet(i)) for h in leases)
+        ]
+
     usable = [p for p in order if eligibility(p, cluster).create_leases and room(p)]
     try:
         choice = new_subnet(pools, leases, cluster, seed=seed)

@@ -480,9 +480,7 @@ def test_explicit_subnet_len_in_range_is_kept(network: IPv4Network, data: st.Dat
 def test_explicit_subnet_len_out_of_range_is_refused(
     network: IPv4Network, data: st.DataObject
 ) -> None:
-    subnet_len = data.draw(
-        st.one_of(st.integers(1, network.prefixlen + 1), st.integers(31, 128))
-    )
+    subnet_len = data.draw(st.one_of(st.integers(1, network.prefixlen + 1), st.integers(31, 128)))
     with pytest.raises(ConfigError, match="SubnetLen"):
         parse({"Network": str(network), "SubnetLen": subnet_len})
 
@@ -612,8 +610,12 @@ def test_help_renders() -> None:
         (["--etcd-password", "p"], {}, "etcd_password", "p"),
         ([], {"FLANNELD_KUBE_API_URL": "https://k:6443"}, "kube_api_url", "https://k:6443"),
         (["--kubeconfig-file", "/kc"], {}, "kubeconfig_file", "/kc"),
-        (["--kube-annotation-prefix", "x.example.com"], {}, "kube_annotation_prefix",
-         "x.example.com"),
+        (
+            ["--kube-annotation-prefix", "x.example.com"],
+            {},
+            "kube_annotation_prefix",
+            "x.example.com",
+        ),
         (["--net-config-path", "/n.json"], {}, "net_config_path", "/n.json"),
         ([], {"FLANNELD_SUBNET_FILE": "/s.env"}, "subnet_file", "/s.env"),
         (["--iface-can-reach", "192.0.2.9"], {}, "iface_can_reach", "192.0.2.9"),

@@ -43,12 +43,21 @@ WINDOW_SAT = {
 
 
 def decide(
-    running: bytes, wanted: bytes, override: NodeOverride | None = None,
-    rollout: Any = None, now: datetime = NOON_WED, mtus: tuple[int, int] = (1450, 1500),
+    running: bytes,
+    wanted: bytes,
+    override: NodeOverride | None = None,
+    rollout: Any = None,
+    now: datetime = NOON_WED,
+    mtus: tuple[int, int] = (1450, 1500),
 ) -> ChangeDecision:
     return decide_change(
-        wanted_config(running, None), mtus[0], wanted_config(wanted, override), mtus[1],
-        override, rollout, now,
+        wanted_config(running, None),
+        mtus[0],
+        wanted_config(wanted, override),
+        mtus[1],
+        override,
+        rollout,
+        now,
     )
 
 
@@ -88,8 +97,11 @@ def test_window_blocks_outside_and_names_the_next_start() -> None:
 
 
 def test_vni_and_port_and_mtu_are_disruptive() -> None:
-    for backend in ({"Type": "vxlan", "VNI": 2}, {"Type": "vxlan", "Port": 4789},
-                    {"Type": "vxlan", "MTU": 1400}):
+    for backend in (
+        {"Type": "vxlan", "VNI": 2},
+        {"Type": "vxlan", "Port": 4789},
+        {"Type": "vxlan", "MTU": 1400},
+    ):
         decision = decide(conf(VXLAN, BLOCK), conf(backend, BLOCK), mtus=(1450, 1350))
         assert decision.action == "block", backend
 
@@ -105,16 +117,23 @@ def test_active_rollout_vouches_for_its_override_only() -> None:
     override = NodeOverride(HOSTGW, generation=1, rollout="r1")
     running = {"id": "r1", "state": "running"}
     assert decide(conf(VXLAN, BLOCK), conf(VXLAN, BLOCK), override, running).vouched
-    for rollout in (None, {"id": "r2", "state": "running"}, {"id": "r1", "state": "paused"},
-                    {"id": "r1", "state": "aborted"}):
+    for rollout in (
+        None,
+        {"id": "r2", "state": "running"},
+        {"id": "r1", "state": "paused"},
+        {"id": "r1", "state": "aborted"},
+    ):
         decision = decide(conf(VXLAN, BLOCK), conf(VXLAN, BLOCK), override, rollout)
         assert decision.action == "block", rollout
     assert not rollout_vouches({"id": "r1", "state": "running"}, None)
 
 
 def test_network_change_needs_a_restart_and_is_not_applied() -> None:
-    decision = decide(conf(VXLAN), json.dumps({"Network": "10.250.0.0/16",
-                                               "Backend": VXLAN}).encode(), mtus=(1450, 1450))
+    decision = decide(
+        conf(VXLAN),
+        json.dumps({"Network": "10.250.0.0/16", "Backend": VXLAN}).encode(),
+        mtus=(1450, 1450),
+    )
     assert decision.action == "restart-needed" and "restart" in (decision.sentence or "")
 
 
@@ -133,17 +152,22 @@ def test_override_json_round_trip_and_refusals() -> None:
     force = ForceRecord("r", "me", "t")
     override = NodeOverride({"Type": "host-gw"}, 7, rollout="abc", force=force)
     assert NodeOverride.from_json(override.to_json()) == override
-    for bad in ('[]', '{"Backend": 1}', '{"Backend": {}, "Generation": -1}', "nope"):
+    for bad in ("[]", '{"Backend": 1}', '{"Backend": {}, "Generation": -1}', "nope"):
         with pytest.raises(ValueError):
             NodeOverride.from_json(bad)
 
 
 def test_status_json_round_trip() -> None:
     status = NodeStatus(
-        node="n1", at=12.5, ready=True, public_ip="100.64.0.2",
+        node="n1",
+        at=12.5,
+        ready=True,
+        public_ip="100.64.0.2",
         underlay_networks=("100.64.0.0/24",),
-        backend=BackendSummary("vxlan", 1, 8472, True, 1450), vtep=True,
-        applied_generation=4, applied_at=10.0,
+        backend=BackendSummary("vxlan", 1, 8472, True, 1450),
+        vtep=True,
+        applied_generation=4,
+        applied_at=10.0,
         blocked=BlockedChange(5, "backend vxlan -> host-gw", "blocked by Block", 11.0),
         subnets=("10.244.1.0/24",),
         probes=ProbeSummary.of({"10.244.2.0/24": PeerProbe(True, True, True, 3, 12.0)}),

@@ -9,8 +9,10 @@ from tests.support.fakes import FakeKernel, context, lease
 
 MAC = "02:00:00:00:00:01"
 OWN = lease("10.244.1.0/24", "192.168.1.10", mac=MAC)
-PEERS = [lease(f"10.244.{i}.0/24", f"192.168.1.{10 + i}", mac=f"02:00:00:00:00:{i:02x}")
-         for i in range(2, 6)]
+PEERS = [
+    lease(f"10.244.{i}.0/24", f"192.168.1.{10 + i}", mac=f"02:00:00:00:00:{i:02x}")
+    for i in range(2, 6)
+]
 
 
 def desired(peers=PEERS, **options):  # type: ignore[no-untyped-def]
@@ -18,15 +20,21 @@ def desired(peers=PEERS, **options):  # type: ignore[no-untyped-def]
 
 
 def observed_from(state) -> ObservedState:  # type: ignore[no-untyped-def]
-    return ObservedState(links=state.links, addresses=state.addresses, routes=state.routes,
-                         neighbours=state.neighbours, fdb=state.fdb)
+    return ObservedState(
+        links=state.links,
+        addresses=state.addresses,
+        routes=state.routes,
+        neighbours=state.neighbours,
+        fdb=state.fdb,
+    )
 
 
 def test_empty_kernel_gets_everything_in_recipe_order() -> None:
     changes = diff(desired(), ObservedState())
     assert len(changes.links_to_create) == 1
-    assert len(changes.neighbours_to_set) == len(changes.fdb_to_set) == len(
-        changes.routes_to_set) == 4
+    assert (
+        len(changes.neighbours_to_set) == len(changes.fdb_to_set) == len(changes.routes_to_set) == 4
+    )
     assert changes.counts["route"] == 4 and changes.counts["stale"] == 0
 
 

@@ -447,12 +447,18 @@ def test_masq_rules_are_checked_when_the_chain_exists_whatever_our_flags() -> No
 def test_host_gw_reports_a_left_over_vxlan_device_and_peers_off_segment() -> None:
     facts = healthy_facts("host-gw")
     leases = tuple(replace(p, attrs=replace(p.attrs, mtu=1500)) for p in facts.leases)
-    far = replace(node_lease(3), subnet=IPv4Network("10.244.30.0/24"),
-                  attrs=replace(N3.attrs, public_ip=IPv4Address("100.65.0.3"), mtu=1500))
+    far = replace(
+        node_lease(3),
+        subnet=IPv4Network("10.244.30.0/24"),
+        attrs=replace(N3.attrs, public_ip=IPv4Address("100.65.0.3"), mtu=1500),
+    )
     link = VxlanLink("flannel.1", 1, IPv4Address("100.64.0.1"), "eth0", 8472, 1450, MAC[1])
     facts = replace(facts, leases=(*leases, far))
-    facts = _observed(facts, links=frozenset({link}),
-                      addresses=frozenset({Address("flannel.1", IPv4Interface("10.244.1.0/32"))}))
+    facts = _observed(
+        facts,
+        links=frozenset({link}),
+        addresses=frozenset({Address("flannel.1", IPv4Interface("10.244.1.0/32"))}),
+    )
     found = {(f.severity, f.check, f.subject) for f in problems(diagnose(facts))}
     assert ("warning", "links", "flannel.1") in found
     assert ("error", "routes", "10.244.30.0/24") in found

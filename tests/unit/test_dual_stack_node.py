@@ -58,7 +58,10 @@ def ctx(backend: str = "vxlan", mtu: int = 1500, **options: object) -> NodeConte
 
 
 def dual_lease(
-    n: int, ip6: str | None, mac: str | None = PEER_MAC, backend: str = "vxlan",
+    n: int,
+    ip6: str | None,
+    mac: str | None = PEER_MAC,
+    backend: str = "vxlan",
     direct: bool = False,
 ) -> Lease:
     data = {"VNI": 1, "VtepMAC": mac} if backend == "vxlan" and mac else None
@@ -266,7 +269,9 @@ def test_kube_dual_stack_waits_for_both_pod_cidrs() -> None:
     assert kn.own_subnets(only_v4, config) is None  # type: ignore[arg-type]
     both = {"metadata": {"name": "n1"}, "spec": {"podCIDRs": ["10.244.2.0/24", "fc00:0:0:2::/64"]}}
     assert kn.own_subnets(both, config) == (  # type: ignore[arg-type]
-        IPv4Network("10.244.2.0/24"), IPv6Network("fc00:0:0:2::/64"))
+        IPv4Network("10.244.2.0/24"),
+        IPv6Network("fc00:0:0:2::/64"),
+    )
 
 
 def test_kube_ipv6_only_reads_and_writes_the_ipv6_half_alone() -> None:
@@ -380,11 +385,13 @@ def test_etcd_dual_stack_acquire_and_restart_keep_both_subnets(tmp_path: object)
 def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
     from flannelpy_lab import plan
 
-
     assert plan.ip_family_net_conf("ipv4") == {}
     assert plan.ip_family_net_conf("dual") == {"EnableIPv6": True, "IPv6Network": "fd10:244::/56"}
     assert plan.ip_family_net_conf("ipv6") == {
-        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd10:244::/56"}
+        "EnableIPv4": False,
+        "EnableIPv6": True,
+        "IPv6Network": "fd10:244::/56",
+    }
     with pytest.raises(ConfigError, match="is unknown"):
         plan.ip_family_net_conf("ipv5")
     state = plan.plan_lab(
@@ -397,5 +404,8 @@ def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
     assert plan.ipv6_enabled(state)
     # fd00:64:<segment>::<host>/64: a ULA, unique per node, on the lab switch only.
     assert [plan.ipv6_underlay_address(n) for n in state.nodes] == [
-        "fd00:64:1::1/64", "fd00:64:1::2/64", "fd00:64:1::3/64"]
+        "fd00:64:1::1/64",
+        "fd00:64:1::2/64",
+        "fd00:64:1::3/64",
+    ]
     assert IPv6Network("fd00:64:1::/64").is_private

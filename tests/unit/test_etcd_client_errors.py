@@ -83,8 +83,7 @@ def test_a_call_fails_over_past_a_member_that_timed_out_and_logs_the_move_once(
             assert store._call("get /k", call) == "127.0.0.1:10"  # stays on the second
         moves = [r.getMessage() for r in caplog.records if "moved" in r.getMessage()]
         assert moves == [
-            "etcd requests moved to another endpoint from=http://127.0.0.1:9 "
-            "to=http://127.0.0.1:10"
+            "etcd requests moved to another endpoint from=http://127.0.0.1:9 to=http://127.0.0.1:10"
         ]
     finally:
         store.close()

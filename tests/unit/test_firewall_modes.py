@@ -38,7 +38,11 @@ class Recording:
 def factory(nftables: bool, log: list[Any], **settings: Any) -> Any:
     ipt, nft = Recording("iptables", log), Recording("nft", log)
     return _firewall_factory(
-        AgentSettings(**settings), AgentMetrics(), ipt, nft, nftables=nftables  # type: ignore[arg-type]
+        AgentSettings(**settings),
+        AgentMetrics(),
+        ipt,
+        nft,
+        nftables=nftables,  # type: ignore[arg-type]
     )
 
 

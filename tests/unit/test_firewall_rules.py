@@ -117,8 +117,11 @@ def test_masq_rules_over_several_pools_keep_pod_to_pod_sources() -> None:
 
 def test_forward_rules_cover_every_pool() -> None:
     lines = [r.line for r in forward_rules([NET, IPv4Network("10.250.0.0/16")])]
-    assert lines == [*FLANNEL_FORWARD_LINES, f"-A FLANNEL-FWD -s 10.250.0.0/16 {F} -j ACCEPT",
-                     f"-A FLANNEL-FWD -d 10.250.0.0/16 {F} -j ACCEPT"]
+    assert lines == [
+        *FLANNEL_FORWARD_LINES,
+        f"-A FLANNEL-FWD -s 10.250.0.0/16 {F} -j ACCEPT",
+        f"-A FLANNEL-FWD -d 10.250.0.0/16 {F} -j ACCEPT",
+    ]
 
 
 def test_forward_rules_are_flannels() -> None:
@@ -200,9 +203,7 @@ def test_plan_jumps_at_start_wants_the_jump_last() -> None:
         pytest.param([KUBE], MISSING, (), id="absent"),
         pytest.param([JUMP_LINE, KUBE], WRONG_ORDER, (JUMP_LINE,), id="not-last"),
         pytest.param([JUMP_LINE, KUBE, JUMP_LINE], DUPLICATES, (JUMP_LINE,) * 2, id="twice"),
-        pytest.param(
-            [JUMP_LINE, OLD_STYLE], EXTRA, (JUMP_LINE, OLD_STYLE), id="old-style-jump"
-        ),
+        pytest.param([JUMP_LINE, OLD_STYLE], EXTRA, (JUMP_LINE, OLD_STYLE), id="old-style-jump"),
     ],
 )
 def test_plan_jumps_at_start_out_of_sync(

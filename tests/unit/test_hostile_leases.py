@@ -129,7 +129,7 @@ def test_any_lease_json_parses_or_is_refused_and_validates_without_raising(
 
 
 @settings(max_examples=100, deadline=None)
-@given(raw=st.binary(max_size=200) | st.text(alphabet="[]{}\",:0 a\\", max_size=300))
+@given(raw=st.binary(max_size=200) | st.text(alphabet='[]{}",:0 a\\', max_size=300))
 def test_any_bytes_parse_or_raise_value_error(raw: bytes | str) -> None:
     with contextlib.suppress(ValueError):
         LeaseAttrs.from_json(raw)

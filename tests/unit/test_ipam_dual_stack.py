@@ -88,8 +88,14 @@ def test_an_ipv6_pool_resumes_its_cursor_and_holds_from_its_document() -> None:
     assert again.allocate("next", "eth0", 6.0, 30).ip == IPv6Address("fc00:0:0:1::5")
     assert again.accounting(6.0, 30).cooling == 1
     with pytest.raises(ValueError, match="not an allocatable address"):
-        PoolAllocator.from_doc({**pool.to_doc(), "allocations": [
-            {"ip": "10.244.1.2", "container_id": "x", "ifname": "eth0", "assigned_at": 0}]})
+        PoolAllocator.from_doc(
+            {
+                **pool.to_doc(),
+                "allocations": [
+                    {"ip": "10.244.1.2", "container_id": "x", "ifname": "eth0", "assigned_at": 0}
+                ],
+            }
+        )
 
 
 _OPS = st.tuples(st.sampled_from(["alloc", "release", "hold"]), st.integers(0, 40))
@@ -147,9 +153,7 @@ def test_one_address_per_family_on_disk_and_found_after_a_restart(
     assert [str(a.interface) for a in made] == ["10.244.1.2/24", "fc00:0:0:1::2/64"]
     assert node.allocate_all("c1", "eth0") == made  # idempotent
     assert node.families() == [4, 6]
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        ["lock", pool_file_name(V4), pool_file_name(V6)]
-    )
+    assert sorted(os.listdir(tmp_path)) == sorted(["lock", pool_file_name(V4), pool_file_name(V6)])
     assert ":" not in pool_file_name(V6)
     with NodeIpam(str(tmp_path), fsync=False) as again:  # a SIGKILLed agent restarts
         assert again.find_all("c1", "eth0") == made
@@ -254,7 +258,10 @@ def _allocs() -> list[Allocation]:
 def test_pod_routes_go_via_their_familys_gateway() -> None:
     dsts = [IPv4Network("0.0.0.0/0"), IPv6Network("::/0"), IPv6Network("fc00::/48")]
     assert [(str(d), str(g)) for d, g in pod_routes(_allocs(), dsts)] == [
-        ("0.0.0.0/0", "10.244.1.1"), ("::/0", "fc00:0:0:1::1"), ("fc00::/48", "fc00:0:0:1::1")]
+        ("0.0.0.0/0", "10.244.1.1"),
+        ("::/0", "fc00:0:0:1::1"),
+        ("fc00::/48", "fc00:0:0:1::1"),
+    ]
     assert pod_routes(_allocs()[1:], dsts[:1]) == []  # IPv6-only: no IPv4 route
 
 
@@ -271,7 +278,9 @@ def test_the_result_carries_both_families_in_every_version(
     doc = json.loads(render_result(result, version))
     assert [i.get("version") for i in doc["ips"]] == (family_key or [None, None])
     assert [(i["interface"], i["address"], i["gateway"]) for i in doc["ips"]] == [
-        (1, "10.244.1.5/24", "10.244.1.1"), (1, "fc00:0:0:1::5/64", "fc00:0:0:1::1")]
+        (1, "10.244.1.5/24", "10.244.1.1"),
+        (1, "fc00:0:0:1::5/64", "fc00:0:0:1::1"),
+    ]
     assert doc["routes"] == [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"},
                              {"dst": "::/0", "gw": "fc00:0:0:1::1"}]  # fmt: skip
     assert doc["interfaces"][1] == {"name": "eth0", "mac": "0a:58:0a:f4:01:05", "sandbox": POD_NS}
@@ -315,7 +324,9 @@ def test_without_a_default_gateway_each_family_needs_its_cluster_network(env6: E
     )
     code, result = env6.call("ADD", isDefaultGateway=False)
     assert code == 0 and result["routes"] == [
-        {"dst": "10.244.0.0/16", "gw": "10.244.1.1"}, {"dst": "fc00::/48", "gw": "fc00:0:0:1::1"}]
+        {"dst": "10.244.0.0/16", "gw": "10.244.1.1"},
+        {"dst": "fc00::/48", "gw": "fc00:0:0:1::1"},
+    ]
 
 
 def test_the_lab_reads_both_families_from_an_add_result() -> None:

@@ -223,9 +223,7 @@ def test_is_empty_only_without_assigned_and_cooling(tmp_path: Path, clock: FakeC
         assert node.is_empty(B)  # never known: nothing on it
 
 
-def test_emptiness_honours_the_longest_cooldown_requested(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_emptiness_honours_the_longest_cooldown_requested(tmp_path: Path, clock: FakeClock) -> None:
     with open_ipam(tmp_path, clock) as node:
         node.set_leases([TINY])
         node.allocate("c", "eth0", cooldown=90)  # a CNI config's own ipCooldownSeconds
@@ -237,9 +235,7 @@ def test_emptiness_honours_the_longest_cooldown_requested(
         assert node.remove_lease_if_empty(TINY)
 
 
-def test_a_restart_keeps_the_longest_cooldown_requested(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_a_restart_keeps_the_longest_cooldown_requested(tmp_path: Path, clock: FakeClock) -> None:
     with open_ipam(tmp_path, clock) as node:
         node.set_leases([TINY])
         node.allocate("c", "eth0", cooldown=90)

@@ -254,8 +254,11 @@ def test_each_node_is_out_from_before_its_override_until_it_is_verified() -> Non
     done = env.drive(record.id)
     assert done.state == "done" and done.cordon
     nodes = ["n1", "n2", "n3", "n4", "n5"]
-    expected = [step for n in nodes
-                for step in (("cordon", n), ("override", n), ("uncordon", n), ("done", n))]
+    expected = [
+        step
+        for n in nodes
+        for step in (("cordon", n), ("override", n), ("uncordon", n), ("done", n))
+    ]
     assert log == expected  # one node out at a time  # fmt: skip
     assert any(line.endswith("n1: cordoned (unschedulable, out of external load balancers)")
                for line in env.lines)  # fmt: skip
@@ -438,8 +441,9 @@ class FakeCore:
 
     def replace_namespaced_config_map(self, name: str, namespace: str, body: Any,
                                       **_: Any) -> Resp:  # fmt: skip
-        if body["metadata"].get("resourceVersion") != (
-            self.config_maps[name]["metadata"]["resourceVersion"]
+        if (
+            body["metadata"].get("resourceVersion")
+            != (self.config_maps[name]["metadata"]["resourceVersion"])
         ):
             raise self._error(409)
         self.config_maps[name] = self._bump(json.loads(json.dumps(body)))

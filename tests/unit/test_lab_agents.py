@@ -126,8 +126,18 @@ def test_flags_that_no_variable_can_hold_are_refused(tmp_path: Path) -> None:
 def test_the_lab_brings_its_own_etcd(tmp_path: Path) -> None:
     state = make_lab(tmp_path).state
     with pytest.raises(ConfigError, match="leave out --etcd-endpoints, --etcd-prefix"):
-        environ.command_argv("unit", None, ["flannelpy", "pools", "list", "--etcd-prefix=/x",
-                                           "--etcd-endpoints", "http://127.0.0.1:1"])
+        environ.command_argv(
+            "unit",
+            None,
+            [
+                "flannelpy",
+                "pools",
+                "list",
+                "--etcd-prefix=/x",
+                "--etcd-endpoints",
+                "http://127.0.0.1:1",
+            ],
+        )
     argv = environ.command_argv("unit", state.node("n1"), ["flannelpy", "doctor"])
     assert argv == ["ip", "netns", "exec", state.node("n1").namespace,
                     sys.executable, "-m", "flannelpy", "doctor"]  # fmt: skip

@@ -84,7 +84,9 @@ def test_a_node_is_a_lease_once_it_has_a_pod_cidr_and_flannels_public_ip() -> No
     v6 = {P + "public-ipv6": "fd00:64:1::3", P + "backend-type": "vxlan"}
     lease6 = control_plane.node_lease(node(v6, "fd10:244:0:2::/64"))
     assert lease6 is not None and (lease6["public_ip"], lease6["public_ipv6"]) == (
-        None, "fd00:64:1::3")
+        None,
+        "fd00:64:1::3",
+    )
     assert control_plane.node_lease(node(notes, None)) is None
     assert control_plane.node_lease(node(None, "10.244.2.0/24")) is None
     assert control_plane.node_lease({}) is None

@@ -32,14 +32,29 @@ MANIFEST = MANIFESTS / "kube-flannelpy.yml"
 VAGRANT = ROOT / "vagrant"
 # The oldest Kubernetes minor still supported upstream when this was written, and a recent one.
 SCHEMA_VERSIONS = ("1.31", "1.34")
-ORDER = ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-         "RoleBinding", "ConfigMap", "DaemonSet"]
+ORDER = [
+    "Namespace",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "DaemonSet",
+]
 # Flannel's defaults, exactly as its kube-flannel.yml ships them.
-FLANNEL_NET_CONF = {"Network": "10.244.0.0/16", "EnableNFTables": False,
-                    "Backend": {"Type": "vxlan"}}
+FLANNEL_NET_CONF = {
+    "Network": "10.244.0.0/16",
+    "EnableNFTables": False,
+    "Backend": {"Type": "vxlan"},
+}
 # What kubelet would substitute for $(VAR) in the agent's args.
-FAKE_POD_ENV = {"HOST_IP": "192.0.2.10", "NODE_NAME": "n1", "POD_NAME": "p",
-                "POD_NAMESPACE": "kube-flannelpy"}
+FAKE_POD_ENV = {
+    "HOST_IP": "192.0.2.10",
+    "NODE_NAME": "n1",
+    "POD_NAME": "p",
+    "POD_NAMESPACE": "kube-flannelpy",
+}
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
@@ -73,8 +88,11 @@ def _init(name: str) -> dict[str, Any]:
 def _host_mounts(container: dict[str, Any]) -> dict[str, str]:
     """mountPath → host path for the container's hostPath volumes."""
     volumes = {v["name"]: v for v in _pod()["volumes"]}
-    return {m["mountPath"].rstrip("/"): volumes[m["name"]]["hostPath"]["path"]
-            for m in container["volumeMounts"] if "hostPath" in volumes[m["name"]]}
+    return {
+        m["mountPath"].rstrip("/"): volumes[m["name"]]["hostPath"]["path"]
+        for m in container["volumeMounts"]
+        if "hostPath" in volumes[m["name"]]
+    }
 
 
 def _pyproject() -> dict[str, Any]:
@@ -129,10 +147,14 @@ def test_objects_refer_to_each_other_by_the_right_names() -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "flannelpy", doc["kind"]
     for kind in ("ClusterRole", "Role"):
         binding = _one(f"{kind}Binding")
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
-                                      "kind": kind, "name": _one(kind)["metadata"]["name"]}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
-                                        "namespace": sa["namespace"]}]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": kind,
+            "name": _one(kind)["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
+        ]
     assert _pod()["serviceAccountName"] == sa["name"]
     (cfg,) = [v for v in _pod()["volumes"] if "configMap" in v]
     assert cfg["configMap"]["name"] == _one("ConfigMap")["metadata"]["name"]
@@ -153,8 +175,12 @@ def _normalised(rules: Any) -> list[tuple[str, str, tuple[str, ...]]]:
 def _granted(kind: str) -> list[tuple[str, str, tuple[str, ...]]]:
     rules = _one(kind)["rules"]
     assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rule in rules), kind
-    return _normalised((group, resource, rule["verbs"]) for rule in rules
-                       for group in rule["apiGroups"] for resource in rule["resources"])
+    return _normalised(
+        (group, resource, rule["verbs"])
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    )
 
 
 def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
@@ -163,9 +189,12 @@ def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
     assert _granted("ClusterRole") == _normalised(RBAC_RULES)
     # Flannel's, plus Events (forced and blocked changes, a repeat patched into the
     # series); nothing else.
-    assert _granted("ClusterRole") == [("", "nodes", ("get", "list", "watch")),
-                                       ("", "nodes/status", ("patch",)), ("", "pods", ("get",)),
-                                       ("events.k8s.io", "events", ("create", "patch"))]
+    assert _granted("ClusterRole") == [
+        ("", "nodes", ("get", "list", "watch")),
+        ("", "nodes/status", ("patch",)),
+        ("", "pods", ("get",)),
+        ("events.k8s.io", "events", ("create", "patch")),
+    ]
 
 
 def test_leases_are_granted_in_the_agents_namespace_only() -> None:
@@ -198,8 +227,13 @@ def test_cni_conf_is_the_repo_conflist_and_parses() -> None:
     doc = json.loads(raw)
     assert doc == repo
     ours = {**doc["plugins"][0], "cniVersion": doc["cniVersion"], "name": doc["name"]}
-    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/run/netns/x",
-           "CNI_IFNAME": "eth0", "CNI_PATH": "/opt/cni/bin"}
+    env = {
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "c1",
+        "CNI_NETNS": "/run/netns/x",
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+    }
     assert parse_request(env, json.dumps(ours).encode()).network_name == "cbr0"
 
 
@@ -212,8 +246,9 @@ def test_daemonset_runs_on_every_linux_node_before_it_is_ready() -> None:
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
-        {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}
+    ]
     ds = _one("DaemonSet")
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
@@ -255,8 +290,9 @@ def test_agent_command_line_parses_and_matches_the_mounts() -> None:
     mounts = _host_mounts(_agent())
     assert os.path.dirname(settings.subnet_file) in mounts
     assert settings.state_dir in mounts and settings.run_dir in mounts
-    config_dirs = {m["mountPath"].rstrip("/") for m in _agent()["volumeMounts"]
-                   if m["name"] == "flannel-cfg"}
+    config_dirs = {
+        m["mountPath"].rstrip("/") for m in _agent()["volumeMounts"] if m["name"] == "flannel-cfg"
+    }
     assert os.path.dirname(settings.net_config_path) in config_dirs
     assert settings.metrics_addr == "192.0.2.10:9403"  # the node address, from $(HOST_IP)
 

@@ -412,9 +412,7 @@ class _FakeRpcError(grpc.RpcError):
 
 def test_etcd_error_kind_is_the_grpc_status_in_snake_case() -> None:
     try:
-        raise StoreError("permission denied") from _FakeRpcError(
-            grpc.StatusCode.PERMISSION_DENIED
-        )
+        raise StoreError("permission denied") from _FakeRpcError(grpc.StatusCode.PERMISSION_DENIED)
     except StoreError as e:
         assert _error_kind(e) == "permission_denied"
     assert _error_kind(StoreError("no cause")) == "request"

@@ -66,12 +66,16 @@ def test_sentences_say_what_is_wrong_and_what_to_do() -> None:
 
 def test_advertised_mtu_round_trips_through_the_lease_json() -> None:
     # what a flannelpy peer writes is what mtu_mismatches reads; flanneld's JSON has none
-    ours = LeaseAttrs.from_json(LeaseAttrs(IPv4Address("192.168.50.2"), "vxlan", mtu=1400)
-                                .to_json())
+    ours = LeaseAttrs.from_json(
+        LeaseAttrs(IPv4Address("192.168.50.2"), "vxlan", mtu=1400).to_json()
+    )
     flanneld = LeaseAttrs.from_json('{"PublicIP":"192.168.50.3","BackendType":"vxlan"}')
-    report = mtu_mismatches(1450, [
-        Lease(IPv4Network("10.244.2.0/24"), ours),
-        Lease(IPv4Network("10.244.3.0/24"), flanneld),
-    ])
+    report = mtu_mismatches(
+        1450,
+        [
+            Lease(IPv4Network("10.244.2.0/24"), ours),
+            Lease(IPv4Network("10.244.3.0/24"), flanneld),
+        ],
+    )
     assert [p.advertised for p in report.mismatched] == [1400]
     assert [str(p.subnet) for p in report.unknown] == ["10.244.3.0/24"]

@@ -248,8 +248,7 @@ class FakeKernel:
         else:  # an ACK: error 0 and the request's header (NETLINK_CAP_ACK)
             ack = struct.pack("=i", 0) + data[offset - length : offset - length + 16]
             self._queue.append(
-                nlbatch.HDR.pack(nlbatch.HDR.size + len(ack), rtnl.NLMSG_ERROR, 0x100, seq, 0)
-                + ack
+                nlbatch.HDR.pack(nlbatch.HDR.size + len(ack), rtnl.NLMSG_ERROR, 0x100, seq, 0) + ack
             )
         return len(data)
 
@@ -322,11 +321,19 @@ def test_bridge_create() -> None:
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0x400 | 0x200)
     # iproute2's encoding: the kind without its NUL (pyroute2 adds one).
     assert req.body.hex() == (
-        "00000000" "00000000" "01000000" "01000000"  # ifinfomsg: AF_UNSPEC, up/up
-        "09000300" "636e693000000000"  # IFLA_IFNAME "cni0\0"
-        "08000400" "aa050000"  # IFLA_MTU 1450
-        "0a000100" "0a580af401010000"  # IFLA_ADDRESS
-        "10001200" "0a000100" "6272696467650000"  # IFLA_LINKINFO { IFLA_INFO_KIND "bridge" }
+        "00000000"
+        "00000000"
+        "01000000"
+        "01000000"  # ifinfomsg: AF_UNSPEC, up/up
+        "09000300"
+        "636e693000000000"  # IFLA_IFNAME "cni0\0"
+        "08000400"
+        "aa050000"  # IFLA_MTU 1450
+        "0a000100"
+        "0a580af401010000"  # IFLA_ADDRESS
+        "10001200"
+        "0a000100"
+        "6272696467650000"  # IFLA_LINKINFO { IFLA_INFO_KIND "bridge" }
     )
     msg = decoded(ifinfmsg, req)
     assert (msg.get_attr("IFLA_IFNAME"), msg.get_attr("IFLA_MTU")) == ("cni0", 1450)
@@ -339,20 +346,35 @@ def test_veth_create_puts_the_peer_in_the_pod_namespace() -> None:
     req = podnet.veth_request("veth0a1b2c3d", MAC, "eth0", PEER_MAC, 42, 1450, 5)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0x400 | 0x200)
     assert req.body.hex() == (
-        "00000000" "00000000" "01000000" "01000000"
-        "11000300" "76657468306131623263336400000000"  # IFLA_IFNAME "veth0a1b2c3d\0"
-        "08000400" "aa050000"  # IFLA_MTU
-        "0a000100" "aabbccddee010000"  # IFLA_ADDRESS
-        "08000a00" "05000000"  # IFLA_MASTER 5
+        "00000000"
+        "00000000"
+        "01000000"
+        "01000000"
+        "11000300"
+        "76657468306131623263336400000000"  # IFLA_IFNAME "veth0a1b2c3d\0"
+        "08000400"
+        "aa050000"  # IFLA_MTU
+        "0a000100"
+        "aabbccddee010000"  # IFLA_ADDRESS
+        "08000a00"
+        "05000000"  # IFLA_MASTER 5
         "4c001200"  # IFLA_LINKINFO
-        "08000100" "76657468"  # IFLA_INFO_KIND "veth"
+        "08000100"
+        "76657468"  # IFLA_INFO_KIND "veth"
         "40000200"  # IFLA_INFO_DATA
         "3c000100"  # VETH_INFO_PEER: an ifinfomsg and its attributes
-        "00000000" "00000000" "00000000" "00000000"
-        "09000300" "6574683000000000"  # IFLA_IFNAME "eth0\0"
-        "08001c00" "2a000000"  # IFLA_NET_NS_FD 42
-        "08000400" "aa050000"  # IFLA_MTU
-        "0a000100" "0a580af401050000"  # IFLA_ADDRESS
+        "00000000"
+        "00000000"
+        "00000000"
+        "00000000"
+        "09000300"
+        "6574683000000000"  # IFLA_IFNAME "eth0\0"
+        "08001c00"
+        "2a000000"  # IFLA_NET_NS_FD 42
+        "08000400"
+        "aa050000"  # IFLA_MTU
+        "0a000100"
+        "0a580af401050000"  # IFLA_ADDRESS
     )
     msg = decoded(ifinfmsg, req)
     assert msg.get_attr("IFLA_IFNAME") == "veth0a1b2c3d"
@@ -364,11 +386,18 @@ def test_hairpin_on_a_bridge_port() -> None:
     req = podnet.hairpin_request("veth0a1b2c3d", True)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0)
     assert req.body.hex() == (
-        "00000000" "00000000" "00000000" "00000000"
-        "11000300" "76657468306131623263336400000000"  # "veth0a1b2c3d\0"
+        "00000000"
+        "00000000"
+        "00000000"
+        "00000000"
+        "11000300"
+        "76657468306131623263336400000000"  # "veth0a1b2c3d\0"
         "1c001200"  # IFLA_LINKINFO
-        "0a000400" "6272696467650000"  # IFLA_INFO_SLAVE_KIND "bridge"
-        "0c000500" "05000400" "01000000"  # IFLA_INFO_SLAVE_DATA { IFLA_BRPORT_MODE 1 }
+        "0a000400"
+        "6272696467650000"  # IFLA_INFO_SLAVE_KIND "bridge"
+        "0c000500"
+        "05000400"
+        "01000000"  # IFLA_INFO_SLAVE_DATA { IFLA_BRPORT_MODE 1 }
     )
     msg = decoded(ifinfmsg, req)
     assert msg.get_attr("IFLA_IFNAME") == "veth0a1b2c3d"

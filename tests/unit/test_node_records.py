@@ -24,8 +24,13 @@ def subnet(i: int) -> str:
     return f"10.{i // 256}.{i % 256}.0/24"
 
 
-def status(node: str, own: str, probes: dict[str, PeerProbe], applied_at: float = 10.0,
-           generation: int | None = None) -> NodeStatus:
+def status(
+    node: str,
+    own: str,
+    probes: dict[str, PeerProbe],
+    applied_at: float = 10.0,
+    generation: int | None = None,
+) -> NodeStatus:
     return NodeStatus(node, 300.0, True, "100.64.0.2", ("100.64.0.0/24",),
                       BackendSummary("host-gw", 1, 8472, False, 1500), False, generation,
                       applied_at, subnets=(own,), probes=ProbeSummary.of(probes))  # fmt: skip
@@ -80,9 +85,12 @@ def test_verification_reads_the_summaries_of_the_node_and_every_peer() -> None:
 
     assert verification_failures("n1", 1, 100.0, target, cluster()) == []
     # A link between two other nodes does not hold n1 back...
-    assert verification_failures(
-        "n1", 1, 100.0, target, cluster(n2={subnets["n1"]: GOOD, subnets["n3"]: DOWN})
-    ) == []
+    assert (
+        verification_failures(
+            "n1", 1, 100.0, target, cluster(n2={subnets["n1"]: GOOD, subnets["n3"]: DOWN})
+        )
+        == []
+    )
     # ...but a peer that cannot reach n1 does, and so does a round before the change.
     assert verification_failures(
         "n1", 1, 100.0, target, cluster(n3={subnets["n1"]: DOWN, subnets["n2"]: GOOD})
@@ -91,9 +99,9 @@ def test_verification_reads_the_summaries_of_the_node_and_every_peer() -> None:
     assert verification_failures(
         "n1", 1, 100.0, target, cluster(n1={subnets["n2"]: GOOD, subnets["n3"]: stale})
     ) == ["n1 -> its peers: no probe round since the change"]
-    assert verification_failures(
-        "n1", 1, 100.0, target, cluster(n1={subnets["n2"]: GOOD})
-    ) == ["n1 -> its peers: probe results for 1 of 2 peer subnets"]
+    assert verification_failures("n1", 1, 100.0, target, cluster(n1={subnets["n2"]: GOOD})) == [
+        "n1 -> its peers: probe results for 1 of 2 peer subnets"
+    ]
 
 
 def test_a_failing_peer_without_a_record_is_not_the_rollouts_to_verify() -> None:

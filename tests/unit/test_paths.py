@@ -47,14 +47,16 @@ capabilities = st.builds(
 
 
 @given(capabilities, capabilities, st.booleans())
-def test_both_ends_of_a_pair_choose_the_same_path(a: Capabilities, b: Capabilities,
-                                                  on_link: bool) -> None:
+def test_both_ends_of_a_pair_choose_the_same_path(
+    a: Capabilities, b: Capabilities, on_link: bool
+) -> None:
     assert choose_path(a, b, on_link) == choose_path(b, a, on_link)
 
 
 @given(capabilities, capabilities, st.booleans())
-def test_a_chosen_path_is_one_both_ends_can_use(a: Capabilities, b: Capabilities,
-                                                on_link: bool) -> None:
+def test_a_chosen_path_is_one_both_ends_can_use(
+    a: Capabilities, b: Capabilities, on_link: bool
+) -> None:
     path = choose_path(a, b, on_link)
     if path == "direct":
         assert on_link
@@ -92,8 +94,9 @@ def test_a_chosen_path_is_one_both_ends_can_use(a: Capabilities, b: Capabilities
         (VXLAN, WIREGUARD, False, "neither"),  # no key kept, no VTEP on the peer
     ],
 )
-def test_choose_path_table(own: Capabilities, peer: Capabilities, on_link: bool,
-                           expected: str) -> None:
+def test_choose_path_table(
+    own: Capabilities, peer: Capabilities, on_link: bool, expected: str
+) -> None:
     path = choose_path(own, peer, on_link)
     if expected == "neither":
         assert isinstance(path, NoPath)
@@ -110,8 +113,9 @@ def test_choose_path_table(own: Capabilities, peer: Capabilities, on_link: bool,
         (VXLAN_VNI2, VXLAN, True, ("different VNIs (1 and 2)", "DirectRouting on one of them")),
     ],
 )
-def test_no_path_says_why_and_what_to_change(own: Capabilities, peer: Capabilities,
-                                             on_link: bool, words: tuple[str, ...]) -> None:
+def test_no_path_says_why_and_what_to_change(
+    own: Capabilities, peer: Capabilities, on_link: bool, words: tuple[str, ...]
+) -> None:
     path = choose_path(own, peer, on_link)
     assert isinstance(path, NoPath)
     for word in words:
@@ -128,25 +132,36 @@ def test_no_path_says_why_and_what_to_change(own: Capabilities, peer: Capabiliti
         (BackendConfig("host-gw", vni=4), MAC, Capabilities(True, 4, MAC)),
     ],
 )
-def test_own_capabilities(backend: BackendConfig, vtep_mac: str | None,
-                          expected: Capabilities) -> None:
+def test_own_capabilities(
+    backend: BackendConfig, vtep_mac: str | None, expected: Capabilities
+) -> None:
     assert own_capabilities(backend, vtep_mac) == expected
 
 
-def lease(backend: str, data: dict[str, object] | None = None,
-          direct_routing: bool | None = None, ip: str = "192.168.1.11",
-          mtu: int | None = 1450) -> Lease:
+def lease(
+    backend: str,
+    data: dict[str, object] | None = None,
+    direct_routing: bool | None = None,
+    ip: str = "192.168.1.11",
+    mtu: int | None = 1450,
+) -> Lease:
     """A peer's lease: one of ours (with our extension) unless ``mtu`` is None."""
-    return Lease(IPv4Network("10.244.2.0/24"), LeaseAttrs(
-        IPv4Address(ip), backend, backend_data=data, direct_routing=direct_routing, mtu=mtu))
+    return Lease(
+        IPv4Network("10.244.2.0/24"),
+        LeaseAttrs(
+            IPv4Address(ip), backend, backend_data=data, direct_routing=direct_routing, mtu=mtu
+        ),
+    )
 
 
 @pytest.mark.parametrize(
     ("peer", "expected"),
     [
         (lease("vxlan", {"VNI": 1, "VtepMAC": MAC}), Capabilities(False, 1, MAC)),
-        (lease("vxlan", {"VNI": 3, "VtepMAC": MAC.upper()}, direct_routing=True),
-         Capabilities(True, 3, MAC)),
+        (
+            lease("vxlan", {"VNI": 3, "VtepMAC": MAC.upper()}, direct_routing=True),
+            Capabilities(True, 3, MAC),
+        ),
         (lease("host-gw"), Capabilities(True, None, None)),
         (lease("host-gw", {"VNI": 1, "VtepMAC": MAC}), Capabilities(True, 1, MAC)),
         # a VTEP is usable only with both its VNI and its MAC
@@ -154,18 +169,26 @@ def lease(backend: str, data: dict[str, object] | None = None,
         (lease("vxlan", {"VtepMAC": MAC}), Capabilities(False, None, None)),
         (lease("vxlan", {"VNI": True, "VtepMAC": MAC}), Capabilities(False, None, None)),
         # another backend's data is no VTEP, whatever it holds
-        (lease("ipsec", {"VNI": 1, "VtepMAC": MAC}),
-         Capabilities(False, None, None, foreign_backend="ipsec")),
+        (
+            lease("ipsec", {"VNI": 1, "VtepMAC": MAC}),
+            Capabilities(False, None, None, foreign_backend="ipsec"),
+        ),
         # a wireguard node keeps a VTEP while a peer is vxlan; without a key, no tunnel
-        (lease("wireguard", {"VNI": 1, "VtepMAC": MAC}),
-         Capabilities(False, 1, MAC, encrypts=True, wireguard_key=False)),
+        (
+            lease("wireguard", {"VNI": 1, "VtepMAC": MAC}),
+            Capabilities(False, 1, MAC, encrypts=True, wireguard_key=False),
+        ),
         # a node of ours that switched away from wireguard keeps its key while a peer runs it
-        (lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}),
-         Capabilities(False, 1, MAC, wireguard_key=True)),
+        (
+            lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}),
+            Capabilities(False, 1, MAC, wireguard_key=True),
+        ),
         (lease("host-gw", {"PublicKey": PUB}), Capabilities(True, None, None, wireguard_key=True)),
         # flanneld has no such transition: a key in its vxlan lease means nothing
-        (lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}, mtu=None),
-         Capabilities(False, 1, MAC, follows_peer=False)),
+        (
+            lease("vxlan", {"VNI": 1, "VtepMAC": MAC, "PublicKey": PUB}, mtu=None),
+            Capabilities(False, 1, MAC, follows_peer=False),
+        ),
     ],
 )
 def test_peer_capabilities_come_from_the_lease(peer: Lease, expected: Capabilities) -> None:
@@ -190,43 +213,59 @@ def test_needs_vtep(backend: str, peers: list[Lease], expected: bool) -> None:
 
 SEG_A = (IPv4Network("100.64.0.0/24"),)
 SEG_B = (IPv4Network("100.64.1.0/24"),)
-ONE_SEGMENT = (("n1", "100.64.0.1", SEG_A), ("n2", "100.64.0.2", SEG_A),
-               ("n3", "100.64.0.3", SEG_A))
-TWO_SEGMENTS = (("n1", "100.64.0.1", SEG_A), ("n2", "100.64.0.2", SEG_A),
-                ("n3", "100.64.1.3", SEG_B))
+ONE_SEGMENT = (
+    ("n1", "100.64.0.1", SEG_A),
+    ("n2", "100.64.0.2", SEG_A),
+    ("n3", "100.64.0.3", SEG_A),
+)
+TWO_SEGMENTS = (
+    ("n1", "100.64.0.1", SEG_A),
+    ("n2", "100.64.0.2", SEG_A),
+    ("n3", "100.64.1.3", SEG_B),
+)
 HOST_GW = BackendConfig("host-gw")
 VX = BackendConfig("vxlan")
 VX_DR = BackendConfig("vxlan", direct_routing=True)
 
 
-def cluster(layout: tuple[tuple[str, str, tuple[IPv4Network, ...]], ...],
-            *backends: BackendConfig, has_vtep: tuple[bool | None, ...] = (None, None, None),
-            ) -> list[NodeView]:
-    return [NodeView(name, IPv4Address(ip), nets, backend, vtep)
-            for (name, ip, nets), backend, vtep in zip(layout, backends, has_vtep, strict=True)]
+def cluster(
+    layout: tuple[tuple[str, str, tuple[IPv4Network, ...]], ...],
+    *backends: BackendConfig,
+    has_vtep: tuple[bool | None, ...] = (None, None, None),
+) -> list[NodeView]:
+    return [
+        NodeView(name, IPv4Address(ip), nets, backend, vtep)
+        for (name, ip, nets), backend, vtep in zip(layout, backends, has_vtep, strict=True)
+    ]
 
 
-@pytest.mark.parametrize("backends", [
-    (HOST_GW, HOST_GW, HOST_GW),
-    (VX, VX, VX),
-    (VX_DR, VX_DR, VX_DR),
-    (HOST_GW, VX, VX_DR),
-    (HOST_GW, HOST_GW, VX),
-])
+@pytest.mark.parametrize(
+    "backends",
+    [
+        (HOST_GW, HOST_GW, HOST_GW),
+        (VX, VX, VX),
+        (VX_DR, VX_DR, VX_DR),
+        (HOST_GW, VX, VX_DR),
+        (HOST_GW, HOST_GW, VX),
+    ],
+)
 def test_every_backend_mix_works_on_one_segment(backends: tuple[BackendConfig, ...]) -> None:
     assert pairs_without_path(cluster(ONE_SEGMENT, *backends)) == []
 
 
-@pytest.mark.parametrize("backends", [
-    (VX, VX, VX),
-    (VX_DR, VX_DR, VX_DR),
-    (VX, VX_DR, VX),
-    # host-gw nodes keep a VTEP while some node is vxlan, so mid-rollout states work
-    (HOST_GW, VX, VX),
-    (HOST_GW, HOST_GW, VX),
-    (VX, VX, HOST_GW),
-    (HOST_GW, VX_DR, HOST_GW),
-])
+@pytest.mark.parametrize(
+    "backends",
+    [
+        (VX, VX, VX),
+        (VX_DR, VX_DR, VX_DR),
+        (VX, VX_DR, VX),
+        # host-gw nodes keep a VTEP while some node is vxlan, so mid-rollout states work
+        (HOST_GW, VX, VX),
+        (HOST_GW, HOST_GW, VX),
+        (VX, VX, HOST_GW),
+        (HOST_GW, VX_DR, HOST_GW),
+    ],
+)
 def test_two_segments_work_while_some_node_is_vxlan(backends: tuple[BackendConfig, ...]) -> None:
     assert pairs_without_path(cluster(TWO_SEGMENTS, *backends)) == []
 
@@ -238,8 +277,7 @@ def test_host_gw_across_two_segments_names_every_broken_pair() -> None:
 
 
 def test_an_observed_missing_vtep_breaks_the_pairs_across_segments() -> None:
-    found = pairs_without_path(
-        cluster(TWO_SEGMENTS, VX, VX, HOST_GW, has_vtep=(None, None, False)))
+    found = pairs_without_path(cluster(TWO_SEGMENTS, VX, VX, HOST_GW, has_vtep=(None, None, False)))
     assert [(a, b) for a, b, _ in found] == [("n1", "n3"), ("n2", "n3")]
     assert all("only one of them has a VTEP" in reason for _, _, reason in found)
 
@@ -253,8 +291,7 @@ def test_a_vni_mismatch_across_segments_is_found() -> None:
 def test_ends_that_disagree_about_sharing_a_segment_are_found() -> None:
     # n1's /16 covers n3, n3's /24 does not cover n1: n1 would route directly, n3 encapsulate.
     wide = (IPv4Network("100.64.0.0/16"),)
-    layout = (("n1", "100.64.0.1", wide), ("n2", "100.64.0.2", SEG_A),
-              ("n3", "100.64.1.3", SEG_B))
+    layout = (("n1", "100.64.0.1", wide), ("n2", "100.64.0.2", SEG_A), ("n3", "100.64.1.3", SEG_B))
     found = pairs_without_path(cluster(layout, VX_DR, VX_DR, VX_DR))
     assert [(a, b) for a, b, _ in found] == [("n1", "n3")]
     assert "n1 takes a direct path and n3 a vxlan one" in found[0][2]

@@ -101,8 +101,9 @@ class FakeNet:
         self.sent.append(Sent(self.clock(), source, target, size, ticket))
         self.max_outstanding = max(self.max_outstanding, self.outstanding())
         if target in self.icmp_error:
-            self._due.append((self.clock() + self.rtt, self.icmp_error[target]._replace(
-                ticket=ticket)))
+            self._due.append(
+                (self.clock() + self.rtt, self.icmp_error[target]._replace(ticket=ticket))
+            )
             return ticket
         if target in self.down or size > self.path_mtu.get(target, 65535):
             return ticket
@@ -128,7 +129,8 @@ class FakeNet:
 
     def small_sends(self, target: IPv4Address | None = None) -> list[Sent]:
         return [
-            s for s in self.sent
+            s
+            for s in self.sent
             if s.size == SMALL_PROBE_BYTES and (target is None or s.target == target)
         ]
 
@@ -357,8 +359,11 @@ def test_own_address_change_moves_phases_and_source() -> None:
     assert {s.source for s in sends} == {OWN, own[0]}
     new = [s.at for s in sends if s.source == own[0]]
     phase = phase_seconds(str(own[0]), "p0", 5.0)
-    assert all(math.isclose((t - phase) % 5.0, 0.0, abs_tol=1e-6) or
-               math.isclose((t - phase) % 5.0, 5.0, abs_tol=1e-6) for t in new)
+    assert all(
+        math.isclose((t - phase) % 5.0, 0.0, abs_tol=1e-6)
+        or math.isclose((t - phase) % 5.0, 5.0, abs_tol=1e-6)
+        for t in new
+    )
 
 
 def test_set_peers_add_remove_change() -> None:
@@ -367,11 +372,13 @@ def test_set_peers_add_remove_change() -> None:
     before = prober.results()
     assert set(before) == {"p0", "p1", "p2"}
     # p0 keeps its address with a new label, p1 moves, p2 leaves, p3 joins
-    prober.set_peers({
-        "p0": (peer_ip(0), "renamed"),
-        "p1": (IPv4Address("10.244.77.0"), "node1"),
-        "p3": (peer_ip(3), "node3"),
-    })
+    prober.set_peers(
+        {
+            "p0": (peer_ip(0), "renamed"),
+            "p1": (IPv4Address("10.244.77.0"), "node1"),
+            "p3": (peer_ip(3), "node3"),
+        }
+    )
     assert set(prober.results()) == {"p0"}  # p1 starts over, p2 is gone
     advance(prober, clock, 10.0)
     after = prober.results()
@@ -430,9 +437,14 @@ def test_settings_are_checked() -> None:
 def test_run_stops_promptly() -> None:
     clock_net = FakeClock()
     net = FakeNet(clock_net)
-    prober = Prober(net, time.monotonic, mtu_provider=lambda: MTU,
-                    own_address_provider=lambda: OWN, interval_seconds=0.2,
-                    timeout_seconds=0.1)
+    prober = Prober(
+        net,
+        time.monotonic,
+        mtu_provider=lambda: MTU,
+        own_address_provider=lambda: OWN,
+        interval_seconds=0.2,
+        timeout_seconds=0.1,
+    )
     prober.set_peers({"p0": (peer_ip(0), "n0")})
     stop = threading.Event()
     thread = threading.Thread(target=prober.run, args=(stop,))
@@ -462,8 +474,14 @@ def test_each_peer_is_probed_once_per_interval_at_its_phase(
 ) -> None:
     clock = FakeClock(start)
     net = FakeNet(clock)
-    prober = Prober(net, clock, mtu_provider=lambda: MTU, own_address_provider=lambda: OWN,
-                    interval_seconds=interval, timeout_seconds=interval / 5)
+    prober = Prober(
+        net,
+        clock,
+        mtu_provider=lambda: MTU,
+        own_address_provider=lambda: OWN,
+        interval_seconds=interval,
+        timeout_seconds=interval / 5,
+    )
     keyed = {p: (peer_ip(i), p) for i, p in enumerate(sorted(peers))}
     prober.set_peers(keyed)
     advance(prober, clock, 6 * interval)

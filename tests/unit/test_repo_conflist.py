@@ -14,7 +14,12 @@ def test_repo_conflist_mirrors_flannels_and_parses() -> None:
     assert [p["type"] for p in doc["plugins"]] == ["flannelpy", "portmap"]
     assert doc["plugins"][1]["capabilities"] == {"portMappings": True}
     ours = {**doc["plugins"][0], "cniVersion": doc["cniVersion"], "name": doc["name"]}
-    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/run/netns/x",
-           "CNI_IFNAME": "eth0", "CNI_PATH": "/opt/cni/bin"}
+    env = {
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "c1",
+        "CNI_NETNS": "/run/netns/x",
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+    }
     request = parse_request(env, json.dumps(ours).encode())
     assert request.network_name == "cbr0" and request.config["ipCooldownSeconds"] == 30

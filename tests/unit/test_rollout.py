@@ -116,8 +116,15 @@ class Env:
 
     def drive(self, record_id: str, display: Callable[[str], None] | None = None,
               **kw: Any) -> RolloutRecord:  # fmt: skip
-        return drive(self.rs, record_id, lambda: self.clocks.wall, self.clocks.sleep,
-                     display or self.lines.append, monotonic=lambda: self.clocks.mono, **kw)
+        return drive(
+            self.rs,
+            record_id,
+            lambda: self.clocks.wall,
+            self.clocks.sleep,
+            display or self.lines.append,
+            monotonic=lambda: self.clocks.mono,
+            **kw,
+        )
 
     def config(self) -> dict[str, Any]:
         kv = self.store.get(config_key(PREFIX))
@@ -284,8 +291,14 @@ def test_plan_policy_lines() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _status(node: str, gen: int | None, applied_at: float, backend: str = "host-gw",
-            probes: dict[str, PeerProbe] | None = None, subnet: str = "") -> NodeStatus:
+def _status(
+    node: str,
+    gen: int | None,
+    applied_at: float,
+    backend: str = "host-gw",
+    probes: dict[str, PeerProbe] | None = None,
+    subnet: str = "",
+) -> NodeStatus:
     mtu = 1500 if backend == "host-gw" else 1450
     return NodeStatus(node, applied_at + 1, True, "100.64.0.2", ("100.64.0.0/24",),
                       BackendSummary(backend, 1, 8472, False, mtu), True, gen, applied_at,
@@ -432,7 +445,9 @@ def test_apply_timeout_rolls_the_node_back_and_fails() -> None:
                                                "pending"]  # fmt: skip
     # n3 had no override: the rollback wrote the config's Backend, then removed it.
     assert [(o.backend, o.generation) for o in env.override_puts("n3")] == [
-        (record.target, 1), ({"Type": "vxlan"}, 2)]
+        (record.target, 1),
+        ({"Type": "vxlan"}, 2),
+    ]
     assert env.override("n3") is None
     assert statuses(env)["n3"].backend.type == "vxlan"
     assert env.override("n1") is not None and env.config()["Backend"] == VXLAN
@@ -514,7 +529,10 @@ def test_abort_stops_after_the_current_step_and_leaves_switched_nodes() -> None:
     assert aborted.state == "aborted"
     assert [e.state for e in aborted.nodes] == ["done", "done", "done", "pending", "pending"]
     assert [statuses(env)[n].backend.type for n in ("n1", "n3", "n4")] == [
-        "host-gw", "host-gw", "vxlan"]
+        "host-gw",
+        "host-gw",
+        "vxlan",
+    ]
     assert env.config()["Backend"] == VXLAN
     with pytest.raises(ConfigError, match="has ended"):
         prepare_resume(env.rs, env.clocks.wall, None)
@@ -684,6 +702,7 @@ def test_expected_mtu_counts_each_backends_encapsulation(
 ) -> None:
     overlay = {"vxlan": 1450, "wireguard": 1440, "host-gw": 1500}[current]
     summary = BackendSummary(current, 1, 8472, False, overlay)
-    config = parse_network_config(json.dumps(
-        {"Network": "10.244.0.0/16", "Backend": {"Type": target}}))
+    config = parse_network_config(
+        json.dumps({"Network": "10.244.0.0/16", "Backend": {"Type": target}})
+    )
     assert expected_summary(summary, config.backend).mtu == expected_mtu

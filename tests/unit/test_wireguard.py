@@ -111,7 +111,7 @@ def test_options_are_read_case_insensitively_as_go_does() -> None:
         ({"ListenPort": "51820"}, '"ListenPort"'),
         ({"PersistentKeepaliveInterval": -1}, '"PersistentKeepaliveInterval"'),
         ({"PersistentKeepaliveInterval": 2.5}, '"PersistentKeepaliveInterval"'),
-        ({"Mode": "both"}, 'use one of: separate, auto, ipv4, ipv6'),
+        ({"Mode": "both"}, "use one of: separate, auto, ipv4, ipv6"),
         ({"Mode": "ipv6"}, 'use "separate" (the default) or "ipv4"'),
         ({"PSK": "not-a-key"}, "`wg genpsk`"),
         ({"Implementation": "dpdk"}, "use one of: auto, kernel, userspace"),
@@ -223,8 +223,9 @@ def test_only_the_difference_is_written() -> None:
     # c removed by hand, b's endpoint changed, a stranger added, the key overwritten
     stranger = WgPeer(PUB_A := public_key(KEY_A), None, frozenset())
     moved = WgPeer(PUB_B, (IPv4Address("100.64.0.9"), 51820), b.allowed_ips)
-    changes = peer_changes(spec, KEY_A, WgDeviceConfig(KEY_B, 51820,
-                                                       {PUB_B: moved, PUB_A: stranger}))
+    changes = peer_changes(
+        spec, KEY_A, WgDeviceConfig(KEY_B, 51820, {PUB_B: moved, PUB_A: stranger})
+    )
     assert changes.private_key == KEY_A and changes.listen_port is None
     assert changes.remove == (PUB_A,)
     assert set(changes.set) == {b, c}
@@ -303,8 +304,11 @@ def test_a_wireguard_node_talks_vxlan_to_a_vxlan_peer_and_never_plain(tmp_path: 
 
 def test_a_vxlan_node_reaches_a_wireguard_peer_through_its_vtep_only() -> None:
     vx = own_capabilities(BackendConfig(type="vxlan"), "02:00:00:00:00:01")
-    with_vtep = peer_capabilities(wg_lease("10.244.3.0/24", "192.168.1.12", PUB_B,
-                                           extra={"VNI": 1, "VtepMAC": "02:00:00:00:00:03"}))
+    with_vtep = peer_capabilities(
+        wg_lease(
+            "10.244.3.0/24", "192.168.1.12", PUB_B, extra={"VNI": 1, "VtepMAC": "02:00:00:00:00:03"}
+        )
+    )
     without = peer_capabilities(wg_lease("10.244.3.0/24", "192.168.1.12", PUB_B))
     assert choose_path(vx, with_vtep, on_link=True) == "vxlan"
     assert not isinstance(choose_path(vx, without, on_link=True), str)
@@ -342,8 +346,11 @@ class FakeDevice:
         self.writes.append(changes)
         peers = {k: v for k, v in self.config.peers.items() if k not in changes.remove}
         peers.update({p.public_key: p for p in changes.set})
-        self.config = WgDeviceConfig(changes.private_key or self.config.private_key,
-                                     changes.listen_port or self.config.listen_port, peers)
+        self.config = WgDeviceConfig(
+            changes.private_key or self.config.private_key,
+            changes.listen_port or self.config.listen_port,
+            peers,
+        )
 
 
 def test_the_device_is_repaired_and_a_new_one_handshakes_at_once() -> None:

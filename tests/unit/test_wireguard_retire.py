@@ -88,8 +88,12 @@ VXLAN_PEER = lease("10.244.2.0/24", "192.168.1.11", mac="02:00:00:00:00:02")
 
 
 def wg_peer(pub: str) -> Lease:
-    return Lease(IPv4Network("10.244.3.0/24"), LeaseAttrs(
-        IPv4Address("192.168.1.12"), "wireguard", {"PublicKey": pub, "Port": 51999}, mtu=1440))
+    return Lease(
+        IPv4Network("10.244.3.0/24"),
+        LeaseAttrs(
+            IPv4Address("192.168.1.12"), "wireguard", {"PublicKey": pub, "Port": 51999}, mtu=1440
+        ),
+    )
 
 
 def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WireguardRuntime, Any]:
@@ -127,8 +131,9 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route(
         mtu=1450))  # fmt: skip
     peers = [VXLAN_PEER, peer, kept]
     ctx = keeping_context(context("vxlan"), "vxlan", peers)
-    desired = plan_kept(ctx, [OWN], peers,
-                        VxlanBackend().plan(ctx, [OWN], peers, "02:00:00:00:00:01"))
+    desired = plan_kept(
+        ctx, [OWN], peers, VxlanBackend().plan(ctx, [OWN], peers, "02:00:00:00:00:01")
+    )
     # the vxlan peers through the VTEP; the wireguard one only through the /16 via flannel-wg
     assert {(r.dst, r.ifname) for r in desired.routes} == {
         (IPv4Network("10.244.2.0/24"), "flannel.1"),
@@ -155,8 +160,9 @@ def test_once_no_peer_runs_wireguard_the_device_retires_and_the_key_is_not_adver
     retired: list[bool] = []
     monkeypatch.setattr(rt, "retire", lambda after=0.0: retired.append(True))
     ctx = keeping_context(context("vxlan"), "vxlan", [VXLAN_PEER])
-    desired = plan_kept(ctx, [OWN], [VXLAN_PEER],
-                        VxlanBackend().plan(ctx, [OWN], [VXLAN_PEER], "02:00:00:00:00:01"))
+    desired = plan_kept(
+        ctx, [OWN], [VXLAN_PEER], VxlanBackend().plan(ctx, [OWN], [VXLAN_PEER], "02:00:00:00:00:01")
+    )
     assert retired == [True]
     assert all(r.ifname != "flannel-wg" for r in desired.routes)
     attrs = with_kept_key(ctx, VxlanBackend().lease_attrs(ctx, "02:00:00:00:00:01"))

@@ -184,8 +184,11 @@ class PoolStore:
                 )
             leases, _ = self._manager.list_leases()
             inside = sorted(
-                (lease.subnet for lease in leases.values()
-                 if lease.subnet is not None and lease.subnet.overlaps(network)),
+                (
+                    lease.subnet
+                    for lease in leases.values()
+                    if lease.subnet is not None and lease.subnet.overlaps(network)
+                ),
                 key=lambda s: int(s.network_address),
             )
             if inside:

@@ -291,8 +291,7 @@ class KubeSubnetManager:
             now = ", ".join(str(s) for s in subnets if s) if subnets else "unassigned"
             was = ", ".join(str(s) for s in had if s)
             raise StoreError(
-                f"node {self.node_name}'s pod cidr is now {now}, not {was}; "
-                "acquire the lease again"
+                f"node {self.node_name}'s pod cidr is now {now}, not {was}; acquire the lease again"
             )
         # Attrs other than what we returned last are the agent's new wish (a backend
         # change); the ones we returned may carry public-ip-overwrite: keep the wish.

@@ -426,7 +426,10 @@ def rfc3339(unix_time: float) -> str:
 
 
 def status_patch(
-    node: Node, advertised: LeaseAttrs, keys: AnnotationKeys, now: float,
+    node: Node,
+    advertised: LeaseAttrs,
+    keys: AnnotationKeys,
+    now: float,
     set_condition: bool = True,
 ) -> dict[str, Any] | None:
     """The strategic-merge patch of ``nodes/<name>/status`` that brings our Node to

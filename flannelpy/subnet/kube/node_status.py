@@ -181,8 +181,11 @@ def lease_body(node: str, namespace: str, text: str, now: datetime) -> dict[str,
             "labels": {STATUS_LABEL: "true", "app.kubernetes.io/name": "flannelpy"},
             "annotations": {STATUS_ANNOTATION: text},
         },
-        "spec": {"holderIdentity": node, "leaseDurationSeconds": LEASE_DURATION,
-                 "renewTime": stamp},
+        "spec": {
+            "holderIdentity": node,
+            "leaseDurationSeconds": LEASE_DURATION,
+            "renewTime": stamp,
+        },
     }
 
 
@@ -326,8 +329,11 @@ class LeasePublisher:
             return True
 
         def created() -> bool:
-            _drain(self._api.create_namespaced_lease(
-                self._namespace, body, _preload_content=False, _request_timeout=timeout))
+            _drain(
+                self._api.create_namespaced_lease(
+                    self._namespace, body, _preload_content=False, _request_timeout=timeout
+                )
+            )
             return True
 
         for verb, step in (("patch", patched), ("create", created)):
