@@ -124,8 +124,7 @@ def build_agent(
             )
             foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
             check_no_overlap(config.network, foreign, settings.allow_overlap)
-            if hasattr(kernel, "adopt"):  # the netlink adapter; test fakes own nothing to adopt
-                kernel.adopt = shape
+            kernel.adopt_routes(shape)
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
             vtep_mac = load_vtep_mac(

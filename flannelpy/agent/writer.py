@@ -138,8 +138,7 @@ class Writer:
             settings.subnet_lease_renew_margin * 60.0, clocks,
         )  # fmt: skip
         self.planner = Planner(s, self.reconciler, vtep, metrics, clocks.monotonic)
-        # Not in the SubnetManager protocol: only the etcd manager parses raw values.
-        self.planner.undecodable = getattr(parts.manager, "undecodable", dict)
+        self.planner.undecodable = parts.manager.undecodable
         self.firewall = FirewallRules(s, parts.firewall_factory)
         self.status = StatusReporter(
             settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks,

@@ -10,9 +10,12 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.dataplane.state import Changes, ObservedState, UnderlayInterface
+
+if TYPE_CHECKING:
+    from flannelpy.dataplane.adopt import FlannelRouteShape
 
 
 @dataclass(frozen=True)
@@ -77,4 +80,9 @@ class Kernel(Protocol):
 
     def set_sysctl(self, name: str, value: str) -> None:
         """Write /proc/sys/<name with dots as slashes> (e.g. net.ipv4.ip_forward)."""
+        ...
+
+    def adopt_routes(self, shape: FlannelRouteShape) -> None:
+        """From now on, count routes of ``shape`` that a Flannel before us left for its
+        peers as ours: ``observe`` reports them, so the reconciler replaces or deletes them."""
         ...

@@ -85,9 +85,8 @@ def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
 
     Deletions of our kinds of entries, and our vxlan devices appearing, changing or
     going. Route deletions of other protocols, IPv6, ARP-cache churn and other links
-    (every pod's veth, the cni0 bridge) are dropped: the reconciler would only find
-    nothing to do, and on a busy node pod churn would keep it dumping for nothing.
-    """
+    (every pod's veth, the cni0 bridge) are dropped: the reconciler would find nothing to
+    do, and on a busy node pod churn would keep it dumping for nothing."""
     kinds: list[str] = []
     for offset, length, msg_type, _flags, _seq in nl.messages(buf):
         kind = _event_kind(buf, offset, length, msg_type, protocol)
@@ -130,11 +129,9 @@ def sysctl_path(name: str) -> str:
 class NetlinkKernel:
     """Kernel adapter for the network namespace of the calling thread.
 
-    Stateless between calls: safe to share between threads, and callable from a
-    thread that runs an asyncio loop (apply then hops to a helper thread).
+    Stateless between calls but for ``adopt_routes``: safe to share between threads, and
+    callable from a thread that runs an asyncio loop (apply then hops to a helper thread).
     Routes are tagged with ``route_protocol``; MACs are reported in lower case.
-    With ``adopt`` set, routes of that shape another Flannel left count as ours to
-    replace or delete (``observe`` reports them with their protocol).
     """
 
     def __init__(
@@ -142,7 +139,10 @@ class NetlinkKernel:
     ) -> None:
         self.protocol = route_protocol
         self.watch_buffer = watch_buffer  # bytes; small only in tests that provoke ENOBUFS
-        self.adopt: FlannelRouteShape | None = None
+        self.adopt: FlannelRouteShape | None = None  # observe reports such routes too
+
+    def adopt_routes(self, shape: FlannelRouteShape) -> None:
+        self.adopt = shape
 
     # -- reading
 

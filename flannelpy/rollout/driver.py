@@ -53,6 +53,7 @@ from flannelpy.rollout.steps import (
     Wait,
     WriteOverride,
     next_action,
+    node_of,
     record_after,
 )
 from flannelpy.rollout.store import RolloutStorage
@@ -176,7 +177,7 @@ class _Driver:
             override = nodes.overrides.get(action.node)
             previous = _override_doc(override) if override is not None else None
         updated = record_after(record, action, now, previous)
-        node: str | None = getattr(action, "node", None)
+        node = node_of(action)
         # Returned before the record says so: a driver killed in between finds the step
         # still open, does it again and finds nothing left to undo.
         returning = record.cordon and isinstance(action, MarkVerified | MarkRolledBack)
@@ -203,7 +204,7 @@ class _Driver:
         return None
 
     def _show(self, before: RolloutRecord, record: RolloutRecord, action: Any) -> None:
-        node = getattr(action, "node", None)
+        node = node_of(action)
         if isinstance(action, WriteOverride) and node not in self.node_since:
             self.node_since[action.node] = self.monotonic()
         took = ""

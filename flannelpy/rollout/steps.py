@@ -111,6 +111,13 @@ Action = (
     WriteOverride | MarkApplied | MarkVerified | RollBack | MarkRolledBack | Wait
     | PauseForWindow | Resume | Halt | Finalize | Finish | Fail | Done
 )  # fmt: skip
+# The steps that act on one node.
+NodeAction = WriteOverride | MarkApplied | MarkVerified | RollBack | MarkRolledBack
+
+
+def node_of(action: object) -> str | None:
+    """The node a step acts on; None for the steps about the whole rollout."""
+    return action.node if isinstance(action, NodeAction) else None
 
 
 def next_action(

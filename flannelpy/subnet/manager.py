@@ -14,6 +14,7 @@ from typing import Protocol
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.validate import Rejection
 
 # Called with every lease in the store (our own included), keyed by lease key,
 # and the store revision that snapshot reflects. Called once after the initial
@@ -73,6 +74,11 @@ class SubnetManager(Protocol):
     def watch_leases(self, on_leases: LeasesCallback, stop: threading.Event) -> None:
         """Block until ``stop`` is set: list, then watch, re-listing on compaction and
         reconnecting with backoff. Store outages never end the call; they are retried."""
+        ...
+
+    def undecodable(self) -> Mapping[str, Rejection]:
+        """Values in the store that are no lease at all (by lease key), as last seen: the
+        agent reports them with the leases it rejects."""
         ...
 
     def close(self) -> None: ...

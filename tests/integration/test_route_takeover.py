@@ -49,7 +49,7 @@ def test_flanneld_routes_are_taken_over_and_departed_ones_removed(node: Netns) -
     # Without the shape (the old behaviour) they are invisible, and never cleaned.
     assert node.call(kernel.observe, [DEV], [DEV]).routes == frozenset()
 
-    kernel.adopt = SHAPE
+    kernel.adopt_routes(SHAPE)
     observed = node.call(kernel.observe, [DEV], [DEV])
     assert {(str(r.dst), r.protocol) for r in observed.routes} == {
         ("10.100.1.0/24", RTPROT_BOOT), ("10.100.2.0/24", RTPROT_BOOT),

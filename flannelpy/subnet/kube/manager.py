@@ -48,6 +48,7 @@ from flannelpy.subnet.kube.watch import LeaseMap, StreamCloser
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.validate import Rejection
 
 log = logging.getLogger("flannelpy.subnet.kube.manager")
 
@@ -521,6 +522,11 @@ class KubeSubnetManager:
                     what, delay, e,
                 )  # fmt: skip
             self._pause(delay)
+
+    def undecodable(self) -> dict[str, Rejection]:
+        """None: a Node is read field by field, and one that is no usable peer is logged
+        (``_lease_of``) and left out, as flanneld does; it has no raw value to reject."""
+        return {}
 
     def close(self) -> None:
         self._closed.set()
