@@ -45,8 +45,30 @@ def converged_status(
     try:
         wait_until(converged, timeout=timeout, interval=1.0, what="every pair reaching")
     except AssertionError as e:
-        raise AssertionError(f"{e}: { ({k: last.get(k) for k in keys}) }") from None
+        matrices = {k: last.get(k) for k in keys}
+        raise AssertionError(f"{e}: {matrices}\n{node_dataplanes(lab)}") from None
     return last
+
+
+def node_dataplanes(lab: Lab, log_lines: int = 15) -> str:
+    """Each node's routes, neighbours, FDB, addresses and the end of its agent's log: what
+    a failed reachability assertion needs beside the matrix."""
+    commands = (
+        ["ip", "route"], ["ip", "-6", "route"], ["ip", "neigh"], ["ip", "-6", "neigh"],
+        ["bridge", "fdb", "show"], ["ip", "addr"],
+    )  # fmt: skip
+    out = []
+    for node in lab.nodes:
+        out.append(f"--- {node.name} ({node.agent_kind})")
+        for argv in commands:
+            proc = lab.exec(node.name, argv, check=False)
+            out.append(f"$ {' '.join(argv)}\n{proc.stdout.strip()}")
+        try:
+            with open(node.agent_log, encoding="utf-8", errors="replace") as f:
+                out.append("$ agent log\n" + "".join(f.readlines()[-log_lines:]))
+        except OSError as e:
+            out.append(f"$ agent log: {e}")
+    return "\n".join(out)
 
 
 def segment_ip(lab: Lab, host: int, segment: int = 1) -> str:
