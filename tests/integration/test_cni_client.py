@@ -27,7 +27,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cni_plugin import client, spec, wire
+from cni_plugin import client
+from flannelpy.cni import spec, wire
 from tests.support.cni_fake_agent import FakeAgent, validating_handler
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from cni_plugin import client, spec, wire
-from flannelpy.cni import CniServer
+from cni_plugin import client
+from flannelpy.cni import CniServer, spec, wire
 from tests.integration.test_cni_client import Exes, exes  # noqa: F401  (the fixture)
 from tests.integration.test_cni_server import Node, assert_no_state, in_pod, node  # noqa: F401
 from tests.support.netns_util import is_root, sh

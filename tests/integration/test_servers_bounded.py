@@ -21,7 +21,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from cni_plugin import client, wire
+from cni_plugin import client
+from flannelpy.cni import wire
 from flannelpy.cni.server import CniServer
 from flannelpy.observe.health import HealthServer, Heartbeats
 from flannelpy.observe.metrics import AgentMetrics
