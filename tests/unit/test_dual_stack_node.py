@@ -409,3 +409,50 @@ def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
         "fd00:64:1::3/64",
     ]
     assert IPv6Network("fd00:64:1::/64").is_private
+
+
+def test_two_nodes_creating_dual_keys_with_one_ipv4_subnet_at_once_end_with_two(
+    tmp_path: object,
+) -> None:
+    """Seen in the lab under load: two nodes started together chose the same IPv4 subnet
+    with different IPv6 ones; their keys differ, so both creates succeeded and two nodes
+    held one subnet. The later one must give it up and choose again."""
+    import random
+    from pathlib import Path
+
+    from flannelpy.subnet.etcd.config import put_network_config
+    from flannelpy.subnet.etcd.kv import FakeStore
+    from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+    from flannelpy.subnet.keys import lease_key
+    from tests.support.agent_fakes import PREFIX, agent_settings
+
+    other_value = (b'{"PublicIP":"192.168.1.9","PublicIPv6":"fd00:64::9","BackendType":"vxlan",'
+                   b'"BackendData":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"},'
+                   b'"BackendV6Data":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"}}')  # fmt: skip
+    taken: list[str] = []
+
+    class RacingStore(FakeStore):
+        """Another node creates a key with our IPv4 subnet just before our first create."""
+
+        def create(self, key: str, value: bytes, lease_id: int = 0) -> int:
+            if not taken:
+                v4 = key.rsplit("/", 1)[1].split("&")[0]
+                theirs = f"{PREFIX}/subnets/{v4}&fc00:0:0:ff::-64"
+                taken.append(theirs)
+                super().create(theirs, other_value, 0)
+            return super().create(key, value, lease_id)
+
+    store = RacingStore()
+    put_network_config(store, PREFIX, json.dumps({
+        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
+        "Backend": {"Type": "vxlan"},
+    }))  # fmt: skip
+    settings = agent_settings(Path(str(tmp_path)))
+    attrs = get_backend("vxlan").lease_attrs(ctx(), MAC)
+    ours = EtcdSubnetManager(store, settings, rng=random.Random(3)).acquire_lease(attrs, None)
+    leases, _ = EtcdSubnetManager(store, settings).list_leases()
+    theirs = leases[taken[0].rsplit("/", 1)[1]]
+    assert ours.subnet != theirs.subnet and ours.ipv6_subnet != theirs.ipv6_subnet
+    # Our first key was deleted again: the store holds the other node's and our second.
+    assert sorted(leases) == sorted({theirs.key, ours.key})
+    assert store.get(lease_key(PREFIX, ours.subnet, ours.ipv6_subnet)) is not None

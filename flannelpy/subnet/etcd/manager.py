@@ -251,10 +251,32 @@ class EtcdSubnetManager:
         except StoreError:
             self._revoke_quietly(granted)
             raise
-        if revision is None:
+        if revision is None or (existing is None and self._lost_dual_race(choice, key, revision)):
             self._revoke_quietly(granted)
             return None
         return self._own_lease(choice.subnet, choice.ipv6_subnet, attrs, revision, granted)
+
+    def _lost_dual_race(self, choice: LeaseChoice, key: str, revision: int) -> bool:
+        """A dual-stack key names both subnets, so creating it does not stop another node
+        from creating, at the same moment, a key with one of the same subnets and another
+        of the other family. Whichever was created first keeps it: a later one (ours, at
+        ``revision``) is deleted again and the caller chooses anew."""
+        if choice.subnet is None or choice.ipv6_subnet is None:
+            return False
+        leases, _ = self.list_leases()
+        earlier = [
+            other
+            for other_key, other in leases.items()
+            if self._subnets + other_key != key
+            and (other.subnet == choice.subnet or other.ipv6_subnet == choice.ipv6_subnet)
+            and other.revision < revision
+        ]
+        if not earlier:
+            return False
+        self._store.delete_if_mod_revision(key, revision)
+        log.info("another node took one of the chosen subnets first; choosing again "
+                 "subnet=%s ipv6_subnet=%s", choice.subnet, choice.ipv6_subnet)  # fmt: skip
+        return True
 
     def _own_lease(
         self,
