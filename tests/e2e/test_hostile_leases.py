@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from flannelpy_lab.errors import LabError
 from prometheus_client.parser import text_string_to_metric_families
 
 from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.subnet.keys import subnet_to_key
 from tests.support.agent_events import wait_for_reconcile_passes
 from tests.support.lab_util import running_lab, segment_ip, wait_until
 
@@ -69,7 +71,7 @@ def rejected(lab: Lab, node: str) -> dict[str, float]:
 
 def underlay_key(lab: Lab) -> str:
     """The lease key of the lab's own underlay segment (labs side by side differ)."""
-    return lab.state.segments[0].subnet.replace("/", "-")
+    return subnet_to_key(IPv4Network(lab.state.segments[0].subnet))
 
 
 def connected_route(lab: Lab, node: str) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from flannelpy_lab import Lab
+from flannelpy_lab.state import NodeInfo
 
 from tests.support import waiting
 
@@ -54,8 +55,8 @@ def node_dataplanes(lab: Lab, log_lines: int = 15) -> str:
     """Each node's routes, neighbours, FDB, addresses and the end of its agent's log: what
     a failed reachability assertion needs beside the matrix."""
     commands = (
-        ["ip", "route"], ["ip", "-6", "route"], ["ip", "neigh"], ["ip", "-6", "neigh"],
-        ["bridge", "fdb", "show"], ["ip", "addr"],
+        ["ip", "route"], ["ip", "-6", "route"], ["ip", "neigh"], ["bridge", "fdb", "show"],
+        ["ip", "addr"],
     )  # fmt: skip
     out = []
     for node in lab.nodes:
@@ -64,11 +65,16 @@ def node_dataplanes(lab: Lab, log_lines: int = 15) -> str:
             proc = lab.exec(node.name, argv, check=False)
             out.append(f"$ {' '.join(argv)}\n{proc.stdout.strip()}")
         try:
-            with open(node.agent_log, encoding="utf-8", errors="replace") as f:
-                out.append("$ agent log\n" + "".join(f.readlines()[-log_lines:]))
+            out.append("$ agent log\n" + agent_log_tail(node, log_lines))
         except OSError as e:
             out.append(f"$ agent log: {e}")
     return "\n".join(out)
+
+
+def agent_log_tail(node: NodeInfo, lines: int) -> str:
+    """The last ``lines`` lines of a lab node's agent log."""
+    with open(node.agent_log, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
 
 
 def segment_ip(lab: Lab, host: int, segment: int = 1) -> str:
@@ -212,8 +218,7 @@ def print_agent_logs_if_failed(request: pytest.FixtureRequest, lab: Lab, lines: 
     if report is None or not report.failed:
         return
     for node in lab.nodes:
-        with open(node.agent_log, encoding="utf-8", errors="replace") as f:
-            tail = "".join(f.readlines()[-lines:])
+        tail = agent_log_tail(node, lines)
         print(f"--- {node.name} ({node.agent_kind}) {node.agent_log}:\n{tail}")
 
 
