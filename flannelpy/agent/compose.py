@@ -112,6 +112,7 @@ def build_agent(
             public_ipv6=public_ipv6,
             node_name=kube.node_name if kube else node_name_default(settings),
             blackhole_own_subnets=settings.ip_blackhole_route,
+            wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
         )
         _prepare_wireguard(settings, config, metrics, now=backend.type_name == "wireguard")
         ours = {*_all_backend_devices(ctx), "cni0"}
@@ -293,7 +294,7 @@ def _link_stats(underlay: str) -> LinkProvider:
 
 def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
     from flannelpy.backend.vxlan import device_name
-    from flannelpy.backend.wireguard import DEVICE, DEVICE_V6
+    from flannelpy.backend.wireguard_config import DEVICE, DEVICE_V6
 
     return (device_name(ctx.config.backend.vni), DEVICE, DEVICE_V6)
 
@@ -303,7 +304,8 @@ def _prepare_wireguard(settings: AgentSettings, config: NetworkConfig,
     """The node's WireGuard runtime, for wireguard now or after a live switch to it. With
     ``now``, check the options, choose kernel or userspace and load the key before anything
     on the host changes: "Implementation": "kernel" without the module stops here."""
-    from flannelpy.backend import wireguard
+    from flannelpy.backend import wireguard_runtime as wireguard
+    from flannelpy.backend.wireguard_config import parse_wireguard_config
 
     runtime = wireguard.WireguardRuntime(
         wireguard.default_key_file(settings.state_dir),
@@ -314,11 +316,11 @@ def _prepare_wireguard(settings: AgentSettings, config: NetworkConfig,
     )
     wireguard.set_runtime(runtime)
     if now:
-        runtime.prepare(wireguard.parse_wireguard_config(config.backend))
+        runtime.prepare(parse_wireguard_config(config.backend))
 
 
 def _stop_wireguard() -> None:
-    from flannelpy.backend import wireguard
+    from flannelpy.backend import wireguard_runtime as wireguard
 
     runtime = wireguard.current_runtime()
     if runtime is not None:

@@ -62,6 +62,13 @@ class CapacityLow:
 
 
 @dataclass(frozen=True)
+class WireguardConfirmed:
+    """flannel-wg has now completed a handshake with the peers of these public keys."""
+
+    keys: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Tick:
     name: str
 
@@ -71,7 +78,10 @@ class Stop:
     """Wakes the writer at shutdown; not counted."""
 
 
-Event = LeasesChanged | LeaseLost | ControlChanged | ProbeReported | CapacityLow | Tick | Stop
+Event = (
+    LeasesChanged | LeaseLost | ControlChanged | ProbeReported | CapacityLow
+    | WireguardConfirmed | Tick | Stop
+)  # fmt: skip
 
 
 # The counted kind of each event class (Stop is not counted).
@@ -82,6 +92,7 @@ _KINDS: dict[type, str] = {
     ProbeReported: "probe",
     CapacityLow: "capacity",
     Tick: "tick",
+    WireguardConfirmed: "handshake",
 }
 assert set(_KINDS.values()) == set(AGENT_EVENT_KINDS)
 

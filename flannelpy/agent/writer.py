@@ -18,7 +18,7 @@ import queue
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,6 +36,7 @@ from flannelpy.agent.events import (
     LeasesChanged,
     ProbeReported,
     Tick,
+    WireguardConfirmed,
     kind_of,
 )
 from flannelpy.agent.firewall import FirewallFactory, FirewallRules
@@ -175,6 +176,10 @@ class Writer:
         """IPAM's warning, from a CNI request's thread: only enqueue."""
         self.queue.put(CapacityLow(free))
 
+    def on_wireguard_confirmed(self, keys: frozenset[str]) -> None:
+        """The WireGuard device's callback, on its thread: only enqueue."""
+        self.queue.put(WireguardConfirmed(keys))
+
     def on_reconciled(self, result: ReconcileResult) -> None:
         """The reconciler's callback, on its thread: metrics, offload, status.json."""
         self.metrics.observe_reconcile(result)
@@ -214,6 +219,10 @@ class Writer:
             self.metrics.probe(event.key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
         elif isinstance(event, CapacityLow):
             s.capacity_due = True
+        elif isinstance(event, WireguardConfirmed):
+            if s.ctx.wireguard_confirmed != event.keys:
+                s.ctx = replace(s.ctx, wireguard_confirmed=event.keys)
+                self.planner.replan()  # held pairs move to the tunnel, the VTEP may go
         elif isinstance(event, Tick):
             self._on_tick(event.name)
         if settle:

@@ -54,6 +54,10 @@ class NodeContext:
     # key stay, and the pair stays encrypted until that peer switches too (make before
     # break; :func:`flannelpy.backend.wireguard.keeping_context` decides).
     keeps_wireguard: bool = False
+    # The public keys flannel-wg has completed a handshake with; None: not known (the
+    # doctor), and no pair is held back. A wireguard pair whose handshake is still to come
+    # stays on vxlan while both ends have a VTEP (:func:`held_on_vxlan`).
+    wireguard_confirmed: frozenset[str] | None = None
 
 
 class Backend(Protocol):
@@ -81,10 +85,32 @@ class Backend(Protocol):
 
 
 def node_needs_vtep(ctx: NodeContext, peers: Sequence[Lease]) -> bool:
-    """:func:`~flannelpy.backend.paths.needs_vtep` for this node among ``peers``."""
+    """:func:`~flannelpy.backend.paths.needs_vtep` for this node among ``peers``; and a
+    wireguard node keeps its VTEP while a pair is held on vxlan for its handshake."""
     # A lease advertising our own address is a stale one of ours, not a peer.
     others = [peer for peer in peers if not is_own_address(ctx, peer)]
-    return needs_vtep(ctx.config.backend, others)
+    if needs_vtep(ctx.config.backend, others):
+        return True
+    if ctx.config.backend.type.lower() != "wireguard" or ctx.wireguard_confirmed is None:
+        return False
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    return any(
+        held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), ctx.config.backend.vni)
+        for peer in others
+    )
+
+
+def held_on_vxlan(ctx: NodeContext, peer: Lease, peer_caps: Capabilities, vni: int | None) -> bool:
+    """Make before break, to wireguard: a pair the rule sends through WireGuard stays on
+    vxlan until our device has completed a handshake with the peer, while both ends still
+    have a VTEP of one VNI (``vni``: ours). Until then the peer may not know our key yet
+    (it has not seen our lease) and drops what we encrypt; the handshake proves it does."""
+    confirmed = ctx.wireguard_confirmed
+    if confirmed is None or not peer_caps.wireguard_key:
+        return False
+    if vni is None or peer_caps.vni != vni:
+        return False
+    return (peer.attrs.backend_data or {}).get("PublicKey") not in confirmed
 
 
 def is_own_address(ctx: NodeContext, lease: Lease) -> bool:
@@ -204,7 +230,7 @@ def plan_peers(
                     reason=f"no path to peer {ip}, which is {where}: {path.reason}",
                 )
             )
-        elif path == "wireguard":
+        elif path == "wireguard" and not held_on_vxlan(ctx, peer, peer_caps, caps.vni):
             continue  # the WireGuard device's peer (backend.wireguard), under its one route
         elif path == "direct":
             routes.add(Route(dst=subnet, gateway=ip, ifname=ctx.underlay.name))

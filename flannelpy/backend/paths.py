@@ -155,7 +155,7 @@ def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Ca
 
 
 def _is_wg_key(value: Any) -> bool:
-    from flannelpy.dataplane.wireguard import is_key
+    from flannelpy.dataplane.wgkeys import is_key
 
     return is_key(value)
 

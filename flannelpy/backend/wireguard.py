@@ -10,10 +10,13 @@ BackendData is Flannel's ``{"PublicKey", "Port"}``; while a peer is still vxlan
 (a rollout) it also carries our VTEP's ``{"VNI", "VtepMAC"}`` and the node keeps
 that VTEP, as host-gw nodes do, so the pair talks vxlan until both ends run
 wireguard (the rule is in :mod:`flannelpy.backend.paths`). flanneld ignores the
-extra keys. The way back mirrors it: a node that switched to vxlan or host-gw keeps its
-device, peers and key (in its lease's BackendData) while any peer still runs wireguard
-(:func:`keeping_context`, :func:`plan_kept`), so no pair is ever left without a path,
-and its device goes a few seconds after the last such peer switched.
+extra keys. A pair the rule sends through WireGuard still takes vxlan until our device has
+completed a handshake with the peer (:func:`~flannelpy.backend.base.held_on_vxlan`): the
+peer may not have seen our lease, and our key, yet. The way back mirrors it: a node
+that switched to vxlan or host-gw keeps its device, peers and key (in its lease's
+BackendData) while any peer still runs wireguard (:func:`keeping_context`,
+:func:`plan_kept`), so no pair is ever left without a path, and its device goes a few
+seconds after the last such peer switched.
 
 IPv6-only (``EnableIPv4`` false): ``flannel-wg-v6`` alone, the key and ``ListenPortV6``
 in BackendV6Data only, as Flannel.
@@ -41,10 +44,8 @@ which reconciles the device itself.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from ipaddress import (
     IPv4Address,
     IPv4Interface,
@@ -53,10 +54,16 @@ from ipaddress import (
     IPv6Interface,
     IPv6Network,
 )
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from flannelpy.backend import ipv6
-from flannelpy.backend.base import NodeContext, node_needs_vtep, plan_peers, routable_peers
+from flannelpy.backend.base import (
+    NodeContext,
+    held_on_vxlan,
+    node_needs_vtep,
+    plan_peers,
+    routable_peers,
+)
 from flannelpy.backend.paths import (
     Capabilities,
     choose_path,
@@ -65,96 +72,24 @@ from flannelpy.backend.paths import (
 )
 from flannelpy.backend.vxlan import device_name as vxlan_device_name
 from flannelpy.backend.vxlan import vtep_link
-from flannelpy.config.netconf import BackendConfig, fold_keys
+from flannelpy.backend.wireguard_config import (
+    DEVICE,
+    DEVICE_V6,
+    WireguardConfig,
+    overlay_mtu,
+    parse_wireguard_config,
+)
+from flannelpy.backend.wireguard_runtime import WireguardRuntime, current_runtime, get_runtime
 from flannelpy.dataplane.state import DesiredState, Route, blackhole_route
 from flannelpy.dataplane.uapi import WgPeer
-from flannelpy.dataplane.wireguard import WgDeviceSpec, is_key
+from flannelpy.dataplane.wgkeys import is_key
+from flannelpy.dataplane.wireguard import WgDeviceSpec
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 log = logging.getLogger("flannelpy.backend.wireguard")
 
-DEVICE = "flannel-wg"
-DEVICE_V6 = "flannel-wg-v6"
-DEFAULT_LISTEN_PORT = 51820
-DEFAULT_LISTEN_PORT_V6 = 51821
-OVERHEAD_IPV4 = 60  # outer IPv4 20 + UDP 8 + type/index/counter 16 + Poly1305 tag 16
-OVERHEAD_IPV6 = 80  # the same over a 40-byte IPv6 header (Flannel uses 80 for both)
-MODES = ("separate", "auto", "ipv4", "ipv6")
-IMPLEMENTATIONS = ("auto", "kernel", "userspace")
 NO_GATEWAY = IPv4Address(0)
-# After a live switch away: how long the device still receives from peers that have not
-# seen our new lease yet (the lease watch delivers in well under a second).
-RETIRE_AFTER_SECONDS = 5.0
-_WHERE = "net-conf.json"
-
-Mode = Literal["separate", "auto", "ipv4", "ipv6"]
-
-
-@dataclass(frozen=True)
-class WireguardConfig:
-    listen_port: int = DEFAULT_LISTEN_PORT
-    listen_port_v6: int = DEFAULT_LISTEN_PORT_V6
-    psk: str | None = None
-    keepalive: int = 0  # seconds; 0 is off
-    mode: Mode = "separate"
-    implementation: str = "auto"
-
-
-def parse_wireguard_config(backend: BackendConfig) -> WireguardConfig:
-    """The wireguard options of ``Backend``, checked (pure). Keys match case-insensitively
-    as in Go's decoder; every error is one sentence naming the key and the fix."""
-    _, values = fold_keys(backend.raw, "Backend ")
-
-    def integer(name: str, default: int, low: int, high: int) -> int:
-        value = values.get(name.lower())
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(
-                f'{_WHERE}: Backend "{name}" must be a whole number in {low}..{high}, not '
-                f'{value!r}; write it like "{name}": {default or 25}'
-            )
-        return value
-
-    def choice(name: str, default: str, allowed: Sequence[str]) -> str:
-        value = values.get(name.lower())
-        if value is None or value == "":
-            return default
-        if not isinstance(value, str) or value.lower() not in allowed:
-            raise ConfigError(
-                f'{_WHERE}: Backend "{name}" {value!r} is not known; use one of: '
-                f"{', '.join(allowed)}"
-            )
-        return value.lower()
-
-    port = integer("ListenPort", DEFAULT_LISTEN_PORT, 1, 65535)
-    port_v6 = integer("ListenPortV6", DEFAULT_LISTEN_PORT_V6, 1, 65535)
-    keepalive = integer("PersistentKeepaliveInterval", 0, 0, 65535)
-    mode = choice("Mode", "separate", MODES)
-    if mode == "ipv6":
-        raise ConfigError(
-            f'{_WHERE}: Backend "Mode" "ipv6" tunnels over an IPv6 underlay, which flannelpy '
-            'does not run yet; use "separate" (the default) or "ipv4"'
-        )
-    implementation = choice("Implementation", "auto", IMPLEMENTATIONS)
-    psk = values.get("psk")
-    if psk in (None, ""):
-        psk = None
-    elif not is_key(psk):
-        raise ConfigError(
-            f'{_WHERE}: Backend "PSK" must be a base64 WireGuard key (32 bytes), as '
-            "`wg genpsk` prints; write a new one or leave the key out"
-        )
-    return WireguardConfig(
-        listen_port=port, listen_port_v6=port_v6, psk=psk, keepalive=keepalive,
-        mode=mode,  # type: ignore[arg-type]
-        implementation=implementation,
-    )  # fmt: skip
-
-
-def overlay_mtu(underlay_mtu: int, underlay_is_ipv6: bool = False) -> int:
-    return underlay_mtu - (OVERHEAD_IPV6 if underlay_is_ipv6 else OVERHEAD_IPV4)
 
 
 def lease_public_key(lease: Lease) -> str | None:
@@ -277,154 +212,6 @@ def plan_device_v6(
     )  # fmt: skip
 
 
-class DeviceSink(Protocol):
-    """Where the planned device goes (the device below, or a recorder in tests)."""
-
-    def set_desired(self, spec: WgDeviceSpec) -> None: ...
-
-
-class WireguardRuntime:
-    """This node's key and device, shared by every WireguardBackend of the process (a
-    live switch to wireguard builds a new backend; the key and device stay one).
-
-    ``key_file``: ``WIREGUARD_KEY_FILE`` when set (Flannel's variable), else
-    ``<state-dir>/wireguard.key``. Nothing on the host changes until the key or the
-    device is first needed."""
-
-    def __init__(
-        self, key_file: str, socket_dir: str, sink: DeviceSink | None = None,
-        implementation: str | None = None,
-        on_repair: Callable[[str, int], None] | None = None,
-        on_prepared: Callable[[str], None] | None = None,
-        on_unencrypted: Callable[[int], None] | None = None,
-    ) -> None:  # fmt: skip
-        self.key_file = key_file
-        self.socket_dir = socket_dir
-        self._sink = sink
-        self._on_repair = on_repair
-        self._on_prepared = on_prepared
-        self._on_unencrypted = on_unencrypted
-        self.implementation = implementation  # chosen by prepare(); None until then
-        self._private_key: str | None = None
-        self._lock = threading.Lock()
-        self.device: Any = None  # the WireguardDevice once started
-        self.device_v6: Any = None  # flannel-wg-v6's, on a dual-stack node (Mode separate)
-        self._retiring = 0  # bumped by every use and every retire: a stale timer does nothing
-        self._retire_pending = False
-        # The options the device last ran with: a node that switched away keeps them.
-        self.config = WireguardConfig()
-
-    def prepare(self, config: WireguardConfig) -> str:
-        """Choose kernel or userspace (refusing what cannot run) and load the key."""
-        from flannelpy.dataplane import wireguard as dp
-
-        with self._lock:
-            self.config = config
-            if self.implementation is None:
-                self.implementation = dp.choose_implementation(
-                    config.implementation, dp.kernel_module_available(), dp.find_wireguard_go()
-                )
-            if self._private_key is None:
-                self._private_key = dp.load_or_create_key(self.key_file)
-                log.info("wireguard implementation=%s key_file=%s public_key=%s",
-                         self.implementation, self.key_file,
-                         dp.public_key(self._private_key))  # fmt: skip
-                if self._on_prepared is not None:
-                    self._on_prepared(self.implementation)
-            return self.implementation
-
-    @property
-    def public_key(self) -> str:
-        from flannelpy.dataplane.wireguard import public_key
-
-        if self._private_key is None:
-            raise ConfigError("the WireGuard key is not loaded; the agent must prepare it first")
-        return public_key(self._private_key)
-
-    def set_desired(self, spec: WgDeviceSpec) -> None:
-        if spec.name == DEVICE_V6:
-            return self._set_desired_v6(spec)
-        with self._lock:
-            self._retiring += 1  # in use again: a pending retire is off
-            self._retire_pending = False
-        if self._sink is None:
-            from flannelpy.dataplane.wireguard import WireguardDevice
-
-            assert self._private_key is not None and self.implementation is not None
-            device = WireguardDevice(
-                spec.name, self._private_key, self.implementation,  # type: ignore[arg-type]
-                self.socket_dir, on_repair=self._on_repair,
-            )  # fmt: skip
-            self.device = device
-            self._sink = device
-        assert self._sink is not None
-        self._sink.set_desired(spec)
-
-    def _set_desired_v6(self, spec: WgDeviceSpec) -> None:
-        """The IPv6 device: a second wireguard-go (or kernel device) with the same key
-        (the only one IPv6-only)."""
-        with self._lock:
-            self._retiring += 1  # in use again: a pending retire is off
-            self._retire_pending = False
-        if self._sink is not None and self.device is None:  # a recorder (tests) takes both
-            self._sink.set_desired(spec)
-            return
-        if self.device_v6 is None:
-            from flannelpy.dataplane.wireguard import WireguardDevice
-
-            assert self._private_key is not None and self.implementation is not None
-            self.device_v6 = WireguardDevice(
-                spec.name, self._private_key, self.implementation,  # type: ignore[arg-type]
-                self.socket_dir, on_repair=self._on_repair,
-            )  # fmt: skip
-        self.device_v6.set_desired(spec)
-
-    def report_unencrypted(self, count: int) -> None:
-        if self._on_unencrypted is not None:
-            self._on_unencrypted(count)
-
-    def stop(self) -> None:
-        if self.device is not None:
-            self.device.stop()
-        if self.device_v6 is not None:
-            self.device_v6.stop()
-
-    @property
-    def running(self) -> bool:
-        """A device is up (and not yet retired): a node that switched away may keep it."""
-        return self.device is not None or self.device_v6 is not None
-
-    def retire(self, after: float = RETIRE_AFTER_SECONDS) -> threading.Timer | None:
-        """No peer needs the device any more: stop wireguard-go and delete the device
-        ``after`` seconds from now, unless wireguard is planned again before. The device
-        keeps its peers meanwhile (make-before-break): peers still sending through it
-        do so until they see our new lease and move the pair to vxlan. Idempotent: a
-        retire already pending is not pushed back."""
-        with self._lock:
-            if (self.device is None and self.device_v6 is None) or self._retire_pending:
-                return None
-            self._retiring += 1
-            self._retire_pending = True
-            ticket = self._retiring
-        timer = threading.Timer(after, self._retire, args=(ticket,))
-        timer.daemon = True
-        timer.start()
-        return timer
-
-    def _retire(self, ticket: int) -> None:
-        with self._lock:
-            devices = [d for d in (self.device, self.device_v6) if d is not None]
-            if ticket != self._retiring or not devices:
-                return
-            if self._sink is self.device:
-                self._sink = None
-            self.device = self.device_v6 = None
-            self._retire_pending = False
-        for device in devices:
-            log.info("wireguard no longer used; removing device=%s", device.name)
-            device.stop()
-
-
 def runs_wireguard(lease: Lease) -> bool:
     """The lease's node runs wireguard and advertises a usable key."""
     return lease.attrs.backend_type.lower() == WireguardBackend.type_name and (
@@ -438,7 +225,7 @@ def keeping_context(ctx: NodeContext, backend_type: str, peers: Sequence[Lease])
     encrypted until that peer switches too, so switching back from wireguard node by node
     never leaves a pair without a path (the peer has dropped its VTEP). IPv4 only: the
     IPv6 device is not kept."""
-    runtime = _runtime
+    runtime = current_runtime()
     keeps = (
         backend_type != WireguardBackend.type_name
         and ctx.public_ip is not None
@@ -457,7 +244,7 @@ def kept_device_mtu(ctx: NodeContext) -> int:
 def with_kept_key(ctx: NodeContext, attrs: LeaseAttrs) -> LeaseAttrs:
     """Our lease while we keep the device: BackendData carries the key and port too, so
     peers still on wireguard keep the pair encrypted."""
-    runtime = _runtime
+    runtime = current_runtime()
     if not ctx.keeps_wireguard or runtime is None:
         return attrs
     data = dict(attrs.backend_data or {})
@@ -473,7 +260,7 @@ def plan_kept(
     wireguard (the other peers' routes are more specific); once it does not, the
     device is retired (a few seconds later, so peers that have not seen our new lease
     yet still get through)."""
-    runtime = _runtime
+    runtime = current_runtime()
     if runtime is None or not runtime.running:
         return desired
     if not ctx.keeps_wireguard:
@@ -487,29 +274,6 @@ def plan_kept(
     if ctx.config.network is None:
         return desired
     return replace(desired, routes=desired.routes | {network_route(ctx.config.network)})
-
-
-def default_key_file(state_dir: str) -> str:
-    return os.environ.get("WIREGUARD_KEY_FILE") or os.path.join(state_dir, "wireguard.key")
-
-
-_runtime: WireguardRuntime | None = None
-
-
-def set_runtime(runtime: WireguardRuntime | None) -> None:
-    """Install the node's runtime (the composition root does, once per agent)."""
-    global _runtime
-    _runtime = runtime
-
-
-def current_runtime() -> WireguardRuntime | None:
-    return _runtime
-
-
-def get_runtime() -> WireguardRuntime:
-    if _runtime is None:
-        raise ConfigError("the wireguard backend has no device runtime; start it through the agent")
-    return _runtime
 
 
 class WireguardBackend:
@@ -552,7 +316,7 @@ class WireguardBackend:
         v6 = ipv6.enabled(ctx)
         if v6 and config.mode != "separate":
             raise ConfigError(
-                f'{_WHERE}: Backend "Mode" "{config.mode}" carries IPv6 inside flannel-wg, '
+                f'net-conf.json: Backend "Mode" "{config.mode}" carries IPv6 inside flannel-wg, '
                 'which flannelpy does not do yet; use "separate" (the default) for dual stack'
             )
         return LeaseAttrs(
@@ -599,7 +363,7 @@ class WireguardBackend:
                     config, own, wireguard_peers_v6(ctx, own, peers), runtime.public_key,
                     self.device_mtu_v6(ctx),
                 ))  # fmt: skip
-            runtime.report_unencrypted(unencrypted_peers(ctx, own, peers))
+            runtime.report_unencrypted(unencrypted_peers(ctx, own, peers, link is not None))
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
@@ -619,11 +383,19 @@ def plan_routes_v6(ctx: NodeContext, own: Sequence[Lease]) -> set[Route]:
     return routes
 
 
-def unencrypted_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> int:
-    """Peer nodes this wireguard node still reaches in plaintext (vxlan during a rollout):
-    zero once the switch is complete. Counted by node, not by lease."""
-    plain = {peer.attrs.public_ip for peer, path in _paths(ctx, own, peers)
-             if path in ("vxlan", "direct")}  # fmt: skip
+def unencrypted_peers(
+    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], has_vtep: bool = False
+) -> int:
+    """Peer nodes this wireguard node still reaches in plaintext (vxlan during a rollout,
+    or held on vxlan until its handshake): zero once the switch is complete. Counted by
+    node, not by lease."""
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    vni = ctx.config.backend.vni if has_vtep else None
+    plain = {
+        peer.attrs.public_ip for peer, path in _paths(ctx, own, peers)
+        if path in ("vxlan", "direct")
+        or held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), vni)
+    }  # fmt: skip
     return len(plain)
 
 

@@ -41,6 +41,8 @@ class WgDeviceConfig:
     private_key: str | None
     listen_port: int
     peers: dict[str, WgPeer] = field(default_factory=dict)  # by public key
+    # The peers this device has completed a handshake with (observed, never configured).
+    handshaken: frozenset[str] = frozenset()
 
 
 def key_to_hex(key: str) -> str:
@@ -90,6 +92,7 @@ class _PeerBuilder:
     allowed: list[IPv4Network | IPv6Network] = field(default_factory=list)
     keepalive: int = 0
     psk: str | None = None
+    handshaken: bool = False
 
     def build(self) -> WgPeer:
         return WgPeer(self.public_key, self.endpoint, frozenset(self.allowed),
@@ -126,10 +129,15 @@ def parse_get(text: str) -> WgDeviceConfig:
                 peers[-1].keepalive = int(value)
             elif key == "allowed_ip":
                 peers[-1].allowed.append(ip_network(value, strict=False))
+            elif key == "last_handshake_time_sec":
+                peers[-1].handshaken = int(value) != 0
     except (ValueError, binascii.Error) as e:
         raise DataplaneError(f"unreadable answer from the WireGuard device: {e}") from e
     built = [peer.build() for peer in peers]
-    return WgDeviceConfig(private_key, listen_port, {peer.public_key: peer for peer in built})
+    return WgDeviceConfig(
+        private_key, listen_port, {peer.public_key: peer for peer in built},
+        frozenset(peer.public_key for peer in peers if peer.handshaken),
+    )  # fmt: skip
 
 
 def _exchange(path: str, request: bytes) -> str:

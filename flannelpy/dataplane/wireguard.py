@@ -18,8 +18,7 @@ socket, so it runs in a private mount namespace in which the agent's own
 namespace (``nsenter -t <pid> -m -n wg show``). The pid is kept beside it, so a
 restarted agent adopts the running process instead of cutting traffic.
 
-Keys: the private key is generated once (X25519, RFC 7748) and kept in a 0600
-file, so a restart or a reboot keeps the public key peers know.
+Keys: :mod:`flannelpy.dataplane.wgkeys`.
 """
 
 from __future__ import annotations
@@ -46,6 +45,11 @@ log = logging.getLogger("flannelpy.dataplane.wireguard")
 
 Implementation = Literal["kernel", "userspace"]
 POLL_SECONDS = 0.5  # how often the device is read back: a hand-made change lasts < 1 s
+# ... and while a peer planned in the last HANDSHAKE_WATCH_SECONDS has not completed a
+# handshake: its route moves to the tunnel when one has, and the peer's end sees the same
+# handshake at the same moment. A peer that never answers is not polled for forever.
+HANDSHAKE_POLL_SECONDS = 0.1
+HANDSHAKE_WATCH_SECONDS = 15.0
 START_TIMEOUT_SECONDS = 10.0  # for wireguard-go to create its device and socket
 WIREGUARD_GO = "wireguard-go"
 KERNEL_FIX = (
@@ -56,90 +60,6 @@ USERSPACE_FIX = (
     "wireguard-go is not installed; install it (Debian: apt-get install wireguard-go) or "
     "load the kernel's wireguard module"
 )
-
-# --- keys (pure) -------------------------------------------------------------
-
-_P = 2**255 - 19
-_A24 = 121665
-
-
-def _x25519(scalar: bytes, u: bytes) -> bytes:
-    """RFC 7748 X25519 (Montgomery ladder). Used once per key, never per packet."""
-    k = int.from_bytes(scalar, "little")
-    k &= ~7
-    k &= ~(128 << 8 * 31)
-    k |= 64 << 8 * 31
-    x1 = int.from_bytes(u, "little") & ((1 << 255) - 1)
-    x2, z2, x3, z3 = 1, 0, x1, 1
-    swap = 0
-    for t in reversed(range(255)):
-        bit = (k >> t) & 1
-        swap ^= bit
-        if swap:
-            x2, x3, z2, z3 = x3, x2, z3, z2
-        swap = bit
-        a, b = x2 + z2, x2 - z2
-        aa, bb = a * a, b * b
-        e = aa - bb
-        c, d = x3 + z3, x3 - z3
-        da, cb = d * a, c * b
-        x3 = (da + cb) ** 2 % _P
-        z3 = x1 * (da - cb) ** 2 % _P
-        x2 = aa * bb % _P
-        z2 = e * (aa + _A24 * e) % _P
-    if swap:
-        x2, z2 = x3, z3
-    return (x2 * pow(z2, _P - 2, _P) % _P).to_bytes(32, "little")
-
-
-def public_key(private_key: str) -> str:
-    """The base64 public key of a base64 private key, as ``wg pubkey`` prints it."""
-    raw = base64.b64decode(private_key, validate=True)
-    if len(raw) != 32:
-        raise ValueError("a WireGuard key is 32 bytes")
-    return base64.b64encode(_x25519(raw, (9).to_bytes(32, "little"))).decode()
-
-
-def generate_private_key() -> str:
-    raw = bytearray(os.urandom(32))
-    raw[0] &= 248
-    raw[31] = (raw[31] & 127) | 64
-    return base64.b64encode(bytes(raw)).decode()
-
-
-def is_key(value: object) -> bool:
-    """A base64 WireGuard key (32 bytes): what a lease's PublicKey must be."""
-    if not isinstance(value, str) or len(value) != 44:
-        return False
-    try:
-        return len(base64.b64decode(value, validate=True)) == 32
-    except ValueError:
-        return False
-
-
-def load_or_create_key(path: str) -> str:
-    """The node's private key from ``path``, generated and written (0600) the first time.
-
-    An unreadable key is refused, not replaced: peers know its public half, and a
-    silently new key would cut the node off until every peer saw the new lease."""
-    try:
-        with open(path) as f:
-            key = f.read().strip()
-    except FileNotFoundError:
-        key = generate_private_key()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        atomic_write(path, (key + "\n").encode(), mode=0o600)
-        log.info("generated the WireGuard key path=%s", path)
-        return key
-    except OSError as e:
-        raise ConfigError(f"cannot read the WireGuard key {path}: {e}; fix its permissions") from e
-    if not is_key(key):
-        raise ConfigError(
-            f"{path} does not hold a WireGuard private key (base64, 32 bytes); "
-            "remove it to have a new one generated, or write one made by `wg genkey`"
-        )
-    return key
-
 
 # --- the desired device and its difference (pure) ----------------------------
 
@@ -185,6 +105,16 @@ def peer_changes(spec: WgDeviceSpec, private_key: str, observed: WgDeviceConfig)
         counts={"peers_removed": len(remove), "peers_set": len(to_set),
                 "key": int(key is not None), "port": int(port is not None)},
     )  # fmt: skip
+
+
+def confirmed_peers(
+    spec: WgDeviceSpec, previous: frozenset[str], observed: WgDeviceConfig
+) -> frozenset[str]:
+    """The planned peers a handshake has been completed with, now or before (pure). Kept
+    once seen: a restarted wireguard-go forgets its handshakes, but the peer knows our key
+    and answers the next one, so its route need not go back to vxlan meanwhile."""
+    wanted = {peer.public_key for peer in spec.peers}
+    return frozenset((previous | observed.handshaken) & wanted)
 
 
 # --- implementations ---------------------------------------------------------
@@ -300,6 +230,7 @@ class KernelConfigurator:
         from pyroute2 import WireGuard
 
         peers: dict[str, WgPeer] = {}
+        handshaken: set[str] = set()
         private_key: str | None = None
         port = 0
         with WireGuard() as wg:
@@ -312,7 +243,10 @@ class KernelConfigurator:
                     peer = _kernel_peer(p)
                     if peer is not None:
                         peers[peer.public_key] = peer
-        return WgDeviceConfig(private_key=private_key, listen_port=port, peers=peers)
+                        if _kernel_handshake_seconds(p):
+                            handshaken.add(peer.public_key)
+        return WgDeviceConfig(private_key=private_key, listen_port=port, peers=peers,
+                              handshaken=frozenset(handshaken))  # fmt: skip
 
     def set(self, changes: PeerChanges) -> None:
         from pyroute2 import WireGuard
@@ -343,6 +277,15 @@ class KernelConfigurator:
                     wg.set(self.name, peer=spec)
         except NetlinkError as e:
             raise DataplaneError(f"could not configure {self.name}: {e}") from e
+
+
+def _kernel_handshake_seconds(msg: Any) -> int:
+    """WGPEER_A_LAST_HANDSHAKE_TIME's seconds (pyroute2 decodes a timespec); 0: never."""
+    value = msg.get_attr("WGPEER_A_LAST_HANDSHAKE_TIME")
+    try:
+        return int(value["tv_sec"]) if value is not None else 0
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 def _b64(value: Any) -> str:
@@ -489,6 +432,7 @@ class WireguardDevice:
         socket_dir: str,
         link: Link | None = None,
         on_repair: Callable[[str, int], None] | None = None,
+        on_confirmed: Callable[[str, frozenset[str]], None] | None = None,
     ) -> None:
         self.name = name
         self.private_key = private_key
@@ -500,6 +444,10 @@ class WireguardDevice:
             else KernelConfigurator(name)
         )  # fmt: skip
         self._on_repair = on_repair
+        self._on_confirmed = on_confirmed
+        # Public keys of the planned peers a handshake has been completed with.
+        self.confirmed: frozenset[str] = frozenset()
+        self._watch_until = 0.0  # polls fast until then while a peer is unconfirmed
         self._lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._spec: WgDeviceSpec | None = None
@@ -513,6 +461,8 @@ class WireguardDevice:
         with self._lock:
             changed = spec != self._spec
             self._spec = spec
+            if changed:
+                self._watch_until = time.monotonic() + HANDSHAKE_WATCH_SECONDS
         if not self._started:
             self._started = True
             self._bring_up()
@@ -553,6 +503,7 @@ class WireguardDevice:
             self.link.ensure(spec, "wireguard" if self.process is None else None)
             observed = self.configurator.get()
             changes = peer_changes(spec, self.private_key, observed)
+            self._note_handshakes(spec, observed, fresh_key=changes.private_key is not None)
             if not changes.empty:
                 self.configurator.set(changes)
                 fresh = changes.private_key is not None
@@ -566,6 +517,25 @@ class WireguardDevice:
                         self._on_repair(kind, count)
             self.last_error = None
             return changes
+
+    def _note_handshakes(
+        self, spec: WgDeviceSpec, observed: WgDeviceConfig, fresh_key: bool
+    ) -> None:
+        """Track which planned peers have completed a handshake; say when that changes (the
+        agent then routes them through the tunnel). A new key of ours starts over."""
+        previous = frozenset() if fresh_key else self.confirmed
+        confirmed = confirmed_peers(spec, previous, observed)
+        if confirmed == self.confirmed:
+            return
+        self.confirmed = confirmed
+        if self._on_confirmed is not None:
+            self._on_confirmed(self.name, confirmed)
+
+    def _awaiting_handshake(self) -> bool:
+        with self._lock:
+            spec, until = self._spec, self._watch_until
+        return (spec is not None and time.monotonic() < until
+                and any(p.public_key not in self.confirmed for p in spec.peers))  # fmt: skip
 
     def _nudge(self, peers: tuple[WgPeer, ...]) -> None:
         """Handshake now with ``peers``: every peer of a new device (or key), whose peers
@@ -582,7 +552,7 @@ class WireguardDevice:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(POLL_SECONDS)
+            self._wake.wait(HANDSHAKE_POLL_SECONDS if self._awaiting_handshake() else POLL_SECONDS)
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -176,7 +176,7 @@ def _wireguard_facts(settings: AgentSettings, v6: bool = False) -> WireguardFact
     the agent's run dir, else the kernel."""
     import os
 
-    from flannelpy.backend import wireguard
+    from flannelpy.backend import wireguard_config as wireguard
     from flannelpy.dataplane.uapi import uapi_get
     from flannelpy.dataplane.wireguard import KernelConfigurator
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from flannelpy.backend import ipv6
 from flannelpy.backend.wireguard import (
-    DEVICE,
-    DEVICE_V6,
     WireguardBackend,
     plan_device_v6,
     unencrypted_peers,
     wireguard_peers_v6,
 )
+from flannelpy.backend.wireguard_config import DEVICE, DEVICE_V6
 from flannelpy.dataplane.wireguard import WgDeviceSpec
 from flannelpy.doctor.facts import Finding, NodeFacts, WireguardFacts
 from flannelpy.doctor.plan import Plan

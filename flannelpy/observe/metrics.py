@@ -72,7 +72,7 @@ WATCH_RESTART_REASONS = ("compacted", "unavailable", "error")
 # flannelpy_rejected_leases_total{reason}
 REJECTION_REASONS = REASONS
 # flannelpy_agent_events_total{kind}: what the agent's writer handled
-AGENT_EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick")
+AGENT_EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick", "handshake")
 
 # CNI latency: 1 ms to the kubelet's default 4-minute runtime request timeout.
 CNI_BUCKETS = (

@@ -8,7 +8,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
-from flannelpy.backend.wireguard import OVERHEAD_IPV4 as WIREGUARD_OVERHEAD_IPV4
+from flannelpy.backend.wireguard_config import OVERHEAD_IPV4 as WIREGUARD_OVERHEAD_IPV4
 from flannelpy.config.netconf import (
     VXLAN_ENCAP_OVERHEAD,
     BackendConfig,

@@ -6,8 +6,10 @@ say 0, and a capture on the underlay switch sees no VXLAN between the nodes); af
 rollout back no wireguard-go runs and no node has a WireGuard device.
 
 What makes it lossless (make before break, each side of each pair):
-- to wireguard, a pair moves from vxlan to wireguard; the last node to switch keeps its
-  VTEP a few seconds after it stops needing it, for peers still encapsulating to it;
+- to wireguard, a pair moves from vxlan to wireguard only once the node's device has
+  completed a handshake with the peer (before, the peer may not know its key yet); both
+  keep their VTEPs until then, and the last node to switch keeps its VTEP a few seconds
+  after it stops needing it, for peers still encapsulating to it;
 - back to vxlan, a node keeps its WireGuard device and key while a peer still runs
   wireguard (that peer may have no VTEP any more), and keeps nodes that just switched
   away as receive-only peers, since they send to it encrypted until they see its lease;
@@ -164,6 +166,10 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
             wait_until(lambda node=node: metric(  # type: ignore[misc]
                 lab, node, "flannelpy_wireguard_unencrypted_peers") == 0.0, 20,
                 what=f"{node} to reach every peer encrypted")  # fmt: skip
+            # Each pair went through the tunnel only after its handshake, which the
+            # device reported to the agent (make before break, to wireguard).
+            handshakes = metric(lab, node, 'flannelpy_agent_events_total{kind="handshake"}')
+            assert handshakes is not None and handshakes >= 1, (node, handshakes)
         doctor = flannelpy(lab, "doctor", node="n3")
         assert f"with all {NODES - 1} peer(s) as the leases say" in doctor.stdout, doctor.stdout
         assert "without encryption" not in doctor.stdout, doctor.stdout

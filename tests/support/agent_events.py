@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from tests.support.waiting import wait_until
 
-EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick")
+EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick", "handshake")
 CAPACITY_CHECKS = "capacity_checks"  # not an event kind: status.json's count of rounds
 FIREWALL_RESYNCS = "firewall_resyncs"  # nor this: the firewall resyncs finished
 

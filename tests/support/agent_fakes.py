@@ -199,7 +199,7 @@ class AgentHarness:
         self.control = ReadOnceControl(self.store, PREFIX, NODE)
         ctx = NodeContext(
             config=netconf, underlay=underlay(NODE_IP), public_ip=underlay(NODE_IP).ip,
-            node_name=NODE,
+            node_name=NODE, wireguard_confirmed=frozenset(),  # as the agent's composition
         )  # fmt: skip
         self.pods: FakePods | None = None
 

@@ -11,6 +11,7 @@ from flannelpy.backend.base import NodeContext
 from flannelpy.config.netconf import BackendConfig, NetworkConfig
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.state import Changes, ObservedState, UnderlayInterface
+from flannelpy.dataplane.wireguard import WgDeviceSpec
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 
@@ -135,3 +136,13 @@ def lease(
             public_ip=IPv4Address(public_ip), backend_type=backend, backend_data=data, mtu=mtu
         ),
     )
+
+
+class DeviceRecorder:
+    """Takes a WireGuard runtime's planned devices instead of a real device."""
+
+    def __init__(self) -> None:
+        self.specs: list[WgDeviceSpec] = []
+
+    def set_desired(self, spec: WgDeviceSpec) -> None:
+        self.specs.append(spec)

@@ -17,11 +17,9 @@ FUNCTION_LINES = 80
 
 # Over the limit before the limit was enforced: to be split, never to grow.
 MODULES_OVER = {
-    "flannelpy/backend/wireguard.py": 687,
     "flannelpy/cni/handler.py": 778,
     "flannelpy/dataplane/netlink.py": 695,
     "flannelpy/dataplane/podnet.py": 851,
-    "flannelpy/dataplane/wireguard.py": 611,
     "flannelpy/observe/metrics.py": 658,
     "flannelpy/observe/prober.py": 636,
     "flannelpy/subnet/etcd/client.py": 670,

@@ -22,29 +22,24 @@ import pytest
 
 from flannelpy.backend.paths import choose_path, own_capabilities, peer_capabilities
 from flannelpy.backend.registry import get_backend
-from flannelpy.backend.wireguard import (
-    WireguardBackend,
-    WireguardConfig,
-    WireguardRuntime,
-    parse_wireguard_config,
-    unencrypted_peers,
-)
+from flannelpy.backend.wireguard import WireguardBackend, unencrypted_peers
+from flannelpy.backend.wireguard_config import WireguardConfig, parse_wireguard_config
+from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.netconf import BackendConfig, parse_network_config
 from flannelpy.dataplane.state import Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, format_set, parse_get
+from flannelpy.dataplane.wgkeys import generate_private_key, load_or_create_key, public_key
 from flannelpy.dataplane.wireguard import (
     KERNEL_FIX,
     PeerChanges,
     WgDeviceSpec,
     WireguardDevice,
     choose_implementation,
-    generate_private_key,
-    load_or_create_key,
     peer_changes,
-    public_key,
 )
 from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from tests.support.fakes import DeviceRecorder as Recorder
 from tests.support.fakes import context, lease
 
 KEY_A = "YHl4XgeS8ZbhGdIAhDCzUJIJkuF7IB0Mf8ZpA4tlVmo="  # a private key
@@ -68,14 +63,6 @@ def wg_lease(subnet: str, ip: str, pub: str | None, port: int | None = 51820,
         data["Port"] = port
     data.update(extra or {})
     return Lease(IPv4Network(subnet), LeaseAttrs(IPv4Address(ip), "wireguard", data, mtu=1440))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.specs: list[WgDeviceSpec] = []
-
-    def set_desired(self, spec: WgDeviceSpec) -> None:
-        self.specs.append(spec)
 
 
 def runtime(tmp_path: Any) -> tuple[WireguardRuntime, Recorder]:

@@ -9,16 +9,13 @@ from typing import Any
 
 import pytest
 
-from flannelpy.backend import wireguard
+from flannelpy.backend import wireguard_runtime
 from flannelpy.backend.vxlan import VxlanBackend
-from flannelpy.backend.wireguard import (
-    WireguardConfig,
-    WireguardRuntime,
-    keeping_context,
-    plan_kept,
-    with_kept_key,
-)
-from flannelpy.dataplane.wireguard import WgDeviceSpec, generate_private_key, public_key
+from flannelpy.backend.wireguard import keeping_context, plan_kept, with_kept_key
+from flannelpy.backend.wireguard_config import WireguardConfig
+from flannelpy.backend.wireguard_runtime import WireguardRuntime
+from flannelpy.dataplane.wgkeys import generate_private_key, public_key
+from flannelpy.dataplane.wireguard import WgDeviceSpec
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import context, lease
 
@@ -101,7 +98,7 @@ def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Wireguard
     rt, device = started(tmp_path)
     rt.implementation = "userspace"
     rt.prepare(WireguardConfig(listen_port=51999))
-    monkeypatch.setattr(wireguard, "_runtime", rt)
+    monkeypatch.setattr(wireguard_runtime, "_runtime", rt)
     return rt, device
 
 
