@@ -13,12 +13,12 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from collections.abc import Callable
+from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flannelpy.agent.firewall import FirewallFactory, PodNet
+from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.agent.live_config import load_applied
 from flannelpy.agent.node import NodeAgent
 from flannelpy.agent.vtep import load_vtep_mac
@@ -29,6 +29,7 @@ from flannelpy.cni.pods import PodAttachments, PodSide
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import wanted_config
+from flannelpy.control.records import NodeOverride
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ForeignRoute, Kernel
 from flannelpy.dataplane.state import UnderlayInterface
@@ -40,12 +41,11 @@ from flannelpy.subnet.etcd.pools import PoolStore
 from flannelpy.subnet.keys import config_key
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.open_store import OpenedStore, open_store
+from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.survey import check_no_overlap
 
 if TYPE_CHECKING:
     from flannelpy.control.node_control import NodeControl
-    from flannelpy.dataplane.firewall import IptablesFirewall, SyncResult
-    from flannelpy.dataplane.nftables import NftablesFirewall
     from flannelpy.subnet.kube.manager import KubeSubnetManager
 
 log = logging.getLogger("flannelpy.agent.compose")
@@ -76,101 +76,35 @@ def build_agent(
         )
     manager, kube = opened.manager, opened.kube
     try:
-        config = _read_config_patiently(
-            manager, settings.startup_timeout, opened.etcd, settings.etcd_prefix
-        )
-        # A restart keeps the backend this node last applied: a change that arrived
-        # meanwhile still goes through the disruption policy, like any live change.
-        applied = load_applied(settings.state_dir)
-        if applied is not None:
-            config = wanted_config(json.dumps(config.raw).encode(), applied)
-        ipv6_only = not config.enable_ipv4 or config.network is None
-        if ipv6_only:
-            _check_ipv6_only(config)
-        if config.backend_defaulted:
-            raise ConfigError(NO_BACKEND)
+        config, applied = _network_config(settings, opened)
         backend = get_backend(config.backend.type)
         if kernel is None:
             from flannelpy.dataplane.netlink import NetlinkKernel
 
             kernel = NetlinkKernel()
-        # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
-        # flanneld (it also picks the interface when no --iface is given).
-        public_ip = (kube.node_public_ip() if kube else None) or settings.public_ip
-        if ipv6_only:
-            underlay = kernel.find_underlay(settings.iface, settings.iface_regex, ipv6_only=True)
-        else:
-            underlay = kernel.find_underlay(
-                settings.iface, settings.iface_regex,
-                _ip_or_none(settings.iface_can_reach), public_ip,
-            )  # fmt: skip
-        public_ipv6 = _public_ipv6(config, settings, underlay, kube)
-        ctx = NodeContext(
-            config=config,
-            underlay=underlay,
-            public_ip=None if ipv6_only else (public_ip or underlay.ip),
-            public_ipv6=public_ipv6,
-            node_name=kube.node_name if kube else node_name_default(settings),
-            blackhole_own_subnets=settings.ip_blackhole_route,
-            wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
-        )
+        ctx = _node_context(settings, config, kernel, kube)
         _prepare_wireguard(settings, config, metrics, now=backend.type_name == "wireguard")
-        ours = {*_all_backend_devices(ctx), "cni0"}
-        # Routes a Flannel that ran here before left for its peers are ours to take over
-        # (dataplane.adopt), not an overlap.
-        # The overlap check and the take-over read IPv4 routes: nothing to do IPv6-only.
-        if config.network is not None:
-            shape = FlannelRouteShape(
-                config.network, config.subnet_len, _all_backend_devices(ctx)[0], underlay.name
-            )
-            foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
-            check_no_overlap(config.network, foreign, settings.allow_overlap)
-            kernel.adopt_routes(shape)
+        _take_over_flannel_routes(settings, kernel, ctx)
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
             vtep_mac = load_vtep_mac(
                 kernel, settings.state_dir, backend.device_names(ctx)[0],
                 advertised=kube.own_vtep_mac() if kube else None,
             )  # fmt: skip
-        if config.enable_ipv6 and not ipv6_only:
+        if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
             log.info(
                 "dual stack: address pools beyond Network, the warm-capacity count, the "
                 "rollout's verification and wireguard stay IPv4-only for now"
             )
         log.info(
             "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
-            ctx.node_name, backend.type_name, underlay.name, ctx.public_ip, ctx.public_ipv6,
-            backend.mtu(ctx),
+            ctx.node_name, backend.type_name, ctx.underlay.name, ctx.public_ip,
+            ctx.public_ipv6, backend.mtu(ctx),
         )  # fmt: skip
     except BaseException:
         manager.close()
         raise
-
-    capacity = parse_capacity(config.raw)
-    pools = None
-    if ipv6_only:
-        pass  # _check_ipv6_only refused the IPv4-only features: no pools, no warm capacity
-    elif opened.etcd is not None:
-        pools = PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
-    elif capacity.max_leases_per_node > 1:
-        log.warning("MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
-                    "(one podCIDR per node); ignoring them")  # fmt: skip
-        capacity = CapacitySettings()
-    if kube is not None:
-        from flannelpy.control.node_control import KubeNodeControl
-        from flannelpy.subnet.kube.node_status import LeasePublisher, agent_namespace
-
-        # The status record: this node's Lease in the agent's namespace.
-        publisher = LeasePublisher(
-            kube.api_client, agent_namespace(os.environ, lambda p: Path(p).read_text())
-        )
-        control: NodeControl = KubeNodeControl(kube, settings.net_config_path, publisher)
-    else:
-        from flannelpy.control.node_control import EtcdNodeControl
-
-        assert opened.etcd is not None
-        control = EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
-
+    capacity, pools = _capacity_and_pools(settings, config, opened)
     network = config.network  # never changed live: a new Network needs a restart
     ipv6_network = config.ipv6_network  # nor a new IPv6Network
 
@@ -186,9 +120,9 @@ def build_agent(
             ctx=ctx,
             pods=pods,
             metrics=metrics,
-            control=control,
+            control=_node_control(settings, opened, ctx),
             vtep_mac=vtep_mac,
-            firewall_factory=_firewall_factory(settings, metrics, nftables=config.enable_nftables),
+            firewall_factory=firewall_factory(settings, metrics, nftables=config.enable_nftables),
             applied_generation=(applied.generation or None) if applied else None,
             pools=pools,
             capacity=capacity,
@@ -196,6 +130,106 @@ def build_agent(
             link_stats=_link_stats,
         )
     )
+
+
+def _is_ipv6_only(config: NetworkConfig) -> bool:
+    return not config.enable_ipv4 or config.network is None
+
+
+def _network_config(
+    settings: AgentSettings, opened: OpenedStore
+) -> tuple[NetworkConfig, NodeOverride | None]:
+    """The network config to start with, checked, and the backend this node last applied."""
+    config = _read_config_patiently(
+        opened.manager, settings.startup_timeout, opened.etcd, settings.etcd_prefix
+    )
+    # A restart keeps the backend this node last applied: a change that arrived
+    # meanwhile still goes through the disruption policy, like any live change.
+    applied = load_applied(settings.state_dir)
+    if applied is not None:
+        config = wanted_config(json.dumps(config.raw).encode(), applied)
+    if _is_ipv6_only(config):
+        _check_ipv6_only(config)
+    if config.backend_defaulted:
+        raise ConfigError(NO_BACKEND)
+    return config, applied
+
+
+def _node_context(
+    settings: AgentSettings, config: NetworkConfig, kernel: Kernel,
+    kube: KubeSubnetManager | None,
+) -> NodeContext:  # fmt: skip
+    """Who this node is on the network: its underlay interface and public addresses."""
+    ipv6_only = _is_ipv6_only(config)
+    # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
+    # flanneld (it also picks the interface when no --iface is given).
+    public_ip = (kube.node_public_ip() if kube else None) or settings.public_ip
+    if ipv6_only:
+        underlay = kernel.find_underlay(settings.iface, settings.iface_regex, ipv6_only=True)
+    else:
+        underlay = kernel.find_underlay(
+            settings.iface, settings.iface_regex,
+            _ip_or_none(settings.iface_can_reach), public_ip,
+        )  # fmt: skip
+    return NodeContext(
+        config=config,
+        underlay=underlay,
+        public_ip=None if ipv6_only else (public_ip or underlay.ip),
+        public_ipv6=_public_ipv6(config, settings, underlay, kube),
+        node_name=kube.node_name if kube else node_name_default(settings),
+        blackhole_own_subnets=settings.ip_blackhole_route,
+        wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
+    )
+
+
+def _take_over_flannel_routes(settings: AgentSettings, kernel: Kernel, ctx: NodeContext) -> None:
+    """Refuse a Network that overlaps routes of others; take over the routes a Flannel
+    that ran here before left for its peers (dataplane.adopt): those are no overlap. Both
+    read IPv4 routes: nothing to do IPv6-only."""
+    config = ctx.config
+    if config.network is None:
+        return
+    ours = {*_all_backend_devices(ctx), "cni0"}
+    shape = FlannelRouteShape(
+        config.network, config.subnet_len, _all_backend_devices(ctx)[0], ctx.underlay.name
+    )
+    foreign = [r for r in kernel.survey(ours) if not _left_by_flannel(r, shape)]
+    check_no_overlap(config.network, foreign, settings.allow_overlap)
+    kernel.adopt_routes(shape)
+
+
+def _capacity_and_pools(
+    settings: AgentSettings, config: NetworkConfig, opened: OpenedStore
+) -> tuple[CapacitySettings, list[Pool] | None]:
+    """Warm capacity and the address pools (etcd mode; IPv4 only)."""
+    capacity = parse_capacity(config.raw)
+    if _is_ipv6_only(config):
+        # _check_ipv6_only refused the IPv4-only features: no pools, no warm capacity
+        return capacity, None
+    if opened.etcd is not None:
+        return capacity, PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
+    if capacity.max_leases_per_node > 1:
+        log.warning("MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
+                    "(one podCIDR per node); ignoring them")  # fmt: skip
+        capacity = CapacitySettings()
+    return capacity, None
+
+
+def _node_control(settings: AgentSettings, opened: OpenedStore, ctx: NodeContext) -> NodeControl:
+    """Where this node reads its backend override and publishes its status record."""
+    if opened.kube is not None:
+        from flannelpy.control.node_control import KubeNodeControl
+        from flannelpy.subnet.kube.node_status import LeasePublisher, agent_namespace
+
+        # The status record: this node's Lease in the agent's namespace.
+        publisher = LeasePublisher(
+            opened.kube.api_client, agent_namespace(os.environ, lambda p: Path(p).read_text())
+        )
+        return KubeNodeControl(opened.kube, settings.net_config_path, publisher)
+    from flannelpy.control.node_control import EtcdNodeControl
+
+    assert opened.etcd is not None
+    return EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
 
 
 IPV6_ONLY_BACKENDS = ("vxlan", "host-gw", "wireguard")
@@ -372,113 +406,3 @@ def _left_by_flannel(entry: ForeignRoute, shape: FlannelRouteShape) -> bool:
 
 def _ip_or_none(value: str | None) -> IPv4Address | None:
     return IPv4Address(value) if value else None
-
-
-def _firewall_factory(
-    settings: AgentSettings,
-    metrics: AgentMetrics,
-    firewall: IptablesFirewall | None = None,
-    nft: NftablesFirewall | None = None,
-    *,
-    nftables: bool = False,
-) -> FirewallFactory | None:
-    """The masq and forward rules in iptables mode, or Flannel's nftables tables with
-    ``EnableNFTables``. Before the first sync the other mode's rules are removed, as
-    flanneld does at start, so a node switched between modes keeps one set. Tests pass
-    the adapters; a mode whose adapter is not passed is then left alone."""
-    if not nftables and not settings.ip_masq and not settings.iptables_forward_rules:
-        return None
-    from flannelpy.dataplane import nftables as nft_rules
-    from flannelpy.dataplane.firewall import IptablesFirewall, forward_rules, masq_rules
-    from flannelpy.dataplane.nftables import NftablesFirewall
-
-    firewall6 = None
-    if firewall is None and nft is None:
-        firewall, nft = IptablesFirewall(), NftablesFirewall()
-        firewall6 = IptablesFirewall(ipv6=True)
-    worked = [False]  # some sync has succeeded: the firewall works on this host
-    other_mode_cleaned = [False]
-
-    def clean_other_mode() -> None:
-        # nftables mode removes the ip6tables chains too, as flanneld's clean-up does.
-        others = (firewall, firewall6) if nftables else (nft,)
-        other_mode_cleaned[0] = True
-        for other in others:
-            if other is None:
-                continue
-            try:
-                other.remove()
-            except DataplaneError as e:  # e.g. nft not installed: nothing of it to remove
-                log.info("rules of the unused firewall mode not removed: %s", e)
-
-    def iptables_steps(
-        fw: IptablesFirewall, networks: Sequence[PodNet], subnets: Sequence[PodNet]
-    ) -> list[Callable[[], SyncResult]]:
-        """One family's iptables (or ip6tables) chains: masq, then forward."""
-        steps: list[Callable[[], SyncResult]] = []
-        if settings.ip_masq:
-            random_fully = fw.random_fully and not settings.ip_masq_fully_random_disable
-            masq = masq_rules(networks, subnets, random_fully)
-            steps.append(lambda: fw.sync(masq))
-        if settings.iptables_forward_rules:
-            forward = forward_rules(networks)
-            steps.append(lambda: fw.sync(forward))
-        return steps
-
-    def make(all_nets: Sequence[PodNet], all_subnets: Sequence[PodNet]) -> Callable[[], bool]:
-        # --ip-masq-fully-random-disable: flanneld's opt-out of --random-fully.
-        steps: list[Callable[[], SyncResult]] = []
-        # Dual stack: the IPv6 ranges get the same rules in ip6tables, or in nftables'
-        # ip6 flannel-ipv6 table.
-        networks6 = [n for n in all_nets if isinstance(n, IPv6Network)]
-        subnets6 = [n for n in all_subnets if isinstance(n, IPv6Network)]
-        networks = [n for n in all_nets if isinstance(n, IPv4Network)]
-        subnets = [n for n in all_subnets if isinstance(n, IPv4Network)]
-        if nftables:
-            assert nft is not None
-            nft_fw = nft
-            postrtg = None
-            random_fully = nft_fw.random_fully and not settings.ip_masq_fully_random_disable
-            if settings.ip_masq and networks:  # IPv6-only: no IPv4 table
-                postrtg = nft_rules.masq_rules(networks, subnets, random_fully)
-            postrtg6 = None
-            if settings.ip_masq and networks6:
-                postrtg6 = nft_rules.masq_rules(networks6, subnets6, random_fully)
-            forward_chain = forward_chain6 = None
-            if settings.iptables_forward_rules:
-                if networks:
-                    forward_chain = nft_rules.forward_rules(networks)
-                if networks6:
-                    forward_chain6 = nft_rules.forward_rules(networks6)
-            desired = nft_rules.NftRules(postrtg, forward_chain, postrtg6, forward_chain6)
-            steps.append(lambda: nft_fw.sync(desired))
-        else:
-            assert firewall is not None
-            if networks:  # IPv6-only: ip6tables alone
-                steps.extend(iptables_steps(firewall, networks, subnets))
-        if networks6 and firewall6 is not None and not nftables:
-            steps.extend(iptables_steps(firewall6, networks6, subnets6))
-
-        def sync() -> bool:
-            """True once every chain is as desired. Before the first success a failure
-            raises (start-up refuses a host where the firewall does not work); after it, a
-            failure is passing (the xtables lock held past the wait, e.g. by kube-proxy
-            while a lease is recovered): False, and the firewall timer tries again."""
-            try:
-                if not other_mode_cleaned[0]:
-                    clean_other_mode()
-                for step in steps:
-                    result = step()  # logs what it repaired
-                    metrics.firewall_sync(result.repaired)
-            except DataplaneError as e:
-                if not worked[0]:
-                    raise
-                log.warning("firewall rules not in place yet, retrying on the firewall "
-                            "timer: %s", e)  # fmt: skip
-                return False
-            worked[0] = True
-            return True
-
-        return sync
-
-    return make

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flannelpy.agent.compose import _firewall_factory, build_agent
+from flannelpy.agent.compose import build_agent
 from flannelpy.agent.events import TICK_FIREWALL
+from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.dataplane.firewall import SyncResult
 from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.errors import ConfigError, DataplaneError
@@ -152,7 +153,7 @@ class LockedFirewall:
 
 def firewalled_agent(tmp_path: Path, fw: LockedFirewall) -> AgentHarness:
     harness = AgentHarness(tmp_path, ip_masq=True)
-    factory = _firewall_factory(harness.settings, harness.writer.metrics, fw)  # type: ignore[arg-type]
+    factory = firewall_factory(harness.settings, harness.writer.metrics, fw)  # type: ignore[arg-type]
     harness.writer.firewall.factory = harness.agent.parts.firewall_factory = factory
     return harness
 

@@ -25,8 +25,6 @@ MODULES_OVER = {
     "flannelpy/subnet/etcd/client.py": 670,
 }
 FUNCTIONS_OVER = {
-    "flannelpy/agent/compose.py:build_agent": 134,
-    "flannelpy/agent/compose.py:_firewall_factory": 108,
     "flannelpy/observe/metrics.py:AgentMetrics.__init__": 212,
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
-from flannelpy.agent.compose import _firewall_factory
+from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.firewall import SyncResult
 from flannelpy.dataplane.nftables import NftRules
@@ -37,7 +37,7 @@ class Recording:
 
 def factory(nftables: bool, log: list[Any], **settings: Any) -> Any:
     ipt, nft = Recording("iptables", log), Recording("nft", log)
-    return _firewall_factory(
+    return firewall_factory(
         AgentSettings(**settings),
         AgentMetrics(),
         ipt,
@@ -102,7 +102,7 @@ def test_a_failed_clean_up_of_the_other_mode_does_not_stop_the_start() -> None:
     log: list[Any] = []
     ipt = Recording("iptables", log)
     nft = Recording("nft", log, remove_error="nft is not installed; install the nftables package")
-    make = _firewall_factory(AgentSettings(ip_masq=True), AgentMetrics(), ipt, nft)  # type: ignore[arg-type]
+    make = firewall_factory(AgentSettings(ip_masq=True), AgentMetrics(), ipt, nft)  # type: ignore[arg-type]
     assert make is not None
     assert make([NET], [SUBNET])()
     assert [entry[:2] for entry in log] == [("nft", "remove"), *[("iptables", "sync")] * 2]

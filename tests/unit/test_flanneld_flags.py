@@ -188,11 +188,11 @@ def test_fully_random_disable_drops_random_fully_from_the_masquerade_rules(
 ) -> None:
     from ipaddress import IPv4Network
 
-    from flannelpy.agent.compose import _firewall_factory
+    from flannelpy.agent.firewall_sync import firewall_factory
     from flannelpy.observe.metrics import AgentMetrics
 
     fw = RecordingFirewall()
-    factory = _firewall_factory(agent(["--ip-masq", *argv]), AgentMetrics(), fw)  # type: ignore[arg-type]
+    factory = firewall_factory(agent(["--ip-masq", *argv]), AgentMetrics(), fw)  # type: ignore[arg-type]
     assert factory is not None
     factory([IPv4Network("10.244.0.0/16")], [IPv4Network("10.244.3.0/24")])()
     masq = [r for rules in fw.synced for r in rules if "MASQUERADE" in str(r)]
