@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from ipaddress import IPv4Interface
+from pathlib import Path
 
 import pytest
 from flannelpy_lab import Lab
@@ -132,7 +133,10 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
         n1, n2 = lab.node("n1"), lab.node("n2")
         plain = lab.exec("n1", ["ping", "-c", "2", "-i", "0.2", "-p", under_hex, str(n2.ip)])
         assert plain.returncode == 0
-        time.sleep(0.5)
+        # The capture writes packets in order as they come: once the plain ping (the last
+        # traffic) is in the file, so is everything the pods sent before it.
+        wait_until(lambda: UNDERLAY_MARKER.encode() in Path(pcap).read_bytes(), 10,
+                   what="the plain ping in the capture")  # fmt: skip
     with open(pcap, "rb") as f:
         raw = f.read()
     assert UNDERLAY_MARKER.encode() in raw  # the capture sees plaintext when there is some
