@@ -43,9 +43,6 @@ class Capacity:
         *,
         cluster: str | None,
         kube_mode: bool,
-        replan: Callable[[], None],
-        setup_firewall: Callable[[], None],
-        write_subnet_env: Callable[[], None],
         on_low_free: Callable[[int], None],
         clocks: Clocks,
     ) -> None:
@@ -58,9 +55,6 @@ class Capacity:
         self.say_once = say_once
         self.cluster = cluster
         self.kube_mode = kube_mode
-        self.replan = replan
-        self.setup_firewall = setup_firewall
-        self.write_subnet_env = write_subnet_env
         self.on_low_free = on_low_free  # runs in a CNI request's thread: only enqueues
         self.clocks = clocks
         self._empty_since: dict[IPv4Network, float] = {}
@@ -94,7 +88,7 @@ class Capacity:
         self.metrics.lease_counts(len(serving), len(subnets) - len(serving))
         self.metrics.lease_limit(self.state.capacity.max_leases_per_node)
         if self.state.subnet_env_written and tuple(serving[:1]) != first_serving_before:
-            self.write_subnet_env()
+            self.state.subnet_env_due = True
 
     def _v6_changed(self, own: list[Lease]) -> bool:
         return tuple(lease.ipv6_subnet for lease in own) != self._v6_view
@@ -136,8 +130,7 @@ class Capacity:
         self.leases.add(lease)
         log.info("lease added subnet=%s reason=%r", lease.subnet, reason)
         self.sync_ipam()
-        self.replan()
-        self.setup_firewall()
+        self.state.replan_due = self.state.firewall_due = True
 
     def _release_lease(self, subnet: IPv4Network, reason: str) -> None:
         lease = next((x for x in self.state.own if x.subnet == subnet), None)
@@ -155,9 +148,7 @@ class Capacity:
                         subnet, e)  # fmt: skip
         self._empty_since.pop(subnet, None)
         self.leases.forget(lease)
-        self.replan()
-        self.state.capacity_due = True
-        self.setup_firewall()
+        self.state.capacity_due = self.state.replan_due = self.state.firewall_due = True
         self.sync_ipam()
         log.info("lease released subnet=%s reason=%r", subnet, reason)
 

@@ -64,6 +64,10 @@ class NodeState:
     lease_lost: bool = False
     attrs_dirty: bool = False
     capacity_due: bool = True
+    # ... and what those asked of the others (Writer._follow_up runs them in one order).
+    replan_due: bool = False
+    firewall_due: bool = False
+    subnet_env_due: bool = False
 
     @property
     def config(self) -> NetworkConfig:

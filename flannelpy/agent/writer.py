@@ -149,8 +149,7 @@ class Writer:
         self.capacity = Capacity(
             s, self.leases, parts.manager, self.pods, metrics, self.counts, say_once,
             cluster=settings.cluster_name, kube_mode=settings.kube_subnet_mgr,
-            replan=self.planner.replan, setup_firewall=self.firewall.setup,
-            write_subnet_env=self.write_subnet_env, on_low_free=self.on_low_free,
+            on_low_free=self.on_low_free,
             clocks=clocks,
         )  # fmt: skip
         self.live = LiveConfig(
@@ -252,7 +251,8 @@ class Writer:
     def pending(self) -> bool:
         s = self.state
         return (s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
-                or self.planner.linger_over())  # fmt: skip
+                or self.planner.linger_over() or s.replan_due or s.firewall_due
+                or s.subnet_env_due)  # fmt: skip
 
     def settle(self) -> None:
         """The follow-ups, in order; a failed one pauses them all briefly."""
@@ -283,6 +283,27 @@ class Writer:
                 log.warning("lease capacity check failed, retrying: %s", e)
                 s.capacity_due = True
                 self._pause()
+        self._follow_up()
+
+    def _follow_up(self) -> None:
+        """What the steps above asked of the others, in one order: routes, then the
+        firewall's rules for the new subnets, then subnet.env."""
+        s = self.state
+        if s.replan_due:
+            s.replan_due = False
+            self.planner.replan()
+        if s.firewall_due:
+            s.firewall_due = False
+            try:
+                self.firewall.setup()
+            except (DataplaneError, OSError) as e:
+                log.warning("firewall rules not set up, retrying: %s", e)
+                s.firewall_due = True
+                self._pause()
+                return
+        if s.subnet_env_due:
+            s.subnet_env_due = False
+            self.write_subnet_env()
 
     def _pause(self) -> None:
         self._pause_until = self.clocks.monotonic() + RETRY_PAUSE_SECONDS
@@ -291,13 +312,12 @@ class Writer:
         recovery = self.leases.recover_lost()
         if not recovery.changed:
             return
-        self.planner.replan()
+        s = self.state
+        s.replan_due = True
         if recovery.first_moved_from is not None or recovery.forgotten:
             # Pods on an old subnet keep their addresses on disk; new pods use the new one.
-            self.state.capacity_due = True
-            if recovery.first_moved_from is not None:
-                self.write_subnet_env()
-            self.firewall.setup()
+            s.capacity_due = s.firewall_due = True
+            s.subnet_env_due = s.subnet_env_due or recovery.first_moved_from is not None
 
     def write_subnet_env(self) -> None:
         write_node_subnet_env(self.state, self.settings, self.capacity.serves)
