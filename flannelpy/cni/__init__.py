@@ -4,11 +4,13 @@ agent's pod side (``pods.PodAttachments``: node IPAM, the bridge, the server, an
 listeners told of each pod that comes and goes).
 
 ``server.CniServer`` receives what the thin executable (``cni_plugin``) forwards,
-``handler.CniHandler`` runs the command against ``flannelpy.ipam.NodeIpam``,
-``podnet.PodNetwork`` (bridge and veth pairs) and ``records.RecordStore``.
+``handler.CniHandler`` runs the command (ADD in ``add``, DEL and GC in ``teardown``, CHECK
+in ``check``) against ``flannelpy.ipam.NodeIpam``, ``podnet.PodNetwork`` (bridge and veth
+pairs) and ``records.RecordStore``.
 """
 
-from flannelpy.cni.handler import CniHandler, CniSettings
+from flannelpy.cni.context import CniSettings
+from flannelpy.cni.handler import CniHandler
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.cni.server import CniServer
 from flannelpy.dataplane.podnet import PodLink, PodNetwork, host_veth_name

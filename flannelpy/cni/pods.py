@@ -64,7 +64,8 @@ class PodAttachments:
     ) -> None:
         """``cluster_networks``: the cluster's network of each enabled family, or the
         IPv4 one (None: none) with ``ipv6_network`` beside it."""
-        from flannelpy.cni.handler import CniHandler, CniSettings
+        from flannelpy.cni.context import CniSettings
+        from flannelpy.cni.handler import CniHandler
         from flannelpy.cni.records import RecordStore
         from flannelpy.cni.server import CniServer
         from flannelpy.dataplane.podnet import PodNetwork

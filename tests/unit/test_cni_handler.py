@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flannelpy.cni.handler import CniHandler, CniSettings, KeyLocks
+from flannelpy.cni.context import CniSettings, KeyLocks
+from flannelpy.cni.handler import CniHandler
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.dataplane.podnet import (
     IPInterface,

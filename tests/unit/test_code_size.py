@@ -17,7 +17,6 @@ FUNCTION_LINES = 80
 
 # Over the limit before the limit was enforced: to be split, never to grow.
 MODULES_OVER = {
-    "flannelpy/cni/handler.py": 778,
     "flannelpy/dataplane/netlink.py": 695,
     "flannelpy/dataplane/podnet.py": 851,
     "flannelpy/observe/metrics.py": 658,

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.cni.handler import build_result, pod_routes
+from flannelpy.cni.add import build_result, pod_routes
 from flannelpy.cni.spec import render_result
 from flannelpy.ipam import NodeIpam, PoolAllocator
 from flannelpy.ipam.allocator import Allocation

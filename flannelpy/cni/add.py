@@ -1,0 +1,234 @@
+"""CNI ADD: a pod's address, its veth pair on the bridge, its routes, the record of it,
+and the result the runtime gets.
+
+ADD acquires in this order, each step registering its undo: the address (IPAM), the
+bridge (shared, never undone), the veth pair; then the record is written (fsync'd)
+before the result is returned. A failure anywhere runs the undos in reverse, so nothing
+of a failed ADD remains. An ADD repeated for a live attachment returns the recorded
+result.
+
+Dual stack: a pod gets one address per family the node has a pod subnet in (IPAM's
+families), IPv4 first; the result lists one ``ips`` entry per family (both on the pod
+interface, index 1), each with its gateway, and per family the default route (or,
+without ``isDefaultGateway``, a route to each of that family's cluster networks) via
+that family's gateway. With no IPv4 subnet (``EnableIPv4`` false) a pod is IPv6-only:
+no IPv4 address, no IPv4 route.
+
+The plugin adds its routes with NLM_F_EXCL: a route it did not add is never replaced,
+and such a conflict fails the ADD with a sentence naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flannelpy.cni import netconf
+from flannelpy.cni.context import CommandContext
+from flannelpy.cni.failures import cni_errors
+from flannelpy.cni.records import Record
+from flannelpy.cni.spec import (
+    CniError,
+    Code,
+    Interface,
+    IPConfig,
+    Request,
+    Result,
+    RouteEntry,
+    parse_result,
+    render_result,
+)
+from flannelpy.cni.teardown import record_owner
+from flannelpy.dataplane.podnet import (
+    IPInterface,
+    IPNetwork,
+    PodRoute,
+    gateway_of,
+    host_veth_name,
+    veth_owner,
+)
+from flannelpy.ipam import Allocation
+
+# The handler's logger: these lines are the CNI handler's, as before the split.
+log = logging.getLogger("flannelpy.cni.handler")
+
+STORED_VERSION = "1.1.0"  # records keep results in this format; re-rendered per request
+
+
+class Undo:
+    """Undo actions of a half-done ADD, run newest first; their own failures are logged."""
+
+    def __init__(self) -> None:
+        self._actions: list[tuple[str, Callable[[], object]]] = []
+
+    def push(self, what: str, action: Callable[[], object]) -> None:
+        self._actions.append((what, action))
+
+    def run(self) -> None:
+        while self._actions:
+            what, action = self._actions.pop()
+            try:
+                action()
+            except Exception as e:
+                log.error("could not undo a failed ADD step=%s reason=%s", what, e)
+
+
+@dataclass(frozen=True)
+class _Plumbing:
+    """The pod's plumbing options, read from the conflist once per ADD."""
+
+    hairpin: bool
+    destinations: tuple[IPNetwork, ...]  # routed via the gateway of their family
+
+
+class AddCommand(CommandContext):
+    def add(self, req: Request, netns_fd: int | None = None) -> bytes:
+        """ADD into the namespace ``netns_fd`` (verified by the caller, see
+        CniHandler._pod_netns; None: PodNetwork opens CNI_NETNS)."""
+        if not self.settings.ready():
+            raise CniError(
+                Code.TRY_AGAIN_LATER,
+                "the flannelpy agent has no subnet lease or data plane yet; try again later",
+            )
+        bridge = netconf.bridge_name(req, self.settings)
+        cooldown = netconf.cooldown_seconds(req, self.settings)
+        wait = netconf.wait_seconds(req, self.settings)
+        mtu = self._mtu()
+        plumb = _Plumbing(
+            netconf.flag(req, "hairpinMode", self.settings.hairpin),
+            netconf.destinations(req, self.settings, self.ipam.families() or [4]),
+        )
+        key = (req.container_id, req.ifname)
+        with self.locks.hold(key), cni_errors():
+            existing = self.records.read(req.network_name, *key)
+            if existing is not None and self._still_there(existing, req):
+                return render_result(parse_result(existing.result, STORED_VERSION), req.cni_version)
+            undo = Undo()
+            try:
+                result = self._add_steps(
+                    req, netns_fd, existing, bridge, mtu, cooldown, wait, undo, plumb
+                )
+            except BaseException:
+                undo.run()
+                raise
+        return render_result(result, req.cni_version)
+
+    def _add_steps(
+        self,
+        req: Request,
+        netns_fd: int | None,
+        existing: Record | None,
+        bridge: str,
+        mtu: int,
+        cooldown: float,
+        wait: float,
+        undo: Undo,
+        plumb: _Plumbing,
+    ) -> Result:
+        cid, ifname = req.container_id, req.ifname
+        if existing is not None:  # its veth is gone or it was for another namespace
+            self.pods.delete_host_veth(existing.host_veth, record_owner(existing))
+        had = self.ipam.find_all(cid, ifname)
+        allocs = self.ipam.allocate_all(cid, ifname, cooldown=cooldown, wait=wait)
+        if not had:
+            undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
+        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
+        host = host_veth_name(req.netns, cid, ifname)
+        owner = veth_owner(req.netns, cid, ifname)
+        routes = pod_routes(allocs, plumb.destinations)
+        link = self.pods.add_pod(
+            req.netns,
+            ifname,
+            host,
+            index,
+            [a.interface for a in allocs],
+            routes,
+            mtu,
+            plumb.hairpin,
+            owner=owner,
+            netns_fd=netns_fd,
+        )
+        undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
+        result = build_result(
+            req.cni_version, link.host_veth, link.host_mac, link.ifname, link.pod_mac,
+            req.netns, allocs, routes, netconf.dns(req.config),
+        )  # fmt: skip
+        stored = json.loads(render_result(result, STORED_VERSION))
+        self.records.write(
+            Record(
+                network=req.network_name,
+                container_id=cid,
+                ifname=ifname,
+                netns=req.netns,
+                host_veth=host,
+                bridge=bridge,
+                addresses=tuple(a.interface for a in allocs),
+                gateways=tuple(a.gateway for a in allocs),
+                result=stored,
+            )
+        )
+        return result
+
+    def _still_there(self, record: Record, req: Request) -> bool:
+        """An earlier ADD's record still describes a live attachment in this namespace."""
+        if record.netns != req.netns:
+            return False
+        allocs = self.ipam.find_all(req.container_id, req.ifname)
+        if tuple(a.interface for a in allocs) != record.addresses:
+            return False
+        return self.pods.link(record.host_veth) is not None
+
+    def _gateways(self, allocs: Sequence[Allocation]) -> list[IPInterface]:
+        """The gateway of every lease that has or may get pods, these allocations' first
+        (the first one also names the bridge's MAC when the bridge is created)."""
+        gateways = [gateway_of(a.subnet) for a in allocs]
+        for acc in self.ipam.accounting():
+            gw = gateway_of(acc.subnet)
+            if gw not in gateways:
+                gateways.append(gw)
+        return gateways
+
+    def _mtu(self) -> int:
+        mtu = self.settings.mtu_provider()
+        if not mtu:
+            raise CniError(
+                Code.TRY_AGAIN_LATER,
+                "the flannelpy agent does not know the overlay MTU yet; try again later",
+            )
+        return mtu
+
+
+def pod_routes(allocs: Sequence[Allocation], destinations: Sequence[IPNetwork]) -> list[PodRoute]:
+    """(destination, gateway) per destination, via the gateway of its family's address."""
+    gateways = {a.family: a.gateway for a in allocs}
+    return [(dst, gateways[dst.version]) for dst in destinations if dst.version in gateways]
+
+
+def build_result(
+    cni_version: str,
+    host_veth: str,
+    host_mac: str,
+    ifname: str,
+    pod_mac: str,
+    netns: str,
+    allocs: Sequence[Allocation],
+    routes: Sequence[PodRoute],
+    dns: dict[str, Any],
+) -> Result:
+    """The ADD result: the host end and the pod interface, one ``ips`` entry per family
+    (IPv4 first) on the pod interface with its gateway, and the pod's routes."""
+    return Result(
+        cni_version=cni_version,
+        interfaces=(
+            Interface(name=host_veth, mac=host_mac),
+            Interface(name=ifname, mac=pod_mac, sandbox=netns),
+        ),
+        ips=tuple(
+            IPConfig(address=str(a.interface), gateway=str(a.gateway), interface=1) for a in allocs
+        ),
+        routes=tuple(RouteEntry(dst=str(dst), gw=str(gw)) for dst, gw in routes),
+        dns=dns,
+    )
