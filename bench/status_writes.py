@@ -55,7 +55,7 @@ def measure(peers: int, minutes: float, tree: str, rollout: bool = False) -> Res
     """Imports here: the tree to measure is whatever ``flannelpy`` is on sys.path."""
     from bench.common import fake_peers
     from flannelpy.agent.events import TICK_STATUS
-    from flannelpy.observe.prober import ProbeResult
+    from flannelpy.observe.probe_verdict import ProbeResult
     from flannelpy.subnet.etcd.kv import FakeStore
     from flannelpy.subnet.keys import rollout_key, status_key, subnets_prefix
     from tests.support.agent_fakes import NODE, PREFIX, AgentHarness, FakeClock, net_conf

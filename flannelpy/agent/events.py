@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flannelpy.observe.metrics import AGENT_EVENT_KINDS
-from flannelpy.observe.prober import ProbeResult
+from flannelpy.observe.metric_families import AGENT_EVENT_KINDS
+from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease
 
 if TYPE_CHECKING:  # the control module pulls in the etcd client; the type alone is enough

@@ -56,7 +56,8 @@ from flannelpy.errors import DataplaneError, StoreError
 from flannelpy.ipam.capacity import CapacitySettings
 from flannelpy.observe.health import Heartbeats
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
-from flannelpy.observe.prober import ProbeResult, Transport
+from flannelpy.observe.probe_rounds import Transport
+from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool

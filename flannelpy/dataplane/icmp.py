@@ -1,6 +1,6 @@
 """The prober's transport: ICMP echoes over raw sockets, never fragmented (root).
 
-Implements :class:`flannelpy.observe.prober.Transport`: ``send`` returns a
+Implements :class:`flannelpy.observe.probe_rounds.Transport`: ``send`` returns a
 ticket, ``take_replies`` hands back a :class:`Reply` per echo answered (an echo
 reply with its round-trip time, or the ICMP error that quoted it).
 :class:`IcmpTransport` is IPv4 (DF set), :class:`Icmp6Transport` ICMPv6 (with

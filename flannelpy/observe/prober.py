@@ -30,247 +30,51 @@ due while that many are out waits for capacity, and a missed slot is skipped rat
 than caught up in a burst. Each tick costs O(log N) per round started plus the rounds in flight:
 the due peers wait in a heap, not in a list sorted every tick.
 
-Statistics over the last ``window`` rounds of a peer (``window`` cycles once the
-cluster outgrows the budget):
-- loss: small echoes not answered / small echoes sent;
-- reachable: some echo answered in the last ``down_after`` rounds (one lost
-  packet is loss, not an outage);
-- mtu_ok: True as soon as a full-size DF echo is answered; False on a local
-  refusal, a "fragmentation needed" answer, or ``mtu_strikes`` rounds in a row
-  (skipping rounds where the small echo was lost too) where the small echo was
-  answered and the big one was not. Requiring several strikes keeps random loss
-  from passing for an MTU problem; None until either is seen.
-
-The pure part (Prober with a fake clock and transport, summarize, phases) runs
-in unit tests; :class:`flannelpy.dataplane.icmp.IcmpTransport` is the raw-socket
-I/O and needs root.
+This module is that budget and the loop; the pieces it composes are modules of
+their own: :mod:`~flannelpy.observe.probe_schedule` (the slot arithmetic),
+:mod:`~flannelpy.observe.probe_rounds` (a round's echoes through a Transport) and
+:mod:`~flannelpy.observe.probe_verdict` (loss, reachability and the MTU verdict over
+a peer's window of rounds). All but the raw-socket transport
+(:class:`flannelpy.dataplane.icmp.IcmpTransport`, which needs root) run in unit
+tests with a fake clock and transport.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import heapq
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
-from typing import Any, Literal, Protocol
 
-from flannelpy.dataplane.icmp import Reply
 from flannelpy.errors import ConfigError
+from flannelpy.observe.probe_rounds import (
+    SMALL_PROBE_BYTES,
+    SMALL_PROBE_BYTES6,
+    Echo,
+    Round,
+    Transport,
+    round_outcome,
+    start_round,
+)
+from flannelpy.observe.probe_schedule import cycle_seconds, first_slot, next_slot, phase_seconds
+from flannelpy.observe.probe_verdict import (
+    ProbeResult,
+    RoundOutcome,
+    needs_confirmation,
+    summarize,
+)
 
 log = logging.getLogger("flannelpy.prober")
 
-SMALL_PROBE_BYTES = 84  # total IP packet of ping's default 56-byte payload
-SMALL_PROBE_BYTES6 = 104  # the same over IPv6 (40-byte header)
 BLOCKED_POLL_SECONDS = 0.02  # how soon to look again when max_in_flight holds a peer back
 # Rounds per interval (20 rounds/s at the 5 s default): a 100-node cluster is probed in
 # full every interval, a 1,000-node one every 50 s.
 DEFAULT_PEERS_PER_INTERVAL = 100
-
-
-# ---------------------------------------------------------------------------
-# Results
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What the prober knows about one peer, after its latest completed round."""
-
-    reachable: bool
-    rtt_seconds: float | None  # latest answered small echo; None when unreachable
-    loss_ratio: float  # 0.0 .. 1.0 over the window
-    mtu_ok: bool | None  # None: not verified either way yet
-    last_error: str | None  # the latest round's problem; None when it went fine
-    probes: int  # rounds completed since the peer was added
-    target: IPv4Address | IPv6Address | None = None
-    label: str = ""
-
-    @property
-    def family(self) -> str:
-        """ "ipv6" for the IPv6 side of a dual-stack peer, else "ipv4"."""
-        return "ipv6" if self.target is not None and self.target.version == 6 else "ipv4"
-
-    def as_status(self) -> dict[str, Any]:
-        """The ``status.json`` form: {reachable, rtt_ms, loss, mtu_ok, error, probes}."""
-        rtt_ms = None if self.rtt_seconds is None else round(self.rtt_seconds * 1000, 3)
-        return {
-            "reachable": self.reachable,
-            "rtt_ms": rtt_ms,
-            "loss": round(self.loss_ratio, 4),
-            "mtu_ok": self.mtu_ok,
-            "error": self.last_error,
-            "probes": self.probes,
-        }
-
-
-BigOutcome = Literal["not-sent", "answered", "lost", "refused"]
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """One completed round to one peer."""
-
-    small_ok: bool
-    rtt_seconds: float | None
-    big: BigOutcome
-    error: str | None = None
-
-
-def summarize(
-    history: Sequence[RoundOutcome],
-    probes: int,
-    *,
-    down_after: int = 3,
-    mtu_strikes: int = 3,
-    target: IPv4Address | IPv6Address | None = None,
-    label: str = "",
-) -> ProbeResult:
-    """Turn a peer's window of rounds (oldest first) into a ProbeResult."""
-    sent = len(history)
-    loss = sum(not r.small_ok for r in history) / sent if sent else 0.0
-    recent = history[-down_after:] if down_after > 0 else history
-    reachable = any(r.small_ok or r.big == "answered" for r in recent)
-    rtt = next((r.rtt_seconds for r in reversed(history) if r.small_ok), None)
-    return ProbeResult(
-        reachable=reachable,
-        rtt_seconds=rtt if reachable else None,
-        loss_ratio=loss,
-        mtu_ok=mtu_verdict(history, mtu_strikes),
-        last_error=history[-1].error if history else None,
-        probes=probes,
-        target=target,
-        label=label,
-    )
-
-
-def mtu_verdict(history: Sequence[RoundOutcome], strikes: int = 3) -> bool | None:
-    """Newest evidence first: see the module docstring."""
-    seen = 0
-    for r in reversed(history):
-        if r.big == "answered":
-            return True
-        if r.big == "refused":
-            return False
-        if r.big == "lost" and r.small_ok:
-            seen += 1
-            if seen >= strikes:
-                return False
-    return None
-
-
-# ---------------------------------------------------------------------------
-# Scheduling (pure)
-# ---------------------------------------------------------------------------
-
-
-def phase_seconds(own: str, peer: str, interval: float) -> float:
-    """Where in the interval ``own`` probes ``peer``: a stable hash of the ordered pair.
-
-    Not Python's hash(): that one is salted per process, and the spread must be the
-    same on every node and across restarts.
-    """
-    digest = hashlib.blake2b(f"{own}\0{peer}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 * interval
-
-
-def first_slot(now: float, phase: float, interval: float) -> float:
-    """The earliest time >= now that is ``phase`` modulo ``interval``."""
-    slot = phase + math.ceil((now - phase) / interval) * interval
-    while slot < now:  # float rounding
-        slot += interval
-    return slot
-
-
-def slot_after(slot: float, now: float, interval: float) -> float:
-    """The first slot after ``slot`` that is later than ``now`` (missed slots are skipped)."""
-    nxt = slot + interval
-    if nxt <= now:
-        nxt += math.floor((now - nxt) / interval + 1) * interval
-    while nxt <= now:  # float rounding
-        nxt += interval
-    return nxt
-
-
-def cycle_seconds(n_peers: int, interval: float, peers_per_interval: int) -> float:
-    """How long one pass over every peer takes: whole intervals, each probing at most
-    ``peers_per_interval`` of them."""
-    return interval * max(1, math.ceil(n_peers / peers_per_interval))
-
-
-def next_slot(due: float, now: float, phase: float, period: float) -> float:
-    """The first slot later than ``now`` of the schedule ``phase + k * period``."""
-    slot = first_slot(now, phase, period)
-    while slot <= now or slot <= due:
-        slot += period
-    return slot
-
-
-def needs_confirmation(latest: RoundOutcome, result: ProbeResult) -> bool:
-    """True when the latest round failed but the verdict has not followed yet: the
-    peer is probed again after an interval, not a cycle, until it does either way."""
-    if not latest.small_ok:
-        return result.reachable
-    return latest.big == "lost" and result.mtu_ok is not False
-
-
-# ---------------------------------------------------------------------------
-# Transport boundary
-# ---------------------------------------------------------------------------
-
-
-class Transport(Protocol):
-    """Sends ICMP echoes with DF set and hands back what answered them."""
-
-    def send(
-        self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
-    ) -> int:
-        """Send one echo request of ``size`` bytes (whole IP packet), never fragmented,
-        over the target's family (``source`` is of the same); return its ticket.
-
-        Raises OSError when the kernel refuses it (EMSGSIZE: larger than the route MTU).
-        """
-        ...
-
-    def take_replies(self) -> list[Reply]:
-        """Replies that arrived since the last call."""
-        ...
-
-    def cancel(self, ticket: int) -> None:
-        """Forget a ticket (timed out), so a late reply is ignored."""
-        ...
-
-
-# ---------------------------------------------------------------------------
-# The prober
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Echo:
-    size: int
-    ticket: int | None = None  # outstanding while set
-    done: bool = False
-    rtt: float | None = None
-    error: str | None = None
-    refused: bool = False  # locally (EMSGSIZE) or by an ICMP "fragmentation needed"
-
-
-@dataclass
-class _Round:
-    deadline: float
-    small: _Echo
-    big: _Echo | None
-
-    def echoes(self) -> list[_Echo]:
-        return [self.small] if self.big is None else [self.small, self.big]
 
 
 @dataclass
@@ -283,7 +87,7 @@ class _Peer:
     next_due: float = 0.0
     history: deque[RoundOutcome] = field(default_factory=deque)
     probes: int = 0
-    current: _Round | None = None
+    current: Round | None = None
     hurry: bool = False  # probed every interval, not every cycle (module docstring)
 
     def __post_init__(self) -> None:
@@ -340,7 +144,7 @@ class Prober:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._results: dict[str, ProbeResult] = {}
-        self._tickets: dict[int, _Echo] = {}  # outstanding echoes by transport ticket
+        self._tickets: dict[int, Echo] = {}  # outstanding echoes by transport ticket
         self._phase_owner: str | None = None  # the own address phases were computed for
         self.peers_per_interval = peers_per_interval
         self.cycle = interval_seconds  # recomputed as the peer set grows or shrinks
@@ -465,7 +269,7 @@ class Prober:
             for echo in peer.current.echoes():
                 self._forget(echo)
 
-    def _forget(self, echo: _Echo) -> None:
+    def _forget(self, echo: Echo) -> None:
         if echo.ticket is not None:
             self._tickets.pop(echo.ticket, None)
             self._transport.cancel(echo.ticket)
@@ -496,7 +300,7 @@ class Prober:
                     echo.done = True
             peer.current = None
             del self._in_flight[peer.key]
-            outcome = self._outcome(rnd, peer.target)
+            outcome = round_outcome(rnd, peer.target, self.timeout)
             peer.history.append(outcome)
             peer.probes += 1
             result = summarize(
@@ -516,24 +320,6 @@ class Prober:
             self._results[peer.key] = result
             finished.append((peer.key, result))
         return finished
-
-    def _outcome(self, rnd: _Round, target: IPv4Address | IPv6Address) -> RoundOutcome:
-        small_ok = rnd.small.rtt is not None
-        errors = []
-        if not small_ok:
-            errors.append(rnd.small.error or self._timeout_text(rnd.small.size, target, False))
-        big: BigOutcome = "not-sent"
-        if rnd.big is not None:
-            if rnd.big.rtt is not None:
-                big = "answered"
-            else:
-                big = "refused" if rnd.big.refused else "lost"
-                errors.append(rnd.big.error or self._timeout_text(rnd.big.size, target, True))
-        return RoundOutcome(small_ok, rnd.small.rtt, big, "; ".join(errors) or None)
-
-    def _timeout_text(self, size: int, target: IPv4Address | IPv6Address, df: bool) -> str:
-        kind = f"{size}-byte DF echo (the overlay MTU)" if df else f"{size}-byte echo"
-        return f"no reply from {target} to a {kind} within {self.timeout:g} s"
 
     def _dispatch(self, now: float) -> bool:
         """Start due rounds; True if a due peer had to wait for in-flight capacity."""
@@ -559,33 +345,19 @@ class Prober:
                 big_size = mtu if mtu is not None and mtu > small else None
                 if len(self._tickets) + (1 if big_size is None else 2) > self.max_in_flight:
                     return True
-                peer.current = self._start_round(src, peer.target, small, big_size, now)
+                peer.current = start_round(
+                    self._transport,
+                    self._tickets,
+                    src,
+                    peer.target,
+                    small,
+                    big_size,
+                    now + self.timeout,
+                )
                 self._in_flight[key] = peer
             heapq.heappop(due)
             self._advance(peer, now)
         return False
-
-    def _start_round(
-        self,
-        source: IPv4Address | IPv6Address,
-        target: IPv4Address | IPv6Address,
-        small_size: int,
-        big_size: int | None,
-        now: float,
-    ) -> _Round:
-        rnd = _Round(now + self.timeout, _Echo(small_size), None)
-        if big_size is not None:
-            rnd.big = _Echo(big_size)
-        for echo in rnd.echoes():
-            try:
-                echo.ticket = self._transport.send(source, target, echo.size)
-            except OSError as e:
-                echo.done = True
-                echo.refused = e.errno == errno.EMSGSIZE
-                echo.error = _send_error_text(e, source, target, echo.size)
-                continue
-            self._tickets[echo.ticket] = echo
-        return rnd
 
     def _next_wake(self, now: float, blocked: bool) -> float:
         due = self._due
@@ -622,15 +394,3 @@ class Prober:
                 new.mtu_ok,
                 new.last_error,
             )
-
-
-def _send_error_text(
-    e: OSError, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
-) -> str:
-    if e.errno == errno.EMSGSIZE:
-        kind = "DF" if target.version == 4 else "unfragmentable"
-        return (
-            f"message too long: this node refuses to send a {size}-byte {kind} packet to "
-            f"{target}, so its route MTU is below the overlay MTU"
-        )
-    return f"cannot send an echo from {source} to {target}: {e.strerror or e}"

@@ -33,7 +33,7 @@ from flannelpy_lab import Lab
 from prometheus_client.parser import text_string_to_metric_families
 
 import flannelpy
-from flannelpy.observe.metrics import FAMILIES
+from flannelpy.observe.metric_families import FAMILIES
 from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 
 pytestmark = [

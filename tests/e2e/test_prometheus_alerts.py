@@ -32,7 +32,7 @@ from flannelpy_lab import Lab
 from flannelpy_lab import prometheus as prom
 from flannelpy_lab.state import PodInfo
 
-from flannelpy.observe.metrics import FAMILIES
+from flannelpy.observe.metric_families import FAMILIES
 from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [

@@ -27,7 +27,8 @@ from flannelpy.dataplane.ethtool import set_tx_checksum, tx_checksum
 from flannelpy.dataplane.icmp import DualTransport, Icmp6Transport, IcmpTransport
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.errors import InterfaceNotFound
-from flannelpy.observe.prober import Prober, ProbeResult
+from flannelpy.observe.probe_verdict import ProbeResult
+from flannelpy.observe.prober import Prober
 from tests.support.lab_util import wait_until
 from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name
 

@@ -20,7 +20,7 @@ from flannelpy.agent.events import (
     kind_of,
 )
 from flannelpy.agent.node import THREAD_GRACE_SECONDS
-from flannelpy.observe.prober import ProbeResult
+from flannelpy.observe.probe_verdict import ProbeResult
 from tests.support.agent_fakes import AgentHarness
 
 PROBE = ProbeResult(

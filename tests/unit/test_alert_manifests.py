@@ -1,5 +1,5 @@
 """manifests/: the PrometheusRule passes promtool and its alerts fire when they should;
-the rules and the Grafana dashboard use only metrics that flannelpy.metrics exports;
+the rules and the Grafana dashboard use only metrics flannelpy.observe.metric_families lists;
 the ServiceMonitor finds the DaemonSet's metrics port."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from flannelpy.dataplane import linkstats
-from flannelpy.observe import metrics
+from flannelpy.observe import metric_families
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 RULES = MANIFESTS / "prometheusrule.yaml"
@@ -122,7 +122,7 @@ def test_alerts_cover_what_the_issue_asks_for() -> None:
 
 
 def test_rules_use_only_exported_metrics() -> None:
-    exported = metrics.sample_names()
+    exported = metric_families.sample_names()
     for rule in rules():
         unknown = metric_names(rule["expr"]) - exported
         assert not unknown, f"{rule['alert']} reads {unknown}, which flannelpy does not export"
@@ -133,7 +133,7 @@ def test_dashboard_is_valid_json_and_uses_only_exported_metrics() -> None:
     board = json.loads(DASHBOARD.read_text())
     exprs = list(dashboard_exprs(board))
     assert len(exprs) >= 20
-    exported = metrics.sample_names()
+    exported = metric_families.sample_names()
     for expr in exprs:
         unknown = metric_names(expr) - exported
         assert not unknown, f"dashboard query {expr!r} reads {unknown}, not exported"

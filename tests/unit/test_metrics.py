@@ -31,7 +31,8 @@ from flannelpy.errors import (
 from flannelpy.ipam.allocator import Accounting
 from flannelpy.observe.health import Heartbeats, readiness, split_host_port
 from flannelpy.observe.kernel_counters import KernelReading
-from flannelpy.observe.metrics import FAMILIES, AgentMetrics, sample_names, store_error_kind
+from flannelpy.observe.metric_families import FAMILIES, sample_names
+from flannelpy.observe.metrics import AgentMetrics, store_error_kind
 from flannelpy.subnet.etcd.client import _error_kind
 from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
 from flannelpy.subnet.etcd.manager import EtcdSubnetManager

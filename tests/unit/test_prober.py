@@ -36,21 +36,22 @@ from flannelpy.dataplane.icmp import (
 )
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError
-from flannelpy.observe.prober import (
-    SMALL_PROBE_BYTES,
-    SMALL_PROBE_BYTES6,
-    Prober,
-    ProbeResult,
-    RoundOutcome,
+from flannelpy.observe.probe_rounds import SMALL_PROBE_BYTES, SMALL_PROBE_BYTES6
+from flannelpy.observe.probe_schedule import (
     cycle_seconds,
     first_slot,
-    mtu_verdict,
-    needs_confirmation,
     next_slot,
     phase_seconds,
     slot_after,
+)
+from flannelpy.observe.probe_verdict import (
+    ProbeResult,
+    RoundOutcome,
+    mtu_verdict,
+    needs_confirmation,
     summarize,
 )
+from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.waiting import wait_until
 
