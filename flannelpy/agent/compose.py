@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,8 @@ from flannelpy.agent.vtep import load_vtep_mac
 from flannelpy.agent.writer import AgentParts, ProbeTransport
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.registry import get_backend
+from flannelpy.backend.wireguard_config import parse_wireguard_config
+from flannelpy.backend.wireguard_runtime import WireguardRuntime, default_key_file
 from flannelpy.cni.pods import PodAttachments, PodSide
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
@@ -83,7 +86,13 @@ def build_agent(
 
             kernel = NetlinkKernel()
         ctx = _node_context(settings, config, kernel, kube)
-        _prepare_wireguard(settings, config, metrics, now=backend.type_name == "wireguard")
+        wireguard = _wireguard_runtime(settings, metrics)
+        if backend.type_name == "wireguard":
+            # The options checked, kernel or userspace chosen and the key loaded before
+            # anything on the host changes: "Implementation": "kernel" without the module
+            # stops here.
+            identity = wireguard.prepare(parse_wireguard_config(config.backend))
+            ctx = replace(ctx, wireguard_identity=identity)
         _take_over_flannel_routes(settings, kernel, ctx)
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
@@ -128,6 +137,7 @@ def build_agent(
             capacity=capacity,
             probe_transport=_icmp_transport,
             link_stats=_link_stats,
+            wireguard=wireguard,
         )
     )
 
@@ -304,7 +314,8 @@ def run_agent(settings: AgentSettings) -> int:
         agent.shutdown()
         return e.exit_code
     finally:
-        _stop_wireguard()  # as flanneld, the device goes with the agent; the key stays
+        if agent.parts.wireguard is not None:
+            agent.parts.wireguard.stop()  # as flanneld's, the devices go; the key stays
     return 0
 
 
@@ -333,32 +344,15 @@ def _all_backend_devices(ctx: NodeContext) -> tuple[str, ...]:
     return (device_name(ctx.config.backend.vni), DEVICE, DEVICE_V6)
 
 
-def _prepare_wireguard(settings: AgentSettings, config: NetworkConfig,
-                       metrics: AgentMetrics, now: bool) -> None:  # fmt: skip
-    """The node's WireGuard runtime, for wireguard now or after a live switch to it. With
-    ``now``, check the options, choose kernel or userspace and load the key before anything
-    on the host changes: "Implementation": "kernel" without the module stops here."""
-    from flannelpy.backend import wireguard_runtime as wireguard
-    from flannelpy.backend.wireguard_config import parse_wireguard_config
-
-    runtime = wireguard.WireguardRuntime(
-        wireguard.default_key_file(settings.state_dir),
+def _wireguard_runtime(settings: AgentSettings, metrics: AgentMetrics) -> WireguardRuntime:
+    """The node's WireGuard key and devices, for wireguard now or after a live switch to
+    it. Nothing on the host changes until the key is loaded or a device planned."""
+    return WireguardRuntime(
+        default_key_file(settings.state_dir),
         os.path.join(settings.run_dir, "wireguard"),
         on_repair=metrics.wireguard_repair,
         on_prepared=metrics.wireguard_implementation,
-        on_unencrypted=metrics.wireguard_unencrypted_peers,
     )
-    wireguard.set_runtime(runtime)
-    if now:
-        runtime.prepare(parse_wireguard_config(config.backend))
-
-
-def _stop_wireguard() -> None:
-    from flannelpy.backend import wireguard_runtime as wireguard
-
-    runtime = wireguard.current_runtime()
-    if runtime is not None:
-        runtime.stop()
 
 
 def _read_config_patiently(

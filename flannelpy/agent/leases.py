@@ -60,7 +60,7 @@ class OwnLeases:
         peers = s.peers()
         mac = self.vtep.if_needed(s.backend, s.ctx, peers)
         s.vtep_advertised = mac is not None
-        ctx = keeping_context(s.ctx, s.backend.type_name, peers)
+        ctx = keeping_context(s.ctx, s.backend.type_name, peers, s.wireguard_device_up)
         s.keeps_wireguard = ctx.keeps_wireguard
         return with_kept_key(ctx, s.backend.lease_attrs(ctx, mac))
 

@@ -24,6 +24,8 @@ from flannelpy.agent.state import Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, backend_doc
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
+from flannelpy.backend.wireguard_config import parse_wireguard_config
+from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
@@ -65,6 +67,7 @@ class LiveConfig:
         publish_view: Callable[[], None],
         write_subnet_env: Callable[[], None],
         clocks: Clocks,
+        wireguard: WireguardRuntime | None = None,
     ) -> None:
         self.state = state
         self.settings = settings
@@ -80,6 +83,7 @@ class LiveConfig:
         self.publish_view = publish_view
         self.write_subnet_env = write_subnet_env
         self.clocks = clocks
+        self.wireguard = wireguard
         self.snapshot: ControlSnapshot | None = None
         self.pending = False  # a snapshot not looked at yet
         self.failed = False  # the last application raised: retry
@@ -217,6 +221,13 @@ class LiveConfig:
         override: NodeOverride | None,
     ) -> None:
         s = self.state
+        if backend.type_name == "wireguard":
+            # Load the key (and choose kernel or userspace) before anything switches:
+            # planning takes it from the context.
+            if self.wireguard is None:
+                raise ConfigError("this agent has no WireGuard runtime; restart it to switch")
+            options = parse_wireguard_config(wanted.backend)
+            ctx = replace(ctx, wireguard_identity=self.wireguard.prepare(options))
         if decision.forced is not None:
             log.warning(
                 "disruptive change forced past the disruption policy change=%r reason=%r by=%s",

@@ -32,7 +32,6 @@ from flannelpy.agent.events import (
 from flannelpy.agent.live_config import CONTROL_RETRY_SECONDS
 from flannelpy.agent.planning import probe_source6
 from flannelpy.agent.writer import AgentParts, ProbeTransport, Writer
-from flannelpy.backend.wireguard_runtime import current_runtime as current_wireguard_runtime
 from flannelpy.config.effective import write_effective
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.errors import DataplaneError
@@ -56,9 +55,8 @@ class NodeAgent:
         self.manager = parts.manager
         self.beats = Heartbeats()
         self.writer = Writer(parts, self.beats)
-        wireguard = current_wireguard_runtime()
-        if wireguard is not None:  # its handshakes decide when a pair leaves vxlan
-            wireguard.on_confirmed = self.writer.on_wireguard_confirmed
+        if parts.wireguard is not None:  # its handshakes decide when a pair leaves vxlan
+            parts.wireguard.on_confirmed = self.writer.on_wireguard_confirmed
         self.stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[HealthServer] = []

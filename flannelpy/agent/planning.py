@@ -11,12 +11,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext, node_bounds
-from flannelpy.backend.wireguard import WireguardBackend, keeping_context, plan_kept
+from flannelpy.backend.wireguard import (
+    WireguardBackend,
+    keeping_context,
+    plan_kept,
+    unencrypted_peers,
+)
+from flannelpy.backend.wireguard_config import DEVICE as WG_DEVICE
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
@@ -25,10 +32,14 @@ from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
+if TYPE_CHECKING:
+    from flannelpy.dataplane.wireguard import WgDeviceSpec
+
 log = logging.getLogger("flannelpy.agent.planning")
 UNKNOWN_MTU_LINES = 3  # more new peers of unknown MTU than this: one line for them all
 # How long a device that left the plan stays: peers see our new lease well within it.
 LINGER_SECONDS = 5.0
+T = TypeVar("T")
 
 
 def probe_target6(peer: Lease) -> IPv6Address | None:
@@ -66,6 +77,27 @@ def probe_peers(
     return out
 
 
+class Lingering(Generic[T]):
+    """Named things of the plan that stay ``seconds`` after they left it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._planned: dict[str, T] = {}  # of the last plan
+        self._lingering: dict[str, tuple[float, T]] = {}  # name -> (until, last form)
+
+    def update(self, planned: dict[str, T], now: float) -> dict[str, T]:
+        """Take the new plan's things; what lingers now (and was not planned again)."""
+        for name in self._planned.keys() - planned.keys():
+            self._lingering[name] = (now + self.seconds, self._planned[name])
+        self._planned = planned
+        self._lingering = {n: v for n, v in self._lingering.items()
+                           if v[0] > now and n not in planned}  # fmt: skip
+        return {name: thing for name, (_, thing) in self._lingering.items()}
+
+    def over(self, now: float) -> bool:
+        return any(until <= now for until, _ in self._lingering.values())
+
+
 class Planner:
     def __init__(
         self, state: NodeState, reconciler: Reconciler, vtep: VtepMac, metrics: AgentMetrics,
@@ -81,9 +113,9 @@ class Planner:
         # Peers logged as MTU unknown.
         self._said_unknown_mtu: set[IPv4Network | IPv6Network] = set()
         self.monotonic = monotonic
-        self._planned: dict[str, VxlanLink] = {}  # the devices of the last plan
-        # device -> (when it may be removed, its last planned form)
-        self._lingering: dict[str, tuple[float, VxlanLink]] = {}
+        # Devices that left the plan, kept a few seconds in their last planned form.
+        self._links: Lingering[VxlanLink] = Lingering(LINGER_SECONDS)
+        self._wireguard: Lingering[WgDeviceSpec] = Lingering(LINGER_SECONDS)
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
         """Hand the prober the current peers: each lease's IPv4 overlay address (its
@@ -106,15 +138,20 @@ class Planner:
         self.check_mtu(peers)
         self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
-        ctx = keeping_context(s.ctx, s.backend.type_name, peers)
+        ctx = keeping_context(s.ctx, s.backend.type_name, peers, s.wireguard_device_up)
         if (vtep_mac is not None) != s.vtep_advertised or (
             ctx.keeps_wireguard != s.keeps_wireguard
         ):
             s.attrs_dirty = True  # the writer rewrites our lease next
         desired = s.backend.plan(ctx, s.own, peers, vtep_mac)
-        if s.backend.type_name != WireguardBackend.type_name:
+        if s.backend.type_name == WireguardBackend.type_name:
+            self.metrics.wireguard_unencrypted_peers(
+                unencrypted_peers(ctx, s.own, peers, vtep_mac is not None)
+            )
+        else:
             desired = plan_kept(ctx, s.own, peers, desired)
         desired, stale_links = self._with_lingering(desired)
+        s.wireguard_device_up = any(spec.name == WG_DEVICE for spec in desired.wireguard)
         if desired.unreachable != s.unreachable:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
@@ -125,31 +162,28 @@ class Planner:
     def _with_lingering(self, desired: DesiredState) -> tuple[DesiredState, frozenset[str]]:
         """``desired`` with the devices that left the plan less than
         :data:`LINGER_SECONDS` ago, and our devices to remove (the others not planned).
-        A lingering device stays, with no address, route, neighbour or FDB entry, so
-        that peers which have not seen our new lease yet still reach us through it:
-        make before break, as when the last node of a rollout to wireguard drops its
-        VTEP."""
+        A lingering VTEP stays, with no address, route, neighbour or FDB entry, so that
+        peers which have not seen our new lease yet still reach us through it: make before
+        break, as when the last node of a rollout to wireguard drops its VTEP. A lingering
+        WireGuard device keeps its peers: those may still send to us encrypted."""
         now = self.monotonic()
-        planned = {link.name: link for link in desired.links}
-        for name in self._planned.keys() - planned.keys():
-            self._lingering[name] = (now + LINGER_SECONDS, self._planned[name])
-        for name in planned:
-            self._lingering.pop(name, None)
-        self._planned = planned
-        self._lingering = {n: v for n, v in self._lingering.items() if v[0] > now}
-        stale = frozenset(self.state.known_devices - planned.keys() - self._lingering.keys())
-        if not self._lingering:
+        links = self._links.update({link.name: link for link in desired.links}, now)
+        devices = self._wireguard.update({d.name: d for d in desired.wireguard}, now)
+        planned = {link.name for link in desired.links}
+        stale = frozenset(self.state.known_devices - planned - links.keys())
+        if not links and not devices:
             return desired, stale
-        kept = frozenset(link for _, link in self._lingering.values())
+        kept = frozenset(links.values())
         return replace(
             desired, links=desired.links | kept,
             owned_devices=desired.owned_devices | {link.name for link in kept},
+            wireguard=desired.wireguard | frozenset(devices.values()),
         ), stale  # fmt: skip
 
     def linger_over(self) -> bool:
         """A lingering device is due for removal: the writer replans."""
         now = self.monotonic()
-        return any(until <= now for until, _ in self._lingering.values())
+        return self._links.over(now) or self._wireguard.over(now)
 
     def bounds(self) -> Bounds:
         """What a peer lease must not contradict: the networks, our leases, our addresses."""

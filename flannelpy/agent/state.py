@@ -68,6 +68,8 @@ class NodeState:
     replan_due: bool = False
     firewall_due: bool = False
     subnet_env_due: bool = False
+    # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).
+    wireguard_device_up: bool = False
 
     @property
     def config(self) -> NetworkConfig:

@@ -47,6 +47,7 @@ from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
 from flannelpy.agent.vtep import VtepMac, quiet_router_adverts
 from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.cni.pods import PodSide
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.ethtool import set_tx_checksum
@@ -101,6 +102,8 @@ class AgentParts:
     clocks: Clocks = field(default_factory=Clocks)
     ticker: bool = True  # False in tests, which put their own Tick events
     jitter: Callable[[], float] = random.random  # 0.0 .. 1.0: spreads the status heartbeat
+    # The node's WireGuard key and devices (the reconciler applies the planned ones).
+    wireguard: WireguardRuntime | None = None
 
 
 def _primary_pool(network: IPv4Network | None) -> list[Pool]:
@@ -131,7 +134,11 @@ class Writer:
         self._pause_until = 0.0
         say_once = SayOnce(log)
         self.reconciler = Reconciler(
-            parts.kernel, settings.resync_interval, self.on_reconciled, metrics.reconcile_error
+            parts.kernel,
+            settings.resync_interval,
+            self.on_reconciled,
+            metrics.reconcile_error,
+            wireguard=parts.wireguard,
         )
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
@@ -158,7 +165,7 @@ class Writer:
             leases=self.leases, capacity=self.capacity, firewall=self.firewall,
             status=self.status, metrics=metrics, say_once=say_once,
             publish_view=self.publish_view, write_subnet_env=self.write_subnet_env,
-            clocks=clocks,
+            clocks=clocks, wireguard=parts.wireguard,
         )  # fmt: skip
 
     # -- producers: any thread --------------------------------------------------------

@@ -21,6 +21,7 @@ from flannelpy.backend.paths import (
     own_capabilities,
     peer_capabilities,
 )
+from flannelpy.backend.wireguard_config import WireguardIdentity
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.dataplane.state import (
     Address,
@@ -58,6 +59,9 @@ class NodeContext:
     # doctor), and no pair is held back. A wireguard pair whose handshake is still to come
     # stays on vxlan while both ends have a VTEP (:func:`held_on_vxlan`).
     wireguard_confirmed: frozenset[str] | None = None
+    # Our WireGuard key and the options its device runs with, once the agent loaded the key
+    # (it runs wireguard, or did and keeps the device); None before, and for the doctor.
+    wireguard_identity: WireguardIdentity | None = None
 
 
 class Backend(Protocol):

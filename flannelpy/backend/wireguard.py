@@ -36,9 +36,10 @@ kernel; userspace). The overlay MTU is the underlay's minus 60 over IPv4
 (IP 20 + UDP 8 + WireGuard header 16 + tag 16) and 80 over IPv6; Flannel
 subtracts 80 for both.
 
-Planning stays pure: :meth:`WireguardBackend.plan` returns the routes and hands
-the device's desired state to the device runtime (:mod:`flannelpy.dataplane.wireguard`),
-which reconciles the device itself.
+Planning is pure: :meth:`WireguardBackend.plan` returns the routes and the devices'
+desired state (``DesiredState.wireguard``); the reconciler hands those to the node's
+runtime (:mod:`flannelpy.backend.wireguard_runtime`), which starts and updates them. The
+node's key comes in the context (``NodeContext.wireguard_identity``), loaded by the agent.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ from flannelpy.backend.wireguard_config import (
     overlay_mtu,
     parse_wireguard_config,
 )
-from flannelpy.backend.wireguard_runtime import WireguardRuntime, current_runtime, get_runtime
 from flannelpy.dataplane.state import DesiredState, Route, blackhole_route
 from flannelpy.dataplane.uapi import WgPeer
 from flannelpy.dataplane.wgkeys import is_key
@@ -219,18 +219,19 @@ def runs_wireguard(lease: Lease) -> bool:
     )
 
 
-def keeping_context(ctx: NodeContext, backend_type: str, peers: Sequence[Lease]) -> NodeContext:
+def keeping_context(
+    ctx: NodeContext, backend_type: str, peers: Sequence[Lease], device_up: bool
+) -> NodeContext:
     """``ctx`` with ``keeps_wireguard`` set when this node, on another backend now, still
-    has its WireGuard device and a peer still runs wireguard: the pair then stays
-    encrypted until that peer switches too, so switching back from wireguard node by node
-    never leaves a pair without a path (the peer has dropped its VTEP). IPv4 only: the
-    IPv6 device is not kept."""
-    runtime = current_runtime()
+    has its WireGuard device (``device_up``: the last plan had it) and a peer still runs
+    wireguard: the pair then stays encrypted until that peer switches too, so switching
+    back from wireguard node by node never leaves a pair without a path (the peer has
+    dropped its VTEP). IPv4 only: the IPv6 device is not kept."""
     keeps = (
         backend_type != WireguardBackend.type_name
         and ctx.public_ip is not None
-        and runtime is not None
-        and runtime.running
+        and device_up
+        and ctx.wireguard_identity is not None
         and any(runs_wireguard(peer) for peer in routable_peers(ctx, [], peers))
     )
     return replace(ctx, keeps_wireguard=keeps) if keeps != ctx.keeps_wireguard else ctx
@@ -244,11 +245,11 @@ def kept_device_mtu(ctx: NodeContext) -> int:
 def with_kept_key(ctx: NodeContext, attrs: LeaseAttrs) -> LeaseAttrs:
     """Our lease while we keep the device: BackendData carries the key and port too, so
     peers still on wireguard keep the pair encrypted."""
-    runtime = current_runtime()
-    if not ctx.keeps_wireguard or runtime is None:
+    identity = ctx.wireguard_identity
+    if not ctx.keeps_wireguard or identity is None:
         return attrs
     data = dict(attrs.backend_data or {})
-    data.update({"PublicKey": runtime.public_key, "Port": runtime.config.listen_port})
+    data.update({"PublicKey": identity.public_key, "Port": identity.options.listen_port})
     return replace(attrs, backend_data=data)
 
 
@@ -256,35 +257,32 @@ def plan_kept(
     ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], desired: DesiredState
 ) -> DesiredState:
     """On a node that does not run wireguard: while it keeps the device, the device's
-    peers are the wireguard peers and the Network is routed through it as under
-    wireguard (the other peers' routes are more specific); once it does not, the
-    device is retired (a few seconds later, so peers that have not seen our new lease
-    yet still get through)."""
-    runtime = current_runtime()
-    if runtime is None or not runtime.running:
+    peers are the wireguard peers (with the options it ran with) and the Network is
+    routed through it as under wireguard (the other peers' routes are more specific).
+    Once it does not, the device leaves the plan (the planner keeps it a few seconds more,
+    so peers that have not seen our new lease yet still get through)."""
+    identity = ctx.wireguard_identity
+    if not ctx.keeps_wireguard or identity is None:
         return desired
-    if not ctx.keeps_wireguard:
-        runtime.retire()
-        return desired
-    config = runtime.config
-    runtime.set_desired(plan_device(
-        ctx, config, own, device_peers(ctx, own, peers), runtime.public_key,
+    device = plan_device(
+        ctx, identity.options, own, device_peers(ctx, own, peers), identity.public_key,
         kept_device_mtu(ctx),
-    ))  # fmt: skip
-    if ctx.config.network is None:
-        return desired
-    return replace(desired, routes=desired.routes | {network_route(ctx.config.network)})
+    )  # fmt: skip
+    routes = desired.routes
+    if ctx.config.network is not None:
+        routes = routes | {network_route(ctx.config.network)}
+    return replace(desired, routes=routes, wireguard=desired.wireguard | {device})
+
+
+def own_public_key(ctx: NodeContext) -> str:
+    """Our key, which the agent loaded before it planned wireguard."""
+    if ctx.wireguard_identity is None:
+        raise ConfigError("the WireGuard key is not loaded; the agent must prepare it first")
+    return ctx.wireguard_identity.public_key
 
 
 class WireguardBackend:
     type_name = "wireguard"
-
-    def __init__(self, runtime: WireguardRuntime | None = None) -> None:
-        self._runtime = runtime
-
-    @property
-    def runtime(self) -> WireguardRuntime:
-        return self._runtime or get_runtime()
 
     def config(self, ctx: NodeContext) -> WireguardConfig:
         return parse_wireguard_config(ctx.config.backend)
@@ -304,13 +302,13 @@ class WireguardBackend:
         return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu, underlay_is_ipv6=True)
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
-        # The transition VTEP is ours too (the WireGuard device is the runtime's).
+        # The transition VTEP is ours too (WireGuard devices are DesiredState.wireguard).
         return (vxlan_device_name(ctx.config.backend.vni),)
 
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
         config = self.config(ctx)
-        self.runtime.prepare(config)
-        data: dict[str, Any] = {"PublicKey": self.runtime.public_key, "Port": config.listen_port}
+        key = own_public_key(ctx)
+        data: dict[str, Any] = {"PublicKey": key, "Port": config.listen_port}
         if vtep_mac:
             data.update({"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac})
         v6 = ipv6.enabled(ctx)
@@ -328,11 +326,7 @@ class WireguardBackend:
             mtu=self.mtu(ctx),
             public_ipv6=ctx.public_ipv6 if v6 else None,
             # Flannel's BackendV6Data for wireguard: the same key, the IPv6 port.
-            backend_v6_data=(
-                {"PublicKey": self.runtime.public_key, "Port": config.listen_port_v6}
-                if v6
-                else None
-            ),
+            backend_v6_data=({"PublicKey": key, "Port": config.listen_port_v6} if v6 else None),
         )
 
     def device_spec(
@@ -352,23 +346,21 @@ class WireguardBackend:
         config = self.config(ctx)
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
         desired = plan_peers(ctx, own, peers, link)
-        # Without a runtime (the doctor judging a node) planning only computes.
-        runtime = self._runtime or current_runtime()
-        if runtime is not None:
-            runtime.prepare(config)
-            if ctx.config.enable_ipv4:  # IPv6-only, Flannel creates flannel-wg-v6 alone
-                runtime.set_desired(self.device_spec(ctx, own, peers, runtime.public_key))
-            if ipv6.enabled(ctx):
-                runtime.set_desired(plan_device_v6(
-                    config, own, wireguard_peers_v6(ctx, own, peers), runtime.public_key,
-                    self.device_mtu_v6(ctx),
-                ))  # fmt: skip
-            runtime.report_unencrypted(unencrypted_peers(ctx, own, peers, link is not None))
+        # Pure: the devices are values the reconciler applies. The doctor plans without
+        # our key (it compares peers, which never include ourselves).
+        key = ctx.wireguard_identity.public_key if ctx.wireguard_identity else None
+        devices: set[WgDeviceSpec] = set()
+        if ctx.config.enable_ipv4:  # IPv6-only, Flannel creates flannel-wg-v6 alone
+            devices.add(self.device_spec(ctx, own, peers, key))
+        if ipv6.enabled(ctx):
+            devices.add(plan_device_v6(
+                config, own, wireguard_peers_v6(ctx, own, peers), key, self.device_mtu_v6(ctx),
+            ))  # fmt: skip
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
         routes |= plan_routes_v6(ctx, own)
-        return replace(desired, routes=frozenset(routes))
+        return replace(desired, routes=frozenset(routes), wireguard=frozenset(devices))
 
 
 def plan_routes_v6(ctx: NodeContext, own: Sequence[Lease]) -> set[Route]:

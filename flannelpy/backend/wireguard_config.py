@@ -39,6 +39,15 @@ class WireguardConfig:
     implementation: str = "auto"
 
 
+@dataclass(frozen=True)
+class WireguardIdentity:
+    """What planning needs of the node's WireGuard: its public key and the options its
+    device runs with (kept after a switch away, while the device stays for its peers)."""
+
+    public_key: str
+    options: WireguardConfig
+
+
 def parse_wireguard_config(backend: BackendConfig) -> WireguardConfig:
     """The wireguard options of ``Backend``, checked (pure). Keys match case-insensitively
     as in Go's decoder; every error is one sentence naming the key and the fix."""

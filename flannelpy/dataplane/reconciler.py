@@ -10,12 +10,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.state import Changes, DesiredState
+from flannelpy.errors import DataplaneError
+
+if TYPE_CHECKING:
+    from flannelpy.dataplane.wireguard import WgDeviceSpec
 
 log = logging.getLogger("flannelpy.reconciler")
 
@@ -33,6 +38,12 @@ class ReconcileResult:
         return not self.failures
 
 
+class WireguardDevices(Protocol):
+    """Where the planned WireGuard devices go (the node's wireguard runtime)."""
+
+    def apply(self, specs: Iterable[WgDeviceSpec]) -> None: ...
+
+
 class Reconciler:
     def __init__(
         self,
@@ -40,8 +51,11 @@ class Reconciler:
         interval: float,
         on_result: Callable[[ReconcileResult], None] | None = None,
         on_error: Callable[[], None] | None = None,
+        wireguard: WireguardDevices | None = None,
     ) -> None:
         self._kernel = kernel
+        self._wireguard = wireguard
+        self._wireguard_failure: str | None = None
         self._interval = interval
         self._on_result = on_result
         self._on_error = on_error
@@ -86,13 +100,14 @@ class Reconciler:
         if desired is None:
             return None
         started = time.monotonic()
+        # The devices first: a route into flannel-wg must find its peer there.
+        failures = self._apply_wireguard(desired)
         link_names = {link.name for link in desired.links} | stale
         observed = self._kernel.observe(link_names, desired.owned_devices | stale)
         changes = diff(desired, observed)
-        failures: tuple[str, ...] = ()
         if not changes.empty:
             result = self._kernel.apply(changes)
-            failures = result.failures
+            failures += result.failures
             repaired = {k: v for k, v in changes.counts.items() if v}
             log.info(
                 "reconciled reason=%r %s",
@@ -106,6 +121,20 @@ class Reconciler:
         if self._on_result is not None:
             self._on_result(outcome)
         return outcome
+
+    def _apply_wireguard(self, desired: DesiredState) -> tuple[str, ...]:
+        if self._wireguard is None:
+            return ()
+        try:
+            self._wireguard.apply(desired.wireguard)
+        except (DataplaneError, OSError) as e:  # the next pass tries again
+            failure = f"wireguard: {e}"
+            if failure != self._wireguard_failure:  # said once, not every pass
+                log.warning("reconcile failure: %s", failure)
+            self._wireguard_failure = failure
+            return (failure,)
+        self._wireguard_failure = None
+        return ()
 
     def run(self, stop: threading.Event) -> None:
         """Loop until ``stop``: a pass on every trigger, and at least every ``interval``."""

@@ -16,6 +16,10 @@ from ipaddress import (
     IPv6Interface,
     IPv6Network,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the planner's values stay free of the device code
+    from flannelpy.dataplane.wireguard import WgDeviceSpec
 
 # Dual stack: every entry below holds either family; its address says which.
 IPAddress = IPv4Address | IPv6Address
@@ -121,6 +125,8 @@ class DesiredState:
     fdb: frozenset[FdbEntry] = frozenset()
     owned_devices: frozenset[str] = frozenset()
     unreachable: frozenset[Unreachable] = frozenset()
+    # WireGuard devices and their peers, applied before the routes that lead into them.
+    wireguard: frozenset[WgDeviceSpec] = frozenset()
 
 
 @dataclass(frozen=True)

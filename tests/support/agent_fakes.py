@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ from flannelpy.agent.state import Clocks
 from flannelpy.agent.writer import AgentParts
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.registry import get_backend
+from flannelpy.backend.wireguard_config import parse_wireguard_config
+from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.node_control import ControlSnapshot, EtcdNodeControl
 from flannelpy.dataplane.kernel import ApplyResult
@@ -188,6 +190,7 @@ class AgentHarness:
         kernel: FakeKernel | None = None,
         clock: FakeClock | None = None,
         jitter: Callable[[], float] | None = None,
+        wireguard: WireguardRuntime | None = None,
         **settings: Any,
     ) -> None:
         self.clock = clock or FakeClock()
@@ -201,6 +204,9 @@ class AgentHarness:
             config=netconf, underlay=underlay(NODE_IP), public_ip=underlay(NODE_IP).ip,
             node_name=NODE, wireguard_confirmed=frozenset(),  # as the agent's composition
         )  # fmt: skip
+        if wireguard is not None and netconf.backend.type == "wireguard":
+            options = parse_wireguard_config(netconf.backend)
+            ctx = replace(ctx, wireguard_identity=wireguard.prepare(options))
         self.pods: FakePods | None = None
 
         def pods(mtu: Callable[[], int], ready: Callable[[], bool]) -> FakePods:
@@ -221,6 +227,7 @@ class AgentHarness:
                 ticker=False,
                 # Seeded: a run of a test is the same every time, and still spread.
                 jitter=jitter or random.Random(7).random,
+                wireguard=wireguard,
             )
         )
         self.writer = self.agent.writer

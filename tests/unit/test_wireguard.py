@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 
+from flannelpy.backend.base import NodeContext
 from flannelpy.backend.paths import choose_path, own_capabilities, peer_capabilities
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.wireguard import WireguardBackend, unencrypted_peers
 from flannelpy.backend.wireguard_config import WireguardConfig, parse_wireguard_config
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.netconf import BackendConfig, parse_network_config
-from flannelpy.dataplane.state import Route
+from flannelpy.dataplane.state import DesiredState, Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, format_set, parse_get
 from flannelpy.dataplane.wgkeys import generate_private_key, load_or_create_key, public_key
 from flannelpy.dataplane.wireguard import (
@@ -39,7 +40,6 @@ from flannelpy.dataplane.wireguard import (
 )
 from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.support.fakes import DeviceRecorder as Recorder
 from tests.support.fakes import context, lease
 
 KEY_A = "YHl4XgeS8ZbhGdIAhDCzUJIJkuF7IB0Mf8ZpA4tlVmo="  # a private key
@@ -65,11 +65,17 @@ def wg_lease(subnet: str, ip: str, pub: str | None, port: int | None = 51820,
     return Lease(IPv4Network(subnet), LeaseAttrs(IPv4Address(ip), "wireguard", data, mtu=1440))
 
 
-def runtime(tmp_path: Any) -> tuple[WireguardRuntime, Recorder]:
-    rec = Recorder()
-    rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "run"), sink=rec,
+def identified(tmp_path: Any, ctx: NodeContext) -> NodeContext:
+    """``ctx`` with the node's key loaded, as the agent does before it plans wireguard."""
+    rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "run"),
                           implementation="userspace")  # fmt: skip
-    return rt, rec
+    options = parse_wireguard_config(ctx.config.backend)
+    return replace(ctx, wireguard_identity=rt.prepare(options))
+
+
+def devices(state: DesiredState) -> list[WgDeviceSpec]:
+    """The planned WireGuard devices, flannel-wg first."""
+    return sorted(state.wireguard, key=lambda spec: spec.name)
 
 
 # --- config ----------------------------------------------------------------------------
@@ -222,9 +228,8 @@ def test_only_the_difference_is_written() -> None:
 
 
 def test_lease_carries_flannel_s_backend_data_and_the_mtu(tmp_path: Any) -> None:
-    rt, _ = runtime(tmp_path)
-    backend = WireguardBackend(rt)
-    ctx = context("wireguard")
+    backend = WireguardBackend()
+    ctx = identified(tmp_path, context("wireguard"))
     attrs = backend.lease_attrs(ctx, None)
     pub = attrs.backend_data["PublicKey"]  # type: ignore[index]
     assert attrs.backend_type == "wireguard"
@@ -239,10 +244,9 @@ def test_lease_carries_flannel_s_backend_data_and_the_mtu(tmp_path: Any) -> None
 
 
 def test_a_peer_per_node_and_one_route_for_the_network(tmp_path: Any) -> None:
-    rt, rec = runtime(tmp_path)
     ctx = context("wireguard")
     backend_config = backend_of(PersistentKeepaliveInterval=25, PSK=PSK)
-    ctx = replace(ctx, config=replace(ctx.config, backend=backend_config))
+    ctx = identified(tmp_path, replace(ctx, config=replace(ctx.config, backend=backend_config)))
     own = wg_lease("10.244.1.0/24", "192.168.1.10", None)
     peers = [
         wg_lease("10.244.2.0/24", "192.168.1.11", PUB_B),
@@ -250,12 +254,12 @@ def test_a_peer_per_node_and_one_route_for_the_network(tmp_path: Any) -> None:
         wg_lease("10.244.3.0/24", "192.168.2.12", PUB_C, port=None),  # an older Flannel
         wg_lease("10.244.4.0/24", "192.168.1.14", "bad key"),
     ]
-    state = WireguardBackend(rt).plan(ctx, [own], peers, None)
+    state = WireguardBackend().plan(ctx, [own], peers, None)
     assert state.routes == {Route(NET, IPv4Address(0), "flannel-wg")}
     assert not state.links and not state.fdb
     (bad,) = state.unreachable
     assert bad.subnet == IPv4Network("10.244.4.0/24") and "PublicKey" in bad.reason
-    (spec,) = rec.specs
+    (spec,) = state.wireguard
     assert (spec.name, spec.listen_port, spec.mtu) == ("flannel-wg", 51820, 1440)
     assert spec.address == IPv4Interface("10.244.1.0/32")
     assert spec.peers == {
@@ -267,14 +271,12 @@ def test_a_peer_per_node_and_one_route_for_the_network(tmp_path: Any) -> None:
 
 
 def test_a_wireguard_node_talks_vxlan_to_a_vxlan_peer_and_never_plain(tmp_path: Any) -> None:
-    rt, rec = runtime(tmp_path)
-    ctx = context("wireguard")
+    ctx = identified(tmp_path, context("wireguard"))
     own = wg_lease("10.244.1.0/24", "192.168.1.10", None)
     vxlan_peer = lease("10.244.2.0/24", "192.168.1.11", mac="02:00:00:00:00:02")
     hostgw_peer = lease("10.244.4.0/24", "192.168.1.13", backend="host-gw")
     backend = get_backend("wireguard")
     assert isinstance(backend, WireguardBackend)
-    backend = WireguardBackend(rt)
     assert backend.needs_vtep(ctx, [vxlan_peer])
     assert not backend.needs_vtep(ctx, [wg_lease("10.244.3.0/24", "192.168.1.12", PUB_B)])
     state = backend.plan(ctx, [own], [vxlan_peer, hostgw_peer], "02:00:00:00:00:01")
@@ -283,7 +285,7 @@ def test_a_wireguard_node_talks_vxlan_to_a_vxlan_peer_and_never_plain(tmp_path: 
     assert not [r for r in state.routes if r.ifname == "eth0"]  # no plain direct route
     (unreachable,) = state.unreachable
     assert unreachable.subnet == IPv4Network("10.244.4.0/24")
-    assert rec.specs[-1].peers == frozenset()
+    assert devices(state)[0].peers == frozenset()
     wg_peer = wg_lease("10.244.3.0/24", "192.168.1.12", PUB_B)
     assert unencrypted_peers(ctx, [own], [vxlan_peer, hostgw_peer, wg_peer]) == 1
     assert unencrypted_peers(ctx, [own], [wg_peer]) == 0
@@ -378,12 +380,13 @@ def test_dual_stack_plans_the_ipv6_device_its_route_and_flannels_backend_v6_data
 ) -> None:
     from tests.unit.test_dual_stack_node import ctx as dual_ctx
 
-    node = dual_ctx("wireguard")
-    rt, rec = runtime(tmp_path)
-    backend = WireguardBackend(rt)
+    node = identified(tmp_path, dual_ctx("wireguard"))
+    backend = WireguardBackend()
     attrs = backend.lease_attrs(node, None)
     assert attrs.public_ipv6 == IPv6Address("fd00:64::10")
-    assert attrs.backend_v6_data == {"PublicKey": rt.public_key, "Port": 51821}
+    assert node.wireguard_identity is not None
+    key = node.wireguard_identity.public_key
+    assert attrs.backend_v6_data == {"PublicKey": key, "Port": 51821}
     assert attrs.mtu == 1500 - 80  # the pods' MTU: the smaller family's
     own = Lease(subnet=IPv4Network("10.244.1.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:1::/64"),
                 attrs=attrs)  # fmt: skip
@@ -397,7 +400,7 @@ def test_dual_stack_plans_the_ipv6_device_its_route_and_flannels_backend_v6_data
         ),
     )  # fmt: skip
     desired = backend.plan(node, [own], [peer], None)
-    v4, v6 = rec.specs[-2], rec.specs[-1]
+    v4, v6 = devices(desired)
     assert (v4.name, v4.listen_port, v4.mtu) == ("flannel-wg", 51820, 1440)
     assert (v6.name, v6.listen_port, v6.mtu) == ("flannel-wg-v6", 51821, 1420)
     assert v6.address == IPv6Interface("fc00:0:0:1::/128")
@@ -410,9 +413,9 @@ def test_dual_stack_plans_the_ipv6_device_its_route_and_flannels_backend_v6_data
 def test_dual_stack_with_one_device_for_both_families_is_refused(tmp_path: Any) -> None:
     from tests.unit.test_dual_stack_node import ctx as dual_ctx
 
-    rt, _ = runtime(tmp_path)
+    node = identified(tmp_path, dual_ctx("wireguard", Mode="auto"))
     with pytest.raises(ConfigError, match='use "separate"'):
-        WireguardBackend(rt).lease_attrs(dual_ctx("wireguard", Mode="auto"), None)
+        WireguardBackend().lease_attrs(node, None)
 
 
 # --- IPv6-only (EnableIPv4 false): flannel-wg-v6 alone -------------------------------
@@ -443,12 +446,13 @@ def v6_lease(n: int, ip6: str, backend: str, v6_data: dict[str, Any] | None) -> 
 def test_ipv6_only_runs_flannel_wg_v6_alone_with_flannels_backend_v6_data(tmp_path: Any) -> None:
     """As Flannel's Mode separate with EnableIPv4 false: no flannel-wg, the key and the
     IPv6 port in BackendV6Data only, and the pods' MTU that of the IPv6 device (−80)."""
-    node = ipv6_only_ctx()
-    rt, rec = runtime(tmp_path)
-    backend = WireguardBackend(rt)
+    node = identified(tmp_path, ipv6_only_ctx())
+    backend = WireguardBackend()
     attrs = backend.lease_attrs(node, None)
     assert attrs.public_ip is None and attrs.backend_data is None
-    assert attrs.backend_v6_data == {"PublicKey": rt.public_key, "Port": 51821}
+    assert node.wireguard_identity is not None
+    key = node.wireguard_identity.public_key
+    assert attrs.backend_v6_data == {"PublicKey": key, "Port": 51821}
     assert attrs.mtu == backend.mtu(node) == 1500 - 80
     own = Lease(subnet=None, ipv6_subnet=IPv6Network("fc00:0:0:1::/64"), attrs=attrs)
     peers = [
@@ -457,7 +461,7 @@ def test_ipv6_only_runs_flannel_wg_v6_alone_with_flannels_backend_v6_data(tmp_pa
         v6_lease(4, "fd00:64::14", "vxlan", {"VNI": 1, "VtepMAC": "02:00:00:00:00:04"}),
     ]
     desired = backend.plan(node, [own], peers, None)
-    (spec,) = rec.specs  # flannel-wg-v6 only
+    (spec,) = desired.wireguard  # flannel-wg-v6 only
     assert (spec.name, spec.listen_port, spec.mtu) == ("flannel-wg-v6", 51821, 1420)
     assert spec.address == IPv6Interface("fc00:0:0:1::/128")
     assert spec.peers == {WgPeer(PUB_B, (IPv6Address("fd00:64::12"), 51821),

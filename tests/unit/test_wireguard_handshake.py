@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from flannelpy.backend import wireguard_runtime
+from flannelpy.backend.base import NodeContext
 from flannelpy.backend.wireguard import WireguardBackend, unencrypted_peers
+from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
-from flannelpy.dataplane.state import FdbEntry, Neighbour, Route
+from flannelpy.dataplane.state import DesiredState, FdbEntry, Neighbour, Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, parse_get
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
 from flannelpy.dataplane.wireguard import (
@@ -31,7 +32,6 @@ from flannelpy.dataplane.wireguard import (
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.agent_fakes import PREFIX, AgentHarness, net_conf
-from tests.support.fakes import DeviceRecorder as Recorder
 from tests.support.fakes import context
 
 KEY_A = generate_private_key()
@@ -51,14 +51,14 @@ def wg_peer(pub: str, subnet: str = "10.244.2.0/24", ip: str = "192.168.1.11",
     return Lease(IPv4Network(subnet), LeaseAttrs(IPv4Address(ip), "wireguard", data, mtu=1440))
 
 
-def planned(tmp_path: Path, confirmed: frozenset[str] | None, peers: list[Lease],
-            vtep_mac: str | None = OUR_MAC) -> tuple[Any, Recorder, Any]:  # fmt: skip
-    rec = Recorder()
-    rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "run"), sink=rec,
-                          implementation="userspace")  # fmt: skip
-    ctx = replace(context("wireguard"), wireguard_confirmed=confirmed)
-    state = WireguardBackend(rt).plan(ctx, [OWN], peers, vtep_mac)
-    return state, rec, ctx
+IDENTITY = WireguardIdentity(public_key(KEY_A), WireguardConfig())
+
+
+def planned(
+    confirmed: frozenset[str] | None, peers: list[Lease], vtep_mac: str | None = OUR_MAC
+) -> tuple[DesiredState, NodeContext]:
+    ctx = replace(context("wireguard"), wireguard_confirmed=confirmed, wireguard_identity=IDENTITY)
+    return WireguardBackend().plan(ctx, [OWN], peers, vtep_mac), ctx
 
 
 # --- what the device observes --------------------------------------------------------
@@ -138,21 +138,22 @@ def test_the_device_says_when_its_confirmed_peers_change_and_only_then() -> None
 # --- what the planner makes of it ----------------------------------------------------
 
 
-def test_an_unconfirmed_pair_stays_on_vxlan_while_both_ends_have_a_vtep(tmp_path: Path) -> None:
-    state, rec, ctx = planned(tmp_path, frozenset(), [wg_peer(PUB_B)])
+def test_an_unconfirmed_pair_stays_on_vxlan_while_both_ends_have_a_vtep() -> None:
+    state, ctx = planned(frozenset(), [wg_peer(PUB_B)])
     assert VXLAN_ROUTE in state.routes
     assert Neighbour("flannel.1", IPv4Address("10.244.2.0"), PEER_MAC) in state.neighbours
     assert FdbEntry("flannel.1", PEER_MAC, IPv4Address("192.168.1.11")) in state.fdb
     # The device has the peer all the same: that is how the handshake happens.
-    assert {p.public_key for p in rec.specs[-1].peers} == {PUB_B}
+    (device,) = state.wireguard
+    assert {p.public_key for p in device.peers} == {PUB_B}
     backend = WireguardBackend()
     assert backend.needs_vtep(ctx, [wg_peer(PUB_B)])
     assert unencrypted_peers(ctx, [OWN], [wg_peer(PUB_B)], has_vtep=True) == 1
 
 
-def test_a_confirmed_pair_goes_through_the_tunnel_and_the_vtep_may_go(tmp_path: Path) -> None:
+def test_a_confirmed_pair_goes_through_the_tunnel_and_the_vtep_may_go() -> None:
     confirmed = frozenset({PUB_B})
-    state, _, ctx = planned(tmp_path, confirmed, [wg_peer(PUB_B)])
+    state, ctx = planned(confirmed, [wg_peer(PUB_B)])
     assert not [r for r in state.routes if r.dst == PEER_SUBNET]  # the Network route carries it
     assert not state.neighbours and not state.fdb
     assert not WireguardBackend().needs_vtep(ctx, [wg_peer(PUB_B)])
@@ -170,7 +171,7 @@ def test_a_confirmed_pair_goes_through_the_tunnel_and_the_vtep_may_go(tmp_path: 
 def test_without_a_vxlan_path_to_fall_back_on_the_pair_is_not_held(
     tmp_path: Path, confirmed: frozenset[str] | None, peer: Lease, vtep_mac: str | None
 ) -> None:
-    state, _, _ = planned(tmp_path, confirmed, [peer], vtep_mac)
+    state, _ = planned(confirmed, [peer], vtep_mac)
     assert not [r for r in state.routes if r.dst == PEER_SUBNET]
     assert not state.unreachable
 
@@ -179,12 +180,11 @@ def test_without_a_vxlan_path_to_fall_back_on_the_pair_is_not_held(
 
 
 def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "wgrun"),
-                          sink=Recorder(), implementation="userspace")  # fmt: skip
-    monkeypatch.setattr(wireguard_runtime, "_runtime", rt)
-    agent = AgentHarness(tmp_path, config=net_conf({"Type": "wireguard"}))
+                          implementation="userspace", make_device=NoDevice)  # fmt: skip
+    agent = AgentHarness(tmp_path, config=net_conf({"Type": "wireguard"}), wireguard=rt)
     peer = wg_peer(PUB_B, subnet="10.244.200.0/24")
     agent.store.put(lease_key(PREFIX, peer.subnet), peer.attrs.to_json().encode())
     agent.start()
@@ -204,6 +204,19 @@ def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
         assert agent.writer.counts.events()["handshake"] == 1
     finally:
         agent.stop()
+
+
+class NoDevice:
+    """Takes what the reconciler applies, starting nothing."""
+
+    def __init__(self, *_: object) -> None:
+        pass
+
+    def set_desired(self, spec: WgDeviceSpec) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 def own_lease(agent: AgentHarness) -> LeaseAttrs:

@@ -1,21 +1,25 @@
-"""A live switch away from wireguard keeps the device while a peer still runs wireguard,
-then retires it after a grace, unless used again."""
+"""A live switch away from wireguard keeps the device while a peer still runs wireguard;
+a device that leaves the plan stays a grace, unless planned again; the runtime runs
+exactly the devices of each pass."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from flannelpy.backend import wireguard_runtime
+from flannelpy.agent.planning import Lingering
+from flannelpy.backend.base import NodeContext
 from flannelpy.backend.vxlan import VxlanBackend
 from flannelpy.backend.wireguard import keeping_context, plan_kept, with_kept_key
-from flannelpy.backend.wireguard_config import WireguardConfig
+from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
 from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.errors import DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import context, lease
 
@@ -24,9 +28,8 @@ SPEC = WgDeviceSpec(name="flannel-wg", listen_port=51820, mtu=1440,
 
 
 class FakeDevice:
-    name = "flannel-wg"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.stopped = 0
         self.specs: list[WgDeviceSpec] = []
 
@@ -37,44 +40,66 @@ class FakeDevice:
         self.stopped += 1
 
 
-def started(tmp_path: Path) -> tuple[WireguardRuntime, FakeDevice]:
-    device = FakeDevice()
-    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"), sink=device)
-    rt.device = device
-    rt.set_desired(SPEC)
-    return rt, device
+def fake_runtime(tmp_path: Path) -> tuple[WireguardRuntime, list[FakeDevice]]:
+    made: list[FakeDevice] = []
+
+    def make(name: str, *_: Any) -> FakeDevice:
+        made.append(FakeDevice(name))
+        return made[-1]
+
+    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"), implementation="userspace",
+                          make_device=make)  # fmt: skip
+    rt.prepare(WireguardConfig())
+    return rt, made
 
 
-def test_the_device_is_stopped_and_forgotten_after_the_grace(tmp_path: Path) -> None:
-    rt, device = started(tmp_path)
-    timer = rt.retire(after=0.01)
-    assert timer is not None
-    assert device.stopped == 0  # not at once: peers still on wireguard send through it
-    timer.join(2)
-    assert device.stopped == 1 and rt.device is None
+def test_the_runtime_runs_exactly_the_planned_devices(tmp_path: Path) -> None:
+    rt, made = fake_runtime(tmp_path)
+    told: list[frozenset[str]] = []
+    rt.on_confirmed = told.append
+    rt.apply([SPEC])
+    rt.apply([SPEC])
+    (device,) = made  # one device, handed each pass's spec
+    assert device.specs == [SPEC, SPEC] and device.stopped == 0
+    rt.apply([])
+    assert device.stopped == 1 and rt.devices == {}
+    assert told == [frozenset()]  # a device made later starts without confirmed peers
+    rt.apply([SPEC])
+    assert len(made) == 2 and made[1].specs == [SPEC]
 
 
-def test_planning_wireguard_again_within_the_grace_keeps_the_device(tmp_path: Path) -> None:
-    rt, device = started(tmp_path)
-    timer = rt.retire(after=0.05)
-    assert timer is not None
-    rt.set_desired(SPEC)  # switched back before the grace ended
-    timer.join(2)
-    assert device.stopped == 0 and rt.device is device and device.specs == [SPEC, SPEC]
+def test_a_device_is_not_started_before_the_key_is_loaded(tmp_path: Path) -> None:
+    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"),
+                          make_device=lambda *_: FakeDevice("x"))  # fmt: skip
+    with pytest.raises(DataplaneError, match="before the WireGuard key was loaded"):
+        rt.apply([SPEC])
 
 
-def test_a_runtime_that_never_started_a_device_has_nothing_to_retire(tmp_path: Path) -> None:
-    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"), sink=FakeDevice())
-    assert rt.retire(after=0.0) is None
+# --- the grace: a device that leaves the plan stays a few seconds -------------------------
 
 
-def test_a_pending_retire_is_not_pushed_back(tmp_path: Path) -> None:
-    rt, device = started(tmp_path)
-    timer = rt.retire(after=0.05)
-    assert timer is not None
-    assert rt.retire(after=10.0) is None  # every replan asks again; the first grace holds
-    timer.join(2)
-    assert device.stopped == 1 and not rt.running
+def test_a_device_that_leaves_the_plan_stays_for_the_grace() -> None:
+    lingering: Lingering[WgDeviceSpec] = Lingering(5.0)
+    assert lingering.update({"flannel-wg": SPEC}, now=0.0) == {}
+    assert lingering.update({}, now=1.0) == {"flannel-wg": SPEC}  # peers may still send
+    assert not lingering.over(5.9) and lingering.over(6.0)
+    assert lingering.update({}, now=6.0) == {}
+
+
+def test_planning_it_again_within_the_grace_keeps_it_planned() -> None:
+    lingering: Lingering[WgDeviceSpec] = Lingering(5.0)
+    lingering.update({"flannel-wg": SPEC}, now=0.0)
+    lingering.update({}, now=1.0)
+    assert lingering.update({"flannel-wg": SPEC}, now=2.0) == {}  # planned: not lingering
+    assert not lingering.over(100.0)
+
+
+def test_a_grace_under_way_is_not_pushed_back_by_replans() -> None:
+    lingering: Lingering[WgDeviceSpec] = Lingering(5.0)
+    lingering.update({"flannel-wg": SPEC}, now=0.0)
+    lingering.update({}, now=1.0)
+    assert lingering.update({}, now=3.0) == {"flannel-wg": SPEC}  # every replan asks again
+    assert lingering.over(6.0)  # the first grace holds
 
 
 # --- switching back from wireguard: the device is kept while a peer runs it ---------------
@@ -93,32 +118,25 @@ def wg_peer(pub: str) -> Lease:
     )
 
 
-def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WireguardRuntime, Any]:
-    """The node's runtime after it ran wireguard on port 51999, its device still up."""
-    rt, device = started(tmp_path)
-    rt.implementation = "userspace"
-    rt.prepare(WireguardConfig(listen_port=51999))
-    monkeypatch.setattr(wireguard_runtime, "_runtime", rt)
-    return rt, device
+IDENTITY = WireguardIdentity(public_key(generate_private_key()), WireguardConfig(listen_port=51999))
 
 
-def test_the_device_is_kept_only_while_a_peer_still_runs_wireguard(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rt, _ = prepared(tmp_path, monkeypatch)
+def vxlan_node() -> NodeContext:
+    """A node that ran wireguard on port 51999 and switched to vxlan."""
+    return replace(context("vxlan"), wireguard_identity=IDENTITY)
+
+
+def test_the_device_is_kept_only_while_a_peer_still_runs_wireguard() -> None:
     peer = wg_peer(public_key(generate_private_key()))
-    ctx = context("vxlan")
-    assert keeping_context(ctx, "vxlan", [VXLAN_PEER, peer]).keeps_wireguard
-    assert not keeping_context(ctx, "vxlan", [VXLAN_PEER]).keeps_wireguard
-    assert not keeping_context(ctx, "wireguard", [peer]).keeps_wireguard  # runs it
-    rt.device = None  # retired: never brought back by a peer
-    assert not keeping_context(ctx, "vxlan", [peer]).keeps_wireguard
+    ctx = vxlan_node()
+    assert keeping_context(ctx, "vxlan", [VXLAN_PEER, peer], device_up=True).keeps_wireguard
+    assert not keeping_context(ctx, "vxlan", [VXLAN_PEER], device_up=True).keeps_wireguard
+    assert not keeping_context(ctx, "wireguard", [peer], device_up=True).keeps_wireguard
+    # retired: never brought back by a peer
+    assert not keeping_context(ctx, "vxlan", [peer], device_up=False).keeps_wireguard
 
 
-def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rt, device = prepared(tmp_path, monkeypatch)
+def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route() -> None:
     peer_pub, kept_pub = (public_key(generate_private_key()) for _ in range(2))
     peer = wg_peer(peer_pub)
     # a node that switched back before us, and still keeps its key
@@ -127,7 +145,7 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route(
         {"VNI": 1, "VtepMAC": "02:00:00:00:00:05", "PublicKey": kept_pub, "Port": 51999},
         mtu=1450))  # fmt: skip
     peers = [VXLAN_PEER, peer, kept]
-    ctx = keeping_context(context("vxlan"), "vxlan", peers)
+    ctx = keeping_context(vxlan_node(), "vxlan", peers, device_up=True)
     desired = plan_kept(
         ctx, [OWN], peers, VxlanBackend().plan(ctx, [OWN], peers, "02:00:00:00:00:01")
     )
@@ -138,7 +156,7 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route(
         (IPv4Network("10.244.0.0/16"), "flannel-wg"),
     }
     assert not desired.unreachable
-    spec = device.specs[-1]
+    (spec,) = desired.wireguard
     assert spec.listen_port == 51999  # the options it ran with, not the defaults
     # the kept peer stays on the device: it may still send to us encrypted for a moment
     assert {p.public_key for p in spec.peers} == {peer_pub, kept_pub}
@@ -147,20 +165,15 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route(
     attrs = with_kept_key(ctx, VxlanBackend().lease_attrs(ctx, "02:00:00:00:00:01"))
     assert attrs.backend_type == "vxlan"
     assert attrs.backend_data == {"VNI": 1, "VtepMAC": "02:00:00:00:00:01",
-                                  "PublicKey": rt.public_key, "Port": 51999}  # fmt: skip
+                                  "PublicKey": IDENTITY.public_key, "Port": 51999}  # fmt: skip
 
 
-def test_once_no_peer_runs_wireguard_the_device_retires_and_the_key_is_not_advertised(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rt, _ = prepared(tmp_path, monkeypatch)
-    retired: list[bool] = []
-    monkeypatch.setattr(rt, "retire", lambda after=0.0: retired.append(True))
-    ctx = keeping_context(context("vxlan"), "vxlan", [VXLAN_PEER])
+def test_once_no_peer_runs_wireguard_the_device_leaves_the_plan_and_the_key_the_lease() -> None:
+    ctx = keeping_context(vxlan_node(), "vxlan", [VXLAN_PEER], device_up=True)
     desired = plan_kept(
         ctx, [OWN], [VXLAN_PEER], VxlanBackend().plan(ctx, [OWN], [VXLAN_PEER], "02:00:00:00:00:01")
     )
-    assert retired == [True]
+    assert not desired.wireguard  # the planner keeps it for the grace, then it goes
     assert all(r.ifname != "flannel-wg" for r in desired.routes)
     attrs = with_kept_key(ctx, VxlanBackend().lease_attrs(ctx, "02:00:00:00:00:01"))
     assert "PublicKey" not in (attrs.backend_data or {})
