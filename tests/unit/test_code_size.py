@@ -18,11 +18,9 @@ FUNCTION_LINES = 80
 # Over the limit before the limit was enforced: to be split, never to grow.
 MODULES_OVER = {
     "flannelpy/cni/handler.py": 778,
-    "flannelpy/dataplane/netlink.py": 695,
     "flannelpy/dataplane/podnet.py": 851,
     "flannelpy/observe/metrics.py": 658,
     "flannelpy/observe/prober.py": 636,
-    "flannelpy/subnet/etcd/client.py": 670,
 }
 FUNCTIONS_OVER = {
     "flannelpy/agent/compose.py:build_agent": 134,
