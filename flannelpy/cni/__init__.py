@@ -11,7 +11,8 @@ listeners told of each pod that comes and goes).
 from flannelpy.cni.handler import CniHandler, CniSettings
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.cni.server import CniServer
-from flannelpy.dataplane.podnet import PodLink, PodNetwork, host_veth_name
+from flannelpy.dataplane.podnames import host_veth_name
+from flannelpy.dataplane.podnet import PodLink, PodNetwork
 
 __all__ = [
     "CniHandler",

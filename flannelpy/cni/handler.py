@@ -76,18 +76,16 @@ from flannelpy.cni.spec import (
     version_reply,
 )
 from flannelpy.dataplane.netns import NotANetns, require_netns_fd
-from flannelpy.dataplane.podnet import (
+from flannelpy.dataplane.podnames import (
     IPInterface,
     IPNetwork,
-    NetnsMissing,
-    PodInterfaceExists,
-    PodNetwork,
     PodRoute,
     default_route,
     gateway_of,
     host_veth_name,
     veth_owner,
 )
+from flannelpy.dataplane.podnet import NetnsMissing, PodInterfaceExists, PodNetwork
 from flannelpy.errors import ConfigError, DataplaneError, StoreError
 from flannelpy.ipam import Allocation, NodeIpam
 from flannelpy.ipam.errors import IpamExhausted
