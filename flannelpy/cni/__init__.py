@@ -13,7 +13,8 @@ from flannelpy.cni.context import CniSettings
 from flannelpy.cni.handler import CniHandler
 from flannelpy.cni.records import Record, RecordStore
 from flannelpy.cni.server import CniServer
-from flannelpy.dataplane.podnet import PodLink, PodNetwork, host_veth_name
+from flannelpy.dataplane.podnames import host_veth_name
+from flannelpy.dataplane.podnet import PodLink, PodNetwork
 
 __all__ = [
     "CniHandler",

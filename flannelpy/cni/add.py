@@ -42,7 +42,7 @@ from flannelpy.cni.spec import (
     render_result,
 )
 from flannelpy.cni.teardown import record_owner
-from flannelpy.dataplane.podnet import (
+from flannelpy.dataplane.podnames import (
     IPInterface,
     IPNetwork,
     PodRoute,

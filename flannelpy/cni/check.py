@@ -16,7 +16,7 @@ from flannelpy.cni.context import CommandContext
 from flannelpy.cni.failures import cni_errors
 from flannelpy.cni.records import Record
 from flannelpy.cni.spec import CniError, Code, Request, parse_result
-from flannelpy.dataplane.podnet import IPInterface, gateway_of
+from flannelpy.dataplane.podnames import IPInterface, gateway_of
 
 CHECK_FAILED = Code.INTERNAL
 

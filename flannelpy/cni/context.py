@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flannelpy.cni.records import RecordStore
-from flannelpy.dataplane.podnet import IPNetwork, PodNetwork
+from flannelpy.dataplane.podnames import IPNetwork
+from flannelpy.dataplane.podnet import PodNetwork
 from flannelpy.ipam import NodeIpam
 
 Key = tuple[str, str]  # (container_id, ifname): what IPAM and the runtime key on

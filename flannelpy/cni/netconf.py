@@ -18,7 +18,7 @@ from typing import Any
 
 from flannelpy.cni.context import CniSettings, Key
 from flannelpy.cni.spec import CniError, Code, Request
-from flannelpy.dataplane.podnet import IPNetwork, default_route
+from flannelpy.dataplane.podnames import IPNetwork, default_route
 
 VALID_ATTACHMENTS = "cni.dev/valid-attachments"
 MAX_WAIT_SECONDS = 300.0  # an ipWaitSeconds beyond this would outlast any runtime's timeout

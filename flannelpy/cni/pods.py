@@ -137,7 +137,7 @@ class PodAttachments:
         """Allocate from ``serving`` (default: all), in the order of ``subnets`` (the node's
         pod subnets of every enabled family); the bridge carries each one's gateway from
         now on, so the node has an address in a lease before the first pod lands there."""
-        from flannelpy.dataplane.podnet import gateway_of
+        from flannelpy.dataplane.podnames import gateway_of
 
         self._ipam.set_leases(subnets, serving)
         self._hold_host_local(subnets)

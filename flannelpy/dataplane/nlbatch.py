@@ -114,6 +114,14 @@ class DumpInterrupted(Exception):
     """The table changed while the kernel was dumping it; the caller retries."""
 
 
+class KernelRefused(OSError):
+    """The kernel answered a request or a dump with an error (the socket itself is fine)."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply.error, reply.message or os.strerror(reply.error))
+        self.reply = reply
+
+
 class NetlinkSocket:
     """A raw NETLINK_ROUTE socket in the calling thread's network namespace."""
 
@@ -250,7 +258,7 @@ class NetlinkSocket:
         """Yield (buffer, offset, length, type) for every message of a dump.
 
         Raises DumpInterrupted when the kernel flags the dump as inconsistent,
-        OSError when the kernel refuses the request.
+        KernelRefused (an OSError) when the kernel refuses the request.
         """
         seq = self._next_seq()
         flags = NLM_F_REQUEST | NLM_F_DUMP
@@ -266,14 +274,14 @@ class NetlinkSocket:
                     # A dump that fails part-way reports its errno here.
                     err = -I32.unpack_from(buf, offset + HDR.size)[0] if length >= 20 else 0
                     if err:
-                        raise OSError(err, os.strerror(err))
+                        raise KernelRefused(Reply(err))
                     if interrupted:
                         raise DumpInterrupted()
                     return
                 if mtype == NLMSG_ERROR:
                     err = -I32.unpack_from(buf, offset + HDR.size)[0]
                     if err:
-                        raise OSError(err, os.strerror(err))
+                        raise KernelRefused(Reply(err))
                     return
                 yield buf, offset, length, mtype
 
@@ -346,7 +354,7 @@ def get_link(sock: NetlinkSocket, name: str) -> LinkRow | None:
             return decode_link(buf, offset, length)
     if reply.error in (0, errno.ENODEV):
         return None
-    raise OSError(reply.error, reply.message or os.strerror(reply.error))
+    raise KernelRefused(reply)
 
 
 def dump_routes(
@@ -403,10 +411,22 @@ def dump_addresses6(sock: NetlinkSocket) -> list[AddrRow6]:
     return _dump_addresses(sock, AF_INET6, decode_addr6)
 
 
+def dump_link_addresses(sock: NetlinkSocket, ifindex: int = 0) -> list[AddrRow | AddrRow6]:
+    """Addresses of both families in one dump (of one link when ``ifindex``), with their
+    flags: what pod plumbing needs to see an IPv6 address still tentative."""
+
+    def decode(buf: bytes, offset: int, length: int) -> AddrRow | AddrRow6 | None:
+        row = decode_addr(buf, offset, length) or decode_addr6(buf, offset, length)
+        return row if row is not None and (not ifindex or row.ifindex == ifindex) else None
+
+    return _dump_addresses(sock, socket.AF_UNSPEC, decode)
+
+
 def _dump_addresses(
     sock: NetlinkSocket, family: int, decode: Callable[[bytes, int, int], T | None]
 ) -> list[T]:
-    """One family's addresses; ``decode`` drops what it cannot read (or another family)."""
+    """One family's addresses (AF_UNSPEC: both); ``decode`` drops what it cannot read (or
+    another family)."""
     body = IFADDR.pack(family, 0, 0, 0, 0)
 
     def once() -> list[T]:
@@ -430,4 +450,4 @@ def route_get(sock: NetlinkSocket, dst: IPv4Address) -> RouteRow | None:
             return decode_route(buf, offset, length)
     if reply.error in (0, errno.ENETUNREACH, errno.EHOSTUNREACH):
         return None
-    raise OSError(reply.error, reply.message or os.strerror(reply.error))
+    raise KernelRefused(reply)

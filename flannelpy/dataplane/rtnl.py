@@ -1,10 +1,12 @@
 """rtnetlink's vocabulary, hand-packed: constants, message layouts, the requests we
-send and the rows we decode from dumps.
+send (neighbours, FDB entries, routes, links, addresses) and the rows we decode
+from dumps.
 
 Pure (de)serialisation with :mod:`struct`, no socket (that is :mod:`.nlbatch`):
 packing by hand is what makes a batch of thousands of neighbours, FDB entries
-and routes cheap, and decoding only the attributes the adapter needs is what
-makes a dump of thousands of entries cheap. The byte layouts follow
+and routes cheap, and a pod's ADD (a handful of requests) fast, and decoding
+only the attributes the adapter needs is what makes a dump of thousands of
+entries cheap. The byte layouts follow
 linux/netlink.h, linux/rtnetlink.h, linux/neighbour.h and linux/if_link.h;
 tests/unit/test_nlbatch_golden.py holds every packed request against pyroute2's
 own encoding.
@@ -15,7 +17,14 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+)
 from typing import NamedTuple
 
 # --- netlink / rtnetlink constants (linux/netlink.h, linux/rtnetlink.h, linux/neighbour.h)
@@ -82,6 +91,8 @@ IFF_UP = 0x1
 IFF_LOWER_UP = 0x10000  # carrier: the link can pass packets
 
 IFA_ADDRESS, IFA_LOCAL, IFA_BROADCAST = 1, 2, 4
+IFA_FLAGS = 8  # u32: all of the flags (the header's byte holds only the low 8 bits)
+IFA_F_NODAD, IFA_F_DADFAILED, IFA_F_TENTATIVE = 0x02, 0x08, 0x40
 
 HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 ATTR = struct.Struct("=HH")  # rtattr: len, type
@@ -197,6 +208,119 @@ def route_request(
     return Request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)
 
 
+def route_add_request(
+    oif: int, gateway: IPv4Address | IPv6Address, dst: IPv4Network | IPv6Network
+) -> Request:
+    """``ip route add <dst> via <gateway> dev <oif>``: created only if no route to ``dst``
+    exists (CREATE|EXCL), so a route another tool added is never replaced."""
+    if dst.version != gateway.version:
+        raise ValueError(f"route to {dst} via {gateway}: the families differ")
+    route = route_request(
+        False, RTPROT_BOOT, dst.network_address.packed, dst.prefixlen, gateway, oif
+    )
+    return Request(route.msg_type, NLM_F_CREATE | NLM_F_EXCL, route.body)
+
+
+# --- links and addresses ----------------------------------------------------
+
+
+def _ifinfo(index: int = 0, flags: int = 0, change: int = 0) -> bytes:
+    return IFINFO.pack(socket.AF_UNSPEC, 0, index, flags, change)
+
+
+def _ifname(name: str) -> bytes:
+    return attr(IFLA_IFNAME, name.encode() + b"\0")
+
+
+def _u32(attr_type: int, value: int) -> bytes:
+    return attr(attr_type, U32.pack(value))
+
+
+def bridge_request(name: str, mtu: int, mac: str) -> Request:
+    """Create a bridge, up, with its MAC pinned (else it takes the lowest of its ports')."""
+    body = (
+        _ifinfo(flags=IFF_UP, change=IFF_UP)
+        + _ifname(name)
+        + _u32(IFLA_MTU, mtu)
+        + attr(IFLA_ADDRESS, mac_bytes(mac))
+        + attr(IFLA_LINKINFO, attr(IFLA_INFO_KIND, b"bridge"))
+    )
+    return Request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body)
+
+
+def veth_request(
+    host: str, host_mac: str, peer: str, peer_mac: str, netns_fd: int, mtu: int, master: int
+) -> Request:
+    """Create a veth pair: ``host`` up in this namespace with ``master``, ``peer`` created
+    directly in the namespace of ``netns_fd`` (the kernel refuses to create it up)."""
+    peer_msg = (
+        _ifinfo()
+        + _ifname(peer)
+        + _u32(IFLA_NET_NS_FD, netns_fd)
+        + _u32(IFLA_MTU, mtu)
+        + attr(IFLA_ADDRESS, mac_bytes(peer_mac))
+    )
+    info = attr(IFLA_INFO_KIND, b"veth") + attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_msg))
+    body = (
+        _ifinfo(flags=IFF_UP, change=IFF_UP)
+        + _ifname(host)
+        + _u32(IFLA_MTU, mtu)
+        + attr(IFLA_ADDRESS, mac_bytes(host_mac))
+        + _u32(IFLA_MASTER, master)
+        + attr(IFLA_LINKINFO, info)
+    )
+    return Request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body)
+
+
+def hairpin_request(port: str, on: bool) -> Request:
+    """``ip link set <port> type bridge_slave hairpin on``, addressed by name."""
+    info = attr(IFLA_INFO_SLAVE_KIND, b"bridge") + attr(
+        IFLA_INFO_SLAVE_DATA, attr(IFLA_BRPORT_MODE, bytes([int(on)]))
+    )
+    return Request(RTM_NEWLINK, 0, _ifinfo() + _ifname(port) + attr(IFLA_LINKINFO, info))
+
+
+def link_set_request(index: int, up: bool | None = None, mtu: int | None = None) -> Request:
+    flags = change = 0
+    if up is not None:
+        flags, change = (IFF_UP if up else 0), IFF_UP
+    body = _ifinfo(index, flags, change) + (_u32(IFLA_MTU, mtu) if mtu else b"")
+    return Request(RTM_NEWLINK, 0, body)
+
+
+def link_alias_request(name: str, alias: str) -> Request:
+    return Request(RTM_NEWLINK, 0, _ifinfo() + _ifname(name) + attr(IFLA_IFALIAS, alias.encode()))
+
+
+def link_delete_request(name: str) -> Request:
+    return Request(RTM_DELLINK, 0, _ifinfo() + _ifname(name))
+
+
+def link_delete_index_request(index: int) -> Request:
+    return Request(RTM_DELLINK, 0, _ifinfo(index))
+
+
+def address_request(
+    index: int, address: IPv4Interface | IPv6Interface, delete: bool = False
+) -> Request:
+    """Add (replace) or delete an address; an IPv6 one is added without DAD (IFA_F_NODAD),
+    so it never sits tentative."""
+    net = address.network
+    v6 = address.version == 6
+    body = (
+        IFADDR.pack(AF_INET6 if v6 else AF_INET, net.prefixlen, 0, RT_SCOPE_UNIVERSE, index)
+        + attr(IFA_LOCAL, address.ip.packed)
+        + attr(IFA_ADDRESS, address.ip.packed)
+    )
+    if v6 and not delete:
+        body += _u32(IFA_FLAGS, IFA_F_NODAD)
+    elif not v6 and net.prefixlen < 31:
+        body += attr(IFA_BROADCAST, net.broadcast_address.packed)
+    if delete:
+        return Request(RTM_DELADDR, 0, body)
+    return Request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_REPLACE, body)
+
+
 # --- decoding ---------------------------------------------------------------
 
 
@@ -222,6 +346,8 @@ class LinkRow:
     mac: str | None
     kind: str | None = None
     vxlan: dict[int, bytes] = field(default_factory=dict)  # IFLA_VXLAN_* attributes
+    master: int = 0  # the bridge it is a port of; 0: none
+    alias: str | None = None
 
 
 class RouteRow(NamedTuple):  # a tuple: thousands are built per dump
@@ -249,12 +375,14 @@ class AddrRow(NamedTuple):  # a tuple: thousands are built per dump
     ifindex: int
     address: IPv4Address
     prefixlen: int
+    flags: int = 0  # IFA_F_*
 
 
 class AddrRow6(NamedTuple):
     ifindex: int
     address: IPv6Address
     prefixlen: int
+    flags: int = 0  # IFA_F_*: tentative until DAD is done
 
 
 def ipv4(raw: bytes | None) -> IPv4Address | None:
@@ -270,12 +398,16 @@ def decode_link(buf: bytes, offset: int, length: int) -> LinkRow:
     attrs = parse_attrs(buf, offset + HDR.size + IFINFO.size, offset + length)
     mtu_raw = attrs.get(IFLA_MTU)
     mac_raw = attrs.get(IFLA_ADDRESS)
+    master_raw = attrs.get(IFLA_MASTER)
+    alias_raw = attrs.get(IFLA_IFALIAS)
     row = LinkRow(
         index=index,
         name=attrs.get(IFLA_IFNAME, b"").rstrip(b"\0").decode(errors="replace"),
         flags=flags,
         mtu=U32.unpack(mtu_raw)[0] if mtu_raw else 0,
         mac=mac_text(mac_raw) if mac_raw and len(mac_raw) == 6 else None,
+        master=U32.unpack(master_raw)[0] if master_raw else 0,
+        alias=alias_raw.rstrip(b"\0").decode(errors="replace") if alias_raw else None,
     )
     info = attrs.get(IFLA_LINKINFO)
     if info is not None:
@@ -424,20 +556,29 @@ def decode_neigh(buf: bytes, offset: int, length: int) -> NeighRow:
 
 
 def decode_addr(buf: bytes, offset: int, length: int) -> AddrRow | None:
-    family, prefixlen, _flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
+    family, prefixlen, flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
     if family != AF_INET:
         return None
     attrs = parse_attrs(buf, offset + HDR.size + IFADDR.size, offset + length)
     # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer on point-to-point links.
     address = ipv4(attrs.get(IFA_LOCAL)) or ipv4(attrs.get(IFA_ADDRESS))
-    return AddrRow(index, address, prefixlen) if address is not None else None
+    if address is None:
+        return None
+    return AddrRow(index, address, prefixlen, _addr_flags(attrs, flags))
 
 
 def decode_addr6(buf: bytes, offset: int, length: int) -> AddrRow6 | None:
-    family, prefixlen, _flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
+    family, prefixlen, flags, _scope, index = IFADDR.unpack_from(buf, offset + HDR.size)
     if family != AF_INET6:
         return None
     attrs = parse_attrs(buf, offset + HDR.size + IFADDR.size, offset + length)
     # IPv6 addresses carry IFA_ADDRESS (IFA_LOCAL too on point-to-point links).
     address = ipv6(attrs.get(IFA_LOCAL)) or ipv6(attrs.get(IFA_ADDRESS))
-    return AddrRow6(index, address, prefixlen) if address is not None else None
+    if address is None:
+        return None
+    return AddrRow6(index, address, prefixlen, _addr_flags(attrs, flags))
+
+
+def _addr_flags(attrs: dict[int, bytes], header_flags: int) -> int:
+    raw = attrs.get(IFA_FLAGS)
+    return U32.unpack(raw)[0] if raw and len(raw) == 4 else header_flags

@@ -1,7 +1,7 @@
 """Which interface carries the overlay: Flannel's choice (``--iface``, ``--iface-regex``,
 ``--iface-can-reach``, else the default route's device), without I/O.
 
-:class:`~flannelpy.dataplane.netlink.NetlinkKernel` reads the interfaces and routes
+:func:`~flannelpy.dataplane.netlink_host.find_underlay` reads the interfaces and routes
 and hands them to :func:`choose_underlay`; unit tests pass their own.
 """
 

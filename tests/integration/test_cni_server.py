@@ -31,7 +31,7 @@ import pytest
 
 from cni_plugin import client
 from flannelpy.cni import CniHandler, CniServer, CniSettings, PodNetwork, RecordStore, wire
-from flannelpy.dataplane.podnet import host_veth_name
+from flannelpy.dataplane.podnames import host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
 from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name

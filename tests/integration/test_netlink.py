@@ -14,7 +14,9 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 import pytest
 
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
-from flannelpy.dataplane.netlink import NetlinkKernel, event_kinds, sysctl_path
+from flannelpy.dataplane.netlink import NetlinkKernel
+from flannelpy.dataplane.netlink_events import event_kinds
+from flannelpy.dataplane.netlink_host import sysctl_path
 from flannelpy.dataplane.netns import run_in_netns
 from flannelpy.dataplane.state import (
     Address,

@@ -14,7 +14,7 @@ from ipaddress import IPv4Network
 import pytest
 
 from flannelpy.cni.context import CniSettings
-from flannelpy.dataplane.podnet import IFNAMSIZ, host_veth_name, veth_owner
+from flannelpy.dataplane.podnames import IFNAMSIZ, host_veth_name, veth_owner
 from tests.integration.test_cni_server import GATEWAY, MTU, NETWORK, Node, in_pod, make_node
 from tests.support.netns_util import is_root
 

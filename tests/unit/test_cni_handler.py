@@ -25,15 +25,8 @@ from hypothesis import strategies as st
 from flannelpy.cni.context import CniSettings, KeyLocks
 from flannelpy.cni.handler import CniHandler
 from flannelpy.cni.records import Record, RecordStore
-from flannelpy.dataplane.podnet import (
-    IPInterface,
-    LinkInfo,
-    NetnsMissing,
-    PodLink,
-    PodRoute,
-    gateway_of,
-    host_veth_name,
-)
+from flannelpy.dataplane.podnames import IPInterface, PodRoute, gateway_of, host_veth_name
+from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
 from flannelpy.ipam.hostlocal import HostLocalEntry

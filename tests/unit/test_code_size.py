@@ -16,11 +16,7 @@ MODULE_LINES = 600
 FUNCTION_LINES = 80
 
 # Over the limit before the limit was enforced: to be split, never to grow.
-MODULES_OVER = {
-    "flannelpy/dataplane/netlink.py": 695,
-    "flannelpy/dataplane/podnet.py": 851,
-    "flannelpy/subnet/etcd/client.py": 670,
-}
+MODULES_OVER: dict[str, int] = {}
 FUNCTIONS_OVER: dict[str, int] = {}
 
 

@@ -9,7 +9,7 @@ import pyetcd
 import pytest
 
 from flannelpy.errors import StoreError
-from flannelpy.subnet.etcd import client
+from flannelpy.subnet.etcd import client, connection, rpc_errors
 
 
 class _RpcError(grpc.RpcError):
@@ -37,7 +37,7 @@ class _RpcError(grpc.RpcError):
 def test_a_member_that_could_not_serve_the_call_counts_as_unreachable(
     code: grpc.StatusCode, details: str
 ) -> None:
-    assert client._unreachable(_RpcError(code, details))
+    assert rpc_errors.unreachable(_RpcError(code, details))
 
 
 @pytest.mark.parametrize(
@@ -49,12 +49,12 @@ def test_a_member_that_could_not_serve_the_call_counts_as_unreachable(
     ],
 )
 def test_other_errors_are_not_an_outage(code: grpc.StatusCode, details: str) -> None:
-    assert not client._unreachable(_RpcError(code, details))
+    assert not rpc_errors.unreachable(_RpcError(code, details))
 
 
 def test_every_call_requires_a_leader_beside_the_auth_token() -> None:
     endpoint = pyetcd.Endpoint("127.0.0.1", 1, secure=False, time_retry=0)
-    c = client._Client(endpoints=[endpoint], timeout=1.0)
+    c = connection.LeaderClient(endpoints=[endpoint], timeout=1.0)
     try:
         assert c.metadata == (("hasleader", "true"),)
         c.metadata = (("token", "t"),)  # what pyetcd sets after authenticating

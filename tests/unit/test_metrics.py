@@ -33,9 +33,9 @@ from flannelpy.observe.health import Heartbeats, readiness, split_host_port
 from flannelpy.observe.kernel_counters import KernelReading
 from flannelpy.observe.metric_families import FAMILIES, sample_names
 from flannelpy.observe.metrics import AgentMetrics, store_error_kind
-from flannelpy.subnet.etcd.client import _error_kind
 from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
 from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.subnet.etcd.rpc_errors import error_kind
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.waiting import wait_until
 
@@ -415,8 +415,8 @@ def test_etcd_error_kind_is_the_grpc_status_in_snake_case() -> None:
     try:
         raise StoreError("permission denied") from _FakeRpcError(grpc.StatusCode.PERMISSION_DENIED)
     except StoreError as e:
-        assert _error_kind(e) == "permission_denied"
-    assert _error_kind(StoreError("no cause")) == "request"
+        assert error_kind(e) == "permission_denied"
+    assert error_kind(StoreError("no cause")) == "request"
 
 
 class _GatedStore:

@@ -1,4 +1,4 @@
-"""Golden bytes of every netlink message we pack by hand (rtnl, nlbatch, podnet).
+"""Golden bytes of every netlink message we pack by hand (rtnl, nlbatch).
 
 Each request is compared with pyroute2's own encoding of the same message
 (pyroute2 is the reference: it is what the kernel-facing tests were first
@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Iterator
-from ipaddress import IPv4Address, IPv4Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface
 from typing import Any
 
 import pytest
@@ -21,7 +21,7 @@ from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
-from flannelpy.dataplane import nlbatch, podnet, rtnl
+from flannelpy.dataplane import nlbatch, podnames, rtnl
 from flannelpy.dataplane.rtnl import Request
 
 MAC = "aa:bb:cc:dd:ee:01"
@@ -212,6 +212,12 @@ def test_address_dump() -> None:
     assert req.body == encoded(ifaddrmsg(), {"family": socket.AF_INET}, [], req)
 
 
+def test_address_dump_of_both_families_is_one_request() -> None:
+    req = sent_by(nlbatch.dump_link_addresses, 4)
+    assert req.msg_type == rtnl.RTM_GETADDR
+    assert req.body == encoded(ifaddrmsg(), {"family": socket.AF_UNSPEC}, [], req)
+
+
 def test_route_get_asks_for_one_host() -> None:
     req = sent_by(nlbatch.route_get, IPv4Address("10.244.9.1"))
     assert (req.msg_type, req.flags) == (rtnl.RTM_GETROUTE, 0)
@@ -296,7 +302,7 @@ def test_a_batch_is_one_datagram_and_only_its_last_message_asks_for_an_ack() -> 
 
 def test_a_single_request_asks_for_an_ack() -> None:
     sock, kernel = fake_socket()
-    req = podnet.delete_request("veth1234abcd")
+    req = rtnl.link_delete_request("veth1234abcd")
     reply, answers = sock.request(req)
     assert (reply, answers) == (rtnl.Reply(), [])
     assert kernel.sent == [
@@ -313,11 +319,46 @@ def test_a_dump_request_has_the_dump_flags() -> None:
     ]
 
 
-# --- pod plumbing (podnet) --------------------------------------------------------------
+# --- rows decoded from what the kernel sends (rtnl) -----------------------------------
+
+
+def test_a_link_row_names_its_bridge_and_its_alias() -> None:
+    attrs = [
+        ("IFLA_IFNAME", "veth0a1b2c3d"),
+        ("IFLA_MTU", 1450),
+        ("IFLA_MASTER", 5),
+        ("IFLA_IFALIAS", "flannelpy 0a1b"),
+    ]
+    msg = whole(ifinfmsg(), {"family": 0, "index": 12}, attrs, rtnl.RTM_NEWLINK, 0, 1)
+    row = rtnl.decode_link(msg, 0, len(msg))
+    assert (row.index, row.name, row.mtu) == (12, "veth0a1b2c3d", 1450)
+    assert (row.master, row.alias) == (5, "flannelpy 0a1b")
+    lo = whole(
+        ifinfmsg(), {"family": 0, "index": 1}, [("IFLA_IFNAME", "lo")], rtnl.RTM_NEWLINK, 0, 1
+    )
+    row = rtnl.decode_link(lo, 0, len(lo))
+    assert (row.master, row.alias) == (0, None)
+
+
+@pytest.mark.parametrize(
+    ("header_flags", "attrs", "flags"),
+    [(0x40, [], 0x40), (0x80, [("IFA_FLAGS", 0x40 | 0x200)], 0x40 | 0x200)],
+)
+def test_an_address_row_carries_its_flags(header_flags: int, attrs: list[Any], flags: int) -> None:
+    """IFA_FLAGS, when present, holds all of them; the header's byte only the low 8."""
+    fields = {"family": socket.AF_INET6, "prefixlen": 64, "flags": header_flags, "index": 4}
+    attrs = [("IFA_ADDRESS", "fd00:10:244:1::5"), *attrs]
+    msg = whole(ifaddrmsg(), fields, attrs, rtnl.RTM_NEWADDR, 0, 1)
+    row = rtnl.decode_addr6(msg, 0, len(msg))
+    assert row == rtnl.AddrRow6(4, IPv6Address("fd00:10:244:1::5"), 64, flags)
+    assert rtnl.decode_addr(msg, 0, len(msg)) is None
+
+
+# --- links and addresses: pod plumbing (rtnl) -----------------------------------------
 
 
 def test_bridge_create() -> None:
-    req = podnet.bridge_request("cni0", 1450, "0a:58:0a:f4:01:01")
+    req = rtnl.bridge_request("cni0", 1450, "0a:58:0a:f4:01:01")
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0x400 | 0x200)
     # iproute2's encoding: the kind without its NUL (pyroute2 adds one).
     assert req.body.hex() == (
@@ -343,7 +384,7 @@ def test_bridge_create() -> None:
 
 
 def test_veth_create_puts_the_peer_in_the_pod_namespace() -> None:
-    req = podnet.veth_request("veth0a1b2c3d", MAC, "eth0", PEER_MAC, 42, 1450, 5)
+    req = rtnl.veth_request("veth0a1b2c3d", MAC, "eth0", PEER_MAC, 42, 1450, 5)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0x400 | 0x200)
     assert req.body.hex() == (
         "00000000"
@@ -383,7 +424,7 @@ def test_veth_create_puts_the_peer_in_the_pod_namespace() -> None:
 
 
 def test_hairpin_on_a_bridge_port() -> None:
-    req = podnet.hairpin_request("veth0a1b2c3d", True)
+    req = rtnl.hairpin_request("veth0a1b2c3d", True)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0)
     assert req.body.hex() == (
         "00000000"
@@ -409,7 +450,7 @@ def test_hairpin_on_a_bridge_port() -> None:
 @pytest.mark.parametrize("delete", [False, True])
 def test_address_add_or_delete(address: str, broadcast: str | None, delete: bool) -> None:
     iface = IPv4Interface(address)
-    req = podnet.address_request(4, iface, delete)
+    req = rtnl.address_request(4, iface, delete)
     expected_type = rtnl.RTM_DELADDR if delete else rtnl.RTM_NEWADDR
     expected_flags = 0 if delete else 0x400 | 0x100
     assert (req.msg_type, req.flags) == (expected_type, expected_flags)
@@ -434,7 +475,7 @@ def test_address_add_or_delete(address: str, broadcast: str | None, delete: bool
 def test_link_set(
     up: bool | None, mtu: int | None, flags: int, change: int, attrs: list[Any]
 ) -> None:
-    req = podnet.link_set_request(6, up, mtu)
+    req = rtnl.link_set_request(6, up, mtu)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0)
     assert req.body == encoded(
         ifinfmsg(), {"family": 0, "index": 6, "flags": flags, "change": change}, attrs, req
@@ -442,13 +483,40 @@ def test_link_set(
 
 
 def test_link_delete_by_name() -> None:
-    req = podnet.delete_request("veth0a1b2c3d")
+    req = rtnl.link_delete_request("veth0a1b2c3d")
     assert (req.msg_type, req.flags) == (rtnl.RTM_DELLINK, 0)
     assert req.body == encoded(ifinfmsg(), {"family": 0}, [("IFLA_IFNAME", "veth0a1b2c3d")], req)
 
 
+def test_link_delete_by_index() -> None:
+    req = rtnl.link_delete_index_request(9)
+    assert (req.msg_type, req.flags) == (rtnl.RTM_DELLINK, 0)
+    assert req.body == encoded(ifinfmsg(), {"family": 0, "index": 9}, [], req)
+
+
+def test_link_alias_names_the_owner() -> None:
+    req = rtnl.link_alias_request("veth0a1b2c3d", "flannelpy 0a1b")
+    assert (req.msg_type, req.flags) == (rtnl.RTM_NEWLINK, 0)
+    # iproute2's encoding: the alias without its NUL (pyroute2 adds one).
+    named = encoded(ifinfmsg(), {"family": 0}, [("IFLA_IFNAME", "veth0a1b2c3d")], req)
+    assert req.body == named + bytes.fromhex("12001400") + b"flannelpy 0a1b\0\0"
+    assert decoded(ifinfmsg, req).get_attr("IFLA_IFALIAS") == "flannelpy 0a1b"
+
+
+@pytest.mark.parametrize(("delete", "flags"), [(False, [("IFA_FLAGS", 0x02)]), (True, [])])
+def test_ipv6_address_is_added_without_duplicate_address_detection(
+    delete: bool, flags: list[Any]
+) -> None:
+    req = rtnl.address_request(4, IPv6Interface("fd00:10:244:1::1/64"), delete)
+    assert req.msg_type == (rtnl.RTM_DELADDR if delete else rtnl.RTM_NEWADDR)
+    ip = "fd00:10:244:1::1"
+    fields = {"family": socket.AF_INET6, "prefixlen": 64, "scope": 0, "index": 4}
+    attrs = [("IFA_LOCAL", ip), ("IFA_ADDRESS", ip), *flags]  # IFA_F_NODAD unless deleting
+    assert req.body == encoded(ifaddrmsg(), fields, attrs, req)
+
+
 def test_pod_default_route_is_tagged_like_ip_route_add() -> None:
-    req = podnet.pod_route_request(2, IPv4Address("10.244.1.1"), podnet.DEFAULT_ROUTE)
+    req = rtnl.route_add_request(2, IPv4Address("10.244.1.1"), podnames.DEFAULT_ROUTE)
     # CREATE|EXCL, never REPLACE: a route in the pod we did not add is left alone.
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x200)
     assert req.body == encoded(
@@ -456,6 +524,20 @@ def test_pod_default_route_is_tagged_like_ip_route_add() -> None:
         {"family": socket.AF_INET, "dst_len": 0, "table": 254, "proto": 3, "scope": 0, "type": 1},
         [("RTA_DST", "0.0.0.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "10.244.1.1")], req,
     )  # fmt: skip
+
+
+def test_pod_ipv6_default_route_is_tagged_like_ip_route_add() -> None:
+    gateway = IPv6Address("fd00:10:244:1::1")
+    req = rtnl.route_add_request(2, gateway, podnames.DEFAULT_ROUTE6)
+    assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x200)
+    fields = {"family": socket.AF_INET6, "dst_len": 0, "table": 254, "proto": 3, "type": 1}
+    attrs = [("RTA_DST", "::"), ("RTA_OIF", 2), ("RTA_GATEWAY", str(gateway))]
+    assert req.body == encoded(rtmsg(), fields, attrs, req)
+
+
+def test_pod_route_via_a_gateway_of_another_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="the families differ"):
+        rtnl.route_add_request(2, IPv6Address("fd00:10:244:1::1"), podnames.DEFAULT_ROUTE)
 
 
 def test_blackhole_route_has_no_device_and_a_metric_below_the_connected_route() -> None:

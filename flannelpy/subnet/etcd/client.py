@@ -2,28 +2,25 @@
 protocol.
 
 :class:`EtcdStore` adds failover between endpoints, TLS, auth and timeouts, and
-maps gRPC errors to ours; it is the only module of etcd mode that imports gRPC.
-The keys it is used with are :mod:`flannelpy.subnet.keys`'; the SubnetManager
-over it is :mod:`flannelpy.subnet.etcd.manager`.
+maps gRPC errors to ours. It and its helpers (:mod:`~flannelpy.subnet.etcd.connection`
+reaches a member, :mod:`~flannelpy.subnet.etcd.rpc_errors` reads its failures,
+:mod:`~flannelpy.subnet.etcd.watch` holds an open watch) are the only modules of etcd
+mode that import gRPC. The keys it is used with are :mod:`flannelpy.subnet.keys`'; the
+SubnetManager over it is :mod:`flannelpy.subnet.etcd.manager`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import grpc
 import pyetcd
-from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
-from pyetcd.watch import Watcher, WatchResponse
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import (
@@ -33,192 +30,24 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.subnet.etcd.kv import GrantedLease, KeyValue, WatchBatch, WatchEvent
+from flannelpy.subnet.etcd import connection
+from flannelpy.subnet.etcd.kv import GrantedLease, KeyValue
+from flannelpy.subnet.etcd.rpc_errors import (
+    UNREACHABLE,
+    error_kind,
+    request_error,
+    rpc_code,
+    rpc_details,
+    unreachable,
+)
+from flannelpy.subnet.etcd.watch import EtcdWatch
 
 log = logging.getLogger("flannelpy.subnet.etcd.client")
 
 REQUEST_TIMEOUT = 5.0  # seconds per etcd request, so a dead member never hangs a call
-WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
-
-# gRPC channel options: reconnect soon after etcd comes back (the default backoff
-# grows to 120 s), and detect a silently dead peer on long-lived watch streams.
-# etcd refuses keepalive pings more often than every 5 s, hence 10 s.
-_GRPC_OPTIONS = [
-    # etcd is always reached directly: an HTTP proxy set in the environment (for image
-    # pulls, say) must not carry lease traffic, nor take lab traffic off the machine.
-    ("grpc.enable_http_proxy", 0),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
-
-# pyetcd raises these when the member cannot be reached in time.
-_UNREACHABLE = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.InternalServerError,
-    etcd_exc.NoServerAvailableError,
-    etcd_exc.WatchTimedOut,
-)
-_UNREACHABLE_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.INTERNAL,
-}
-# A member that cannot reach a quorum times a read out itself and answers UNKNOWN with
-# Go's context error (the client's deadline travels to it) just before our own deadline
-# fires: that member is as unreachable as a dead one, so the call fails over.
-_UNREACHABLE_DETAILS = ("context deadline exceeded", "context canceled")
-
-# Every call carries etcd's "hasleader" metadata: a member cut off from the leader
-# then refuses it at once with "no leader" (UNAVAILABLE, so the call fails over),
-# rather than holding a read until the request timeout, and cancels open watches
-# instead of serving a frozen world; the watch then moves to another endpoint.
-_REQUIRE_LEADER = (("hasleader", "true"),)
 TLS_CHECK_INTERVAL = 1.0  # seconds between looks at the TLS files' mtimes
 
 T = TypeVar("T")
-
-
-class _Client(pyetcd.MultiEndpointEtcd3Client):  # type: ignore[misc]
-    """pyetcd's client, whose calls and watches all require a leader.
-
-    pyetcd passes ``self.metadata`` with every call and sets it to the auth token
-    after authenticating; the property keeps the leader requirement beside it.
-    """
-
-    _base_metadata: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._base_metadata + _REQUIRE_LEADER
-
-    @metadata.setter
-    def metadata(self, value: Sequence[tuple[str, str]] | None) -> None:
-        self._base_metadata = tuple(value or ())
-
-    def get_watcher(self) -> Watcher:
-        return Watcher(
-            etcdrpc.WatchStub(self.channel),
-            timeout=self.timeout,
-            call_credentials=self.call_credentials,
-            metadata=self.metadata,
-        )
-
-
-class _SocketEndpoint(pyetcd.Endpoint):  # type: ignore[misc]
-    """pyetcd's endpoint on a gRPC target of its own: a unix socket (pyetcd dials
-    host:port only)."""
-
-    def __init__(self, target: str, opts: Sequence[tuple[str, Any]]) -> None:
-        self._target = target
-        super().__init__(target, 0, secure=False, time_retry=0, opts=opts)
-        self.netloc = target
-
-    def _mkchannel(self, opts: Sequence[tuple[str, Any]]) -> grpc.Channel:
-        return grpc.insecure_channel(self._target, options=opts)
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    url: str
-    host: str
-    port: int
-    secure: bool
-    socket_target: str | None = None  # a unix socket's gRPC target, else None
-
-
-def unix_target(url: str) -> str:
-    """etcd's Go client's reading of a ``unix://`` endpoint, as a gRPC target:
-    ``unix:///run/etcd.sock`` is an absolute path, ``unix://etcd.sock`` and
-    ``unix:etcd.sock`` are relative to the working directory."""
-    if url.startswith("unix:///"):
-        return url
-    return "unix:" + url.removeprefix("unix://").removeprefix("unix:")
-
-
-def parse_endpoints(urls: Sequence[str]) -> list[_Endpoint]:
-    """``http://127.0.0.1:2379`` → host, port, TLS or not; ``unix://path`` → a socket.
-    Raises ConfigError."""
-    endpoints = []
-    for raw in urls:
-        url = raw.strip()
-        if url.startswith("unix:") and unix_target(url) not in ("unix:", "unix:///"):
-            endpoints.append(_Endpoint(url, "", 0, False, unix_target(url)))
-            continue
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        try:
-            port = parts.port or 2379
-        except ValueError:
-            port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port <= 0:
-            raise ConfigError(
-                f"--etcd-endpoints: {raw!r} is not an etcd URL; write it like "
-                "http://127.0.0.1:2379 or https://etcd.example:2379"
-            )
-        endpoints.append(_Endpoint(url, parts.hostname, port, parts.scheme == "https"))
-    if not endpoints:
-        raise ConfigError("--etcd-endpoints is empty; give at least one etcd URL")
-    return endpoints
-
-
-def _read(path: str | None, flag: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError(f"{flag}: cannot read {path}: {e.strerror}; fix the path") from e
-
-
-def _stat_files(paths: Sequence[str | None]) -> tuple[tuple[int, int] | None, ...]:
-    """Each file's (mtime_ns, size), None where absent: what tells a rotation."""
-    return tuple(_signature(path) for path in paths)
-
-
-def _signature(path: str | None) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path) if path is not None else None
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size) if st is not None else None
-
-
-def _rpc_details(error: BaseException) -> str:
-    """The gRPC status text behind a pyetcd exception (pyetcd drops it)."""
-    for candidate in (error, error.__cause__, error.__context__):
-        if isinstance(candidate, grpc.RpcError):
-            code = candidate.code() if hasattr(candidate, "code") else None
-            details = candidate.details() if hasattr(candidate, "details") else None
-            name = code.name if code is not None else "UNKNOWN"
-            return f"{name}: {details}"
-    return str(error) or type(error).__name__
-
-
-def _error_kind(error: BaseException) -> str:
-    """A failed request's gRPC status in snake case ("permission_denied"), else "request"."""
-    code = _rpc_code(error.__cause__) if error.__cause__ is not None else None
-    return code.name.lower() if code is not None else "request"
-
-
-def _unreachable(error: grpc.RpcError) -> bool:
-    """Does this error say the member could not serve the call (try another one)?"""
-    code = _rpc_code(error)
-    if code in _UNREACHABLE_CODES:
-        return True
-    details = (error.details() if hasattr(error, "details") else None) or ""
-    return code == grpc.StatusCode.UNKNOWN and details.strip() in _UNREACHABLE_DETAILS
-
-
-def _rpc_code(error: BaseException) -> grpc.StatusCode | None:
-    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        code = error.code()
-        return code if isinstance(code, grpc.StatusCode) else None
-    return None
 
 
 class EtcdStore:
@@ -241,7 +70,7 @@ class EtcdStore:
         timeout: float = REQUEST_TIMEOUT,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
-        self._endpoints = parse_endpoints(endpoints)
+        self._endpoints = connection.parse_endpoints(endpoints)
         # Told the kind of every failed request, for metrics: "unavailable" (no
         # endpoint answered) or the gRPC status in snake case ("permission_denied").
         self._on_error = on_error
@@ -268,7 +97,7 @@ class EtcdStore:
         self._tls_checked = 0.0
         self._credentials: grpc.ChannelCredentials | None = None
         if any(ep.secure for ep in self._endpoints):
-            self._tls_seen = _stat_files(self._tls_files)
+            self._tls_seen = connection.stat_files(self._tls_files)
             self._credentials = self._load_credentials()
         self._username = username
         self._password = password
@@ -283,12 +112,7 @@ class EtcdStore:
         return [ep.url for ep in self._endpoints]
 
     def _load_credentials(self) -> grpc.ChannelCredentials:
-        cafile, keyfile, certfile = self._tls_files
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(cafile, "--etcd-cafile"),
-            private_key=_read(keyfile, "--etcd-keyfile"),
-            certificate_chain=_read(certfile, "--etcd-certfile"),
-        )
+        return connection.load_credentials(*self._tls_files)
 
     def _reload_tls(self) -> None:
         """Rotation without restart: once the TLS files change, every channel is closed
@@ -300,7 +124,7 @@ class EtcdStore:
             if now - self._tls_checked < TLS_CHECK_INTERVAL:
                 return
             self._tls_checked = now
-        seen = _stat_files(self._tls_files)
+        seen = connection.stat_files(self._tls_files)
         if seen == self._tls_seen:
             return
         try:
@@ -324,29 +148,9 @@ class EtcdStore:
             client = self._clients.get(index)
         if client is not None:
             return client
-        ep = self._endpoints[index]
-        # time_retry=0: never let pyetcd park an endpoint as failed; we pick endpoints.
-        if ep.socket_target is not None:
-            endpoint = _SocketEndpoint(ep.socket_target, _GRPC_OPTIONS)
-        else:
-            endpoint = pyetcd.Endpoint(
-                ep.host, ep.port, secure=ep.secure,
-                creds=self._credentials if ep.secure else None,
-                time_retry=0, opts=_GRPC_OPTIONS,
-            )  # fmt: skip
-        try:
-            # With a user, the constructor authenticates (one request) to get a token.
-            client = _Client(
-                endpoints=[endpoint], timeout=self._timeout,
-                user=self._username, password=self._password,
-            )  # fmt: skip
-        except BaseException:
-            endpoint.close()
-            raise
-        if not ep.secure:
-            # gRPC refuses call credentials on a plaintext channel; the token also
-            # travels as metadata, which is all etcd reads.
-            client.call_credentials = None
+        client = connection.open_client(
+            self._endpoints[index], self._credentials, self._timeout, self._username, self._password
+        )
         with self._lock:
             existing = self._clients.setdefault(index, client)
         if existing is not client:
@@ -375,7 +179,7 @@ class EtcdStore:
                 failures.append(f"{self._endpoints[index].url}: {e}")
                 continue
             except StoreError as e:
-                self._report(_error_kind(e))
+                self._report(error_kind(e))
                 raise
             with self._lock:
                 previous, self._current = self._current, index
@@ -403,8 +207,8 @@ class EtcdStore:
         for attempt in range(2):
             try:
                 return fn(self._client(index))
-            except _UNREACHABLE as e:
-                raise StoreUnavailable(_rpc_details(e)) from e
+            except UNREACHABLE as e:
+                raise StoreUnavailable(rpc_details(e)) from e
             except etcd_exc.RevisionCompactedError as e:
                 # A watch created from a compacted revision: the caller re-lists.
                 raise RevisionCompacted(
@@ -413,38 +217,16 @@ class EtcdStore:
                     int(e.compacted_revision),
                 ) from e
             except grpc.RpcError as e:
-                if _unreachable(e):
-                    raise StoreUnavailable(_rpc_details(e)) from e
-                code = _rpc_code(e)
+                if unreachable(e):
+                    raise StoreUnavailable(rpc_details(e)) from e
+                code = rpc_code(e)
                 if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
                     # The auth token expired (etcd's simple tokens live --auth-token-ttl,
                     # 5 min by default): reconnect, which authenticates again.
                     self._drop_client(index)
                     continue
-                raise self._request_error(what, e) from e
+                raise request_error(what, e) from e
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _request_error(self, what: str, e: grpc.RpcError) -> StoreError:
-        code = _rpc_code(e)
-        details = _rpc_details(e)
-        if "user name is empty" in details:
-            return StoreError(
-                f"etcd {what}: etcd requires authentication ({details}); "
-                "set --etcd-username and --etcd-password"
-            )
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT) and (
-            "auth" in details or "password" in details
-        ):
-            return StoreError(
-                f"etcd {what}: authentication failed ({details}); "
-                "check --etcd-username and --etcd-password"
-            )
-        if code == grpc.StatusCode.PERMISSION_DENIED:
-            return StoreError(
-                f"etcd {what}: permission denied ({details}); grant the etcd user "
-                "read-write access to the --etcd-prefix key range"
-            )
-        return StoreError(f"etcd {what} failed ({details})")
 
     # -- Store ---------------------------------------------------------------
 
@@ -531,7 +313,7 @@ class EtcdStore:
             try:
                 c.revoke_lease(lease_id)
             except grpc.RpcError as e:
-                if _rpc_code(e) != grpc.StatusCode.NOT_FOUND:
+                if rpc_code(e) != grpc.StatusCode.NOT_FOUND:
                     raise
 
         self._call(f"revoke lease {lease_id:x}", op)
@@ -543,7 +325,7 @@ class EtcdStore:
 
         return self._call(f"lease time-to-live {lease_id:x}", op)
 
-    def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> _EtcdWatch:
+    def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> EtcdWatch:
         responses: queue.Queue[Any] = queue.Queue()
 
         def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[pyetcd.MultiEndpointEtcd3Client, int]:
@@ -553,7 +335,7 @@ class EtcdStore:
             return c, int(watch_id)
 
         client, watch_id = self._call(f"watch {prefix}", op)
-        return _EtcdWatch(client, watch_id, responses, prefix, stop)
+        return EtcdWatch(client, watch_id, responses, prefix, stop)
 
     def compact(self, revision: int) -> None:
         self._call(f"compact to {revision}", lambda c: c.compact(revision))
@@ -583,73 +365,6 @@ def _txn_revision(result: tuple[bool, list[Any]]) -> int | None:
     if not succeeded:
         return None
     return int(responses[0].response_put.header.revision)
-
-
-class _EtcdWatch:
-    """An open etcd watch; pyetcd's callback thread feeds ``responses``."""
-
-    def __init__(
-        self,
-        client: pyetcd.MultiEndpointEtcd3Client,
-        watch_id: int,
-        responses: queue.Queue[Any],
-        prefix: str,
-        stop: threading.Event,
-    ) -> None:
-        self._client = client
-        self._watch_id = watch_id
-        self._responses = responses
-        self._prefix = prefix
-        self._stop = stop
-        self._cancelled = threading.Event()
-
-    def __iter__(self) -> Iterator[WatchBatch]:
-        try:
-            while not (self._stop.is_set() or self._cancelled.is_set()):
-                try:
-                    item = self._responses.get(timeout=WATCH_POLL)
-                except queue.Empty:
-                    continue
-                batch = self._batch(item)
-                if batch is not None:
-                    yield batch
-        finally:
-            self.cancel()
-
-    def _batch(self, item: Any) -> WatchBatch | None:
-        if isinstance(item, WatchResponse):
-            events = tuple(_event(e) for e in item.events)
-            # Empty responses are progress notifications: nothing to report.
-            return WatchBatch(events, max(e.mod_revision for e in events)) if events else None
-        if isinstance(item, etcd_exc.RevisionCompactedError):
-            raise RevisionCompacted(
-                f"etcd watch on {self._prefix}: history before revision "
-                f"{item.compacted_revision} was compacted; re-list",
-                int(item.compacted_revision),
-            )
-        # pyetcd hands the stream's gRPC error (or None when the stream just ended).
-        details = _rpc_details(item) if isinstance(item, BaseException) else "stream closed"
-        raise StoreUnavailable(f"etcd watch on {self._prefix} broke ({details})")
-
-    def cancel(self) -> None:
-        if self._cancelled.is_set():
-            return
-        self._cancelled.set()
-        try:
-            self._client.cancel_watch(self._watch_id)
-        except (grpc.RpcError, etcd_exc.Etcd3Exception, ValueError) as e:
-            log.debug("cancelling a watch failed error=%s", _rpc_details(e))
-
-
-def _event(e: Any) -> WatchEvent:
-    is_put = type(e).__name__ == "PutEvent"
-    return WatchEvent(
-        kind="put" if is_put else "delete",
-        key=bytes(e.key).decode("utf-8", "replace"),
-        value=bytes(e.value) if is_put else b"",
-        mod_revision=int(e.mod_revision),
-        lease_id=int(e.lease) if is_put else 0,
-    )
 
 
 def connect_etcd(

@@ -1,0 +1,371 @@
+"""Writing :class:`~flannelpy.dataplane.state.Changes` to the kernel, in their order.
+
+Links and addresses (a handful per node) go through pyroute2, which knows how to
+encode a vxlan device; neighbours, FDB entries and routes (three per peer) go through
+:mod:`flannelpy.dataplane.nlbatch`, many messages per syscall. Per-entry failures are
+collected, never raised mid-batch; a vxlan device that cannot be created raises, as
+nothing works without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from flannelpy.dataplane import nlbatch as nl
+from flannelpy.dataplane import rtnl
+from flannelpy.dataplane.adopt import FlannelRouteShape
+from flannelpy.dataplane.kernel import ApplyResult
+from flannelpy.dataplane.netlink_observe import adoptable, vxlan_link
+from flannelpy.dataplane.state import (
+    BLACKHOLE_METRIC,
+    Address,
+    Changes,
+    FdbEntry,
+    Neighbour,
+    Route,
+    VxlanLink,
+)
+from flannelpy.errors import DataplaneError
+
+IFA_F_NODAD = 0x02  # linux/if_addr.h
+
+# Errors that mean "already gone" for each kind of delete.
+_GONE_ON_DELETE = {errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EADDRNOTAVAIL}
+
+
+def apply(changes: Changes, protocol: int, adopt: FlannelRouteShape | None) -> ApplyResult:
+    """:meth:`~flannelpy.dataplane.kernel.Kernel.apply`: routes are written with
+    ``protocol``; those ``adopt`` matches are taken over, never refused as foreign."""
+    if _event_loop_running():
+        # pyroute2's synchronous API runs its own event loop, which cannot nest
+        # in a running one; a helper thread inherits this thread's namespace.
+        return _in_helper_thread(lambda c: _apply(c, protocol, adopt), changes)
+    return _apply(changes, protocol, adopt)
+
+
+def _apply(changes: Changes, protocol: int, adopt: FlannelRouteShape | None) -> ApplyResult:
+    with nl.NetlinkSocket() as sock, _Batch(sock, protocol, adopt) as run:
+        run.links(changes)
+        run.addresses("addresses_to_add", changes.addresses_to_add)
+        run.addresses("addresses_to_delete", changes.addresses_to_delete)
+        # Per peer: neighbour, FDB, then the route, so the kernel never ARPs.
+        run.entries("neighbours_to_set", changes.neighbours_to_set)
+        run.entries("fdb_to_set", changes.fdb_to_set)
+        run.entries("routes_to_set", run.not_foreign(changes.routes_to_set))
+        # Old routes go only once the new ones are in (their destinations differ):
+        # a peer moving from the Network's route through flannel-wg to its own
+        # route through the VTEP, or back, is never without a route in between.
+        run.entries("routes_to_delete", changes.routes_to_delete)
+        # A peer's stale neighbour and FDB go only once its route points elsewhere
+        # (vxlan -> direct): packets routed to a deleted neighbour wait for an ARP
+        # that never comes on the VTEP, and are dropped.
+        run.entries("neighbours_to_delete", changes.neighbours_to_delete)
+        run.entries("fdb_to_delete", changes.fdb_to_delete)
+    applied = {k: v for k, v in run.applied.items() if v}
+    return ApplyResult(applied=applied, failures=tuple(run.failures))
+
+
+def _reason(error: int, message: str = "") -> str:
+    name = errno.errorcode.get(error, str(error))
+    text = message or os.strerror(error)
+    return f"{text} ({name})"
+
+
+class _Batch:
+    """One ``apply`` call: its sockets, the device index, counts and failures."""
+
+    def __init__(
+        self, sock: nl.NetlinkSocket, protocol: int, adopt: FlannelRouteShape | None = None
+    ) -> None:
+        self.sock = sock
+        self.protocol = protocol
+        self.adopt = adopt
+        self.index = {r.name: r.index for r in nl.dump_links(sock)}
+        self.applied: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self._ipr: IPRoute | None = None
+
+    def __enter__(self) -> _Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ipr is not None:
+            self._ipr.close()
+
+    @property
+    def ipr(self) -> IPRoute:
+        """pyroute2, opened only when links or addresses change (most passes do not)."""
+        if self._ipr is None:
+            self._ipr = IPRoute()
+        return self._ipr
+
+    def links(self, changes: Changes) -> None:
+        for name in changes.links_to_delete:
+            try:
+                if name in self.index:
+                    self.ipr.link("del", index=self.index[name])
+            except NetlinkError as e:
+                if e.code not in _GONE_ON_DELETE:
+                    self.failures.append(f"could not delete link {name}: {_reason(e.code)}")
+                    continue
+            self.applied["links_to_delete"] += 1
+        for link in changes.links_to_create:
+            _create_vxlan(self.ipr, self.sock, link)  # raises: nothing works without it
+            self.applied["links_to_create"] += 1
+        for link in changes.links_to_update:
+            self._update(link)
+        if changes.links_to_delete or changes.links_to_create:
+            self.index = {r.name: r.index for r in nl.dump_links(self.sock)}
+
+    def _update(self, link: VxlanLink) -> None:
+        row = nl.get_link(self.sock, link.name)
+        if row is None:
+            self.failures.append(f"could not update link {link.name}: it does not exist")
+            return
+        mac = link.mac if link.mac and link.mac.lower() != row.mac else None
+        try:
+            _update_link(self.ipr, row.index, link.mtu, mac)
+        except NetlinkError as e:
+            self.failures.append(f"could not update link {link.name}: {_reason(e.code)}")
+            return
+        self.applied["links_to_update"] += 1
+
+    def not_foreign(self, routes: Sequence[Route]) -> list[Route]:
+        """``routes`` without those whose destination holds a route of another protocol:
+        NLM_F_REPLACE would overwrite it, and a connected or static route is never ours
+        to take (a peer lease naming the underlay's subnet would cut the node off)."""
+        if not routes:
+            return []
+        names = {index: name for name, index in self.index.items()}
+        rows = nl.dump_routes(self.sock)
+        if any(route.dst.version == 6 for route in routes):
+            rows += nl.dump_routes(self.sock, family=rtnl.AF_INET6)
+        foreign = {
+            (r.dst.version, int(r.dst), r.dst_len): r.protocol
+            for r in rows
+            if r.protocol != self.protocol and not adoptable(self.adopt, r, names)
+        }
+        kept = []
+        for route in routes:
+            if route.blackhole:  # its own metric: added beside a connected route, never over it
+                kept.append(route)
+                continue
+            proto = foreign.get(
+                (route.dst.version, int(route.dst.network_address), route.dst.prefixlen)
+            )
+            if proto is None:
+                kept.append(route)
+                continue
+            self.failures.append(
+                f"refused to set {_describe(route)}: the node has a route to {route.dst} of "
+                f"protocol {proto}, not the agent's; remove it or the lease that asks for it"
+            )
+        return kept
+
+    def addresses(self, key: str, entries: Sequence[Address]) -> None:
+        delete = key == "addresses_to_delete"
+        verb = "delete" if delete else "add"
+        for a in entries:
+            if a.ifname not in self.index:
+                why = f"could not add address {a.address} on {a.ifname}: no such device"
+                self._no_device(key, delete, why)
+                continue
+            try:
+                # IPv6 (flannel-v6.<VNI>): no duplicate address detection, which would
+                # leave the VTEP address tentative (unusable) for a second or more; the
+                # address is the node's own lease's, unique by construction.
+                nodad = {"flags": IFA_F_NODAD} if a.address.version == 6 else {}
+                self.ipr.addr(
+                    "del" if delete else "replace",
+                    index=self.index[a.ifname],
+                    address=str(a.address.ip),
+                    prefixlen=a.address.network.prefixlen,
+                    **nodad,
+                )
+            except NetlinkError as e:
+                if not (delete and e.code in _GONE_ON_DELETE):
+                    self.failures.append(
+                        f"could not {verb} address {a.address} on {a.ifname}: {_reason(e.code)}"
+                    )
+                    continue
+            self.applied[key] += 1
+
+    def _no_device(self, key: str, delete: bool, failure: str) -> None:
+        """An entry on a device that does not exist: on delete, gone with the device."""
+        if delete:
+            self.applied[key] += 1
+        else:
+            self.failures.append(failure)
+
+    def entries(
+        self, key: str, entries: Sequence[Route] | Sequence[Neighbour] | Sequence[FdbEntry]
+    ) -> None:
+        """One kind of bulk write over the fast path; per-entry failures collected."""
+        if not entries:
+            return
+        delete = key.endswith("_to_delete")
+        verb = "delete" if delete else "set"
+        requests: list[rtnl.Request] = []
+        sent: list[Route | Neighbour | FdbEntry] = []
+        for entry in entries:
+            ifindex = self.index.get(entry.ifname)
+            # Our routes are deleted by destination alone, whatever their device.
+            if ifindex is None and not (isinstance(entry, Route) and (delete or entry.blackhole)):
+                why = f"could not set {_describe(entry)}: {entry.ifname} does not exist"
+                self._no_device(key, delete, why)
+                continue
+            # A taken-over route is deleted with its own protocol (the kernel matches it).
+            protocol = entry.protocol if isinstance(entry, Route) and entry.protocol else None
+            requests.append(_request(entry, delete, ifindex or 0, protocol or self.protocol))
+            sent.append(entry)
+        try:
+            replies = self.sock.batch(requests)
+        except OSError as e:
+            self.failures.append(f"could not {verb} {len(sent)} {key.split('_')[0]}: {e}")
+            return
+        for entry, reply in zip(sent, replies, strict=True):
+            if reply.error == 0 or (delete and reply.error in _GONE_ON_DELETE):
+                self.applied[key] += 1
+            else:
+                why = _reason(reply.error, reply.message)
+                self.failures.append(f"could not {verb} {_describe(entry)}: {why}")
+
+
+def _event_loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _in_helper_thread(fn: Callable[[Changes], ApplyResult], arg: Changes) -> ApplyResult:
+    """Run ``fn(arg)`` in a new thread (same network namespace) and wait for it."""
+    result: list[ApplyResult] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn(arg))
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="netlink-apply")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _request(
+    entry: Route | Neighbour | FdbEntry, delete: bool, ifindex: int, protocol: int
+) -> rtnl.Request:
+    if isinstance(entry, Route):
+        return rtnl.route_request(
+            delete,
+            protocol,
+            entry.dst.network_address.packed,
+            entry.dst.prefixlen,
+            gateway=entry.gateway if int(entry.gateway) != 0 else None,
+            oif=ifindex,
+            onlink=entry.onlink,
+            blackhole_metric=BLACKHOLE_METRIC if entry.blackhole else None,
+        )
+    if isinstance(entry, Neighbour):
+        return rtnl.neigh_request(delete, ifindex, entry.ip, entry.mac)
+    return rtnl.fdb_request(delete, ifindex, entry.mac, entry.dst)
+
+
+def _describe(entry: Route | Neighbour | FdbEntry) -> str:
+    if isinstance(entry, Route):
+        if entry.blackhole:
+            return f"route blackhole {entry.dst} metric {BLACKHOLE_METRIC}"
+        onlink = " onlink" if entry.onlink else ""
+        return f"route {entry.dst} via {entry.gateway} dev {entry.ifname}{onlink}"
+    if isinstance(entry, Neighbour):
+        return f"neighbour {entry.ip} lladdr {entry.mac} dev {entry.ifname}"
+    return f"fdb {entry.mac} dst {entry.dst} dev {entry.ifname}"
+
+
+def _vxlan_matches(row: rtnl.LinkRow, link: VxlanLink, names: dict[int, str]) -> bool:
+    """True when an existing device can be kept: its immutable vxlan attributes match."""
+    if row.kind != "vxlan":
+        return False
+    have = vxlan_link(row, names)
+    return (have.vni, have.local_ip, have.underlay, have.port, have.gbp, have.learning) == (
+        link.vni,
+        link.local_ip,
+        link.underlay,
+        link.port,
+        link.gbp,
+        link.learning,
+    )
+
+
+def _create_vxlan(ipr: IPRoute, sock: nl.NetlinkSocket, link: VxlanLink) -> None:
+    """Create (or adopt a matching) vxlan device and bring it up; DataplaneError if impossible."""
+    rows = nl.dump_links(sock)
+    names = {r.index: r.name for r in rows}
+    by_name = {r.name: r for r in rows}
+    underlay = by_name.get(link.underlay)
+    if underlay is None:
+        raise DataplaneError(
+            f"cannot create {link.name}: the underlay interface {link.underlay} does not exist"
+        )
+    existing = by_name.get(link.name)
+    try:
+        if existing is not None and _vxlan_matches(existing, link, names):
+            mac = link.mac if link.mac and link.mac != existing.mac else None
+            _update_link(ipr, existing.index, link.mtu, mac)
+            return
+        if existing is not None:
+            ipr.link("del", index=existing.index)
+        spec: dict[str, object] = {
+            "ifname": link.name,
+            "kind": "vxlan",
+            "vxlan_id": link.vni,
+            # flannel-v6.<VNI>: an IPv6 underlay (VXLAN over IPv6 costs 70 bytes, not 50).
+            ("vxlan_local6" if link.local_ip.version == 6 else "vxlan_local"): str(link.local_ip),
+            "vxlan_link": underlay.index,
+            "vxlan_port": link.port,
+            "vxlan_learning": int(link.learning),
+            "mtu": link.mtu,
+        }
+        if link.gbp:
+            spec["vxlan_gbp"] = True
+        if link.mac:
+            spec["address"] = link.mac
+        ipr.link("add", **spec)
+        created = nl.get_link(sock, link.name)
+        if created is None:
+            raise DataplaneError(f"cannot create {link.name}: it vanished right after creation")
+        ipr.link("set", index=created.index, state="up")
+    except NetlinkError as e:
+        raise DataplaneError(
+            f"cannot create vxlan device {link.name} (VNI {link.vni}, local {link.local_ip},"
+            f" dev {link.underlay}, port {link.port}): {_reason(e.code)}"
+        ) from e
+
+
+def _update_link(ipr: IPRoute, index: int, mtu: int, mac: str | None) -> None:
+    """Set MTU (and MAC) in place and bring the link up."""
+    ipr.link("set", index=index, mtu=mtu)
+    if mac is not None:
+        try:
+            ipr.link("set", index=index, address=mac)
+        except NetlinkError as e:
+            if e.code != errno.EBUSY:
+                raise
+            # Some drivers refuse a MAC change while up.
+            ipr.link("set", index=index, state="down")
+            ipr.link("set", index=index, address=mac)
+    ipr.link("set", index=index, state="up")

@@ -1,0 +1,90 @@
+"""The kernel's rtnetlink notifications, read for the reconciler: which of them mean a
+pass is due (:func:`event_kinds`, pure) and the loop that listens for them (:func:`watch`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import threading
+from collections.abc import Callable
+
+from flannelpy.dataplane import nlbatch as nl
+from flannelpy.dataplane import rtnl
+from flannelpy.dataplane.state import ROUTE_PROTOCOL
+
+# The adapter's logger: these lines are the kernel adapter's, as before the split.
+log = logging.getLogger("flannelpy.dataplane.netlink")
+
+WATCH_POLL_SECONDS = 0.5  # how often watch() looks at its stop event
+OWN_LINK_PREFIX = "flannel"  # flannel.<VNI> and flannel-v6.<VNI>: the devices we own
+
+_GROUPS = (
+    rtnl.RTMGRP_LINK
+    | rtnl.RTMGRP_NEIGH
+    | rtnl.RTMGRP_IPV4_IFADDR
+    | rtnl.RTMGRP_IPV4_ROUTE
+    | rtnl.RTMGRP_IPV6_IFADDR
+    | rtnl.RTMGRP_IPV6_ROUTE
+)
+
+
+def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
+    """What a datagram of rtnetlink notifications means to the reconciler (pure).
+
+    Deletions of our kinds of entries, and our vxlan devices appearing, changing or
+    going. Route deletions of other protocols, IPv6, ARP-cache churn and other links
+    (every pod's veth, the cni0 bridge) are dropped: the reconciler would find nothing to
+    do, and on a busy node pod churn would keep it dumping for nothing."""
+    kinds: list[str] = []
+    for offset, length, msg_type, _flags, _seq in nl.messages(buf):
+        kind = _event_kind(buf, offset, length, msg_type, protocol)
+        if kind is not None and kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: int) -> str | None:
+    if msg_type in (rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK):
+        name = rtnl.decode_link(buf, offset, length).name
+        return "link" if name.startswith(OWN_LINK_PREFIX) else None
+    if msg_type == rtnl.RTM_DELADDR:
+        family = buf[offset + rtnl.HDR.size]
+        return "address" if family in (rtnl.AF_INET, rtnl.AF_INET6) else None
+    if msg_type == rtnl.RTM_DELROUTE:
+        row = rtnl.decode_route(buf, offset, length)
+        ours = row is not None and row.protocol == protocol and row.table == rtnl.RT_TABLE_MAIN
+        return "route" if ours else None
+    if msg_type == rtnl.RTM_DELNEIGH:
+        row_n = rtnl.decode_neigh(buf, offset, length)
+        if row_n.family == rtnl.AF_BRIDGE:
+            return "fdb" if row_n.dst is not None else None
+        # An administrative delete reports NUD_FAILED whatever the entry was, so
+        # only deletions of live dynamic entries (ARP cache expiry) are dropped.
+        if row_n.family in (rtnl.AF_INET, rtnl.AF_INET6) and not row_n.state & rtnl.NUD_DYNAMIC:
+            return "neighbour"
+    return None
+
+
+def watch(
+    on_event: Callable[[str], None], stop: threading.Event, protocol: int, buffer: int
+) -> None:
+    """Call ``on_event`` with each kind of event until ``stop`` is set; "resync" when
+    the kernel dropped notifications. ``buffer`` is the socket's receive buffer, bytes."""
+    with nl.NetlinkSocket(groups=_GROUPS, rcvbuf=buffer) as sock:
+        while not stop.is_set():
+            ready, _, _ = select.select([sock], [], [], WATCH_POLL_SECONDS)
+            if not ready:
+                continue
+            try:
+                buf = sock.recv()
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:
+                    raise
+                # The kernel dropped notifications: we cannot know what changed.
+                log.warning("netlink event queue overran; asking for a full resync")
+                on_event("resync")
+                continue
+            for kind in event_kinds(buf, protocol):
+                on_event(kind)

@@ -1,0 +1,93 @@
+"""An open etcd watch as the :class:`~flannelpy.subnet.etcd.kv.Store` hands it out: an
+iterator of event batches that ends on stop, or raises when the history it needs was
+compacted or the stream broke.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+from pyetcd.watch import WatchResponse
+
+from flannelpy.errors import RevisionCompacted, StoreUnavailable
+from flannelpy.subnet.etcd.kv import WatchBatch, WatchEvent
+from flannelpy.subnet.etcd.rpc_errors import rpc_details
+
+# The client's logger: these lines are the etcd adapter's, as before the split.
+log = logging.getLogger("flannelpy.subnet.etcd.client")
+
+WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
+
+
+class EtcdWatch:
+    """An open etcd watch; pyetcd's callback thread feeds ``responses``."""
+
+    def __init__(
+        self,
+        client: pyetcd.MultiEndpointEtcd3Client,
+        watch_id: int,
+        responses: queue.Queue[Any],
+        prefix: str,
+        stop: threading.Event,
+    ) -> None:
+        self._client = client
+        self._watch_id = watch_id
+        self._responses = responses
+        self._prefix = prefix
+        self._stop = stop
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[WatchBatch]:
+        try:
+            while not (self._stop.is_set() or self._cancelled.is_set()):
+                try:
+                    item = self._responses.get(timeout=WATCH_POLL)
+                except queue.Empty:
+                    continue
+                batch = self._batch(item)
+                if batch is not None:
+                    yield batch
+        finally:
+            self.cancel()
+
+    def _batch(self, item: Any) -> WatchBatch | None:
+        if isinstance(item, WatchResponse):
+            events = tuple(_event(e) for e in item.events)
+            # Empty responses are progress notifications: nothing to report.
+            return WatchBatch(events, max(e.mod_revision for e in events)) if events else None
+        if isinstance(item, etcd_exc.RevisionCompactedError):
+            raise RevisionCompacted(
+                f"etcd watch on {self._prefix}: history before revision "
+                f"{item.compacted_revision} was compacted; re-list",
+                int(item.compacted_revision),
+            )
+        # pyetcd hands the stream's gRPC error (or None when the stream just ended).
+        details = rpc_details(item) if isinstance(item, BaseException) else "stream closed"
+        raise StoreUnavailable(f"etcd watch on {self._prefix} broke ({details})")
+
+    def cancel(self) -> None:
+        if self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        try:
+            self._client.cancel_watch(self._watch_id)
+        except (grpc.RpcError, etcd_exc.Etcd3Exception, ValueError) as e:
+            log.debug("cancelling a watch failed error=%s", rpc_details(e))
+
+
+def _event(e: Any) -> WatchEvent:
+    is_put = type(e).__name__ == "PutEvent"
+    return WatchEvent(
+        kind="put" if is_put else "delete",
+        key=bytes(e.key).decode("utf-8", "replace"),
+        value=bytes(e.value) if is_put else b"",
+        mod_revision=int(e.mod_revision),
+        lease_id=int(e.lease) if is_put else 0,
+    )
