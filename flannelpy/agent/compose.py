@@ -188,6 +188,7 @@ def _node_context(
         public_ipv6=_public_ipv6(config, settings, underlay, kube),
         node_name=kube.node_name if kube else node_name_default(settings),
         blackhole_own_subnets=settings.ip_blackhole_route,
+        vtep_tx_checksum_off=settings.vxlan_tx_checksum_off,
         wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
     )
 

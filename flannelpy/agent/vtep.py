@@ -9,7 +9,6 @@ from pathlib import Path
 
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.errors import DataplaneError
 from flannelpy.fsutil import atomic_write
 from flannelpy.subnet.lease import Lease
 
@@ -57,14 +56,3 @@ class VtepMac:
                 self._kernel, self._state_dir, device_name(ctx.config.backend.vni)
             )
         return self.mac
-
-
-def quiet_router_adverts(kernel: Kernel, device: str) -> None:
-    """accept_ra=0 on a VTEP just created, as flanneld sets it on its device: an overlay
-    device must not configure itself from router adverts. A re-created device starts
-    from the default again, so this follows every creation. A host without IPv6 has no
-    such sysctl, which is fine (flanneld ignores the error too)."""
-    try:
-        kernel.set_sysctl(f"net/ipv6/conf/{device}/accept_ra", "0")
-    except DataplaneError as e:
-        log.debug("accept_ra not set device=%s reason=%s", device, e)

@@ -45,12 +45,11 @@ from flannelpy.agent.live_config import LiveConfig
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
-from flannelpy.agent.vtep import VtepMac, quiet_router_adverts
+from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.cni.pods import PodSide
 from flannelpy.config.settings import AgentSettings
-from flannelpy.dataplane.ethtool import set_tx_checksum
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.errors import DataplaneError, StoreError
@@ -188,16 +187,10 @@ class Writer:
         self.queue.put(WireguardConfirmed(keys))
 
     def on_reconciled(self, result: ReconcileResult) -> None:
-        """The reconciler's callback, on its thread: metrics, offload, status.json."""
+        """The reconciler's callback, on its thread: metrics, status.json."""
         self.metrics.observe_reconcile(result)
         if self.loops_running:  # the start reconcile comes before the heartbeats exist
             self.beats.beat("reconciler")
-        if self.settings.vxlan_tx_checksum_off and result.changes.links_to_create:
-            # A (re-)created device starts with offload on again.
-            for link in result.changes.links_to_create:
-                set_tx_checksum(link.name, False)
-        for link in result.changes.links_to_create:
-            quiet_router_adverts(self.kernel, link.name)
         self.status.write_file(result)
 
     # -- the writer -------------------------------------------------------------------

@@ -62,6 +62,8 @@ class NodeContext:
     # Our WireGuard key and the options its device runs with, once the agent loaded the key
     # (it runs wireguard, or did and keeps the device); None before, and for the doctor.
     wireguard_identity: WireguardIdentity | None = None
+    # --vxlan-tx-checksum-off: VTEPs get transmit checksum offload off once created.
+    vtep_tx_checksum_off: bool = False
 
 
 class Backend(Protocol):
@@ -143,6 +145,7 @@ def vxlan_link(
         mac=vtep_mac,
         gbp=backend.gbp,
         learning=backend.learning,
+        tx_checksum_off=ctx.vtep_tx_checksum_off,
     )
 
 

@@ -82,6 +82,10 @@ class Kernel(Protocol):
         """Write /proc/sys/<name with dots as slashes> (e.g. net.ipv4.ip_forward)."""
         ...
 
+    def set_tx_checksum(self, name: str, on: bool) -> None:
+        """Turn link ``name``'s transmit checksum offload on or off (ethtool -K tx)."""
+        ...
+
     def adopt_routes(self, shape: FlannelRouteShape) -> None:
         """From now on, count routes of ``shape`` that a Flannel before us left for its
         peers as ours: ``observe`` reports them, so the reconciler replaces or deletes them."""

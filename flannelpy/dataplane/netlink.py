@@ -23,7 +23,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from flannelpy.dataplane import netlink_apply, netlink_events, netlink_host, netlink_observe
+from flannelpy.dataplane import (
+    ethtool,
+    netlink_apply,
+    netlink_events,
+    netlink_host,
+    netlink_observe,
+)
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
@@ -66,6 +72,7 @@ class NetlinkKernel:
         return netlink_apply.apply(changes, self.protocol, self.adopt)
 
     set_sysctl = staticmethod(netlink_host.set_sysctl)
+    set_tx_checksum = staticmethod(ethtool.set_tx_checksum)
 
     # -- listening
 

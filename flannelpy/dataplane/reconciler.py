@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.dataplane.state import Changes, DesiredState
+from flannelpy.dataplane.state import Changes, DesiredState, VxlanLink
 from flannelpy.errors import DataplaneError
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Reconciler:
         changes = diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
-            failures += result.failures
+            failures += result.failures + self._configure_new_links(changes.links_to_create)
             repaired = {k: v for k, v in changes.counts.items() if v}
             log.info(
                 "reconciled reason=%r %s",
@@ -121,6 +121,23 @@ class Reconciler:
         if self._on_result is not None:
             self._on_result(outcome)
         return outcome
+
+    def _configure_new_links(self, links: Iterable[VxlanLink]) -> tuple[str, ...]:
+        """A VTEP just created (or re-created, which starts from the defaults again): router
+        adverts off, as flanneld sets them (an overlay device must not configure itself from
+        them), and, when asked, transmit checksum offload off."""
+        failures: list[str] = []
+        for link in links:
+            try:
+                self._kernel.set_sysctl(f"net/ipv6/conf/{link.name}/accept_ra", "0")
+            except DataplaneError as e:  # a host without IPv6 has none (flanneld ignores it)
+                log.debug("accept_ra not set device=%s reason=%s", link.name, e)
+            if link.tx_checksum_off:
+                try:
+                    self._kernel.set_tx_checksum(link.name, False)
+                except DataplaneError as e:
+                    failures.append(f"tx checksum offload of {link.name} not turned off: {e}")
+        return tuple(failures)
 
     def _apply_wireguard(self, desired: DesiredState) -> tuple[str, ...]:
         if self._wireguard is None:

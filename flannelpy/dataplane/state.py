@@ -51,6 +51,9 @@ class VxlanLink:
     mac: str | None  # None: keep whatever the kernel chose (read back and advertised)
     gbp: bool = False
     learning: bool = False
+    # Transmit checksum offload off once created (a kernel bug on some NICs; Flannel's
+    # documented fix). A setting, not part of the device's identity: never compared.
+    tx_checksum_off: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

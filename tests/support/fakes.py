@@ -21,6 +21,7 @@ class FakeKernel:
         self.applied: list[Changes] = []
         self.observe_calls = 0
         self.fail_next_routes = False
+        self.tx_checksum_writes: list[tuple[str, bool]] = []
 
     def find_underlay(self, *args: object, **kwargs: object) -> UnderlayInterface:
         return underlay()
@@ -88,6 +89,9 @@ class FakeKernel:
 
     def set_sysctl(self, name: str, value: str) -> None:
         pass
+
+    def set_tx_checksum(self, name: str, on: bool) -> None:
+        self.tx_checksum_writes.append((name, on))
 
 
 def underlay(

@@ -1,4 +1,6 @@
-"""accept_ra=0 on the VTEP after each creation, as flanneld sets it (device.go)."""
+"""A VTEP's settings after each creation, written by the reconciler's pass: accept_ra=0,
+as flanneld sets it (device.go), and, with --vxlan-tx-checksum-off, the transmit
+checksum offload off."""
 
 from __future__ import annotations
 
@@ -51,5 +53,35 @@ def test_a_host_without_ipv6_still_starts(tmp_path: Path) -> None:
         h.drain()
         assert h.writer.reconciler.last_result is not None
         assert h.writer.reconciler.last_result.converged
+    finally:
+        h.stop()
+
+
+def test_tx_checksum_offload_goes_off_on_each_creation_when_asked(tmp_path: Path) -> None:
+    kernel = SysctlKernel()
+    h = AgentHarness(tmp_path, kernel=kernel, vxlan_tx_checksum_off=True)
+    h.start()
+    try:
+        h.drain()
+        assert kernel.tx_checksum_writes == [("flannel.1", False)]
+        h.reconcile()  # the device is there: nothing written again
+        assert kernel.tx_checksum_writes == [("flannel.1", False)]
+        kernel.state = replace(
+            kernel.state, links=frozenset(x for x in kernel.state.links if x.name != "flannel.1")
+        )
+        h.reconcile()  # re-created: it starts with offload on again
+        assert kernel.tx_checksum_writes == [("flannel.1", False), ("flannel.1", False)]
+    finally:
+        h.stop()
+
+
+def test_without_the_flag_offload_is_left_alone(tmp_path: Path) -> None:
+    kernel = SysctlKernel()
+    h = AgentHarness(tmp_path, kernel=kernel)
+    h.start()
+    try:
+        h.drain()
+        assert {link.name for link in kernel.state.links} == {"flannel.1"}
+        assert kernel.tx_checksum_writes == []
     finally:
         h.stop()
