@@ -7,12 +7,16 @@ whose bridge is missing), a packet for an unused address of n1's subnet is dropp
 n1, while on n2 the same kind of packet goes out of its underlay by the default route.
 cni0's connected route wins over the blackhole while it exists: pods keep working.
 The route is the agent's: deleted by hand, it is back within a resync.
+
+n1 also runs with --vxlan-tx-checksum-off: its VTEP has transmit checksum offload off,
+again after the device is deleted and re-created; n2's keeps the driver's default.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from ipaddress import IPv4Address, IPv4Network
@@ -32,7 +36,7 @@ UNUSED = 200  # last octet of an address no pod has (the lab adds two pods)
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     with running_lab(2, "vxlan", start_agents=False) as lab:
-        lab.set_node_agent_args("n1", ["--ip-blackhole-route"])
+        lab.set_node_agent_args("n1", ["--ip-blackhole-route", "--vxlan-tx-checksum-off"])
         lab.start_agents()
         lab.install_cni()
         for node in ("n1", "n2"):
@@ -128,3 +132,21 @@ def test_without_cni0_an_unused_address_is_dropped_only_with_the_flag(
     # With cni0 back, pods reach each other again.
     wait_until(lambda: pu.ping(lab.pod(sender).namespace, lab.pod(f"{node}-p1").ip),
                15.0, f"{sender} reaching the pod on {node} again")  # fmt: skip
+
+
+def tx_offload(lab: Lab, node: str) -> bool | None:
+    """Whether ``node``'s flannel.1 has transmit checksum offload on (None: no device)."""
+    read = (
+        "from flannelpy.dataplane.ethtool import tx_checksum\n"
+        "try:\n    print(tx_checksum('flannel.1'))\nexcept Exception:\n    print('none')"
+    )
+    out = lab.exec(node, [sys.executable, "-c", read]).stdout.strip()
+    return None if out == "none" else out == "True"
+
+
+def test_the_flagged_node_s_vtep_sends_without_checksum_offload_even_re_created(lab: Lab) -> None:
+    assert tx_offload(lab, "n2") is True  # the vxlan driver's default
+    assert tx_offload(lab, "n1") is False
+    lab.exec("n1", ["ip", "link", "del", "flannel.1"])
+    # Re-created by the reconciler's next pass, which sets it again straight after.
+    wait_until(lambda: tx_offload(lab, "n1") is False, 15.0, "flannel.1 back on n1, offload off")
