@@ -130,7 +130,7 @@ class Capacity:
         self.leases.add(lease)
         log.info("lease added subnet=%s reason=%r", lease.subnet, reason)
         self.sync_ipam()
-        self.state.replan_due = self.state.firewall_due = True
+        self.state.replan_due = True  # routes and the firewall's ranges
 
     def _release_lease(self, subnet: IPv4Network, reason: str) -> None:
         lease = next((x for x in self.state.own if x.subnet == subnet), None)
@@ -148,7 +148,7 @@ class Capacity:
                         subnet, e)  # fmt: skip
         self._empty_since.pop(subnet, None)
         self.leases.forget(lease)
-        self.state.capacity_due = self.state.replan_due = self.state.firewall_due = True
+        self.state.capacity_due = self.state.replan_due = True
         self.sync_ipam()
         log.info("lease released subnet=%s reason=%r", subnet, reason)
 

@@ -131,7 +131,7 @@ def build_agent(
             metrics=metrics,
             control=_node_control(settings, opened, ctx),
             vtep_mac=vtep_mac,
-            firewall_factory=firewall_factory(settings, metrics, nftables=config.enable_nftables),
+            firewall=firewall_factory(settings, metrics, nftables=config.enable_nftables),
             applied_generation=(applied.generation or None) if applied else None,
             pools=pools,
             capacity=capacity,

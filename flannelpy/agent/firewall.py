@@ -1,58 +1,30 @@
-"""masq and forward rules for every pod range (all pools) and every lease we hold."""
+"""The pod ranges the masq and forward rules are written for (pure).
+
+Every pod network (the config's Network, every pool's: our pods talk to pods in pools we
+hold no lease of, and IPv6Network in dual stack) and every subnet we hold. The planner
+puts them in the desired state; the reconciler hands them to the firewall
+(:mod:`flannelpy.agent.firewall_sync`).
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
 from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.agent.state import NodeState
-from flannelpy.errors import FlannelpyError
+from flannelpy.dataplane.state import PodRanges
 
-log = logging.getLogger("flannelpy.agent.firewall")
-
-# (pod ranges, our lease subnets) -> a sync that returns True once the rules are in place.
-# Dual stack: both lists hold the IPv6 ones too (IPv6Network: the ip6tables rules).
 PodNet = IPv4Network | IPv6Network
-FirewallFactory = Callable[[Sequence[PodNet], Sequence[PodNet]], Callable[[], bool]]
 
 
-class FirewallRules:
-    def __init__(self, state: NodeState, factory: FirewallFactory | None) -> None:
-        self.state = state
-        self.factory = factory
-        self._sync: Callable[[], bool] | None = None
-        self._view: tuple[tuple[PodNet, ...], ...] = ()
-        state.rules_in_place = factory is None
-
-    def setup(self) -> None:
-        """Build the rule set for the current pools and leases (when they changed)."""
-        s = self.state
-        own = s.own_subnets()
-        if self.factory is None or not s.own:
-            return
-        networks = [pool.network for pool in s.pools]
-        if s.config.network is not None and s.config.network not in networks:
-            networks.insert(0, s.config.network)
-        # Pools without leases of ours still need rules: our pods talk to theirs.
-        nets: list[PodNet] = list(networks)
-        subnets: list[PodNet] = list(own)
-        if s.config.ipv6_network is not None:
-            nets.append(s.config.ipv6_network)
-            subnets += [x.ipv6_subnet for x in s.own if x.ipv6_subnet is not None]
-        view = (tuple(nets), tuple(subnets))
-        if view == self._view and self._sync is not None:
-            return
-        self._view = view
-        self._sync = self.factory(nets, subnets)
-        s.rules_in_place = self._sync()
-
-    def resync(self) -> None:
-        """Repair what something else changed (on the firewall timer)."""
-        if self._sync is None:
-            return
-        try:
-            self.state.rules_in_place = self._sync()
-        except FlannelpyError as e:
-            self.state.rules_in_place = False
-            log.warning("firewall resync failed: %s", e)
+def pod_ranges(state: NodeState) -> PodRanges | None:
+    """The ranges for the current pools and leases; None before we hold a lease."""
+    if not state.own:
+        return None
+    networks: list[PodNet] = [pool.network for pool in state.pools]
+    if state.config.network is not None and state.config.network not in networks:
+        networks.insert(0, state.config.network)
+    subnets: list[PodNet] = list(state.own_subnets())
+    if state.config.ipv6_network is not None:
+        networks.append(state.config.ipv6_network)
+        subnets += [x.ipv6_subnet for x in state.own if x.ipv6_subnet is not None]
+    return PodRanges(tuple(networks), tuple(subnets))

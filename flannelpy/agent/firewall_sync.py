@@ -1,10 +1,10 @@
-"""The masq and forward rules for the node's pod networks, in iptables or nftables.
+"""The masq and forward rules for the node's pod ranges, in iptables or nftables.
 
-:func:`firewall_factory` builds, for the pod networks of the moment, one ``sync`` that
-puts every chain in place: masq then forward, per family (IPv4 in iptables, IPv6 in
-ip6tables), or Flannel's nftables tables with ``EnableNFTables``. Before the first sync the
-other mode's rules are removed, as flanneld does at start, so a node switched between
-modes keeps one set.
+:func:`firewall_factory` builds the node's :class:`FirewallSync`, to which the reconciler
+hands the planned :class:`~flannelpy.dataplane.state.PodRanges`: it puts every chain in
+place, masq then forward, per family (IPv4 in iptables, IPv6 in ip6tables), or Flannel's
+nftables tables with ``EnableNFTables``. Before the first sync the other mode's rules are
+removed, as flanneld does at start, so a node switched between modes keeps one set.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from ipaddress import IPv4Network, IPv6Network
 from typing import TYPE_CHECKING
 
-from flannelpy.agent.firewall import FirewallFactory, PodNet
+from flannelpy.agent.firewall import PodNet
 from flannelpy.config.settings import AgentSettings
+from flannelpy.dataplane.state import PodRanges
 from flannelpy.errors import DataplaneError
 from flannelpy.observe.metrics import AgentMetrics
 
@@ -35,7 +36,7 @@ def firewall_factory(
     nft: NftablesFirewall | None = None,
     *,
     nftables: bool = False,
-) -> FirewallFactory | None:
+) -> FirewallSync | None:
     """The node's firewall, or None when no flag asks for rules. Tests pass the adapters;
     a mode whose adapter is not passed is then left alone."""
     if not nftables and not settings.ip_masq and not settings.iptables_forward_rules:
@@ -47,7 +48,7 @@ def firewall_factory(
 
         firewall, nft = IptablesFirewall(), NftablesFirewall()
         firewall6 = IptablesFirewall(ipv6=True)
-    return FirewallSync(settings, metrics, firewall, firewall6, nft, nftables).for_networks
+    return FirewallSync(settings, metrics, firewall, firewall6, nft, nftables)
 
 
 class FirewallSync:
@@ -66,6 +67,18 @@ class FirewallSync:
         self.nftables = nftables
         self.worked = False  # some sync has succeeded: the firewall works on this host
         self.other_mode_cleaned = False
+        self.in_place = False  # the last sync put every chain in place
+        self._ranges: PodRanges | None = None
+        self._sync: Callable[[], bool] | None = None
+
+    def apply(self, ranges: PodRanges) -> bool:
+        """Put the rules for ``ranges`` in place (the reconciler's step): True once every
+        chain is as desired. Raises before the firewall ever worked on this host."""
+        if ranges != self._ranges or self._sync is None:
+            self._sync = self.for_networks(ranges.networks, ranges.subnets)
+            self._ranges = ranges
+        self.in_place = self._sync()
+        return self.in_place
 
     def for_networks(
         self, all_nets: Sequence[PodNet], all_subnets: Sequence[PodNet]

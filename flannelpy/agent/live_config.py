@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flannelpy.agent.capacity import Capacity
-from flannelpy.agent.firewall import FirewallRules
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import Clocks, NodeState, SayOnce
@@ -60,7 +59,6 @@ class LiveConfig:
         planner: Planner,
         leases: OwnLeases,
         capacity: Capacity,
-        firewall: FirewallRules,
         status: StatusReporter,
         metrics: AgentMetrics,
         say_once: SayOnce,
@@ -76,7 +74,6 @@ class LiveConfig:
         self.planner = planner
         self.leases = leases
         self.capacity = capacity
-        self.firewall = firewall
         self.status = status
         self.metrics = metrics
         self.say_once = say_once
@@ -191,7 +188,7 @@ class LiveConfig:
             self.metrics.lease_limit(capacity.max_leases_per_node)
             self.capacity.watch_low_free()
             s.capacity_due = True
-            self.firewall.setup()
+            s.replan_due = True  # the firewall's ranges follow the pools
 
     def _block(self, decision: ChangeDecision, generation: int | None) -> None:
         s = self.state

@@ -4,12 +4,12 @@ Start-up order matters and is the whole of ``NodeAgent.start``: everything that
 can be refused was refused by ``agent.compose`` before the host changed; then
 leave the effective settings in the run dir (for the doctor); acquire our lease;
 wait for the first full lease snapshot (never program an empty peer set over a
-live one); adopt our other leases; capacity; one synchronous reconcile; firewall
-rules; the loops; the CNI server; ready; only then subnet.env. After that the
-writer (``agent.writer``) is the only thread that changes the node's state; the
-others (lease and control watches, reconciler, kernel event watch, prober, ticker)
-feed it events, all under one stop event: when one of them dies, all stop within
-a grace period.
+live one); adopt our other leases; capacity; one synchronous reconcile (devices,
+routes, then the firewall's rules); the loops; the CNI server; ready; only then
+subnet.env. After that the writer (``agent.writer``) is the only thread that
+changes the node's state; the others (lease and control watches, reconciler,
+kernel event watch, prober, ticker) feed it events, all under one stop event: when
+one of them dies, all stop within a grace period.
 """
 
 from __future__ import annotations
@@ -92,12 +92,11 @@ class NodeAgent:
         result = w.reconciler.reconcile_once("start")
         if result is not None and not result.converged:
             log.warning("initial reconcile incomplete failures=%d", len(result.failures))
-        w.firewall.setup()
         w.publish_view()
         # Liveness: each loop must turn within a few of its periods.
         self.beats.register("reconciler", self.settings.resync_interval * 3 + 5)
         self.beats.register("status", STATUS_INTERVAL_SECONDS * 5 + 5)
-        if parts.firewall_factory is not None:
+        if parts.firewall is not None:
             self.beats.register("firewall", self.settings.iptables_resync * 3 + 5)
         w.loops_running = True
         self._spawn("reconciler", w.reconciler.run)
@@ -219,7 +218,7 @@ class NodeAgent:
             TICK_RENEW: RENEW_TICK_SECONDS,
             TICK_CONTROL: CONTROL_RETRY_SECONDS,
         }
-        if self.parts.firewall_factory is not None:
+        if self.parts.firewall is not None:
             periods[TICK_FIREWALL] = self.settings.iptables_resync
         now = time.monotonic()
         due = {name: now + period for name, period in periods.items()}

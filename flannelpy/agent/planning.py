@@ -13,6 +13,7 @@ from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from flannelpy.agent.firewall import pod_ranges
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
@@ -151,6 +152,7 @@ class Planner:
         else:
             desired = plan_kept(ctx, s.own, peers, desired)
         desired, stale_links = self._with_lingering(desired)
+        desired = replace(desired, firewall=pod_ranges(s))
         s.wireguard_device_up = any(spec.name == WG_DEVICE for spec in desired.wireguard)
         if desired.unreachable != s.unreachable:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):

@@ -66,7 +66,6 @@ class NodeState:
     capacity_due: bool = True
     # ... and what those asked of the others (Writer._follow_up runs them in one order).
     replan_due: bool = False
-    firewall_due: bool = False
     subnet_env_due: bool = False
     # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).
     wireguard_device_up: bool = False

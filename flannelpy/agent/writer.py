@@ -39,7 +39,7 @@ from flannelpy.agent.events import (
     WireguardConfirmed,
     kind_of,
 )
-from flannelpy.agent.firewall import FirewallFactory, FirewallRules
+from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.live_config import LiveConfig
 from flannelpy.agent.planning import Planner
@@ -92,7 +92,7 @@ class AgentParts:
     metrics: AgentMetrics = field(default_factory=AgentMetrics)
     control: NodeControl | None = None
     vtep_mac: str | None = None  # loaded once a VTEP is wanted (always with vxlan)
-    firewall_factory: FirewallFactory | None = None
+    firewall: FirewallSync | None = None  # None: no flag asks for masq or forward rules
     applied_generation: int | None = None
     pools: list[Pool] | None = None
     capacity: CapacitySettings | None = None
@@ -138,6 +138,7 @@ class Writer:
             self.on_reconciled,
             metrics.reconcile_error,
             wireguard=parts.wireguard,
+            firewall=parts.firewall,
         )
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
@@ -147,7 +148,8 @@ class Writer:
         )  # fmt: skip
         self.planner = Planner(s, self.reconciler, vtep, metrics, clocks.monotonic)
         self.planner.undecodable = parts.manager.undecodable
-        self.firewall = FirewallRules(s, parts.firewall_factory)
+        self.firewall = parts.firewall
+        s.rules_in_place = parts.firewall is None
         self.status = StatusReporter(
             settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks,
             parts.jitter,
@@ -161,7 +163,7 @@ class Writer:
         )  # fmt: skip
         self.live = LiveConfig(
             s, settings, parts.control, reconciler=self.reconciler, planner=self.planner,
-            leases=self.leases, capacity=self.capacity, firewall=self.firewall,
+            leases=self.leases, capacity=self.capacity,
             status=self.status, metrics=metrics, say_once=say_once,
             publish_view=self.publish_view, write_subnet_env=self.write_subnet_env,
             clocks=clocks, wireguard=parts.wireguard,
@@ -196,6 +198,8 @@ class Writer:
     # -- the writer -------------------------------------------------------------------
 
     def publish_view(self) -> None:
+        if self.firewall is not None:  # what the reconciler's last firewall step left
+            self.state.rules_in_place = self.firewall.in_place
         self.view = self.state.view()
 
     def handle(self, event: Event, settle: bool = True) -> None:
@@ -245,14 +249,14 @@ class Writer:
             self.leases.renew_due()
         elif name == TICK_FIREWALL:
             self.beats.beat("firewall")
-            self.firewall.resync()
-            self.counts.firewall_resynced()  # tests wait on it rather than on the clock
+            if self.reconciler.resync_firewall():
+                self.counts.firewall_resynced()  # tests wait on it rather than on the clock
         # TICK_CONTROL: settle() looks at a blocked or failed change when it is due.
 
     def pending(self) -> bool:
         s = self.state
         return (s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
-                or self.planner.linger_over() or s.replan_due or s.firewall_due
+                or self.planner.linger_over() or s.replan_due
                 or s.subnet_env_due)  # fmt: skip
 
     def settle(self) -> None:
@@ -287,21 +291,12 @@ class Writer:
         self._follow_up()
 
     def _follow_up(self) -> None:
-        """What the steps above asked of the others, in one order: routes, then the
-        firewall's rules for the new subnets, then subnet.env."""
+        """What the steps above asked of the others, in one order: a new plan (routes and
+        the firewall's ranges), then subnet.env."""
         s = self.state
         if s.replan_due:
             s.replan_due = False
             self.planner.replan()
-        if s.firewall_due:
-            s.firewall_due = False
-            try:
-                self.firewall.setup()
-            except (DataplaneError, OSError) as e:
-                log.warning("firewall rules not set up, retrying: %s", e)
-                s.firewall_due = True
-                self._pause()
-                return
         if s.subnet_env_due:
             s.subnet_env_due = False
             self.write_subnet_env()
@@ -317,7 +312,7 @@ class Writer:
         s.replan_due = True
         if recovery.first_moved_from is not None or recovery.forgotten:
             # Pods on an old subnet keep their addresses on disk; new pods use the new one.
-            s.capacity_due = s.firewall_due = True
+            s.capacity_due = True
             s.subnet_env_due = s.subnet_env_due or recovery.first_moved_from is not None
 
     def write_subnet_env(self) -> None:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.dataplane.state import Changes, DesiredState, VxlanLink
-from flannelpy.errors import DataplaneError
+from flannelpy.dataplane.state import Changes, DesiredState, PodRanges, VxlanLink
+from flannelpy.errors import DataplaneError, FlannelpyError
 
 if TYPE_CHECKING:
     from flannelpy.dataplane.wireguard import WgDeviceSpec
@@ -44,6 +44,14 @@ class WireguardDevices(Protocol):
     def apply(self, specs: Iterable[WgDeviceSpec]) -> None: ...
 
 
+class Firewall(Protocol):
+    """Where the planned pod ranges go (the node's masq and forward rules)."""
+
+    def apply(self, ranges: PodRanges) -> bool:
+        """True once every rule is in place; raises while the firewall never worked."""
+        ...
+
+
 class Reconciler:
     def __init__(
         self,
@@ -52,9 +60,12 @@ class Reconciler:
         on_result: Callable[[ReconcileResult], None] | None = None,
         on_error: Callable[[], None] | None = None,
         wireguard: WireguardDevices | None = None,
+        firewall: Firewall | None = None,
     ) -> None:
         self._kernel = kernel
         self._wireguard = wireguard
+        self._firewall = firewall
+        self._firewall_done: PodRanges | None = None  # the ranges whose rules are in place
         self._wireguard_failure: str | None = None
         self._interval = interval
         self._on_result = on_result
@@ -116,11 +127,40 @@ class Reconciler:
             )
             for failure in failures[:10]:
                 log.warning("reconcile failure: %s", failure)
+        failures += self._apply_firewall(desired)  # after the routes, as at start
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
             self._on_result(outcome)
         return outcome
+
+    def _apply_firewall(self, desired: DesiredState) -> tuple[str, ...]:
+        """The rules for new ranges (after the routes). Unchanged ranges are left to
+        :meth:`resync_firewall`, on the firewall's own timer: a pass runs on every lease
+        event, and the rules need not be read back as often."""
+        ranges = desired.firewall
+        if self._firewall is None or ranges is None or ranges == self._firewall_done:
+            return ()
+        # Raises while the firewall never worked: the agent's start stops there.
+        if not self._firewall.apply(ranges):
+            return ("firewall rules not in place yet; the firewall timer retries",)
+        self._firewall_done = ranges
+        return ()
+
+    def resync_firewall(self) -> bool:
+        """Check and repair the firewall's rules alone (its timer; a full pass would read
+        every route too). False when there is nothing to check yet."""
+        with self._pass_lock:
+            desired = self.desired
+            ranges = desired.firewall if desired is not None else None
+            if self._firewall is None or ranges is None:
+                return False
+            try:
+                if self._firewall.apply(ranges):
+                    self._firewall_done = ranges
+            except FlannelpyError as e:
+                log.warning("firewall resync failed: %s", e)
+            return True
 
     def _configure_new_links(self, links: Iterable[VxlanLink]) -> tuple[str, ...]:
         """A VTEP just created (or re-created, which starts from the defaults again): router

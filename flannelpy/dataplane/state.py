@@ -114,6 +114,15 @@ class Unreachable:
 
 
 @dataclass(frozen=True)
+class PodRanges:
+    """What the masq and forward rules are written for: every pod network (the config's
+    Network and IPv6Network, every pool's) and every subnet this node holds."""
+
+    networks: tuple[IPNetwork, ...]
+    subnets: tuple[IPNetwork, ...]
+
+
+@dataclass(frozen=True)
 class DesiredState:
     """Everything the agent owns in the kernel. Anything of ours not listed here is stale.
 
@@ -130,6 +139,8 @@ class DesiredState:
     unreachable: frozenset[Unreachable] = frozenset()
     # WireGuard devices and their peers, applied before the routes that lead into them.
     wireguard: frozenset[WgDeviceSpec] = frozenset()
+    # The ranges of the masq and forward rules; None before we hold a lease.
+    firewall: PodRanges | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flannelpy.agent.events import ControlChanged, Event, LeasesChanged, Tick
+from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.node import NodeAgent
 from flannelpy.agent.state import Clocks
 from flannelpy.agent.writer import AgentParts
@@ -191,6 +192,7 @@ class AgentHarness:
         clock: FakeClock | None = None,
         jitter: Callable[[], float] | None = None,
         wireguard: WireguardRuntime | None = None,
+        firewall: FirewallSync | None = None,
         **settings: Any,
     ) -> None:
         self.clock = clock or FakeClock()
@@ -229,6 +231,7 @@ class AgentHarness:
                 # Seeded: a run of a test is the same every time, and still spread.
                 jitter=jitter or random.Random(7).random,
                 wireguard=wireguard,
+                firewall=firewall,
             )
         )
         self.writer = self.agent.writer

@@ -16,6 +16,7 @@ from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.dataplane.firewall import SyncResult
 from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.errors import ConfigError, DataplaneError
+from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.subnet.etcd.config import put_network_config
 from flannelpy.subnet.etcd.kv import FakeStore
 from flannelpy.subnet.etcd.manager import EtcdSubnetManager
@@ -152,10 +153,9 @@ class LockedFirewall:
 
 
 def firewalled_agent(tmp_path: Path, fw: LockedFirewall) -> AgentHarness:
-    harness = AgentHarness(tmp_path, ip_masq=True)
-    factory = firewall_factory(harness.settings, harness.writer.metrics, fw)  # type: ignore[arg-type]
-    harness.writer.firewall.factory = harness.agent.parts.firewall_factory = factory
-    return harness
+    settings = agent_settings(tmp_path, ip_masq=True)
+    firewall = firewall_factory(settings, AgentMetrics(), fw)  # type: ignore[arg-type]
+    return AgentHarness(tmp_path, firewall=firewall, ip_masq=True)
 
 
 def test_an_xtables_lock_timeout_during_lease_recovery_is_retried(tmp_path: Path) -> None:
@@ -171,6 +171,8 @@ def test_an_xtables_lock_timeout_during_lease_recovery_is_retried(tmp_path: Path
         agent.store.put(lease_key(PREFIX, subnet), other.to_json().encode())
         fw.locked = True
         agent.deliver_leases()
+        agent.reconcile()  # the pass for the new plan: the new subnet's rules, lock held
+        agent.writer.publish_view()
 
         assert agent.own_subnets() != [subnet], "the lease moved"
         assert not agent.writer.state.rules_in_place

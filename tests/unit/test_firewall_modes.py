@@ -48,7 +48,7 @@ def factory(nftables: bool, log: list[Any], **settings: Any) -> Any:
 
 def test_iptables_mode_removes_flannels_nft_tables_once_then_syncs_chains() -> None:
     log: list[Any] = []
-    sync = factory(False, log, ip_masq=True)([NET], [SUBNET])
+    sync = factory(False, log, ip_masq=True).for_networks([NET], [SUBNET])
     assert sync() and sync()
     assert log[0] == ("nft", "remove")
     assert [entry[:2] for entry in log[1:]] == [("iptables", "sync")] * 4
@@ -58,7 +58,7 @@ def test_iptables_mode_removes_flannels_nft_tables_once_then_syncs_chains() -> N
 
 def test_nftables_mode_removes_the_iptables_chains_then_syncs_flannels_tables() -> None:
     log: list[Any] = []
-    sync = factory(True, log, ip_masq=True)([NET], [SUBNET])
+    sync = factory(True, log, ip_masq=True).for_networks([NET], [SUBNET])
     assert sync() and sync()
     assert log[0] == ("iptables", "remove")
     assert [entry[:2] for entry in log[1:]] == [("nft", "sync")] * 2
@@ -73,7 +73,7 @@ def test_nftables_mode_removes_the_iptables_chains_then_syncs_flannels_tables() 
 def test_nftables_mode_in_dual_stack_fills_flannels_ipv6_table() -> None:
     log: list[Any] = []
     net6, subnet6 = IPv6Network("fd10:244::/56"), IPv6Network("fd10:244:0:1::/64")
-    factory(True, log, ip_masq=True)([NET, net6], [SUBNET, subnet6])()
+    factory(True, log, ip_masq=True).for_networks([NET, net6], [SUBNET, subnet6])()
     assert [entry[:2] for entry in log[1:]] == [("nft", "sync")]
     rules = log[1][2]
     assert rules.postrtg[1] == "ip saddr 10.244.1.0/24 ip daddr 10.244.0.0/16 return"
@@ -85,15 +85,17 @@ def test_nftables_mode_in_dual_stack_fills_flannels_ipv6_table() -> None:
 
 def test_nftables_mode_honours_the_flags() -> None:
     log: list[Any] = []
-    factory(True, log, ip_masq=False)([NET], [SUBNET])()
+    factory(True, log, ip_masq=False).for_networks([NET], [SUBNET])()
     assert log[1][2] == NftRules(None, ("ip saddr 10.244.0.0/16 accept",
                                         "ip daddr 10.244.0.0/16 accept"))  # fmt: skip
     log.clear()
-    factory(True, log, ip_masq=True, ip_masq_fully_random_disable=True)([NET], [SUBNET])()
+    factory(True, log, ip_masq=True, ip_masq_fully_random_disable=True).for_networks(
+        [NET], [SUBNET]
+    )()
     assert log[1][2].postrtg[-1].endswith(" masquerade")
     # flanneld creates its tables even with neither rule set; iptables mode has nothing to do.
     log.clear()
-    factory(True, log, ip_masq=False, iptables_forward_rules=False)([NET], [SUBNET])()
+    factory(True, log, ip_masq=False, iptables_forward_rules=False).for_networks([NET], [SUBNET])()
     assert log[1][2] == NftRules(None, None)
     assert factory(False, [], ip_masq=False, iptables_forward_rules=False) is None
 
@@ -104,5 +106,5 @@ def test_a_failed_clean_up_of_the_other_mode_does_not_stop_the_start() -> None:
     nft = Recording("nft", log, remove_error="nft is not installed; install the nftables package")
     make = firewall_factory(AgentSettings(ip_masq=True), AgentMetrics(), ipt, nft)  # type: ignore[arg-type]
     assert make is not None
-    assert make([NET], [SUBNET])()
+    assert make.for_networks([NET], [SUBNET])()
     assert [entry[:2] for entry in log] == [("nft", "remove"), *[("iptables", "sync")] * 2]

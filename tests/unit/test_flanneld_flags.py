@@ -194,7 +194,7 @@ def test_fully_random_disable_drops_random_fully_from_the_masquerade_rules(
     fw = RecordingFirewall()
     factory = firewall_factory(agent(["--ip-masq", *argv]), AgentMetrics(), fw)  # type: ignore[arg-type]
     assert factory is not None
-    factory([IPv4Network("10.244.0.0/16")], [IPv4Network("10.244.3.0/24")])()
+    factory.for_networks([IPv4Network("10.244.0.0/16")], [IPv4Network("10.244.3.0/24")])()
     masq = [r for rules in fw.synced for r in rules if "MASQUERADE" in str(r)]
     assert masq, "the masquerade rules were synced"
     assert all(("--random-fully" in str(r)) == random_fully for r in masq)
