@@ -102,8 +102,24 @@ def reference_vxlan(ns: str) -> None:
     """(Re-)create flannel.1 as an operator would, which drops every entry through it."""
     subprocess.run(["ip", "-n", ns, "link", "del", DEVICE], check=False, capture_output=True)
     local = REF_UNDERLAY.split("/")[0]
-    _ip("-n", ns, "link", "add", DEVICE, "type", "vxlan", "id", "1", "local", local,
-        "dev", "ul0", "dstport", "8472", "nolearning")  # fmt: skip
+    _ip(
+        "-n",
+        ns,
+        "link",
+        "add",
+        DEVICE,
+        "type",
+        "vxlan",
+        "id",
+        "1",
+        "local",
+        local,
+        "dev",
+        "ul0",
+        "dstport",
+        "8472",
+        "nolearning",
+    )
     _ip("-n", ns, "link", "set", DEVICE, "up")
 
 
@@ -295,27 +311,69 @@ def report(results: Sequence[Result]) -> str:
         start = median([r.start_to_ready for r in res.cold])
         program = median([r.program_seconds for r in res.cold])
         restart = median([r.start_to_ready for r in res.warm])
-        main_rows.append([
-            res.n, ref, start, program, restart,
-            ratio(start, ref), ratio(program, ref), ratio(restart, ref),
-            median([r.rss_kib / 1024 for r in res.cold]),
-        ])  # fmt: skip
+        main_rows.append(
+            [
+                res.n,
+                ref,
+                start,
+                program,
+                restart,
+                ratio(start, ref),
+                ratio(program, ref),
+                ratio(restart, ref),
+                median([r.rss_kib / 1024 for r in res.cold]),
+            ]
+        )
         for kind, runs in (("start", res.cold), ("restart", res.warm)):
             for run in runs:
                 m = run.log_marks
-                detail_rows.append([
-                    res.n, kind, run.start_to_ready, m.get("init", float("nan")),
-                    m.get("lease", float("nan")), m.get("reconciled", float("nan")),
-                    m.get("ready_log", float("nan")), run.program_seconds, run.rss_kib / 1024,
-                ])  # fmt: skip
-    return "\n\n".join([
-        "medians over repeats; seconds; ratio = ours / reference (goal: <= 2)",
-        table(["N", "ref ip+bridge -batch", "start-to-ready", "program", "restart",
-               "start/ref", "program/ref", "restart/ref", "RSS MiB"], main_rows),
-        "every run; log marks are seconds after spawn, from the agent log (ms resolution)",
-        table(["N", "run", "to ready", "init done", "lease", "reconciled", "ready logged",
-               "program", "RSS MiB"], detail_rows),
-    ])  # fmt: skip
+                detail_rows.append(
+                    [
+                        res.n,
+                        kind,
+                        run.start_to_ready,
+                        m.get("init", float("nan")),
+                        m.get("lease", float("nan")),
+                        m.get("reconciled", float("nan")),
+                        m.get("ready_log", float("nan")),
+                        run.program_seconds,
+                        run.rss_kib / 1024,
+                    ]
+                )
+    return "\n\n".join(
+        [
+            "medians over repeats; seconds; ratio = ours / reference (goal: <= 2)",
+            table(
+                [
+                    "N",
+                    "ref ip+bridge -batch",
+                    "start-to-ready",
+                    "program",
+                    "restart",
+                    "start/ref",
+                    "program/ref",
+                    "restart/ref",
+                    "RSS MiB",
+                ],
+                main_rows,
+            ),
+            "every run; log marks are seconds after spawn, from the agent log (ms resolution)",
+            table(
+                [
+                    "N",
+                    "run",
+                    "to ready",
+                    "init done",
+                    "lease",
+                    "reconciled",
+                    "ready logged",
+                    "program",
+                    "RSS MiB",
+                ],
+                detail_rows,
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

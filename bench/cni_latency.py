@@ -102,9 +102,12 @@ class Call:
 
 
 def invoke(
-    plugin: Plugin, command: str, container_id: str, netns: str,
+    plugin: Plugin,
+    command: str,
+    container_id: str,
+    netns: str,
     prev: dict[str, Any] | None = None,
-) -> Call:  # fmt: skip
+) -> Call:
     """Run the executable once, as a runtime does, in the calling thread's namespace."""
     conf = dict(plugin.config)
     if prev is not None:
@@ -180,8 +183,10 @@ def delete_netns(names: Sequence[str]) -> None:
 def links(ns: str, *selector: str) -> list[str]:
     out = subprocess.run(
         ["ip", "-n", ns, "-j", "link", "show", *selector],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [str(link["ifname"]) for link in json.loads(out or "[]")]
 
 
@@ -265,9 +270,13 @@ def result_of(call: Call) -> dict[str, Any] | None:
 
 
 def burst(
-    pool: ThreadPoolExecutor, plugin: Plugin, command: str, pods: Sequence[str], tag: str,
+    pool: ThreadPoolExecutor,
+    plugin: Plugin,
+    command: str,
+    pods: Sequence[str],
+    tag: str,
     prevs: Sequence[dict[str, Any] | None],
-) -> tuple[float, list[Call]]:  # fmt: skip
+) -> tuple[float, list[Call]]:
     """All of ``pods`` at once from the warm pool; (wall seconds to the last exit, calls)."""
     started = time.perf_counter()
     futures = [
@@ -280,9 +289,14 @@ def burst(
 
 
 def measure(
-    plugin: Plugin, seq_pool: ThreadPoolExecutor, burst_pool: ThreadPoolExecutor,
-    seq_pods: Sequence[str], burst_pods: Sequence[str], repeat: int, check: Checker,
-) -> Run:  # fmt: skip
+    plugin: Plugin,
+    seq_pool: ThreadPoolExecutor,
+    burst_pool: ThreadPoolExecutor,
+    seq_pods: Sequence[str],
+    burst_pods: Sequence[str],
+    repeat: int,
+    check: Checker,
+) -> Run:
     run = Run(plugin.label, repeat)
     tag = f"fpb{repeat}{secrets.token_hex(3)}"
     where = f"{plugin.label}, repeat {repeat}"
@@ -379,28 +393,48 @@ def bench_setup(pod_count: int, burst_size: int, say: Say) -> Iterator[Bench]:
             make_netns(ns, namespaces)
 
         ours = {
-            "cniVersion": CNI_VERSION, "name": "fpbench", "type": "flannelpy",
-            "agentSocket": node.cni_socket, "hairpinMode": True, "isDefaultGateway": True,
+            "cniVersion": CNI_VERSION,
+            "name": "fpbench",
+            "type": "flannelpy",
+            "agentSocket": node.cni_socket,
+            "hairpinMode": True,
+            "isDefaultGateway": True,
             "ipCooldownSeconds": 0,
-        }  # fmt: skip
+        }
         reference = {
-            "cniVersion": CNI_VERSION, "name": "fpbench-ref", "type": "bridge",
-            "bridge": REF_BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
+            "cniVersion": CNI_VERSION,
+            "name": "fpbench-ref",
+            "type": "bridge",
+            "bridge": REF_BRIDGE,
+            "isGateway": True,
+            "ipMasq": False,
+            "hairpinMode": True,
             "mtu": MTU,
             "ipam": {
-                "type": "host-local", "ranges": [[{"subnet": REF_SUBNET}]],
-                "routes": [{"dst": "0.0.0.0/0"}], "dataDir": os.path.join(tmp, "host-local"),
+                "type": "host-local",
+                "ranges": [[{"subnet": REF_SUBNET}]],
+                "routes": [{"dst": "0.0.0.0/0"}],
+                "dataDir": os.path.join(tmp, "host-local"),
             },
-        }  # fmt: skip
+        }
         node_veths = frozenset(links(node.namespace, "type", "veth"))
         plugins = [
-            Plugin(STATIC, static_bin, lab.state.cni_path, ours, node.namespace, OUR_BRIDGE,
-                   node_veths),
-            Plugin(PYTHON, python_bin, f"{os.path.dirname(python_bin)}:{REF_BIN}", ours,
-                   node.namespace, OUR_BRIDGE, node_veths),
-            Plugin(REFERENCE, os.path.join(REF_BIN, "bridge"), REF_BIN, reference, ref_ns,
-                   REF_BRIDGE),
-        ]  # fmt: skip
+            Plugin(
+                STATIC, static_bin, lab.state.cni_path, ours, node.namespace, OUR_BRIDGE, node_veths
+            ),
+            Plugin(
+                PYTHON,
+                python_bin,
+                f"{os.path.dirname(python_bin)}:{REF_BIN}",
+                ours,
+                node.namespace,
+                OUR_BRIDGE,
+                node_veths,
+            ),
+            Plugin(
+                REFERENCE, os.path.join(REF_BIN, "bridge"), REF_BIN, reference, ref_ns, REF_BRIDGE
+            ),
+        ]
         pools = {}
         for ns in (node.namespace, ref_ns):
             seq = stack.enter_context(ns_pool(ns, 1))
@@ -460,43 +494,72 @@ class Row:
     failures: int
 
     def values(self) -> list[float]:
-        return [self.add_p50, self.add_p95, self.del_p50, self.del_p95,
-                self.burst_add, self.burst_del]  # fmt: skip
+        return [
+            self.add_p50,
+            self.add_p95,
+            self.del_p50,
+            self.del_p95,
+            self.burst_add,
+            self.burst_del,
+        ]
 
 
 def summarise(runs: Sequence[Run]) -> Row:
     adds = [s for r in runs for s in r.add] or [float("nan")]
     dels = [s for r in runs for s in r.delete] or [float("nan")]
     return Row(
-        percentile(adds, 50), percentile(adds, 95), percentile(dels, 50), percentile(dels, 95),
-        median([r.burst_add for r in runs]), median([r.burst_del for r in runs]),
+        percentile(adds, 50),
+        percentile(adds, 95),
+        percentile(dels, 50),
+        percentile(dels, 95),
+        median([r.burst_add for r in runs]),
+        median([r.burst_del for r in runs]),
         sum(sum(r.failures.values()) for r in runs),
-    )  # fmt: skip
+    )
 
 
 def report(results: Results, pod_count: int, burst_size: int, repeat: int) -> str:
     labels = [STATIC, PYTHON, REFERENCE]
     rows = {label: summarise([r for r in results.runs if r.plugin == label]) for label in labels}
     ref = rows[REFERENCE]
-    main_rows = [[label, *(v * 1000 for v in row.values()), row.failures]
-                 for label, row in rows.items()]  # fmt: skip
+    main_rows = [
+        [label, *(v * 1000 for v in row.values()), row.failures] for label, row in rows.items()
+    ]
     ratio_rows = [
         [label, *(ratio(o, r) for o, r in zip(rows[label].values(), ref.values(), strict=True))]
         for label in OURS
     ]
     per_run = [
-        [r.plugin, r.repeat, *(v * 1000 for v in (median(r.add), percentile(r.add, 95),
-         median(r.delete), percentile(r.delete, 95), r.burst_add, r.burst_del)),
-         " ".join(f"{k}:{v}" for k, v in r.failures.items() if v) or "-"]
+        [
+            r.plugin,
+            r.repeat,
+            *(
+                v * 1000
+                for v in (
+                    median(r.add),
+                    percentile(r.add, 95),
+                    median(r.delete),
+                    percentile(r.delete, 95),
+                    r.burst_add,
+                    r.burst_del,
+                )
+            ),
+            " ".join(f"{k}:{v}" for k, v in r.failures.items() if v) or "-",
+        ]
         for r in sorted(results.runs, key=lambda r: (labels.index(r.plugin), r.repeat))
         if r.add and r.delete
-    ]  # fmt: skip
+    ]
     ver_ref = median(results.versions[REFERENCE])
     versions = [
-        [label, median(v) * 1000, percentile(v, 95) * 1000, min(v) * 1000,
-         ratio(median(v), ver_ref)]
+        [
+            label,
+            median(v) * 1000,
+            percentile(v, 95) * 1000,
+            min(v) * 1000,
+            ratio(median(v), ver_ref),
+        ]
         for label, v in results.versions.items()
-    ]  # fmt: skip
+    ]
     goals = []
     for label in OURS:
         row = rows[label]
@@ -506,24 +569,35 @@ def report(results: Results, pod_count: int, burst_size: int, repeat: int) -> st
             f"{row.burst_add * 1000:.0f} ms vs {ref.burst_add * 1000:.0f} ms "
             f"({'met' if row.burst_add <= ref.burst_add else 'MISSED'})"
         )
-    lat = ["ADD p50", "ADD p95", "DEL p50", "DEL p95", f"burst{burst_size} ADD",
-           f"burst{burst_size} DEL"]  # fmt: skip
-    return "\n\n".join([
-        f"milliseconds; {pod_count} sequential ADDs/DELs x {repeat} repeats (percentiles over "
-        f"all), bursts of {burst_size} (median of {repeat} walls); failures = failed runs",
-        table(["plugin", *lat, "failures"], main_rows),
-        "ratio ours / reference (goal: ADD p50 <= 1, burst ADD <= 1)",
-        table(["plugin", *lat], ratio_rows),
-        "goals:\n" + "\n".join(goals),
-        "per repeat, milliseconds",
-        table(["plugin", "repeat", *lat, "failed"], per_run),
-        f"executable start: VERSION, no agent contact, {VERSION_RUNS} runs each, milliseconds",
-        table(["executable", "p50", "p95", "min", "p50 / bridge"], versions),
-        "checks: " + ("all passed (every ADD succeeded with a distinct address, the bridge "
-                      "held one port per pod, no veth left after DEL)"
-                      if not results.problems else
-                      f"{len(results.problems)} FAILED:\n" + "\n".join(results.problems)),
-    ])  # fmt: skip
+    lat = [
+        "ADD p50",
+        "ADD p95",
+        "DEL p50",
+        "DEL p95",
+        f"burst{burst_size} ADD",
+        f"burst{burst_size} DEL",
+    ]
+    return "\n\n".join(
+        [
+            f"milliseconds; {pod_count} sequential ADDs/DELs x {repeat} repeats (percentiles over "
+            f"all), bursts of {burst_size} (median of {repeat} walls); failures = failed runs",
+            table(["plugin", *lat, "failures"], main_rows),
+            "ratio ours / reference (goal: ADD p50 <= 1, burst ADD <= 1)",
+            table(["plugin", *lat], ratio_rows),
+            "goals:\n" + "\n".join(goals),
+            "per repeat, milliseconds",
+            table(["plugin", "repeat", *lat, "failed"], per_run),
+            f"executable start: VERSION, no agent contact, {VERSION_RUNS} runs each, milliseconds",
+            table(["executable", "p50", "p95", "min", "p50 / bridge"], versions),
+            "checks: "
+            + (
+                "all passed (every ADD succeeded with a distinct address, the bridge "
+                "held one port per pod, no veth left after DEL)"
+                if not results.problems
+                else f"{len(results.problems)} FAILED:\n" + "\n".join(results.problems)
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,18 +115,27 @@ def wait_env(node: BenchNode, proc: subprocess.Popen[bytes], wall0: float, t0: f
 def plugin_for(impl: str, node: BenchNode, cni_exec: str) -> Plugin:
     if impl == "ours":
         config: dict[str, Any] = {
-            "cniVersion": flanneld.CNI_VERSION, "name": NETWORK_NAME, "type": "flannelpy",
+            "cniVersion": flanneld.CNI_VERSION,
+            "name": NETWORK_NAME,
+            "type": "flannelpy",
             "agentSocket": os.path.join(node.directory, "run", "cni.sock"),
-            "hairpinMode": True, "isDefaultGateway": True,
-        }  # fmt: skip
+            "hairpinMode": True,
+            "isDefaultGateway": True,
+        }
         return Plugin("ours", cni_exec, os.path.dirname(cni_exec), config, "", "cni0")
     with open(node.subnet_env) as f:
         env = agents.parse_subnet_env(f.read(), node.subnet_env)
     info = NodeInfo(
-        name="bench", namespace="", segment=1, underlay_iface="ul0",
-        underlay_address="198.18.0.1/24", switch_port="", node_dir=node.directory,
-        subnet_env=node.subnet_env, agent_log="",
-    )  # fmt: skip
+        name="bench",
+        namespace="",
+        segment=1,
+        underlay_iface="ul0",
+        underlay_address="198.18.0.1/24",
+        switch_port="",
+        node_dir=node.directory,
+        subnet_env=node.subnet_env,
+        agent_log="",
+    )
     config = flanneld.delegate_conf(info, env, NETWORK_NAME)
     return Plugin("flanneld", os.path.join(REF_BIN, "bridge"), REF_BIN, config, "", "cni0")
 
@@ -232,18 +241,27 @@ def report(samples: Sequence[Sample], repeat: int, pods: int, load: str) -> str:
         ("dels", "CNI DEL p50 (ms)", 1e3),
     ):
         v = {(i, f): med(i, f, what) * scale for i, f in RUNS}
-        rows.append([
-            label,
-            *(round(v[run], 3) for run in RUNS),
-            ratio(v["ours", "dual"], v["ours", "ipv4"]),
-            ratio(v["flanneld", "dual"], v["flanneld", "ipv4"]),
-            ratio(v["ours", "ipv4"], v["flanneld", "ipv4"]),
-            ratio(v["ours", "dual"], v["flanneld", "dual"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                label,
+                *(round(v[run], 3) for run in RUNS),
+                ratio(v["ours", "dual"], v["ours", "ipv4"]),
+                ratio(v["flanneld", "dual"], v["flanneld", "ipv4"]),
+                ratio(v["ours", "ipv4"], v["flanneld", "ipv4"]),
+                ratio(v["ours", "dual"], v["flanneld", "dual"]),
+            ]
+        )
     head = [
-        "", "ours IPv4", "ours dual", "flanneld IPv4", "flanneld dual",
-        "ours dual/IPv4", "flanneld dual/IPv4", "ours/flanneld IPv4", "ours/flanneld dual",
-    ]  # fmt: skip
+        "",
+        "ours IPv4",
+        "ours dual",
+        "flanneld IPv4",
+        "flanneld dual",
+        "ours dual/IPv4",
+        "flanneld dual/IPv4",
+        "ours/flanneld IPv4",
+        "ours/flanneld dual",
+    ]
     lines = [
         f"medians over {repeat} starts per column and {repeat * pods} ADDs/DELs; flanneld's "
         "CNI side is the flannel plugin's delegate (bridge + host-local) alone",
@@ -305,9 +323,17 @@ def main(argv: list[str] | None = None) -> int:
                 ["ip", "-n", ns, "addr", "add", UNDERLAY6, "dev", "ul0", "nodad"], check=True
             )
             child = [
-                sys.executable, "-m", "bench.dual_stack", "--inside-netns",
-                "--repeat", str(args.repeat), "--cni-exec", cni_exec, "--pod-netns", *pods,
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "bench.dual_stack",
+                "--inside-netns",
+                "--repeat",
+                str(args.repeat),
+                "--cni-exec",
+                cni_exec,
+                "--pod-netns",
+                *pods,
+            ]
             proc = subprocess.run(
                 ["ip", "netns", "exec", ns, *child], stdout=subprocess.PIPE, text=True
             )

@@ -61,9 +61,13 @@ def say(line: str) -> None:
 
 def ip_batch(netns: str, commands: list[str]) -> None:
     subprocess.run(
-        ["ip", "-n", netns, "-batch", "-"], input="\n".join(commands) + "\n", text=True,
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        ["ip", "-n", netns, "-batch", "-"],
+        input="\n".join(commands) + "\n",
+        text=True,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 @contextmanager
@@ -219,8 +223,9 @@ def run(pods: int, peers: int, scrapes: int) -> tuple[str, bool]:
                 "  IPAM accounting": timed(ipam.accounting, scrapes),
                 "  kernel counters (node + pods)": timed(kernel, scrapes),
             }
-            server = HealthServer("127.0.0.1:0", metrics.registry, lambda: (True, "ok"),
-                                  lambda: (True, "ok"))  # fmt: skip
+            server = HealthServer(
+                "127.0.0.1:0", metrics.registry, lambda: (True, "ok"), lambda: (True, "ok")
+            )
             server.start()
             port = server.address[1]
             results["HTTP, keep-alive"] = http_scrapes(port, scrapes, keep_alive=True)

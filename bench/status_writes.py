@@ -83,10 +83,11 @@ def measure(peers: int, minutes: float, tree: str, rollout: bool = False) -> Res
         def __init__(self, interval: float) -> None:
             self.interval = interval
             self.current = {
-                str(p.subnet): ProbeResult(True, 0.0004, 0.0, True, None, 0,
-                                           IPv4Address(p.subnet.network_address))
+                str(p.subnet): ProbeResult(
+                    True, 0.0004, 0.0, True, None, 0, IPv4Address(p.subnet.network_address)
+                )
                 for p in fakes
-            }  # fmt: skip
+            }
             self.phase = {k: i / len(fakes) * interval for i, k in enumerate(self.current)}
 
         def results(self) -> dict[str, ProbeResult]:
@@ -101,8 +102,7 @@ def measure(peers: int, minutes: float, tree: str, rollout: bool = False) -> Res
                     h.writer.status.probe_seen(key)  # what the writer does per ProbeReported
 
     with tempfile.TemporaryDirectory(prefix="status-writes-") as tmp:
-        h = AgentHarness(Path(tmp), store=store, clock=clock,
-                         config=net_conf(Network="10.0.0.0/8"))  # fmt: skip
+        h = AgentHarness(Path(tmp), store=store, clock=clock, config=net_conf(Network="10.0.0.0/8"))
         h.start()
         h.drain()
         h.deliver_leases()
@@ -137,11 +137,24 @@ def measure(peers: int, minutes: float, tree: str, rollout: bool = False) -> Res
 def _before(tree: str, peers: int, minutes: float, rollout: bool) -> Result:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--json",
-         "--peers", str(peers), "--minutes", str(minutes), "--label", tree,
-         *(["--rollout"] if rollout else [])],
-        cwd=tree, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--json",
+            "--peers",
+            str(peers),
+            "--minutes",
+            str(minutes),
+            "--label",
+            tree,
+            *(["--rollout"] if rollout else []),
+        ],
+        cwd=tree,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return Result(**json.loads(out.stdout))
 
 
@@ -171,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measuring {HERE} ...", file=sys.stderr)
     results.append(measure(args.peers, args.minutes, str(HERE), args.rollout))
     for r in results:
-        print(f"{r.tree}: {r.peers} peers, {r.minutes:g} simulated min: "
-              f"{r.writes} writes ({r.writes_per_hour:g} per node per hour), largest record "
-              f"{r.largest_record_bytes:,} B, {r.bytes_per_hour / 2**20:.3f} MiB/h per node "
-              f"[{r.wall_seconds} s]")  # fmt: skip
+        print(
+            f"{r.tree}: {r.peers} peers, {r.minutes:g} simulated min: "
+            f"{r.writes} writes ({r.writes_per_hour:g} per node per hour), largest record "
+            f"{r.largest_record_bytes:,} B, {r.bytes_per_hour / 2**20:.3f} MiB/h per node "
+            f"[{r.wall_seconds} s]"
+        )
         print(f"    the whole cluster of {_cluster_line(r)}")
     return 0
 

@@ -107,18 +107,33 @@ def report(samples: Sequence[Sample]) -> str:
     for path in paths:
         rate = med(path, lambda s: s.gbit_per_s)
         host = med(path, lambda s: s.per_gb(s.host_cpu))
-        rows.append([
-            path, sum(s.path == path for s in samples), rate, ratio(rate, base_rate),
-            med(path, lambda s: s.per_gb(s.iperf3_cpu)),
-            med(path, lambda s: s.per_gb(s.wireguard_go_cpu)),
-            host, ratio(host, base_host),
-            med(path, lambda s: float(s.retransmits)),
-        ])  # fmt: skip
+        rows.append(
+            [
+                path,
+                sum(s.path == path for s in samples),
+                rate,
+                ratio(rate, base_rate),
+                med(path, lambda s: s.per_gb(s.iperf3_cpu)),
+                med(path, lambda s: s.per_gb(s.wireguard_go_cpu)),
+                host,
+                ratio(host, base_host),
+                med(path, lambda s: float(s.retransmits)),
+            ]
+        )
     runs = table(
-        ["path", "runs", "Gbit/s", "× underlay", "iperf3 CPU s/GB", "wireguard-go CPU s/GB",
-         "host CPU s/GB", "× underlay", "retransmits"],
+        [
+            "path",
+            "runs",
+            "Gbit/s",
+            "× underlay",
+            "iperf3 CPU s/GB",
+            "wireguard-go CPU s/GB",
+            "host CPU s/GB",
+            "× underlay",
+            "retransmits",
+        ],
         rows,
-    )  # fmt: skip
+    )
     each = table(
         ["path", "Gbit/s", "host CPU s/GB"],
         [[s.path, s.gbit_per_s, s.per_gb(s.host_cpu)] for s in samples],
@@ -153,15 +168,33 @@ def _rusage_seconds(pid: int) -> tuple[int, float]:
 
 
 def iperf3_once(
-    path: str, server_ns: str, client_ns: str, server_ip: str, seconds: int,
+    path: str,
+    server_ns: str,
+    client_ns: str,
+    server_ip: str,
+    seconds: int,
     wg_pids: Sequence[int],
-) -> Sample:  # fmt: skip
+) -> Sample:
     """One iperf3 transfer from ``client_ns`` to ``server_ip`` (in ``server_ns``)."""
     server = subprocess.Popen(
-        ["ip", "netns", "exec", server_ns, "iperf3", "-s", "-1", "-B", server_ip,
-         "-p", str(PORT), "--forceflush"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            "ip",
+            "netns",
+            "exec",
+            server_ns,
+            "iperf3",
+            "-s",
+            "-1",
+            "-B",
+            server_ip,
+            "-p",
+            str(PORT),
+            "--forceflush",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert server.stdout is not None
     try:
         line = server.stdout.readline()
@@ -171,10 +204,24 @@ def iperf3_once(
             raise RuntimeError(f"iperf3 -s in {server_ns} did not start")
         wg0, host0, t0 = _cpu_of(wg_pids), host_busy_ticks(_read("/proc/stat")), time.monotonic()
         client = subprocess.Popen(
-            ["ip", "netns", "exec", client_ns, "iperf3", "-c", server_ip, "-p", str(PORT),
-             "-t", str(seconds), "-J"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                client_ns,
+                "iperf3",
+                "-c",
+                server_ip,
+                "-p",
+                str(PORT),
+                "-t",
+                str(seconds),
+                "-J",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert client.stdout is not None
         out = client.stdout.read()
         client_status, client_cpu = _rusage_seconds(client.pid)
@@ -190,10 +237,14 @@ def iperf3_once(
             server.wait()
     received, retransmits = iperf3_received(out)
     return Sample(
-        path=path, seconds=float(seconds), received_bytes=received, retransmits=retransmits,
-        iperf3_cpu=client_cpu + server_cpu, wireguard_go_cpu=(wg1 - wg0) / TICKS,
+        path=path,
+        seconds=float(seconds),
+        received_bytes=received,
+        retransmits=retransmits,
+        iperf3_cpu=client_cpu + server_cpu,
+        wireguard_go_cpu=(wg1 - wg0) / TICKS,
         host_cpu=(host1 - host0) / TICKS * (seconds / elapsed),
-    )  # fmt: skip
+    )
 
 
 def _ip(address: str | None) -> str:
@@ -222,12 +273,16 @@ def measure_lab(
         wg_pids = wireguard_go_pids(lab) if backend == "wireguard" else []
         samples = []
         for i in range(repeat):
-            samples.append(iperf3_once("underlay", n2.namespace, n1.namespace, str(n2.ip),
-                                       seconds, wg_pids))  # fmt: skip
-            samples.append(iperf3_once(backend, p2.namespace, p1.namespace, _ip(p2.address),
-                                       seconds, wg_pids))  # fmt: skip
-            say(f"{backend} {i + 1}/{repeat}: underlay {samples[-2].gbit_per_s:.2f} Gbit/s, "
-                f"{backend} {samples[-1].gbit_per_s:.2f} Gbit/s")  # fmt: skip
+            samples.append(
+                iperf3_once("underlay", n2.namespace, n1.namespace, str(n2.ip), seconds, wg_pids)
+            )
+            samples.append(
+                iperf3_once(backend, p2.namespace, p1.namespace, _ip(p2.address), seconds, wg_pids)
+            )
+            say(
+                f"{backend} {i + 1}/{repeat}: underlay {samples[-2].gbit_per_s:.2f} Gbit/s, "
+                f"{backend} {samples[-1].gbit_per_s:.2f} Gbit/s"
+            )
         return samples
     finally:
         lab.down()

@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== tiers")
     for path in files:
         tally = read_tier(path, modules)
-        print(f"  {path.stem:<12} {tally.passed:>5} passed {tally.failed:>4} failed "
-              f"{tally.skipped:>4} skipped  {tally.seconds:8.1f} s of tests")  # fmt: skip
+        print(
+            f"  {path.stem:<12} {tally.passed:>5} passed {tally.failed:>4} failed "
+            f"{tally.skipped:>4} skipped  {tally.seconds:8.1f} s of tests"
+        )
         total.passed += tally.passed
         total.failed += tally.failed
         total.skipped += tally.skipped

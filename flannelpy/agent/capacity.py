@@ -144,8 +144,9 @@ class Capacity:
         try:
             self.manager.release_lease(lease)
         except StoreError as e:
-            log.warning("releasing a lease failed; it expires by itself subnet=%s error=%s",
-                        subnet, e)  # fmt: skip
+            log.warning(
+                "releasing a lease failed; it expires by itself subnet=%s error=%s", subnet, e
+            )
         self._empty_since.pop(subnet, None)
         self.leases.forget(lease)
         self.state.capacity_due = self.state.replan_due = True
@@ -157,9 +158,11 @@ class Capacity:
         if s.config.network is None:
             return  # IPv6-only: no pools
         self.metrics.pool_utilisation(
-            {c.pool.network: c.utilisation
-             for c in pool_capacity(s.config, s.pools, list(s.leases.values()))}
-        )  # fmt: skip
+            {
+                c.pool.network: c.utilisation
+                for c in pool_capacity(s.config, s.pools, list(s.leases.values()))
+            }
+        )
 
 
 def _with_v6(

@@ -79,9 +79,15 @@ class Stop:
 
 
 Event = (
-    LeasesChanged | LeaseLost | ControlChanged | ProbeReported | CapacityLow
-    | WireguardConfirmed | Tick | Stop
-)  # fmt: skip
+    LeasesChanged
+    | LeaseLost
+    | ControlChanged
+    | ProbeReported
+    | CapacityLow
+    | WireguardConfirmed
+    | Tick
+    | Stop
+)
 
 
 # The counted kind of each event class (Stop is not counted).

@@ -77,15 +77,21 @@ class OwnLeases:
     ) -> Lease:
         attrs = self.attrs()
         lease = self.manager.acquire_lease(
-            attrs, previous, self.pools_for_leasing(), self.cluster,
+            attrs,
+            previous,
+            self.pools_for_leasing(),
+            self.cluster,
             previous_ipv6_subnet=previous_v6,
-        )  # fmt: skip
+        )
         self.metrics.lease(lease.primary_subnet, lease.expiration)
         log.info(
             "lease acquired subnet=%s ipv6_subnet=%s public_ip=%s public_ipv6=%s backend=%s",
-            lease.subnet, lease.ipv6_subnet, attrs.public_ip, attrs.public_ipv6,
+            lease.subnet,
+            lease.ipv6_subnet,
+            attrs.public_ip,
+            attrs.public_ipv6,
             attrs.backend_type,
-        )  # fmt: skip
+        )
         return lease
 
     def take_snapshot(self, leases: Mapping[str, Lease]) -> bool:
@@ -103,8 +109,9 @@ class OwnLeases:
         earlier run, e.g. a second lease the node held before a restart."""
         ctx = self.state.ctx
         return is_own_address(ctx, lease) and lease.attrs.node_name in (
-            None, ctx.node_name,
-        )  # fmt: skip
+            None,
+            ctx.node_name,
+        )
 
     def adopt(self, bounds: Bounds) -> list[Lease]:
         """After the first snapshot: take back every other lease that is ours. Its pods
@@ -119,8 +126,12 @@ class OwnLeases:
                 continue
             why = check_own(lease, bounds)
             if why is not None:
-                log.warning("not adopting a lease with this node's address key=%s reason=%s: %s",
-                            key, why.reason, why.detail)  # fmt: skip
+                log.warning(
+                    "not adopting a lease with this node's address key=%s reason=%s: %s",
+                    key,
+                    why.reason,
+                    why.detail,
+                )
                 continue
             found.append(lease)
         found.sort(key=lambda x: x.order)
@@ -144,8 +155,9 @@ class OwnLeases:
                 continue
             changed = True
             if index == 0:
-                log.warning("own lease disappeared from the store; re-acquiring subnet=%s",
-                            lease.subnet)  # fmt: skip
+                log.warning(
+                    "own lease disappeared from the store; re-acquiring subnet=%s", lease.subnet
+                )
                 new = self.acquire(lease.subnet)
                 self.state.own = [new, *(x for x in self.state.own[1:] if x.key != new.key)]
                 if new.subnet != lease.subnet:
@@ -153,13 +165,15 @@ class OwnLeases:
                     self.metrics.drop_lease(lease.primary_subnet)
                     moved_from = lease.subnet
                 continue
-            log.warning("own lease disappeared from the store; re-creating subnet=%s",
-                        lease.subnet)  # fmt: skip
+            log.warning("own lease disappeared from the store; re-creating subnet=%s", lease.subnet)
             try:
                 renewed = self.manager.renew_lease(lease)
             except StoreError as e:
-                log.error("lease lost to another node; pods on it lose connectivity "
-                          "subnet=%s error=%s", lease.subnet, e)  # fmt: skip
+                log.error(
+                    "lease lost to another node; pods on it lose connectivity subnet=%s error=%s",
+                    lease.subnet,
+                    e,
+                )
                 self.forget(lease)
                 forgotten.append(lease)
                 continue
@@ -192,8 +206,12 @@ class OwnLeases:
             except StoreError as e:
                 self.metrics.renewal("failure")
                 self._retry_at[lease.key] = now + RENEW_RETRY_SECONDS
-                log.warning("lease renewal failed, retrying in %ss subnet=%s: %s",
-                            RENEW_RETRY_SECONDS, lease.subnet, e)  # fmt: skip
+                log.warning(
+                    "lease renewal failed, retrying in %ss subnet=%s: %s",
+                    RENEW_RETRY_SECONDS,
+                    lease.subnet,
+                    e,
+                )
                 continue
             self._retry_at.pop(lease.key, None)
             self.metrics.renewal("success")
@@ -220,7 +238,11 @@ class OwnLeases:
                 log.warning("could not update our lease, retrying: %s", e)
                 return False
             self.replace(renewed)
-            log.info("lease updated subnet=%s backend=%s vtep=%s", renewed.subnet,
-                     attrs.backend_type, attrs.vtep_mac is not None)  # fmt: skip
+            log.info(
+                "lease updated subnet=%s backend=%s vtep=%s",
+                renewed.subnet,
+                attrs.backend_type,
+                attrs.vtep_mac is not None,
+            )
         self._pending_attrs = None
         return True

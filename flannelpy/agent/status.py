@@ -151,9 +151,10 @@ class StatusReporter:
         }
         with self._file_lock:
             atomic_write(
-                Path(self.settings.run_dir) / STATUS_FILE, json.dumps(doc, indent=1),
+                Path(self.settings.run_dir) / STATUS_FILE,
+                json.dumps(doc, indent=1),
                 durable=False,
-            )  # fmt: skip
+            )
 
     # -- the writer only ------------------------------------------------------------------
 
@@ -171,9 +172,13 @@ class StatusReporter:
             if at is not None and ok and r.mtu_ok is True:
                 self._passed_at[key] = max(at, self._passed_at.get(key, at))
             probes[key] = PeerProbe(
-                reachable=r.reachable, mtu_ok=r.mtu_ok, ok=ok, probes=r.probes,
-                at=at or 0.0, passed_at=self._passed_at.get(key),
-            )  # fmt: skip
+                reachable=r.reachable,
+                mtu_ok=r.mtu_ok,
+                ok=ok,
+                probes=r.probes,
+                at=at or 0.0,
+                passed_at=self._passed_at.get(key),
+            )
         for gone in set(self._passed_at) - set(results):
             del self._passed_at[gone]
         return probes

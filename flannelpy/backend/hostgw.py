@@ -64,7 +64,10 @@ class HostGwBackend:
     ) -> DesiredState:
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
         v6 = ipv6.plan_ipv6(
-            ctx, own, routable_peers(ctx, own, peers), ipv6.own_capabilities_v6(ctx),
+            ctx,
+            own,
+            routable_peers(ctx, own, peers),
+            ipv6.own_capabilities_v6(ctx),
             ipv6.vtep6_link(ctx, vtep_mac) if vtep_mac else None,
-        )  # fmt: skip
+        )
         return ipv6.merge(plan_peers(ctx, own, peers, link), v6)

@@ -126,11 +126,14 @@ def plan_ipv6(
         path = choose_path(caps6, peer_caps, on_link)
         if isinstance(path, NoPath):
             where = "on" if on_link else "not on"
-            unreachable.add(Unreachable(
-                subnet=subnet6, public_ip=ip6,
-                reason=f"no IPv6 path to peer {ip6}, which is {where} an IPv6 subnet of "
-                       f"{ctx.underlay.name}: {path.reason}",
-            ))  # fmt: skip
+            unreachable.add(
+                Unreachable(
+                    subnet=subnet6,
+                    public_ip=ip6,
+                    reason=f"no IPv6 path to peer {ip6}, which is {where} an IPv6 subnet of "
+                    f"{ctx.underlay.name}: {path.reason}",
+                )
+            )
         elif path == "direct":
             routes.add(Route(dst=subnet6, gateway=ip6, ifname=ctx.underlay.name))
         elif path == "vxlan":

@@ -102,7 +102,10 @@ class VxlanBackend:
     ) -> DesiredState:
         link = vtep_link(ctx, vtep_mac)
         v6 = ipv6.plan_ipv6(
-            ctx, own, routable_peers(ctx, own, peers), ipv6.own_capabilities_v6(ctx),
+            ctx,
+            own,
+            routable_peers(ctx, own, peers),
+            ipv6.own_capabilities_v6(ctx),
             ipv6.vtep6_link(ctx, vtep_mac),
-        )  # fmt: skip
+        )
         return ipv6.merge(plan_peers(ctx, own, peers, link), v6)

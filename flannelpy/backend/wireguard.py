@@ -145,19 +145,24 @@ def plan_device(
         first = leases[0]
         first_ip = first.attrs.public_ip
         assert first_ip is not None  # IPv4-only leases were kept above
-        peers.add(WgPeer(
-            public_key=key,
-            endpoint=(first_ip, lease_port(first, config.listen_port)),
-            allowed_ips=frozenset(lease.subnet for lease in leases if lease.subnet is not None),
-            keepalive=config.keepalive,
-            preshared_key=config.psk,
-        ))  # fmt: skip
+        peers.add(
+            WgPeer(
+                public_key=key,
+                endpoint=(first_ip, lease_port(first, config.listen_port)),
+                allowed_ips=frozenset(lease.subnet for lease in leases if lease.subnet is not None),
+                keepalive=config.keepalive,
+                preshared_key=config.psk,
+            )
+        )
     first_own = min(own, key=lambda lease: lease.order, default=None)
     address = IPv4Interface(f"{first_own.vtep_ip}/32") if first_own else None
     return WgDeviceSpec(
-        name=DEVICE, listen_port=config.listen_port, mtu=mtu, address=address,
+        name=DEVICE,
+        listen_port=config.listen_port,
+        mtu=mtu,
+        address=address,
         peers=frozenset(peers),
-    )  # fmt: skip
+    )
 
 
 def network_route(network: IPv4Network) -> Route:
@@ -196,20 +201,26 @@ def plan_device_v6(
         first = leases[0]
         assert first.attrs.public_ipv6 is not None
         port = backend_data_port(first.attrs.backend_v6_data, config.listen_port_v6)
-        peers.add(WgPeer(
-            public_key=key,
-            endpoint=(first.attrs.public_ipv6, port),
-            allowed_ips=frozenset(lease.ipv6_subnet for lease in leases
-                                  if lease.ipv6_subnet is not None),
-            keepalive=config.keepalive,
-            preshared_key=config.psk,
-        ))  # fmt: skip
+        peers.add(
+            WgPeer(
+                public_key=key,
+                endpoint=(first.attrs.public_ipv6, port),
+                allowed_ips=frozenset(
+                    lease.ipv6_subnet for lease in leases if lease.ipv6_subnet is not None
+                ),
+                keepalive=config.keepalive,
+                preshared_key=config.psk,
+            )
+        )
     own6 = sorted(lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None)
     address = IPv6Interface(f"{own6[0].network_address}/128") if own6 else None
     return WgDeviceSpec(
-        name=DEVICE_V6, listen_port=config.listen_port_v6, mtu=mtu, address=address,
+        name=DEVICE_V6,
+        listen_port=config.listen_port_v6,
+        mtu=mtu,
+        address=address,
         peers=frozenset(peers),
-    )  # fmt: skip
+    )
 
 
 def runs_wireguard(lease: Lease) -> bool:
@@ -265,9 +276,13 @@ def plan_kept(
     if not ctx.keeps_wireguard or identity is None:
         return desired
     device = plan_device(
-        ctx, identity.options, own, device_peers(ctx, own, peers), identity.public_key,
+        ctx,
+        identity.options,
+        own,
+        device_peers(ctx, own, peers),
+        identity.public_key,
         kept_device_mtu(ctx),
-    )  # fmt: skip
+    )
     routes = desired.routes
     if ctx.config.network is not None:
         routes = routes | {network_route(ctx.config.network)}
@@ -330,12 +345,21 @@ class WireguardBackend:
         )
 
     def device_spec(
-        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease],
+        self,
+        ctx: NodeContext,
+        own: Sequence[Lease],
+        peers: Sequence[Lease],
         own_public_key: str | None,
-    ) -> WgDeviceSpec:  # fmt: skip
+    ) -> WgDeviceSpec:
         """The WireGuard device this node should have (pure)."""
-        return plan_device(ctx, self.config(ctx), own, device_peers(ctx, own, peers),
-                           own_public_key, self.device_mtu(ctx))  # fmt: skip
+        return plan_device(
+            ctx,
+            self.config(ctx),
+            own,
+            device_peers(ctx, own, peers),
+            own_public_key,
+            self.device_mtu(ctx),
+        )
 
     def needs_vtep(self, ctx: NodeContext, peers: Sequence[Lease]) -> bool:
         return node_needs_vtep(ctx, peers)
@@ -353,9 +377,15 @@ class WireguardBackend:
         if ctx.config.enable_ipv4:  # IPv6-only, Flannel creates flannel-wg-v6 alone
             devices.add(self.device_spec(ctx, own, peers, key))
         if ipv6.enabled(ctx):
-            devices.add(plan_device_v6(
-                config, own, wireguard_peers_v6(ctx, own, peers), key, self.device_mtu_v6(ctx),
-            ))  # fmt: skip
+            devices.add(
+                plan_device_v6(
+                    config,
+                    own,
+                    wireguard_peers_v6(ctx, own, peers),
+                    key,
+                    self.device_mtu_v6(ctx),
+                )
+            )
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
@@ -370,8 +400,9 @@ def plan_routes_v6(ctx: NodeContext, own: Sequence[Lease]) -> set[Route]:
         return set()
     routes = {network_route_v6(ctx.config.ipv6_network)}
     if ctx.blackhole_own_subnets:
-        routes |= {blackhole_route(lease.ipv6_subnet) for lease in own
-                   if lease.ipv6_subnet is not None}  # fmt: skip
+        routes |= {
+            blackhole_route(lease.ipv6_subnet) for lease in own if lease.ipv6_subnet is not None
+        }
     return routes
 
 
@@ -384,10 +415,11 @@ def unencrypted_peers(
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     vni = ctx.config.backend.vni if has_vtep else None
     plain = {
-        peer.attrs.public_ip for peer, path in _paths(ctx, own, peers)
+        peer.attrs.public_ip
+        for peer, path in _paths(ctx, own, peers)
         if path in ("vxlan", "direct")
         or held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), vni)
-    }  # fmt: skip
+    }
     return len(plain)
 
 
@@ -407,11 +439,14 @@ def wireguard_peers_v6(
     caps = ipv6.own_capabilities_v6(replace(ctx, keeps_wireguard=False))
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     return [
-        peer for peer in routable_peers(ctx, own, peers)
+        peer
+        for peer in routable_peers(ctx, own, peers)
         if (ip6 := peer.attrs.public_ipv6) is not None
-        and choose_path(caps, ipv6.peer_capabilities_v6(peer, flanneld_dr),
-                        ctx.underlay.on_link(ip6)) == "wireguard"
-    ]  # fmt: skip
+        and choose_path(
+            caps, ipv6.peer_capabilities_v6(peer, flanneld_dr), ctx.underlay.on_link(ip6)
+        )
+        == "wireguard"
+    ]
 
 
 def device_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]) -> list[Lease]:
@@ -437,11 +472,10 @@ def _paths(
     caps = replace(caps, vni=ctx.config.backend.vni)
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     return [
-        (peer, choose_path(caps, peer_capabilities(peer, flanneld_dr),
-                           ctx.underlay.on_link(ip)))
+        (peer, choose_path(caps, peer_capabilities(peer, flanneld_dr), ctx.underlay.on_link(ip)))
         for peer in routable_peers(ctx, own, peers)
         if (ip := peer.attrs.public_ip) is not None  # IPv6-only peers: backend.ipv6
-    ]  # fmt: skip
+    ]
 
 
 def backend_data_problem(data: Mapping[str, Any] | None) -> str | None:

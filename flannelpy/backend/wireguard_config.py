@@ -94,10 +94,13 @@ def parse_wireguard_config(backend: BackendConfig) -> WireguardConfig:
             "`wg genpsk` prints; write a new one or leave the key out"
         )
     return WireguardConfig(
-        listen_port=port, listen_port_v6=port_v6, psk=psk, keepalive=keepalive,
+        listen_port=port,
+        listen_port_v6=port_v6,
+        psk=psk,
+        keepalive=keepalive,
         mode=mode,  # type: ignore[arg-type]
         implementation=implementation,
-    )  # fmt: skip
+    )
 
 
 def overlay_mtu(underlay_mtu: int, underlay_is_ipv6: bool = False) -> int:

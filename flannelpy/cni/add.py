@@ -153,9 +153,16 @@ class AddCommand(CommandContext):
         )
         undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
         result = build_result(
-            req.cni_version, link.host_veth, link.host_mac, link.ifname, link.pod_mac,
-            req.netns, allocs, routes, netconf.dns(req.config),
-        )  # fmt: skip
+            req.cni_version,
+            link.host_veth,
+            link.host_mac,
+            link.ifname,
+            link.pod_mac,
+            req.netns,
+            allocs,
+            routes,
+            netconf.dns(req.config),
+        )
         stored = json.loads(render_result(result, STORED_VERSION))
         self.records.write(
             Record(

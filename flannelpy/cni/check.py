@@ -75,9 +75,10 @@ class CheckCommand(CommandContext):
         if self.ipam.find(container_id, ifname) is not None:
             return []
         ips = [
-            e.ip for e in self.ipam.host_local_entries()
+            e.ip
+            for e in self.ipam.host_local_entries()
             if (e.container_id, e.ifname) == (container_id, ifname)
-        ]  # fmt: skip
+        ]
         subnets = [a.subnet for a in self.ipam.accounting()]
         held: list[IPInterface] = []
         for ip in ips:

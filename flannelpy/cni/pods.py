@@ -89,8 +89,10 @@ class PodAttachments:
             given = tuple(cluster_networks)
         networks = given + ((ipv6_network,) if ipv6_network is not None else ())
         if any(n.version == 6 for n in networks):
-            log.info("pods get IPv6 addresses; warm capacity (MinFreeAddresses) counts IPv4"
-                     " leases only, as a node's IPv6 subnet cannot run dry")  # fmt: skip
+            log.info(
+                "pods get IPv6 addresses; warm capacity (MinFreeAddresses) counts IPv4"
+                " leases only, as a node's IPv6 subnet cannot run dry"
+            )
         self.handler = CniHandler(
             self._ipam,
             self.pods,
@@ -159,8 +161,11 @@ class PodAttachments:
             ) from e
         held = self._ipam.hold_foreign(found)
         if held:
-            log.info("holding addresses host-local gave pods on this node count=%d dir=%s",
-                     len(held), self._host_local_dir)  # fmt: skip
+            log.info(
+                "holding addresses host-local gave pods on this node count=%d dir=%s",
+                len(held),
+                self._host_local_dir,
+            )
 
     def remove_gateway(self, gateway: IPv4Interface | IPv6Interface) -> None:
         self.pods.remove_gateway(gateway)

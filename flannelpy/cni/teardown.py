@@ -80,8 +80,10 @@ class TeardownCommands(CommandContext):
             # Its pod may be alive: releasing would hand its address out twice.
             log.error(
                 "CNI record unreadable, its address is kept until a DEL path=%s reason=%s;"
-                " restore or remove the file once the pod is known to be gone", path, why,
-            )  # fmt: skip
+                " restore or remove the file once the pod is known to be gone",
+                path,
+                why,
+            )
         for record in self.records.list():
             alive = (
                 exists(record.netns)

@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
             save_snapshot(settings.run_dir, snapshot_json(facts))
         except OSError as e:
             path = os.path.join(settings.run_dir, SNAPSHOT_FILE)
-            print(f"flannelpy doctor: cannot save drop counters to {path}: {e}",
-                  file=sys.stderr)  # fmt: skip
+            print(f"flannelpy doctor: cannot save drop counters to {path}: {e}", file=sys.stderr)
     node = settings.node_name or "this node"
     sys.stdout.write(render_json(node, findings) if args.json else render_text(node, findings))
     return exit_code(findings)

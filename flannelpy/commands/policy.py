@@ -132,8 +132,12 @@ def parse_at(text: str) -> datetime:
 
 def policy_from_args(args: argparse.Namespace) -> DisruptionPolicy:
     mode = _mode(args.mode)
-    flags = {"--days": args.days, "--start": args.start, "--duration": args.duration,
-             "--utc-offset": args.utc_offset}  # fmt: skip
+    flags = {
+        "--days": args.days,
+        "--start": args.start,
+        "--duration": args.duration,
+        "--utc-offset": args.utc_offset,
+    }
     if mode != "AllowDuringMaintenanceWindow":
         given = [flag for flag, value in flags.items() if value is not None]
         if given:

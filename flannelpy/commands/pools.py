@@ -63,40 +63,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     verbs = pools.add_subparsers(dest="pools_command", required=True, metavar="VERB")
     store = store_parent()
     listing = verbs.add_parser(
-        "list", parents=[store], description=DESCRIPTION,
+        "list",
+        parents=[store],
+        description=DESCRIPTION,
         help="each pool's size, subnets taken and free, tags, and whether new leases may "
         "land there; warns when a pool is more than half used",
-    )  # fmt: skip
+    )
     listing.add_argument("--json", action="store_true", help="print the pools as JSON")
     listing.add_argument(
-        "--cluster-name", metavar="NAME",
+        "--cluster-name",
+        metavar="NAME",
         help="show which pools the agents of cluster NAME may use (default: agents "
         "without a cluster name)",
-    )  # fmt: skip
+    )
     add = verbs.add_parser(
-        "add", parents=[store], description=DESCRIPTION,
-        help="add a pool; untagged, it takes no new leases until tagged "
-        f"{ROLE_KEY}={ROLE_OPT_IN}",
-    )  # fmt: skip
+        "add",
+        parents=[store],
+        description=DESCRIPTION,
+        help=f"add a pool; untagged, it takes no new leases until tagged {ROLE_KEY}={ROLE_OPT_IN}",
+    )
     add.add_argument("cidr", metavar="CIDR", help="the pool, like 10.250.0.0/16")
     tag = verbs.add_parser(
         "tag", parents=[store], description=DESCRIPTION, help="set one tag on a pool"
     )
     tag.add_argument("cidr", metavar="CIDR")
     tag.add_argument(
-        "tag", metavar="KEY=VALUE",
+        "tag",
+        metavar="KEY=VALUE",
         help=f"{ROLE_KEY}=1 or 0, or flannelpy.io/cluster/<name>=VALUE",
-    )  # fmt: skip
+    )
     untag = verbs.add_parser(
         "untag", parents=[store], description=DESCRIPTION, help="remove one tag from a pool"
     )
     untag.add_argument("cidr", metavar="CIDR")
     untag.add_argument("key", metavar="KEY")
     remove = verbs.add_parser(
-        "remove", parents=[store], description=DESCRIPTION,
+        "remove",
+        parents=[store],
+        description=DESCRIPTION,
         help="remove a drained pool: never the primary, one tagged "
         f"{ROLE_KEY}={ROLE_OPT_IN}, or one that still holds leases",
-    )  # fmt: skip
+    )
     remove.add_argument("cidr", metavar="CIDR")
     pools.set_defaults(run=run)
     return pools
@@ -223,8 +230,17 @@ def render_text(caps: Sequence[PoolCapacity], cluster: str | None) -> str:
         name = f"{cap.pool.network} (primary)" if cap.pool.primary else str(cap.pool.network)
         tags = ",".join(f"{k}={v}" for k, v in sorted(cap.pool.tags.items())) or "-"
         new = "yes" if eligibility(cap.pool, cluster).create_leases else "no"
-        rows.append((name, f"{cap.size} x /{cap.length}", str(cap.taken), str(cap.free),
-                     f"{cap.utilisation:.0%}", new, tags))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{cap.size} x /{cap.length}",
+                str(cap.taken),
+                str(cap.free),
+                f"{cap.utilisation:.0%}",
+                new,
+                tags,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [f"pools as {who} see them"]
     for row in rows:

@@ -42,15 +42,22 @@ def _kube_parent() -> argparse.ArgumentParser:
     flannelpy's namespace and ConfigMap are."""
     parent = argparse.ArgumentParser(add_help=False)
     group = add_agent_flags(
-        parent, KUBE_FLAGS, "kubernetes",
+        parent,
+        KUBE_FLAGS,
+        "kubernetes",
         "Kubernetes mode (each agent flag also read from FLANNELD_<NAME>)",
-    )  # fmt: skip
-    group.add_argument("--kube-namespace", default=DEFAULT_KUBE_NAMESPACE,
-                       help="the namespace of flannelpy's ConfigMap and status Leases "
-                       f"(default {DEFAULT_KUBE_NAMESPACE})")  # fmt: skip
-    group.add_argument("--kube-config-map", default=DEFAULT_KUBE_CONFIG_MAP,
-                       help="the ConfigMap holding net-conf.json "
-                       f"(default {DEFAULT_KUBE_CONFIG_MAP})")  # fmt: skip
+    )
+    group.add_argument(
+        "--kube-namespace",
+        default=DEFAULT_KUBE_NAMESPACE,
+        help="the namespace of flannelpy's ConfigMap and status Leases "
+        f"(default {DEFAULT_KUBE_NAMESPACE})",
+    )
+    group.add_argument(
+        "--kube-config-map",
+        default=DEFAULT_KUBE_CONFIG_MAP,
+        help=f"the ConfigMap holding net-conf.json (default {DEFAULT_KUBE_CONFIG_MAP})",
+    )
     return parent
 
 
@@ -110,9 +117,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     begin = actions.add_parser(
         "start", parents=[target, force, driving, common], help="start a rollout and drive it"
     )
-    begin.add_argument("--no-cordon", action="store_true",
-                       help="Kubernetes mode: leave nodes schedulable and in external load "
-                       "balancers while they change")  # fmt: skip
+    begin.add_argument(
+        "--no-cordon",
+        action="store_true",
+        help="Kubernetes mode: leave nodes schedulable and in external load "
+        "balancers while they change",
+    )
     status = actions.add_parser("status", parents=[common], help="show the rollout and nodes")
     status.add_argument("--json", action="store_true", help="print the record as JSON")
     actions.add_parser("pause", parents=[common], help="stop after the current step")
@@ -137,8 +147,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"flannelpy rollout: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("flannelpy rollout: interrupted; the rollout record keeps its state: run "
-              "flannelpy rollout resume to continue", file=sys.stderr)  # fmt: skip
+        print(
+            "flannelpy rollout: interrupted; the rollout record keeps its state: run "
+            "flannelpy rollout resume to continue",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -148,8 +161,9 @@ def _kube_command(args: argparse.Namespace, settings: AgentSettings) -> int:
 
     client = build_api_client(settings)
     try:
-        store = KubeRolloutStore(client, settings.kube_annotation_prefix,
-                                 args.kube_namespace, args.kube_config_map)  # fmt: skip
+        store = KubeRolloutStore(
+            client, settings.kube_annotation_prefix, args.kube_namespace, args.kube_config_map
+        )
         return _command(args, store)
     finally:
         client.close()
@@ -184,13 +198,20 @@ def _command(args: argparse.Namespace, store: RolloutStorage) -> int:
         if args.force and not (args.reason or "").strip():
             raise ConfigError('--force needs --reason "..." saying why the policy is skipped')
         order = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
-        plan = make_plan(store, args.backend, clock(), args.direct_routing, args.vni,
-                         args.port, args.mtu, order,
-                         args.reason if args.force else None)  # fmt: skip
+        plan = make_plan(
+            store,
+            args.backend,
+            clock(),
+            args.direct_routing,
+            args.vni,
+            args.port,
+            args.mtu,
+            order,
+            args.reason if args.force else None,
+        )
         for line in plan.lines():
             _print(line)
-        refusal = list(plan.problems) or ([plan.blocked] if plan.blocked and not args.force
-                                          else [])  # fmt: skip
+        refusal = list(plan.problems) or ([plan.blocked] if plan.blocked and not args.force else [])
         if refusal:
             for sentence in refusal:
                 print(f"flannelpy rollout: {sentence}", file=sys.stderr)
@@ -199,13 +220,22 @@ def _command(args: argparse.Namespace, store: RolloutStorage) -> int:
             return 0
         force = None
         if args.force:
-            force = ForceRecord(args.reason.strip(), operator(),
-                                clock().astimezone(UTC).isoformat())  # fmt: skip
-            print(f"flannelpy rollout: WARNING: the disruption policy is skipped (--force): "
-                  f"{force.reason}; every override and an event per node record it",
-                  file=sys.stderr)  # fmt: skip
-        record = start(store, plan, clock(), args.step_timeout or DEFAULT_STEP_TIMEOUT, force,
-                       cordon=not args.no_cordon)  # fmt: skip
+            force = ForceRecord(
+                args.reason.strip(), operator(), clock().astimezone(UTC).isoformat()
+            )
+            print(
+                f"flannelpy rollout: WARNING: the disruption policy is skipped (--force): "
+                f"{force.reason}; every override and an event per node record it",
+                file=sys.stderr,
+            )
+        record = start(
+            store,
+            plan,
+            clock(),
+            args.step_timeout or DEFAULT_STEP_TIMEOUT,
+            force,
+            cordon=not args.no_cordon,
+        )
         _print(f"rollout {record.id} started")
         return _drive(args, store, record.id, clock)
     if command == "resume":
@@ -217,8 +247,10 @@ def _command(args: argparse.Namespace, store: RolloutStorage) -> int:
         if record.request is not None:
             entry = record.current()
             at = f" ({entry.node} {entry.state})" if entry else ""
-            _print(f"rollout {record.id}: {command} requested; the driver stops after the "
-                   f"current step{at}")  # fmt: skip
+            _print(
+                f"rollout {record.id}: {command} requested; the driver stops after the "
+                f"current step{at}"
+            )
         else:
             _print(f"rollout {record.id} {record.state}")
         if command == "abort":
@@ -229,15 +261,18 @@ def _command(args: argparse.Namespace, store: RolloutStorage) -> int:
     return _status(args, store)
 
 
-def _drive(args: argparse.Namespace, store: RolloutStorage, record_id: str,
-           clock: WallClock) -> int:  # fmt: skip
+def _drive(
+    args: argparse.Namespace, store: RolloutStorage, record_id: str, clock: WallClock
+) -> int:
     from flannelpy.rollout.driver import drive
 
     record = drive(store, record_id, clock, time.sleep, _print, wait_for_window=args.wait)
     _print(summary(record))
     if record.state == "paused-window":
-        _print(f"the next window opens {record.next_window}; run flannelpy rollout resume "
-               "then (or resume --wait to wait for it)")  # fmt: skip
+        _print(
+            f"the next window opens {record.next_window}; run flannelpy rollout resume "
+            "then (or resume --wait to wait for it)"
+        )
     elif record.state == "paused":
         _print("run flannelpy rollout resume to continue")
     elif record.state in ("aborted", "failed"):
@@ -262,21 +297,29 @@ def _status(args: argparse.Namespace, store: RolloutStorage) -> int:
             f"step timeout {record.step_timeout:g} s, driver {record.driver or '-'}"
         )
         if record.force is not None:
-            _print(f"forced past the policy by {record.force.by} at {record.force.at}: "
-                   f"{record.force.reason}")  # fmt: skip
+            _print(
+                f"forced past the policy by {record.force.by} at {record.force.at}: "
+                f"{record.force.reason}"
+            )
     flanneld = flanneld_nodes(store.read_leases(), nodes.statuses)
     rows = status_rows(record, nodes.statuses, flanneld, store.read_config().config.backend)
     header = ("node", "rollout", "backend", "generation", "ready", "blocked")
     table = [header] + [
-        (r.node, r.rollout_state, r.backend,
-         "-" if r.applied_generation is None else str(r.applied_generation),
-         "-" if r.ready is None else ("yes" if r.ready else "no"), r.blocked or "-")
+        (
+            r.node,
+            r.rollout_state,
+            r.backend,
+            "-" if r.applied_generation is None else str(r.applied_generation),
+            "-" if r.ready is None else ("yes" if r.ready else "no"),
+            r.blocked or "-",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
-        _print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
-               + "  " + row[-1])  # fmt: skip
+        _print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        )
     for key, why in sorted(nodes.errors.items()):
         _print(f"{key}: {why}")
     return 0

@@ -43,9 +43,11 @@ def add_agent_flags(
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's ``--etcd-*`` flags on ``parser``."""
     add_agent_flags(
-        parser, STORE_FLAGS, "store",
+        parser,
+        STORE_FLAGS,
+        "store",
         "etcd, as the agent reaches it (each flag also read from FLANNELD_<NAME>)",
-    )  # fmt: skip
+    )
 
 
 def store_parent() -> argparse.ArgumentParser:

@@ -30,12 +30,28 @@ VERSION = 1
 # Exactly what is written: what a command needs to find the store, the kernel state
 # and the files the agent keeps. Paths only for TLS; never etcd_username/etcd_password.
 FIELDS: tuple[str, ...] = (
-    "etcd_endpoints", "etcd_prefix", "etcd_keyfile", "etcd_certfile", "etcd_cafile",
-    "kube_subnet_mgr", "kube_api_url", "kubeconfig_file", "kube_annotation_prefix",
-    "net_config_path", "iface", "public_ip", "node_name", "run_dir", "state_dir",
-    "subnet_file", "subnet_lease_renew_margin", "resync_interval", "allow_overlap",
-    "ip_masq", "iptables_forward_rules",
-)  # fmt: skip
+    "etcd_endpoints",
+    "etcd_prefix",
+    "etcd_keyfile",
+    "etcd_certfile",
+    "etcd_cafile",
+    "kube_subnet_mgr",
+    "kube_api_url",
+    "kubeconfig_file",
+    "kube_annotation_prefix",
+    "net_config_path",
+    "iface",
+    "public_ip",
+    "node_name",
+    "run_dir",
+    "state_dir",
+    "subnet_file",
+    "subnet_lease_renew_margin",
+    "resync_interval",
+    "allow_overlap",
+    "ip_masq",
+    "iptables_forward_rules",
+)
 IFACE_VARIABLES = ("FLANNELD_IFACE", "FLANNELD_IFACE_REGEX", "FLANNELD_IFACE_CAN_REACH")
 SECRETS = frozenset({"etcd_username", "etcd_password"})
 assert not SECRETS & set(FIELDS)
@@ -73,8 +89,9 @@ def read_effective(run_dir: str) -> dict[str, str]:
     except FileNotFoundError:
         return {}
     except OSError as e:
-        raise ConfigError(f"cannot read the agent's settings in {path} ({e}); "
-                          "pass the agent's flags instead") from e  # fmt: skip
+        raise ConfigError(
+            f"cannot read the agent's settings in {path} ({e}); pass the agent's flags instead"
+        ) from e
     try:
         if len(data) > MAX_FILE_BYTES:
             raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
@@ -83,8 +100,10 @@ def read_effective(run_dir: str) -> dict[str, str]:
             raise ValueError("not a JSON object")
         return settings_environ(doc)
     except (ValueError, RecursionError) as e:
-        raise ConfigError(f"{path} is not the agent's settings file ({e}); remove it or "
-                          "pass the agent's flags instead") from e  # fmt: skip
+        raise ConfigError(
+            f"{path} is not the agent's settings file ({e}); remove it or "
+            "pass the agent's flags instead"
+        ) from e
 
 
 def settings_environ(doc: Mapping[str, Any]) -> dict[str, str]:

@@ -57,9 +57,15 @@ class ChangeDecision:
 def _live_fields(config: NetworkConfig) -> tuple[object, ...]:
     """What a running node cannot change without re-addressing its leases and pods."""
     return (
-        config.network, config.subnet_len, config.subnet_min, config.subnet_max,
-        config.enable_ipv4, config.enable_ipv6, config.ipv6_network, config.enable_nftables,
-    )  # fmt: skip
+        config.network,
+        config.subnet_len,
+        config.subnet_min,
+        config.subnet_max,
+        config.enable_ipv4,
+        config.enable_ipv6,
+        config.ipv6_network,
+        config.enable_nftables,
+    )
 
 
 def decide_change(

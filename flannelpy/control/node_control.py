@@ -143,11 +143,13 @@ class EtcdNodeControl:
         notify = threading.Lock()  # one callback at a time, in event order per key
         threads = [
             threading.Thread(
-                target=self._follow, args=(name, revisions[name], on_change, notify, stop),
-                name=f"control-{name}", daemon=True,
+                target=self._follow,
+                args=(name, revisions[name], on_change, notify, stop),
+                name=f"control-{name}",
+                daemon=True,
             )
             for name in self._keys
-        ]  # fmt: skip
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -222,9 +224,12 @@ class EtcdNodeControl:
             values = dict(self._values)
             pools = tuple(self._pools[k] for k in sorted(self._pools))
         return _snapshot(
-            values.get("config"), values.get("override"), self._keys["override"],
-            values.get("rollout"), pools,
-        )  # fmt: skip
+            values.get("config"),
+            values.get("override"),
+            self._keys["override"],
+            values.get("rollout"),
+            pools,
+        )
 
     def publish_status(self, status: NodeStatus) -> None:
         self._store.put(status_key(self._prefix, self._node), status.to_json().encode())
@@ -241,8 +246,13 @@ class EtcdNodeControl:
 
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
         key = event_key(self._prefix, time.time_ns(), node)
-        doc = {"Node": node, "Change": change, "Reason": force.reason, "By": force.by,
-               "At": force.at}  # fmt: skip
+        doc = {
+            "Node": node,
+            "Change": change,
+            "Reason": force.reason,
+            "By": force.by,
+            "At": force.at,
+        }
         self._store.put(key, json.dumps(doc, separators=(",", ":")).encode())
 
     def record_blocked(self, node: str, change: str, sentence: str) -> None:
@@ -265,8 +275,9 @@ class KubeNodeControl:
 
     POLL_SECONDS = 2.0  # the kubelet refreshes ConfigMap volumes every minute or so
 
-    def __init__(self, manager: KubeSubnetManager, config_path: str,
-                 publisher: LeasePublisher | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, manager: KubeSubnetManager, config_path: str, publisher: LeasePublisher | None = None
+    ) -> None:
         self._manager = manager
         self._config_path = config_path
         self._publisher = publisher
@@ -310,11 +321,14 @@ class KubeNodeControl:
     def record_forced(self, node: str, change: str, force: ForceRecord) -> None:
         from flannelpy.subnet.kube.event_series import EventSpec
 
-        self._events.record(EventSpec(
-            "OverrideForced", "ApplyConfigChange",
-            f"flannelpy applied a disruptive change ({change}) past the disruption policy: "
-            f"{force.reason} (by {force.by} at {force.at})",
-        ))  # fmt: skip
+        self._events.record(
+            EventSpec(
+                "OverrideForced",
+                "ApplyConfigChange",
+                f"flannelpy applied a disruptive change ({change}) past the disruption policy: "
+                f"{force.reason} (by {force.by} at {force.at})",
+            )
+        )
 
     def record_blocked(self, node: str, change: str, sentence: str) -> None:
         from flannelpy.subnet.kube.event_series import EventSpec

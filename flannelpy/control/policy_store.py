@@ -57,10 +57,13 @@ def set_policy(store: Store, prefix: str, policy: DisruptionPolicy) -> str:
             raise ConfigError(f"{e} (in etcd key {key}; nothing was written)") from e
 
     swap_config(
-        store, prefix, edit, attempts=WRITE_ATTEMPTS,
+        store,
+        prefix,
+        edit,
+        attempts=WRITE_ATTEMPTS,
         gave_up=f"the network config at {key} changed {WRITE_ATTEMPTS} times while the "
         "policy was being written; run the command again",
-    )  # fmt: skip
+    )
     return key
 
 

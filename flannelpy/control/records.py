@@ -229,10 +229,11 @@ class ProbeSummary:
             "Peers": self.peers,
             "Ok": self.ok,
             "Failing": self.failing,
-            "FailingPeers": [{"Subnet": f.subnet, "Problem": f.problem}
-                             for f in self.failing_peers],
+            "FailingPeers": [
+                {"Subnet": f.subnet, "Problem": f.problem} for f in self.failing_peers
+            ],
             "PassedAt": self.passed_at,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> ProbeSummary:
@@ -265,16 +266,18 @@ def failing_peers(probes: Mapping[str, PeerProbe]) -> dict[str, str]:
 
 def _legacy_probes(doc: Mapping[str, Any]) -> ProbeSummary:
     """An older agent's per-peer ``Probes`` object, summarised as a newer one would."""
-    return ProbeSummary.of({
-        str(k): PeerProbe(
-            reachable=bool(v["Reachable"]),
-            mtu_ok=v.get("MtuOk"),
-            ok=bool(v.get("Ok", False)),
-            probes=int(v.get("Probes", 0)),
-            at=float(v.get("At", 0.0)),
-        )
-        for k, v in doc.items()
-    })  # fmt: skip
+    return ProbeSummary.of(
+        {
+            str(k): PeerProbe(
+                reachable=bool(v["Reachable"]),
+                mtu_ok=v.get("MtuOk"),
+                ok=bool(v.get("Ok", False)),
+                probes=int(v.get("Probes", 0)),
+                at=float(v.get("At", 0.0)),
+            )
+            for k, v in doc.items()
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -333,12 +336,15 @@ class NodeStatus:
                     change=str(blocked.get("Change", "")),
                     sentence=str(blocked.get("Sentence", "")),
                     since=float(blocked.get("Since", 0.0)),
-                ) if isinstance(blocked, dict) else None,
+                )
+                if isinstance(blocked, dict)
+                else None,
                 subnets=tuple(str(s) for s in doc.get("Subnets", [])),
                 probes=(
-                    ProbeSummary.from_doc(doc["ProbeSummary"]) if "ProbeSummary" in doc
+                    ProbeSummary.from_doc(doc["ProbeSummary"])
+                    if "ProbeSummary" in doc
                     else _legacy_probes(doc.get("Probes") or {})
                 ),
-            )  # fmt: skip
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"the node status lacks or mangles a field: {e}") from e

@@ -356,10 +356,11 @@ class Icmp6Transport(IcmpTransport):
         if kind == ICMP6_PACKET_TOO_BIG:
             (next_mtu,) = struct.unpack("!I", icmp[4:8])
             return Reply(
-                seq, None,
+                seq,
+                None,
                 f"packet too big: {sender} forwards at most {next_mtu} bytes towards {target}",
                 too_big=True,
-            )  # fmt: skip
+            )
         reason = _UNREACH6.get(code, f"destination unreachable (code {code})")
         return Reply(seq, None, f"{reason}: reported by {sender} for {target}")
 

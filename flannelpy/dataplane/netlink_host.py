@@ -87,15 +87,17 @@ def survey(protocol: int, ignore_devices: Iterable[str]) -> list[ForeignRoute]:
             via = f" via {r.gateway}" if r.gateway else ""
             where = f" dev {dev}" if dev else ""
             gw = r.gateway if isinstance(r.gateway, IPv4Address) else None
-            found.append(ForeignRoute(net, f"route {net}{via}{where}", r.protocol,
-                                      gw or None, dev))  # fmt: skip
+            found.append(ForeignRoute(net, f"route {net}{via}{where}", r.protocol, gw or None, dev))
         for a in nl.dump_addresses(sock):
             dev = names.get(a.ifindex, str(a.ifindex))
             if dev in ignored:
                 continue
             iface = IPv4Interface(f"{a.address}/{a.prefixlen}")
-            found.append(ForeignRoute(iface.network, f"address {iface} on {dev}",
-                                      device=dev, is_address=True))  # fmt: skip
+            found.append(
+                ForeignRoute(
+                    iface.network, f"address {iface} on {dev}", device=dev, is_address=True
+                )
+            )
     return found
 
 

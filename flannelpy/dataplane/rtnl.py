@@ -525,11 +525,16 @@ def _decode_route6(
     table_raw = attrs.get(RTA_TABLE)
     oif_raw = attrs.get(RTA_OIF)
     return RouteRow(
-        ipv6(attrs.get(RTA_DST)) or IPv6Address(0), dst_len, ipv6(attrs.get(RTA_GATEWAY)),
-        U32.unpack(oif_raw)[0] if oif_raw and len(oif_raw) == 4 else 0, proto,
+        ipv6(attrs.get(RTA_DST)) or IPv6Address(0),
+        dst_len,
+        ipv6(attrs.get(RTA_GATEWAY)),
+        U32.unpack(oif_raw)[0] if oif_raw and len(oif_raw) == 4 else 0,
+        proto,
         U32.unpack(table_raw)[0] if table_raw and len(table_raw) == 4 else table,
-        rtype, flags, ipv6(attrs.get(RTA_PREFSRC)),
-    )  # fmt: skip
+        rtype,
+        flags,
+        ipv6(attrs.get(RTA_PREFSRC)),
+    )
 
 
 def decode_neigh(buf: bytes, offset: int, length: int) -> NeighRow:

@@ -95,8 +95,9 @@ class _PeerBuilder:
     handshaken: bool = False
 
     def build(self) -> WgPeer:
-        return WgPeer(self.public_key, self.endpoint, frozenset(self.allowed),
-                      self.keepalive, self.psk)  # fmt: skip
+        return WgPeer(
+            self.public_key, self.endpoint, frozenset(self.allowed), self.keepalive, self.psk
+        )
 
 
 def parse_get(text: str) -> WgDeviceConfig:
@@ -135,9 +136,11 @@ def parse_get(text: str) -> WgDeviceConfig:
         raise DataplaneError(f"unreadable answer from the WireGuard device: {e}") from e
     built = [peer.build() for peer in peers]
     return WgDeviceConfig(
-        private_key, listen_port, {peer.public_key: peer for peer in built},
+        private_key,
+        listen_port,
+        {peer.public_key: peer for peer in built},
         frozenset(peer.public_key for peer in peers if peer.handshaken),
-    )  # fmt: skip
+    )
 
 
 def _exchange(path: str, request: bytes) -> str:

@@ -43,13 +43,20 @@ def _underlay(
 ) -> UnderlayInterface:
     networks = tuple(dict.fromkeys(a.network for a in iface.addresses))
     v6 = global_ipv6(iface)
-    networks6 = tuple(dict.fromkeys(
-        a.network for a in iface.addresses6 if not a.ip.is_link_local and a.network.prefixlen
-    ))  # fmt: skip
+    networks6 = tuple(
+        dict.fromkeys(
+            a.network for a in iface.addresses6 if not a.ip.is_link_local and a.network.prefixlen
+        )
+    )
     return UnderlayInterface(
-        name=iface.name, index=iface.index, ip=ip, networks=networks, mtu=iface.mtu,
-        ip6=v6.ip if v6 is not None else None, networks6=networks6,
-    )  # fmt: skip
+        name=iface.name,
+        index=iface.index,
+        ip=ip,
+        networks=networks,
+        mtu=iface.mtu,
+        ip6=v6.ip if v6 is not None else None,
+        networks6=networks6,
+    )
 
 
 def _names(interfaces: Sequence[Interface]) -> str:

@@ -60,9 +60,13 @@ def diagnose(facts: NodeFacts) -> list[Finding]:
     findings = check_sources(facts)
     if isinstance(plan, str):
         findings.append(
-            Finding("error", "plan", f"cannot compute what this node should have: {plan}",
-                    "fix the findings above first")
-        )  # fmt: skip
+            Finding(
+                "error",
+                "plan",
+                f"cannot compute what this node should have: {plan}",
+                "fix the findings above first",
+            )
+        )
     else:
         findings += check_lease(facts, plan)
     findings += check_agent(facts)
@@ -90,25 +94,36 @@ def check_sources(facts: NodeFacts) -> list[Finding]:
         )
         action = f"give the doctor the agent's {flags} and check the store's health"
         findings.append(
-            Finding("error", "store", f"cannot read the network config and leases: "
-                    f"{facts.store_error}", action)
-        )  # fmt: skip
+            Finding(
+                "error",
+                "store",
+                f"cannot read the network config and leases: {facts.store_error}",
+                action,
+            )
+        )
     else:
         findings.append(
             Finding("ok", "store", f"network config and {len(facts.leases)} lease(s) read")
         )
     if facts.kernel_error:
         findings.append(
-            Finding("error", "kernel", f"cannot read the node's network state: "
-                    f"{facts.kernel_error}",
-                    "run the doctor as root on the node (or in its network namespace)")
-        )  # fmt: skip
+            Finding(
+                "error",
+                "kernel",
+                f"cannot read the node's network state: {facts.kernel_error}",
+                "run the doctor as root on the node (or in its network namespace)",
+            )
+        )
     elif facts.underlay_error:
         findings.append(
-            Finding("error", "underlay", f"no underlay interface: {facts.underlay_error}",
-                    "pass the agent's --iface/--iface-regex/--public-ip flags to the doctor; "
-                    "if they are the agent's, the agent cannot start either")
-        )  # fmt: skip
+            Finding(
+                "error",
+                "underlay",
+                f"no underlay interface: {facts.underlay_error}",
+                "pass the agent's --iface/--iface-regex/--public-ip flags to the doctor; "
+                "if they are the agent's, the agent cannot start either",
+            )
+        )
     return findings
 
 
@@ -226,11 +241,15 @@ def check_peer_leases(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
         return [Finding("ok", "leases", "every peer lease is valid for this node")]
     items = [f"{key} ({reason})" for key, reason in sorted(found.items())]
     return [
-        Finding("warning", "leases", f"{len(found)} peer lease(s) ignored as invalid and never "
-                f"programmed: {listed(items)}",
-                "delete or correct those keys in the store; the agent log says why each one "
-                "was refused", subject=", ".join(sorted(found)))
-    ]  # fmt: skip
+        Finding(
+            "warning",
+            "leases",
+            f"{len(found)} peer lease(s) ignored as invalid and never programmed: {listed(items)}",
+            "delete or correct those keys in the store; the agent log says why each one "
+            "was refused",
+            subject=", ".join(sorted(found)),
+        )
+    ]
 
 
 def _blocked_text(item: object) -> str:
@@ -402,15 +421,25 @@ def check_overlap(facts: NodeFacts) -> list[Finding]:
     network = facts.config.network
     overlaps = find_overlaps(network, list(facts.foreign))
     if not overlaps:
-        return [Finding("ok", "overlap", f"Network {network} overlaps no other route or address "
-                        "on this node")]  # fmt: skip
+        return [
+            Finding(
+                "ok",
+                "overlap",
+                f"Network {network} overlaps no other route or address on this node",
+            )
+        ]
     severity: Severity = "warning" if facts.settings.allow_overlap else "error"
     return [
-        Finding(severity, "overlap", f"Network {network} overlaps "
-                f"{listed([o.description for o in overlaps])}: traffic to those addresses "
-                "goes to the wrong place", "remove the conflicting route or address, or move "
-                "the Network", ", ".join(str(o.network) for o in overlaps))
-    ]  # fmt: skip
+        Finding(
+            severity,
+            "overlap",
+            f"Network {network} overlaps "
+            f"{listed([o.description for o in overlaps])}: traffic to those addresses "
+            "goes to the wrong place",
+            "remove the conflicting route or address, or move the Network",
+            ", ".join(str(o.network) for o in overlaps),
+        )
+    ]
 
 
 def counter_groups(facts: NodeFacts, plan: Plan | str) -> dict[str, LinkCounters]:
@@ -435,8 +464,9 @@ def check_drops(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
     now = counter_groups(facts, plan)
     before = facts.previous
     if before is None:
-        return [Finding("ok", "drops", "drop counters recorded; the next run shows whether "
-                        "they rise")]  # fmt: skip
+        return [
+            Finding("ok", "drops", "drop counters recorded; the next run shows whether they rise")
+        ]
     rising: list[tuple[str, str]] = []  # (counter group, what grew)
     for name, counters in now.items():
         old = before.counters.get(name)
@@ -449,15 +479,25 @@ def check_drops(facts: NodeFacts, plan: Plan | str) -> list[Finding]:
             rising.append((name, " ".join(f"{f} +{d}" for f, d in deltas.items() if d > 0)))
     since = duration(max(0.0, facts.now - before.taken_at))
     if not rising:
-        return [Finding("ok", "drops", f"no drops or errors worth a look on {', '.join(now)} "
-                        f"in the last {since}")]  # fmt: skip
+        return [
+            Finding(
+                "ok",
+                "drops",
+                f"no drops or errors worth a look on {', '.join(now)} in the last {since}",
+            )
+        ]
     return [
-        Finding("warning", "drops", f"packets dropped in the last {since}: "
-                f"{listed([f'{name} {grew}' for name, grew in rising])}; on the vxlan device or "
-                "veths this is usually an MTU mismatch or a missing neighbour/FDB entry, on the "
-                "underlay a faulty or saturated link", "compare with the mtu and routes "
-                "findings; watch ip -s link show <device>", ", ".join(n for n, _ in rising))
-    ]  # fmt: skip
+        Finding(
+            "warning",
+            "drops",
+            f"packets dropped in the last {since}: "
+            f"{listed([f'{name} {grew}' for name, grew in rising])}; on the vxlan device or "
+            "veths this is usually an MTU mismatch or a missing neighbour/FDB entry, on the "
+            "underlay a faulty or saturated link",
+            "compare with the mtu and routes findings; watch ip -s link show <device>",
+            ", ".join(n for n, _ in rising),
+        )
+    ]
 
 
 def _notable(deltas: Mapping[str, int]) -> bool:

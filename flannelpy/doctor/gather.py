@@ -66,8 +66,9 @@ def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> N
         facts = replace(facts, **(_nft_facts() if nftables else _firewall_facts()))
         if facts.underlay is not None:
             v4 = config is None or config.enable_ipv4
-            own = own_lease(facts, (settings.public_ip or facts.underlay.ip) if v4 else None,
-                            facts.underlay.ip6)  # fmt: skip
+            own = own_lease(
+                facts, (settings.public_ip or facts.underlay.ip) if v4 else None, facts.underlay.ip6
+            )
             if own is not None and own.store_lease_id is not None:
                 facts = replace(facts, own_lease_ttl=store.ttl(own.store_lease_id))
     return facts
@@ -110,12 +111,16 @@ class _Store:
                 from flannelpy.subnet.etcd.pools import PoolStore
 
                 # Pools are IPv4 ranges: none IPv6-only (the agent turns them off too).
-                pools = (PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
-                         if config.network is not None else [])  # fmt: skip
+                pools = (
+                    PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
+                    if config.network is not None
+                    else []
+                )
                 return {
-                    "config": config, "leases": tuple(leases.values()),
+                    "config": config,
+                    "leases": tuple(leases.values()),
                     "pool_networks": tuple(p.network for p in pools if not p.primary),
-                }  # fmt: skip
+                }
         except FlannelpyError as e:
             return {"store_error": str(e)}
         return {"config": config, "leases": tuple(leases.values())}

@@ -47,16 +47,25 @@ def check_dataplane(facts: NodeFacts, plan: Plan) -> list[Finding]:
     findings += _route_findings(plan, facts.observed, changes)
     findings += _entry_findings(plan, changes)
     findings += [
-        Finding("error", "routes", f"peer {u.subnet} ({u.public_ip}) cannot be reached: "
-                f"{u.reason}", "change the backend or the node's network", str(u.subnet))
+        Finding(
+            "error",
+            "routes",
+            f"peer {u.subnet} ({u.public_ip}) cannot be reached: {u.reason}",
+            "change the backend or the node's network",
+            str(u.subnet),
+        )
         for u in sorted(plan.desired.unreachable, key=lambda u: u.subnet)
-    ]  # fmt: skip
+    ]
     if not findings:
         d = plan.desired
         findings.append(
-            Finding("ok", "routes", f"{len(d.routes)} peer route(s), {len(d.neighbours)} "
-                    f"neighbour(s) and {len(d.fdb)} FDB entr(ies) as planned, none stale")
-        )  # fmt: skip
+            Finding(
+                "ok",
+                "routes",
+                f"{len(d.routes)} peer route(s), {len(d.neighbours)} "
+                f"neighbour(s) and {len(d.fdb)} FDB entr(ies) as planned, none stale",
+            )
+        )
     return findings
 
 
@@ -67,28 +76,45 @@ def _link_findings(plan: Plan, observed: ObservedState, changes: Changes) -> lis
     for name in sorted(created):
         if name in present:
             findings.append(
-                Finding("error", "links", f"{name} has the wrong VNI, local address or port: "
-                        "peers' packets do not arrive on it",
-                        "restart the agent; it re-creates the device", name)
-            )  # fmt: skip
+                Finding(
+                    "error",
+                    "links",
+                    f"{name} has the wrong VNI, local address or port: "
+                    "peers' packets do not arrive on it",
+                    "restart the agent; it re-creates the device",
+                    name,
+                )
+            )
     for name in sorted(set(changes.links_to_delete) - created):
         findings.append(
-            Finding("warning", "links", f"{name} is left from another backend: harmless, but "
-                    "it holds stale entries", "restart the agent (it removes it) or "
-                    f"ip link del {name}", name)
-        )  # fmt: skip
+            Finding(
+                "warning",
+                "links",
+                f"{name} is left from another backend: harmless, but it holds stale entries",
+                f"restart the agent (it removes it) or ip link del {name}",
+                name,
+            )
+        )
     if changes.addresses_to_add:
         findings.append(
-            Finding("error", "addresses", f"{listed([_addr(a) for a in changes.addresses_to_add])}"
-                    " missing: host-to-pod traffic to peers has no source address they route back",
-                    "restart the agent, or let it repair (within a second when running)")
-        )  # fmt: skip
+            Finding(
+                "error",
+                "addresses",
+                f"{listed([_addr(a) for a in changes.addresses_to_add])}"
+                " missing: host-to-pod traffic to peers has no source address they route back",
+                "restart the agent, or let it repair (within a second when running)",
+            )
+        )
     if changes.addresses_to_delete:
         stale = [_addr(a) for a in changes.addresses_to_delete]
         findings.append(
-            Finding("warning", "addresses", f"{listed(stale)} stale on our device",
-                    "let the agent remove it, or ip addr del it")
-        )  # fmt: skip
+            Finding(
+                "warning",
+                "addresses",
+                f"{listed(stale)} stale on our device",
+                "let the agent remove it, or ip addr del it",
+            )
+        )
     return findings
 
 
@@ -121,28 +147,42 @@ def _route_findings(plan: Plan, observed: ObservedState, changes: Changes) -> li
 
     if missing:
         findings.append(
-            Finding("error", "routes", f"{peers_have(len(missing))} no route ("
-                    f"{listed([describe(r) for r in missing])}): the agent has not programmed "
-                    "it or something deleted it; pods there are unreachable from here",
-                    "check the agent log, it repairs within a second when running",
-                    subjects(missing))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "routes",
+                f"{peers_have(len(missing))} no route ("
+                f"{listed([describe(r) for r in missing])}): the agent has not programmed "
+                "it or something deleted it; pods there are unreachable from here",
+                "check the agent log, it repairs within a second when running",
+                subjects(missing),
+            )
+        )
     if wrong:
         findings.append(
-            Finding("error", "routes", f"{len(wrong)} peer route(s) point the wrong way ("
-                    f"{listed([describe(r) for r in wrong])} expected): traffic goes to the "
-                    "wrong node or nowhere", "check the agent log, it repairs them when running; "
-                    "something else may rewrite routes (a routing daemon?)", subjects(wrong))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "routes",
+                f"{len(wrong)} peer route(s) point the wrong way ("
+                f"{listed([describe(r) for r in wrong])} expected): traffic goes to the "
+                "wrong node or nowhere",
+                "check the agent log, it repairs them when running; "
+                "something else may rewrite routes (a routing daemon?)",
+                subjects(wrong),
+            )
+        )
     if changes.routes_to_delete:
         stale = changes.routes_to_delete
         findings.append(
-            Finding("warning", "routes", f"{len(stale)} stale route(s) of ours (protocol 75) to "
-                    f"no current peer ({listed([describe(r) for r in stale])}): traffic to those "
-                    "subnets goes to a node that no longer holds them",
-                    "the agent removes them when running; else ip route del them",
-                    ", ".join(str(r.dst) for r in stale))
-        )  # fmt: skip
+            Finding(
+                "warning",
+                "routes",
+                f"{len(stale)} stale route(s) of ours (protocol 75) to "
+                f"no current peer ({listed([describe(r) for r in stale])}): traffic to those "
+                "subnets goes to a node that no longer holds them",
+                "the agent removes them when running; else ip route del them",
+                ", ".join(str(r.dst) for r in stale),
+            )
+        )
     return findings
 
 
@@ -172,18 +212,28 @@ def _entry_findings(plan: Plan, changes: Changes) -> list[Finding]:
     for check, to_set, to_delete, show in kinds:
         if to_set:
             findings.append(
-                Finding("error", check, f"{len(to_set)} entr(ies) missing or wrong "
-                        f"({listed([show(e) for e in to_set])}): packets to those peers are "
-                        "flooded or dropped", "check the agent log, it repairs within a second "
-                        "when running", ", ".join(show(e) for e in to_set))
-            )  # fmt: skip
+                Finding(
+                    "error",
+                    check,
+                    f"{len(to_set)} entr(ies) missing or wrong "
+                    f"({listed([show(e) for e in to_set])}): packets to those peers are "
+                    "flooded or dropped",
+                    "check the agent log, it repairs within a second when running",
+                    ", ".join(show(e) for e in to_set),
+                )
+            )
         if to_delete:
             findings.append(
-                Finding("warning", check, f"{len(to_delete)} stale entr(ies) "
-                        f"({listed([show(e) for e in to_delete])}): left by peers that went "
-                        "away or changed MAC", "the agent removes them when running",
-                        ", ".join(show(e) for e in to_delete))
-            )  # fmt: skip
+                Finding(
+                    "warning",
+                    check,
+                    f"{len(to_delete)} stale entr(ies) "
+                    f"({listed([show(e) for e in to_delete])}): left by peers that went "
+                    "away or changed MAC",
+                    "the agent removes them when running",
+                    ", ".join(show(e) for e in to_delete),
+                )
+            )
     return findings
 
 
@@ -217,9 +267,13 @@ def check_firewall(facts: NodeFacts, plan: Plan) -> list[Finding]:
         return check_nft_tables(facts, plan)
     if facts.chains is None:
         return [
-            Finding("warning", "firewall", f"cannot list iptables rules: "
-                    f"{facts.firewall_error or 'unknown'}", "run the doctor as root on the node")
-        ]  # fmt: skip
+            Finding(
+                "warning",
+                "firewall",
+                f"cannot list iptables rules: {facts.firewall_error or 'unknown'}",
+                "run the doctor as root on the node",
+            )
+        ]
     rules = firewall_rules(facts, plan)
     if not rules:
         return [Finding("ok", "firewall", "no masquerade or forward rules expected")]
@@ -235,20 +289,31 @@ def check_firewall(facts: NodeFacts, plan: Plan) -> list[Finding]:
         if not result.in_sync:
             bad.append(f"{key}: {result.reason}")
     if not bad:
-        return [Finding("ok", "firewall", f"{len(rules)} rules in {', '.join(by_chain)} present "
-                        "and in order")]  # fmt: skip
+        return [
+            Finding(
+                "ok",
+                "firewall",
+                f"{len(rules)} rules in {', '.join(by_chain)} present and in order",
+            )
+        ]
     meaning = []
     if any(b.startswith("nat/") for b in bad):
-        meaning.append("pod traffic leaving the overlay is not masqueraded (or pod-to-pod "
-                       "traffic is)")  # fmt: skip
+        meaning.append(
+            "pod traffic leaving the overlay is not masqueraded (or pod-to-pod traffic is)"
+        )
     if any(b.startswith("filter/") for b in bad):
         meaning.append("forwarded pod traffic may be dropped by the FORWARD policy")
     return [
-        Finding("error", "firewall", f"iptables rules differ from the agent's ({'; '.join(bad)}):"
-                f" {' and '.join(meaning)}", "the agent rewrites its chains every "
-                "--iptables-resync seconds: start it; if it runs, find what else rewrites them "
-                "(iptables-save)", ", ".join(b.split(":")[0] for b in bad))
-    ]  # fmt: skip
+        Finding(
+            "error",
+            "firewall",
+            f"iptables rules differ from the agent's ({'; '.join(bad)}): {' and '.join(meaning)}",
+            "the agent rewrites its chains every "
+            "--iptables-resync seconds: start it; if it runs, find what else rewrites them "
+            "(iptables-save)",
+            ", ".join(b.split(":")[0] for b in bad),
+        )
+    ]
 
 
 def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
@@ -256,9 +321,13 @@ def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
     assert facts.config is not None and facts.config.network is not None
     if facts.nft_tables is None:
         return [
-            Finding("warning", "firewall", f"cannot list the nftables tables: "
-                    f"{facts.firewall_error or 'unknown'}", "run the doctor as root on the node")
-        ]  # fmt: skip
+            Finding(
+                "warning",
+                "firewall",
+                f"cannot list the nftables tables: {facts.firewall_error or 'unknown'}",
+                "run the doctor as root on the node",
+            )
+        ]
     status = facts.status or {}
     masq = status.get("ip_masq")
     forward = status.get("iptables_forward_rules")
@@ -275,8 +344,13 @@ def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
     if not missing:
         return [Finding("ok", "firewall", f"{len(expected)} rules present in table {table}")]
     return [
-        Finding("error", "firewall", f"{len(missing)} of {len(expected)} rules are missing from "
-                f"nftables table {table} (first: {missing[0]}): pod traffic may be masqueraded "
-                "wrongly or dropped", "the agent rebuilds its tables at every firewall tick: "
-                "start it; if it runs, find what else changes them (nft list ruleset)")
-    ]  # fmt: skip
+        Finding(
+            "error",
+            "firewall",
+            f"{len(missing)} of {len(expected)} rules are missing from "
+            f"nftables table {table} (first: {missing[0]}): pod traffic may be masqueraded "
+            "wrongly or dropped",
+            "the agent rebuilds its tables at every firewall tick: "
+            "start it; if it runs, find what else changes them (nft list ruleset)",
+        )
+    ]

@@ -67,9 +67,10 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     own = own_lease(facts, ctx.public_ip, ctx.public_ipv6)
     reported = (facts.status or {}).get("leases") or []
     others = tuple(
-        lease for lease in facts.leases
+        lease
+        for lease in facts.leases
         if own is not None and lease.key != own.key and str(lease.primary_subnet) in reported
-    )  # fmt: skip
+    )
     own_all = (own, *others) if own is not None else ()
     own_keys = {lease.key for lease in own_all}
     bounds = node_bounds(ctx, own_all, facts.pool_networks)
@@ -78,12 +79,19 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
     desired = backend.plan(ctx, list(own_all), list(peers), vtep_mac) if own else None
     return Plan(
-        backend, ctx, own, peers, own_all, backend.mtu(ctx), desired,
+        backend,
+        ctx,
+        own,
+        peers,
+        own_all,
+        backend.mtu(ctx),
+        desired,
         # IPv6-only, the one VTEP is flannel-v6.<VNI>.
-        device_name(config.backend.vni) if config.enable_ipv4
+        device_name(config.backend.vni)
+        if config.enable_ipv4
         else device_name_v6(config.backend.vni),
         tuple(rejected[k] for k in sorted(rejected)),
-    )  # fmt: skip
+    )
 
 
 def own_lease(

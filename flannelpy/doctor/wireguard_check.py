@@ -26,8 +26,9 @@ def check_wireguard(facts: NodeFacts, plan: Plan) -> list[Finding]:
     key = own[0].attrs.backend_data.get("PublicKey") if own and own[0].attrs.backend_data else None
     findings: list[Finding] = []
     if plan.ctx.config.enable_ipv4:
-        findings += _check_device(DEVICE, facts.wireguard,
-                                  plan.backend.device_spec(plan.ctx, own, peers, key))  # fmt: skip
+        findings += _check_device(
+            DEVICE, facts.wireguard, plan.backend.device_spec(plan.ctx, own, peers, key)
+        )
     else:  # IPv6-only: the key is in BackendV6Data
         key = (
             own[0].attrs.backend_v6_data.get("PublicKey")
@@ -37,19 +38,26 @@ def check_wireguard(facts: NodeFacts, plan: Plan) -> list[Finding]:
     if ipv6.enabled(plan.ctx):
         backend = plan.backend
         spec6 = plan_device_v6(
-            backend.config(plan.ctx), own, wireguard_peers_v6(plan.ctx, own, peers), key,
+            backend.config(plan.ctx),
+            own,
+            wireguard_peers_v6(plan.ctx, own, peers),
+            key,
             backend.device_mtu_v6(plan.ctx),
-        )  # fmt: skip
+        )
         findings += _check_device(DEVICE_V6, facts.wireguard_v6, spec6)
     if any(f.severity == "error" for f in findings):
         return findings
     plain = unencrypted_peers(plan.ctx, own, peers)
     if plain:
-        findings.append(Finding(
-            "warning", "wireguard", f"{plain} peer node(s) are still reached without "
-            "encryption (through vxlan): the switch to wireguard is not complete",
-            "roll wireguard out to the remaining nodes",
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "warning",
+                "wireguard",
+                f"{plain} peer node(s) are still reached without "
+                "encryption (through vxlan): the switch to wireguard is not complete",
+                "roll wireguard out to the remaining nodes",
+            )
+        )
     return findings
 
 
@@ -85,5 +93,10 @@ def _check_device(name: str, wg: WireguardFacts | None, spec: WgDeviceSpec) -> l
                 "the agent repairs this within a second; if it stays, see its log",
             )
         ]
-    return [Finding("ok", "wireguard", f"{where} runs in {runs} with all "
-                    f"{len(wanted)} peer(s) as the leases say")]  # fmt: skip
+    return [
+        Finding(
+            "ok",
+            "wireguard",
+            f"{where} runs in {runs} with all {len(wanted)} peer(s) as the leases say",
+        )
+    ]

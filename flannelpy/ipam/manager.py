@@ -167,13 +167,18 @@ class NodeIpam:
     def _warn_unheld(pool: PoolAllocator, entry: HostLocalEntry) -> None:
         ours = next((a for a in pool.allocations() if a.ip == entry.ip), None)
         if ours is not None and (ours.container_id, ours.ifname) != (
-            entry.container_id, entry.ifname,
-        ):  # fmt: skip
+            entry.container_id,
+            entry.ifname,
+        ):
             log.warning(
                 "host-local and this agent both gave an address ip=%s host_local=%s/%s "
-                "ours=%s/%s; one of the two pods must be re-created", entry.ip,
-                entry.container_id, entry.ifname, ours.container_id, ours.ifname,
-            )  # fmt: skip
+                "ours=%s/%s; one of the two pods must be re-created",
+                entry.ip,
+                entry.container_id,
+                entry.ifname,
+                ours.container_id,
+                ours.ifname,
+            )
 
     def set_low_free_watch(self, threshold: int, callback: LowFreeCallback | None) -> None:
         """Call ``callback(free)`` whenever an allocation leaves fewer than ``threshold``

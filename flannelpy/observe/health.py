@@ -228,9 +228,10 @@ class HealthServer:
         server_class = _Server6 if ":" in self._host else _Server
         try:
             server = server_class(
-                (self._host, self._port), self._handler_class(),
+                (self._host, self._port),
+                self._handler_class(),
                 max_connections=self._max_connections,
-            )  # fmt: skip
+            )
         except OSError as e:
             raise ConfigError(
                 f"cannot listen on {self._host}:{self._port} for /metrics and health "
@@ -238,9 +239,11 @@ class HealthServer:
             ) from e
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="health-http",
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="health-http",
             daemon=True,
-        )  # fmt: skip
+        )
         self._thread.start()
         log.info("serving metrics and health address=%s:%d", *self.address)
 

@@ -159,8 +159,10 @@ def _columns(header: str) -> tuple[int, list[tuple[int, str]]]:
     if found is None:
         words = header.split()
         proto = words[0].rstrip(":") if words else ""
-        found = (len(words), [(words.index(f), key) for p, f, key in _POD_FIELDS
-                              if p == proto and f in words])  # fmt: skip
+        found = (
+            len(words),
+            [(words.index(f), key) for p, f, key in _POD_FIELDS if p == proto and f in words],
+        )
         if len(_COLUMNS) < 64:  # bounded: a kernel has a handful of distinct headers
             _COLUMNS[header] = found
     return found
@@ -546,8 +548,15 @@ def kernel_families(reading: KernelReading | None = None) -> list[Metric]:
                 unreachable.add_metric([scope], values[ICMP_UNREACHABLE_SENT])
         namespaces.add_metric(["true"], reading.pod_namespaces)
         namespaces.add_metric(["false"], reading.pod_namespaces_unreadable)
-    return [retrans["node"], sent["node"], retrans["pod"], sent["pod"], drops, unreachable,
-            namespaces]  # fmt: skip
+    return [
+        retrans["node"],
+        sent["node"],
+        retrans["pod"],
+        sent["pod"],
+        drops,
+        unreachable,
+        namespaces,
+    ]
 
 
 _WHO = {"node": "the node's own namespace", "pod": "the node's pods, summed"}

@@ -57,23 +57,27 @@ def link_families(stats: Sequence[RoleStats] = ()) -> list[Metric]:
     )
     errors = CounterMetricFamily(
         "flannelpy_interface_errors",
-        "Receive/transmit errors of managed interfaces, by role.", labels=labels,
-    )  # fmt: skip
-    packets = CounterMetricFamily(
-        "flannelpy_interface_packets", "Packets through managed interfaces, by role.",
+        "Receive/transmit errors of managed interfaces, by role.",
         labels=labels,
-    )  # fmt: skip
+    )
+    packets = CounterMetricFamily(
+        "flannelpy_interface_packets",
+        "Packets through managed interfaces, by role.",
+        labels=labels,
+    )
     octets = CounterMetricFamily(
         "flannelpy_interface_bytes", "Bytes through managed interfaces, by role.", labels=labels
     )
     count = GaugeMetricFamily(
-        "flannelpy_interfaces", "Links in each role (role=pods: pod veths on the bridge).",
+        "flannelpy_interfaces",
+        "Links in each role (role=pods: pod veths on the bridge).",
         labels=["role"],
-    )  # fmt: skip
+    )
     up = GaugeMetricFamily(
-        "flannelpy_interfaces_up", "Links in each role that are up with carrier.",
+        "flannelpy_interfaces_up",
+        "Links in each role that are up with carrier.",
         labels=["role"],
-    )  # fmt: skip
+    )
     for s in stats:
         c = s.counters
         for direction, drop, err, pkt, byt in (
@@ -91,24 +95,25 @@ def link_families(stats: Sequence[RoleStats] = ()) -> list[Metric]:
 
 def ipam_families(pools: Sequence[Accounting] = ()) -> list[Metric]:
     assigned = GaugeMetricFamily(
-        "flannelpy_ipam_assigned_addresses", "Pod addresses assigned, per lease.",
+        "flannelpy_ipam_assigned_addresses",
+        "Pod addresses assigned, per lease.",
         labels=["subnet"],
-    )  # fmt: skip
+    )
     cooling = GaugeMetricFamily(
         "flannelpy_ipam_cooling_addresses",
         "Released addresses in cooldown, per lease: not usable yet, never counted as free.",
         labels=["subnet"],
-    )  # fmt: skip
+    )
     free = GaugeMetricFamily(
         "flannelpy_ipam_free_addresses",
         "Addresses a new pod can get now (capacity - assigned - cooling), per lease.",
         labels=["subnet"],
-    )  # fmt: skip
+    )
     capacity = GaugeMetricFamily(
         "flannelpy_ipam_capacity_addresses",
         "Allocatable addresses of the lease (without network, gateway, broadcast).",
         labels=["subnet"],
-    )  # fmt: skip
+    )
     for a in pools:
         subnet = [str(a.subnet)]
         assigned.add_metric(subnet, a.assigned)

@@ -144,9 +144,11 @@ def runs(summary: BackendSummary, target: BackendConfig) -> bool:
 
 def running_backend(summary: BackendSummary) -> BackendConfig:
     return BackendConfig(
-        type=summary.type, vni=summary.vni, port=summary.port,
+        type=summary.type,
+        vni=summary.vni,
+        port=summary.port,
         direct_routing=summary.direct_routing,
-    )  # fmt: skip
+    )
 
 
 def short(summary: BackendSummary, detail: bool = False) -> str:
@@ -174,6 +176,8 @@ def disruptions(current: BackendSummary, target: BackendConfig) -> list[str]:
     """The disruptive differences (policy's words) between what a node runs and the target."""
     expected = expected_summary(current, target)
     return disruptive_changes(
-        running_backend(current), replace(target, port=target.effective_port),
-        current.mtu, expected.mtu,
-    )  # fmt: skip
+        running_backend(current),
+        replace(target, port=target.effective_port),
+        current.mtu,
+        expected.mtu,
+    )

@@ -31,8 +31,11 @@ class CordonMark:
     label: bool  # the rollout added the exclude label
 
     def to_json(self) -> str:
-        return json.dumps({"Rollout": self.rollout, "Unschedulable": self.unschedulable,
-                           "Label": self.label}, separators=(",", ":"), sort_keys=True)  # fmt: skip
+        return json.dumps(
+            {"Rollout": self.rollout, "Unschedulable": self.unschedulable, "Label": self.label},
+            separators=(",", ":"),
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, raw: str) -> CordonMark:
@@ -41,8 +44,10 @@ class CordonMark:
             doc = json.loads(raw)
             return cls(str(doc["Rollout"]), bool(doc["Unschedulable"]), bool(doc["Label"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"annotation {CORDON_ANNOTATION} is not one a rollout wrote "
-                             f"({e!r}); remove it by hand") from e  # fmt: skip
+            raise ValueError(
+                f"annotation {CORDON_ANNOTATION} is not one a rollout wrote "
+                f"({e!r}); remove it by hand"
+            ) from e
 
 
 def _meta(node: Mapping[str, Any], key: str) -> Mapping[str, str]:

@@ -84,8 +84,17 @@ def drive(
     StoreError propagates, and the record keeps the state for ``resume``. Every
     write is safe to repeat after such a failure: the record is written first.
     """
-    driver = _Driver(store, record_id, wall_clock, sleep, display, wait_for_window,
-                     monotonic, poll, driver_id or _driver_token())  # fmt: skip
+    driver = _Driver(
+        store,
+        record_id,
+        wall_clock,
+        sleep,
+        display,
+        wait_for_window,
+        monotonic,
+        poll,
+        driver_id or _driver_token(),
+    )
     outage_since: float | None = None
     while True:
         try:
@@ -149,17 +158,20 @@ class _Driver:
         if record.driver != self.token:
             self.say(f"another driver ({record.driver}) took over rollout {record.id}; stopping")
             return record
-        current = record.current() or next((e for e in record.nodes if e.state == "pending"),
-                                           None)  # fmt: skip
-        key = (record.state, current.node if current else None,
-               current.state if current else None)  # fmt: skip
+        current = record.current() or next((e for e in record.nodes if e.state == "pending"), None)
+        key = (record.state, current.node if current else None, current.state if current else None)
         if key != self.step_key:
             self.step_key, self.step_since = key, self.monotonic()
         now = self.wall_clock()
         action = next_action(
-            record, nodes.statuses, parse_policy(config.config.raw), now,
-            self.monotonic() - self.step_since, nodes.overrides, self.poll,
-        )  # fmt: skip
+            record,
+            nodes.statuses,
+            parse_policy(config.config.raw),
+            now,
+            self.monotonic() - self.step_since,
+            nodes.overrides,
+            self.poll,
+        )
         if _switches_more(record, action):
             # A flanneld node may have joined since the plan: none may be cut off.
             problems = cut_off_flanneld(store, record, config.config.backend, nodes.statuses)
@@ -259,17 +271,19 @@ def _perform(
     if isinstance(action, WriteOverride | RollBack):
         store.write_override(
             action.node,
-            NodeOverride(dict(action.backend), action.generation, rollout=record.id,
-                         force=record.force),
-        )  # fmt: skip
+            NodeOverride(
+                dict(action.backend), action.generation, rollout=record.id, force=record.force
+            ),
+        )
     elif isinstance(action, MarkRolledBack) and action.delete_override:
         store.delete_override(action.node, record.entry(action.node).rollback_generation)
     elif isinstance(action, Finalize):
         store.write_config_backend(record.target)
         for node in sorted(set(overrides) | set(record.order)):
             store.delete_override(node)
-        _update(store, record.id, lambda r: replace(r, config_written=True,
-                                                    updated_at=now.isoformat()))  # fmt: skip
+        _update(
+            store, record.id, lambda r: replace(r, config_written=True, updated_at=now.isoformat())
+        )
 
 
 def _event(before: RolloutRecord, record: RolloutRecord, action: Any, took: str) -> str | None:
@@ -294,8 +308,10 @@ def _event(before: RolloutRecord, record: RolloutRecord, action: Any, took: str)
     if isinstance(action, Halt):
         return f"{action.state}: {action.reason}"
     if isinstance(action, Finalize):
-        return ("every node switched: the target Backend goes into the network config; "
-                "removing the overrides")  # fmt: skip
+        return (
+            "every node switched: the target Backend goes into the network config; "
+            "removing the overrides"
+        )
     if isinstance(action, Finish):
         return "done" + (f" ({action.note})" if action.note else "")
     if isinstance(action, Fail):
@@ -337,8 +353,13 @@ def _update(
 
 def _claim(store: RolloutStorage, record_id: str, token: str, now: datetime) -> RolloutRecord:
     """Make this process the record's driver (a previous one, if alive, stops)."""
-    return _update(store, record_id, lambda r: r if r.state in TERMINAL else
-                   replace(r, driver=token, updated_at=now.isoformat()))  # fmt: skip
+    return _update(
+        store,
+        record_id,
+        lambda r: (
+            r if r.state in TERMINAL else replace(r, driver=token, updated_at=now.isoformat())
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -361,10 +382,14 @@ def make_plan(
     nodes = store.read_nodes()
     target = target_backend(config, backend_type, direct_routing, vni, port, mtu)
     flanneld = flanneld_nodes(store.read_leases(), nodes.statuses)
-    plan = plan_rollout(nodes.statuses, config, target, parse_policy(config.raw), now, order,
-                        force_reason, flanneld)  # fmt: skip
-    unreadable = [f"{key} cannot be read: {why}" for key, why in sorted(nodes.errors.items())
-                  if key.endswith("/status")]  # fmt: skip
+    plan = plan_rollout(
+        nodes.statuses, config, target, parse_policy(config.raw), now, order, force_reason, flanneld
+    )
+    unreadable = [
+        f"{key} cannot be read: {why}"
+        for key, why in sorted(nodes.errors.items())
+        if key.endswith("/status")
+    ]
     return replace(plan, problems=plan.problems + tuple(unreadable))
 
 
@@ -391,11 +416,13 @@ def start(
     config = store.read_config().config
     key = next((k for k in config.raw if k.lower() == "backend"), None)
     rollout_id = f"{now.astimezone(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
-    record = new_record(plan, rollout_id, config.raw.get(key) if key else None, now,
-                        step_timeout, force, cordon)  # fmt: skip
+    record = new_record(
+        plan, rollout_id, config.raw.get(key) if key else None, now, step_timeout, force, cordon
+    )
     if store.put_record(record, revision) is None:
-        raise ConfigError("another rollout was started at the same moment; check "
-                          "flannelpy rollout status")  # fmt: skip
+        raise ConfigError(
+            "another rollout was started at the same moment; check flannelpy rollout status"
+        )
     return record
 
 
@@ -415,11 +442,18 @@ def request_stop(
             return r
         idle = r.state in ("paused", "paused-window")
         if what == "abort" and idle:
-            return replace(r, state="aborted", reason="aborted on request", request=None,
-                           next_window=None, updated_at=stamp)  # fmt: skip
+            return replace(
+                r,
+                state="aborted",
+                reason="aborted on request",
+                request=None,
+                next_window=None,
+                updated_at=stamp,
+            )
         if what == "pause" and idle:
-            return replace(r, state="paused", reason="paused on request", next_window=None,
-                           updated_at=stamp)  # fmt: skip
+            return replace(
+                r, state="paused", reason="paused on request", next_window=None, updated_at=stamp
+            )
         return replace(r, request=what, updated_at=stamp)
 
     return _update(store, record.id, change)

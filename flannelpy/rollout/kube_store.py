@@ -127,8 +127,10 @@ class KubeRolloutStore:
         cm = self._config_map(self.config_map)
         text = ((cm or {}).get("data") or {}).get(NET_CONF_KEY)
         if not isinstance(text, str):
-            raise ConfigError(f"{self.config_key} is missing; apply manifests/ (or give "
-                              "--kube-namespace / --kube-config-map)")  # fmt: skip
+            raise ConfigError(
+                f"{self.config_key} is missing; apply manifests/ (or give "
+                "--kube-namespace / --kube-config-map)"
+            )
         assert cm is not None
         try:
             config = parse_network_config(text)
@@ -137,8 +139,10 @@ class KubeRolloutStore:
         return ConfigDoc(text.encode(), rv_number(kn.resource_version(cm)), config)
 
     def _nodes(self) -> list[dict[str, Any]]:
-        doc = read_json("list nodes", lambda: self._api.list_node(
-            _preload_content=False, _request_timeout=TIMEOUT))  # fmt: skip
+        doc = read_json(
+            "list nodes",
+            lambda: self._api.list_node(_preload_content=False, _request_timeout=TIMEOUT),
+        )
         return [n for n in doc.get("items") or [] if isinstance(n, dict)]
 
     def read_node_objects(self) -> dict[str, dict[str, Any]]:
@@ -196,8 +200,9 @@ class KubeRolloutStore:
         try:
             return RolloutRecord.from_json(raw), revision
         except ValueError as e:
-            raise StoreError(f"{e} ({self.record_key}); if no rollout is running, delete the "
-                             "ConfigMap") from e  # fmt: skip
+            raise StoreError(
+                f"{e} ({self.record_key}); if no rollout is running, delete the ConfigMap"
+            ) from e
 
     # -- writing ------------------------------------------------------------------
 
@@ -205,11 +210,15 @@ class KubeRolloutStore:
         """Write the record if its ConfigMap still has ``mod_revision`` (0: none); the new
         revision, or None when someone else wrote it first."""
         body: Any = {
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": RECORD_CONFIG_MAP, "namespace": self.namespace,
-                         "labels": {"app.kubernetes.io/name": "flannelpy"}},
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": RECORD_CONFIG_MAP,
+                "namespace": self.namespace,
+                "labels": {"app.kubernetes.io/name": "flannelpy"},
+            },
             "data": {RECORD_KEY: record.to_json()},
-        }  # fmt: skip
+        }
         if mod_revision:
             body["metadata"]["resourceVersion"] = str(mod_revision)
 
@@ -217,8 +226,12 @@ class KubeRolloutStore:
             try:
                 if mod_revision:
                     return self._api.replace_namespaced_config_map(
-                        RECORD_CONFIG_MAP, self.namespace, body, _preload_content=False,
-                        _request_timeout=TIMEOUT)  # fmt: skip
+                        RECORD_CONFIG_MAP,
+                        self.namespace,
+                        body,
+                        _preload_content=False,
+                        _request_timeout=TIMEOUT,
+                    )
                 return self._api.create_namespaced_config_map(
                     self.namespace, body, _preload_content=False, _request_timeout=TIMEOUT
                 )
@@ -259,8 +272,9 @@ class KubeRolloutStore:
         )
 
     def write_override(self, node: str, override: NodeOverride) -> None:
-        self._patch_node(node, {"metadata": {"annotations": {
-            OVERRIDE_ANNOTATION: override.to_json()}}})  # fmt: skip
+        self._patch_node(
+            node, {"metadata": {"annotations": {OVERRIDE_ANNOTATION: override.to_json()}}}
+        )
 
     def delete_override(self, node: str, generation: int | None = None) -> bool:
         """Remove ``node``'s override (only while it has ``generation``, when given);
@@ -277,12 +291,17 @@ class KubeRolloutStore:
                         return False
                 except ValueError:
                     return False
-            patch = {"metadata": {"annotations": {OVERRIDE_ANNOTATION: None},
-                                  "resourceVersion": kn.resource_version(obj)}}  # fmt: skip
+            patch = {
+                "metadata": {
+                    "annotations": {OVERRIDE_ANNOTATION: None},
+                    "resourceVersion": kn.resource_version(obj),
+                }
+            }
             if self._patch_node(node, patch):
                 return True
-        raise StoreError(f"node {node}'s override kept changing while being deleted; run the "
-                         "command again")  # fmt: skip
+        raise StoreError(
+            f"node {node}'s override kept changing while being deleted; run the command again"
+        )
 
     def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig:
         """Put ``backend`` into the ConfigMap's net-conf.json (every other key as written,
@@ -292,8 +311,7 @@ class KubeRolloutStore:
         deadline = self._monotonic() + CONFIG_PROPAGATION
         while True:
             self.read_nodes()
-            behind = sorted(n for n, s in self.summaries.items()
-                            if not _fresh_backend(s, backend))  # fmt: skip
+            behind = sorted(n for n, s in self.summaries.items() if not _fresh_backend(s, backend))
             if not behind:
                 return written
             if self._monotonic() > deadline:
@@ -310,8 +328,10 @@ class KubeRolloutStore:
             data, config, changed = rewrite_backend(doc.raw, backend)
             if not changed:
                 return config  # already there (a resumed step)
-            patch = {"metadata": {"resourceVersion": str(doc.mod_revision)},
-                     "data": {NET_CONF_KEY: data}}  # fmt: skip
+            patch = {
+                "metadata": {"resourceVersion": str(doc.mod_revision)},
+                "data": {NET_CONF_KEY: data},
+            }
             body: Any = patch
 
             def op(body: Any = body) -> bool:
@@ -328,8 +348,10 @@ class KubeRolloutStore:
 
             if call(f"patch {self.config_key}", op):
                 return config
-        raise StoreError(f"{self.config_key} kept changing while the rollout wrote its "
-                         "Backend; run flannelpy rollout resume")  # fmt: skip
+        raise StoreError(
+            f"{self.config_key} kept changing while the rollout wrote its "
+            "Backend; run flannelpy rollout resume"
+        )
 
     # -- the cordon ------------------------------------------------------------------
 

@@ -16,9 +16,15 @@ from flannelpy.control.records import ForceRecord
 from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT, RolloutPlan
 
 RecordState = Literal[
-    "running", "paused", "paused-window", "rolling-back", "failed", "aborted", "finalizing",
+    "running",
+    "paused",
+    "paused-window",
+    "rolling-back",
+    "failed",
+    "aborted",
+    "finalizing",
     "done",
-]  # fmt: skip
+]
 NodeState = Literal[
     "pending", "applying", "verifying", "done", "rolling-back", "rolled-back", "failed"
 ]
@@ -41,23 +47,32 @@ class NodeEntry:
 
     def to_doc(self) -> dict[str, Any]:
         return {
-            "node": self.node, "state": self.state, "transition": self.transition,
+            "node": self.node,
+            "state": self.state,
+            "transition": self.transition,
             "skipped": self.skipped,
             "previous": dict(self.previous) if self.previous is not None else None,
-            "generation": self.generation, "appliedAt": self.applied_at,
+            "generation": self.generation,
+            "appliedAt": self.applied_at,
             "rollbackGeneration": self.rollback_generation,
-            "startedAt": self.started_at, "finishedAt": self.finished_at,
-        }  # fmt: skip
+            "startedAt": self.started_at,
+            "finishedAt": self.finished_at,
+        }
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> NodeEntry:
         return cls(
-            node=str(doc["node"]), state=doc.get("state", "pending"),
-            transition=str(doc.get("transition", "")), skipped=bool(doc.get("skipped")),
-            previous=doc.get("previous"), generation=doc.get("generation"),
-            applied_at=doc.get("appliedAt"), rollback_generation=doc.get("rollbackGeneration"),
-            started_at=doc.get("startedAt"), finished_at=doc.get("finishedAt"),
-        )  # fmt: skip
+            node=str(doc["node"]),
+            state=doc.get("state", "pending"),
+            transition=str(doc.get("transition", "")),
+            skipped=bool(doc.get("skipped")),
+            previous=doc.get("previous"),
+            generation=doc.get("generation"),
+            applied_at=doc.get("appliedAt"),
+            rollback_generation=doc.get("rollbackGeneration"),
+            started_at=doc.get("startedAt"),
+            finished_at=doc.get("finishedAt"),
+        )
 
 
 @dataclass(frozen=True)
@@ -94,24 +109,31 @@ class RolloutRecord:
         return next((e for e in self.nodes if e.state in IN_FLIGHT), None)
 
     def with_entry(self, entry: NodeEntry) -> RolloutRecord:
-        return replace(self, nodes=tuple(entry if e.node == entry.node else e
-                                         for e in self.nodes))  # fmt: skip
+        return replace(self, nodes=tuple(entry if e.node == entry.node else e for e in self.nodes))
 
     def to_json(self) -> str:
         return json.dumps(
             {
-                "id": self.id, "state": self.state, "target": dict(self.target),
+                "id": self.id,
+                "state": self.state,
+                "target": dict(self.target),
                 "configBackend": dict(self.config_backend) if self.config_backend else None,
-                "order": list(self.order), "nodes": [e.to_doc() for e in self.nodes],
-                "createdAt": self.created_at, "updatedAt": self.updated_at,
-                "stepTimeout": self.step_timeout, "reason": self.reason,
-                "request": self.request, "nextWindow": self.next_window,
+                "order": list(self.order),
+                "nodes": [e.to_doc() for e in self.nodes],
+                "createdAt": self.created_at,
+                "updatedAt": self.updated_at,
+                "stepTimeout": self.step_timeout,
+                "reason": self.reason,
+                "request": self.request,
+                "nextWindow": self.next_window,
                 "force": self.force.to_doc() if self.force else None,
-                "driver": self.driver, "configWritten": self.config_written,
-                "note": self.note, "cordon": self.cordon,
+                "driver": self.driver,
+                "configWritten": self.config_written,
+                "note": self.note,
+                "cordon": self.cordon,
             },
             indent=1,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> RolloutRecord:
@@ -120,18 +142,25 @@ class RolloutRecord:
             doc = json.loads(raw)
             force = doc.get("force")
             return cls(
-                id=str(doc["id"]), state=doc["state"], target=dict(doc["target"]),
+                id=str(doc["id"]),
+                state=doc["state"],
+                target=dict(doc["target"]),
                 config_backend=doc.get("configBackend"),
                 nodes=tuple(NodeEntry.from_doc(e) for e in doc["nodes"]),
-                created_at=str(doc["createdAt"]), updated_at=str(doc["updatedAt"]),
+                created_at=str(doc["createdAt"]),
+                updated_at=str(doc["updatedAt"]),
                 step_timeout=float(doc.get("stepTimeout", DEFAULT_STEP_TIMEOUT)),
-                reason=doc.get("reason"), request=doc.get("request"),
+                reason=doc.get("reason"),
+                request=doc.get("request"),
                 next_window=doc.get("nextWindow"),
                 force=ForceRecord(str(force["Reason"]), str(force["By"]), str(force["At"]))
-                if isinstance(force, dict) else None,
-                driver=doc.get("driver"), config_written=bool(doc.get("configWritten")),
-                note=doc.get("note"), cordon=bool(doc.get("cordon", True)),
-            )  # fmt: skip
+                if isinstance(force, dict)
+                else None,
+                driver=doc.get("driver"),
+                config_written=bool(doc.get("configWritten")),
+                note=doc.get("note"),
+                cordon=bool(doc.get("cordon", True)),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"the rollout record lacks or mangles a field: {e!r}") from e
 

@@ -66,25 +66,33 @@ def status_rows(
     for name in names:
         st = statuses.get(name)
         entry = record.entry(name) if record and name in record.order else None
-        rows.append(NodeRow(
-            node=name,
-            rollout_state=(entry.state + (" (skipped)" if entry.skipped else "")) if entry
-            else "-",
-            backend=short(st.backend) if st else "no status",
-            applied_generation=st.applied_generation if st else None,
-            ready=st.ready if st else None,
-            blocked=st.blocked.sentence if st and st.blocked else None,
-        ))  # fmt: skip
+        rows.append(
+            NodeRow(
+                node=name,
+                rollout_state=(entry.state + (" (skipped)" if entry.skipped else ""))
+                if entry
+                else "-",
+                backend=short(st.backend) if st else "no status",
+                applied_generation=st.applied_generation if st else None,
+                ready=st.ready if st else None,
+                blocked=st.blocked.sentence if st and st.blocked else None,
+            )
+        )
     active = record is not None and record.state not in TERMINAL and not record.config_written
     target = backend_config(record.target) if record is not None and active else None
     for node in flanneld:
         why = why_cut_off(node, current, target) if target and current else None
         vni = f" (VNI {node.vni})" if node.vni is not None else ""
-        rows.append(NodeRow(
-            node=node.label, rollout_state="flanneld (not switched)",
-            backend=(node.backend_type or "unknown") + vni, applied_generation=None,
-            ready=None, blocked=f"the target cuts it off: it {why}" if why else None,
-        ))  # fmt: skip
+        rows.append(
+            NodeRow(
+                node=node.label,
+                rollout_state="flanneld (not switched)",
+                backend=(node.backend_type or "unknown") + vni,
+                applied_generation=None,
+                ready=None,
+                blocked=f"the target cuts it off: it {why}" if why else None,
+            )
+        )
     return rows
 
 

@@ -108,9 +108,20 @@ class Done:
 
 
 Action = (
-    WriteOverride | MarkApplied | MarkVerified | RollBack | MarkRolledBack | Wait
-    | PauseForWindow | Resume | Halt | Finalize | Finish | Fail | Done
-)  # fmt: skip
+    WriteOverride
+    | MarkApplied
+    | MarkVerified
+    | RollBack
+    | MarkRolledBack
+    | Wait
+    | PauseForWindow
+    | Resume
+    | Halt
+    | Finalize
+    | Finish
+    | Fail
+    | Done
+)
 # The steps that act on one node.
 NodeAction = WriteOverride | MarkApplied | MarkVerified | RollBack | MarkRolledBack
 
@@ -160,9 +171,12 @@ def next_action(
     if status is None or not status.ready:
         if step_elapsed > timeout:
             what = "reports no status" if status is None else "is not Ready"
-            return Halt("paused", f"{node} {what} after {timeout:g} s, before it was "
-                        "switched; fix it (flannelpy doctor), then run flannelpy rollout "
-                        "resume")  # fmt: skip
+            return Halt(
+                "paused",
+                f"{node} {what} after {timeout:g} s, before it was "
+                "switched; fix it (flannelpy doctor), then run flannelpy rollout "
+                "resume",
+            )
         return Wait(f"{node}: waiting for it to be Ready before switching it", poll)
     target = backend_config(record.target)
     if record.force is None:
@@ -225,20 +239,30 @@ def _node_step(
             and status.ready
             and runs(status.backend, target)
         ):
-            return MarkApplied(node, status.applied_at if status.applied_at is not None
-                               else status.at)  # fmt: skip
+            return MarkApplied(
+                node, status.applied_at if status.applied_at is not None else status.at
+            )
         if (
             status is not None
             and status.blocked is not None
             and (status.blocked.generation == generation)
         ):
-            return _roll_back(record, entry, statuses, overrides,
-                              f"{node} refused generation {generation}: "
-                              f"{status.blocked.sentence}")  # fmt: skip
+            return _roll_back(
+                record,
+                entry,
+                statuses,
+                overrides,
+                f"{node} refused generation {generation}: {status.blocked.sentence}",
+            )
         if elapsed > timeout:
-            return _roll_back(record, entry, statuses, overrides,
-                              f"{node} did not apply generation {generation} within "
-                              f"{timeout:g} s ({_shows(status)})")  # fmt: skip
+            return _roll_back(
+                record,
+                entry,
+                statuses,
+                overrides,
+                f"{node} did not apply generation {generation} within "
+                f"{timeout:g} s ({_shows(status)})",
+            )
         if _missing_write(node, generation, overrides):
             return WriteOverride(node, record.target, generation)  # the same generation
         return Wait(f"{node}: waiting for generation {generation} to apply", poll)
@@ -246,8 +270,9 @@ def _node_step(
     if not failures:
         return MarkVerified(node)
     if elapsed > timeout:
-        shown = "; ".join(failures[:8]) + (f"; and {len(failures) - 8} more"
-                                           if len(failures) > 8 else "")  # fmt: skip
+        shown = "; ".join(failures[:8]) + (
+            f"; and {len(failures) - 8} more" if len(failures) > 8 else ""
+        )
         return _roll_back(
             record,
             entry,
@@ -255,8 +280,11 @@ def _node_step(
             overrides,
             f"{node} failed verification after {timeout:g} s: {shown}",
         )
-    return Wait(f"{node}: verifying probes to and from every peer", poll,
-                f"{len(failures)} pending, e.g. {failures[0]}")  # fmt: skip
+    return Wait(
+        f"{node}: verifying probes to and from every peer",
+        poll,
+        f"{len(failures)} pending, e.g. {failures[0]}",
+    )
 
 
 def _shows(status: NodeStatus | None) -> str:
@@ -326,8 +354,7 @@ def _vtep_step(
             f"{', '.join(keeping)} still report a VTEP {record.step_timeout:g} s after the "
             "last node switched; traffic is unaffected, check them with flannelpy doctor"
         )
-    return Wait("waiting for the nodes to drop VTEPs they no longer need", poll,
-                ", ".join(keeping))  # fmt: skip
+    return Wait("waiting for the nodes to drop VTEPs they no longer need", poll, ", ".join(keeping))
 
 
 def _subnet(text: str) -> str:
@@ -390,8 +417,7 @@ def _side(
     expected = sum(len(st.subnets) for other, st in statuses.items() if other != name)
     target = "its peers" if towards is None else towards[0]
     if summary.peers < expected:
-        return [f"{name} -> {target}: probe results for {summary.peers} of {expected} "
-                "peer subnets"]  # fmt: skip
+        return [f"{name} -> {target}: probe results for {summary.peers} of {expected} peer subnets"]
     wanted = set(owners) if towards is None else towards[1]  # peers without a record
     shown = [  # (flanneld nodes) are not the rollout's to verify, as before
         f"{name} -> {owners[_subnet(f.subnet)]}: {f.describe()}"
@@ -427,9 +453,16 @@ def record_after(
         entry = r.entry(action.node)
         if entry.state != "pending":
             return record  # already recorded: only the write is repeated
-        return r.with_entry(replace(entry, state="applying", previous=previous_override,
-                                    generation=action.generation, started_at=stamp,
-                                    applied_at=None))  # fmt: skip
+        return r.with_entry(
+            replace(
+                entry,
+                state="applying",
+                previous=previous_override,
+                generation=action.generation,
+                started_at=stamp,
+                applied_at=None,
+            )
+        )
     if isinstance(action, MarkApplied):
         entry = r.entry(action.node)
         return r.with_entry(replace(entry, state="verifying", applied_at=action.applied_at))
@@ -440,8 +473,9 @@ def record_after(
         if entry.state == "rolling-back":
             return record
         r = replace(r, state="rolling-back", reason=action.reason)
-        return r.with_entry(replace(entry, state="rolling-back",
-                                    rollback_generation=action.generation))  # fmt: skip
+        return r.with_entry(
+            replace(entry, state="rolling-back", rollback_generation=action.generation)
+        )
     if isinstance(action, MarkRolledBack):
         entry = r.entry(action.node)
         return r.with_entry(replace(entry, state="rolled-back", finished_at=stamp))
@@ -459,8 +493,7 @@ def record_after(
     if isinstance(action, Resume):
         return replace(r, state="running", reason=None, next_window=None)
     if isinstance(action, Halt):
-        return replace(r, state=action.state, reason=action.reason, request=None,
-                       next_window=None)  # fmt: skip
+        return replace(r, state=action.state, reason=action.reason, request=None, next_window=None)
     if isinstance(action, Finalize):
         return record if record.state == "finalizing" else replace(r, state="finalizing")
     if isinstance(action, Finish):

@@ -111,8 +111,9 @@ class RolloutStore:
                 attrs = LeaseAttrs.from_json(kv.value)
             except ValueError:
                 continue
-            leases.append(Lease(subnet, attrs, None, ipv6_subnet, kv.mod_revision,
-                                kv.lease_id or None))  # fmt: skip
+            leases.append(
+                Lease(subnet, attrs, None, ipv6_subnet, kv.mod_revision, kv.lease_id or None)
+            )
         return leases
 
     def read_record(self) -> tuple[RolloutRecord | None, int]:
@@ -179,10 +180,12 @@ class RolloutStore:
             return data.encode() if changed else None  # None: already there (a resumed step)
 
         swap_config(
-            self.store, self.prefix, edit,
+            self.store,
+            self.prefix,
+            edit,
             gave_up=f"{self.config_key} kept changing while the rollout wrote its Backend; "
             "run flannelpy rollout resume",
-        )  # fmt: skip
+        )
         return written[0]
 
     # -- the cordon ----------------------------------------------------------------------

@@ -84,9 +84,12 @@ def lease_fits(
     if not config.enable_ipv4 or config.network is None:
         # IPv6-only: an IPv6 subnet alone (a dual-stack lease no longer fits).
         return (
-            subnet is None and ipv6_subnet is not None and config.enable_ipv6
-            and config.ipv6_network is not None and _v6_fits(config, ipv6_subnet)
-        )  # fmt: skip
+            subnet is None
+            and ipv6_subnet is not None
+            and config.enable_ipv6
+            and config.ipv6_network is not None
+            and _v6_fits(config, ipv6_subnet)
+        )
     if subnet is None:
         return False
     if not _in_range(
@@ -182,13 +185,22 @@ def choose_lease(
         )
     if pools is not None:
         return _choose_lease_in_pools(
-            config, pools, cluster, leases, attrs, previous_subnet, rng, holder_gone,
+            config,
+            pools,
+            cluster,
+            leases,
+            attrs,
+            previous_subnet,
+            rng,
+            holder_gone,
             previous_ipv6_subnet,
-        )  # fmt: skip
+        )
     reused, delete, conflict = _reuse_own(
-        leases, attrs, lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None),
+        leases,
+        attrs,
+        lambda lease: (lease_fits(config, lease.subnet, lease.ipv6_subnet), None),
         holder_gone,
-    )  # fmt: skip
+    )
     if reused is not None:
         return reused
     fresh = _choose_fresh(config, leases, delete, previous_subnet, rng, previous_ipv6_subnet)
@@ -261,9 +273,12 @@ def _v6_fits(config: NetworkConfig, subnet: IPv6Network) -> bool:
     assert config.ipv6_network is not None and config.ipv6_subnet_len is not None
     assert config.ipv6_subnet_min is not None and config.ipv6_subnet_max is not None
     return _in_range(
-        subnet, config.ipv6_network, config.ipv6_subnet_len,
-        config.ipv6_subnet_min, config.ipv6_subnet_max,
-    )  # fmt: skip
+        subnet,
+        config.ipv6_network,
+        config.ipv6_subnet_len,
+        config.ipv6_subnet_min,
+        config.ipv6_subnet_max,
+    )
 
 
 def _choose_lease_in_pools(

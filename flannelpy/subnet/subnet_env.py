@@ -212,8 +212,11 @@ def _previous(path: str, values: dict[str, str], key: str, convert: Callable[[st
     except ValueError as e:
         log.warning(
             "previous subnet unparsable, ignoring it path=%s key=%s value=%r error=%s",
-            path, key, value, e,
-        )  # fmt: skip
+            path,
+            key,
+            value,
+            e,
+        )
         return None
 
 

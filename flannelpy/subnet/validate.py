@@ -26,9 +26,14 @@ OWN_ADDRESS = "own-public-ip"
 BACKEND_DATA = "bad-backend-data"
 UNDECODABLE = "undecodable"  # the manager could not parse the value at all
 REASONS = (
-    OUTSIDE_NETWORK, OVERLAPS_OWN, OVERLAPS_HOST, BAD_ADDRESS, OWN_ADDRESS, BACKEND_DATA,
+    OUTSIDE_NETWORK,
+    OVERLAPS_OWN,
+    OVERLAPS_HOST,
+    BAD_ADDRESS,
+    OWN_ADDRESS,
+    BACKEND_DATA,
     UNDECODABLE,
-)  # fmt: skip
+)
 
 MAX_VNI = (1 << 24) - 1
 _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
@@ -82,10 +87,13 @@ def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
     if any(a is not None and a in subnet for a in (bounds.public_ip, *bounds.host_ips)):
         return no(OVERLAPS_HOST, f"subnet {subnet} holds an address of this node")
     if (
-        ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local
+        ip.is_loopback
+        or ip.is_multicast
+        or ip.is_unspecified
+        or ip.is_link_local
         or ip == IPv4Address("255.255.255.255")
         or any(ip in net for net in bounds.networks)
-    ):  # fmt: skip
+    ):
         return no(BAD_ADDRESS, f"PublicIP {ip} cannot be a node's underlay address")
     if ip == bounds.public_ip or ip in bounds.host_ips:
         return no(OWN_ADDRESS, f"PublicIP {ip} is this node's own address")
@@ -120,10 +128,13 @@ def check_peer_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
             return no(OVERLAPS_HOST, f"IPv6 subnet {subnet6} holds an address of this node")
     if ip6 is not None:
         if (
-            ip6.is_loopback or ip6.is_multicast or ip6.is_unspecified or ip6.is_link_local
+            ip6.is_loopback
+            or ip6.is_multicast
+            or ip6.is_unspecified
+            or ip6.is_link_local
             or ip6.ipv4_mapped is not None
             or any(ip6 in net for net in bounds.ipv6_networks)
-        ):  # fmt: skip
+        ):
             return no(BAD_ADDRESS, f"PublicIPv6 {ip6} cannot be a node's underlay address")
         if ip6 in bounds.host_ips6:
             return no(OWN_ADDRESS, f"PublicIPv6 {ip6} is this node's own address")

@@ -62,15 +62,24 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
     if kube_api:
         # Kubernetes mode: leases come from Node objects at that API server; the
         # network config is the ConfigMap's net-conf.json, here a file of the lab.
-        argv += ["--kube-subnet-mgr", "--kube-api-url", kube_api,
-                 "--net-config-path", kube_net_conf_path(state)]  # fmt: skip
+        argv += [
+            "--kube-subnet-mgr",
+            "--kube-api-url",
+            kube_api,
+            "--net-config-path",
+            kube_net_conf_path(state),
+        ]
         # The real control plane (flannelpy_lab.kube): the ServiceAccount's token.
         kubeconfig = state.extra.get("kube_kubeconfig")
         if kubeconfig:
             argv += ["--kubeconfig-file", kubeconfig]
     else:
-        argv += ["--etcd-endpoints", ",".join(state.etcd_endpoints),
-                 "--etcd-prefix", state.etcd_prefix]  # fmt: skip
+        argv += [
+            "--etcd-endpoints",
+            ",".join(state.etcd_endpoints),
+            "--etcd-prefix",
+            state.etcd_prefix,
+        ]
     argv += prometheus.metrics_addr(state, str(node.ip))  # scraped from the host side
     argv += list(state.extra.get("agent_args", []))
     return argv + list(state.extra.get(NODE_ARGS_KEY, {}).get(node.name, []))
@@ -121,8 +130,7 @@ def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
     env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
     with open(node.agent_log, "a", encoding="utf-8") as log:
-        log.write(f"--- lab: {node.agent_kind} starting at "
-                  f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")  # fmt: skip
+        log.write(f"--- lab: {node.agent_kind} starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     ref = procs.spawn_detached(topology.exec_argv(node.namespace, argv), node.agent_log, env)
     node.agent_pid, node.agent_start_ticks = ref.pid, ref.start_ticks
     node.agent_started_at = started_at

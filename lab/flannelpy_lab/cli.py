@@ -182,8 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; errors become one sentence on stderr and an exit code."""
-    commands = {"up": _up, "status": _status, "pod": _pod, "down": _down, "run": _run,
-                "env": _env, "migrate": _migrate}  # fmt: skip
+    commands = {
+        "up": _up,
+        "status": _status,
+        "pod": _pod,
+        "down": _down,
+        "run": _run,
+        "env": _env,
+        "migrate": _migrate,
+    }
     try:
         return commands[args.lab_command](args)
     except FlannelpyError as e:
@@ -239,13 +246,17 @@ def summary(state: LabState) -> str:
     ]
     prom = state.extra.get("prometheus")
     if prom:
-        lines[-1:-1] = [f"Prometheus {prom['url']} scrapes every agent (rules: "
-                        f"{state.lab_dir}/prometheus/rules.yml)"]  # fmt: skip
+        lines[-1:-1] = [
+            f"Prometheus {prom['url']} scrapes every agent (rules: "
+            f"{state.lab_dir}/prometheus/rules.yml)"
+        ]
     kube_config = state.extra.get("kube_kubeconfig")
     if kube_config:
         admin = kube_config.replace("flannelpy.kubeconfig", "admin.kubeconfig")
-        lines[-1:-1] = [f"Kubernetes API {state.extra.get('kube_api_url')}: "
-                        f"kubectl --kubeconfig {admin} get nodes"]  # fmt: skip
+        lines[-1:-1] = [
+            f"Kubernetes API {state.extra.get('kube_api_url')}: "
+            f"kubectl --kubeconfig {admin} get nodes"
+        ]
     rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
     for n in state.nodes:
         rows.append(
@@ -297,8 +308,10 @@ def _migrate(args: argparse.Namespace) -> int:
     from flannelpy_lab.migrate import migrate
 
     done = migrate(Lab.load(args.name), args.node, args.to)
-    print(f"node {done.node} runs {done.to_kind} (was {done.from_kind}), lease {done.subnet} "
-          f"kept, ready after {done.seconds:.1f} s")  # fmt: skip
+    print(
+        f"node {done.node} runs {done.to_kind} (was {done.from_kind}), lease {done.subnet} "
+        f"kept, ready after {done.seconds:.1f} s"
+    )
     return 0
 
 

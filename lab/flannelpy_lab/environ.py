@@ -50,8 +50,10 @@ def node_environ(state: LabState, node: NodeInfo) -> dict[str, str]:
     add_agent_arguments(parser)
     parsed, unknown = parser.parse_known_args(flags)
     if unknown:
-        raise LabError(f"node {node.name}'s agent flags {' '.join(unknown)} are not agent flags; "
-                       "fix the lab's agent arguments")  # fmt: skip
+        raise LabError(
+            f"node {node.name}'s agent flags {' '.join(unknown)} are not agent flags; "
+            "fix the lab's agent arguments"
+        )
     environ = {"NODE_NAME": node.name}
     for action in parser._actions:
         value = getattr(parsed, action.dest, None)
@@ -76,8 +78,9 @@ def node_environ(state: LabState, node: NodeInfo) -> dict[str, str]:
 
 def child_environ(settings: Mapping[str, str]) -> dict[str, str]:
     """Our environment without its ``FLANNELD_*`` and ``NODE_NAME``, plus ``settings``."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(ENV_PREFIX) and k != "NODE_NAME"}  # fmt: skip
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != "NODE_NAME"
+    }
     return base | dict(settings)
 
 

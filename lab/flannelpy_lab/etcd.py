@@ -196,8 +196,10 @@ def read_lease_values(endpoints: str | Sequence[str], prefix: str) -> dict[str, 
     subnets_prefix = f"{prefix.rstrip('/')}/subnets/"
 
     def read(c: Any) -> dict[str, bytes]:
-        return {meta.key.decode()[len(subnets_prefix) :]: bytes(value)
-                for value, meta in c.get_prefix(subnets_prefix)}  # fmt: skip
+        return {
+            meta.key.decode()[len(subnets_prefix) :]: bytes(value)
+            for value, meta in c.get_prefix(subnets_prefix)
+        }
 
     result: dict[str, bytes] = _on_any(endpoints, read)
     return result
@@ -206,10 +208,16 @@ def read_lease_values(endpoints: str | Sequence[str], prefix: str) -> dict[str, 
 def member_status(member: EtcdMemberInfo, timeout: float = 1.0) -> dict[str, Any]:
     """What ``lab status`` shows of one member: running, its id, the leader it sees."""
     doc: dict[str, Any] = {
-        "name": member.name, "namespace": member.namespace, "client_url": member.client_url,
-        "pid": member.pid, "running": procs.alive(member_ref(member)),
-        "id": None, "leader_id": None, "raft_term": None, "error": None,
-    }  # fmt: skip
+        "name": member.name,
+        "namespace": member.namespace,
+        "client_url": member.client_url,
+        "pid": member.pid,
+        "running": procs.alive(member_ref(member)),
+        "id": None,
+        "leader_id": None,
+        "raft_term": None,
+        "error": None,
+    }
     if not doc["running"]:
         return doc
     try:
@@ -217,8 +225,11 @@ def member_status(member: EtcdMemberInfo, timeout: float = 1.0) -> dict[str, Any
         # which a member cut off from the leader cannot answer.
         with client(member.client_url, timeout) as c:
             resp = c.maintenancestub.Status(etcdrpc.StatusRequest(), timeout, metadata=c.metadata)
-        doc.update(id=f"{resp.header.member_id:x}", leader_id=f"{resp.leader:x}",
-                   raft_term=int(resp.raftTerm))  # fmt: skip
+        doc.update(
+            id=f"{resp.header.member_id:x}",
+            leader_id=f"{resp.leader:x}",
+            raft_term=int(resp.raftTerm),
+        )
     except Exception as e:  # pyetcd/gRPC errors share no base worth naming
         doc["error"] = str(e) or type(e).__name__
     return doc

@@ -46,13 +46,16 @@ def binary() -> str:
     explicit = os.environ.get(BINARY_ENV)
     if explicit:
         if not os.access(explicit, os.X_OK):
-            raise LabError(f"{BINARY_ENV}={explicit} is not an executable; "
-                           f"unset it or run {BUILD_SCRIPT}")  # fmt: skip
+            raise LabError(
+                f"{BINARY_ENV}={explicit} is not an executable; unset it or run {BUILD_SCRIPT}"
+            )
         return explicit
     script = os.path.join(repo_root(), BUILD_SCRIPT)
     if not os.path.isfile(script):
-        raise LabError(f"flanneld is not available: {BUILD_SCRIPT} is missing from "
-                       f"{repo_root()}; set {BINARY_ENV} to a flanneld binary")  # fmt: skip
+        raise LabError(
+            f"flanneld is not available: {BUILD_SCRIPT} is missing from "
+            f"{repo_root()}; set {BINARY_ENV} to a flanneld binary"
+        )
     # The script's own lines (what it builds, about how long) reach the user on stderr.
     proc = subprocess.run(["bash", script], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
@@ -72,11 +75,20 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
     if kubeconfig:
         from flannelpy_lab import agents  # agents imports this module
 
-        store = ["--kube-subnet-mgr", "--kubeconfig-file", kubeconfig,
-                 "--net-config-path", agents.kube_net_conf_path(state)]  # fmt: skip
+        store = [
+            "--kube-subnet-mgr",
+            "--kubeconfig-file",
+            kubeconfig,
+            "--net-config-path",
+            agents.kube_net_conf_path(state),
+        ]
     else:
-        store = ["--etcd-endpoints", ",".join(state.etcd_endpoints),
-                 "--etcd-prefix", state.etcd_prefix]  # fmt: skip
+        store = [
+            "--etcd-endpoints",
+            ",".join(state.etcd_endpoints),
+            "--etcd-prefix",
+            state.etcd_prefix,
+        ]
     return [
         flanneld,
         *store,
@@ -93,8 +105,11 @@ def environ(state: LabState) -> dict[str, str]:
     lab's address), plus what Flannel's DaemonSet gives it in Kubernetes mode."""
     env = {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
     if state.extra.get("kube_kubeconfig"):
-        env.update(POD_NAMESPACE=KUBE_NAMESPACE, EVENT_QUEUE_DEPTH="5000",
-                   CONT_WHEN_CACHE_NOT_READY="false")  # fmt: skip
+        env.update(
+            POD_NAMESPACE=KUBE_NAMESPACE,
+            EVENT_QUEUE_DEPTH="5000",
+            CONT_WHEN_CACHE_NOT_READY="false",
+        )
     return env
 
 

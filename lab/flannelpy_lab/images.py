@@ -92,13 +92,16 @@ def busybox_layer() -> bytes:
 def image_archive(tag: str, layer: bytes, entrypoint: Sequence[str]) -> bytes:
     """A ``docker save`` archive: one uncompressed layer, its config, manifest.json."""
     layer_digest = "sha256:" + hashlib.sha256(layer).hexdigest()
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Entrypoint": list(entrypoint), "WorkingDir": "/",
-                   "Env": ["PATH=/bin"]},
-        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": "flannelpy lab (lab/flannelpy_lab/images.py)"}],
-    }, sort_keys=True).encode()  # fmt: skip
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Entrypoint": list(entrypoint), "WorkingDir": "/", "Env": ["PATH=/bin"]},
+            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+            "history": [{"created_by": "flannelpy lab (lab/flannelpy_lab/images.py)"}],
+        },
+        sort_keys=True,
+    ).encode()
     config_name = hashlib.sha256(config).hexdigest() + ".json"
     layer_name = f"{layer_digest.removeprefix('sha256:')}/layer.tar"
     manifest = json.dumps(
@@ -106,8 +109,7 @@ def image_archive(tag: str, layer: bytes, entrypoint: Sequence[str]) -> bytes:
     ).encode()
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in ((config_name, config), (layer_name, layer),
-                           ("manifest.json", manifest)):  # fmt: skip
+        for name, data in ((config_name, config), (layer_name, layer), ("manifest.json", manifest)):
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
@@ -135,8 +137,10 @@ def archive_image(path: str) -> Image:
             member = tar.extractfile("manifest.json")
             tags = json.load(member)[0]["RepoTags"] if member else []
     except (OSError, tarfile.TarError, KeyError, IndexError, ValueError) as e:
-        raise LabError(f"{path} is not an image archive with a tag ({e}); give the output "
-                       "of `podman save --format docker-archive`") from e  # fmt: skip
+        raise LabError(
+            f"{path} is not an image archive with a tag ({e}); give the output "
+            "of `podman save --format docker-archive`"
+        ) from e
     if not tags:
         raise LabError(f"{path} holds an untagged image; save it with a tag")
     return Image(str(tags[0]), path)
@@ -151,28 +155,40 @@ def flannelpy_image() -> Image:
     script = os.path.join(repo_root(), BUILD_SCRIPT)
     try:
         # The script's own lines (what it builds, about how long) reach the user on stderr.
-        proc = subprocess.run(["bash", script], stdout=subprocess.PIPE, text=True,
-                              timeout=BUILD_TIMEOUT, check=False)  # fmt: skip
+        proc = subprocess.run(
+            ["bash", script], stdout=subprocess.PIPE, text=True, timeout=BUILD_TIMEOUT, check=False
+        )
     except subprocess.TimeoutExpired as e:
-        raise LabError(f"{BUILD_SCRIPT} did not finish within {BUILD_TIMEOUT:g} s; run it "
-                       "by hand to see where it stops") from e  # fmt: skip
+        raise LabError(
+            f"{BUILD_SCRIPT} did not finish within {BUILD_TIMEOUT:g} s; run it "
+            "by hand to see where it stops"
+        ) from e
     fields = proc.stdout.split()
     if proc.returncode != 0 or len(fields) != 2 or not os.path.isfile(fields[1]):
-        raise LabError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}, its output above); "
-                       "run it by hand")  # fmt: skip
+        raise LabError(
+            f"{BUILD_SCRIPT} failed (exit {proc.returncode}, its output above); run it by hand"
+        )
     return Image(fields[0], fields[1])
 
 
 def import_image(socket_path: str, image: Image, timeout: float = 180.0) -> None:
     """``ctr images import`` into the Kubernetes namespace of one containerd."""
-    argv = ["ctr", f"--address={socket_path}", "--namespace=k8s.io", "images", "import",
-            image.archive]  # fmt: skip
+    argv = [
+        "ctr",
+        f"--address={socket_path}",
+        "--namespace=k8s.io",
+        "images",
+        "import",
+        image.archive,
+    ]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              check=False)  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
-        raise LabError(f"`ctr images import {image.archive}` did not finish within "
-                       f"{timeout:g} s") from e  # fmt: skip
+        raise LabError(
+            f"`ctr images import {image.archive}` did not finish within {timeout:g} s"
+        ) from e
     if proc.returncode != 0:
-        raise LabError(f"`ctr images import {image.archive}` failed: "
-                       f"{(proc.stderr or proc.stdout).strip()[-400:]}")  # fmt: skip
+        raise LabError(
+            f"`ctr images import {image.archive}` failed: "
+            f"{(proc.stderr or proc.stdout).strip()[-400:]}"
+        )

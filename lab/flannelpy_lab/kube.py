@@ -111,16 +111,22 @@ def _pinned_dir() -> str:
     try:
         with open(path, encoding="utf-8") as f:
             pin = next(
-                (p[2] for p in (line.split() for line in f)
-                 if p[:2] == ["require", "k8s.io/kubernetes"] and len(p) > 2),
+                (
+                    p[2]
+                    for p in (line.split() for line in f)
+                    if p[:2] == ["require", "k8s.io/kubernetes"] and len(p) > 2
+                ),
                 None,
-            )  # fmt: skip
+            )
     except OSError as e:
-        raise LabError(f"cannot read the Kubernetes pin {path} ({e.strerror}); "
-                       f"restore it and run {BUILD_SCRIPT}") from e  # fmt: skip
+        raise LabError(
+            f"cannot read the Kubernetes pin {path} ({e.strerror}); "
+            f"restore it and run {BUILD_SCRIPT}"
+        ) from e
     if pin is None:
-        raise LabError(f"{path} pins no k8s.io/kubernetes release; restore it and run "
-                       f"{BUILD_SCRIPT}")  # fmt: skip
+        raise LabError(
+            f"{path} pins no k8s.io/kubernetes release; restore it and run {BUILD_SCRIPT}"
+        )
     peers = os.environ.get(PEERS_DIR_ENV, "/var/cache/flannelpy/peers")
     return os.path.join(peers, f"kubernetes-{pin}")
 
@@ -192,8 +198,15 @@ def kubectl(
     binary = os.path.join(record(state).get("bin_dir") or bin_dir(), "kubectl")
     argv = [binary, "--kubeconfig", admin_kubeconfig(state), *args]
     try:
-        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True,
-                              timeout=timeout, env=_env(), check=False)  # fmt: skip
+        proc = subprocess.run(
+            argv,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_env(),
+            check=False,
+        )
     except subprocess.TimeoutExpired as e:
         raise LabError(f"`kubectl {' '.join(args)}` did not finish within {timeout:g} s") from e
     if check and proc.returncode != 0:
@@ -225,11 +238,17 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     if rec.get(KUBELETS_KEY):  # the kubelets register the Nodes, the DaemonSet runs agents
         save()
         return
-    say(f"      kube-apiserver at {api_url(state)} ready in {rec['ready_seconds']} s; "
-        "applying the manifests")  # fmt: skip
+    say(
+        f"      kube-apiserver at {api_url(state)} ready in {rec['ready_seconds']} s; "
+        "applying the manifests"
+    )
     apply_manifests(state)
-    set_net_conf(state, plan.net_conf_json(state.network, state.backend, state.direct_routing,
-                                           state.extra.get("net_conf_extra")))  # fmt: skip
+    set_net_conf(
+        state,
+        plan.net_conf_json(
+            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
+        ),
+    )
     start_projector(state, save)
     register_nodes(state)
     wait_pod_cidrs(state)
@@ -302,8 +321,10 @@ def _make_pki(state: LabState) -> None:
     _openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
     admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
     with open(p("tokens.csv"), "w", encoding="utf-8") as f:
-        f.write(f"{admin},fpl-admin,uid-admin,system:masters\n"
-                f"{kcm},system:kube-controller-manager,uid-kcm\n")  # fmt: skip
+        f.write(
+            f"{admin},fpl-admin,uid-admin,system:masters\n"
+            f"{kcm},system:kube-controller-manager,uid-kcm\n"
+        )
     os.chmod(p("tokens.csv"), 0o600)
     _write_kubeconfig(state, admin_kubeconfig(state), api_url(state), admin)
     _write_kubeconfig(state, _path(state, "kcm.kubeconfig"), api_url(state), kcm)
@@ -316,22 +337,53 @@ def client_cert(state: LabState, name: str, cn: str, org: str | None = None) -> 
     the certificate's and the key's paths."""
     p = lambda ext: _path(state, "pki", f"{name}.{ext}")  # noqa: E731
     subject = f"/CN={cn}" + (f"/O={org}" if org else "")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
-             "-keyout", p("key"), "-out", p("csr"))  # fmt: skip
-    _openssl("x509", "-req", "-in", p("csr"), "-CA", _path(state, "pki", "ca.crt"),
-             "-CAkey", _path(state, "pki", "ca.key"), "-CAcreateserial", "-days", "2",
-             "-out", p("crt"))  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        subject,
+        "-keyout",
+        p("key"),
+        "-out",
+        p("csr"),
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        p("csr"),
+        "-CA",
+        _path(state, "pki", "ca.crt"),
+        "-CAkey",
+        _path(state, "pki", "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        p("crt"),
+    )
     return p("crt"), p("key")
 
 
 def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> None:
     doc = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
-        "clusters": [{"name": "lab", "cluster": {
-            "server": server, "certificate-authority": _path(state, "pki", "ca.crt")}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "lab",
+        "clusters": [
+            {
+                "name": "lab",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority": _path(state, "pki", "ca.crt"),
+                },
+            }
+        ],
         "users": [{"name": "lab", "user": {"token": token}}],
         "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
-    }  # fmt: skip
+    }
     tmp = path + ".tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(doc, f)
@@ -365,13 +417,34 @@ def _start_etcd(state: LabState, save: Save) -> None:
     client = f"http://{host_ip(state)}:{ETCD_CLIENT_PORT}"
     peer = f"http://{host_ip(state)}:{ETCD_PEER_PORT}"
     record(state)["etcd_url"] = client
-    ref = _spawn(state, "etcd", [
-        binary, "--name", f"fpl-{state.name}-kube", "--data-dir", _path(state, "etcd"),
-        "--listen-client-urls", client, "--advertise-client-urls", client,
-        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"fpl-{state.name}-kube={peer}",
-        "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
-    ], save)  # fmt: skip
+    ref = _spawn(
+        state,
+        "etcd",
+        [
+            binary,
+            "--name",
+            f"fpl-{state.name}-kube",
+            "--data-dir",
+            _path(state, "etcd"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"fpl-{state.name}-kube={peer}",
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
+            "--log-level",
+            "warn",
+        ],
+        save,
+    )
     _wait(state, "etcd", ref, lambda: _http_ok(client + "/health"))
 
 
@@ -413,8 +486,12 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--service-cluster-ip-range", "10.96.0.0/16",
     ], save)  # fmt: skip
     token = _admin_token(state)
-    _wait(state, "kube-apiserver", ref,
-          lambda: _http_ok(api_url(state) + "/readyz", p("ca.crt"), token))  # fmt: skip
+    _wait(
+        state,
+        "kube-apiserver",
+        ref,
+        lambda: _http_ok(api_url(state) + "/readyz", p("ca.crt"), token),
+    )
 
 
 def _admin_token(state: LabState) -> str:
@@ -424,8 +501,11 @@ def _admin_token(state: LabState) -> str:
 
 
 def _subnet_len(state: LabState) -> int:
-    conf = json.loads(plan.net_conf_json(state.network, state.backend, state.direct_routing,
-                                         state.extra.get("net_conf_extra")))  # fmt: skip
+    conf = json.loads(
+        plan.net_conf_json(
+            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
+        )
+    )
     return int(conf.get("SubnetLen", 24))
 
 
@@ -452,17 +532,28 @@ def _cluster_cidr_args(state: LabState) -> list[str]:
     """The node IPAM controller's ranges: the IPv4 network, in dual stack the IPv6 one
     beside it (a v4 and a v6 podCIDR per Node), IPv6-only the IPv6 one alone; sized as
     net-conf.json's subnets."""
-    conf = json.loads(plan.net_conf_json(state.network, state.backend, state.direct_routing,
-                                         state.extra.get("net_conf_extra")))  # fmt: skip
+    conf = json.loads(
+        plan.net_conf_json(
+            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
+        )
+    )
     if not conf.get("EnableIPv6"):
-        return ["--cluster-cidr", state.network, "--node-cidr-mask-size",
-                str(_subnet_len(state))]  # fmt: skip
+        return ["--cluster-cidr", state.network, "--node-cidr-mask-size", str(_subnet_len(state))]
     if conf.get("EnableIPv4") is False:  # IPv6-only: one IPv6 podCIDR per Node
-        return ["--cluster-cidr", conf["IPv6Network"], "--node-cidr-mask-size",
-                str(int(conf.get("IPv6SubnetLen", 64)))]  # fmt: skip
-    return ["--cluster-cidr", f"{state.network},{conf['IPv6Network']}",
-            "--node-cidr-mask-size-ipv4", str(_subnet_len(state)),
-            "--node-cidr-mask-size-ipv6", str(int(conf.get("IPv6SubnetLen", 64)))]  # fmt: skip
+        return [
+            "--cluster-cidr",
+            conf["IPv6Network"],
+            "--node-cidr-mask-size",
+            str(int(conf.get("IPv6SubnetLen", 64))),
+        ]
+    return [
+        "--cluster-cidr",
+        f"{state.network},{conf['IPv6Network']}",
+        "--node-cidr-mask-size-ipv4",
+        str(_subnet_len(state)),
+        "--node-cidr-mask-size-ipv6",
+        str(int(conf.get("IPv6SubnetLen", 64))),
+    ]
 
 
 def manifests_dir() -> str:
@@ -480,8 +571,9 @@ def apply_manifests(state: LabState) -> None:
 def set_net_conf(state: LabState, net_conf: str) -> None:
     """Set the ConfigMap's net-conf.json (as an operator edits it)."""
     patch = json.dumps({"data": {NET_CONF_KEY: net_conf}})
-    kubectl(state, "patch", "configmap", CONFIG_MAP, "-n", NAMESPACE, "--type", "merge",
-            "-p", patch)  # fmt: skip
+    kubectl(
+        state, "patch", "configmap", CONFIG_MAP, "-n", NAMESPACE, "--type", "merge", "-p", patch
+    )
 
 
 def projector_ref(state: LabState) -> procs.ProcessRef | None:
@@ -499,9 +591,19 @@ def start_projector(state: LabState, save: Save) -> None:
     with contextlib.suppress(FileNotFoundError):  # a plain file would shadow the link
         if not os.path.islink(path):
             os.unlink(path)
-    argv = [sys.executable, "-m", "flannelpy_lab.projector", "--kubeconfig",
-            admin_kubeconfig(state), "--namespace", NAMESPACE, "--configmap", CONFIG_MAP,
-            "--dir", os.path.dirname(path)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "flannelpy_lab.projector",
+        "--kubeconfig",
+        admin_kubeconfig(state),
+        "--namespace",
+        NAMESPACE,
+        "--configmap",
+        CONFIG_MAP,
+        "--dir",
+        os.path.dirname(path),
+    ]
     ref = procs.spawn_detached(argv, _path(state, "projector.log"), env=_env())
     record(state)["projector"] = [ref.pid, ref.start_ticks]
     save()
@@ -514,8 +616,9 @@ def sync_net_conf(state: LabState, timeout: float = 10.0) -> str:
     cm = kubectl_json(state, "get", "configmap", CONFIG_MAP, "-n", NAMESPACE)
     text = cm.get("data", {}).get(NET_CONF_KEY)
     if not text:
-        raise LabError(f"ConfigMap {NAMESPACE}/{CONFIG_MAP} has no {NET_CONF_KEY}; "
-                       "restore it from manifests/")  # fmt: skip
+        raise LabError(
+            f"ConfigMap {NAMESPACE}/{CONFIG_MAP} has no {NET_CONF_KEY}; restore it from manifests/"
+        )
     path = agents.kube_net_conf_path(state)
     log = _path(state, "projector.log")
     deadline = time.monotonic() + timeout
@@ -524,11 +627,15 @@ def sync_net_conf(state: LabState, timeout: float = 10.0) -> str:
             if f.read() == text:
                 return str(text)
         if not procs.alive(projector_ref(state)):
-            raise LabError(f"the ConfigMap projector is not running; last lines of {log}:\n"
-                           f"{procs.log_tail(log)}")  # fmt: skip
+            raise LabError(
+                f"the ConfigMap projector is not running; last lines of {log}:\n"
+                f"{procs.log_tail(log)}"
+            )
         if time.monotonic() > deadline:
-            raise LabError(f"{path} did not show the ConfigMap within {timeout:g} s; last "
-                           f"lines of {log}:\n{procs.log_tail(log)}")  # fmt: skip
+            raise LabError(
+                f"{path} did not show the ConfigMap within {timeout:g} s; last "
+                f"lines of {log}:\n{procs.log_tail(log)}"
+            )
         time.sleep(0.1)
 
 
@@ -536,27 +643,47 @@ def node_manifest(name: str, internal_ip: str) -> dict[str, Any]:
     """A Node as a kubelet registers it (status included: create keeps it for Nodes)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {
-            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64"},
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+            },
             # A kubelet always sets this one. flanneld v0.28.9 needs some annotation: on a
             # Node with none it panics writing its own (a nil map in AcquireLease).
-            "annotations": {"volumes.kubernetes.io/controller-managed-attach-detach": "true"}},
-        "status": {
-            "addresses": [{"type": "InternalIP", "address": internal_ip},
-                          {"type": "Hostname", "address": name}],
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "message": "registered by the lab", "lastHeartbeatTime": now,
-                            "lastTransitionTime": now}],
+            "annotations": {"volumes.kubernetes.io/controller-managed-attach-detach": "true"},
         },
-    }  # fmt: skip
+        "status": {
+            "addresses": [
+                {"type": "InternalIP", "address": internal_ip},
+                {"type": "Hostname", "address": name},
+            ],
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "registered by the lab",
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": now,
+                }
+            ],
+        },
+    }
 
 
 def register_nodes(state: LabState) -> None:
     items = [node_manifest(n.name, str(n.ip)) for n in state.nodes]
-    kubectl(state, "create", "-f", "-",
-            stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))  # fmt: skip
+    kubectl(
+        state,
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+    )
     # The API server taints a new Node not-ready; the node lifecycle controller (not run
     # here) lifts it once the Node is Ready, which it is from the start.
     kubectl(state, "taint", "nodes", "--all", "node.kubernetes.io/not-ready:NoSchedule-")
@@ -577,15 +704,18 @@ def wait_pod_cidrs(state: LabState) -> None:
             return
         if time.monotonic() > deadline:
             log = _path(state, "kube-controller-manager.log")
-            raise LabError(f"kube-controller-manager gave {', '.join(missing)} no podCIDR "
-                           f"within {READY_TIMEOUT:g} s; last lines of {log}:\n"
-                           f"{procs.log_tail(log)}")  # fmt: skip
+            raise LabError(
+                f"kube-controller-manager gave {', '.join(missing)} no podCIDR "
+                f"within {READY_TIMEOUT:g} s; last lines of {log}:\n"
+                f"{procs.log_tail(log)}"
+            )
         time.sleep(0.3)
 
 
 def write_agent_kubeconfig(state: LabState) -> None:
-    token = kubectl(state, "create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE,
-                    "--duration", TOKEN_DURATION).stdout.strip()  # fmt: skip
+    token = kubectl(
+        state, "create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE, "--duration", TOKEN_DURATION
+    ).stdout.strip()
     _write_kubeconfig(state, agent_kubeconfig(state), api_url(state), token)
 
 
@@ -600,16 +730,19 @@ def api_json(state: LabState, path: str, timeout: float = 5.0) -> Any:
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({}),
         urllib.request.HTTPSHandler(
-            context=ssl.create_default_context(cafile=_path(state, "pki", "ca.crt"))),
-    )  # fmt: skip
+            context=ssl.create_default_context(cafile=_path(state, "pki", "ca.crt"))
+        ),
+    )
     request = urllib.request.Request(api_url(state) + path)
     request.add_header("Authorization", f"Bearer {_admin_token(state)}")
     try:
         with opener.open(request, timeout=timeout) as resp:
             return json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise LabError(f"kube-apiserver GET {path} failed ({e}); is the control plane "
-                       "running (`flannelpy-lab status`)?") from e  # fmt: skip
+        raise LabError(
+            f"kube-apiserver GET {path} failed ({e}); is the control plane "
+            "running (`flannelpy-lab status`)?"
+        ) from e
 
 
 def node_lease(node: dict[str, Any]) -> dict[str, Any] | None:
@@ -623,9 +756,15 @@ def node_lease(node: dict[str, Any]) -> dict[str, Any] | None:
     if not cidr or not (public_ip or public_ipv6):
         return None
     name = (node.get("metadata") or {}).get("name")
-    return {"key": name, "subnet": cidr, "public_ip": public_ip, "public_ipv6": public_ipv6,
-            "backend": annotations.get(ANNOTATION_PREFIX + "backend-type"),
-            "node_name": name, "error": None}  # fmt: skip
+    return {
+        "key": name,
+        "subnet": cidr,
+        "public_ip": public_ip,
+        "public_ipv6": public_ipv6,
+        "backend": annotations.get(ANNOTATION_PREFIX + "backend-type"),
+        "node_name": name,
+        "error": None,
+    }
 
 
 def node_leases(state: LabState) -> list[dict[str, Any]]:
@@ -687,5 +826,6 @@ def recreate_node(state: LabState, node: NodeInfo, pod_cidr: str) -> None:
     doc = node_manifest(node.name, str(node.ip))
     doc["spec"] = {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]}
     kubectl(state, "create", "-f", "-", stdin=json.dumps(doc))
-    kubectl(state, "taint", "nodes", node.name, "node.kubernetes.io/not-ready:NoSchedule-",
-            check=False)  # fmt: skip
+    kubectl(
+        state, "taint", "nodes", node.name, "node.kubernetes.io/not-ready:NoSchedule-", check=False
+    )

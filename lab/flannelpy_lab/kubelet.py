@@ -50,9 +50,17 @@ from flannelpy_lab.state import LabState, NodeInfo
 STATE_KEY = "kubelet"  # in LabState.extra: {"nodes": {node: {...}}, "image": ref, ...}
 CGROUP_ROOT = "/sys/fs/cgroup"
 # The node's host paths, each a bind mount of <node dir>/k8s/host/<path with dashes>.
-HOST_PATHS = ("/opt/cni/bin", "/etc/cni/net.d", "/run/flannel", "/run/flannelpy",
-              "/var/lib/flannelpy", "/var/log/pods", "/var/log/containers",
-              "/run/containerd", "/var/lib/cni")  # fmt: skip
+HOST_PATHS = (
+    "/opt/cni/bin",
+    "/etc/cni/net.d",
+    "/run/flannel",
+    "/run/flannelpy",
+    "/var/lib/flannelpy",
+    "/var/log/pods",
+    "/var/log/containers",
+    "/run/containerd",
+    "/var/lib/cni",
+)
 REFERENCE_PLUGINS = ("loopback", "portmap")  # what a node's CNI package leaves in /opt/cni/bin
 REFERENCE_DIR = "/usr/lib/cni"
 READY_TIMEOUT = 120.0  # seconds for containerd, then the Nodes, then the DaemonSet
@@ -161,61 +169,94 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 """
 
 
-def kubelet_config(node_ip: str, socket_path: str, ca_file: str, cgroup_root: str,
-                   ) -> dict[str, Any]:  # fmt: skip
+def kubelet_config(
+    node_ip: str,
+    socket_path: str,
+    ca_file: str,
+    cgroup_root: str,
+) -> dict[str, Any]:
     return {
-        "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-        "address": node_ip, "port": 10250, "readOnlyPort": 0,
-        "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
-        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                           "x509": {"clientCAFile": ca_file}},
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": node_ip,
+        "port": 10250,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": 10248,
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": ca_file},
+        },
         "authorization": {"mode": "Webhook"},
         "containerRuntimeEndpoint": f"unix://{socket_path}",
-        "cgroupDriver": "cgroupfs", "cgroupRoot": cgroup_root, "cgroupsPerQOS": True,
-        "failCgroupV1": False, "failSwapOn": False,
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": cgroup_root,
+        "cgroupsPerQOS": True,
+        "failCgroupV1": False,
+        "failSwapOn": False,
         # Root here lacks CAP_SYS_RESOURCE: the kubelet cannot lower its own score.
         "oomScoreAdj": 0,
         # No disk accounting (the lab's nodes share one filesystem) nor disk eviction.
         "localStorageCapacityIsolation": False,
         "evictionHard": {"memory.available": "100Mi"},
-        "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-        "serializeImagePulls": False, "registerNode": True, "rotateCertificates": False,
-        "resolvConf": "/etc/resolv.conf", "staticPodPath": "",
-        "podLogsDir": "/var/log/pods", "maxPods": 110,
-        "nodeStatusUpdateFrequency": "4s", "syncFrequency": "10s",
-    }  # fmt: skip
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+        "registerNode": True,
+        "rotateCertificates": False,
+        "resolvConf": "/etc/resolv.conf",
+        "staticPodPath": "",
+        "podLogsDir": "/var/log/pods",
+        "maxPods": 110,
+        "nodeStatusUpdateFrequency": "4s",
+        "syncFrequency": "10s",
+    }
 
 
 def _kubeconfig(server: str, ca: str, cert: str, key: str) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
-        "clusters": [{"name": "lab", "cluster": {"server": server,
-                                                 "certificate-authority": ca}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": ca}}],
         "users": [{"name": "lab", "user": {"client-certificate": cert, "client-key": key}}],
         "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
-    }  # fmt: skip
+    }
 
 
-def kustomization(manifests: str, image_ref: str, api_host: str, api_port: int,
-                  iface: str) -> str:  # fmt: skip
+def kustomization(manifests: str, image_ref: str, api_host: str, api_port: int, iface: str) -> str:
     """The lab's overlay of ``manifests/``: the image, and the agent's way to the API
     server without kube-proxy; nothing else changes."""
     name, _, tag = image_ref.rpartition(":")
     patch = {
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
         "metadata": {"name": DAEMONSET, "namespace": control_plane.NAMESPACE},
-        "spec": {"template": {"spec": {"containers": [{"name": "kube-flannelpy", "env": [
-            {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
-            {"name": "FLANNELD_IFACE", "value": iface},
-        ]}]}}},
-    }  # fmt: skip
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "kube-flannelpy",
+                            "env": [
+                                {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
+                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
+                                {"name": "FLANNELD_IFACE", "value": iface},
+                            ],
+                        }
+                    ]
+                }
+            }
+        },
+    }
     doc = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
         "resources": [manifests],
         "images": [{"name": "flannelpy", "newName": name, "newTag": tag}],
         "patches": [{"patch": json.dumps(patch)}],
-    }  # fmt: skip
+    }
     return json.dumps(doc, indent=1)
 
 
@@ -223,21 +264,38 @@ def workload(replicas: int) -> dict[str, Any]:
     """The test Deployment: busybox pods spread one per node by the scheduler."""
     labels = {"app": WORKLOAD}
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": {"name": WORKLOAD, "namespace": "default"},
-        "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels}, "spec": {
-                     "topologySpreadConstraints": [{
-                         "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                         "whenUnsatisfiable": "DoNotSchedule",
-                         # A cordoned or tainted node is no domain to spread over.
-                         "nodeTaintsPolicy": "Honor",
-                         "labelSelector": {"matchLabels": labels}}],
-                     "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "main", "image": images.BUSYBOX_IMAGE,
-                                     "imagePullPolicy": "Never",
-                                     "command": ["/bin/sleep", "2147483647"]}]}}},
-    }  # fmt: skip
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "DoNotSchedule",
+                            # A cordoned or tainted node is no domain to spread over.
+                            "nodeTaintsPolicy": "Honor",
+                            "labelSelector": {"matchLabels": labels},
+                        }
+                    ],
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": images.BUSYBOX_IMAGE,
+                            "imagePullPolicy": "Never",
+                            "command": ["/bin/sleep", "2147483647"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
 
 
 # -- start ----------------------------------------------------------------------------------
@@ -273,8 +331,10 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     save()
     for p in HOST_PATHS:
         os.makedirs(p, exist_ok=True)  # a mount point for the node's bind mount
-    say(f"      starting containerd on {len(state.nodes)} nodes, importing "
-        f"{', '.join(i.ref for i in to_import)}")  # fmt: skip
+    say(
+        f"      starting containerd on {len(state.nodes)} nodes, importing "
+        f"{', '.join(i.ref for i in to_import)}"
+    )
     for node in state.nodes:
         _start_containerd(state, node, save)
 
@@ -289,9 +349,16 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     say(f"      starting the kubelets ({rec['images_seconds']} s)")
     for node in state.nodes:
         _start_kubelet(state, node, save)
-    control_plane.kubectl(state, "create", "clusterrolebinding", "fpl-apiserver-kubelet",
-                          "--clusterrole", "system:kubelet-api-admin",
-                          "--user", "kube-apiserver-kubelet-client")  # fmt: skip
+    control_plane.kubectl(
+        state,
+        "create",
+        "clusterrolebinding",
+        "fpl-apiserver-kubelet",
+        "--clusterrole",
+        "system:kubelet-api-admin",
+        "--user",
+        "kube-apiserver-kubelet-client",
+    )
     wait_nodes_registered(state)
     control_plane.wait_pod_cidrs(state)
     rec["nodes_registered_seconds"] = round(time.monotonic() - t0, 1)
@@ -299,8 +366,7 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     apply_with_daemonset(state)
     wait_ready(state)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
-    control_plane.kubectl(state, "apply", "-f", "-",
-                          stdin=json.dumps(workload(len(state.nodes))))  # fmt: skip
+    control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(workload(len(state.nodes))))
     wait_workload(state, len(state.nodes))
     rec["workload_seconds"] = round(time.monotonic() - t0, 1)
     save()
@@ -315,8 +381,7 @@ def _start_scheduler(state: LabState, save: Save) -> None:
     cert, key = control_plane.client_cert(state, "scheduler", "system:kube-scheduler")
     kubeconfig = control_plane._path(state, "scheduler.kubeconfig")
     ca = control_plane._path(state, "pki", "ca.crt")
-    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)),
-           0o600)  # fmt: skip
+    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)), 0o600)
     argv = [
         os.path.join(control_plane.record(state)["bin_dir"], "kube-scheduler"),
         "--kubeconfig",
@@ -346,18 +411,35 @@ def _start_containerd(state: LabState, node: NodeInfo, save: Save) -> None:
     binds = " && ".join(f"mount --bind {host_source(node, p)} {p}" for p in HOST_PATHS)
     script = f"{binds} && exec containerd --config {os.path.join(base, 'config.toml')}"
     log = os.path.join(base, "containerd.log")
-    ref = _spawn(state, f"containerd/{node.name}", [
-        "nsenter", f"--net=/run/netns/{node.namespace}", "unshare", "--mount",
-        "--propagation", "slave", "sh", "-c", script], log, save)  # fmt: skip
-    procs.wait_started(f"containerd of {node.name}", ref, log, lambda: _ctr_ok(node),
-                       READY_TIMEOUT)  # fmt: skip
+    ref = _spawn(
+        state,
+        f"containerd/{node.name}",
+        [
+            "nsenter",
+            f"--net=/run/netns/{node.namespace}",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "sh",
+            "-c",
+            script,
+        ],
+        log,
+        save,
+    )
+    procs.wait_started(f"containerd of {node.name}", ref, log, lambda: _ctr_ok(node), READY_TIMEOUT)
 
 
 def _ctr_ok(node: NodeInfo) -> bool:
     if not os.path.exists(containerd_socket(node)):
         return False
-    proc = subprocess.run(["ctr", f"--address={containerd_socket(node)}", "version"],
-                          capture_output=True, timeout=10, check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["ctr", f"--address={containerd_socket(node)}", "version"],
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
     return proc.returncode == 0
 
 
@@ -382,30 +464,57 @@ def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
         state, f"node-{node.name}", f"system:node:{node.name}", "system:nodes"
     )
     kubeconfig = os.path.join(base, "kubelet.kubeconfig")
-    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)),
-           0o600)  # fmt: skip
+    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)), 0o600)
     config = os.path.join(base, "kubelet.yaml")
-    _write(config, json.dumps(kubelet_config(str(node.ip), containerd_socket(node), ca,
-                                             cgroup_parent(state, node))))  # fmt: skip
+    _write(
+        config,
+        json.dumps(
+            kubelet_config(str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node))
+        ),
+    )
     containerd_pid = record(state)["processes"][f"containerd/{node.name}"][0]
     log = os.path.join(base, "kubelet.log")
     binary = os.path.join(control_plane.record(state)["bin_dir"], "kubelet")
-    _spawn(state, f"kubelet/{node.name}", [
-        "nsenter", f"--target={containerd_pid}", "--mount", "--net", binary,
-        "--config", config, "--kubeconfig", kubeconfig,
-        "--root-dir", os.path.join(base, "kubelet"), "--cert-dir", os.path.join(base, "pki"),
-        "--hostname-override", node.name, "--node-ip", str(node.ip), "--v", "1",
-    ], log, save)  # fmt: skip
+    _spawn(
+        state,
+        f"kubelet/{node.name}",
+        [
+            "nsenter",
+            f"--target={containerd_pid}",
+            "--mount",
+            "--net",
+            binary,
+            "--config",
+            config,
+            "--kubeconfig",
+            kubeconfig,
+            "--root-dir",
+            os.path.join(base, "kubelet"),
+            "--cert-dir",
+            os.path.join(base, "pki"),
+            "--hostname-override",
+            node.name,
+            "--node-ip",
+            str(node.ip),
+            "--v",
+            "1",
+        ],
+        log,
+        save,
+    )
 
 
 def _nodes(state: LabState) -> dict[str, Any]:
-    return {n["metadata"]["name"]: n for n in control_plane.kubectl_json(state, "get", "nodes")
-            ["items"]}  # fmt: skip
+    return {
+        n["metadata"]["name"]: n for n in control_plane.kubectl_json(state, "get", "nodes")["items"]
+    }
 
 
 def node_ready(node: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in node.get("status", {}).get("conditions", []))  # fmt: skip
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in node.get("status", {}).get("conditions", [])
+    )
 
 
 def _poll(what: str, check: Callable[[], str | None], timeout: float, logs: list[str]) -> None:
@@ -436,9 +545,13 @@ def apply_with_daemonset(state: LabState) -> None:
     overlay = os.path.join(control_plane.kube_dir(state), "kustomize")
     os.makedirs(overlay, exist_ok=True)
     iface = state.nodes[0].underlay_iface
-    text = kustomization(os.path.relpath(control_plane.manifests_dir(), overlay),
-                         record(state)["image"], control_plane.host_ip(state),
-                         control_plane.API_PORT, iface)  # fmt: skip
+    text = kustomization(
+        os.path.relpath(control_plane.manifests_dir(), overlay),
+        record(state)["image"],
+        control_plane.host_ip(state),
+        control_plane.API_PORT,
+        iface,
+    )
     _write(os.path.join(overlay, "kustomization.yaml"), text)
     rendered = control_plane.kubectl_json(state, "apply", "-k", overlay, "--dry-run=client")
     items = rendered.get("items", [rendered])
@@ -474,8 +587,10 @@ def _pods(state: LabState, namespace: str, selector: str) -> list[dict[str, Any]
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions", [])
+    )
 
 
 def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
@@ -498,8 +613,11 @@ def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
 def wait_workload(state: LabState, replicas: int, timeout: float = READY_TIMEOUT) -> None:
     def check() -> str | None:
         pods = _pods(state, "default", f"app={WORKLOAD}")
-        running = [p for p in pods if p.get("status", {}).get("phase") == "Running"
-                   and p["status"].get("podIP")]  # fmt: skip
+        running = [
+            p
+            for p in pods
+            if p.get("status", {}).get("phase") == "Running" and p["status"].get("podIP")
+        ]
         if len(running) >= replicas:
             return None
         return f"{len(running)} of {replicas} test pods Running"
@@ -520,11 +638,13 @@ def stop(state: LabState | None, name: str) -> None:
         refs = [procs.ref_of(*v) for k, v in started.items() if k.startswith(prefix)]
         procs.stop([r for r in refs if r])
     if state is None:  # no record: first whatever runs in the nodes' network namespaces
-        pids = [p for ns in topology.lab_namespaces(name)
-                for p in procs.pids_in_netns(netns_path(ns))]  # fmt: skip
+        pids = [
+            p for ns in topology.lab_namespaces(name) for p in procs.pids_in_netns(netns_path(ns))
+        ]
         procs.stop([r for r in map(procs.current_ref, pids) if r])
-    parents = {f"/{d}" for h in _hierarchies() for d in os.listdir(h)
-               if d.startswith(f"fpl-{name}-")}  # fmt: skip
+    parents = {
+        f"/{d}" for h in _hierarchies() for d in os.listdir(h) if d.startswith(f"fpl-{name}-")
+    }
     for parent in parents:
         _kill_cgroup(parent)
     bases = [node_base(n) for n in state.nodes] if state else []
@@ -545,8 +665,7 @@ def stop_node(state: LabState, node: NodeInfo) -> None:
             procs.stop([ref])
     parent = cgroup_parent(state, node)
     _kill_cgroup(parent)
-    procs.stop([r for r in map(procs.current_ref, _pids_naming([node_base(node)])) if r],
-               grace=2.0)  # fmt: skip
+    procs.stop([r for r in map(procs.current_ref, _pids_naming([node_base(node)])) if r], grace=2.0)
     _remove_cgroups(parent)
 
 
@@ -601,8 +720,10 @@ def _remove_cgroups(parent: str, timeout: float = 10.0) -> None:
         if not left:
             return
         if time.monotonic() > deadline:
-            raise LabError(f"cannot remove the cgroups {', '.join(left[:3])}: processes "
-                           "still run in them; kill them and run down again")  # fmt: skip
+            raise LabError(
+                f"cannot remove the cgroups {', '.join(left[:3])}: processes "
+                "still run in them; kill them and run down again"
+            )
         time.sleep(0.2)
 
 

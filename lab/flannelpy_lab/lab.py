@@ -238,8 +238,10 @@ class Lab:
         topology.attach_host(s)
         topology.add_host_routes(s)
         if s.etcd_members:
-            say(f"[4/{UP_STEPS}] starting {len(s.etcd_members)} etcd members at "
-                f"{', '.join(s.etcd_endpoints)}")  # fmt: skip
+            say(
+                f"[4/{UP_STEPS}] starting {len(s.etcd_members)} etcd members at "
+                f"{', '.join(s.etcd_endpoints)}"
+            )
             for member in s.etcd_members:
                 topology.build_etcd_member(s, member)
             self._save()
@@ -263,8 +265,10 @@ class Lab:
             ),
         )
         if control_plane.STATE_KEY in s.extra:
-            say(f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
-                f"{control_plane.api_url(s)}")  # fmt: skip
+            say(
+                f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
+                f"{control_plane.api_url(s)}"
+            )
             control_plane.start(s, self._save, say)
         if real_nodes.enabled(s):  # the DaemonSet runs the agents
             real_nodes.start(s, self._save, say)
@@ -345,9 +349,11 @@ class Lab:
         # On a flanneld node cni0 is the bridge plugin's, made at the node's first pod.
         if self.state.overlay_bridge and not node.runs_flanneld:
             topology.ensure_overlay_bridge(
-                node.namespace, env.subnet, env.mtu,
+                node.namespace,
+                env.subnet,
+                env.mtu,
                 env.ipv6_subnet,
-            )  # fmt: skip
+            )
         node.overlay_address = env.subnet
         self._save()
 
@@ -444,8 +450,10 @@ class Lab:
 
     def _require_control_plane(self) -> None:
         if control_plane.STATE_KEY not in self.state.extra:
-            raise LabError(f"lab {self.name} runs no Kubernetes control plane; start it "
-                           f"with `flannelpy-lab up --kube --name {self.name}`")  # fmt: skip
+            raise LabError(
+                f"lab {self.name} runs no Kubernetes control plane; start it "
+                f"with `flannelpy-lab up --kube --name {self.name}`"
+            )
 
     def set_agent_args(self, args: list[str]) -> None:
         """Extra flags for every agent started from now on (e.g. a shorter resync)."""

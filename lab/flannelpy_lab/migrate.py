@@ -65,8 +65,10 @@ def migrate(
         raise LabError(f"node {node_name} runs {to} already")
     before = agents.read_subnet_env(node)
     if before is None:
-        raise LabError(f"node {node_name} has no subnet.env at {node.subnet_env}: "
-                       "its agent never became ready, so it has nothing to hand over")  # fmt: skip
+        raise LabError(
+            f"node {node_name} has no subnet.env at {node.subnet_env}: "
+            "its agent never became ready, so it has nothing to hand over"
+        )
     if "cni_exec" not in lab.state.extra:
         lab.install_cni()
     from_kind = node.agent_kind
@@ -94,8 +96,9 @@ def migrate(
             f"node {node_name} changed its lease from {before.subnet} to "
             f"{after.subnet if after else 'none'} when migrating to {to}; see {node.agent_log}"
         )
-    return MigrationResult(node_name, from_kind, to, after.subnet, exported,
-                           time.monotonic() - started)  # fmt: skip
+    return MigrationResult(
+        node_name, from_kind, to, after.subnet, exported, time.monotonic() - started
+    )
 
 
 def export_allocations(node_dir: str, host_local_network_dir: str) -> int:

@@ -106,8 +106,10 @@ def prepare_flanneld_node(node: NodeInfo) -> None:
     """Render the delegate conflist from the node's subnet.env now, as the flannel plugin
     does at each ADD; fail if flanneld has written none."""
     if agents.read_subnet_env(node) is None:
-        raise LabError(f"node {node.name} has no subnet.env at {node.subnet_env}: its "
-                       f"flanneld is not ready; see {node.agent_log}")  # fmt: skip
+        raise LabError(
+            f"node {node.name} has no subnet.env at {node.subnet_env}: its "
+            f"flanneld is not ready; see {node.agent_log}"
+        )
     write_conflist(node)
 
 

@@ -179,8 +179,9 @@ def log_tail(path: str, lines: int = 10) -> str:
     return "".join(tail).rstrip() or "(log is empty)"
 
 
-def wait_started(what: str, ref: ProcessRef, log: str, check: Callable[[], bool],
-                 timeout: float) -> None:  # fmt: skip
+def wait_started(
+    what: str, ref: ProcessRef, log: str, check: Callable[[], bool], timeout: float
+) -> None:
     """Poll ``check`` until a process just started answers; raises LabError as soon as
     it exits (no point waiting out the timeout) or when ``timeout`` passes, with the
     end of its ``log``, where the reason is."""
@@ -189,6 +190,7 @@ def wait_started(what: str, ref: ProcessRef, log: str, check: Callable[[], bool]
         if not alive(ref):
             raise LabError(f"{what} exited at start; last lines of {log}:\n{log_tail(log)}")
         if time.monotonic() > deadline:
-            raise LabError(f"{what} was not ready within {timeout:g} s; last lines of "
-                           f"{log}:\n{log_tail(log)}")  # fmt: skip
+            raise LabError(
+                f"{what} was not ready within {timeout:g} s; last lines of {log}:\n{log_tail(log)}"
+            )
         time.sleep(0.2)

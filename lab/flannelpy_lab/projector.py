@@ -150,8 +150,10 @@ def follow(api: Api, namespace: str, name: str) -> Iterator[tuple[str, dict[str,
             for item in listed.get("items") or []:
                 yield rv, configmap_payload(item)
             while True:
-                query = (f"?fieldSelector={selector}&watch=1&allowWatchBookmarks=true"
-                         f"&resourceVersion={rv}&timeoutSeconds={WATCH_SECONDS}")  # fmt: skip
+                query = (
+                    f"?fieldSelector={selector}&watch=1&allowWatchBookmarks=true"
+                    f"&resourceVersion={rv}&timeoutSeconds={WATCH_SECONDS}"
+                )
                 with api.open(base + query, timeout=WATCH_SECONDS + 15) as resp:
                     for line in resp:
                         event = json.loads(line)
@@ -178,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for rv, payload in follow(api, args.namespace, args.configmap):
         try:
             if project(args.dir, payload):
-                print(f"projector: projected resourceVersion {rv}: {sorted(payload)}",
-                      flush=True)  # fmt: skip
+                print(f"projector: projected resourceVersion {rv}: {sorted(payload)}", flush=True)
         except (OSError, ValueError) as e:  # a full disk, a bad key: keep the last version
             print(f"projector: cannot project resourceVersion {rv}: {e}", flush=True)
     return 0

@@ -45,8 +45,9 @@ LAB_RANGE = "30s"
 READY_TIMEOUT = 30.0
 MANIFEST = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "manifests", "prometheusrule.yaml",
-)  # fmt: skip
+    "manifests",
+    "prometheusrule.yaml",
+)
 
 _RANGE = re.compile(r"\[(\d+[smhdwy])(:\d*[smhdwy]?)?\]")
 _DURATION = re.compile(r"^(\d+)([smhdwy])$")
@@ -67,8 +68,9 @@ def lab_expr(expr: str, window: str = LAB_RANGE) -> str:
     return _RANGE.sub(lambda m: f"[{window}{m.group(2) or ''}]", expr)
 
 
-def rules_file(manifest: dict[str, Any], for_max: str = LAB_FOR,
-               window: str = LAB_RANGE) -> dict[str, Any]:  # fmt: skip
+def rules_file(
+    manifest: dict[str, Any], for_max: str = LAB_FOR, window: str = LAB_RANGE
+) -> dict[str, Any]:
     """The plain rules file (``groups:``) of a PrometheusRule object, shortened for the lab.
 
     Raises ValueError naming what is wrong when ``manifest`` is not a PrometheusRule."""
@@ -154,10 +156,13 @@ def start(state: LabState) -> procs.ProcessRef:
         yaml.safe_dump(scrape_config(state, rules_path), f, sort_keys=False)
     address = state.extra[STATE_KEY]["url"].removeprefix("http://")
     argv = [
-        binary, f"--config.file={config_path}", f"--storage.tsdb.path={folder}/data",
-        f"--web.listen-address={address}", "--storage.tsdb.retention.time=2h",
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={folder}/data",
+        f"--web.listen-address={address}",
+        "--storage.tsdb.retention.time=2h",
         "--log.level=warn",
-    ]  # fmt: skip
+    ]
     ref = procs.spawn_detached(argv, os.path.join(folder, "prometheus.log"))
     state.extra[STATE_KEY].update(pid=ref.pid, start_ticks=ref.start_ticks)
     wait_ready(state, ref)
@@ -176,11 +181,13 @@ def wait_ready(state: LabState, ref: procs.ProcessRef, timeout: float = READY_TI
             pass
         log = os.path.join(directory(state), "prometheus.log")
         if not procs.alive(ref):
-            raise LabError(f"prometheus exited at start; last lines of {log}:\n"
-                           f"{procs.log_tail(log)}")  # fmt: skip
+            raise LabError(
+                f"prometheus exited at start; last lines of {log}:\n{procs.log_tail(log)}"
+            )
         if time.monotonic() > deadline:
-            raise LabError(f"prometheus did not get ready at {base} within {timeout:g} s; "
-                           f"see {log}")  # fmt: skip
+            raise LabError(
+                f"prometheus did not get ready at {base} within {timeout:g} s; see {log}"
+            )
         time.sleep(0.2)
 
 
@@ -230,5 +237,7 @@ def alerts(state: LabState) -> list[dict[str, Any]]:
 
 def targets_up(state: LabState) -> dict[str, bool]:
     """node -> whether its agent's last scrape succeeded."""
-    return {r["metric"].get("node", "?"): r["value"][1] == "1"
-            for r in query(state, 'up{job="flannelpy"}')}  # fmt: skip
+    return {
+        r["metric"].get("node", "?"): r["value"][1] == "1"
+        for r in query(state, 'up{job="flannelpy"}')
+    }

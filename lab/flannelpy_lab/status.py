@@ -201,10 +201,13 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(f"warning: {doc['etcd_error']}")
     prom = doc.get("prometheus")
     if prom:
-        lines.append(f"prometheus {prom['url']} ({'running' if prom['running'] else 'down'}); "
-                     f"alerts: {prom['url']}/api/v1/alerts")  # fmt: skip
-    rows = [["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "RUNS",
-             "AGENT"]]  # fmt: skip
+        lines.append(
+            f"prometheus {prom['url']} ({'running' if prom['running'] else 'down'}); "
+            f"alerts: {prom['url']}/api/v1/alerts"
+        )
+    rows = [
+        ["NODE", "NAMESPACE", "SEG", "UNDERLAY", "LEASE", "BACKEND", "OVERLAY", "RUNS", "AGENT"]
+    ]
     for n in doc["nodes"]:
         rows.append(
             [
@@ -272,8 +275,10 @@ def _per_family(doc: dict[str, Any], key: str) -> list[tuple[str, dict[str, dict
 def _verdict(kind: str, matrices: list[tuple[str, dict[str, dict[str, bool]]]]) -> str:
     """One line over every family: all pairs reach, or how many do not (and in which)."""
     pairs = len([ok for row in (matrices[0][1] if matrices else {}).values() for ok in row])
-    failing = {family: sum(not ok for row in reach.values() for ok in row.values())
-               for family, reach in matrices}  # fmt: skip
+    failing = {
+        family: sum(not ok for row in reach.values() for ok in row.values())
+        for family, reach in matrices
+    }
     both = (
         " in both families"
         if len(matrices) > 1
@@ -299,9 +304,16 @@ def render_members(members: list[dict[str, Any]]) -> list[str]:
             role = f"unreachable ({m['error'][:40]})"
         else:
             role = "leader" if m["leader"] else "follower"
-        rows.append([m["name"], m["client_url"], m["id"] or "-", role,
-                     str(m["raft_term"]) if m["raft_term"] is not None else "-",
-                     f"pid {m['pid']}" if m["running"] else "down"])  # fmt: skip
+        rows.append(
+            [
+                m["name"],
+                m["client_url"],
+                m["id"] or "-",
+                role,
+                str(m["raft_term"]) if m["raft_term"] is not None else "-",
+                f"pid {m['pid']}" if m["running"] else "down",
+            ]
+        )
     leaders = sum(1 for m in members if m["leader"])
     verdict = "leader elected" if leaders == 1 else "no leader"
     return ["", f"etcd members: {len(members)}, {verdict}", *_table(rows)]

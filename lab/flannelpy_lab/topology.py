@@ -138,8 +138,15 @@ def build_node(state: LabState, node: NodeInfo) -> None:
     set_sysctl(node.namespace, "net.ipv4.ip_forward", "1")
     if plan.ipv6_enabled(state):
         # The ULA underlay (dual stack); nodad: usable at once, unique by the plan.
-        ip("addr", "add", plan.ipv6_underlay_address(node), "dev", node.underlay_iface,
-           "nodad", ns=node.namespace)  # fmt: skip
+        ip(
+            "addr",
+            "add",
+            plan.ipv6_underlay_address(node),
+            "dev",
+            node.underlay_iface,
+            "nodad",
+            ns=node.namespace,
+        )
         set_sysctl(node.namespace, "net.ipv6.conf.all.forwarding", "1")
 
 
@@ -164,8 +171,10 @@ def delete_node(state: LabState, node: NodeInfo) -> None:
     # the delete, so only a port that is still there after a failed delete is an error.
     proc = ip("link", "del", node.switch_port, ns=seg.switch_namespace, check=False)
     if proc.returncode != 0 and link_exists(node.switch_port, ns=seg.switch_namespace):
-        raise LabError(f"cannot remove switch port {node.switch_port} of node {node.name} "
-                       f"in {seg.switch_namespace}: {proc.stderr.strip()}")  # fmt: skip
+        raise LabError(
+            f"cannot remove switch port {node.switch_port} of node {node.name} "
+            f"in {seg.switch_namespace}: {proc.stderr.strip()}"
+        )
 
 
 def attach_host(state: LabState) -> None:

@@ -365,8 +365,9 @@ def test_recreated_node_with_new_address_leaves_no_route_to_the_old_one(vxlan_la
         found = kv.get(lease_key(lab, "n3"))
         assert found is not None
         aged = kv.grant_lease(120)
-        assert kv.put_if_mod_revision(lease_key(lab, "n3"), found.value, found.mod_revision,
-                                      aged.id)  # fmt: skip
+        assert kv.put_if_mod_revision(
+            lease_key(lab, "n3"), found.value, found.mod_revision, aged.id
+        )
     finally:
         kv.close()
     info = lab.recreate_node("n3")

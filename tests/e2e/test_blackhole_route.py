@@ -66,8 +66,13 @@ def counting(lab: Lab, node: str, dst: IPv4Address) -> Iterator[dict[str, int]]:
         "}\n"
     )
     ns = lab.node(node).namespace
-    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, text=True,
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+        input=rules,
+        text=True,
+        check=True,
+        capture_output=True,
+    )
     counts: dict[str, int] = {}
     try:
         yield counts
@@ -84,8 +89,10 @@ def counting(lab: Lab, node: str, dst: IPv4Address) -> Iterator[dict[str, int]]:
 def ping_unused(lab: Lab, src_pod: str, dst_node: str) -> IPv4Address:
     target = subnet_of(lab, dst_node).network_address + UNUSED
     # A short TTL: without a blackhole the packet loops between the two nodes.
-    pu.run_in(lab.pod(src_pod).namespace,
-              ["ping", "-c", "3", "-i", "0.2", "-W", "1", "-t", "8", str(target)])  # fmt: skip
+    pu.run_in(
+        lab.pod(src_pod).namespace,
+        ["ping", "-c", "3", "-i", "0.2", "-W", "1", "-t", "8", str(target)],
+    )
     return target
 
 
@@ -130,8 +137,11 @@ def test_without_cni0_an_unused_address_is_dropped_only_with_the_flag(
     else:
         assert counts["post"] >= 3, counts  # the control: out by the default route
     # With cni0 back, pods reach each other again.
-    wait_until(lambda: pu.ping(lab.pod(sender).namespace, lab.pod(f"{node}-p1").ip),
-               15.0, f"{sender} reaching the pod on {node} again")  # fmt: skip
+    wait_until(
+        lambda: pu.ping(lab.pod(sender).namespace, lab.pod(f"{node}-p1").ip),
+        15.0,
+        f"{sender} reaching the pod on {node} again",
+    )
 
 
 def tx_offload(lab: Lab, node: str) -> bool | None:

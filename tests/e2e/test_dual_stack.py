@@ -58,9 +58,13 @@ def test_dual_stack_lab_reaches_in_both_families_with_the_mtu_right(
     backend: str, direct_routing: bool, overlay_mtu: int
 ) -> None:
     with running_lab(
-        3, backend, direct_routing=direct_routing, overlay_bridge=True, pods_per_node=1,
+        3,
+        backend,
+        direct_routing=direct_routing,
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         doc = converged_status(lab, ("matrix", "matrix_ipv6", "pod_matrix", "pod_matrix_ipv6"))
         # Flannel's dual lease keys, with each node's IPv6 underlay address advertised.
         for node in lab.nodes:
@@ -100,9 +104,11 @@ def test_dual_stack_with_the_real_flanneld_reaches_and_its_ipv6_mtu_is_named() -
     """2 of our nodes and 2 real flanneld nodes sharing one etcd, dual stack, vxlan,
     nftables mode."""
     with running_mixed_lab(
-        "vxlan", overlay_bridge=True, pods_per_node=1,
+        "vxlan",
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra={**plan.ip_family_net_conf("dual"), "EnableNFTables": True},
-    ) as lab:  # fmt: skip
+    ) as lab:
         doc = converged_status(lab, ("matrix", "pod_matrix"))
 
         # Both tables of ours are flanneld's, byte for byte, with each node's subnets
@@ -135,8 +141,9 @@ def test_dual_stack_with_the_real_flanneld_reaches_and_its_ipv6_mtu_is_named() -
         assert all(p.address6 for p in lab.state.pods), lab.state.pods
         pods6 = pods.pod_matrix(lab.state.pods, family=6)
         assert len(pods6) == 4 and status.all_reach(pods6), pods6
-        doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        doctor = subprocess.run(
+            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+        )
         assert "2 flanneld peer(s) run VXLAN over IPv6 with pod MTU 1450" in doctor.stdout, (
             doctor.stdout + doctor.stderr
         )

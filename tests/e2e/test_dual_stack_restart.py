@@ -42,9 +42,12 @@ COOLDOWN = 30.0  # the IPAM's default ipCooldownSeconds; the lab's conflist sets
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     with running_lab(
-        2, "vxlan", overlay_bridge=True, pods_per_node=1,
+        2,
+        "vxlan",
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         yield lab
 
 
@@ -138,8 +141,10 @@ def test_without_its_lease_a_restart_asks_for_the_subnets_of_subnet_env(lab: Lab
     # The lease is gone (as if expired while the node was down): only subnet.env remains.
     with lab_etcd.client(lab.etcd_endpoint, timeout=10.0) as c:
         assert c.delete(f"{lab.state.etcd_prefix.rstrip('/')}/subnets/{key}")
-    assert all(x["node_name"] != NODE for x in lab_etcd.read_leases(
-        lab.etcd_endpoints, lab.state.etcd_prefix))  # fmt: skip
+    assert all(
+        x["node_name"] != NODE
+        for x in lab_etcd.read_leases(lab.etcd_endpoints, lab.state.etcd_prefix)
+    )
     offset = log_size(node)
     lab.start_agent(NODE)
     lab.wait_ready(NODE)

@@ -66,8 +66,11 @@ OUTAGE_S = 60.0
 PEER_SUBNET = IPv4Network("10.244.250.0/24")
 PEER_HOST = 200  # its host number on the lab's segment (labs side by side differ)
 PEER_MAC = "02:00:00:00:fa:01"
-MOVED = re.compile(r"^(\S+) .*etcd requests moved to another endpoint "
-                   r"from=\S*?(http://[0-9.:]+)\S* to=\S*?(http://[0-9.:]+)", re.M)  # fmt: skip
+MOVED = re.compile(
+    r"^(\S+) .*etcd requests moved to another endpoint "
+    r"from=\S*?(http://[0-9.:]+)\S* to=\S*?(http://[0-9.:]+)",
+    re.M,
+)
 
 
 def test_down_removes_members_after_a_partial_start_and_without_state(
@@ -148,8 +151,10 @@ def has_peer(lab: Lab, node: str) -> bool:
     all nodes in parallel times its arrival to a few tenths of a second)?"""
     proc = lab.exec(node, ["bridge", "-j", "fdb", "show", "dev", VXLAN_DEVICE], check=False)
     entries = json.loads(proc.stdout or "[]") if proc.returncode == 0 else []
-    return any(e.get("mac", "").lower() == PEER_MAC and e.get("dst") == segment_ip(lab, PEER_HOST)
-               for e in entries)  # fmt: skip
+    return any(
+        e.get("mac", "").lower() == PEER_MAC and e.get("dst") == segment_ip(lab, PEER_HOST)
+        for e in entries
+    )
 
 
 def nodes_with_peer(lab: Lab) -> set[str]:
@@ -172,8 +177,9 @@ def moves_since(lab: Lab, node: str, offset: int) -> list[tuple[float, str, str]
         f.seek(offset)
         text = f.read()
     # The agent logs local time: read it back the same way.
-    return [(datetime.fromisoformat(at).timestamp(), src, dst)
-            for at, src, dst in MOVED.findall(text)]  # fmt: skip
+    return [
+        (datetime.fromisoformat(at).timestamp(), src, dst) for at, src, dst in MOVED.findall(text)
+    ]
 
 
 def wait_leader(lab: Lab, timeout: float, not_this: str | None = None) -> EtcdMemberInfo:
@@ -204,8 +210,11 @@ def wait_all_members_healthy(lab: Lab, timeout: float = 30.0, steady_s: float = 
 def partitioned(lab: Lab, member: EtcdMemberInfo, peers: list[str]) -> Iterator[None]:
     """DROP everything between ``member`` and ``peers`` (addresses), both ways, inside the
     member's namespace; removed on exit whatever happens."""
-    rules = [r for ip in peers for r in (["INPUT", "-s", ip, "-j", "DROP"],
-                                          ["OUTPUT", "-d", ip, "-j", "DROP"])]  # fmt: skip
+    rules = [
+        r
+        for ip in peers
+        for r in (["INPUT", "-s", ip, "-j", "DROP"], ["OUTPUT", "-d", ip, "-j", "DROP"])
+    ]
     added = []
     try:
         for rule in rules:
@@ -238,8 +247,10 @@ def error_lines(lab: Lab) -> dict[str, int]:
 
 def phase_line(name: str, report: TrafficReport) -> str:
     streams = len(report.broken_streams)
-    return (f"{name}: {report.sent} echoes sent, {report.lost} lost, "
-            f"{streams} of {len(report.streams)} streams broken")  # fmt: skip
+    return (
+        f"{name}: {report.sent} echoes sent, {report.lost} lost, "
+        f"{streams} of {len(report.streams)} streams broken"
+    )
 
 
 # -- the run ------------------------------------------------------------------------
@@ -287,10 +298,15 @@ def test_agents_outlive_leader_kill_partition_and_full_outage(lab: Lab) -> None:
         log_offsets = {n.name: os.path.getsize(n.agent_log) for n in lab.nodes}
         admin = EtcdStore([m.client_url for m in majority])
         key = lease_key(lab.state.etcd_prefix, PEER_SUBNET)
-        peer = LeaseAttrs.from_json(json.dumps({
-            "PublicIP": segment_ip(lab, PEER_HOST), "BackendType": "vxlan",
-            "BackendData": {"VNI": 1, "VtepMAC": PEER_MAC},
-        }))  # fmt: skip
+        peer = LeaseAttrs.from_json(
+            json.dumps(
+                {
+                    "PublicIP": segment_ip(lab, PEER_HOST),
+                    "BackendType": "vxlan",
+                    "BackendData": {"VNI": 1, "VtepMAC": PEER_MAC},
+                }
+            )
+        )
         seen_at: dict[str, float] = {}  # node -> seconds from the write to its FDB entry
 
         def note_seen(seen: dict[str, float], since: float) -> int:
@@ -326,12 +342,17 @@ def test_agents_outlive_leader_kill_partition_and_full_outage(lab: Lab) -> None:
             wait_all_members_healthy(lab)
             b = traffic.stop()
         moved = {n: moves_since(lab, n, log_offsets[n]) for n in on_lonely}
-        note(phase_line(f"b) {lonely.name} cut off from 2 members and "
-                                f"{', '.join(n.name for n in cut_nodes)}", b)
-                     + f"; peer lease on {len(seen_during)}/{NODES} nodes during the "
-                     f"partition, on all {seen_all_s:.1f} s after the heal; seconds from the "
-                     f"write per node: {fmt_times(seen_at)}; agents that used it: "
-                     f"{', '.join(on_lonely)}, moved: {fmt_moves(moved, cut_at)}")  # fmt: skip
+        note(
+            phase_line(
+                f"b) {lonely.name} cut off from 2 members and "
+                f"{', '.join(n.name for n in cut_nodes)}",
+                b,
+            )
+            + f"; peer lease on {len(seen_during)}/{NODES} nodes during the "
+            f"partition, on all {seen_all_s:.1f} s after the heal; seconds from the "
+            f"write per node: {fmt_times(seen_at)}; agents that used it: "
+            f"{', '.join(on_lonely)}, moved: {fmt_moves(moved, cut_at)}"
+        )
         assert b.lost == 0 and not b.broken_streams, b.summary()
         assert not restarts(lab, pids)
         for node, moves in moved.items():
@@ -372,16 +393,20 @@ def test_agents_outlive_leader_kill_partition_and_full_outage(lab: Lab) -> None:
             c = traffic.stop()
         after = wait_until(lambda: leases_or_none(store, lab), 15.0, "reading every lease")
         remaining = {n: store.lease_remaining(lease_id) for n, (_, lease_id) in after.items()}
-        note(phase_line(f"c) all members down {OUTAGE_S:.0f} s", c)
-                     + f"; leases renewed {min(renewed_at.values()):.1f}-"
-                     f"{max(renewed_at.values()):.1f} s after etcd came back")  # fmt: skip
+        note(
+            phase_line(f"c) all members down {OUTAGE_S:.0f} s", c)
+            + f"; leases renewed {min(renewed_at.values()):.1f}-"
+            f"{max(renewed_at.values()):.1f} s after etcd came back"
+        )
         assert c.lost == 0 and not c.broken_streams, c.summary()
         assert all(r is not None and r > LEASE_TTL_S - 30 for r in remaining.values()), remaining
         gone = restarts(lab, pids)
         sent = a.sent + b.sent + c.sent
         lost = a.lost + b.lost + c.lost
-        note(f"etcd 3-member fault run: {sent} echoes sent, {lost} lost, agent "
-                     f"restarts {len(gone)}, {time.monotonic() - started:.0f} s")  # fmt: skip
+        note(
+            f"etcd 3-member fault run: {sent} echoes sent, {lost} lost, agent "
+            f"restarts {len(gone)}, {time.monotonic() - started:.0f} s"
+        )
         note(f"agent log lines at ERROR or above: {error_lines(lab)}")
         print("\n" + "\n".join(lines))  # the whole run's summary, together
         assert not gone

@@ -32,8 +32,11 @@ pytestmark = [pytest.mark.lab]
 CONVERGE = 30.0
 
 
-@pytest.fixture(scope="module", params=[(True, False), (False, True)],
-                ids=["config-dr_n1-without", "config-without_n1-dr"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[(True, False), (False, True)],
+    ids=["config-dr_n1-without", "config-without_n1-dr"],
+)
 def dr_lab(request: pytest.FixtureRequest) -> Iterator[tuple[Lab, bool]]:
     config_dr, n1_dr = request.param
     with running_mixed_lab("vxlan", direct_routing=config_dr, pods_per_node=1) as lab:
@@ -42,8 +45,9 @@ def dr_lab(request: pytest.FixtureRequest) -> Iterator[tuple[Lab, bool]]:
         store = EtcdStore([lab.etcd_endpoint])
         try:
             override = NodeOverride({"Type": "vxlan", "DirectRouting": n1_dr}, generation=1)
-            store.put(override_key(lab.state.etcd_prefix.rstrip("/"), "n1"),
-                      override.to_json().encode())  # fmt: skip
+            store.put(
+                override_key(lab.state.etcd_prefix.rstrip("/"), "n1"), override.to_json().encode()
+            )
         finally:
             store.close()
         n1_ip = lab.node("n1").ip
@@ -52,8 +56,12 @@ def dr_lab(request: pytest.FixtureRequest) -> Iterator[tuple[Lab, bool]]:
             (n1,) = [x for x in read_leases(lab) if x.attrs.public_ip == n1_ip]
             return n1.attrs.direct_routing is (True if n1_dr else None)
 
-        wait_until(n1_advertises_its_override, timeout=CONVERGE, interval=0.5,
-                   what="n1 running its override")  # fmt: skip
+        wait_until(
+            n1_advertises_its_override,
+            timeout=CONVERGE,
+            interval=0.5,
+            what="n1 running its override",
+        )
         yield lab, config_dr
 
 
@@ -69,22 +77,32 @@ def _paths(lab: Lab) -> dict[tuple[str, str], str]:
                 continue
             route = by_dst.get(subnets.get(str(peer.ip), IPv4Network("0.0.0.0/32")))
             out[(node.name, peer.name)] = (
-                "none" if route is None
-                else "direct" if route.get("dev") == node.underlay_iface else "vxlan"
-            )  # fmt: skip
+                "none"
+                if route is None
+                else "direct"
+                if route.get("dev") == node.underlay_iface
+                else "vxlan"
+            )
     return out
 
 
 def _asymmetric(paths: dict[tuple[str, str], str]) -> dict[str, str]:
-    return {f"{a}->{b}": f"{p} but {b}->{a} {paths[(b, a)]}"
-            for (a, b), p in paths.items() if p != paths[(b, a)] or p == "none"}  # fmt: skip
+    return {
+        f"{a}->{b}": f"{p} but {b}->{a} {paths[(b, a)]}"
+        for (a, b), p in paths.items()
+        if p != paths[(b, a)] or p == "none"
+    }
 
 
 def test_every_pair_takes_one_path_both_ways(dr_lab: tuple[Lab, bool]) -> None:
     lab, config_dr = dr_lab
     try:
-        wait_until(lambda: not _asymmetric(_paths(lab)), timeout=CONVERGE, interval=1.0,
-                   what="symmetric paths")  # fmt: skip
+        wait_until(
+            lambda: not _asymmetric(_paths(lab)),
+            timeout=CONVERGE,
+            interval=1.0,
+            what="symmetric paths",
+        )
     except AssertionError:
         pytest.fail(f"asymmetric paths: {_asymmetric(_paths(lab))}")
     paths = _paths(lab)
@@ -99,8 +117,9 @@ def test_every_pair_takes_one_path_both_ways(dr_lab: tuple[Lab, bool]) -> None:
 
 def test_every_pod_pair_reaches_under_strict_rp_filter(dr_lab: tuple[Lab, bool]) -> None:
     lab, _ = dr_lab
-    wait_until(lambda: not _asymmetric(_paths(lab)), timeout=CONVERGE, interval=1.0,
-               what="symmetric paths")  # fmt: skip
+    wait_until(
+        lambda: not _asymmetric(_paths(lab)), timeout=CONVERGE, interval=1.0, what="symmetric paths"
+    )
 
     def failing() -> list[str]:
         matrix = pod_matrix(lab.pods)
@@ -122,8 +141,12 @@ def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
     lab, _ = dr_lab
     subnet = IPv4Network("10.244.200.0/24")
     public_ip = segment_ip(lab, 99)
-    doc = {"PublicIP": public_ip, "PublicIPv6": None, "BackendType": "wireguard",
-           "BackendData": {"PublicKey": "x"}}  # fmt: skip
+    doc = {
+        "PublicIP": public_ip,
+        "PublicIPv6": None,
+        "BackendType": "wireguard",
+        "BackendData": {"PublicKey": "x"},
+    }
     store = EtcdStore([lab.etcd_endpoint])
     key = lease_key(lab.state.etcd_prefix.rstrip("/"), subnet)
     revision = store.put(key, json.dumps(doc).encode())
@@ -138,16 +161,21 @@ def test_a_wireguard_peer_on_our_segment_gets_no_route_but_a_reason(
                         out[node] = u["reason"]
             return out
 
-        wait_until(lambda: len(reasons()) == 2, timeout=CONVERGE, interval=0.5,
-                   what="both of our nodes reporting the wireguard peer")  # fmt: skip
+        wait_until(
+            lambda: len(reasons()) == 2,
+            timeout=CONVERGE,
+            interval=0.5,
+            what="both of our nodes reporting the wireguard peer",
+        )
         # status.json is written after the reconcile of the same plan: a route is in by now
         for node in ("n1", "n2"):
             routes = lab.exec(node, ["ip", "-4", "route", "show", str(subnet)]).stdout
             assert routes.strip() == "", f"{node} routes the wireguard peer: {routes}"
             assert "one node runs wireguard and the other neither runs it" in reasons()[node]
         # The doctor, run beside n1's agent, names it too.
-        doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        doctor = subprocess.run(
+            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+        )
         assert f"10.244.200.0/24 ({public_ip}) cannot be reached" in doctor.stdout, (
             doctor.stdout + doctor.stderr
         )

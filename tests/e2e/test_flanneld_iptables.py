@@ -69,14 +69,15 @@ def test_a_foreign_chain_put_first_is_never_fought(lab: Lab) -> None:
             in_ns(ns, ["iptables", "-w", "-t", table, "-A", chain, "-j", "RETURN"])
             in_ns(ns, ["iptables", "-w", "-t", table, "-I", builtin, "1", "-j", chain])
     before = {n: counted_rules(iptables_save(lab, n, counters=True)) for n in nodes}
-    writes = {"n1": log_count(lab, "n1", OURS_REPAIRED),
-              "n3": log_count(lab, "n3", FLANNELD_REWROTE)}  # fmt: skip
+    writes = {
+        "n1": log_count(lab, "n1", OURS_REPAIRED),
+        "n3": log_count(lab, "n3", FLANNELD_REWROTE),
+    }
 
     # Five resyncs of ours begun after this point (counted by the agent), by when flanneld,
     # on the same interval and observable only by its log, has made about as many.
     mark = processed(fresh_status(lab.node("n1")), FIREWALL_RESYNCS)
-    wait_until_processed(lab.node("n1"), FIREWALL_RESYNCS, after=mark + 5,
-                         timeout=10 * RESYNC)  # fmt: skip
+    wait_until_processed(lab.node("n1"), FIREWALL_RESYNCS, after=mark + 5, timeout=10 * RESYNC)
 
     for node in nodes:
         after = counted_rules(iptables_save(lab, node, counters=True))
@@ -98,8 +99,7 @@ def test_a_foreign_chain_put_first_is_never_fought(lab: Lab) -> None:
 
 
 def _put_config(lab: Lab, **extra: object) -> None:
-    doc = {**plan.net_conf(lab.state.network, lab.state.backend, lab.state.direct_routing),
-           **extra}  # fmt: skip
+    doc = {**plan.net_conf(lab.state.network, lab.state.backend, lab.state.direct_routing), **extra}
     etcd.put_config(lab.state, json.dumps(doc))
 
 

@@ -85,13 +85,13 @@ def _pod_mtu(pod: PodInfo) -> int:
 
 
 def _in_pod(pod: PodInfo, argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", "netns", "exec", pod.namespace, *argv],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    return subprocess.run(
+        ["ip", "netns", "exec", pod.namespace, *argv], capture_output=True, text=True, timeout=30
+    )
 
 
 def _df_ping(src: PodInfo, dst: PodInfo, payload: int) -> subprocess.CompletedProcess[str]:
-    return _in_pod(src, ["ping", "-M", "do", "-s", str(payload), "-c", "1", "-W", "2",
-                         str(dst.ip)])  # fmt: skip
+    return _in_pod(src, ["ping", "-M", "do", "-s", str(payload), "-c", "1", "-W", "2", str(dst.ip)])
 
 
 def _overlay_mtu(lab: Lab) -> int:
@@ -124,8 +124,11 @@ def test_every_node_pair_and_pod_pair_reaches(lab: Lab) -> None:
     assert len(nodes) == 4 * 3 and all(nodes), doc["matrix"]
     assert len(pods) == 4 * 3 and all(pods), doc["pod_matrix"]
     assert {n["name"]: n["agent_kind"] for n in doc["nodes"]} == {
-        "n1": "flannelpy", "n2": "flannelpy", "n3": "flanneld", "n4": "flanneld",
-    }  # fmt: skip
+        "n1": "flannelpy",
+        "n2": "flannelpy",
+        "n3": "flanneld",
+        "n4": "flanneld",
+    }
 
 
 def test_df_ping_at_the_overlay_mtu_crosses_between_ours_and_flanneld_both_ways(
@@ -135,8 +138,11 @@ def test_df_ping_at_the_overlay_mtu_crosses_between_ours_and_flanneld_both_ways(
     assert mtu == (1450 if lab.state.backend == "vxlan" else 1500)
     ours, theirs = _pod_on(lab, OURS[0]), _pod_on(lab, THEIRS[0])
     assert (_pod_mtu(ours), _pod_mtu(theirs)) == (mtu, mtu)
-    wait_until(lambda: pod_matrix([ours, theirs])[ours.name][theirs.name], timeout=CONVERGE,
-               what=f"{ours.name} reaching {theirs.name}")  # fmt: skip
+    wait_until(
+        lambda: pod_matrix([ours, theirs])[ours.name][theirs.name],
+        timeout=CONVERGE,
+        what=f"{ours.name} reaching {theirs.name}",
+    )
     for src, dst in ((ours, theirs), (theirs, ours)):
         full = _df_ping(src, dst, mtu - ICMP_OVERHEAD)
         assert full.returncode == 0, f"DF ping of {mtu} bytes {src.name} -> {dst.name}: " + (
@@ -155,11 +161,17 @@ def test_each_kernel_holds_exactly_what_the_other_leases_ask_for(lab: Lab) -> No
         return entry_mismatches(lab, leases, backend, lambda node: _direct_peers(lab, node))
 
     try:
-        wait_until(lambda: not mismatches(), timeout=CONVERGE, interval=0.5,
-                   what="kernel entries matching the leases")  # fmt: skip
+        wait_until(
+            lambda: not mismatches(),
+            timeout=CONVERGE,
+            interval=0.5,
+            what="kernel entries matching the leases",
+        )
     except AssertionError:
-        pytest.fail("kernel entries differ from the leases:\n" + "\n".join(
-            f"  {where}: {diff}" for where, diff in mismatches().items()))  # fmt: skip
+        pytest.fail(
+            "kernel entries differ from the leases:\n"
+            + "\n".join(f"  {where}: {diff}" for where, diff in mismatches().items())
+        )
 
 
 def test_flanneld_leases_parse_with_our_reader(lab: Lab) -> None:
@@ -172,8 +184,7 @@ def test_flanneld_leases_parse_with_our_reader(lab: Lab) -> None:
         assert lease.subnet == _subnet_env(lab, name).lease_subnet
         assert lease.etcd_lease_id != 0, "flanneld's lease key carries an etcd lease (24 h)"
         if lab.state.backend == "vxlan":
-            link = json.loads(lab.exec(name, ["ip", "-j", "link", "show",
-                                                    VXLAN_DEVICE]).stdout)[0]  # fmt: skip
+            link = json.loads(lab.exec(name, ["ip", "-j", "link", "show", VXLAN_DEVICE]).stdout)[0]
             assert lease.attrs.vtep_mac == link["address"]
             assert dict(lease.attrs.backend_data or {})["VNI"] == 1
         else:
@@ -202,15 +213,19 @@ def _iptables_rules(lab: Lab, node: str) -> list[str]:
     """iptables-save without comments and counters, the node's own subnet as <SUBNET>."""
     own = str(_subnet_env(lab, node).lease_subnet)
     out = lab.exec(node, ["iptables-save"]).stdout
-    lines = [re.sub(r" \[\d+:\d+\]$", "", line) for line in out.splitlines()
-             if not line.startswith("#")]  # fmt: skip
+    lines = [
+        re.sub(r" \[\d+:\d+\]$", "", line) for line in out.splitlines() if not line.startswith("#")
+    ]
     return [line.replace(own, "<SUBNET>") for line in lines]
 
 
 def test_iptables_rules_are_flanneld_s_rule_for_rule(lab: Lab) -> None:
     """The same tables, chains, rules and order on a node of ours as flanneld installs."""
-    wait_until(lambda: any("FLANNEL-FWD" in r for r in _iptables_rules(lab, OURS[0])),
-               timeout=CONVERGE, what="our forward rules")  # fmt: skip
+    wait_until(
+        lambda: any("FLANNEL-FWD" in r for r in _iptables_rules(lab, OURS[0])),
+        timeout=CONVERGE,
+        what="our forward rules",
+    )
     for ours, theirs in zip(OURS, THEIRS, strict=True):
         assert _iptables_rules(lab, ours) == _iptables_rules(lab, theirs)
 
@@ -243,8 +258,10 @@ def test_reservations_without_ttl_are_taken_and_read_by_both_sides() -> None:
             for name, subnet in RESERVED.items():
                 key = subnet_to_key(IPv4Network(subnet))
                 c.put(prefix + key, _reservation(str(lab.node(name).ip)))
-            c.put(prefix + subnet_to_key(IPv4Network(FOREIGN[0])),
-                  _reservation(segment_ip(lab, FOREIGN[1]), FOREIGN[2]))  # fmt: skip
+            c.put(
+                prefix + subnet_to_key(IPv4Network(FOREIGN[0])),
+                _reservation(segment_ip(lab, FOREIGN[1]), FOREIGN[2]),
+            )
         lab.start_agents()
         for name, subnet in RESERVED.items():
             assert str(_subnet_env(lab, name).lease_subnet) == subnet, name
@@ -265,14 +282,21 @@ def test_reservations_without_ttl_are_taken_and_read_by_both_sides() -> None:
             for node in lab.nodes:
                 have = kernel_entries(lab, node)
                 want = expected_entries(node, current, "vxlan", set())
-                if (have.routes, have.neighbours, have.fdb) != (want.routes, want.neighbours,
-                                                                  want.fdb):  # fmt: skip
+                if (have.routes, have.neighbours, have.fdb) != (
+                    want.routes,
+                    want.neighbours,
+                    want.fdb,
+                ):
                     out.append(f"{node.name}: have {have}, want {want}")
             return out
 
         try:
-            wait_until(lambda: not mismatches(), timeout=CONVERGE, interval=0.5,
-                       what="kernel entries matching the leases")  # fmt: skip
+            wait_until(
+                lambda: not mismatches(),
+                timeout=CONVERGE,
+                interval=0.5,
+                what="kernel entries matching the leases",
+            )
         except AssertionError:
             pytest.fail("\n".join(mismatches()))
 

@@ -90,8 +90,9 @@ def test_deleted_rule_chain_and_table_are_back_at_the_next_tick(lab: Lab) -> Non
         return listed == whole
 
     handles = in_ns(ns, ["nft", "-a", "list", "chain", "ip", "flannel-ipv4", "postrtg"])
-    handle = next(line.rsplit("# handle ", 1)[1] for line in handles.splitlines()
-                  if "masquerade" in line)  # fmt: skip
+    handle = next(
+        line.rsplit("# handle ", 1)[1] for line in handles.splitlines() if "masquerade" in line
+    )
     damage = [
         ["delete", "rule", "ip", "flannel-ipv4", "postrtg", "handle", handle],
         ["delete", "chain", "ip", "flannel-ipv4", "forward"],

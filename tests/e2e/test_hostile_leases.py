@@ -85,16 +85,20 @@ def test_hostile_leases_are_ignored_counted_and_harm_no_node(lab: Lab) -> None:
     prefix = lab.state.etcd_prefix.rstrip("/")
     kv = EtcdStore([lab.etcd_endpoint])
     try:
-        underlay = {"PublicIP": segment_ip(lab, 99), "BackendType": "vxlan",
-                    "BackendData": {"VNI": 1, "VtepMAC": "02:00:00:00:00:99"}}  # fmt: skip
+        underlay = {
+            "PublicIP": segment_ip(lab, 99),
+            "BackendType": "vxlan",
+            "BackendData": {"VNI": 1, "VtepMAC": "02:00:00:00:00:99"},
+        }
         kv.put(f"{prefix}/subnets/{underlay_key(lab)}", json.dumps(underlay).encode())
         kv.put(f"{prefix}/subnets/{DEEP_KEY}", ("[" * 3000 + "]" * 3000).encode())
 
         def counted() -> bool:
             return all(
                 rejected(lab, n.name).get(r) == 1.0
-                for n in lab.nodes for r in ("outside-network", "undecodable")
-            )  # fmt: skip
+                for n in lab.nodes
+                for r in ("outside-network", "undecodable")
+            )
 
         wait_until(counted, timeout=20, interval=0.5, what="every agent counting both leases")
         # Two whole reconcile passes after both were counted: nothing has changed.

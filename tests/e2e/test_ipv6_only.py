@@ -68,9 +68,12 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
     backend: str, overlay_mtu: int, tmp_path: Path
 ) -> None:
     with running_lab(
-        3, backend, overlay_bridge=True, pods_per_node=1,
+        3,
+        backend,
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("ipv6"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         # subnet.env: the IPv6 keys only, as Flannel writes it IPv6-only.
         for node in lab.nodes:
             env = Path(node.subnet_env).read_text()
@@ -111,8 +114,9 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
             routes = result.get("routes")
             assert isinstance(routes, list), result
             assert any(r["dst"] == "::/0" for r in routes), result
-            v4 = topology.run_in(pod.namespace, ["ip", "-4", "-o", "addr", "show",
-                                                 "dev", pod.ifname], timeout=10)  # fmt: skip
+            v4 = topology.run_in(
+                pod.namespace, ["ip", "-4", "-o", "addr", "show", "dev", pod.ifname], timeout=10
+            )
             assert v4.stdout.strip() == "", v4.stdout
         matrix = pods.pod_matrix(lab.state.pods, family=6)
         assert len(matrix) == 3 and status.all_reach(matrix), matrix
@@ -136,8 +140,9 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
         assert "all 6 node pairs reach each other in IPv6" in text, text
         assert "all 6 pod pairs reach each other in IPv6" in text, text
         # The doctor reads the IPv6-only node as the agent plans it: no error.
-        doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        doctor = subprocess.run(
+            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+        )
         assert "ERROR" not in doctor.stdout, doctor.stdout + doctor.stderr
         if backend == "wireguard":
             assert "WireGuard's flannel-wg-v6 runs in userspace" in doctor.stdout, doctor.stdout
@@ -148,13 +153,18 @@ def assert_only_wireguard_on_the_wire(lab: Lab, pod_ns: str, dst: str, pcap: str
     between node addresses and never the marker."""
     no_ndp = "ip6 and not (icmp6[0] >= 133 and icmp6[0] <= 137)"
     with underlay_capture(lab.state.segments[0].switch_namespace, pcap, [no_ndp]):
-        ping = topology.run_in(pod_ns, ["ping", "-c", "5", "-i", "0.1", "-p",
-                                        MARKER.encode().hex(), dst], timeout=15)  # fmt: skip
+        ping = topology.run_in(
+            pod_ns, ["ping", "-c", "5", "-i", "0.1", "-p", MARKER.encode().hex(), dst], timeout=15
+        )
         assert ping.returncode == 0, ping.stdout
     with open(pcap, "rb") as f:
         assert MARKER.encode() not in f.read()
     node_ips = {plan.ipv6_underlay_ip(n) for n in lab.nodes}
-    tunnel = [line for line in captured_flows(pcap)
-              if "UDP" in line and line.split()[2].rsplit(".", 1) [0] in node_ips
-              and line.split()[2].endswith(f".{WG_PORT_V6}")]  # fmt: skip
+    tunnel = [
+        line
+        for line in captured_flows(pcap)
+        if "UDP" in line
+        and line.split()[2].rsplit(".", 1)[0] in node_ips
+        and line.split()[2].endswith(f".{WG_PORT_V6}")
+    ]
     assert tunnel, captured_flows(pcap)[:5]

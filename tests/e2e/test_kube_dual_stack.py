@@ -50,9 +50,14 @@ _GET = (
 @pytest.fixture(scope="module")
 def dual_lab() -> Iterator[Lab]:
     with running_lab(
-        4, "vxlan", kube=True, flanneld_nodes=2, overlay_bridge=True, pods_per_node=1,
+        4,
+        "vxlan",
+        kube=True,
+        flanneld_nodes=2,
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"] * 2
         yield lab
 
@@ -140,8 +145,9 @@ def test_flanneld_ipv6_mtu_is_wrong_in_packets_and_named_by_prober_and_doctor(
     assert not ok and re.search(r"[Pp]acket too big|[Mm]essage too long|mtu ?= ?\d+", out), out
     # Our prober: a DF probe of our MTU reaches every peer in each family (metrics by
     # family label), and the 2 flanneld peers advertise no MTU of their own.
-    prefix6 = {str(IPv6Network(n["spec"]["podCIDRs"][1])): name
-               for name, n in nodes_json(lab).items()}  # fmt: skip
+    prefix6 = {
+        str(IPv6Network(n["spec"]["podCIDRs"][1])): name for name, n in nodes_json(lab).items()
+    }
 
     def verified() -> dict[tuple[str, str], float]:
         return {
@@ -152,18 +158,24 @@ def test_flanneld_ipv6_mtu_is_wrong_in_packets_and_named_by_prober_and_doctor(
 
     # NaN until a peer's first probe passed (flanneld's VTEP address is tentative for a
     # second or two after it starts).
-    wait_until(lambda: list(verified().values()) == [1.0] * 6, timeout=CONVERGE,
-               interval=1.0, what="the prober verifying 3 peers in 2 families")  # fmt: skip
+    wait_until(
+        lambda: list(verified().values()) == [1.0] * 6,
+        timeout=CONVERGE,
+        interval=1.0,
+        what="the prober verifying 3 peers in 2 families",
+    )
     found = verified()
     assert all(v == 1.0 for v in found.values()), found
     assert {prefix6[p] for f, p in found if f == "ipv6"} == {"n2", "n3", "n4"}, found
     gauges = {s.name: s.value for s in samples(lab, "n1") if not s.labels}
     assert gauges["flannelpy_peers_mtu_unknown"] == 2.0, gauges
     assert gauges["flannelpy_overlay_mtu_bytes"] == OUR_MTU, gauges
-    doctor = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    doctor = subprocess.run(
+        lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+    )
     print(doctor.stdout)
-    assert (f"2 flanneld peer(s) run VXLAN over IPv6 with pod MTU {FLANNELD_MTU}"
-            in doctor.stdout), doctor.stdout + doctor.stderr  # fmt: skip
+    assert f"2 flanneld peer(s) run VXLAN over IPv6 with pod MTU {FLANNELD_MTU}" in doctor.stdout, (
+        doctor.stdout + doctor.stderr
+    )
     assert f"only {OUR_MTU} fits" in doctor.stdout
     assert "(n3, n4)" in doctor.stdout

@@ -67,20 +67,26 @@ def register_ghost(lab: Lab) -> None:
     segment = IPv4Network(lab.state.segments[0].subnet)
     doc: dict[str, Any] = control_plane.node_manifest("ghost", str(segment.network_address + 200))
     doc["spec"] = {"podCIDR": GHOST_CIDR, "podCIDRs": [GHOST_CIDR]}
-    doc["metadata"]["annotations"].update({
-        PREFIX + "kube-subnet-manager": "true", PREFIX + "backend-type": "vxlan",
-        PREFIX + "backend-data": json.dumps({"VNI": 1, "VtepMAC": "02:00:00:00:fa:01"}),
-        PREFIX + "public-ip": str(segment.network_address + 200),
-    })  # fmt: skip
+    doc["metadata"]["annotations"].update(
+        {
+            PREFIX + "kube-subnet-manager": "true",
+            PREFIX + "backend-type": "vxlan",
+            PREFIX + "backend-data": json.dumps({"VNI": 1, "VtepMAC": "02:00:00:00:fa:01"}),
+            PREFIX + "public-ip": str(segment.network_address + 200),
+        }
+    )
     lab.kubectl("create", "-f", "-", stdin=json.dumps(doc))
 
 
 def wait_ghost(lab: Lab, present: bool, timeout: float = 15.0) -> None:
     verb = "adding" if present else "dropping"
     for node in lab.nodes:
-        wait_until(lambda n=node.name: (GHOST_CIDR in our_routes(lab, n)) == present,
-                   timeout=timeout, interval=0.1,
-                   what=f"{node.name} {verb} the ghost Node")  # fmt: skip
+        wait_until(
+            lambda n=node.name: (GHOST_CIDR in our_routes(lab, n)) == present,
+            timeout=timeout,
+            interval=0.1,
+            what=f"{node.name} {verb} the ghost Node",
+        )
 
 
 def test_apiserver_restart_under_pod_traffic_loses_nothing(lab: Lab) -> None:
@@ -125,11 +131,18 @@ def test_a_node_re_registered_with_another_pod_cidr_is_followed(lab: Lab) -> Non
     refs = agent_refs(lab)
     lab.recreate_kube_node("n2", MOVED_CIDR)
     for node in ("n1", "n3"):
-        wait_until(lambda n=node: MOVED_CIDR in (r := our_routes(lab, n)) and old not in r,
-                   timeout=15, interval=0.1, what=f"{node} following n2's new podCIDR")  # fmt: skip
+        wait_until(
+            lambda n=node: MOVED_CIDR in (r := our_routes(lab, n)) and old not in r,
+            timeout=15,
+            interval=0.1,
+            what=f"{node} following n2's new podCIDR",
+        )
     gateway = str(IPv4Interface(f"{IPv4Network(MOVED_CIDR).network_address + 1}/24"))
-    wait_until(lambda: gateway in lab.exec("n2", ["ip", "-4", "addr", "show", "cni0"]).stdout,
-               timeout=15, what="n2's cni0 gateway on the new podCIDR")  # fmt: skip
+    wait_until(
+        lambda: gateway in lab.exec("n2", ["ip", "-4", "addr", "show", "cni0"]).stdout,
+        timeout=15,
+        what="n2's cni0 gateway on the new podCIDR",
+    )
     # The re-registered Node lost the old object's annotations: n2's agent wrote them again.
     node = json.loads(lab.kubectl("get", "node", "n2", "-o", "json").stdout)
     assert node["metadata"]["annotations"][PREFIX + "public-ip"] == str(lab.node("n2").ip)
@@ -137,8 +150,11 @@ def test_a_node_re_registered_with_another_pod_cidr_is_followed(lab: Lab) -> Non
     assert conditions["NetworkUnavailable"] == "False"
     pod = lab.add_pod("n2", "n2-moved")
     assert pod.ip is not None and pod.ip in IPv4Network(MOVED_CIDR)
-    wait_until(lambda: lab.status()["pod_matrix"]["n1-p1"]["n2-moved"], timeout=10,
-               what="a pod on n1 reaching the new pod on n2")  # fmt: skip
+    wait_until(
+        lambda: lab.status()["pod_matrix"]["n1-p1"]["n2-moved"],
+        timeout=10,
+        what="a pod on n1 reaching the new pod on n2",
+    )
     assert all(procs.alive(r) for r in refs), "an agent exited while its Node was re-registered"
     # A pod on the old podCIDR is routed by nobody now (as with Flannel): the kubelet
     # re-creates it; its DEL works from the agent's record.

@@ -86,8 +86,9 @@ def annotation_writers(node: dict[str, Any]) -> set[str]:
 
 
 def test_every_node_pair_and_pod_pair_reaches(lab: Lab) -> None:
-    wait_until(lambda: bool(lab.status()["ok"]), timeout=CONVERGE, interval=1.0,
-               what="every pair reaching")  # fmt: skip
+    wait_until(
+        lambda: bool(lab.status()["ok"]), timeout=CONVERGE, interval=1.0, what="every pair reaching"
+    )
     doc = lab.status()
     nodes = [ok for row in doc["matrix"].values() for ok in row.values()]
     pods = [ok for row in doc["pod_matrix"].values() for ok in row.values()]
@@ -138,11 +139,17 @@ def test_each_kernel_holds_exactly_what_the_other_nodes_ask_for(lab: Lab) -> Non
         return entry_mismatches(lab, leases, "vxlan", lambda node: set())
 
     try:
-        wait_until(lambda: not mismatches(), timeout=CONVERGE, interval=0.5,
-                   what="kernel entries matching the Nodes")  # fmt: skip
+        wait_until(
+            lambda: not mismatches(),
+            timeout=CONVERGE,
+            interval=0.5,
+            what="kernel entries matching the Nodes",
+        )
     except AssertionError:
-        pytest.fail("kernel entries differ from the Nodes:\n" + "\n".join(
-            f"  {where}: {diff}" for where, diff in mismatches().items()))  # fmt: skip
+        pytest.fail(
+            "kernel entries differ from the Nodes:\n"
+            + "\n".join(f"  {where}: {diff}" for where, diff in mismatches().items())
+        )
     # Each side holds the other's entries (not only its own kind's).
     leases = {lease.key: lease for lease in node_leases(lab)}
     for here, there in ((OURS[0], THEIRS[0]), (THEIRS[0], OURS[0])):

@@ -40,9 +40,14 @@ OUR_MTU = 1430  # VXLAN over IPv6 on a 1500-byte underlay: 1500 - 70
 @pytest.fixture(scope="module")
 def v6_lab() -> Iterator[Lab]:
     with running_lab(
-        3, "vxlan", kube=True, flanneld_nodes=1, overlay_bridge=True, pods_per_node=1,
+        3,
+        "vxlan",
+        kube=True,
+        flanneld_nodes=1,
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("ipv6"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"]
         yield lab
 
@@ -91,25 +96,30 @@ def test_df_at_our_mtu_crosses_and_one_more_is_refused(lab: Lab) -> None:
     pod = {p.node: p for p in lab.state.pods}
     dst = str(ip_interface(pod["n2"].address6 or "").ip)
     argv = ["ping", "-c", "1", "-W", "2", "-M", "do", "-s"]
-    ok = topology.run_in(pod["n1"].namespace, [*argv, str(OUR_MTU - V6_HEADERS), dst],
-                         timeout=10)  # fmt: skip
+    ok = topology.run_in(pod["n1"].namespace, [*argv, str(OUR_MTU - V6_HEADERS), dst], timeout=10)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    big = topology.run_in(pod["n1"].namespace, [*argv, str(OUR_MTU + 1 - V6_HEADERS), dst],
-                          timeout=10)  # fmt: skip
+    big = topology.run_in(
+        pod["n1"].namespace, [*argv, str(OUR_MTU + 1 - V6_HEADERS), dst], timeout=10
+    )
     out = big.stdout + big.stderr
     assert big.returncode != 0 and re.search(r"[Mm]essage too long|mtu ?= ?\d+", out), out
 
 
 def test_the_doctor_finds_nothing_wrong_but_the_flanneld_peer_s_ipv6_mtu(lab: Lab) -> None:
     def run_doctor() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        return subprocess.run(
+            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+        )
 
     # flanneld adds its VTEP address with duplicate address detection: it answers a
     # second or two after it starts, so wait for the doctor's peers line to be clean.
     last: list[subprocess.CompletedProcess[str]] = []
-    wait_until(lambda: not last.append(run_doctor()) and "ERROR  peers" not in last[-1].stdout,
-               30.0, interval=2.0, what="every peer answering the doctor")  # fmt: skip
+    wait_until(
+        lambda: not last.append(run_doctor()) and "ERROR  peers" not in last[-1].stdout,
+        30.0,
+        interval=2.0,
+        what="every peer answering the doctor",
+    )
     doctor = last[-1]
     print(doctor.stdout)
     assert "ERROR" not in doctor.stdout, doctor.stdout + doctor.stderr

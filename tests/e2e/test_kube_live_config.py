@@ -75,15 +75,33 @@ def patch_configmap(lab: Lab, backend: str, policy: str) -> None:
     """``kubectl patch configmap``, as an operator edits net-conf.json; returns once the
     projection shows it (the agents read it from there)."""
     body = {"data": {control_plane.NET_CONF_KEY: net_conf(lab, backend, policy)}}
-    lab.kubectl("patch", "configmap", control_plane.CONFIG_MAP, "-n", control_plane.NAMESPACE,
-                "--type", "merge", "-p", json.dumps(body))  # fmt: skip
+    lab.kubectl(
+        "patch",
+        "configmap",
+        control_plane.CONFIG_MAP,
+        "-n",
+        control_plane.NAMESPACE,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps(body),
+    )
     assert json.loads(lab.sync_kube_net_conf())["Backend"] == {"Type": backend}
 
 
 def apply_configmap(lab: Lab, backend: str, policy: str) -> None:
     """``kubectl apply`` of the whole ConfigMap, as a GitOps pipeline does."""
-    cm = json.loads(lab.kubectl("get", "configmap", control_plane.CONFIG_MAP, "-n",
-                                control_plane.NAMESPACE, "-o", "json").stdout)  # fmt: skip
+    cm = json.loads(
+        lab.kubectl(
+            "get",
+            "configmap",
+            control_plane.CONFIG_MAP,
+            "-n",
+            control_plane.NAMESPACE,
+            "-o",
+            "json",
+        ).stdout
+    )
     doc = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -108,11 +126,16 @@ def node_annotation(lab: Lab, node: str, key: str) -> str | None:
 
 def events(lab: Lab, reason: str, node: str | None = None) -> list[dict[str, Any]]:
     """events.k8s.io Events of ``reason`` about a Node (``node``: that one)."""
-    items = json.loads(lab.kubectl("get", "events.events.k8s.io", "-n", "default",
-                                   "-o", "json").stdout)["items"]  # fmt: skip
-    return [e for e in items if e.get("reason") == reason
-            and e["regarding"].get("kind") == "Node"
-            and (node is None or e["regarding"].get("name") == node)]  # fmt: skip
+    items = json.loads(
+        lab.kubectl("get", "events.events.k8s.io", "-n", "default", "-o", "json").stdout
+    )["items"]
+    return [
+        e
+        for e in items
+        if e.get("reason") == reason
+        and e["regarding"].get("kind") == "Node"
+        and (node is None or e["regarding"].get("name") == node)
+    ]
 
 
 # --- what the agents and the kernel show -------------------------------------------------
@@ -164,8 +187,17 @@ def test_the_net_conf_file_is_a_projected_configmap(lab: Lab) -> None:
     assert path.is_symlink() and str(path.readlink()) == "..data/net-conf.json"
     data = path.parent / "..data"
     assert data.is_symlink() and str(data.readlink()).startswith("..")
-    cm = json.loads(lab.kubectl("get", "configmap", control_plane.CONFIG_MAP, "-n",
-                                control_plane.NAMESPACE, "-o", "json").stdout)  # fmt: skip
+    cm = json.loads(
+        lab.kubectl(
+            "get",
+            "configmap",
+            control_plane.CONFIG_MAP,
+            "-n",
+            control_plane.NAMESPACE,
+            "-o",
+            "json",
+        ).stdout
+    )
     assert path.read_text() == cm["data"]["net-conf.json"]
     assert (path.parent / "cni-conf.json").read_text() == cm["data"]["cni-conf.json"]
 
@@ -189,15 +221,20 @@ def test_configmap_change_under_block_is_blocked_everywhere_and_shows_in_events(
         assert doc["backend"] == "vxlan" and doc["vtep"] is True
         assert blocked_count(lab, node) == before[node] + 1
         assert node_annotation(lab, node, f"{PREFIX}/backend-type") == "vxlan"
-        (event,) = wait_until(lambda n=node: events(lab, "ConfigChangeBlocked", n), REACT,
-                              what=f"the ConfigChangeBlocked Event on {node}")  # fmt: skip
+        (event,) = wait_until(
+            lambda n=node: events(lab, "ConfigChangeBlocked", n),
+            REACT,
+            what=f"the ConfigChangeBlocked Event on {node}",
+        )
         assert event["type"] == "Warning" and event["note"] == blocked["sentence"]
         assert event["reportingController"] == "flannelpy"
         assert event["reportingInstance"] == f"flannelpy-{node}"
         assert event["action"] == "BlockConfigChange" and "series" not in event
         assert event["metadata"]["namespace"] == "default"
-    print(f"kubectl patch to the file: {projected:.2f} s; to every node blocked and its "
-          f"Event listed: {time.monotonic() - started:.2f} s")  # fmt: skip
+    print(
+        f"kubectl patch to the file: {projected:.2f} s; to every node blocked and its "
+        f"Event listed: {time.monotonic() - started:.2f} s"
+    )
     assert {node: routes(lab, node) for node in NODES} == routes_before
     assert all(dev == "flannel.1" for node in NODES for dev in routes(lab, node).values())
     assert all_pods_reach_each_other(lab)
@@ -214,16 +251,24 @@ def test_the_same_block_again_counts_in_the_event_series(lab: Lab) -> None:
         wait_blocked(lab, node)
     patch_configmap(lab, "vxlan", "Block")  # what the nodes run: nothing blocked
     for node in NODES:
-        wait_until(lambda n=node: status_json(lab, n)["blocked"] == [], REACT,
-                   what=f"{node} to drop the blocked change")  # fmt: skip
+        wait_until(
+            lambda n=node: status_json(lab, n)["blocked"] == [],
+            REACT,
+            what=f"{node} to drop the blocked change",
+        )
     patch_configmap(lab, "host-gw", "Block")
     for node in NODES:
         wait_blocked(lab, node)
         # Still one Event per Node; its series counts both occurrences.
         (event,) = wait_until(
-            lambda n=node: [e for e in events(lab, "ConfigChangeBlocked", n)
-                            if (e.get("series") or {}).get("count") == 2],
-            REACT, what=f"{node}'s Event series to count 2")  # fmt: skip
+            lambda n=node: [
+                e
+                for e in events(lab, "ConfigChangeBlocked", n)
+                if (e.get("series") or {}).get("count") == 2
+            ],
+            REACT,
+            what=f"{node}'s Event series to count 2",
+        )
         assert event["series"]["lastObservedTime"] >= event["eventTime"]
         assert len(events(lab, "ConfigChangeBlocked", node)) == 1
     assert all(dev == "flannel.1" for node in NODES for dev in routes(lab, node).values())
@@ -232,17 +277,25 @@ def test_the_same_block_again_counts_in_the_event_series(lab: Lab) -> None:
 def test_forced_override_switches_one_node_and_leaves_an_event(lab: Lab) -> None:
     patch_configmap(lab, "host-gw", "Block")
     override = {
-        "Backend": {"Type": "host-gw"}, "Generation": 1,
+        "Backend": {"Type": "host-gw"},
+        "Generation": 1,
         "Force": {"Reason": REASON, "By": "tester@lab", "At": "2026-11-30T00:00:00Z"},
-    }  # fmt: skip
+    }
     annotate(lab, "n2", json.dumps(override))
-    doc = wait_until(lambda: (d := status_json(lab, "n2"))["applied_generation"] == 1 and d,
-                     REACT, what="n2 to apply the forced override")  # fmt: skip
+    doc = wait_until(
+        lambda: (d := status_json(lab, "n2"))["applied_generation"] == 1 and d,
+        REACT,
+        what="n2 to apply the forced override",
+    )
     assert doc["backend"] == "host-gw" and doc["blocked"] == []
-    wait_until(lambda: node_annotation(lab, "n2", f"{PREFIX}/backend-type") == "host-gw", 10,
-               what="n2's Node to advertise host-gw")  # fmt: skip
-    (event,) = wait_until(lambda: events(lab, "OverrideForced", "n2"), REACT,
-                          what="the OverrideForced Event on n2")  # fmt: skip
+    wait_until(
+        lambda: node_annotation(lab, "n2", f"{PREFIX}/backend-type") == "host-gw",
+        10,
+        what="n2's Node to advertise host-gw",
+    )
+    (event,) = wait_until(
+        lambda: events(lab, "OverrideForced", "n2"), REACT, what="the OverrideForced Event on n2"
+    )
     assert event["type"] == "Warning" and event["action"] == "ApplyConfigChange"
     assert REASON in event["note"] and "vxlan -> host-gw" in event["note"]
     assert "tester@lab" in event["note"]
@@ -250,13 +303,15 @@ def test_forced_override_switches_one_node_and_leaves_an_event(lab: Lab) -> None
     assert "disruptive change forced past the disruption policy" in log and REASON in log
     assert "could not record" not in log
     # n1 and n3 stay blocked on vxlan and reach n2 directly on the shared segment.
-    n2_cidr = json.loads(lab.kubectl("get", "node", "n2", "-o", "json").stdout)["spec"][
-        "podCIDR"]  # fmt: skip
+    n2_cidr = json.loads(lab.kubectl("get", "node", "n2", "-o", "json").stdout)["spec"]["podCIDR"]
     for node in ("n1", "n3"):
         peer = status_json(lab, node)
         assert peer["backend"] == "vxlan" and peer["blocked"], peer
-        wait_until(lambda n=node: routes(lab, n).get(n2_cidr) == "eth0", 10,
-                   what=f"{node}'s route to n2 to go direct")  # fmt: skip
+        wait_until(
+            lambda n=node: routes(lab, n).get(n2_cidr) == "eth0",
+            10,
+            what=f"{node}'s route to n2 to go direct",
+        )
         assert not events(lab, "OverrideForced", node)
     assert set(routes(lab, "n2").values()) == {"eth0"}
     assert all_pods_reach_each_other(lab)
@@ -270,10 +325,16 @@ def test_policy_allow_applies_the_change_everywhere(lab: Lab) -> None:
     started = time.monotonic()
     apply_configmap(lab, "host-gw", "Allow")
     for node in NODES:
-        wait_until(lambda n=node: status_json(lab, n)["backend"] == "host-gw", REACT,
-                   what=f"{node} on host-gw")  # fmt: skip
-        wait_until(lambda n=node: node_annotation(lab, n, f"{PREFIX}/backend-type")
-                   == "host-gw", 10, what=f"{node}'s Node to advertise host-gw")  # fmt: skip
+        wait_until(
+            lambda n=node: status_json(lab, n)["backend"] == "host-gw",
+            REACT,
+            what=f"{node} on host-gw",
+        )
+        wait_until(
+            lambda n=node: node_annotation(lab, n, f"{PREFIX}/backend-type") == "host-gw",
+            10,
+            what=f"{node}'s Node to advertise host-gw",
+        )
     # In effect on the kernel: no VTEP left, every peer route direct on the underlay.
     for node in NODES:
         wait_until(lambda n=node: not vxlan_links(lab, n), REACT, what=f"{node}'s VTEP to go")
@@ -282,8 +343,10 @@ def test_policy_allow_applies_the_change_everywhere(lab: Lab) -> None:
         assert routes(lab, node) and set(routes(lab, node).values()) == {"eth0"}
         assert node_annotation(lab, node, f"{PREFIX}/backend-data") == "null"
     wait_until(lambda: all_pods_reach_each_other(lab), 15, what="every pod pair on host-gw")
-    print(f"kubectl apply to every node on host-gw, VTEPs gone and every pod pair "
-          f"reaching: {time.monotonic() - started:.2f} s")  # fmt: skip
+    print(
+        f"kubectl apply to every node on host-gw, VTEPs gone and every pod pair "
+        f"reaching: {time.monotonic() - started:.2f} s"
+    )
     for a in NODES:
         for b in NODES:
             if a != b:
@@ -291,8 +354,11 @@ def test_policy_allow_applies_the_change_everywhere(lab: Lab) -> None:
     assert len(events(lab, "OverrideForced")) == forced  # an allowed change is no override
 
     annotate(lab, "n2", None)  # back to the config's Backend: host-gw, nothing to do
-    wait_until(lambda: status_json(lab, "n2")["applied_generation"] is None, REACT,
-               what="n2 to drop the removed override")  # fmt: skip
+    wait_until(
+        lambda: status_json(lab, "n2")["applied_generation"] is None,
+        REACT,
+        what="n2 to drop the removed override",
+    )
     assert status_json(lab, "n2")["backend"] == "host-gw"
     assert len(events(lab, "OverrideForced")) == forced
 
@@ -303,8 +369,13 @@ def test_restart_keeps_the_backend_the_annotation_asks_for(lab: Lab) -> None:
     a MODIFIED event of its own Node."""
     patch_configmap(lab, "host-gw", "Allow")
     annotate(lab, "n2", json.dumps({"Backend": {"Type": "vxlan"}, "Generation": 2}))
-    wait_until(lambda: (d := status_json(lab, "n2"))["applied_generation"] == 2
-               and d["backend"] == "vxlan", REACT, what="n2 to apply the override")  # fmt: skip
+    wait_until(
+        lambda: (
+            (d := status_json(lab, "n2"))["applied_generation"] == 2 and d["backend"] == "vxlan"
+        ),
+        REACT,
+        what="n2 to apply the override",
+    )
     lab.kill_agent("n2")
     log_size = len(agent_log(lab, "n2"))
     restarted_at = time.time()

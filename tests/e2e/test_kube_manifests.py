@@ -49,8 +49,16 @@ def ref(obj: dict[str, Any]) -> tuple[str, str, str]:
 def test_the_lab_applied_every_object_but_the_daemonset(lab: Lab) -> None:
     objects = rendered(lab)
     kinds = {o["kind"] for o in objects}
-    assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-            "RoleBinding", "ConfigMap", "DaemonSet"} <= kinds, kinds  # fmt: skip
+    assert {
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+    } <= kinds, kinds
     for obj in objects:
         kind, namespace, name = ref(obj)
         where = ["-n", namespace] if namespace else []
@@ -65,8 +73,9 @@ def test_the_lab_applied_every_object_but_the_daemonset(lab: Lab) -> None:
             assert server["rules"] == obj["rules"]
     # Applying them again changes nothing (the ConfigMap aside: the lab sets its Network).
     again = [o for o in objects if o["kind"] not in ("DaemonSet", "ConfigMap")]
-    out = lab.kubectl("apply", "-f", "-", stdin=json.dumps(
-        {"apiVersion": "v1", "kind": "List", "items": again})).stdout  # fmt: skip
+    out = lab.kubectl(
+        "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": again})
+    ).stdout
     assert out.count(" unchanged") == len(again), out
 
 
@@ -83,13 +92,25 @@ def test_server_dry_run_of_kustomization_accepts_every_object_the_daemonset_too(
     # from a deprecated field.
     assert "Warning" not in proc.stderr, proc.stderr
     # A dry run persists nothing.
-    got = lab.kubectl("get", "daemonset", "kube-flannelpy-ds", "-n", control_plane.NAMESPACE,
-                      check=False)  # fmt: skip
+    got = lab.kubectl(
+        "get", "daemonset", "kube-flannelpy-ds", "-n", control_plane.NAMESPACE, check=False
+    )
     assert got.returncode != 0 and "NotFound" in got.stderr, got.stderr
     # The server returns the DaemonSet as it would store it: defaulted, and valid.
-    (server_ds,) = [o for o in json.loads(lab.kubectl(
-        "apply", "--dry-run=server", "-k", control_plane.manifests_dir(), "-o", "json",
-    ).stdout)["items"] if o["kind"] == "DaemonSet"]  # fmt: skip
+    (server_ds,) = [
+        o
+        for o in json.loads(
+            lab.kubectl(
+                "apply",
+                "--dry-run=server",
+                "-k",
+                control_plane.manifests_dir(),
+                "-o",
+                "json",
+            ).stdout
+        )["items"]
+        if o["kind"] == "DaemonSet"
+    ]
     spec = server_ds["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == control_plane.SERVICE_ACCOUNT
     assert spec["hostNetwork"] is True and spec["dnsPolicy"]  # defaulted by the server
@@ -100,8 +121,7 @@ def test_server_dry_run_rejects_an_invalid_daemonset(lab: Lab) -> None:
     """The dry run above judges the DaemonSet: a broken one is refused."""
     (ds,) = [o for o in rendered(lab) if o["kind"] == "DaemonSet"]
     ds["spec"]["template"]["spec"]["containers"][0]["name"] = "Not_A_DNS_Label"
-    proc = lab.kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(ds),
-                       check=False)  # fmt: skip
+    proc = lab.kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(ds), check=False)
     assert proc.returncode != 0 and "is invalid" in proc.stderr, proc.stderr
     assert "Not_A_DNS_Label" in proc.stderr
 

@@ -95,8 +95,9 @@ def can_i(lab: Lab, verb: str, resource: str, namespace: str | None = "default")
     resource, _, sub = resource.partition("/")
     where = ["--subresource", sub] if sub else []
     where += ["-n", namespace] if namespace else ["--all-namespaces"]
-    proc = lab.kubectl("auth", "can-i", verb, resource, *where,
-                       "--as", SERVICE_ACCOUNT, check=False)  # fmt: skip
+    proc = lab.kubectl(
+        "auth", "can-i", verb, resource, *where, "--as", SERVICE_ACCOUNT, check=False
+    )
     return proc.stdout.strip() == "yes"
 
 
@@ -107,10 +108,18 @@ def test_service_account_can_do_exactly_what_the_agent_uses(lab: Lab) -> None:
     for group, resource, verbs in RBAC_RULES:
         for verb in verbs:  # kubectl reads a bare "events" as the core group's
             assert can(verb, f"{resource}.{group}" if group else resource), (verb, resource)
-    for verb, resource in [("patch", "nodes"), ("update", "nodes"), ("delete", "nodes"),
-                           ("update", "nodes/status"), ("list", "pods"), ("get", "secrets"),
-                           ("get", "configmaps"), ("create", "nodes"), ("create", "events"),
-                           ("delete", "events.events.k8s.io")]:  # fmt: skip
+    for verb, resource in [
+        ("patch", "nodes"),
+        ("update", "nodes"),
+        ("delete", "nodes"),
+        ("update", "nodes/status"),
+        ("list", "pods"),
+        ("get", "secrets"),
+        ("get", "configmaps"),
+        ("create", "nodes"),
+        ("create", "events"),
+        ("delete", "events.events.k8s.io"),
+    ]:
         assert not can(verb, resource), (verb, resource)
     # Leases in the agents' namespace only (the Role): not the kubelets' heartbeats in
     # kube-node-lease, nor another namespace's leader elections, nor cluster-wide.
@@ -133,16 +142,29 @@ def test_rbac_without_patch_nodes_status_is_forbidden_and_restoring_recovers(lab
     lab.kill_agent("n1")
     # Without its annotations the restarted agent must write them (else it writes nothing).
     lab.kubectl("annotate", "node", "n1", f"{PREFIX}/backend-data-", f"{PREFIX}/public-ip-")
-    lab.kubectl("patch", "clusterrole", "flannelpy", "--type", "json",
-                "-p", json.dumps([{"op": "remove", "path": f"/rules/{index}"}]))  # fmt: skip
+    lab.kubectl(
+        "patch",
+        "clusterrole",
+        "flannelpy",
+        "--type",
+        "json",
+        "-p",
+        json.dumps([{"op": "remove", "path": f"/rules/{index}"}]),
+    )
     try:
-        wait_until(lambda: not can_i(lab, "patch", "nodes/status"), timeout=10,
-                   what="RBAC dropping patch nodes/status")  # fmt: skip
+        wait_until(
+            lambda: not can_i(lab, "patch", "nodes/status"),
+            timeout=10,
+            what="RBAC dropping patch nodes/status",
+        )
         log_start = os.path.getsize(node.agent_log)
         lab.start_agent("n1")
         ref = procs.ref_of(node.agent_pid, node.agent_start_ticks)
-        wait_until(lambda: not procs.alive(ref), timeout=60,
-                   what="n1's agent giving up on the forbidden write")  # fmt: skip
+        wait_until(
+            lambda: not procs.alive(ref),
+            timeout=60,
+            what="n1's agent giving up on the forbidden write",
+        )
         with open(node.agent_log, encoding="utf-8") as f:
             f.seek(log_start)
             lines = [line for line in f.read().splitlines() if "forbidden" in line]
@@ -153,33 +175,49 @@ def test_rbac_without_patch_nodes_status_is_forbidden_and_restoring_recovers(lab
         with pytest.raises(LabError, match="forbidden"):
             lab.wait_ready("n1", timeout=1)
     finally:
-        lab.kubectl("patch", "clusterrole", "flannelpy", "--type", "merge",
-                    "-p", json.dumps({"rules": role["rules"]}))  # fmt: skip
-    wait_until(lambda: can_i(lab, "patch", "nodes/status"), timeout=10,
-               what="RBAC allowing patch nodes/status again")  # fmt: skip
+        lab.kubectl(
+            "patch",
+            "clusterrole",
+            "flannelpy",
+            "--type",
+            "merge",
+            "-p",
+            json.dumps({"rules": role["rules"]}),
+        )
+    wait_until(
+        lambda: can_i(lab, "patch", "nodes/status"),
+        timeout=10,
+        what="RBAC allowing patch nodes/status again",
+    )
     lab.start_agent("n1")
     lab.wait_ready("n1")
     annotations = nodes_json(lab)["n1"]["metadata"]["annotations"]
     assert annotations[f"{PREFIX}/public-ip"] == str(node.ip)
-    wait_until(lambda: all(ok for row in lab.status()["pod_matrix"].values()
-                           for ok in row.values()),
-               timeout=15, what="every pod pair reaching again")  # fmt: skip
+    wait_until(
+        lambda: all(ok for row in lab.status()["pod_matrix"].values() for ok in row.values()),
+        timeout=15,
+        what="every pod pair reaching again",
+    )
 
 
 def test_a_refused_status_lease_is_named_once_and_the_agent_runs_on(lab: Lab) -> None:
     """Without the RoleBinding the Lease write is refused (403): the agent says which
     permission is missing, once, and serves its node all the same."""
     ns = control_plane.NAMESPACE
-    saved = json.loads(lab.kubectl("get", "rolebinding", "flannelpy", "-n", ns, "-o",
-                                   "json").stdout)  # fmt: skip
+    saved = json.loads(
+        lab.kubectl("get", "rolebinding", "flannelpy", "-n", ns, "-o", "json").stdout
+    )
     meta = saved["metadata"]
     restore = {**saved, "metadata": {k: meta[k] for k in ("name", "namespace", "labels")}}
     node = lab.node("n1")
     lab.kill_agent("n1")
     lab.kubectl("delete", "rolebinding", "flannelpy", "-n", ns)
     try:
-        wait_until(lambda: not can_i(lab, "patch", "leases.coordination.k8s.io", ns),
-                   timeout=10, what="RBAC dropping patch leases")  # fmt: skip
+        wait_until(
+            lambda: not can_i(lab, "patch", "leases.coordination.k8s.io", ns),
+            timeout=10,
+            what="RBAC dropping patch leases",
+        )
         log_start = os.path.getsize(node.agent_log)
         lab.start_agent("n1")
         lab.wait_ready("n1")
@@ -194,14 +232,19 @@ def test_a_refused_status_lease_is_named_once_and_the_agent_runs_on(lab: Lab) ->
         print("n1's agent:", lines()[0])
         assert len(lines()) == 1, lines()
         assert "Role" in lines()[0], lines()[0]
-        wait_until(lambda: all(ok for row in lab.status()["pod_matrix"].values()
-                               for ok in row.values()),
-                   timeout=15, what="every pod pair reaching, n1's too")  # fmt: skip
+        wait_until(
+            lambda: all(ok for row in lab.status()["pod_matrix"].values() for ok in row.values()),
+            timeout=15,
+            what="every pod pair reaching, n1's too",
+        )
         assert procs.alive(procs.ref_of(node.agent_pid, node.agent_start_ticks))
     finally:
         lab.kubectl("apply", "-f", "-", stdin=json.dumps(restore))
-    wait_until(lambda: can_i(lab, "patch", "leases.coordination.k8s.io", ns), timeout=10,
-               what="RBAC allowing patch leases again")  # fmt: skip
+    wait_until(
+        lambda: can_i(lab, "patch", "leases.coordination.k8s.io", ns),
+        timeout=10,
+        what="RBAC allowing patch leases again",
+    )
 
 
 def our_routes(lab: Lab, node: str) -> set[str]:
@@ -220,8 +263,12 @@ def test_a_deleted_node_leaves_every_peer_within_2s(lab: Lab) -> None:
         def route_gone(node: str = node) -> bool:
             return cidr not in our_routes(lab, node)
 
-        wait_until(route_gone, timeout=max(0.1, 2.0 - (time.monotonic() - start)),
-                   interval=0.02, what=f"{node} dropping the deleted Node's route")  # fmt: skip
+        wait_until(
+            route_gone,
+            timeout=max(0.1, 2.0 - (time.monotonic() - start)),
+            interval=0.02,
+            what=f"{node} dropping the deleted Node's route",
+        )
 
 
 def test_down_removes_the_control_plane(lab: Lab) -> None:

@@ -57,18 +57,29 @@ def lab() -> Iterator[Lab]:
 
 def admin_client(lab: Lab) -> kclient.ApiClient:
     cfg = kclient.Configuration()
-    kconfig.load_kube_config(config_file=control_plane.admin_kubeconfig(lab.state),
-                             client_configuration=cfg, persist_config=False)  # fmt: skip
+    kconfig.load_kube_config(
+        config_file=control_plane.admin_kubeconfig(lab.state),
+        client_configuration=cfg,
+        persist_config=False,
+    )
     return kclient.ApiClient(cfg)
 
 
 def rollout(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
     """``flannelpy rollout`` as an operator runs it: Kubernetes mode, their kubeconfig."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
-    env.update(FLANNELD_KUBE_SUBNET_MGR="true",
-               FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state))  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "flannelpy", "rollout", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    env.update(
+        FLANNELD_KUBE_SUBNET_MGR="true",
+        FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "flannelpy", "rollout", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @dataclass
@@ -106,18 +117,21 @@ class Poller:
                 raw = (lease.metadata.annotations or {}).get(STATUS_ANNOTATION)
                 if raw:
                     doc = json.loads(raw)
-                    applied[lease.metadata.name] = (doc["AppliedGeneration"],
-                                                    doc["Backend"]["Type"])  # fmt: skip
+                    applied[lease.metadata.name] = (
+                        doc["AppliedGeneration"],
+                        doc["Backend"]["Type"],
+                    )
             cordoned, generations = {}, {}
             for node in nodes.items:
                 name = node.metadata.name
-                cordoned[name] = (bool(node.spec.unschedulable),
-                                  EXCLUDE_LABEL in (node.metadata.labels or {}))  # fmt: skip
+                cordoned[name] = (
+                    bool(node.spec.unschedulable),
+                    EXCLUDE_LABEL in (node.metadata.labels or {}),
+                )
                 override = (node.metadata.annotations or {}).get(OVERRIDE)
                 if override:
                     generations[name] = int(json.loads(override)["Generation"])
-            self.samples.append(Sample(time.monotonic(), cordoned, generations, applied,
-                                       versions))  # fmt: skip
+            self.samples.append(Sample(time.monotonic(), cordoned, generations, applied, versions))
             self.stop.wait(0.1)
 
 
@@ -173,8 +187,11 @@ def test_rollouts_cordon_one_node_at_a_time_and_lose_no_echo(lab: Lab) -> None:
                 assert f" done: 4 of 4 nodes switched to {backend} " in last, last
                 for node in NAMES:
                     mine = [ln for ln in proc.stdout.splitlines() if f"] {node}: " in ln]
-                    steps = [w for w in ("cordoned", "switching", "uncordoned", "verified")
-                             if any(f"{node}: {w}" in ln for ln in mine)]  # fmt: skip
+                    steps = [
+                        w
+                        for w in ("cordoned", "switching", "uncordoned", "verified")
+                        if any(f"{node}: {w}" in ln for ln in mine)
+                    ]
                     assert steps == ["cordoned", "switching", "uncordoned", "verified"], mine
                 for node in NAMES:  # the dataplane follows
                     out = lab.exec(node, ["ip", "-j", "route", "show", "proto", "75"]).stdout
@@ -193,8 +210,13 @@ def test_rollouts_cordon_one_node_at_a_time_and_lose_no_echo(lab: Lab) -> None:
     samples = poller.samples
     assert len(samples) > 100 and len(poller.errors) < 5, poller.errors[:5]
     spans = {node: intervals(samples, node) for node in NAMES}
-    print("cordoned:", {n: [(round(a - samples[0].at, 1), round(b - samples[0].at, 1))
-                            for a, b in s] for n, s in spans.items()})  # fmt: skip
+    print(
+        "cordoned:",
+        {
+            n: [(round(a - samples[0].at, 1), round(b - samples[0].at, 1)) for a, b in s]
+            for n, s in spans.items()
+        },
+    )
     for node in NAMES:
         # Once per rollout, both marks together, and each span covers the node's change.
         assert len(spans[node]) == 2, (node, spans[node])
@@ -216,8 +238,9 @@ def test_rollouts_cordon_one_node_at_a_time_and_lose_no_echo(lab: Lab) -> None:
         notes = node.metadata.annotations or {}
         assert CORDON_ANNOTATION not in notes and OVERRIDE not in notes, notes
         assert STATUS_ANNOTATION not in notes  # the status is in a Lease, not on the Node
-    cm = kclient.CoreV1Api(api).read_namespaced_config_map(control_plane.CONFIG_MAP,
-                                                           control_plane.NAMESPACE)  # fmt: skip
+    cm = kclient.CoreV1Api(api).read_namespaced_config_map(
+        control_plane.CONFIG_MAP, control_plane.NAMESPACE
+    )
     assert json.loads(cm.data[control_plane.NET_CONF_KEY])["Backend"]["Type"] == "vxlan"
     # Each agent wrote its Lease at most once per MIN_WRITE_GAP, rollouts or not.
     took = samples[-1].at - samples[0].at
@@ -227,8 +250,11 @@ def test_rollouts_cordon_one_node_at_a_time_and_lose_no_echo(lab: Lab) -> None:
         assert 0 < writes <= took / MIN_WRITE_GAP + 1, (node, writes, took)
     status = rollout(lab, "status")
     assert status.returncode == 0, status.stdout + status.stderr
-    rows = [ln.split()[:3] for ln in status.stdout.splitlines() if ln.split()[:1] in
-            [[n] for n in NAMES]]  # fmt: skip
+    rows = [
+        ln.split()[:3]
+        for ln in status.stdout.splitlines()
+        if ln.split()[:1] in [[n] for n in NAMES]
+    ]
     assert rows == [[n, "done", "vxlan"] for n in NAMES], status.stdout
     # One bounded status Lease per node, in the flannelpy namespace.
     leases = kclient.CoordinationV1Api(api).list_namespaced_lease(control_plane.NAMESPACE)

@@ -101,18 +101,24 @@ def test_daemonset_pods_run_the_manifests_unchanged(lab: Lab) -> None:
     # The init containers installed the executable and conflist into each node's dirs.
     for name in NODES:
         node = lab.node(name)
-        assert os.access(os.path.join(kubelet.host_source(node, "/opt/cni/bin"), "flannelpy"),
-                         os.X_OK)  # fmt: skip
-        conflist = os.path.join(kubelet.host_source(node, "/etc/cni/net.d"),
-                                "10-flannelpy.conflist")  # fmt: skip
+        assert os.access(
+            os.path.join(kubelet.host_source(node, "/opt/cni/bin"), "flannelpy"), os.X_OK
+        )
+        conflist = os.path.join(
+            kubelet.host_source(node, "/etc/cni/net.d"), "10-flannelpy.conflist"
+        )
         with open(conflist, encoding="utf-8") as f:
             assert json.load(f)["plugins"][0]["type"] == "flannelpy"
 
 
 def workload_pods(lab: Lab) -> list[dict[str, Any]]:
-    return [p for p in items(lab, "pods", "-l", f"app={kubelet.WORKLOAD}")
-            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
-            and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    return [
+        p
+        for p in items(lab, "pods", "-l", f"app={kubelet.WORKLOAD}")
+        if p["status"].get("phase") == "Running"
+        and p["status"].get("podIP")
+        and not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def test_the_scheduler_spreads_the_deployment_over_every_node(lab: Lab) -> None:
@@ -134,8 +140,10 @@ def unreachable_pairs(lab: Lab, pods: list[dict[str, Any]]) -> list[str]:
             if a is not b:
                 proc = exec_ping(lab, a["metadata"]["name"], b["status"]["podIP"])
                 if proc.returncode != 0:
-                    failed.append(f"{a['spec']['nodeName']} -> {b['spec']['nodeName']}: "
-                                  f"{(proc.stdout + proc.stderr).strip()[-200:]}")  # fmt: skip
+                    failed.append(
+                        f"{a['spec']['nodeName']} -> {b['spec']['nodeName']}: "
+                        f"{(proc.stdout + proc.stderr).strip()[-200:]}"
+                    )
     return failed
 
 
@@ -191,12 +199,22 @@ def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
     pingers = start_pings(lab, pods, count=600)  # 60 s
     try:
         time.sleep(2)  # traffic flows before the first agent goes
-        lab.kubectl("rollout", "restart", "daemonset", kubelet.DAEMONSET, "-n",
-                    control_plane.NAMESPACE)  # fmt: skip
+        lab.kubectl(
+            "rollout", "restart", "daemonset", kubelet.DAEMONSET, "-n", control_plane.NAMESPACE
+        )
         # On a loaded machine (parallel labs) three agents take longer than kubectl's default
         # 30 s of process time: kubectl's own limit governs, with room for it to report.
-        lab.kubectl("rollout", "status", "daemonset", kubelet.DAEMONSET, "-n",
-                    control_plane.NAMESPACE, "--timeout", "90s", timeout=100)  # fmt: skip
+        lab.kubectl(
+            "rollout",
+            "status",
+            "daemonset",
+            kubelet.DAEMONSET,
+            "-n",
+            control_plane.NAMESPACE,
+            "--timeout",
+            "90s",
+            timeout=100,
+        )
         agents = items(lab, "pods", "-n", control_plane.NAMESPACE, "-l", AGENT_SELECTOR)
         assert len(agents) == len(NODES) and not {p["metadata"]["uid"] for p in agents} & before
         outputs = [p.communicate(timeout=90)[0] for p in pingers]
@@ -222,29 +240,39 @@ _REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms")
 def start_rollout(lab: Lab, *args: str) -> subprocess.Popen[str]:
     """``flannelpy rollout`` as an operator runs it: Kubernetes mode, their kubeconfig."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
-    env.update(FLANNELD_KUBE_SUBNET_MGR="true",
-               FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state))  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "flannelpy", "rollout", *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    env.update(
+        FLANNELD_KUBE_SUBNET_MGR="true",
+        FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "flannelpy", "rollout", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]
-                 ) -> None:  # fmt: skip
+def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]) -> None:
     """Every 0.1 s: each Node's spec.unschedulable, with the time it was read."""
     while not stop.is_set():
         before = time.monotonic()
         proc = lab.kubectl("get", "nodes", "-o", "json", check=False)
         if proc.returncode == 0:
             nodes = json.loads(proc.stdout)["items"]
-            out.append(((before + time.monotonic()) / 2,
-                        {n["metadata"]["name"]: bool(n["spec"].get("unschedulable"))
-                         for n in nodes}))  # fmt: skip
+            out.append(
+                (
+                    (before + time.monotonic()) / 2,
+                    {n["metadata"]["name"]: bool(n["spec"].get("unschedulable")) for n in nodes},
+                )
+            )
         stop.wait(0.1)
 
 
-def cordon_spans(samples: list[tuple[float, dict[str, bool]]], node: str
-                 ) -> list[tuple[float, float]]:  # fmt: skip
+def cordon_spans(
+    samples: list[tuple[float, dict[str, bool]]], node: str
+) -> list[tuple[float, float]]:
     spans: list[tuple[float, float]] = []
     start: float | None = None
     last = 0.0
@@ -262,12 +290,22 @@ def cordon_spans(samples: list[tuple[float, dict[str, bool]]], node: str
 
 def probe_pod(name: str) -> dict[str, Any]:
     """A bare pod (no nodeName): where it runs is the scheduler's choice."""
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "labels": {"app": "sched-probe"}},
-            "spec": {"terminationGracePeriodSeconds": 0,
-                     "containers": [{"name": "main", "image": images.BUSYBOX_IMAGE,
-                                     "imagePullPolicy": "Never",
-                                     "command": ["/bin/sleep", "2147483647"]}]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": "sched-probe"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": images.BUSYBOX_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["/bin/sleep", "2147483647"],
+                }
+            ],
+        },
+    }
 
 
 def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the_node(
@@ -289,8 +327,9 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
         probed: set[str] = set()
         deadline = time.monotonic() + 150
         while rollout.poll() is None and time.monotonic() < deadline:
-            cordoned = [n for n, c in (samples[-1][1] if samples else {}).items()
-                        if c and n not in probed]  # fmt: skip
+            cordoned = [
+                n for n, c in (samples[-1][1] if samples else {}).items() if c and n not in probed
+            ]
             for node in cordoned:  # while it is cordoned: two new pods for the scheduler
                 probed.add(node)
                 for i in range(2):
@@ -301,8 +340,11 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
                     def placed(name: str = name) -> str | None:
                         return items_one(lab, name)["spec"].get("nodeName") or None
 
-                    wait_until(lambda: placed() is not None, timeout=10,
-                               what=f"the scheduler binding {name}")  # fmt: skip
+                    wait_until(
+                        lambda: placed() is not None,
+                        timeout=10,
+                        what=f"the scheduler binding {name}",
+                    )
                     bound.append((name, placed() or "", created, time.monotonic()))
             time.sleep(0.05)
         out = rollout.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
@@ -310,8 +352,9 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
         assert rollout.returncode == 0, out
         time.sleep(2)  # and traffic flows on after the last node
         for p in pods:
-            lab.kubectl("exec", p["metadata"]["name"], "--", "/bin/busybox", "killall", "-INT",
-                        "ping")  # fmt: skip
+            lab.kubectl(
+                "exec", p["metadata"]["name"], "--", "/bin/busybox", "killall", "-INT", "ping"
+            )
         outputs = [p.communicate(timeout=30)[0] for p in pingers]
     finally:
         stop.set()
@@ -346,8 +389,10 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
     # The scheduler placed nothing on a node cordoned at the time: each probe pod's node
     # was schedulable in every sample from its creation to its binding being seen.
     spans = {n: cordon_spans(samples, n) for n in NODES}
-    print("cordoned (s from start):", {n: [(round(a - t0, 1), round(b - t0, 1)) for a, b in s]
-                                       for n, s in spans.items()})  # fmt: skip
+    print(
+        "cordoned (s from start):",
+        {n: [(round(a - t0, 1), round(b - t0, 1)) for a, b in s] for n, s in spans.items()},
+    )
     print("bound:", [(p, n, round(c - t0, 1), round(b - t0, 1)) for p, n, c, b in bound])
     assert all(len(s) == 1 for s in spans.values()), spans
     every = sorted(s[0] for s in spans.values())
@@ -369,8 +414,12 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
         assert cordon.EXCLUDE_LABEL not in obj["metadata"].get("labels", {}), name
         assert cordon.CORDON_ANNOTATION not in obj["metadata"].get("annotations", {}), name
     for name in NODES:
-        routes = {r["dst"]: r for r in json.loads(lab.exec(
-            name, ["ip", "-j", "route", "show", "proto", "75"]).stdout or "[]")}  # fmt: skip
+        routes = {
+            r["dst"]: r
+            for r in json.loads(
+                lab.exec(name, ["ip", "-j", "route", "show", "proto", "75"]).stdout or "[]"
+            )
+        }
         fdb = json.loads(lab.exec(name, ["bridge", "-j", "fdb", "show"]).stdout or "[]")
         for peer in NODES:
             if peer == name:
@@ -386,8 +435,7 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
 
 
 def items_one(lab: Lab, name: str, kind: str = "pod", *args: str) -> dict[str, Any]:
-    found: dict[str, Any] = json.loads(lab.kubectl("get", kind, name, *args, "-o",
-                                                   "json").stdout)  # fmt: skip
+    found: dict[str, Any] = json.loads(lab.kubectl("get", kind, name, *args, "-o", "json").stdout)
     return found
 
 
@@ -397,11 +445,11 @@ def our_routes(lab: Lab, node: str) -> set[str]:
 
 
 def test_a_drained_and_deleted_node_moves_its_pods_and_leaves_every_peer(lab: Lab) -> None:
-    cidr = next(n["spec"]["podCIDR"] for n in items(lab, "nodes")
-                if n["metadata"]["name"] == "n3")  # fmt: skip
+    cidr = next(n["spec"]["podCIDR"] for n in items(lab, "nodes") if n["metadata"]["name"] == "n3")
     assert all(cidr in our_routes(lab, n) for n in ("n1", "n2"))
-    lab.kubectl("drain", "n3", "--ignore-daemonsets", "--force", "--grace-period=1",
-                "--timeout=60s")  # fmt: skip
+    lab.kubectl(
+        "drain", "n3", "--ignore-daemonsets", "--force", "--grace-period=1", "--timeout=60s"
+    )
 
     def moved() -> bool:
         pods = workload_pods(lab)
@@ -431,9 +479,11 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
     pod_pids = set().union(*(kubelet._cgroup_pids(p) for p in parents))
     assert pod_pids, "no pod process in the nodes' cgroups"
     # The kubelets mounted the pods' volumes in the nodes' mount namespaces only.
-    containerd = {k.split("/")[1]: r for k, r in
-                  ((k, procs.ref_of(*v)) for k, v in rec["processes"].items())
-                  if k.startswith("containerd/") and r and procs.alive(r)}  # fmt: skip
+    containerd = {
+        k.split("/")[1]: r
+        for k, r in ((k, procs.ref_of(*v)) for k, v in rec["processes"].items())
+        if k.startswith("containerd/") and r and procs.alive(r)
+    }
     assert set(containerd) == {"n1", "n2"}
     namespaces = {os.stat(f"/proc/{r.pid}/ns/mnt").st_ino for r in containerd.values()}
     with open(f"/proc/{containerd['n1'].pid}/mountinfo", encoding="utf-8") as f:
@@ -443,8 +493,11 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
         with contextlib.suppress(OSError):  # gone, or not ours to look at
             assert os.stat(f"/proc/{pid}/ns/mnt").st_ino not in namespaces, pid
     assert not any(procs.alive(r) for r in refs)
-    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pod_pids), timeout=5,
-               what="every pod process gone")  # fmt: skip
+    wait_until(
+        lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pod_pids),
+        timeout=5,
+        what="every pod process gone",
+    )
     for hierarchy in kubelet._hierarchies():
         assert not [d for d in os.listdir(hierarchy) if d.startswith(f"fpl-{lab.name}-")]
     with open("/proc/self/mountinfo", encoding="utf-8") as f:

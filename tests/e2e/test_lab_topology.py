@@ -64,8 +64,11 @@ def test_first_half_rounded_up_goes_to_segment_one(nodes: int, on_first: list[st
 def test_plan_addresses_names_and_host_route() -> None:
     state = _plan(nodes=4, segments=2)
     assert [n.underlay_address for n in state.nodes] == [
-        "100.64.8.1/24", "100.64.8.2/24", "100.64.9.3/24", "100.64.9.4/24",
-    ]  # fmt: skip
+        "100.64.8.1/24",
+        "100.64.8.2/24",
+        "100.64.9.3/24",
+        "100.64.9.4/24",
+    ]
     assert state.host_address == "100.64.8.254/24"
     assert state.etcd_endpoint == "http://100.64.8.254:2379"
     assert state.host_routes == [{"dst": "100.64.9.0/24", "via": "100.64.8.253"}]
@@ -104,8 +107,13 @@ def test_bridge_macs_are_pinned_unicast_and_local() -> None:
     ],
 )
 def test_bad_requests_are_refused_before_touching_the_host(kwargs: dict, message: str) -> None:
-    args = {"nodes": 3, "backend": "vxlan", "direct_routing": False, "segments": 1,
-            "network": "10.244.0.0/16"} | kwargs  # fmt: skip
+    args = {
+        "nodes": 3,
+        "backend": "vxlan",
+        "direct_routing": False,
+        "segments": 1,
+        "network": "10.244.0.0/16",
+    } | kwargs
     with pytest.raises(ConfigError, match=message):
         plan.validate_request("ok", **args)
 
@@ -130,9 +138,12 @@ def test_subnet_env_parsing() -> None:
 
 def test_status_text_has_matrix_and_verdict() -> None:
     doc = {
-        "name": "x", "backend": "vxlan", "nodes": [], "leases": [],
+        "name": "x",
+        "backend": "vxlan",
+        "nodes": [],
+        "leases": [],
         "matrix": {"n1": {"n2": True}, "n2": {"n1": False}},
-    }  # fmt: skip
+    }
     text = status.render_text(doc)
     assert "n1  .   ok" in text and "n2  --  ." in text
     assert "1 of 2 node pairs do not reach" in text
@@ -141,10 +152,17 @@ def test_status_text_has_matrix_and_verdict() -> None:
 def _plan(nodes: int, segments: int) -> plan.LabState:
     subnets = [IPv4Network(f"100.64.{8 + i}.0/24") for i in range(segments)]
     return plan.plan_lab(
-        "abcdef", nodes, "vxlan", direct_routing=False, segments=segments,
-        network="10.244.0.0/16", etcd_prefix="/coreos.com/network", subnets=subnets,
-        overlay_bridge=True, lab_root="/run/flannelpy-lab",
-    )  # fmt: skip
+        "abcdef",
+        nodes,
+        "vxlan",
+        direct_routing=False,
+        segments=segments,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=subnets,
+        overlay_bridge=True,
+        lab_root="/run/flannelpy-lab",
+    )
 
 
 # -- real namespaces -------------------------------------------------------
@@ -256,8 +274,10 @@ def _write_subnet_env(node: NodeInfo, subnet: str) -> None:
     os.makedirs(os.path.dirname(node.subnet_env), exist_ok=True)
     tmp = node.subnet_env + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f"FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET={subnet}\n"
-                "FLANNEL_MTU=1400\nFLANNEL_IPMASQ=true\n")  # fmt: skip
+        f.write(
+            f"FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET={subnet}\n"
+            "FLANNEL_MTU=1400\nFLANNEL_IPMASQ=true\n"
+        )
     os.replace(tmp, node.subnet_env)
 
 
@@ -320,8 +340,9 @@ def test_down_removes_a_half_built_lab_and_up_refuses_leftovers() -> None:
     ns = f"fpl-{name}-n1"
     topology.add_namespace(ns)
     try:
-        topology.ip("link", "add", plan.host_link(name), "type", "veth", "peer", "name", "x",
-                    "netns", ns)  # fmt: skip
+        topology.ip(
+            "link", "add", plan.host_link(name), "type", "veth", "peer", "name", "x", "netns", ns
+        )
         with pytest.raises(LabError, match="exists already"):
             Lab.up(name, nodes=1, start_agents=False)
     finally:
@@ -339,8 +360,16 @@ def test_status_cli_json_without_agents(capsys: pytest.CaptureFixture[str]) -> N
     assert doc["name"] == lab.name and doc["backend"] == "vxlan"
     assert doc["matrix"] == {"n1": {"n2": False}, "n2": {"n1": False}}
     assert doc["leases"] == [] and doc["etcd_error"] is None
-    keys = {"name", "namespace", "underlay_iface", "underlay_address", "lease", "backend",
-            "overlay_address", "segment"}  # fmt: skip
+    keys = {
+        "name",
+        "namespace",
+        "underlay_iface",
+        "underlay_address",
+        "lease",
+        "backend",
+        "overlay_address",
+        "segment",
+    }
     assert all(keys <= set(n) for n in doc["nodes"])
     assert [n["underlay_iface"] for n in doc["nodes"]] == ["eth0", "eth0"]
 
@@ -354,7 +383,8 @@ def test_status_text_judges_every_family_the_lab_runs() -> None:
     assert "node pairs that do not reach: 1 of 2 in IPv6" in dual
     both = status.render_text({**base, "matrix": ok, "matrix_ipv6": ok})
     assert "all 2 node pairs reach each other in both families" in both
-    v6 = status.render_text({**base, "matrix": None, "matrix_ipv6": half,
-                             "pod_matrix": None, "pod_matrix_ipv6": ok})  # fmt: skip
+    v6 = status.render_text(
+        {**base, "matrix": None, "matrix_ipv6": half, "pod_matrix": None, "pod_matrix_ipv6": ok}
+    )
     assert "1 of 2 node pairs do not reach in IPv6" in v6
     assert "all 2 pod pairs reach each other in IPv6" in v6

@@ -124,12 +124,20 @@ def test_block_keeps_every_node_on_its_config_and_counts_the_attempt(
     write_config(store, {"Type": "host-gw"}, {"Mode": "Allow"})
     for node in NODES:
         wait_until(lambda n=node: backend_of(store, n) == "host-gw", 20, what=f"{node} host-gw")
-    wait_until(lambda: lease_types(store) == dict.fromkeys(NODES, "host-gw"), 10,
-               what="every lease to advertise host-gw")  # fmt: skip
+    wait_until(
+        lambda: lease_types(store) == dict.fromkeys(NODES, "host-gw"),
+        10,
+        what="every lease to advertise host-gw",
+    )
     # No node needs a VTEP any more: the transition state is gone.
     for node in NODES:
-        wait_until(lambda n=node: not lab.exec(n, ["ip", "-br", "link", "show", "type", "vxlan"])
-                   .stdout.strip(), 10, what=f"{node}'s VTEP to go")  # fmt: skip
+        wait_until(
+            lambda n=node: (
+                not lab.exec(n, ["ip", "-br", "link", "show", "type", "vxlan"]).stdout.strip()
+            ),
+            10,
+            what=f"{node}'s VTEP to go",
+        )
         assert all(dev == "eth0" for dev in routes(lab, node).values())
         assert node_status(store, node).blocked is None  # type: ignore[union-attr]
     assert all_pods_reach_each_other(lab)
@@ -138,10 +146,12 @@ def test_block_keeps_every_node_on_its_config_and_counts_the_attempt(
 def test_forced_override_applies_past_block_and_leaves_a_record(lab: Lab, store: EtcdStore) -> None:
     write_config(store, {"Type": "vxlan"}, {"Mode": "Block"})
     forced = NodeOverride(
-        {"Type": "host-gw"}, generation=1,
-        force=ForceRecord("incident 4711: vxlan offload bug on n2", "tester@lab",
-                          "2026-11-30T00:00:00Z"),
-    )  # fmt: skip
+        {"Type": "host-gw"},
+        generation=1,
+        force=ForceRecord(
+            "incident 4711: vxlan offload bug on n2", "tester@lab", "2026-11-30T00:00:00Z"
+        ),
+    )
     store.put(override_key(PREFIX, "n2"), forced.to_json().encode())
     status = wait_until(
         lambda: (s := node_status(store, "n2")) and s.applied_generation == 1 and s,
@@ -170,8 +180,11 @@ def test_restart_keeps_the_applied_backend_and_gates_what_changed_meanwhile(
     write_config(store, {"Type": "host-gw"}, {"Mode": "Block"})
     lab.start_agent("n3")
     lab.wait_ready("n3")
-    status = wait_until(lambda: (s := node_status(store, "n3")) and s.blocked and s, 20,
-                        what="n3 to block the change made while it was down")  # fmt: skip
+    status = wait_until(
+        lambda: (s := node_status(store, "n3")) and s.blocked and s,
+        20,
+        what="n3 to block the change made while it was down",
+    )
     assert status.backend.type == "vxlan"
     assert lease_types(store)["n3"] == "vxlan"
     assert all_pods_reach_each_other(lab)

@@ -79,8 +79,11 @@ def _lease_subnets(lab: Lab) -> dict[IPv4Address, IPv4Network]:
 def _network_routes(lab: Lab, node: str, protocol: str) -> list[dict[str, object]]:
     out = lab.exec(node, ["ip", "-j", "-4", "route", "show", "proto", protocol]).stdout
     network = IPv4Network(lab.state.network)
-    return [r for r in json.loads(out or "[]")
-            if "/" in str(r["dst"]) and IPv4Network(str(r["dst"])).subnet_of(network)]  # fmt: skip
+    return [
+        r
+        for r in json.loads(out or "[]")
+        if "/" in str(r["dst"]) and IPv4Network(str(r["dst"])).subnet_of(network)
+    ]
 
 
 def _kernel_mismatches(lab: Lab) -> dict[str, str]:
@@ -101,11 +104,17 @@ def _vtep_macs(lab: Lab) -> dict[IPv4Address, str | None]:
 
 def _wait_kernels_match(lab: Lab) -> None:
     try:
-        wait_until(lambda: not _kernel_mismatches(lab), timeout=CONVERGE, interval=0.5,
-                   what="kernel entries matching the leases")  # fmt: skip
+        wait_until(
+            lambda: not _kernel_mismatches(lab),
+            timeout=CONVERGE,
+            interval=0.5,
+            what="kernel entries matching the leases",
+        )
     except AssertionError:
-        pytest.fail("kernel entries differ from the leases:\n" + "\n".join(
-            f"  {where}: {diff}" for where, diff in _kernel_mismatches(lab).items()))  # fmt: skip
+        pytest.fail(
+            "kernel entries differ from the leases:\n"
+            + "\n".join(f"  {where}: {diff}" for where, diff in _kernel_mismatches(lab).items())
+        )
 
 
 def _departed_ip(lab: Lab) -> str:
@@ -137,8 +146,7 @@ def _check_flanneld_routes_are_adoptable(lab: Lab, node: str) -> None:
     routes = _network_routes(lab, node, "boot")
     assert len(routes) == 4, routes  # n1, n2, n4 and the departed peer
     info = lab.node(node)
-    shape = FlannelRouteShape(IPv4Network(lab.state.network), 24, VXLAN_DEVICE,
-                              info.underlay_iface)  # fmt: skip
+    shape = FlannelRouteShape(IPv4Network(lab.state.network), 24, VXLAN_DEVICE, info.underlay_iface)
     foreign = []
     for r in routes:
         dst, gateway, dev = (
@@ -147,8 +155,9 @@ def _check_flanneld_routes_are_adoptable(lab: Lab, node: str) -> None:
             str(r["dev"]),
         )
         assert shape.adoptable(dst, gateway, dev, RTPROT_BOOT), r
-        foreign.append(ForeignRoute(dst, f"route {dst} via {gateway} dev {dev}", RTPROT_BOOT,
-                                    gateway, dev))  # fmt: skip
+        foreign.append(
+            ForeignRoute(dst, f"route {dst} via {gateway} dev {dev}", RTPROT_BOOT, gateway, dev)
+        )
     if lab.state.backend == "host-gw" or lab.state.direct_routing:  # on eth0: surveyed
         with pytest.raises(ConfigError, match="overlaps route"):
             check_no_overlap(IPv4Network(lab.state.network), foreign, allow_overlap=False)
@@ -166,8 +175,11 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
     mode = lab.state.backend + ("+DirectRouting" if lab.state.direct_routing else "")
     before_pods = list(lab.pods)
     _put_departed_peer(lab)
-    wait_until(lambda: len(_network_routes(lab, "n3", "boot")) == 4, timeout=CONVERGE,
-               what="flanneld on n3 routing the departed peer")  # fmt: skip
+    wait_until(
+        lambda: len(_network_routes(lab, "n3", "boot")) == 4,
+        timeout=CONVERGE,
+        what="flanneld on n3 routing the departed peer",
+    )
     _wait_kernels_match(lab)
     subnets = _lease_subnets(lab)
     macs = _vtep_macs(lab)
@@ -186,8 +198,10 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
 
     def to_flanneld() -> None:
         done = migrate(lab, "n2", "flanneld")
-        print(f"n2 -> flanneld ready after {done.seconds:.1f} s, {done.exported} "
-              "allocations written for host-local")  # fmt: skip
+        print(
+            f"n2 -> flanneld ready after {done.seconds:.1f} s, {done.exported} "
+            "allocations written for host-local"
+        )
         assert done.exported == 1
         _wait_kernels_match(lab)
 
@@ -203,8 +217,9 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
         f"lost {report_out.lost}; {report_out.summary()}"
     )
 
-    assert _lease_subnets(lab) == {ip: s for ip, s in subnets.items()
-                                   if str(ip) != _departed_ip(lab)}  # fmt: skip
+    assert _lease_subnets(lab) == {
+        ip: s for ip, s in subnets.items() if str(ip) != _departed_ip(lab)
+    }
     # Each side kept the other's vxlan device: no peer had to learn a new MAC.
     assert _vtep_macs(lab) == {ip: m for ip, m in macs.items() if str(ip) != _departed_ip(lab)}
     # New pods on both migrated nodes: addresses no existing pod holds.
@@ -220,8 +235,11 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
     _wait_kernels_match(lab)
     doc = lab.status()
     assert {n["name"]: n["agent_kind"] for n in doc["nodes"]} == {
-        "n1": "flannelpy", "n2": "flanneld", "n3": "flannelpy", "n4": "flanneld",
-    }  # fmt: skip
+        "n1": "flannelpy",
+        "n2": "flanneld",
+        "n3": "flannelpy",
+        "n4": "flanneld",
+    }
 
     # A pod host-local made, deleted through our plugin now: its file there goes too.
     old_on_n3 = next(p for p in before_pods if p.node == "n3")

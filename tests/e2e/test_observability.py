@@ -128,8 +128,10 @@ def doctor(lab: Lab, node: str) -> tuple[int, list[dict[str, Any]]]:
     """The real command; its exit code and the findings that are not ok."""
     proc = subprocess.run(
         lab_run_argv(lab.name, "doctor", "--json", node=node),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"
     report = json.loads(proc.stdout)
     return proc.returncode, [f for f in report["findings"] if f["severity"] != "ok"]
@@ -139,18 +141,35 @@ def pod_ping(
     lab: Lab, src: str, dst: str, payload: int = 56, df: bool = False
 ) -> subprocess.CompletedProcess[str]:
     target = lab.pod(dst).ip
-    argv = ["ip", "netns", "exec", lab.pod(src).namespace, "ping", "-c", "2", "-W", "2",
-            "-s", str(payload), *(["-M", "do"] if df else []), str(target)]  # fmt: skip
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        lab.pod(src).namespace,
+        "ping",
+        "-c",
+        "2",
+        "-W",
+        "2",
+        "-s",
+        str(payload),
+        *(["-M", "do"] if df else []),
+        str(target),
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
 
 
 def wait_probed_ok(lab: Lab, node: str, peers: list[str], timeout: float = 40) -> None:
     """``node``'s prober sees every peer answer, full-size packets included."""
     wait_until(
-        lambda: all(probe(lab, node, p).get("reachable") and probe(lab, node, p).get("mtu_ok")
-                    for p in peers),
-        timeout=timeout, interval=0.5, what=f"{node}'s probes of {peers} answered",
-    )  # fmt: skip
+        lambda: all(
+            probe(lab, node, p).get("reachable") and probe(lab, node, p).get("mtu_ok")
+            for p in peers
+        ),
+        timeout=timeout,
+        interval=0.5,
+        what=f"{node}'s probes of {peers} answered",
+    )
 
 
 def iptables(lab: Lab, node: str, op: str, rule: list[str]) -> None:
@@ -189,8 +208,15 @@ def test_metrics_scrape_has_every_family_with_the_lab_values(lab: Lab) -> None:
     assert value(samples, "flannelpy_cni_request_duration_seconds_count", command="ADD") == len(
         on_n1
     )
-    assert value(samples, "flannelpy_build_info", version=flannelpy.__version__,
-                 python=platform.python_version()) == 1  # fmt: skip
+    assert (
+        value(
+            samples,
+            "flannelpy_build_info",
+            version=flannelpy.__version__,
+            python=platform.python_version(),
+        )
+        == 1
+    )
     assert value(samples, "flannelpy_lease_expiry_timestamp_seconds", subnet=own) > time.time()
     assert value(samples, "flannelpy_reconciler_converged") == 1
 
@@ -225,8 +251,12 @@ def test_lower_underlay_mtu_fails_the_full_size_probe_while_small_pings_pass(lab
         big = pod_ping(lab, "n1-p1", "n2-p1", payload=OVERLAY_MTU - 28, df=True)
         assert big.returncode != 0 and "message too long" not in big.stdout + big.stderr, big
 
-        wait_until(lambda: probe(lab, "n1", "n2").get("mtu_ok") is False, timeout=45,
-                   interval=0.5, what="n1's full-MTU probe of n2 failing")  # fmt: skip
+        wait_until(
+            lambda: probe(lab, "n1", "n2").get("mtu_ok") is False,
+            timeout=45,
+            interval=0.5,
+            what="n1's full-MTU probe of n2 failing",
+        )
         result = probe(lab, "n1", "n2")
         assert result["reachable"] is True and result["loss"] == 0, result
         assert peer_metric(lab, "n1", "flannelpy_peer_path_mtu_verified", "n2") == 0
@@ -241,8 +271,9 @@ def test_lower_underlay_mtu_fails_the_full_size_probe_while_small_pings_pass(lab
         ]
         assert code == 1 and len(mtu) == 1, bad
         assert "overlay MTU 1350" in mtu[0]["message"] and "flannel.1 1450" in mtu[0]["message"]
-        assert any(f["check"] == "mtu" and "runs with overlay MTU 1450" in f["message"]
-                   for f in bad), bad  # fmt: skip
+        assert any(
+            f["check"] == "mtu" and "runs with overlay MTU 1450" in f["message"] for f in bad
+        ), bad
 
         # n1: names the peer whose path does not carry full-size packets.
         code, bad = doctor(lab, "n1")
@@ -251,8 +282,12 @@ def test_lower_underlay_mtu_fails_the_full_size_probe_while_small_pings_pass(lab
         assert peers[0]["subject"] == "n2" and "full-size packets" in peers[0]["message"]
 
         # n2 itself cannot send full-size packets: its kernel refuses them locally.
-        wait_until(lambda: probe(lab, "n2", "n1").get("mtu_ok") is False, timeout=15,
-                   interval=0.5, what="n2's full-MTU probe of n1 refused")  # fmt: skip
+        wait_until(
+            lambda: probe(lab, "n2", "n1").get("mtu_ok") is False,
+            timeout=15,
+            interval=0.5,
+            what="n2's full-MTU probe of n1 refused",
+        )
         own = probe(lab, "n2", "n1")
         assert "message too long" in str(own["error"]), own
     finally:
@@ -262,8 +297,12 @@ def test_lower_underlay_mtu_fails_the_full_size_probe_while_small_pings_pass(lab
         # fix by 10 minutes unless flushed.
         lab.exec("n2", ["ip", "route", "flush", "cache"])
 
-    wait_until(lambda: probe(lab, "n1", "n2").get("mtu_ok") is True, timeout=20,
-               interval=0.5, what="n1's full-MTU probe of n2 passing again")  # fmt: skip
+    wait_until(
+        lambda: probe(lab, "n1", "n2").get("mtu_ok") is True,
+        timeout=20,
+        interval=0.5,
+        what="n1's full-MTU probe of n2 passing again",
+    )
     assert peer_metric(lab, "n1", "flannelpy_peer_path_mtu_verified", "n2") == 1
     wait_probed_ok(lab, "n2", ["n1", "n3"], timeout=20)
     big = pod_ping(lab, "n1-p1", "n2-p1", payload=OVERLAY_MTU - 28, df=True)
@@ -297,11 +336,33 @@ def test_loss_on_one_underlay_raises_that_peers_loss_metric_on_the_others(lab: L
     eth = lab.node("n3").underlay_iface
     # 30% each way: an echo and its reply both cross n3's underlay (~51% round-trip loss).
     rules = [
-        ["INPUT", "-i", eth, "-m", "statistic", "--mode", "random", "--probability", "0.3",
-         "-j", "DROP"],
-        ["OUTPUT", "-o", eth, "-m", "statistic", "--mode", "random", "--probability", "0.3",
-         "-j", "DROP"],
-    ]  # fmt: skip
+        [
+            "INPUT",
+            "-i",
+            eth,
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            "0.3",
+            "-j",
+            "DROP",
+        ],
+        [
+            "OUTPUT",
+            "-o",
+            eth,
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            "0.3",
+            "-j",
+            "DROP",
+        ],
+    ]
     for rule in rules:
         iptables(lab, "n3", "-I", rule)
     try:
@@ -320,10 +381,15 @@ def test_loss_on_one_underlay_raises_that_peers_loss_metric_on_the_others(lab: L
 
         # 3 lost rounds (> 0.1 even of a full window of 20; one lost round in a young
         # window proves little): at ~51% loss, 18 rounds miss that 1 time in 2000.
-        rose = wait_until(lossy, timeout=18 * ROUND_SECONDS, interval=2,
-                          what="n1 and n2 seeing 3 lost rounds of n3")  # fmt: skip
-        print(f"n3 (lost rounds, loss) seen by n1/n2 {rose} after "
-              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        rose = wait_until(
+            lossy,
+            timeout=18 * ROUND_SECONDS,
+            interval=2,
+            what="n1 and n2 seeing 3 lost rounds of n3",
+        )
+        print(
+            f"n3 (lost rounds, loss) seen by n1/n2 {rose} after {time.monotonic() - started:.0f} s"
+        )
     finally:
         for rule in rules:
             iptables(lab, "n3", "-D", rule)
@@ -332,9 +398,12 @@ def test_loss_on_one_underlay_raises_that_peers_loss_metric_on_the_others(lab: L
     # Rounds in flight at removal settle within the 1 s echo timeout.
     at_removal = {n: fresh_probe(lab, n, "n3", removed + 1.5) for n in ("n1", "n2")}
     for node, r0 in at_removal.items():
-        r1 = wait_until(partial(later_rounds, lab, node, r0["probes"] + 3),
-                        timeout=5 * ROUND_SECONDS, interval=0.5,
-                        what=f"3 more rounds of {node}'s probes of n3")  # fmt: skip
+        r1 = wait_until(
+            partial(later_rounds, lab, node, r0["probes"] + 3),
+            timeout=5 * ROUND_SECONDS,
+            interval=0.5,
+            what=f"3 more rounds of {node}'s probes of n3",
+        )
         # Every round since answered: the lost count only falls, by at most the rounds
         # that left the window; with the window not yet full the ratio falls at once.
         left = max(0, r1["probes"] - WINDOW) - max(0, r0["probes"] - WINDOW)
@@ -354,13 +423,26 @@ def test_dropping_vxlan_traffic_makes_the_peer_unreachable_and_doctor_names_it(
 ) -> None:
     wait_probed_ok(lab, "n1", ["n3"])
     _, before = scrape(lab, "n3")
-    rule = ["INPUT", "-i", lab.node("n3").underlay_iface, "-p", "udp", "--dport", "8472",
-            "-j", "DROP"]  # fmt: skip
+    rule = [
+        "INPUT",
+        "-i",
+        lab.node("n3").underlay_iface,
+        "-p",
+        "udp",
+        "--dport",
+        "8472",
+        "-j",
+        "DROP",
+    ]
     iptables(lab, "n3", "-I", rule)
     try:
         dropped_at = time.time()
-        wait_until(lambda: probe(lab, "n1", "n3").get("reachable") is False, timeout=30,
-                   interval=0.5, what="n1's probes of n3 failing")  # fmt: skip
+        wait_until(
+            lambda: probe(lab, "n1", "n3").get("reachable") is False,
+            timeout=30,
+            interval=0.5,
+            what="n1's probes of n3 failing",
+        )
         result = probe(lab, "n1", "n3")
         _, on_n1 = scrape(lab, "n1")
         n3 = subnet_of(lab, "n3")
@@ -385,21 +467,33 @@ def test_dropping_vxlan_traffic_makes_the_peer_unreachable_and_doctor_names_it(
             return value(after, name, **labels) - value(before, name, **labels)
 
         assert grew(pkts, "underlay", "rx") > 0
-        print(f"n3 counters during the drop ({time.time() - dropped_at:.0f} s): " + ", ".join(
-            f"{role} {d} dropped +{grew('flannelpy_interface_dropped_packets_total', role, d):g}"
-            for role in ("vxlan", "underlay") for d in ("rx", "tx")
-        ))  # fmt: skip
+        print(
+            f"n3 counters during the drop ({time.time() - dropped_at:.0f} s): "
+            + ", ".join(
+                f"{role} {d} dropped "
+                f"+{grew('flannelpy_interface_dropped_packets_total', role, d):g}"
+                for role in ("vxlan", "underlay")
+                for d in ("rx", "tx")
+            )
+        )
         frozen = value(after, pkts, role="vxlan", direction="rx")
         # Two more of n1's rounds to n3 counted after this: one was sent after the
         # scrape (and met the drop); the count read first may be in flight.
         rounds = fresh_probe(lab, "n1", "n3", time.time())["probes"]
-        wait_until(lambda: probe(lab, "n1", "n3").get("probes", 0) >= rounds + 2,
-                   timeout=5 * ROUND_SECONDS, interval=0.5,
-                   what="two more of n1's probe rounds to n3")  # fmt: skip
+        wait_until(
+            lambda: probe(lab, "n1", "n3").get("probes", 0) >= rounds + 2,
+            timeout=5 * ROUND_SECONDS,
+            interval=0.5,
+            what="two more of n1's probe rounds to n3",
+        )
         assert value(scrape(lab, "n3")[1], pkts, role="vxlan", direction="rx") == frozen
     finally:
         iptables(lab, "n3", "-D", rule)
 
-    wait_until(lambda: probe(lab, "n1", "n3").get("reachable") is True, timeout=20,
-               interval=0.5, what="n1's probes of n3 answered again")  # fmt: skip
+    wait_until(
+        lambda: probe(lab, "n1", "n3").get("reachable") is True,
+        timeout=20,
+        interval=0.5,
+        what="n1's probes of n3 answered again",
+    )
     assert peer_metric(lab, "n1", "flannelpy_peer_reachable", "n3") == 1

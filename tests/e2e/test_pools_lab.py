@@ -73,8 +73,11 @@ def pools(lab: Lab, *args: str) -> str:
     """``flannelpy pools ARGS`` with the lab's store; its stdout. Fails the test on a
     non-zero exit."""
     proc = subprocess.run(
-        lab_run_argv(lab.name, "pools", *args), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        lab_run_argv(lab.name, "pools", *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"pools {' '.join(args)}: {proc.stdout}{proc.stderr}"
     return proc.stdout
 
@@ -147,10 +150,11 @@ def addresses(lab: Lab, node: str) -> dict[str, set[IPv4Interface]]:
     """Device -> its IPv4 addresses on ``node``."""
     out = lab.exec(node, ["ip", "-j", "-4", "addr", "show"]).stdout
     return {
-        link["ifname"]: {IPv4Interface(f"{a['local']}/{a['prefixlen']}")
-                         for a in link.get("addr_info", [])}
+        link["ifname"]: {
+            IPv4Interface(f"{a['local']}/{a['prefixlen']}") for a in link.get("addr_info", [])
+        }
         for link in json.loads(out or "[]")
-    }  # fmt: skip
+    }
 
 
 def log_since_start(lab: Lab, node: str) -> str:
@@ -176,8 +180,9 @@ def agents(lab: Lab, nodes: Sequence[str]) -> list[AgentNode]:
     return [lab.node(n) for n in nodes]
 
 
-def wait_pool_leases(lab: Lab, nodes: Sequence[str], pool: IPv4Network,
-                     timeout: float = 15.0) -> dict[str, IPv4Network]:  # fmt: skip
+def wait_pool_leases(
+    lab: Lab, nodes: Sequence[str], pool: IPv4Network, timeout: float = 15.0
+) -> dict[str, IPv4Network]:
     """Wait until each of ``nodes`` holds a lease in ``pool`` (etcd and status.json)."""
 
     def probe() -> dict[str, IPv4Network] | None:
@@ -239,8 +244,11 @@ def test_migration_to_a_new_pool_under_traffic_loses_nothing_and_releases_the_ol
                 assert f"FLANNEL_SUBNET={new_leases[node][1]}/24" in f.read()
             peers = {new_leases[n] for n in nodes if n != node}
             peers |= {old_leases[n][0] for n in nodes if n != node}
-            wait_until(lambda n=node, p=peers: routes(lab, n) == p, 5,
-                       what=f"{node} to route to every lease of its peers")  # fmt: skip
+            wait_until(
+                lambda n=node, p=peers: routes(lab, n) == p,
+                5,
+                what=f"{node} to route to every lease of its peers",
+            )
         view = pool_view(lab, PRIMARY)
         assert view["create_leases"] is False and view["allocate_addresses"] is False
         all_pods_reach_each_other(lab.pods)
@@ -260,8 +268,12 @@ def test_migration_to_a_new_pool_under_traffic_loses_nothing_and_releases_the_ol
                         gone_at[node] = time.monotonic() - deleted_at
                 return len(gone_at) == len(nodes)
 
-            wait_until(released, COOLDOWN_S + CAPACITY_TICK_S + 10, interval=0.5,
-                       what="the drained leases to be released")  # fmt: skip
+            wait_until(
+                released,
+                COOLDOWN_S + CAPACITY_TICK_S + 10,
+                interval=0.5,
+                what="the drained leases to be released",
+            )
             time.sleep(1.0)
             report = traffic.stop()
         print(
@@ -277,13 +289,19 @@ def test_migration_to_a_new_pool_under_traffic_loses_nothing_and_releases_the_ol
         assert etcd_leases(lab) == {n: [new_leases[n]] for n in nodes}
         assert pool_view(lab, PRIMARY)["leases"] == 0
         for node in nodes:
-            wait_until(lambda n=node: status_json(lab, n)["leases"] == [str(new_leases[n])],
-                       5, what=f"{node}'s status.json to drop the old lease")  # fmt: skip
             wait_until(
-                lambda n=node: (s := status_record(lab, n)) is not None
-                and list(s.subnets) == [str(new_leases[n])],
-                5, what=f"{node}'s status record to drop the old lease",
-            )  # fmt: skip
+                lambda n=node: status_json(lab, n)["leases"] == [str(new_leases[n])],
+                5,
+                what=f"{node}'s status.json to drop the old lease",
+            )
+            wait_until(
+                lambda n=node: (
+                    (s := status_record(lab, n)) is not None
+                    and list(s.subnets) == [str(new_leases[n])]
+                ),
+                5,
+                what=f"{node}'s status record to drop the old lease",
+            )
             assert routes(lab, node) == {new_leases[n] for n in nodes if n != node}
             addrs = addresses(lab, node)
             assert addrs["cni0"] == {IPv4Interface(f"{new_leases[node][1]}/24")}, addrs
@@ -305,14 +323,20 @@ def test_an_untagged_pool_takes_no_lease_and_removing_role_1_keeps_its_leases_se
         nodes = [n.name for n in lab.nodes]
         pools(lab, "tag", str(PRIMARY), f"{ROLE}=0")
         for node in nodes:
-            wait_until(lambda n=node: EXHAUSTED in log_since_start(lab, n), 10,
-                       what=f"{node} to say no pool takes a lease")  # fmt: skip
+            wait_until(
+                lambda n=node: EXHAUSTED in log_since_start(lab, n),
+                10,
+                what=f"{node} to say no pool takes a lease",
+            )
 
         pools(lab, "add", str(NEW))
         untagged = f"{NEW} has no {ROLE} tag (untagged pools take no new leases)"
         for node in nodes:
-            wait_until(lambda n=node: untagged in log_since_start(lab, n), 10,
-                       what=f"{node} to refuse the untagged pool")  # fmt: skip
+            wait_until(
+                lambda n=node: untagged in log_since_start(lab, n),
+                10,
+                what=f"{node} to refuse the untagged pool",
+            )
         view = pool_view(lab, NEW)
         assert view["create_leases"] is False and view["leases"] == 0, view
         assert f"has no {ROLE} tag" in view["reason"]
@@ -348,14 +372,20 @@ def test_an_untagged_pool_takes_no_lease_and_removing_role_1_keeps_its_leases_se
         # Fail closed: n3 returns with no serving lease and may not lease in NEW.
         lab.start_agent("n3")
         lab.wait_ready("n3")
-        wait_until(lambda: untagged in log_since_start(lab, "n3"), 10,
-                   what="n3 to refuse the pool whose role was removed")  # fmt: skip
+        wait_until(
+            lambda: untagged in log_since_start(lab, "n3"),
+            10,
+            what="n3 to refuse the pool whose role was removed",
+        )
         wait_for_capacity_round(agents(lab, ["n3"]))
         assert not in_pool(etcd_leases(lab)["n3"], NEW)
         assert pool_view(lab, NEW)["leases"] == 2
         for node in ("n1", "n2"):
-            wait_until(lambda n=node: routes(lab, "n3") >= {leased[n]}, 10,
-                       what=f"n3 to route to {node}'s lease in {NEW}")  # fmt: skip
+            wait_until(
+                lambda n=node: routes(lab, "n3") >= {leased[n]},
+                10,
+                what=f"n3 to route to {node}'s lease in {NEW}",
+            )
         all_pods_reach_each_other(lab.pods)
 
 
@@ -385,8 +415,11 @@ def test_a_cluster_scoped_pool_serves_only_the_agents_of_that_cluster() -> None:
         in_a = wait_pool_leases(lab, ["n1", "n2"], NEW)
         refusal = f"{NEW} belongs to cluster(s) a, not b"
         for node in ("n3", "n4"):
-            wait_until(lambda n=node: refusal in log_since_start(lab, n), 10,
-                       what=f"{node} to refuse cluster a's pool")  # fmt: skip
+            wait_until(
+                lambda n=node: refusal in log_since_start(lab, n),
+                10,
+                what=f"{node} to refuse cluster a's pool",
+            )
         # They refused it trying to add a lease, so they know every change above.
         wait_for_capacity_round(agents(lab, ["n3", "n4"]))
         held = etcd_leases(lab)
@@ -423,8 +456,9 @@ def previous_release() -> Iterator[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
     found = subprocess.run(
         ["git", "-C", root, "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     if found.returncode != 0:
         pytest.fail(
             f"commit {PREVIOUS_RELEASE} (the previous release) is not in the checkout at {root}; "
@@ -435,8 +469,9 @@ def previous_release() -> Iterator[str]:
     try:
         archive = subprocess.run(
             ["git", "-C", root, "archive", PREVIOUS_RELEASE, "flannelpy", "cni_plugin"],
-            capture_output=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            check=True,
+        )
         subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
         yield tree
     finally:
@@ -470,8 +505,11 @@ def test_a_node_on_the_previous_release_interoperates_with_multi_lease_nodes(
         pools(lab, "tag", str(NEW), f"{ROLE}=1")
         pools(lab, "tag", str(PRIMARY), f"{ROLE}=0")
         second = wait_pool_leases(lab, ["n1", "n2"], NEW)
-        wait_until(lambda: routes(lab, "n3") >= set(second.values()), 10,
-                   what="the old node to route to the new pool's leases")  # fmt: skip
+        wait_until(
+            lambda: routes(lab, "n3") >= set(second.values()),
+            10,
+            what="the old node to route to the new pool's leases",
+        )
         # The old agent counts no events: its status file, rewritten twice since, shows
         # that it went on running after the drain.
         for _ in range(2):
@@ -501,8 +539,14 @@ def test_a_node_on_the_previous_release_interoperates_with_multi_lease_nodes(
         masq_before = masqueraded(lab, "n3")
         target = next(p for p in lab.pods if p.node == "n1" and net_of(p) == second["n1"])
         ping = ["ping", "-c", "1", "-W", "2", str(target.ip)]
-        assert subprocess.run(["ip", "netns", "exec", old_node_pod.namespace, *ping],
-                              capture_output=True, timeout=10).returncode == 0  # fmt: skip
+        assert (
+            subprocess.run(
+                ["ip", "netns", "exec", old_node_pod.namespace, *ping],
+                capture_output=True,
+                timeout=10,
+            ).returncode
+            == 0
+        )
         assert masqueraded(lab, "n3") > masq_before
     # `lab down` stops the old agent as any other: nothing of the lab is left.
     assert lab_residue(before, host_snapshot(), name) == []

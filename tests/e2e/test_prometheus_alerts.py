@@ -74,8 +74,11 @@ def manifest_alerts() -> list[str]:
 
 def firing(lab: Lab) -> set[tuple[str, str]]:
     """(alertname, node) of every firing alert."""
-    return {(a["labels"]["alertname"], a["labels"].get("node", ""))
-            for a in prom.alerts(lab.state) if a["state"] == "firing"}  # fmt: skip
+    return {
+        (a["labels"]["alertname"], a["labels"].get("node", ""))
+        for a in prom.alerts(lab.state)
+        if a["state"] == "firing"
+    }
 
 
 def value(lab: Lab, expr: str) -> float:
@@ -105,8 +108,9 @@ class AlertClock:
         try:
             wait_until(all_fired, timeout=timeout, interval=1.0, what="alerts firing")
         except AssertionError as e:
-            raise AssertionError(f"{e}: still not firing {sorted(set(wanted) - set(self.fired))}; "
-                                 f"{self.state()}") from None  # fmt: skip
+            raise AssertionError(
+                f"{e}: still not firing {sorted(set(wanted) - set(self.fired))}; {self.state()}"
+            ) from None
 
     def wait_resolved(self, wanted: dict[tuple[str, str], float], timeout: float) -> None:
         def all_gone() -> bool:
@@ -119,13 +123,16 @@ class AlertClock:
         try:
             wait_until(all_gone, timeout=timeout, interval=1.0, what="alerts resolved")
         except AssertionError as e:
-            raise AssertionError(f"{e}: still firing {sorted(set(wanted) - set(self.resolved))}; "
-                                 f"{self.state()}") from None  # fmt: skip
+            raise AssertionError(
+                f"{e}: still firing {sorted(set(wanted) - set(self.resolved))}; {self.state()}"
+            ) from None
 
     def state(self) -> str:
         """What Prometheus shows now: alerts by state, targets up."""
-        alerts = sorted((a["state"], a["labels"]["alertname"], a["labels"].get("node", ""))
-                        for a in prom.alerts(self.lab.state))  # fmt: skip
+        alerts = sorted(
+            (a["state"], a["labels"]["alertname"], a["labels"].get("node", ""))
+            for a in prom.alerts(self.lab.state)
+        )
         return f"alerts {alerts}, targets up {prom.targets_up(self.lab.state)}"
 
     def report(self) -> str:
@@ -141,15 +148,23 @@ class AlertClock:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    with running_lab(3, "vxlan", start_agents=False, with_prometheus=True,
-                     net_conf_extra={"SubnetLen": SUBNET_LEN}) as lab:  # fmt: skip
+    with running_lab(
+        3,
+        "vxlan",
+        start_agents=False,
+        with_prometheus=True,
+        net_conf_extra={"SubnetLen": SUBNET_LEN},
+    ) as lab:
         # Probes every second: unreachable after 3 s, a 20-round loss window of 20 s.
         lab.set_agent_args(["--probe-interval=1", "--status-publish-interval=2"])
         lab.start_agents()
         for node in ("n1", "n2", "n3"):
             lab.add_pod(node)
-        wait_until(lambda: all(prom.targets_up(lab.state).get(n) for n in ("n1", "n2", "n3")),
-                   timeout=20, what="Prometheus scraping every agent")  # fmt: skip
+        wait_until(
+            lambda: all(prom.targets_up(lab.state).get(n) for n in ("n1", "n2", "n3")),
+            timeout=20,
+            what="Prometheus scraping every agent",
+        )
         yield lab
 
 
@@ -172,15 +187,19 @@ def iptables(lab: Lab, node: str, op: str, rule: list[str]) -> None:
 
 def write_config(lab: Lab, backend: str, policy: str | None, max_leases: int = 1) -> None:
     doc: dict[str, Any] = {
-        "Network": NETWORK, "SubnetLen": SUBNET_LEN, "Backend": {"Type": backend},
+        "Network": NETWORK,
+        "SubnetLen": SUBNET_LEN,
+        "Backend": {"Type": backend},
         "MaxLeasesPerNode": max_leases,
-    }  # fmt: skip
+    }
     if policy:
         doc["DisruptionPolicy"] = {"Mode": policy}
     subprocess.run(
         ["etcdctl", f"--endpoints={lab.etcd_endpoint}", "put", f"{PREFIX}/config", json.dumps(doc)],
-        check=True, capture_output=True, timeout=20,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=20,
+    )
 
 
 # --- 1. every family is scraped ----------------------------------------------------------
@@ -191,12 +210,18 @@ def test_prometheus_scrapes_every_family_of_every_agent(lab: Lab) -> None:
         data: dict[str, Any] = prom.api(lab.state, "metadata")
         return data
 
-    wait_until(lambda: set(FAMILIES) <= set(metadata()), timeout=20,
-               what="every family in Prometheus's metadata")  # fmt: skip
+    wait_until(
+        lambda: set(FAMILIES) <= set(metadata()),
+        timeout=20,
+        what="every family in Prometheus's metadata",
+    )
     meta = metadata()
     assert {n: meta[n][0]["type"] for n in FAMILIES} == dict(FAMILIES)
-    for name in ("flannelpy_pod_tcp_sent_segments_total", "flannelpy_node_tcp_sent_segments_total",
-                 "flannelpy_kernel_drops_total"):  # fmt: skip
+    for name in (
+        "flannelpy_pod_tcp_sent_segments_total",
+        "flannelpy_node_tcp_sent_segments_total",
+        "flannelpy_kernel_drops_total",
+    ):
         nodes = {r["metric"]["node"] for r in prom.query(lab.state, name)}
         assert nodes == {"n1", "n2", "n3"}, (name, nodes)
     n1_drops = prom.query(lab.state, 'flannelpy_kernel_drops_total{node="n1"}')
@@ -231,12 +256,37 @@ def test_unreachable_peer_frag_needed_ipam_exhaustion_and_a_blocked_change_fire_
     # stay as they are); the pod sends full-size UDP datagrams with DF set, ignoring the
     # path MTU it learns (IP_PMTUDISC_PROBE; this ping has no -M probe).
     gateway = json.loads(lab.exec("n1", ["ip", "-j", "route", "get", str(dst.ip)]).stdout)[0]
-    route = ["ip", "route", "add", f"{dst.ip}/32", "via", gateway["gateway"], "dev",
-             gateway["dev"], "onlink", "mtu", "1400", "table", "77"]  # fmt: skip
-    rule = ["ip", "rule", "add", "from", str(src.ip), "to", str(dst.ip), "lookup", "77",
-            "pref", "77"]  # fmt: skip
-    frag_before = value(lab, 'flannelpy_kernel_drops_total{node="n1",scope="node",'
-                             'reason="frag_needed"}')  # fmt: skip
+    route = [
+        "ip",
+        "route",
+        "add",
+        f"{dst.ip}/32",
+        "via",
+        gateway["gateway"],
+        "dev",
+        gateway["dev"],
+        "onlink",
+        "mtu",
+        "1400",
+        "table",
+        "77",
+    ]
+    rule = [
+        "ip",
+        "rule",
+        "add",
+        "from",
+        str(src.ip),
+        "to",
+        str(dst.ip),
+        "lookup",
+        "77",
+        "pref",
+        "77",
+    ]
+    frag_before = value(
+        lab, 'flannelpy_kernel_drops_total{node="n1",scope="node",reason="frag_needed"}'
+    )
     extra_pods: list[str] = []
     pinger = None
     t0 = time.monotonic()
@@ -256,23 +306,31 @@ def test_unreachable_peer_frag_needed_ipam_exhaustion_and_a_blocked_change_fire_
         with pytest.raises(Exception, match=r"(?i)no free|exhaust|address"):
             lab.add_pod("n2")
         wanted = {
-            ("FlannelpyPeerUnreachable", "n1"): t0, ("FlannelpyPeerUnreachable", "n3"): t0,
+            ("FlannelpyPeerUnreachable", "n1"): t0,
+            ("FlannelpyPeerUnreachable", "n3"): t0,
             ("FlannelpyKernelDropsRising", "n1"): t0,
-            ("FlannelpyIPAMExhausted", "n2"): full, ("FlannelpyIPAMNearlyExhausted", "n2"): full,
+            ("FlannelpyIPAMExhausted", "n2"): full,
+            ("FlannelpyIPAMNearlyExhausted", "n2"): full,
             ("FlannelpyDisruptiveChangeBlocked", "n1"): t0,
             ("FlannelpyDisruptiveChangeBlocked", "n3"): t0,
             # A /28 with one lease allowed is short of addresses from the start.
             ("FlannelpyNodeAtLeaseLimit", "n1"): t0,
-        }  # fmt: skip
+        }
         clock.wait_firing(wanted, timeout=60)
         # Must show: FragFails rose with DF packets over the lowered path MTU, and the
         # node answered each with an ICMP "fragmentation needed" (a destination unreachable).
-        frag = value(lab, 'flannelpy_kernel_drops_total{node="n1",scope="node",'
-                          'reason="frag_needed"}')  # fmt: skip
+        frag = value(
+            lab, 'flannelpy_kernel_drops_total{node="n1",scope="node",reason="frag_needed"}'
+        )
         assert frag - frag_before >= 20, (frag_before, frag)
         print(f"\nn1 frag_needed drops: {frag_before:.0f} -> {frag:.0f}")
-        assert value(lab, 'rate(flannelpy_kernel_icmp_unreachable_sent_total{node="n1",'
-                          'scope="node"}[30s])') >= 1  # fmt: skip
+        assert (
+            value(
+                lab,
+                'rate(flannelpy_kernel_icmp_unreachable_sent_total{node="n1",scope="node"}[30s])',
+            )
+            >= 1
+        )
     finally:
         removed = time.monotonic()
         if pinger is not None:
@@ -312,8 +370,10 @@ while True:
 
 def pod_tcp(lab: Lab) -> tuple[float, float]:
     """n1's pods' (retransmitted, sent) TCP segments, as Prometheus last scraped them."""
-    return (value(lab, 'flannelpy_pod_tcp_retransmitted_segments_total{node="n1"}'),
-            value(lab, 'flannelpy_pod_tcp_sent_segments_total{node="n1"}'))  # fmt: skip
+    return (
+        value(lab, 'flannelpy_pod_tcp_retransmitted_segments_total{node="n1"}'),
+        value(lab, 'flannelpy_pod_tcp_sent_segments_total{node="n1"}'),
+    )
 
 
 def test_loss_raises_retransmissions_and_peer_loss_and_a_store_outage_fires(
@@ -321,8 +381,23 @@ def test_loss_raises_retransmissions_and_peer_loss_and_a_store_outage_fires(
 ) -> None:
     src, dst = pod_on(lab, "n1"), pod_on(lab, "n2")
     eth = lab.node("n2").underlay_iface
-    loss = ["INPUT", "-i", eth, "-p", "udp", "--dport", "8472", "-m", "statistic",
-            "--mode", "random", "--probability", "0.2", "-j", "DROP"]  # fmt: skip
+    loss = [
+        "INPUT",
+        "-i",
+        eth,
+        "-p",
+        "udp",
+        "--dport",
+        "8472",
+        "-m",
+        "statistic",
+        "--mode",
+        "random",
+        "--probability",
+        "0.2",
+        "-j",
+        "DROP",
+    ]
     sink = subprocess.Popen(in_pod(dst, [sys.executable, "-c", _SINK]))
     source = None
     window = 16.0
@@ -378,16 +453,22 @@ def test_lowered_underlay_mtu_fires_path_mtu_and_mtu_mismatch(lab: Lab, clock: A
         # n2's agent restarted on the smaller underlay advertises 1350: the others differ.
         restart_agent(lab, "n2")
         t1 = time.monotonic()
-        clock.wait_firing({("FlannelpyMTUMismatch", "n1"): t1, ("FlannelpyMTUMismatch", "n3"): t1},
-                          timeout=40)  # fmt: skip
+        clock.wait_firing(
+            {("FlannelpyMTUMismatch", "n1"): t1, ("FlannelpyMTUMismatch", "n3"): t1}, timeout=40
+        )
     finally:
         removed = time.monotonic()
         lab.exec("n2", ["ip", "link", "set", n2.underlay_iface, "mtu", "1500"])
         lab.exec("n2", ["ip", "route", "flush", "cache"])
         restart_agent(lab, "n2")
-    clock.wait_resolved({("FlannelpyPeerPathMTUBroken", "n1"): removed,
-                         ("FlannelpyMTUMismatch", "n1"): removed,
-                         ("FlannelpyMTUMismatch", "n3"): removed}, timeout=60)  # fmt: skip
+    clock.wait_resolved(
+        {
+            ("FlannelpyPeerPathMTUBroken", "n1"): removed,
+            ("FlannelpyMTUMismatch", "n1"): removed,
+            ("FlannelpyMTUMismatch", "n3"): removed,
+        },
+        timeout=60,
+    )
 
 
 def restart_agent(lab: Lab, node: str) -> None:
@@ -420,13 +501,18 @@ def panel_exprs() -> list[tuple[str, str]]:
 
 def grafana_to_promql(expr: str) -> str:
     """Grafana's variables as this lab has them: every node, a 30 s rate window."""
-    return (expr.replace("$__rate_interval", "30s").replace("$__interval", "30s")
-            .replace("$node", ".*").replace("${node}", ".*"))  # fmt: skip
+    return (
+        expr.replace("$__rate_interval", "30s")
+        .replace("$__interval", "30s")
+        .replace("$node", ".*")
+        .replace("${node}", ".*")
+    )
 
 
 def test_every_dashboard_panel_returns_data(lab: Lab) -> None:
     exprs = panel_exprs()
     assert len(exprs) >= 10
-    empty = [(title, expr) for title, expr in exprs
-             if not prom.query(lab.state, grafana_to_promql(expr))]  # fmt: skip
+    empty = [
+        (title, expr) for title, expr in exprs if not prom.query(lab.state, grafana_to_promql(expr))
+    ]
     assert not empty, f"panels without data: {empty}"

@@ -44,16 +44,24 @@ def store(lab: Lab) -> Iterator[RolloutStore]:
     try:
         rs = RolloutStore(etcd, lab.state.etcd_prefix)
         # Every node holds its lease and both of ours published a status.
-        wait_until(lambda: len(rs.read_leases()) == 4 and set(rs.read_nodes().statuses) ==
-                   set(OURS), 30, what="4 leases and the statuses of n1, n2")  # fmt: skip
+        wait_until(
+            lambda: len(rs.read_leases()) == 4 and set(rs.read_nodes().statuses) == set(OURS),
+            30,
+            what="4 leases and the statuses of n1, n2",
+        )
         yield rs
     finally:
         etcd.close()
 
 
 def plan(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(lab_run_argv(lab.name, "rollout", "plan", *args),
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        lab_run_argv(lab.name, "rollout", "plan", *args),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def flanneld_names(lab: Lab, rs: RolloutStore) -> list[str]:
@@ -93,8 +101,9 @@ def test_plan_goes_around_flanneld_only_when_the_target_keeps_what_they_run(
     # The config's own vxlan: nothing flanneld runs or sees changes.
     proc = plan(lab, "--backend", "vxlan")
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert ("flanneld nodes (not switched; they keep the network config's Backend): "
-            f"{', '.join(names)}") in proc.stdout.splitlines()  # fmt: skip
+    assert (
+        f"flanneld nodes (not switched; they keep the network config's Backend): {', '.join(names)}"
+    ) in proc.stdout.splitlines()
     # DirectRouting: flanneld keeps the config's until it restarts; the ends would differ.
     proc = plan(lab, "--backend", "vxlan", "--direct-routing")
     assert proc.returncode == 2, f"{proc.stdout}\n{proc.stderr}"

@@ -135,13 +135,19 @@ def restore(c: Cluster) -> None:
     def settled() -> bool:
         st = c.statuses()
         return len(st) == NODES and all(
-            s.backend.type == "vxlan" and not s.backend.direct_routing and s.blocked is None
-            and s.applied_generation is None for s in st.values()
-        )  # fmt: skip
+            s.backend.type == "vxlan"
+            and not s.backend.direct_routing
+            and s.blocked is None
+            and s.applied_generation is None
+            for s in st.values()
+        )
 
     wait_until(settled, 60, what="every node back on the config's vxlan")
-    wait_until(lambda: c.lease_types() == dict.fromkeys(NAMES, "vxlan"), 20,
-               what="every lease back on vxlan")  # fmt: skip
+    wait_until(
+        lambda: c.lease_types() == dict.fromkeys(NAMES, "vxlan"),
+        20,
+        what="every lease back on vxlan",
+    )
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -151,8 +157,11 @@ def flannelpy(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
     """The command line, as an operator runs it on the lab (``flannelpy-lab run``)."""
     return subprocess.run(
         lab_run_argv(lab.name, *args),
-        cwd=REPO, capture_output=True, text=True, timeout=CLI_TIMEOUT,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT,
+    )
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:
@@ -184,8 +193,11 @@ def assert_dataplanes(lab: Lab, route_dev: str, vtep: bool) -> None:
         routes = peer_routes(lab, node)
         assert routes == dict.fromkeys(routes, route_dev), (node, routes)
     want = ["flannel.1"] if vtep else []
-    wait_until(lambda: all(vxlan_devices(lab, node) == want for node in NAMES),
-               LINGER_SECONDS + 5.0, what=f"VTEPs {want} on every node")  # fmt: skip
+    wait_until(
+        lambda: all(vxlan_devices(lab, node) == want for node in NAMES),
+        LINGER_SECONDS + 5.0,
+        what=f"VTEPs {want} on every node",
+    )
 
 
 def rollout_lines(text: str) -> list[str]:
@@ -209,8 +221,10 @@ def when_lost(report: TrafficReport, spans: list[tuple[str, float, float]]) -> l
     for p in report.pairs:
         for seq in p.lost_seqs:
             at = seq / report.rate - report.warmup_s
-            during = next((f"{name} rollout +{at - a:.1f} s" for name, a, b in spans
-                           if a <= at <= b), "between rollouts")  # fmt: skip
+            during = next(
+                (f"{name} rollout +{at - a:.1f} s" for name, a, b in spans if a <= at <= b),
+                "between rollouts",
+            )
             lines.append(f"lost {p.src}->{p.dst} seq {seq}: ~{at:.1f} s, {during}")
     return lines
 
@@ -244,15 +258,17 @@ def test_three_rollouts_under_traffic_lose_no_echo_and_break_no_stream(
             print(f"--- rollout to {name}: {took:.1f} s\n{proc.stdout}{proc.stderr}")
             assert proc.returncode == 0, output(proc)
             summary = summary_line(proc.stdout)
-            assert re.search(rf" done: {NODES} of {NODES} nodes switched to {re.escape(name)} ",
-                             summary), output(proc)  # fmt: skip
+            assert re.search(
+                rf" done: {NODES} of {NODES} nodes switched to {re.escape(name)} ", summary
+            ), output(proc)
             verified = [line.split("] ")[1].split(":")[0] for line in rollout_lines(proc.stdout)]
             assert verified == list(NAMES), output(proc)
             record = cluster.record()
             assert record.state == "done" and record.config_written, record
             assert cluster.overrides() == {}
-            running = {(s.backend.type, s.backend.direct_routing)
-                       for s in cluster.statuses().values()}  # fmt: skip
+            running = {
+                (s.backend.type, s.backend.direct_routing) for s in cluster.statuses().values()
+            }
             assert running == {(name.split("+")[0], name.endswith("+DirectRouting"))}, running
             assert_dataplanes(lab, route_dev, vtep)
         report = traffic.stop()
@@ -303,16 +319,19 @@ def test_block_refuses_the_rollout_and_no_agent_applies_a_change_written_to_the_
     assert doc["DisruptionPolicy"] == {"Mode": "Block"}
     cluster.put_config({**doc, "Backend": {"Type": "host-gw"}})
     for node in NAMES:
-        status = wait_until(partial(blocked_status, cluster, node), 20,
-                            what=f"{node} to report the blocked change")  # fmt: skip
+        status = wait_until(
+            partial(blocked_status, cluster, node), 20, what=f"{node} to report the blocked change"
+        )
         assert status is not None and status.blocked is not None
         assert "backend vxlan -> host-gw" in status.blocked.change
         assert "blocked by DisruptionPolicy Block" in status.blocked.sentence
         assert status.backend.type == "vxlan" and status.applied_generation is None
         after = scrape(lab, node)[1].get(BLOCKED, 0.0)
         assert after == before[node] + 1, (node, before[node], after)
-    print("blocked operations per node: "
-          + ", ".join(f"{n} {before[n]:g} -> {before[n] + 1:g}" for n in NAMES))  # fmt: skip
+    print(
+        "blocked operations per node: "
+        + ", ".join(f"{n} {before[n]:g} -> {before[n] + 1:g}" for n in NAMES)
+    )
     assert cluster.lease_types() == dict.fromkeys(NAMES, "vxlan")
     assert_dataplanes(lab, "flannel.1", vtep=True)
 
@@ -339,8 +358,20 @@ def test_maintenance_window_waits_proceeds_pauses_and_resumes_in_the_next_one(
     cluster: Cluster,
 ) -> None:
     lab = cluster.lab
-    proc = flannelpy(lab, "policy", "set", "AllowDuringMaintenanceWindow", "--days", "Sat",
-                     "--start", "02:00", "--duration", "1h", "--utc-offset", "+00:00")  # fmt: skip
+    proc = flannelpy(
+        lab,
+        "policy",
+        "set",
+        "AllowDuringMaintenanceWindow",
+        "--days",
+        "Sat",
+        "--start",
+        "02:00",
+        "--duration",
+        "1h",
+        "--utc-offset",
+        "+00:00",
+    )
     assert proc.returncode == 0, output(proc)
     clock = TestClock(WINDOW - timedelta(minutes=30))
     lines: list[str] = []
@@ -381,8 +412,9 @@ def test_maintenance_window_waits_proceeds_pauses_and_resumes_in_the_next_one(
     assert peer_routes(lab, "n2")[subnet_of(lab, "n3")] == "flannel.1"
 
     # The next window, with the operator's command: resume runs it to the end.
-    proc = flannelpy(lab, "rollout", "resume",
-                     "--clock-start", (NEXT_WINDOW + timedelta(minutes=2)).isoformat())  # fmt: skip
+    proc = flannelpy(
+        lab, "rollout", "resume", "--clock-start", (NEXT_WINDOW + timedelta(minutes=2)).isoformat()
+    )
     print(proc.stdout + proc.stderr)
     assert proc.returncode == 0, output(proc)
     assert " done: 5 of 5 nodes switched to host-gw " in summary_line(proc.stdout), output(proc)
@@ -403,30 +435,41 @@ def test_a_node_that_fails_verification_is_rolled_back_and_the_rollout_stops(
     lab = cluster.lab
     # n3's underlay drops unencapsulated pod traffic towards n4 and n5 (like a cloud's
     # source/destination check); VXLAN from n3's own address passes.
-    rules = [["-o", "eth0", "-s", lab.state.network, "-d", subnet_of(lab, peer), "-j", "DROP"]
-             for peer in ("n4", "n5")]  # fmt: skip
+    rules = [
+        ["-o", "eth0", "-s", lab.state.network, "-d", subnet_of(lab, peer), "-j", "DROP"]
+        for peer in ("n4", "n5")
+    ]
     try:
         for rule in rules:
             lab.exec("n3", ["iptables", "-t", "mangle", "-A", "POSTROUTING", *rule])
         assert lab.status()["ok"]  # nothing is lost while n3 encapsulates
         began = time.monotonic()
-        proc = flannelpy(lab, "rollout", "start", "--backend", "host-gw",
-                         "--step-timeout", "20")  # fmt: skip
+        proc = flannelpy(lab, "rollout", "start", "--backend", "host-gw", "--step-timeout", "20")
         took = time.monotonic() - began
         print(f"--- rollout with a failing n3: {took:.1f} s\n{proc.stdout}{proc.stderr}")
         assert proc.returncode == 1, output(proc)
         record = cluster.record()
         assert record.state == "failed", record
         assert [e.state for e in record.nodes] == [
-            "done", "done", "rolled-back", "pending", "pending"], record  # fmt: skip
+            "done",
+            "done",
+            "rolled-back",
+            "pending",
+            "pending",
+        ], record
         assert record.reason is not None and record.reason.startswith("n3 failed verification")
         assert re.search(r"n3 -> n[45]|n[45] -> n3", record.reason), record.reason
         summary = summary_line(proc.stdout)
         assert " failed: 2 of 5 nodes switched to host-gw (n1, n2); n3 " in summary, summary
 
         statuses = cluster.statuses()
-        assert cluster.backends() == {"n1": "host-gw", "n2": "host-gw", "n3": "vxlan",
-                                      "n4": "vxlan", "n5": "vxlan"}  # fmt: skip
+        assert cluster.backends() == {
+            "n1": "host-gw",
+            "n2": "host-gw",
+            "n3": "vxlan",
+            "n4": "vxlan",
+            "n5": "vxlan",
+        }
         assert cluster.lease_types()["n3"] == "vxlan"
         assert statuses["n4"].applied_generation is None  # never touched
         assert statuses["n5"].applied_generation is None
@@ -448,11 +491,11 @@ def test_host_gw_across_two_segments_is_refused_at_plan_and_start() -> None:
         store = EtcdStore([lab.etcd_endpoint])
         try:
             rs = RolloutStore(store, prefix)
-            wait_until(lambda: len(rs.read_nodes().statuses) == 4, 30,
-                       what="every node's status")  # fmt: skip
+            wait_until(lambda: len(rs.read_nodes().statuses) == 4, 30, what="every node's status")
             segment = {n.name: n.segment for n in lab.nodes}
-            across = {(a, b) for a in segment for b in segment if a < b
-                      and segment[a] != segment[b]}  # fmt: skip
+            across = {
+                (a, b) for a in segment for b in segment if a < b and segment[a] != segment[b]
+            }
             assert across, segment
             config_before = store.get(config_key(prefix))
             assert config_before is not None
@@ -466,7 +509,9 @@ def test_host_gw_across_two_segments_is_refused_at_plan_and_start() -> None:
                         r"flannelpy rollout: host-gw cannot work: (n\d) \(\S+\) and (n\d) "
                         r"\(\S+\): the nodes are on different L2 segments and neither has a "
                         r"VTEP; host-gw needs every node on one L2 segment: use vxlan, or "
-                        r"vxlan with DirectRouting", line)  # fmt: skip
+                        r"vxlan with DirectRouting",
+                        line,
+                    )
                     assert m, line
                     named.add((m[1], m[2]))
                 assert named == across
@@ -477,8 +522,7 @@ def test_host_gw_across_two_segments_is_refused_at_plan_and_start() -> None:
                 assert store.get(override_key(prefix, "n1")) is None
             assert {s.backend.type for s in rs.read_nodes().statuses.values()} == {"vxlan"}
             # What the refusal suggests is accepted.
-            proc = flannelpy(lab, "rollout", "plan", "--backend", "vxlan",
-                             "--direct-routing")  # fmt: skip
+            proc = flannelpy(lab, "rollout", "plan", "--backend", "vxlan", "--direct-routing")
             assert proc.returncode == 0, output(proc)
         finally:
             store.close()

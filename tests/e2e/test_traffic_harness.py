@@ -67,8 +67,18 @@ def icmp_loss(lab: Lab, node: str, probability: float) -> Iterator[list[int]]:
     """Random ICMP loss in ``node``'s FORWARD hook while inside. On exit an ACCEPT
     above the DROP ends the loss at once, so the DROP's counter, appended to the
     yielded list, is final when read; then both rules go."""
-    drop = ["-p", "icmp", "-m", "statistic", "--mode", "random",
-            "--probability", str(probability), "-j", "DROP"]  # fmt: skip
+    drop = [
+        "-p",
+        "icmp",
+        "-m",
+        "statistic",
+        "--mode",
+        "random",
+        "--probability",
+        str(probability),
+        "-j",
+        "DROP",
+    ]
     freeze = ["-p", "icmp", "-j", "ACCEPT"]
     dropped: list[int] = []
     lab.exec(node, ["iptables", "-t", "mangle", "-I", "FORWARD", *drop])
@@ -148,8 +158,18 @@ def test_losses_counted_on_exactly_the_pairs_through_the_lossy_node_and_a_blackh
 
     victim = (lab.pod("n1-p1"), lab.pod("n2-p1"))  # blackholed at its client's node n1
     streams = [("n1-p1", "n2-p1"), ("n2-p2", "n3-p2"), ("n3-p2", "n4-p2")]
-    blackhole = ["-p", "tcp", "-s", str(victim[0].ip), "-d", str(victim[1].ip),
-                 "--dport", str(TCP_PORT), "-j", "DROP"]  # fmt: skip
+    blackhole = [
+        "-p",
+        "tcp",
+        "-s",
+        str(victim[0].ip),
+        "-d",
+        str(victim[1].ip),
+        "--dport",
+        str(TCP_PORT),
+        "-j",
+        "DROP",
+    ]
     with PodTraffic(
         lab, rate=RATE, streams=streams, stream_rate=STREAM_RATE, stream_timeout=STREAM_TIMEOUT
     ) as traffic:

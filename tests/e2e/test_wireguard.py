@@ -74,8 +74,11 @@ def wg(lab: Lab, node: str, *args: str) -> str:
     """``wg`` in wireguard-go's own namespaces, where its socket is /var/run/wireguard."""
     out = subprocess.run(
         ["nsenter", "-t", str(wg_pid(lab, node)), "-m", "-n", "wg", *args],
-        capture_output=True, text=True, check=True, timeout=10,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    )
     return out.stdout
 
 
@@ -113,21 +116,37 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
         pod_hex = POD_MARKER.encode().hex()
         under_hex = UNDERLAY_MARKER.encode().hex()
         a, b = lab.pod("n1-p1"), lab.pod("n3-p2")
-        ping = pu.run_in(a.namespace, ["ping", "-c", "5", "-i", "0.1", "-p", pod_hex,
-                                       pod_ip(lab, b.name)])  # fmt: skip
+        ping = pu.run_in(
+            a.namespace, ["ping", "-c", "5", "-i", "0.1", "-p", pod_hex, pod_ip(lab, b.name)]
+        )
         assert ping.returncode == 0, ping.stdout
         server = subprocess.Popen(
-            ["ip", "netns", "exec", b.namespace, "python3", "-c",
-             "import socket;s=socket.create_server(('0.0.0.0',5599));print('listening',"
-             "flush=True);c,_=s.accept();print(c.recv(100).decode())"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                b.namespace,
+                "python3",
+                "-c",
+                "import socket;s=socket.create_server(('0.0.0.0',5599));print('listening',"
+                "flush=True);c,_=s.accept();print(c.recv(100).decode())",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout is not None
         assert server.stdout.readline().strip() == "listening"  # connect only once it is
-        pu.run_in(a.namespace, ["python3", "-c",
-                                "import socket,sys;socket.create_connection((sys.argv[1],5599))"
-                                ".sendall(sys.argv[2].encode())", pod_ip(lab, b.name),
-                                POD_MARKER])  # fmt: skip
+        pu.run_in(
+            a.namespace,
+            [
+                "python3",
+                "-c",
+                "import socket,sys;socket.create_connection((sys.argv[1],5599))"
+                ".sendall(sys.argv[2].encode())",
+                pod_ip(lab, b.name),
+                POD_MARKER,
+            ],
+        )
         received, _ = server.communicate(timeout=10)
         assert POD_MARKER in received  # the TCP payload did cross, inside the tunnel
         n1, n2 = lab.node("n1"), lab.node("n2")
@@ -135,8 +154,11 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
         assert plain.returncode == 0
         # The capture writes packets in order as they come: once the plain ping (the last
         # traffic) is in the file, so is everything the pods sent before it.
-        wait_until(lambda: UNDERLAY_MARKER.encode() in Path(pcap).read_bytes(), 10,
-                   what="the plain ping in the capture")  # fmt: skip
+        wait_until(
+            lambda: UNDERLAY_MARKER.encode() in Path(pcap).read_bytes(),
+            10,
+            what="the plain ping in the capture",
+        )
     with open(pcap, "rb") as f:
         raw = f.read()
     assert UNDERLAY_MARKER.encode() in raw  # the capture sees plaintext when there is some
@@ -147,8 +169,12 @@ def test_the_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab, tmp
     def tunnel(line: str) -> bool:  # "IP 100.64.0.1.51820 > 100.64.0.3.51820: UDP, length 128"
         fields = line.split()
         src, dst = fields[2].rsplit(".", 1), fields[4].rstrip(":").rsplit(".", 1)
-        return ("UDP" in line and src[0] in node_ips and dst[0] in node_ips
-                and src[1] == dst[1] == str(PORT))  # fmt: skip
+        return (
+            "UDP" in line
+            and src[0] in node_ips
+            and dst[0] in node_ips
+            and src[1] == dst[1] == str(PORT)
+        )
 
     def underlay_control(line: str) -> bool:  # the plain ping of n1 and n2's underlay
         fields = line.split()
@@ -167,8 +193,11 @@ def test_a_killed_wireguard_go_is_restarted_and_traffic_resumes(lab: Lab) -> Non
     src, dst = lab.pod("n1-p1").namespace, pod_ip(lab, "n2-p1")
     os.kill(old, signal.SIGKILL)
     killed = time.monotonic()
-    wait_until(lambda: pu.run_in(src, ["ping", "-c", "1", "-W", "0.2", dst]).returncode == 0,
-               20.0, "pod traffic after wireguard-go was killed")  # fmt: skip
+    wait_until(
+        lambda: pu.run_in(src, ["ping", "-c", "1", "-W", "0.2", dst]).returncode == 0,
+        20.0,
+        "pod traffic after wireguard-go was killed",
+    )
     gap = time.monotonic() - killed
     print(f"traffic resumed {gap:.2f} s after wireguard-go was killed")
     assert wg_pid(lab, "n2") != old
@@ -189,8 +218,9 @@ def test_a_peer_removed_by_hand_is_restored_within_a_second(lab: Lab) -> None:
 
 
 def test_the_doctor_and_the_metric_name_the_implementation(lab: Lab) -> None:
-    out = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+    )
     assert "WireGuard runs in userspace (wireguard-go" in out.stdout, out.stdout + out.stderr
 
     def metrics() -> list[str]:
@@ -213,8 +243,7 @@ def test_the_doctor_and_the_metric_name_the_implementation(lab: Lab) -> None:
     # the prober's full-MTU DF probe crosses the tunnel to both peers (it probes every
     # 5 s, and a peer restarted by the tests above may not have been probed since)
     def verified() -> bool:
-        found = [line for line in metrics()
-                 if line.startswith("flannelpy_peer_path_mtu_verified{")]  # fmt: skip
+        found = [line for line in metrics() if line.startswith("flannelpy_peer_path_mtu_verified{")]
         return len(found) == 2 and all(line.endswith(" 1.0") for line in found)
 
     wait_until(verified, 15.0, "the full-MTU probe verified to both peers")
@@ -237,7 +266,12 @@ def test_a_restart_keeps_the_key_and_a_new_key_is_followed_everywhere(lab: Lab) 
     after = public_key(lab, "n3")
     assert after != before
     for node in ("n1", "n2"):
-        wait_until(lambda n=node: wg(lab, n, "show", "flannel-wg", "peers").split().count(after)
-                   == 1 and before not in wg(lab, n, "show", "flannel-wg", "peers"),
-                   10.0, f"{node} following n3's new key")  # fmt: skip
+        wait_until(
+            lambda n=node: (
+                wg(lab, n, "show", "flannel-wg", "peers").split().count(after) == 1
+                and before not in wg(lab, n, "show", "flannel-wg", "peers")
+            ),
+            10.0,
+            f"{node} following n3's new key",
+        )
     wait_until(lambda: lab.status()["ok"], 30.0, "every pair reaching again")

@@ -45,9 +45,12 @@ DEVICE_V6 = "flannel-wg-v6"
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     with running_lab(
-        3, "wireguard", overlay_bridge=True, pods_per_node=1,
+        3,
+        "wireguard",
+        overlay_bridge=True,
+        pods_per_node=1,
         net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:  # fmt: skip
+    ) as lab:
         started = time.monotonic()
         last: dict[str, object] = {}
 
@@ -76,10 +79,12 @@ def wg_pid(lab: Lab, node: str, device: str) -> int:
 def wg(lab: Lab, node: str, device: str, *args: str) -> str:
     """``wg show <device> ...`` inside that device's wireguard-go namespaces."""
     out = subprocess.run(
-        ["nsenter", "-t", str(wg_pid(lab, node, device)), "-m", "-n", "wg", "show", device,
-         *args],
-        capture_output=True, text=True, check=True, timeout=10,
-    )  # fmt: skip
+        ["nsenter", "-t", str(wg_pid(lab, node, device)), "-m", "-n", "wg", "show", device, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    )
     return out.stdout
 
 
@@ -100,8 +105,10 @@ def test_every_pair_reaches_in_both_families_over_the_ipv6_device(lab: Lab) -> N
         attrs = leases[str(node.ip)]
         # Flannel's lease: the same key in both families, the IPv6 port in BackendV6Data.
         assert attrs["PublicIPv6"] == plan.ipv6_underlay_ip(node), attrs
-        assert attrs["BackendV6Data"] == {"PublicKey": attrs["BackendData"]["PublicKey"],
-                                          "Port": PORT_V6}, attrs  # fmt: skip
+        assert attrs["BackendV6Data"] == {
+            "PublicKey": attrs["BackendData"]["PublicKey"],
+            "Port": PORT_V6,
+        }, attrs
         assert wg(lab, node.name, "flannel-wg-v6", "listen-port").strip() == str(PORT_V6)
         endpoints = wg(lab, node.name, "flannel-wg-v6", "endpoints").split()
         others = {f"[{plan.ipv6_underlay_ip(n)}]:{PORT_V6}" for n in lab.nodes if n != node}
@@ -132,13 +139,16 @@ def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab
     no_ndp = "ip6 and not (icmp6[0] >= 133 and icmp6[0] <= 137)"
     with underlay_capture(seg.switch_namespace, pcap, [no_ndp]):
         a, b = lab.pod("n1-p1"), lab.pod("n3-p1")
-        ping = pu.run_in(a.namespace, ["ping", "-c", "5", "-i", "0.1", "-p",
-                                       POD_MARKER.encode().hex(), pod6(lab, b.name)])  # fmt: skip
+        ping = pu.run_in(
+            a.namespace,
+            ["ping", "-c", "5", "-i", "0.1", "-p", POD_MARKER.encode().hex(), pod6(lab, b.name)],
+        )
         assert ping.returncode == 0, ping.stdout
         n1, n2 = lab.node("n1"), lab.node("n2")
         under_hex = UNDERLAY_MARKER.encode().hex()
-        plain = lab.exec("n1", ["ping", "-c", "2", "-i", "0.2", "-p", under_hex,
-                                plan.ipv6_underlay_ip(n2)])  # fmt: skip
+        plain = lab.exec(
+            "n1", ["ping", "-c", "2", "-i", "0.2", "-p", under_hex, plan.ipv6_underlay_ip(n2)]
+        )
         assert plain.returncode == 0
         time.sleep(0.5)
     with open(pcap, "rb") as f:
@@ -157,8 +167,11 @@ def test_the_ipv6_underlay_carries_only_wireguard_and_never_the_payload(lab: Lab
         if "UDP" not in line:
             return False
         (src, sport), (dst, dport) = (end.rsplit(".", 1) for end in ends(line))
-        return (IPv6Address(src) in node_ips and IPv6Address(dst) in node_ips
-                and sport == dport == str(PORT_V6))  # fmt: skip
+        return (
+            IPv6Address(src) in node_ips
+            and IPv6Address(dst) in node_ips
+            and sport == dport == str(PORT_V6)
+        )
 
     def underlay_control(line: str) -> bool:
         return "ICMP6, echo" in line and {IPv6Address(e) for e in ends(line)} == control
@@ -173,8 +186,9 @@ def test_the_doctor_reads_both_devices_and_names_a_missing_ipv6_peer(lab: Lab) -
     leases say, and a peer removed by hand from the IPv6 device only is named."""
 
     def doctor() -> str:
-        out = subprocess.run(lab_run_argv(lab.name, "doctor", node="n1"),
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
+        )
         return out.stdout + out.stderr
 
     text = doctor()
@@ -187,9 +201,22 @@ def test_the_doctor_reads_both_devices_and_names_a_missing_ipv6_peer(lab: Lab) -
     lab.kill_agent("n1", signal.SIGSTOP, wait=False)
     try:
         subprocess.run(
-            ["nsenter", "-t", str(wg_pid(lab, "n1", DEVICE_V6)), "-m", "-n", "wg", "set",
-             DEVICE_V6, "peer", key, "remove"], check=True, timeout=10,
-        )  # fmt: skip
+            [
+                "nsenter",
+                "-t",
+                str(wg_pid(lab, "n1", DEVICE_V6)),
+                "-m",
+                "-n",
+                "wg",
+                "set",
+                DEVICE_V6,
+                "peer",
+                key,
+                "remove",
+            ],
+            check=True,
+            timeout=10,
+        )
         text = doctor()
         assert f"WireGuard's {DEVICE_V6} runs in userspace" in text, text
         assert "1 peer(s) missing or different" in text, text

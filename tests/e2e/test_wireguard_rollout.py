@@ -93,8 +93,11 @@ def metric(lab: Lab, node: str, name: str) -> float | None:
 
 def wg_devices(lab: Lab, node: str) -> list[str]:
     out = lab.exec(node, ["ip", "-j", "link", "show"]).stdout
-    return sorted(link["ifname"] for link in json.loads(out or "[]")
-                  if link["ifname"].startswith("flannel-wg"))  # fmt: skip
+    return sorted(
+        link["ifname"]
+        for link in json.loads(out or "[]")
+        if link["ifname"].startswith("flannel-wg")
+    )
 
 
 def wireguard_go_pids(lab: Lab) -> list[int]:
@@ -113,8 +116,12 @@ def wireguard_go_pids(lab: Lab) -> list[int]:
 
 
 def vxlan_between_nodes(lab: Lab, pcap: str) -> list[str]:
-    flows = subprocess.run(["tcpdump", "-nn", "-r", pcap, "udp", "port", str(VXLAN_PORT)],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    flows = subprocess.run(
+        ["tcpdump", "-nn", "-r", pcap, "udp", "port", str(VXLAN_PORT)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     node_ips = {str(n.ip) for n in lab.nodes}
     found = []
     for line in flows.splitlines():
@@ -149,8 +156,11 @@ def lost_by_phase(report: TrafficReport, spans: list[tuple[str, float, float]]) 
 
 def lost_echoes(report: TrafficReport) -> list[str]:
     """Each lost echo as 'at s src->dst', by time: to match against the rollout's log."""
-    found = sorted((seq / report.rate - report.warmup_s, p.src, p.dst)
-                   for p in report.pairs for seq in p.lost_seqs)  # fmt: skip
+    found = sorted(
+        (seq / report.rate - report.warmup_s, p.src, p.dst)
+        for p in report.pairs
+        for seq in p.lost_seqs
+    )
     return [f"{at:.2f} s {src}->{dst}" for at, src, dst in found]
 
 
@@ -163,9 +173,16 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
         to_wg = rollout(lab, "wireguard")
         spans.append(("to wireguard", time.monotonic() - t0 - to_wg, time.monotonic() - t0))
         for node in NAMES:
-            wait_until(lambda node=node: metric(  # type: ignore[misc]
-                lab, node, "flannelpy_wireguard_unencrypted_peers") == 0.0, 20,
-                what=f"{node} to reach every peer encrypted")  # fmt: skip
+            wait_until(
+                lambda node=node: (
+                    metric(  # type: ignore[misc]
+                        lab, node, "flannelpy_wireguard_unencrypted_peers"
+                    )
+                    == 0.0
+                ),
+                20,
+                what=f"{node} to reach every peer encrypted",
+            )
             # Each pair went through the tunnel only after its handshake, which the
             # device reported to the agent (make before break, to wireguard).
             handshakes = metric(lab, node, 'flannelpy_agent_events_total{kind="handshake"}')
@@ -184,8 +201,12 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
         f"rollouts: wireguard {to_wg:.1f} s, vxlan {back:.1f} s; "
         f"longest gap {longest_gap_ms(report):.0f} ms"
     )
-    wg_lines = subprocess.run(["tcpdump", "-nn", "-r", pcap, "udp", "port", "51820"],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    wg_lines = subprocess.run(
+        ["tcpdump", "-nn", "-r", pcap, "udp", "port", "51820"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert wg_lines.strip(), "the capture saw no WireGuard traffic"
     assert vxlan_between_nodes(lab, pcap) == []
     for node in NAMES:

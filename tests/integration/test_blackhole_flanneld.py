@@ -36,8 +36,12 @@ NET_CONF = '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
 
 def _put(ns: Netns, key: str, value: str) -> None:
     """A put through etcd's HTTP gateway, from inside ``ns`` (where etcd listens)."""
-    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
-                       "value": base64.b64encode(value.encode()).decode()})  # fmt: skip
+    body = json.dumps(
+        {
+            "key": base64.b64encode(key.encode()).decode(),
+            "value": base64.b64encode(value.encode()).decode(),
+        }
+    )
     code = (
         "import sys, urllib.request as u; "
         "u.urlopen(u.Request('http://127.0.0.1:2379/v3/kv/put', sys.argv[1].encode()), "
@@ -56,27 +60,69 @@ def flanneld_node(tmp_path: Path) -> Iterator[tuple[Netns, Path]]:
         ns.ip("route add default via 192.168.77.1")
         try:
             with open(tmp_path / "etcd.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns.name, ETCD_BINARY, "--data-dir",
-                     str(tmp_path / "etcd"), "--listen-client-urls", "http://127.0.0.1:2379",
-                     "--advertise-client-urls", "http://127.0.0.1:2379",
-                     "--listen-peer-urls", "http://127.0.0.1:2380"],
-                    stdout=log, stderr=subprocess.STDOUT,
-                ))  # fmt: skip
-            wait_until(lambda: ns.exec([sys.executable, "-c", "import socket; socket."
-                                        "create_connection(('127.0.0.1', 2379), 1)"],
-                                       check=False).returncode == 0,
-                       15.0, "etcd listening in the namespace")  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns.name,
+                            ETCD_BINARY,
+                            "--data-dir",
+                            str(tmp_path / "etcd"),
+                            "--listen-client-urls",
+                            "http://127.0.0.1:2379",
+                            "--advertise-client-urls",
+                            "http://127.0.0.1:2379",
+                            "--listen-peer-urls",
+                            "http://127.0.0.1:2380",
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            wait_until(
+                lambda: (
+                    ns.exec(
+                        [
+                            sys.executable,
+                            "-c",
+                            "import socket; socket.create_connection(('127.0.0.1', 2379), 1)",
+                        ],
+                        check=False,
+                    ).returncode
+                    == 0
+                ),
+                15.0,
+                "etcd listening in the namespace",
+            )
             _put(ns, "/coreos.com/network/config", NET_CONF)
             env = tmp_path / "subnet.env"
             with open(tmp_path / "flanneld.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns.name, binary, "--etcd-endpoints",
-                     "http://127.0.0.1:2379", "--iface", "u0", "--ip-blackhole-route",
-                     "--iptables-resync", "1", "--subnet-file", str(env),
-                     "--healthz-port", "0"],
-                    stdout=log, stderr=subprocess.STDOUT,
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns.name,
+                            binary,
+                            "--etcd-endpoints",
+                            "http://127.0.0.1:2379",
+                            "--iface",
+                            "u0",
+                            "--ip-blackhole-route",
+                            "--iptables-resync",
+                            "1",
+                            "--subnet-file",
+                            str(env),
+                            "--healthz-port",
+                            "0",
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             yield ns, env
         finally:
             for proc in reversed(procs):
@@ -128,7 +174,10 @@ def test_flanneld_blackhole_shadows_the_bridge_and_ours_does_not(
     # The other order on flanneld's node: its next add is refused while cni0 routes.
     ns.ip(f"route del blackhole {subnet}")
     log = env.parent / "flanneld.log"
-    wait_until(lambda: "Failed to setup blackhole route, file exists" in log.read_text(),
-               10.0, "flanneld failing to add its blackhole route")  # fmt: skip
+    wait_until(
+        lambda: "Failed to setup blackhole route, file exists" in log.read_text(),
+        10.0,
+        "flanneld failing to add its blackhole route",
+    )
     assert _blackholes(ns) == []
     assert "dev cni0" in ns.ip(f"route get {pod_ip}")

@@ -110,8 +110,9 @@ def assert_hidden_from_agent(ctrd: Containerd, sandbox_id: str, netns: str) -> N
     pause_netns = os.stat(f"/proc/{info['pid']}/ns/net")
     seen_by_containerd = os.stat(f"/proc/{ctrd.pid}/root{netns}")
     assert (seen_by_containerd.st_dev, seen_by_containerd.st_ino) == (
-        pause_netns.st_dev, pause_netns.st_ino
-    )  # fmt: skip
+        pause_netns.st_dev,
+        pause_netns.st_ino,
+    )
 
 
 def eth0_address(ctrd: Containerd, netns: str) -> IPv4Interface:
@@ -146,8 +147,11 @@ def test_pods_get_addresses_reach_each_other_and_are_released(
 
     first, second = sandboxes
     for sid, peer in ((first, addresses[second]), (second, addresses[first])):
-        wait_until(functools.partial(pings, ctrd, netns[sid], peer), timeout=10,
-                   what=f"pod {sid[:12]} pinging {peer}")  # fmt: skip
+        wait_until(
+            functools.partial(pings, ctrd, netns[sid], peer),
+            timeout=10,
+            what=f"pod {sid[:12]} pinging {peer}",
+        )
         assert pings(ctrd, netns[sid], GATEWAY), f"pod {sid[:12]} cannot ping the bridge gateway"
 
     for sid in sandboxes:

@@ -32,8 +32,10 @@ def doctor(lab: Lab, node: str) -> tuple[int, dict[str, Any]]:
     """Run the real command; returns its exit code and its JSON report."""
     proc = subprocess.run(
         lab_run_argv(lab.name, "doctor", "--json", node=node),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"
     return proc.returncode, json.loads(proc.stdout)
 
@@ -87,8 +89,22 @@ def test_doctor_names_each_fault_on_a_live_lab() -> None:
         network = IPv4Network(lab.state.network)
         stale = list(network.subnets(new_prefix=24))[-1]
         assert stale not in {lease_of(lab, n.name) for n in lab.nodes}
-        lab.exec("n1", ["ip", "route", "add", str(stale), "via", str(stale.network_address),
-                        "dev", "flannel.1", "onlink", "proto", "75"])  # fmt: skip
+        lab.exec(
+            "n1",
+            [
+                "ip",
+                "route",
+                "add",
+                str(stale),
+                "via",
+                str(stale.network_address),
+                "dev",
+                "flannel.1",
+                "onlink",
+                "proto",
+                "75",
+            ],
+        )
         code, report = doctor(lab, "n1")
         (stale_finding,) = [f for f in problems(report, "routes") if f["severity"] == "warning"]
         assert stale_finding["subject"] == str(stale) and "stale" in stale_finding["message"]
@@ -120,11 +136,25 @@ def test_doctor_with_no_flags_uses_the_agents_settings() -> None:
         wait_until(lambda: peers_answer(lab, "n1"), timeout=30, what="n1's probes answered")
         n1 = lab.node("n1")
         proc = subprocess.run(
-            ["ip", "netns", "exec", n1.namespace, "env", "-i", f"PATH={os.environ['PATH']}",
-             f"FLANNELD_RUN_DIR={n1.run_dir}", sys.executable, "-m", "flannelpy", "doctor",
-             "--json"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                n1.namespace,
+                "env",
+                "-i",
+                f"PATH={os.environ['PATH']}",
+                f"FLANNELD_RUN_DIR={n1.run_dir}",
+                sys.executable,
+                "-m",
+                "flannelpy",
+                "doctor",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode in (0, 1), f"doctor failed to run: {proc.stderr}"
         report = json.loads(proc.stdout)
         bad = [f for f in report["findings"] if f["severity"] != "ok"]

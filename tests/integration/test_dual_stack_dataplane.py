@@ -31,10 +31,16 @@ MACS = {1: "02:00:00:00:01:01", 2: "02:00:00:00:01:02"}
 
 
 def config(backend: str) -> object:
-    return parse_network_config(json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": backend},
-    }))  # fmt: skip
+    return parse_network_config(
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": backend},
+            }
+        )
+    )
 
 
 @pytest.fixture
@@ -62,11 +68,14 @@ def node_lease(n: int, backend: str, mtu: int) -> Lease:
         subnet=IPv4Network(f"10.244.{n}.0/24"),
         ipv6_subnet=IPv6Network(f"fc00:0:0:{n}::/64"),
         attrs=LeaseAttrs(
-            public_ip=IPv4Address(f"192.168.77.{n}"), backend_type=backend,
-            backend_data=data, public_ipv6=IPv6Address(f"fd00:64::{n}"),
-            backend_v6_data=data, mtu=mtu,
+            public_ip=IPv4Address(f"192.168.77.{n}"),
+            backend_type=backend,
+            backend_data=data,
+            public_ipv6=IPv6Address(f"fd00:64::{n}"),
+            backend_v6_data=data,
+            mtu=mtu,
         ),
-    )  # fmt: skip
+    )
 
 
 def program(ns: Netns, n: int, backend: str) -> NodeContext:
@@ -75,9 +84,12 @@ def program(ns: Netns, n: int, backend: str) -> NodeContext:
     underlay = ns.call(kernel.find_underlay, ("u0",))
     assert underlay.ip6 == IPv6Address(f"fd00:64::{n}")
     ctx = NodeContext(
-        config=config(backend), underlay=underlay,  # type: ignore[arg-type]
-        public_ip=underlay.ip, node_name=f"n{n}", public_ipv6=underlay.ip6,
-    )  # fmt: skip
+        config=config(backend),  # type: ignore[arg-type]
+        underlay=underlay,
+        public_ip=underlay.ip,
+        node_name=f"n{n}",
+        public_ipv6=underlay.ip6,
+    )
     be = get_backend(backend)
     mac = MACS[n] if backend == "vxlan" else None
     own, peer = node_lease(n, backend, be.mtu(ctx)), node_lease(3 - n, backend, be.mtu(ctx))

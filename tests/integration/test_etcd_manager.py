@@ -96,8 +96,12 @@ def test_contract_get_put_and_revisions(kv: Kv) -> None:
     got = s.get(p + "a")
     assert got is not None
     assert (got.key, got.value, got.mod_revision, got.create_revision, got.lease_id) == (
-        p + "a", b"two", r2, r1, 0
-    )  # fmt: skip
+        p + "a",
+        b"two",
+        r2,
+        r1,
+        0,
+    )
 
 
 def test_contract_get_prefix_is_sorted_scoped_and_carries_the_revision(kv: Kv) -> None:
@@ -381,8 +385,10 @@ def test_missing_config_is_a_config_error_with_the_fix(etcd_server: EtcdServer) 
 def test_config_is_read_from_etcd(managers: Callable[..., EtcdSubnetManager]) -> None:
     config = managers().get_network_config()
     assert (str(config.network), config.subnet_len, config.backend.type) == (
-        "10.244.0.0/16", 24, "vxlan"
-    )  # fmt: skip
+        "10.244.0.0/16",
+        24,
+        "vxlan",
+    )
 
 
 def test_invalid_config_in_etcd_names_the_key(
@@ -767,9 +773,12 @@ def test_tls_etcd_with_client_certificates(
     server = etcd_factory(tls=tls)
     assert server.endpoint.startswith("https://")
     settings = settings_for(
-        [server.endpoint], etcd_prefix,
-        etcd_cafile=tls.ca, etcd_certfile=tls.client_cert, etcd_keyfile=tls.client_key,
-    )  # fmt: skip
+        [server.endpoint],
+        etcd_prefix,
+        etcd_cafile=tls.ca,
+        etcd_certfile=tls.client_cert,
+        etcd_keyfile=tls.client_key,
+    )
     manager = EtcdSubnetManager(connect_etcd(settings), settings)
     without_cert = EtcdStore([server.endpoint], cafile=tls.ca, timeout=2.0)
     try:
@@ -863,21 +872,30 @@ def test_tls_certificates_are_reread_when_their_files_change(
     (tmp_path / "new").mkdir()
     old = make_tls_files(str(tmp_path / "old"))
     new = make_tls_files(str(tmp_path / "new"))
-    files = {"ca": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "c.pem"),
-             "key": str(tmp_path / "k.pem")}  # fmt: skip
+    files = {
+        "ca": str(tmp_path / "ca.pem"),
+        "cert": str(tmp_path / "c.pem"),
+        "key": str(tmp_path / "k.pem"),
+    }
 
     def install(tls: Any) -> None:
-        for src, dst in ((tls.ca, files["ca"]), (tls.client_cert, files["cert"]),
-                         (tls.client_key, files["key"])):  # fmt: skip
+        for src, dst in (
+            (tls.ca, files["ca"]),
+            (tls.client_cert, files["cert"]),
+            (tls.client_key, files["key"]),
+        ):
             shutil.copyfile(src, dst + ".tmp")
             os.replace(dst + ".tmp", dst)  # atomic, as a rotation tool writes
 
     install(old)
     server = etcd_factory(tls=old)
     store = EtcdStore(
-        [server.endpoint], cafile=files["ca"], certfile=files["cert"], keyfile=files["key"],
+        [server.endpoint],
+        cafile=files["ca"],
+        certfile=files["cert"],
+        keyfile=files["key"],
         timeout=2.0,
-    )  # fmt: skip
+    )
     try:
         store.put(f"{etcd_prefix}/k", b"1")
         # The server moves to the new CA; then the files are rotated under the agent.
@@ -918,8 +936,12 @@ def _start_cluster(size: int) -> list[_Member]:
     members = [_Member(i, as_nobody=i == 0) for i in range(size)]
     peers = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in members)
     for member in members:
-        member.extra_args = ("--initial-cluster", peers, "--initial-cluster-token",
-                             f"t{os.getpid()}-{members[0].peer_port}")  # fmt: skip
+        member.extra_args = (
+            "--initial-cluster",
+            peers,
+            "--initial-cluster-token",
+            f"t{os.getpid()}-{members[0].peer_port}",
+        )
     threads = [threading.Thread(target=m.start) for m in members]
     for thread in threads:
         thread.start()
@@ -937,9 +959,22 @@ def _partition_rules(lonely: _Member, others: Sequence[_Member]) -> list[list[st
     ports = ",".join(str(o.peer_port) for o in others)
     return [
         ["INPUT", "-p", "tcp", "--dport", str(lonely.peer_port), "-j", "DROP"],
-        ["OUTPUT", "-p", "tcp", "-m", "owner", "--uid-owner", str(NOBODY),
-         "-m", "multiport", "--dports", ports, "-j", "DROP"],
-    ]  # fmt: skip
+        [
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-m",
+            "owner",
+            "--uid-owner",
+            str(NOBODY),
+            "-m",
+            "multiport",
+            "--dports",
+            ports,
+            "-j",
+            "DROP",
+        ],
+    ]
 
 
 def _iptables(action: str, rule: list[str]) -> None:

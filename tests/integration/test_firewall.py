@@ -168,8 +168,10 @@ def save_rules(ns: str) -> list[str]:
     with its packet and byte counters (a rewritten rule restarts at [0:0])."""
     proc = subprocess.run(
         ["ip", "netns", "exec", ns, "iptables-save", "-c"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in proc.stdout.splitlines() if not line.startswith("#")]
 
 

@@ -168,8 +168,9 @@ def test_liveness_from_heartbeats_over_http() -> None:
 
 
 def test_stop_closes_the_port_and_is_idempotent() -> None:
-    server = HealthServer("127.0.0.1:0", AgentMetrics().registry, lambda: (True, "ok"),
-                          lambda: (True, "ok"))  # fmt: skip
+    server = HealthServer(
+        "127.0.0.1:0", AgentMetrics().registry, lambda: (True, "ok"), lambda: (True, "ok")
+    )
     server.start()
     port = server.address[1]
     assert get(port, "/healthz")[0] == 200
@@ -184,8 +185,9 @@ def test_a_taken_port_is_a_config_error_naming_the_flag() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        server = HealthServer(f"127.0.0.1:{port}", AgentMetrics().registry,
-                              lambda: (True, "ok"), lambda: (True, "ok"))  # fmt: skip
+        server = HealthServer(
+            f"127.0.0.1:{port}", AgentMetrics().registry, lambda: (True, "ok"), lambda: (True, "ok")
+        )
         with pytest.raises(ConfigError, match="--metrics-addr"):
             server.start()
 
@@ -206,8 +208,9 @@ def test_scrapes_do_not_wait_for_a_slow_client(served: Served) -> None:
 @needs_root
 def test_ipv6_listen_address_inside_a_namespace() -> None:
     with temp_netns("h6") as ns:
-        server = HealthServer("[::1]:0", AgentMetrics().registry, lambda: (True, "ok"),
-                              lambda: (True, "ok"))  # fmt: skip
+        server = HealthServer(
+            "[::1]:0", AgentMetrics().registry, lambda: (True, "ok"), lambda: (True, "ok")
+        )
         ns.call(server.start)
         try:
             status, _, body = ns.call(get, server.address[1], "/readyz", "::1")
@@ -257,8 +260,9 @@ def node() -> Iterator[Node]:
         ns.ip("link set ul0 up")
         remote.ip("addr add 192.168.77.2/24 dev ul0")
         remote.ip("link set ul0 up")
-        ns.ip("link add flannel.1 type vxlan id 1 local 192.168.77.1 dev ul0 dstport 8472 "
-              "nolearning")  # fmt: skip
+        ns.ip(
+            "link add flannel.1 type vxlan id 1 local 192.168.77.1 dev ul0 dstport 8472 nolearning"
+        )
         ns.ip("addr add 10.244.1.0/32 dev flannel.1")
         ns.ip("link set flannel.1 up")
         # The neighbour without its FDB entry: the half-programmed peer of field notes §1.
@@ -285,11 +289,17 @@ def test_link_counters_by_role_move_with_traffic(node: Node) -> None:
     try:
         first = by_role(provider())
         assert {r: s.interfaces for r, s in first.items()} == {
-            "vxlan": 1, "bridge": 1, "underlay": 1, "pods": 1,
-        }  # fmt: skip
+            "vxlan": 1,
+            "bridge": 1,
+            "underlay": 1,
+            "pods": 1,
+        }
         assert {r: s.up for r, s in first.items()} == {
-            "vxlan": 1, "bridge": 1, "underlay": 1, "pods": 1,
-        }  # fmt: skip
+            "vxlan": 1,
+            "bridge": 1,
+            "underlay": 1,
+            "pods": 1,
+        }
 
         ping(node.ns, "10.244.1.2")  # node → pod, over cni0 and the pod veth
         ping(node.ns, "192.168.77.2")  # node → remote, over the underlay

@@ -210,8 +210,11 @@ def test_sigkill_loses_neither_family_of_a_dual_stack_pod(tmp_path: Path) -> Non
     for n in range(4):
         proc = subprocess.Popen(
             [sys.executable, "-c", CHILD_DUAL, str(tmp_path), f"r{n}"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+        )
         output = sigkill_after(proc, rng.uniform(0.05, 0.35))
         for line in output.decode().splitlines(keepends=True):
             if not line.endswith("\n"):

@@ -70,8 +70,14 @@ def lists(standin: KubeStandin) -> list[Request]:
 @pytest.fixture(autouse=True)
 def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     # The client honours proxy variables; stand-in traffic must stay on loopback.
-    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
-                 "ALL_PROXY"):  # fmt: skip
+    for name in (
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -151,8 +157,9 @@ class Watcher:
         with self._lock:
             return self.calls[-1][0] if self.calls else {}
 
-    def wait_for(self, predicate: Callable[[dict[str, Lease]], bool], what: str,
-                 timeout: float = 1.0) -> dict[str, Lease]:  # fmt: skip
+    def wait_for(
+        self, predicate: Callable[[dict[str, Lease]], bool], what: str, timeout: float = 1.0
+    ) -> dict[str, Lease]:
         def matching() -> dict[str, Lease] | None:
             latest = self.latest
             return latest if predicate(latest) else None
@@ -472,10 +479,14 @@ def test_hostile_annotations_never_end_the_watch(
     with Watcher(cluster) as w:
         w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24"})
         standin.set_annotations("node-b", {P + "flannelpy-mtu": "²"})
-        standin.add_node("node-d", "10.244.6.0/24", {
-            **peer_annotations("192.168.50.4", MAC_A),
-            P + "backend-data": "[" * 3000 + "]" * 3000,
-        })  # fmt: skip
+        standin.add_node(
+            "node-d",
+            "10.244.6.0/24",
+            {
+                **peer_annotations("192.168.50.4", MAC_A),
+                P + "backend-data": "[" * 3000 + "]" * 3000,
+            },
+        )
         standin.add_node("node-e", "10.244.7.0/24", peer_annotations("192.168.50.5", MAC_A))
         w.wait_for(
             lambda m: "10.244.7.0-24" in m, "node-e added after the hostile nodes", timeout=5.0
@@ -490,12 +501,10 @@ def test_watch_follows_node_changes(standin: KubeStandin, cluster: KubeSubnetMan
         w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24"})
 
         standin.set_pod_cidr("node-c", "10.244.4.0/24")  # the controller assigns it
-        w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24",
-                        "node-c": "10.244.4.0/24"})  # fmt: skip
+        w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.2.0/24", "node-c": "10.244.4.0/24"})
 
         standin.set_pod_cidr("node-b", "10.244.5.0/24")  # Flannel ignores this one
-        w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.5.0/24",
-                        "node-c": "10.244.4.0/24"})  # fmt: skip
+        w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.5.0/24", "node-c": "10.244.4.0/24"})
 
         standin.set_annotations("node-b", {P + "public-ip-overwrite": "203.0.113.2"})
         w.wait_for(
@@ -507,8 +516,7 @@ def test_watch_follows_node_changes(standin: KubeStandin, cluster: KubeSubnetMan
         w.wait_for(lambda m: "10.244.6.0-24" in m, "node-d added")
 
         standin.delete_node("node-b")
-        w.wait_subnets({OWN: "10.244.1.0/24", "node-c": "10.244.4.0/24",
-                        "node-d": "10.244.6.0/24"})  # fmt: skip
+        w.wait_subnets({OWN: "10.244.1.0/24", "node-c": "10.244.4.0/24", "node-d": "10.244.6.0/24"})
 
         calls = len(w.calls)
         standin.set_annotations("other", {"unrelated.example.com/x": "y"})  # not a peer
@@ -569,8 +577,11 @@ def test_watch_recovers_after_the_api_is_unreachable(
             if compact:
                 server.compact()
             # The cut stream and the retries at 0.2, 0.6 and 1.4 s into the outage all fail.
-            wait_until(lambda: caplog.text.count("node watch failed") >= failed_before + 4,
-                       5.0, "four failed watch attempts")  # fmt: skip
+            wait_until(
+                lambda: caplog.text.count("node watch failed") >= failed_before + 4,
+                5.0,
+                "four failed watch attempts",
+            )
             assert w.subnets()["node-b"] == "10.244.2.0/24"
             server.set_unreachable(False)
             # Retries came at 0.2, 0.6 and 1.4 s into the outage; the next is 1.6 s later.
@@ -597,15 +608,21 @@ def test_a_watch_that_served_and_then_broke_is_resumed_at_once(
             wait_until(lambda: server.active_watches == 1, 2.0, "the watch")
             failed = caplog.text.count("node watch failed")
             server.set_unreachable(True)  # the cut stream and retries at 0.2, 0.6, 1.4 s
-            wait_until(lambda: caplog.text.count("node watch failed") >= failed + 4, 5.0,
-                       "four failed watch attempts")  # fmt: skip
+            wait_until(
+                lambda: caplog.text.count("node watch failed") >= failed + 4,
+                5.0,
+                "four failed watch attempts",
+            )
             server.set_unreachable(False)  # the next retry, 1.6 s later, succeeds
             server.set_pod_cidr("node-b", "10.244.12.0/24")
             w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.12.0/24"}, timeout=3.0)
             failed = caplog.text.count("node watch failed")
             server.set_unreachable(True)
-            wait_until(lambda: caplog.text.count("node watch failed") > failed, 2.0,
-                       "the served watch breaking")  # fmt: skip
+            wait_until(
+                lambda: caplog.text.count("node watch failed") > failed,
+                2.0,
+                "the served watch breaking",
+            )
             server.set_unreachable(False)
             server.set_pod_cidr("node-b", "10.244.13.0/24")
             w.wait_subnets({OWN: "10.244.1.0/24", "node-b": "10.244.13.0/24"}, timeout=1.0)
@@ -613,8 +630,9 @@ def test_a_watch_that_served_and_then_broke_is_resumed_at_once(
 
 def test_list_is_paged_and_delivered_once(standin: KubeStandin, make_manager: MakeManager) -> None:
     for i in range(1, 8):
-        standin.add_node(f"node-{i}", f"10.244.{i}.0/24",
-                         peer_annotations(f"192.168.50.{i}", MAC_A))  # fmt: skip
+        standin.add_node(
+            f"node-{i}", f"10.244.{i}.0/24", peer_annotations(f"192.168.50.{i}", MAC_A)
+        )
     manager = make_manager(node_name="node-1", page_size=3)
     with Watcher(manager) as w:
         # The manager watches only after it has delivered the whole list.
@@ -630,8 +648,9 @@ def test_expired_continue_token_restarts_the_list(
     standin: KubeStandin, make_manager: MakeManager
 ) -> None:
     for i in range(1, 6):
-        standin.add_node(f"node-{i}", f"10.244.{i}.0/24",
-                         peer_annotations(f"192.168.50.{i}", MAC_A))  # fmt: skip
+        standin.add_node(
+            f"node-{i}", f"10.244.{i}.0/24", peer_annotations(f"192.168.50.{i}", MAC_A)
+        )
     done = threading.Event()
 
     def compact_between_pages(request: Request) -> None:
@@ -789,10 +808,14 @@ def test_flanneld_s_condition_opt_out_and_a_prefix_with_slash_and_underscore(
     does; a prefix valid for Flannel (a slash, an underscore) names the annotations."""
     standin.add_node(OWN, "10.244.7.0/24")
     settings = AgentSettings(
-        kube_subnet_mgr=True, kube_api_url=standin.url, net_config_path=str(netconf),
-        node_name=OWN, startup_timeout=3.0, set_node_network_unavailable=False,
+        kube_subnet_mgr=True,
+        kube_api_url=standin.url,
+        net_config_path=str(netconf),
+        node_name=OWN,
+        startup_timeout=3.0,
+        set_node_network_unavailable=False,
         kube_annotation_prefix="example.com/flannel_",
-    )  # fmt: skip
+    )
     manager = KubeSubnetManager(settings, environ={}, watch_timeout=5)
     try:
         manager.acquire_lease(attrs(), None)
@@ -816,15 +839,21 @@ def test_the_node_public_ip_annotation_wins_over_the_flag(
 
     standin.add_node(OWN, "10.244.7.0/24", annotations={P + "node-public-ip": "198.51.100.4"})
     settings = AgentSettings(
-        kube_subnet_mgr=True, kube_api_url=standin.url, net_config_path=str(netconf),
-        node_name=OWN, startup_timeout=3.0, public_ip=IPv4Address("192.0.2.9"),
-        state_dir=str(tmp_path / "state"), run_dir=str(tmp_path / "run"),
+        kube_subnet_mgr=True,
+        kube_api_url=standin.url,
+        net_config_path=str(netconf),
+        node_name=OWN,
+        startup_timeout=3.0,
+        public_ip=IPv4Address("192.0.2.9"),
+        state_dir=str(tmp_path / "state"),
+        run_dir=str(tmp_path / "run"),
         subnet_file=str(tmp_path / "subnet.env"),
-    )  # fmt: skip
+    )
     manager = KubeSubnetManager(settings, environ={}, watch_timeout=5)
     try:
-        agent = build_agent(settings, OpenedStore(manager=manager, kube=manager),
-                            HostTouchingKernel())  # fmt: skip
+        agent = build_agent(
+            settings, OpenedStore(manager=manager, kube=manager), HostTouchingKernel()
+        )
         assert agent.parts.ctx.public_ip == IPv4Address("198.51.100.4")
     finally:
         manager.close()

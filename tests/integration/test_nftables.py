@@ -96,8 +96,11 @@ def netns() -> Iterator[str]:
 def nft(ns: str, *args: str, script: str | None = None) -> str:
     proc = subprocess.run(
         ["ip", "netns", "exec", ns, "nft", *args],
-        input=script, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        input=script,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return proc.stdout
 
 
@@ -156,9 +159,11 @@ def test_a_deleted_rule_chain_or_table_is_repaired(netns: str, fw: NftablesFirew
 def test_dual_stack_fills_the_ipv6_table_and_repairs_it(netns: str, fw: NftablesFirewall) -> None:
     rf = fw.random_fully
     dual = NftRules(
-        masq_rules(NET, [SUBNET], rf), forward_rules(NET),
-        masq_rules(NET6, [SUBNET6], rf), forward_rules(NET6),
-    )  # fmt: skip
+        masq_rules(NET, [SUBNET], rf),
+        forward_rules(NET),
+        masq_rules(NET6, [SUBNET6], rf),
+        forward_rules(NET6),
+    )
     expected6 = FLANNEL_IPV6_DUAL if rf else FLANNEL_IPV6_DUAL.replace(" fully-random", "")
     assert fw.sync(dual).reason == MISSING
     assert nft(netns, "list", "table", "ip", "flannel-ipv4") == expected_ipv4(fw)

@@ -49,8 +49,11 @@ def dual() -> Iterator[Node]:
 def addresses(netns: str, dev: str, inside_pod: bool = True) -> list[dict[str, Any]]:
     """``ip -j addr`` entries of ``dev`` (addr_info items, both families)."""
     cmd = f"ip -j addr show dev {dev}"
-    out = in_pod(netns, cmd).stdout if inside_pod else sh(["ip", "netns", "exec", netns,
-                                                           *cmd.split()]).stdout  # fmt: skip
+    out = (
+        in_pod(netns, cmd).stdout
+        if inside_pod
+        else sh(["ip", "netns", "exec", netns, *cmd.split()]).stdout
+    )
     return [a for link in json.loads(out) for a in link["addr_info"]]
 
 
@@ -82,18 +85,25 @@ def shape(result: dict[str, Any], netns: str) -> dict[str, Any]:
     ips = []
     for entry in result["ips"]:
         address = ip_interface(entry["address"])
-        ips.append((address.version, address.network.prefixlen,
-                    ip_address(entry["gateway"]) == address.network.network_address + 1,
-                    [entry["interface"]] == sandbox))  # fmt: skip
+        ips.append(
+            (
+                address.version,
+                address.network.prefixlen,
+                ip_address(entry["gateway"]) == address.network.network_address + 1,
+                [entry["interface"]] == sandbox,
+            )
+        )
     gateway = {ip_address(e["gateway"]).version: e["gateway"] for e in result["ips"]}
     result_routes = sorted(
         (r["dst"], r["gw"] == gateway[ip_network(r["dst"]).version]) for r in result["routes"]
     )
     pod_routes = {
-        family: sorted((dst, gw == gateway.get(4 if family == "-4" else 6))
-                       for dst, gw in routes(netns, family))
+        family: sorted(
+            (dst, gw == gateway.get(4 if family == "-4" else 6))
+            for dst, gw in routes(netns, family)
+        )
         for family in ("-4", "-6")
-    }  # fmt: skip
+    }
     global_addrs = sorted(
         (a["family"], a["prefixlen"]) for a in addresses(netns, "eth0") if a["scope"] == "global"
     )
@@ -223,15 +233,28 @@ def reference_add(node_ns: str, netns: str, cid: str, data_dir: str) -> dict[str
     """ADD through the reference bridge plugin with host-local over two ranges (the
     delegate the flannel CNI plugin writes for a dual-stack node)."""
     config = {
-        "cniVersion": "1.0.0", "name": "refnet", "type": "bridge", "bridge": "cni0",
-        "isGateway": True, "isDefaultGateway": True, "hairpinMode": True, "mtu": MTU,
-        "ipam": {"type": "host-local", "dataDir": data_dir,
-                 "ranges": [[{"subnet": str(SUBNET4)}], [{"subnet": str(SUBNET6)}]]},
-    }  # fmt: skip
+        "cniVersion": "1.0.0",
+        "name": "refnet",
+        "type": "bridge",
+        "bridge": "cni0",
+        "isGateway": True,
+        "isDefaultGateway": True,
+        "hairpinMode": True,
+        "mtu": MTU,
+        "ipam": {
+            "type": "host-local",
+            "dataDir": data_dir,
+            "ranges": [[{"subnet": str(SUBNET4)}], [{"subnet": str(SUBNET6)}]],
+        },
+    }
     env = {
-        "CNI_COMMAND": "ADD", "CNI_CONTAINERID": cid, "CNI_NETNS": netns,
-        "CNI_IFNAME": "eth0", "CNI_PATH": REFERENCE, "PATH": os.environ.get("PATH", ""),
-    }  # fmt: skip
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": cid,
+        "CNI_NETNS": netns,
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": REFERENCE,
+        "PATH": os.environ.get("PATH", ""),
+    }
     proc = subprocess.run(
         ["ip", "netns", "exec", node_ns, f"{REFERENCE}/bridge"],
         input=json.dumps(config),
@@ -256,8 +279,9 @@ def test_same_shape_as_the_reference_bridge_and_host_local(dual: Node) -> None:
             dual.stack.callback(sh, ["ip", "netns", "del", name], False)
             theirs.append(f"/run/netns/{name}")
         started = time.monotonic()
-        ref_results = [reference_add(ref_node.name, pod, f"r{n}", data)
-                       for n, pod in enumerate(theirs)]  # fmt: skip
+        ref_results = [
+            reference_add(ref_node.name, pod, f"r{n}", data) for n, pod in enumerate(theirs)
+        ]
         assert shape(our_results[0], ours[0]) == shape(ref_results[0], theirs[0])
         assert shape(our_results[1], ours[1]) == shape(ref_results[1], theirs[1])
         assert [i["address"] for i in our_results[0]["ips"]] == [
@@ -266,8 +290,11 @@ def test_same_shape_as_the_reference_bridge_and_host_local(dual: Node) -> None:
         # Packets cross in both setups, in both families: pod to gateway and pod to pod.
         # The reference leaves the bridge's gateway tentative for a DAD round (ours is
         # usable at once, see above), so its pings wait for DAD first.
-        wait_until(lambda: not tentative(addresses(ref_node.name, "cni0", inside_pod=False)),
-                   timeout=10, what="the reference bridge's addresses to finish DAD")  # fmt: skip
+        wait_until(
+            lambda: not tentative(addresses(ref_node.name, "cni0", inside_pod=False)),
+            timeout=10,
+            what="the reference bridge's addresses to finish DAD",
+        )
         settle = time.monotonic() - started
         for pods, results in ((ours, our_results), (theirs, ref_results)):
             assert ping(pods[0], "fc00:0:0:1::1", "-6") and ping(pods[0], "10.244.1.1")

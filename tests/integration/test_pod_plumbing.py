@@ -67,9 +67,14 @@ def test_an_add_refuses_a_name_taken_by_another_pod(node: Node) -> None:
 def test_hairpin_off_and_no_default_gateway() -> None:
     with make_node(cluster_networks=lambda: [CLUSTER]) as node:
         pod = node.pod()
-        code, result = node.add("c1", pod, config=node.config(
-            hairpinMode=False, isDefaultGateway=False,
-        ))  # fmt: skip
+        code, result = node.add(
+            "c1",
+            pod,
+            config=node.config(
+                hairpinMode=False,
+                isDefaultGateway=False,
+            ),
+        )
         assert code == 0, result
         assert result["routes"] == [{"dst": str(CLUSTER), "gw": str(GATEWAY)}]
         veth = node.links()[result["interfaces"][0]["name"]]

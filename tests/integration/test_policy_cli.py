@@ -37,8 +37,16 @@ CONFIG = (
     '"Backend": {"Type": "vxlan", "VNI": 4, "DirectRouting": true, "Custom": [1, 2.5]}, '
     '"Unrelated": {"keep": "me", "n": null}}'
 )
-WINDOW_ARGS = ["--days", "Sat,Sun", "--start", "02:00", "--duration", "4h",
-               "--utc-offset", "+02:00"]  # fmt: skip
+WINDOW_ARGS = [
+    "--days",
+    "Sat,Sun",
+    "--start",
+    "02:00",
+    "--duration",
+    "4h",
+    "--utc-offset",
+    "+02:00",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -87,10 +95,12 @@ def without_policy(doc: dict[str, Any]) -> list[tuple[str, Any]]:
     [
         (["Block"], "Block"),
         (["allow"], "Allow"),
-        (["AllowDuringMaintenanceWindow", *WINDOW_ARGS],
-         "AllowDuringMaintenanceWindow: Sat,Sun 02:00 for 4h (UTC+02:00)"),
+        (
+            ["AllowDuringMaintenanceWindow", *WINDOW_ARGS],
+            "AllowDuringMaintenanceWindow: Sat,Sun 02:00 for 4h (UTC+02:00)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_set_writes_the_mode_and_keeps_every_other_key(
     capsys: pytest.CaptureFixture[str],
     etcd_server: EtcdServer,
@@ -119,9 +129,11 @@ def format_of(p: DisruptionPolicy) -> str:
 
 
 def test_set_reuses_the_existing_spelling_of_the_key(
-    capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer, etcd_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
     store: EtcdStore,
-) -> None:  # fmt: skip
+) -> None:
     raw = '{\n  "disruptionpolicy": {"mode": "block"},\n  "Network": "10.244.0.0/16"\n}\n'
     store.put(f"{etcd_prefix}/config", raw.encode())
     code, _, err = policy(capsys, etcd_server, etcd_prefix, "set", "Allow")
@@ -136,16 +148,35 @@ def test_set_reuses_the_existing_spelling_of_the_key(
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["AllowDuringMaintenanceWindow", "--days", "Sat", "--start", "02:00",
-          "--duration", "8d"], "--duration '8d' is not a duration"),
-        (["AllowDuringMaintenanceWindow", "--days", "Mon-Sun", "--start", "02:00",
-          "--duration", "24h"], "the window is always open"),
-        (["AllowDuringMaintenanceWindow", "--days", "Sat"],
-         "needs --start and --duration"),
+        (
+            [
+                "AllowDuringMaintenanceWindow",
+                "--days",
+                "Sat",
+                "--start",
+                "02:00",
+                "--duration",
+                "8d",
+            ],
+            "--duration '8d' is not a duration",
+        ),
+        (
+            [
+                "AllowDuringMaintenanceWindow",
+                "--days",
+                "Mon-Sun",
+                "--start",
+                "02:00",
+                "--duration",
+                "24h",
+            ],
+            "the window is always open",
+        ),
+        (["AllowDuringMaintenanceWindow", "--days", "Sat"], "needs --start and --duration"),
         (["Block", "--days", "Sat"], "--days applies only to AllowDuringMaintenanceWindow"),
         (["Sometimes"], "'Sometimes' is not a policy mode"),
     ],
-)  # fmt: skip
+)
 def test_set_refuses_a_bad_policy_with_exit_code_2_and_writes_nothing(
     etcd_server: EtcdServer, etcd_prefix: str, store: EtcdStore, argv: list[str], needle: str
 ) -> None:
@@ -153,11 +184,20 @@ def test_set_refuses_a_bad_policy_with_exit_code_2_and_writes_nothing(
     before = store.get(f"{etcd_prefix}/config")
     # A real process: the user sees one sentence on stderr, never a traceback.
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "policy", "set", *argv,
-         *flags(etcd_server, etcd_prefix)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "flannelpy",
+            "policy",
+            "set",
+            *argv,
+            *flags(etcd_server, etcd_prefix),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")},
-    )  # fmt: skip
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.startswith("flannelpy: ") and proc.stderr.count("\n") == 1
@@ -166,9 +206,11 @@ def test_set_refuses_a_bad_policy_with_exit_code_2_and_writes_nothing(
 
 
 def test_set_refuses_a_config_that_is_wrong_elsewhere(
-    capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer, etcd_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
     store: EtcdStore,
-) -> None:  # fmt: skip
+) -> None:
     store.put(f"{etcd_prefix}/config", b'{"Backend": {"Type": "vxlan"}}')
     before = store.get(f"{etcd_prefix}/config")
     code, out, err = policy(capsys, etcd_server, etcd_prefix, "set", "Block")
@@ -243,27 +285,51 @@ def put_json(store: EtcdStore, key: str, doc: Any) -> None:
 def seed_nodes_and_events(store: EtcdStore, prefix: str) -> None:
     root = f"{prefix}/flannelpy"
     put_json(store, f"{root}/nodes/n1/status", {"Node": "n1", "Ready": True, "Blocked": None})
-    put_json(store, f"{root}/nodes/n2/status", {"Node": "n2", "Ready": True, "Blocked": {
-        "Generation": 3, "Change": "backend vxlan -> host-gw",
-        "Sentence": "disruptive change (backend vxlan -> host-gw) blocked by ...",
-        "Since": 1_765_000_000.0}})  # fmt: skip
+    put_json(
+        store,
+        f"{root}/nodes/n2/status",
+        {
+            "Node": "n2",
+            "Ready": True,
+            "Blocked": {
+                "Generation": 3,
+                "Change": "backend vxlan -> host-gw",
+                "Sentence": "disruptive change (backend vxlan -> host-gw) blocked by ...",
+                "Since": 1_765_000_000.0,
+            },
+        },
+    )
     store.put(f"{root}/nodes/n3/status", b"{not json")
     put_json(store, f"{root}/nodes/n1/override", {"Backend": {"Type": "host-gw"}})
     # 12 forced changes; key order as text differs from time order (9... < 10...).
     for i in range(12):
         stamp = 9_000_000_000 * 10**8 + i if i < 2 else 10**19 + i
-        put_json(store, f"{root}/events/{stamp}-n{i % 3 + 1}", {
-            "Node": f"n{i % 3 + 1}", "Change": f"MTU 1450 -> {1400 + i}",
-            "Reason": f"incident {i}", "By": "root@host", "At": f"t{i:02d}"})  # fmt: skip
+        put_json(
+            store,
+            f"{root}/events/{stamp}-n{i % 3 + 1}",
+            {
+                "Node": f"n{i % 3 + 1}",
+                "Change": f"MTU 1450 -> {1400 + i}",
+                "Reason": f"incident {i}",
+                "By": "root@host",
+                "At": f"t{i:02d}",
+            },
+        )
 
 
 def test_show_reports_the_window_blocked_nodes_and_forced_changes(
-    capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer, etcd_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
     store: EtcdStore,
-) -> None:  # fmt: skip
+) -> None:
     store.put(f"{etcd_prefix}/config", CONFIG.encode())
-    assert policy(capsys, etcd_server, etcd_prefix, "set", "AllowDuringMaintenanceWindow",
-                  *WINDOW_ARGS)[0] == 0  # fmt: skip
+    assert (
+        policy(
+            capsys, etcd_server, etcd_prefix, "set", "AllowDuringMaintenanceWindow", *WINDOW_ARGS
+        )[0]
+        == 0
+    )
     seed_nodes_and_events(store, etcd_prefix)
 
     # Outside the window (Friday 23:00 UTC = Saturday 01:00 at +02:00), as text.
@@ -320,9 +386,15 @@ def test_show_reports_the_window_blocked_nodes_and_forced_changes(
     ],
 )
 def test_show_allow_and_block_now(
-    capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer, etcd_prefix: str,
-    store: EtcdStore, argv: list[str], summary: str, allowed: bool, second_line: str,
-) -> None:  # fmt: skip
+    capsys: pytest.CaptureFixture[str],
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    store: EtcdStore,
+    argv: list[str],
+    summary: str,
+    allowed: bool,
+    second_line: str,
+) -> None:
     store.put(f"{etcd_prefix}/config", CONFIG.encode())
     if argv:
         assert policy(capsys, etcd_server, etcd_prefix, *argv)[0] == 0
@@ -339,11 +411,15 @@ def test_show_allow_and_block_now(
 
 
 def test_show_names_a_bad_policy_in_the_store(
-    capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer, etcd_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
     store: EtcdStore,
-) -> None:  # fmt: skip
-    store.put(f"{etcd_prefix}/config",
-              b'{"Network": "10.244.0.0/16", "DisruptionPolicy": {"Mode": "Never"}}')  # fmt: skip
+) -> None:
+    store.put(
+        f"{etcd_prefix}/config",
+        b'{"Network": "10.244.0.0/16", "DisruptionPolicy": {"Mode": "Never"}}',
+    )
     code, out, err = policy(capsys, etcd_server, etcd_prefix, "show")
     assert (code, out) == (2, "")
     assert '"Mode" "Never" is not a mode' in err and f"etcd key {etcd_prefix}/config" in err
@@ -378,18 +454,35 @@ def test_kubernetes_mode_is_refused_with_where_to_edit(
 
 
 def test_lab_takes_the_labs_etcd_and_prefix(
-    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-    etcd_server: EtcdServer, etcd_prefix: str, store: EtcdStore,
-) -> None:  # fmt: skip
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    store: EtcdStore,
+) -> None:
     # A saved lab state (no namespaces: only its etcd endpoint and prefix are read).
     lab_dir = tmp_path / "plab"
-    lab_state.save(lab_state.LabState(
-        name="plab", backend="vxlan", direct_routing=False, network="10.244.0.0/16",
-        etcd_prefix=etcd_prefix, lab_dir=str(lab_dir), segments=[], router_namespace=None,
-        host_link="none", host_address="100.64.0.254/24", host_routes=[],
-        etcd_endpoint=etcd_server.endpoint, etcd_data_dir=str(tmp_path / "etcd"),
-        etcd_log=str(tmp_path / "etcd.log"), overlay_bridge=False, nodes=[],
-    ))  # fmt: skip
+    lab_state.save(
+        lab_state.LabState(
+            name="plab",
+            backend="vxlan",
+            direct_routing=False,
+            network="10.244.0.0/16",
+            etcd_prefix=etcd_prefix,
+            lab_dir=str(lab_dir),
+            segments=[],
+            router_namespace=None,
+            host_link="none",
+            host_address="100.64.0.254/24",
+            host_routes=[],
+            etcd_endpoint=etcd_server.endpoint,
+            etcd_data_dir=str(tmp_path / "etcd"),
+            etcd_log=str(tmp_path / "etcd.log"),
+            overlay_bridge=False,
+            nodes=[],
+        )
+    )
     load = Lab.load
     monkeypatch.setattr(Lab, "load", lambda name: load(name, str(tmp_path)))
     store.put(f"{etcd_prefix}/config", CONFIG.encode())

@@ -47,8 +47,9 @@ class Cluster:
         """Run ``flannelpy pools VERB ...`` on this etcd; exit code, stdout, stderr."""
         self.capsys.readouterr()
         verb, *rest = argv
-        code = main(["pools", verb, "--etcd-endpoints", self.endpoint,
-                     "--etcd-prefix", self.prefix, *rest])  # fmt: skip
+        code = main(
+            ["pools", verb, "--etcd-endpoints", self.endpoint, "--etcd-prefix", self.prefix, *rest]
+        )
         out, err = self.capsys.readouterr()
         return code, out, err
 
@@ -104,28 +105,34 @@ def test_add_tag_untag_remove_and_list(cluster: Cluster) -> None:
     assert "no new lease lands there yet" in out
     assert f"flannelpy pools tag 10.250.0.0/16 {ROLE}=1" in out
     assert cluster.record("10.250.0.0/16") == {
-        "Network": "10.250.0.0/16", "SubnetLen": 24, "Tags": {}
-    }  # fmt: skip
+        "Network": "10.250.0.0/16",
+        "SubnetLen": 24,
+        "Tags": {},
+    }
     # Untagged: listed, but no new leases (creation fails closed).
     assert summary(cluster.listing()) == [
-        ("10.244.0.0/16", True, {}, True), ("10.250.0.0/16", False, {}, False)
-    ]  # fmt: skip
+        ("10.244.0.0/16", True, {}, True),
+        ("10.250.0.0/16", False, {}, False),
+    ]
 
     code, out, _ = cluster.pools("tag", "10.250.0.0/16", f"{ROLE}=1")
     assert code == 0 and out.startswith(f"tagged 10.250.0.0/16 {ROLE}=1")
     code, _, _ = cluster.pools("tag", "10.250.0.0/16", "flannelpy.io/cluster/prod=true")
     assert code == 0
     assert cluster.record("10.250.0.0/16") == {
-        "Network": "10.250.0.0/16", "SubnetLen": 24,
+        "Network": "10.250.0.0/16",
+        "SubnetLen": 24,
         "Tags": {ROLE: "1", "flannelpy.io/cluster/prod": "true"},
-    }  # fmt: skip
+    }
     # Scoped to cluster prod: only its agents may lease there.
     assert [p["create_leases"] for p in cluster.listing("--cluster-name", "prod")["pools"]] == [
-        True, True
-    ]  # fmt: skip
+        True,
+        True,
+    ]
     assert [p["create_leases"] for p in cluster.listing("--cluster-name", "dev")["pools"]] == [
-        True, False
-    ]  # fmt: skip
+        True,
+        False,
+    ]
     assert cluster.listing()["pools"][1]["create_leases"] is False  # no cluster name
 
     # Tagging again changes nothing; untag a tag that is not there is success too.
@@ -141,8 +148,10 @@ def test_add_tag_untag_remove_and_list(cluster: Cluster) -> None:
     code, out, _ = cluster.pools("untag", "10.250.0.0/16", ROLE)
     assert code == 0 and "nothing changed" in out
     assert cluster.record("10.250.0.0/16") == {
-        "Network": "10.250.0.0/16", "SubnetLen": 24, "Tags": {"flannelpy.io/cluster/prod": "true"}
-    }  # fmt: skip
+        "Network": "10.250.0.0/16",
+        "SubnetLen": 24,
+        "Tags": {"flannelpy.io/cluster/prod": "true"},
+    }
 
     code, out, _ = cluster.pools("remove", "10.250.0.0/16")
     assert (code, out) == (0, "removed pool 10.250.0.0/16\n")
@@ -155,8 +164,10 @@ def test_the_primary_pool_gets_a_record_only_while_tagged(cluster: Cluster) -> N
     code, out, _ = cluster.pools("tag", "10.244.0.0/16", f"{ROLE}=0")
     assert code == 0 and "draining" in out
     assert cluster.record("10.244.0.0/16") == {
-        "Network": "10.244.0.0/16", "SubnetLen": 24, "Tags": {ROLE: "0"}
-    }  # fmt: skip
+        "Network": "10.244.0.0/16",
+        "SubnetLen": 24,
+        "Tags": {ROLE: "0"},
+    }
     assert summary(cluster.listing()) == [("10.244.0.0/16", True, {ROLE: "0"}, False)]
     code, _, _ = cluster.pools("untag", "10.244.0.0/16", ROLE)
     assert code == 0
@@ -245,12 +256,30 @@ def test_list_shows_capacity_and_warns_past_half_used(cluster: Cluster) -> None:
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "pools as agents without a cluster name see them"
-    assert lines[1].split() == ["POOL", "SUBNETS", "TAKEN", "FREE", "USED", "NEW", "LEASES",
-                                "TAGS"]  # fmt: skip
-    assert lines[2].split() == ["10.244.0.0/22", "(primary)", "3", "x", "/24", "2", "1", "67%",
-                                "yes", "-"]  # fmt: skip
-    assert lines[3].split() == ["10.250.0.0/20", "15", "x", "/24", "1", "14", "7%", "yes",
-                                f"{ROLE}=1"]  # fmt: skip
+    assert lines[1].split() == ["POOL", "SUBNETS", "TAKEN", "FREE", "USED", "NEW", "LEASES", "TAGS"]
+    assert lines[2].split() == [
+        "10.244.0.0/22",
+        "(primary)",
+        "3",
+        "x",
+        "/24",
+        "2",
+        "1",
+        "67%",
+        "yes",
+        "-",
+    ]
+    assert lines[3].split() == [
+        "10.250.0.0/20",
+        "15",
+        "x",
+        "/24",
+        "1",
+        "14",
+        "7%",
+        "yes",
+        f"{ROLE}=1",
+    ]
     warnings = [line for line in lines if line.startswith("warning: ")]
     assert warnings == [f"warning: {primary['warning']}"]
 
@@ -364,13 +393,29 @@ def test_kubernetes_mode_is_refused_and_help_says_etcd_only(
 
 
 def test_unreachable_etcd_and_missing_config_are_one_sentence(cluster: Cluster) -> None:
-    code = main(["pools", "list", "--etcd-endpoints", f"http://127.0.0.1:{free_port()}",
-                 "--etcd-prefix", cluster.prefix])  # fmt: skip
+    code = main(
+        [
+            "pools",
+            "list",
+            "--etcd-endpoints",
+            f"http://127.0.0.1:{free_port()}",
+            "--etcd-prefix",
+            cluster.prefix,
+        ]
+    )
     err = cluster.capsys.readouterr().err
     assert code == 3
     one_line_refusal(err)
-    code = main(["pools", "list", "--etcd-endpoints", cluster.endpoint,
-                 "--etcd-prefix", cluster.prefix + "/elsewhere"])  # fmt: skip
+    code = main(
+        [
+            "pools",
+            "list",
+            "--etcd-endpoints",
+            cluster.endpoint,
+            "--etcd-prefix",
+            cluster.prefix + "/elsewhere",
+        ]
+    )
     err = cluster.capsys.readouterr().err
     assert code == 2
     assert "network config not found" in one_line_refusal(err)
@@ -407,17 +452,32 @@ def test_lab_takes_the_etcd_endpoint_and_prefix_of_the_lab(
 
 def test_no_such_lab_is_one_sentence() -> None:
     proc = subprocess.run(
-        lab_run_argv("nolab9", "pools", "list"), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        lab_run_argv("nolab9", "pools", "list"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (1, "")
     assert "there is no lab 'nolab9'" in one_line_refusal(proc.stderr, by="flannelpy-lab run")
 
 
 def test_the_real_command_refuses_without_a_traceback(cluster: Cluster) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "flannelpy", "pools", "remove", "10.244.0.0/16",
-         "--etcd-endpoints", cluster.endpoint, "--etcd-prefix", cluster.prefix],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "flannelpy",
+            "pools",
+            "remove",
+            "10.244.0.0/16",
+            "--etcd-endpoints",
+            cluster.endpoint,
+            "--etcd-prefix",
+            cluster.prefix,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert "primary pool" in one_line_refusal(proc.stderr)

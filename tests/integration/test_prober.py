@@ -200,12 +200,14 @@ class Vxlan6Pair:
 
         def probe() -> dict[str, ProbeResult] | None:
             rs = self.prober.results()
-            done = len(rs) == 2 and all(r.probes >= start.get(k, 0) + rounds
-                                        for k, r in rs.items())  # fmt: skip
+            done = len(rs) == 2 and all(r.probes >= start.get(k, 0) + rounds for k, r in rs.items())
             return rs if done else None
 
-        found = wait_until(probe, timeout=rounds * INTERVAL * 3 + 5,
-                           what=f"{rounds} more probe rounds to both families")  # fmt: skip
+        found = wait_until(
+            probe,
+            timeout=rounds * INTERVAL * 3 + 5,
+            what=f"{rounds} more probe rounds to both families",
+        )
         assert found is not None
         return found
 
@@ -217,19 +219,34 @@ def vxlan6_pair() -> Iterator[Vxlan6Pair]:
     with temp_netns("v6a") as a, temp_netns("v6b") as b:
         ua, ub = unique_name("u6a"), unique_name("u6b")
         vx_a, vx_b = unique_name("x6a"), unique_name("x6b")
-        sh(f"ip link add {ua} netns {a.name} mtu 1500 type veth peer name {ub} "
-           f"netns {b.name} mtu 1500")  # fmt: skip
+        sh(
+            f"ip link add {ua} netns {a.name} mtu 1500 type veth peer name {ub} "
+            f"netns {b.name} mtu 1500"
+        )
         mac_a, mac_b = "02:00:00:99:00:0a", "02:00:00:99:00:0b"
         for ns, under, me, peer, vx, mac, peer_mac, vtep, peer_vtep, v4, lower in (
             (a, ua, UNDERLAY6_A, UNDERLAY6_B, vx_a, mac_a, mac_b, VTEP6_A, VTEP6_B, V4_A, ""),
-            (b, ub, UNDERLAY6_B, UNDERLAY6_A, vx_b, mac_b, mac_a, VTEP6_B, VTEP6_A, V4_B,
-             f"dev {ub}"),
-        ):  # fmt: skip
+            (
+                b,
+                ub,
+                UNDERLAY6_B,
+                UNDERLAY6_A,
+                vx_b,
+                mac_b,
+                mac_a,
+                VTEP6_B,
+                VTEP6_A,
+                V4_B,
+                f"dev {ub}",
+            ),
+        ):
             ns.ip(f"addr add {me}/64 dev {under} nodad")
             ns.ip(f"addr add {v4}/24 dev {under}")
             ns.ip(f"link set {under} up")
-            ns.ip(f"link add {vx} address {mac} type vxlan id 1 local {me} dstport 8472 "
-                  f"nolearning {lower}")  # fmt: skip
+            ns.ip(
+                f"link add {vx} address {mac} type vxlan id 1 local {me} dstport 8472 "
+                f"nolearning {lower}"
+            )
             ns.ip(f"link set {vx} mtu 1430 up")
             ns.ip(f"addr add {vtep}/128 dev {vx} nodad")
             ns.ip(f"neigh add {peer_vtep} lladdr {peer_mac} dev {vx} nud permanent")

@@ -62,8 +62,11 @@ class Cluster:
             for event in batch.events:
                 found = node_of_key(self.settings.etcd_prefix, event.key)
                 if found and found[1] == "override":
-                    generation = (NodeOverride.from_json(event.value).generation
-                                  if event.kind == "put" else None)  # fmt: skip
+                    generation = (
+                        NodeOverride.from_json(event.value).generation
+                        if event.kind == "put"
+                        else None
+                    )
                     history.setdefault(found[0], []).append(generation)
             if batch.revision >= now:
                 stop.set()
@@ -103,8 +106,7 @@ def test_plan_refuses_host_gw_across_two_segments(
         assert len(err.splitlines()) == 6  # every pair across the segments
         assert main(["rollout", "start", "--backend", "host-gw", *c.flags]) == 2
         assert c.rs.read_record() == (None, 0)  # nothing was started
-        assert main(["rollout", "plan", "--backend", "vxlan", "--direct-routing",
-                     *c.flags]) == 0  # fmt: skip
+        assert main(["rollout", "plan", "--backend", "vxlan", "--direct-routing", *c.flags]) == 0
     finally:
         c.store.close()
 
@@ -112,8 +114,10 @@ def test_plan_refuses_host_gw_across_two_segments(
 def test_start_walks_every_node_to_done(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["rollout", "start", "--backend", "host-gw", "--step-timeout", "20",
-                 *cluster.flags]) == 0  # fmt: skip
+    assert (
+        main(["rollout", "start", "--backend", "host-gw", "--step-timeout", "20", *cluster.flags])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "done: 5 of 5 nodes switched to host-gw (n1, n2, n3, n4, n5)" in out
     verified = [line.split("] ")[1] for line in out.splitlines() if "verified in" in line]
@@ -122,8 +126,10 @@ def test_start_walks_every_node_to_done(
     assert cluster.sim.lost == []
     history = cluster.override_history()
     assert history == {f"n{i}": [1, None] for i in range(1, 6)}  # written once, then removed
-    wait_until(lambda: all(not s.vtep for s in cluster.rs.read_nodes().statuses.values()),
-               what="every node reporting its VTEP gone")  # fmt: skip
+    wait_until(
+        lambda: all(not s.vtep for s in cluster.rs.read_nodes().statuses.values()),
+        what="every node reporting its VTEP gone",
+    )
     assert main(["rollout", "status", *cluster.flags]) == 0
     status = capsys.readouterr().out
     assert "n3    done     host-gw (MTU 1500)  -           yes    -" in status
@@ -131,13 +137,29 @@ def test_start_walks_every_node_to_done(
 
 def test_a_killed_driver_is_resumed(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flannelpy", "rollout", "start", "--backend", "host-gw",
-         "--step-timeout", "20", *cluster.flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "flannelpy",
+            "rollout",
+            "start",
+            "--backend",
+            "host-gw",
+            "--step-timeout",
+            "20",
+            *cluster.flags,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"), 60,
-                   "n2 applying the change")  # fmt: skip
+        wait_until(
+            lambda: node_state(cluster, "n2") in ("applying", "verifying"),
+            60,
+            "n2 applying the change",
+        )
     finally:
         proc.kill()
         proc.communicate()
@@ -165,8 +187,10 @@ def test_abort_stops_after_the_current_node_and_says_how_to_go_back(
     )
     driver.start()
     try:
-        wait_until(lambda: node_state(cluster, "n2") in ("applying", "verifying"),
-                   what="n2 applying the change")  # fmt: skip
+        wait_until(
+            lambda: node_state(cluster, "n2") in ("applying", "verifying"),
+            what="n2 applying the change",
+        )
         assert main(["rollout", "abort", *cluster.flags]) == 0
     finally:
         driver.join(60)
@@ -176,13 +200,17 @@ def test_abort_stops_after_the_current_node_and_says_how_to_go_back(
     assert [e.state for e in record.nodes] == ["done", "done", "pending", "pending", "pending"]
     out = capsys.readouterr().out
     assert "abort requested; the driver stops after the current step (n2 " in out
-    hint = ("n1, n2 keep host-gw through their overrides; to go back to the config's vxlan, "
-            "run `flannelpy rollout start --backend vxlan`")  # fmt: skip
+    hint = (
+        "n1, n2 keep host-gw through their overrides; to go back to the config's vxlan, "
+        "run `flannelpy rollout start --backend vxlan`"
+    )
     assert hint in out
     assert cluster.config()["Backend"] == {"Type": "vxlan", "VNI": 1}
     # The suggested command walks n1 and n2 back; n3..n5 already run vxlan.
-    assert main(["rollout", "start", "--backend", "vxlan", "--step-timeout", "20",
-                 *cluster.flags]) == 0  # fmt: skip
+    assert (
+        main(["rollout", "start", "--backend", "vxlan", "--step-timeout", "20", *cluster.flags])
+        == 0
+    )
     back = cluster.record()
     assert [e.skipped for e in back.nodes] == [False, False, True, True, True]
     assert all(s.backend.type == "vxlan" for s in cluster.rs.read_nodes().statuses.values())

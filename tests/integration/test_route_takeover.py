@@ -52,12 +52,17 @@ def test_flanneld_routes_are_taken_over_and_departed_ones_removed(node: Netns) -
     kernel.adopt_routes(SHAPE)
     observed = node.call(kernel.observe, [DEV], [DEV])
     assert {(str(r.dst), r.protocol) for r in observed.routes} == {
-        ("10.100.1.0/24", RTPROT_BOOT), ("10.100.2.0/24", RTPROT_BOOT),
+        ("10.100.1.0/24", RTPROT_BOOT),
+        ("10.100.2.0/24", RTPROT_BOOT),
         ("10.100.3.0/24", RTPROT_BOOT),
-    }  # fmt: skip
+    }
     live = Route(IPv4Network("10.100.1.0/24"), IPv4Address("10.100.1.0"), DEV, onlink=True)
-    changes = diff(DesiredState(links=frozenset({LINK}), routes=frozenset({live}),
-                                owned_devices=frozenset({DEV})), observed)  # fmt: skip
+    changes = diff(
+        DesiredState(
+            links=frozenset({LINK}), routes=frozenset({live}), owned_devices=frozenset({DEV})
+        ),
+        observed,
+    )
     result = node.call(kernel.apply, changes)
     assert result.failures == ()
     assert node.ip("route show proto 75").strip() == (
@@ -76,7 +81,9 @@ def test_survey_reports_what_tells_a_left_route_from_a_foreign_one(node: Netns) 
     found = {str(r.network): r for r in node.call(NetlinkKernel().survey, [DEV])}
     left, static = found["10.100.3.0/24"], found["10.100.5.0/24"]
     assert (left.protocol, left.gateway, left.device) == (
-        RTPROT_BOOT, IPv4Address("192.168.50.3"), "u0",
-    )  # fmt: skip
+        RTPROT_BOOT,
+        IPv4Address("192.168.50.3"),
+        "u0",
+    )
     assert SHAPE.adoptable(left.network, left.gateway, left.device, left.protocol)
     assert not SHAPE.adoptable(static.network, static.gateway, static.device, static.protocol)

@@ -46,9 +46,12 @@ def get(port: int, path: str) -> tuple[int, str]:
 @contextmanager
 def health(**kw: object) -> Iterator[HealthServer]:
     server = HealthServer(
-        "127.0.0.1:0", AgentMetrics().registry, ready=lambda: (True, "ok"),
-        live=lambda: (True, "ok"), **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+        "127.0.0.1:0",
+        AgentMetrics().registry,
+        ready=lambda: (True, "ok"),
+        live=lambda: (True, "ok"),
+        **kw,  # type: ignore[arg-type]
+    )
     server.start()
     try:
         yield server

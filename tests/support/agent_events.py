@@ -85,8 +85,9 @@ def _status_since(node: AgentNode, since: float | None) -> dict[str, Any] | None
 def fresh_status(node: AgentNode, timeout: float = 15.0) -> dict[str, Any]:
     """``node``'s status.json as written after this call began."""
     since = time.time()
-    return wait_until(lambda: _status_since(node, since), timeout,
-                      f"a status.json of {node.name} newer than now")  # fmt: skip
+    return wait_until(
+        lambda: _status_since(node, since), timeout, f"a status.json of {node.name} newer than now"
+    )
 
 
 def processed_mark(node: AgentNode, kind: str) -> int:
@@ -137,8 +138,11 @@ def wait_for_reconcile_passes(
     for _ in range(passes):
         mark = time.time()
         for node in nodes:
-            wait_until(partial(ended_after, node, mark), timeout,
-                       f"a reconcile pass of {node.name} ending after {mark:.1f}")  # fmt: skip
+            wait_until(
+                partial(ended_after, node, mark),
+                timeout,
+                f"a reconcile pass of {node.name} ending after {mark:.1f}",
+            )
 
 
 def wait_for_capacity_round(nodes: list[AgentNode], timeout: float = 30.0) -> None:
@@ -157,9 +161,12 @@ def agent_log(node: AgentNode) -> str:
 
 
 def wait_for_log_lines(
-    nodes: list[AgentNode], text: str, before: dict[str, int], more: int = 1,
+    nodes: list[AgentNode],
+    text: str,
+    before: dict[str, int],
+    more: int = 1,
     timeout: float = 30.0,
-) -> None:  # fmt: skip
+) -> None:
     """Wait until every node's agent log holds ``more`` lines containing ``text`` beyond
     the ``before`` counts (from :func:`log_counts`)."""
     for node in nodes:

@@ -80,8 +80,10 @@ class Containerd:
 
     def run_pod_sandbox(self, name: str, namespace: str = "default") -> str:
         """RunPodSandbox with the config the kubelet generates for a plain pod; returns its ID."""
-        uid = f"{secrets.token_hex(4)}-{secrets.token_hex(2)}-{secrets.token_hex(2)}-" \
-              f"{secrets.token_hex(2)}-{secrets.token_hex(6)}"  # fmt: skip
+        uid = (
+            f"{secrets.token_hex(4)}-{secrets.token_hex(2)}-{secrets.token_hex(2)}-"
+            f"{secrets.token_hex(2)}-{secrets.token_hex(6)}"
+        )
         log_dir = os.path.join(self.base, "pods", f"{namespace}_{name}_{uid}")
         os.makedirs(log_dir, exist_ok=True)  # the kubelet makes it before RunPodSandbox
         msg = self.cri.message
@@ -90,10 +92,17 @@ class Containerd:
             metadata=msg("PodSandboxMetadata", name=name, uid=uid, namespace=namespace, attempt=0),
             hostname=name,
             log_directory=log_dir,
-            dns_config=msg("DNSConfig", servers=["10.96.0.10"], options=["ndots:5"],
-                           searches=[f"{namespace}.svc.cluster.local", "svc.cluster.local"]),
-            labels={"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace,
-                    "io.kubernetes.pod.uid": uid},
+            dns_config=msg(
+                "DNSConfig",
+                servers=["10.96.0.10"],
+                options=["ndots:5"],
+                searches=[f"{namespace}.svc.cluster.local", "svc.cluster.local"],
+            ),
+            labels={
+                "io.kubernetes.pod.name": name,
+                "io.kubernetes.pod.namespace": namespace,
+                "io.kubernetes.pod.uid": uid,
+            },
             annotations={"kubernetes.io/config.source": "api"},
             linux=msg(
                 "LinuxPodSandboxConfig",
@@ -103,7 +112,7 @@ class Containerd:
                     namespace_options=msg("NamespaceOption", network=0, pid=1, ipc=0),
                 ),
             ),
-        )  # fmt: skip
+        )
         request = msg("RunPodSandboxRequest", config=config, runtime_handler="")
         try:
             sandbox_id = str(self.cri.call("RunPodSandbox", request).pod_sandbox_id)
@@ -122,28 +131,37 @@ class Containerd:
             image=msg("ImageSpec", image=PAUSE_IMAGE),
             command=list(command),
             log_path=f"{name}/0.log",
-            linux=msg("LinuxContainerConfig", security_context=msg(
-                "LinuxContainerSecurityContext",
-                namespace_options=msg("NamespaceOption", network=0, pid=1, ipc=0),
-            )),
-        )  # fmt: skip
-        request = msg("CreateContainerRequest", pod_sandbox_id=sandbox_id, config=config,
-                      sandbox_config=self.sandboxes[sandbox_id])  # fmt: skip
+            linux=msg(
+                "LinuxContainerConfig",
+                security_context=msg(
+                    "LinuxContainerSecurityContext",
+                    namespace_options=msg("NamespaceOption", network=0, pid=1, ipc=0),
+                ),
+            ),
+        )
+        request = msg(
+            "CreateContainerRequest",
+            pod_sandbox_id=sandbox_id,
+            config=config,
+            sandbox_config=self.sandboxes[sandbox_id],
+        )
         container_id = str(self.cri.call("CreateContainer", request).container_id)
         self.cri.call("StartContainer", msg("StartContainerRequest", container_id=container_id))
         return container_id
 
     def exec_sync(self, container_id: str, *argv: str, timeout: int = 10) -> tuple[int, str]:
         """ExecSync in the container (as ``kubectl exec`` ends up); (exit code, output)."""
-        request = self.cri.message("ExecSyncRequest", container_id=container_id, cmd=list(argv),
-                                   timeout=timeout)  # fmt: skip
+        request = self.cri.message(
+            "ExecSyncRequest", container_id=container_id, cmd=list(argv), timeout=timeout
+        )
         response = self.cri.call("ExecSync", request, timeout=timeout + 10)
         return int(response.exit_code), (response.stdout + response.stderr).decode(errors="replace")
 
     def status(self, sandbox_id: str) -> tuple[Any, dict[str, Any]]:
         """PodSandboxStatus (verbose): the status and containerd's info document."""
-        request = self.cri.message("PodSandboxStatusRequest", pod_sandbox_id=sandbox_id,
-                                   verbose=True)  # fmt: skip
+        request = self.cri.message(
+            "PodSandboxStatusRequest", pod_sandbox_id=sandbox_id, verbose=True
+        )
         response = self.cri.call("PodSandboxStatus", request)
         return response.status, json.loads(response.info.get("info", "{}"))
 
@@ -157,10 +175,13 @@ class Containerd:
 
     def stop_and_remove(self, sandbox_id: str) -> None:
         """What the kubelet does when a pod goes: StopPodSandbox (CNI DEL), then Remove."""
-        self.cri.call("StopPodSandbox", self.cri.message("StopPodSandboxRequest",
-                                                         pod_sandbox_id=sandbox_id))  # fmt: skip
-        self.cri.call("RemovePodSandbox", self.cri.message("RemovePodSandboxRequest",
-                                                           pod_sandbox_id=sandbox_id))  # fmt: skip
+        self.cri.call(
+            "StopPodSandbox", self.cri.message("StopPodSandboxRequest", pod_sandbox_id=sandbox_id)
+        )
+        self.cri.call(
+            "RemovePodSandbox",
+            self.cri.message("RemovePodSandboxRequest", pod_sandbox_id=sandbox_id),
+        )
         self.sandboxes.pop(sandbox_id, None)
 
     def in_netns(
@@ -170,8 +191,11 @@ class Containerd:
         namespace (the only one where the path is the namespace)."""
         return subprocess.run(
             ["nsenter", f"--target={self.pid}", "--mount", "nsenter", f"--net={netns}", *argv],
-            capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     def sees(self, path: str) -> bool:
         """Whether ``path`` exists in containerd's mount namespace."""
@@ -203,11 +227,22 @@ def _start(base: str, node_netns: str) -> subprocess.Popen[bytes]:
     script = f"{binds} && exec containerd --config {os.path.join(base, 'config.toml')}"
     with open(os.path.join(base, "containerd.log"), "wb") as log:
         return subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{node_netns}", "unshare", "--mount",
-             "--propagation", "slave", "sh", "-c", script],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            [
+                "nsenter",
+                f"--net=/run/netns/{node_netns}",
+                "unshare",
+                "--mount",
+                "--propagation",
+                "slave",
+                "sh",
+                "-c",
+                script,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
 
 def _import_pause_image(base: str, socket_path: str) -> None:
@@ -217,8 +252,11 @@ def _import_pause_image(base: str, socket_path: str) -> None:
     write_image_archive(archive, PAUSE_IMAGE, rootfs, PAUSE_ENTRYPOINT)
     proc = subprocess.run(
         ["ctr", f"--address={socket_path}", "--namespace=k8s.io", "images", "import", archive],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if proc.returncode != 0:
         raise ContainerdError(f"ctr images import failed: {(proc.stderr or proc.stdout).strip()}")
 
@@ -250,15 +288,21 @@ def containerd_on_node(
         with open(os.path.join(base, "config.toml"), "w", encoding="utf-8") as f:
             f.write(config_toml(base, cni_bin_dir, cni_conf_dir))
         proc = _start(base, node_netns)
-        wait_until(lambda: proc.poll() is not None or _comm(proc.pid) == "containerd",
-                   timeout=START_TIMEOUT, what="containerd starting")  # fmt: skip
+        wait_until(
+            lambda: proc.poll() is not None or _comm(proc.pid) == "containerd",
+            timeout=START_TIMEOUT,
+            what="containerd starting",
+        )
         mount_ns = _mount_ns(proc.pid)
         socket_path = os.path.join(base, "containerd.sock")
         cri = CriClient(socket_path)
         ctrd = Containerd(base, proc.pid, cri, cgroup_parent, os.path.join(base, "containerd.log"))
         try:
-            wait_until(lambda: proc.poll() is not None or cri.ready(), timeout=START_TIMEOUT,
-                       what="containerd's CRI reporting RuntimeReady and NetworkReady")  # fmt: skip
+            wait_until(
+                lambda: proc.poll() is not None or cri.ready(),
+                timeout=START_TIMEOUT,
+                what="containerd's CRI reporting RuntimeReady and NetworkReady",
+            )
         except AssertionError as e:
             raise ContainerdError(f"{e}\ncontainerd log:\n{ctrd.log_tail()}") from None
         if proc.poll() is not None or _comm(proc.pid) != "containerd":
@@ -359,8 +403,11 @@ def _kill_remaining(
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     with suppress(AssertionError):
-        wait_until(lambda: not _remaining(base, mount_ns, cgroup_parent), timeout=5.0,
-                   what="killed processes exiting")  # fmt: skip
+        wait_until(
+            lambda: not _remaining(base, mount_ns, cgroup_parent),
+            timeout=5.0,
+            what="killed processes exiting",
+        )
     return [f"{pid} {comm}" for pid, comm in found.items()]
 
 

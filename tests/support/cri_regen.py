@@ -33,16 +33,25 @@ def module_dir(version: str) -> str:
     with tempfile.TemporaryDirectory() as scratch:  # outside any Go module
         out = subprocess.run(
             ["go", "mod", "download", "-json", f"k8s.io/cri-api@{version}"],
-            cwd=scratch, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     return str(json.loads(out)["Dir"])
 
 
 def main() -> int:
     version = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_VERSION
     include = os.path.join(module_dir(version), PROTO_DIR)
-    code = protoc.main(["protoc", f"-I{include}", f"--descriptor_set_out={OUT}",
-                        os.path.join(include, "api.proto")])  # fmt: skip
+    code = protoc.main(
+        [
+            "protoc",
+            f"-I{include}",
+            f"--descriptor_set_out={OUT}",
+            os.path.join(include, "api.proto"),
+        ]
+    )
     if code == 0:
         print(f"wrote {OUT} from k8s.io/cri-api@{version}")
     return int(code)

@@ -192,18 +192,51 @@ def make_tls_files(directory: str) -> TlsFiles:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
     ec_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec_key, "-keyout", "ca.key", "-out", "ca.pem",
-        "-days", "1", "-subj", "/CN=flannelpy-test-ca")  # fmt: skip
+    run(
+        "req",
+        "-x509",
+        *ec_key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=flannelpy-test-ca",
+    )
     for name, ext in (
         ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
         ("client", "extendedKeyUsage=clientAuth"),
     ):
         (d / f"{name}.ext").write_text(ext + "\n")
-        run("req", *ec_key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=flannelpy-{name}")  # fmt: skip
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-            "-extfile", f"{name}.ext")  # fmt: skip
+        run(
+            "req",
+            *ec_key,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=flannelpy-{name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+        )
     return TlsFiles(
         ca=str(d / "ca.pem"),
         server_cert=str(d / "server.pem"),

@@ -29,8 +29,9 @@ _SEND = (
 
 
 def in_ns(namespace: str, argv: list[str], check: bool = True) -> str:
-    proc = subprocess.run(["ip", "netns", "exec", namespace, *argv],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        ["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True, timeout=30
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} in {namespace}: {proc.stderr.strip()}")
     return proc.stdout
@@ -78,8 +79,10 @@ def source_seen(listen_ns: str, send_ns: str, dst_ip: str, timeout: float = 10.0
     port = str(20000 + secrets.randbelow(20000))
     listener = subprocess.Popen(
         ["ip", "netns", "exec", listen_ns, sys.executable, "-c", _LISTEN, port, str(timeout)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         in_ns(send_ns, [sys.executable, "-c", _SEND, dst_ip, port])
         out, err = listener.communicate(timeout=timeout + 5)

@@ -35,8 +35,11 @@ def write_image_archive(path: str, tag: str, layer_tar: str, entrypoint: Sequenc
         [{"Config": f"{config_digest}.json", "RepoTags": [tag], "Layers": [layer_name]}]
     ).encode()
     with tarfile.open(path, "w") as tar:
-        for name, data in ((f"{config_digest}.json", config), (layer_name, layer),
-                           ("manifest.json", manifest)):  # fmt: skip
+        for name, data in (
+            (f"{config_digest}.json", config),
+            (layer_name, layer),
+            ("manifest.json", manifest),
+        ):
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))

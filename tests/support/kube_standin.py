@@ -87,8 +87,13 @@ class Request(NamedTuple):
         resource = rest[0] if rest else ""
         if len(rest) >= 3:
             resource += "/" + rest[2]
-        verb = {"GET": "get", "PATCH": "patch", "PUT": "update", "POST": "create",
-                "DELETE": "delete"}.get(self.method, self.method.lower())  # fmt: skip
+        verb = {
+            "GET": "get",
+            "PATCH": "patch",
+            "PUT": "update",
+            "POST": "create",
+            "DELETE": "delete",
+        }.get(self.method, self.method.lower())
         if self.method == "GET" and len(rest) == 1:
             verb = "watch" if _truthy(self.query.get("watch")) else "list"
         return ("", resource, verb)
@@ -230,9 +235,11 @@ class KubeStandin:
         self.port = server.server_address[1]
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05},
-            name=f"kube-standin-{self.port}", daemon=True,
-        )  # fmt: skip
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"kube-standin-{self.port}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _unlisten(self) -> None:
@@ -456,10 +463,11 @@ class KubeStandin:
                 list_rv, items = self._snapshots[snap_id]
                 if list_rv < self._compacted:
                     raise _HttpError(
-                        410, "Expired",
+                        410,
+                        "Expired",
                         "The provided continue parameter is too old to display a consistent "
                         "list result. You can start a new list without the continue parameter.",
-                    )  # fmt: skip
+                    )
             else:
                 snap_id, offset = uuid.uuid4().hex, 0
                 list_rv = self._rv
@@ -470,8 +478,12 @@ class KubeStandin:
         if end < len(items):
             meta["continue"] = _encode_token(snap_id, end)
             meta["remainingItemCount"] = len(items) - end
-        return {"kind": "NodeList", "apiVersion": "v1", "metadata": meta,
-                "items": items[offset:end]}  # fmt: skip
+        return {
+            "kind": "NodeList",
+            "apiVersion": "v1",
+            "metadata": meta,
+            "items": items[offset:end],
+        }
 
     def _patch_node(self, name: str, content_type: str, body: bytes, status: bool) -> Json:
         """PATCH the Node (``status``: its status subresource). Each side keeps the other's
@@ -498,45 +510,54 @@ class KubeStandin:
         event = _json_object(body, "the Event")
         if event.get("kind", "Event") != "Event" or event.get("apiVersion", "v1") != "v1":
             raise _HttpError(
-                400, "BadRequest",
+                400,
+                "BadRequest",
                 f"the body is a {event.get('apiVersion')}/{event.get('kind')}, not a v1 Event",
-            )  # fmt: skip
+            )
         meta = event.setdefault("metadata", {})
         if meta.get("namespace", namespace) != namespace:
             raise _HttpError(
-                400, "BadRequest",
+                400,
+                "BadRequest",
                 "the namespace of the provided object does not match the namespace sent on "
                 "the request",
-            )  # fmt: skip
+            )
         involved = event.get("involvedObject") or {}
         involved_ns = involved.get("namespace") or ""
         if (involved_ns and involved_ns != namespace) or (
             not involved_ns and namespace != "default"
         ):
             raise _HttpError(
-                422, "Invalid",
+                422,
+                "Invalid",
                 f'Event "{meta.get("name") or meta.get("generateName") or ""}" is invalid: '
                 f"involvedObject.namespace: Invalid value: {involved_ns!r}: does not match "
                 "event.namespace",
-            )  # fmt: skip
+            )
         with self._cond:
             name = meta.get("name") or ""
             if not name:
                 if not meta.get("generateName"):
                     raise _HttpError(
-                        422, "Invalid",
+                        422,
+                        "Invalid",
                         'Event "" is invalid: metadata.name: Required value: name or '
                         "generateName is required",
-                    )  # fmt: skip
+                    )
                 name = meta["generateName"] + "".join(random.choices(_NAME_ALPHABET, k=5))
             if (namespace, name) in self._events:
                 raise _HttpError(409, "AlreadyExists", f'events "{name}" already exists')
             self._rv += 1  # one revision counter across kinds, as etcd's
             event.update({"apiVersion": "v1", "kind": "Event"})
-            meta.update({
-                "name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
-                "resourceVersion": str(self._rv), "creationTimestamp": _now(),
-            })  # fmt: skip
+            meta.update(
+                {
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": str(uuid.uuid4()),
+                    "resourceVersion": str(self._rv),
+                    "creationTimestamp": _now(),
+                }
+            )
             self._events[(namespace, name)] = event
             return copy.deepcopy(event)
 
@@ -546,8 +567,10 @@ class KubeStandin:
         with self._cond:
             epoch = self._gone_epoch
             if rv_text in ("", "0"):
-                first = [{"type": "ADDED", "object": copy.deepcopy(self._nodes[n])}
-                         for n in sorted(self._nodes)]  # fmt: skip
+                first = [
+                    {"type": "ADDED", "object": copy.deepcopy(self._nodes[n])}
+                    for n in sorted(self._nodes)
+                ]
                 return self._rv, first, epoch
             if not rv_text.isdigit():
                 raise _HttpError(400, "BadRequest", f"invalid resourceVersion {rv_text!r}")
@@ -569,8 +592,11 @@ class KubeStandin:
                     raise ConnectionAbortedError("stand-in unreachable")
                 if epoch != self._gone_epoch:
                     message = "watch closed: too old resource version (injected)"
-                    return [{"type": "ERROR", "object": _status(410, "Expired", message)}], \
-                        position, True  # fmt: skip
+                    return (
+                        [{"type": "ERROR", "object": _status(410, "Expired", message)}],
+                        position,
+                        True,
+                    )
                 fresh = [e for e in self._history if e.rv > position]
                 if fresh:
                     events = [{"type": e.type, "object": copy.deepcopy(e.obj)} for e in fresh]
@@ -582,8 +608,11 @@ class KubeStandin:
                 if bookmarks:
                     due = last_sent + self.bookmark_interval
                     if now >= due:
-                        mark = {"kind": "Node", "apiVersion": "v1",
-                                "metadata": {"resourceVersion": str(self._rv)}}  # fmt: skip
+                        mark = {
+                            "kind": "Node",
+                            "apiVersion": "v1",
+                            "metadata": {"resourceVersion": str(self._rv)},
+                        }
                         return [{"type": "BOOKMARK", "object": mark}], self._rv, False
                     wake = min(wake, due)
                 self._cond.wait(max(0.0, wake - now))
@@ -713,9 +742,10 @@ class _Handler(BaseHTTPRequestHandler):
                 case ["api", "v1", "nodes", name, *sub] if sub in ([], ["status"]):
                     if content_type not in (STRATEGIC, MERGE):
                         raise _HttpError(
-                            415, "UnsupportedMediaType",
+                            415,
+                            "UnsupportedMediaType",
                             f"the stand-in does not implement {content_type!r} patches",
-                        )  # fmt: skip
+                        )
                     return self.standin._patch_node(name, content_type, body, status=bool(sub))
             raise _HttpError(405, "MethodNotAllowed", f"PATCH {self.path} is not served")
 
@@ -733,9 +763,10 @@ class _Handler(BaseHTTPRequestHandler):
                     # (the generated client sends none on create).
                     if content_type not in ("", "application/json"):
                         raise _HttpError(
-                            415, "UnsupportedMediaType",
+                            415,
+                            "UnsupportedMediaType",
                             f"the stand-in does not implement {content_type!r} bodies",
-                        )  # fmt: skip
+                        )
                     return self.standin._create_event(namespace, body)
             raise _HttpError(405, "MethodNotAllowed", f"POST {self.path} is not served")
 

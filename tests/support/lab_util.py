@@ -55,9 +55,12 @@ def node_dataplanes(lab: Lab, log_lines: int = 15) -> str:
     """Each node's routes, neighbours, FDB, addresses and the end of its agent's log: what
     a failed reachability assertion needs beside the matrix."""
     commands = (
-        ["ip", "route"], ["ip", "-6", "route"], ["ip", "neigh"], ["bridge", "fdb", "show"],
+        ["ip", "route"],
+        ["ip", "-6", "route"],
+        ["ip", "neigh"],
+        ["bridge", "fdb", "show"],
         ["ip", "addr"],
-    )  # fmt: skip
+    )
     out = []
     for node in lab.nodes:
         out.append(f"--- {node.name} ({node.agent_kind})")

@@ -68,8 +68,9 @@ def five_nodes(two_segments: bool = False) -> list[SimNode]:
     nodes = []
     for i in range(1, 6):
         seg = 1 if two_segments and i >= 4 else 0
-        nodes.append(SimNode(f"n{i}", f"100.64.{seg}.{i + 1}", f"100.64.{seg}.0/24",
-                             f"10.244.{i}.0/24"))  # fmt: skip
+        nodes.append(
+            SimNode(f"n{i}", f"100.64.{seg}.{i + 1}", f"100.64.{seg}.0/24", f"10.244.{i}.0/24")
+        )
     return nodes
 
 
@@ -114,8 +115,9 @@ class SimCluster:
             for node in self.nodes.values():
                 self._follow(node, config.raw, config.backend, record)
             for node in self.nodes.values():
-                self.store.put(status_key(self.prefix, node.name),
-                               self._status(node).to_json().encode())  # fmt: skip
+                self.store.put(
+                    status_key(self.prefix, node.name), self._status(node).to_json().encode()
+                )
 
     def _follow(
         self, node: SimNode, raw: object, config_backend: BackendConfig, record: dict | None
@@ -133,10 +135,12 @@ class SimCluster:
         changes = disruptive_changes(node.running, wanted, node.mtu(), node.mtu(wanted))
         if changes:
             vouched = (
-                override is not None and override.rollout is not None and record is not None
+                override is not None
+                and override.rollout is not None
+                and record is not None
                 and record.get("id") == override.rollout
                 and record.get("state") in VOUCHING_STATES
-            )  # fmt: skip
+            )
             forced = override is not None and override.force is not None
             if not (vouched or forced):
                 assert isinstance(raw, dict)
@@ -160,8 +164,13 @@ class SimCluster:
         )
 
     def _view(self, node: SimNode, statuses: dict[str, SimNode]) -> NodeView:
-        return NodeView(node.name, IPv4Address(node.ip), (IPv4Network(node.segment),),
-                        node.running, self._has_vtep(node, statuses))  # fmt: skip
+        return NodeView(
+            node.name,
+            IPv4Address(node.ip),
+            (IPv4Network(node.segment),),
+            node.running,
+            self._has_vtep(node, statuses),
+        )
 
     def _probe(self, node: SimNode, statuses: dict[str, SimNode]) -> None:
         for peer in statuses.values():
@@ -182,13 +191,19 @@ class SimCluster:
 
     def _status(self, node: SimNode) -> NodeStatus:
         return NodeStatus(
-            node=node.name, at=self.clock(), ready=node.ready, public_ip=node.ip,
+            node=node.name,
+            at=self.clock(),
+            ready=node.ready,
+            public_ip=node.ip,
             underlay_networks=(node.segment,),
             backend=BackendSummary.of(node.running, node.mtu()),
             vtep=self._has_vtep(node, self.nodes),
-            applied_generation=node.applied_generation, applied_at=node.applied_at,
-            blocked=node.blocked, subnets=(node.subnet,), probes=ProbeSummary.of(node.probes),
-        )  # fmt: skip
+            applied_generation=node.applied_generation,
+            applied_at=node.applied_at,
+            blocked=node.blocked,
+            subnets=(node.subnet,),
+            probes=ProbeSummary.of(node.probes),
+        )
 
 
 class AgentThreads:

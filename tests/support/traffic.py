@@ -343,19 +343,35 @@ class PodTraffic:
         try:
             for server in {s.name: s for _, s in self.streams}.values():
                 self._servers.append(
-                    self._spawn(f"tcp-server {server.name}", server,
-                                ["tcp-server", "--port", str(TCP_PORT)])
-                )  # fmt: skip
+                    self._spawn(
+                        f"tcp-server {server.name}", server, ["tcp-server", "--port", str(TCP_PORT)]
+                    )
+                )
             self._pump(self._servers, lambda p: p.seen("listening"), deadline, "listening")
             for pod in self.pods:
                 targets = ",".join(str(p.ip) for p in self.pods if p is not pod)
-                argv = ["icmp", "--targets", targets, "--rate", f"{self.rate:g}",
-                        "--grace", f"{self.grace:g}"]  # fmt: skip
+                argv = [
+                    "icmp",
+                    "--targets",
+                    targets,
+                    "--rate",
+                    f"{self.rate:g}",
+                    "--grace",
+                    f"{self.grace:g}",
+                ]
                 self._icmp.append(self._spawn(f"icmp {pod.name}", pod, argv))
             for client, server in self.streams:
-                argv = ["tcp-client", "--target", str(server.ip), "--port", str(TCP_PORT),
-                        "--rate", f"{self.stream_rate:g}",
-                        "--timeout", f"{self.stream_timeout:g}"]  # fmt: skip
+                argv = [
+                    "tcp-client",
+                    "--target",
+                    str(server.ip),
+                    "--port",
+                    str(TCP_PORT),
+                    "--rate",
+                    f"{self.stream_rate:g}",
+                    "--timeout",
+                    f"{self.stream_timeout:g}",
+                ]
                 name = f"tcp {client.name}->{server.name}"
                 self._clients.append(self._spawn(name, client, argv))
             senders = self._icmp + self._clients
@@ -401,8 +417,9 @@ class PodTraffic:
 
     def alive(self) -> list[int]:
         """Pids of probes still running (none once stopped or killed)."""
-        return [p.proc.pid for p in self._icmp + self._clients + self._servers
-                if p.proc.poll() is None]  # fmt: skip
+        return [
+            p.proc.pid for p in self._icmp + self._clients + self._servers if p.proc.poll() is None
+        ]
 
     # -- internals ----------------------------------------------------------------
 
@@ -475,9 +492,10 @@ class PodTraffic:
             if probe in self._icmp and what == "warm":
                 answered = {e["target"] for e in probe.events if e["event"] == "first"}
                 silent = sorted(
-                    self.names[ip] for ip in self.names
+                    self.names[ip]
+                    for ip in self.names
                     if ip != str(probe.pod.ip) and ip not in answered
-                )  # fmt: skip
+                )
                 detail.append(f"{probe.pod.name} has no reply from {', '.join(silent)}")
             else:
                 detail.append(f"{probe.name} is not {what}")

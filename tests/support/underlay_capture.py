@@ -21,16 +21,34 @@ def underlay_capture(switch_namespace: str, pcap: str, bpf: Sequence[str]) -> It
     capture = subprocess.Popen(
         # --immediate-mode: libpcap otherwise hands packets over a ring block at a time
         # (up to 1 s late), and tcpdump stopped by SIGINT drops the block being filled.
-        ["ip", "netns", "exec", switch_namespace, "tcpdump", "-i", "br0", "--immediate-mode",
-         "-U", "-s", "0", "-w", pcap, *bpf],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "ip",
+            "netns",
+            "exec",
+            switch_namespace,
+            "tcpdump",
+            "-i",
+            "br0",
+            "--immediate-mode",
+            "-U",
+            "-s",
+            "0",
+            "-w",
+            pcap,
+            *bpf,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: os.path.exists(pcap) and os.path.getsize(pcap) > 0, 5.0, "capture")
         # tcpdump writes the file's header before its socket is attached to br0, and on a
         # busy machine the gap passed 0.7 s: wait for its packet socket to be running.
-        wait_until(lambda: _packet_sockets(switch_namespace) > sockets_before, 5.0,
-                   "tcpdump attached to br0")  # fmt: skip
+        wait_until(
+            lambda: _packet_sockets(switch_namespace) > sockets_before,
+            5.0,
+            "tcpdump attached to br0",
+        )
         time.sleep(0.05)
         yield
     finally:
@@ -51,5 +69,6 @@ def _packet_sockets(namespace: str) -> int:
 
 def captured_flows(pcap: str) -> list[str]:
     """One line per captured packet, as ``tcpdump -nn -r`` prints it."""
-    return subprocess.run(["tcpdump", "-nn", "-r", pcap], capture_output=True, text=True,
-                          check=True).stdout.splitlines()  # fmt: skip
+    return subprocess.run(
+        ["tcpdump", "-nn", "-r", pcap], capture_output=True, text=True, check=True
+    ).stdout.splitlines()

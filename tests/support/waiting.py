@@ -16,9 +16,12 @@ T = TypeVar("T")
 
 
 def wait_until(
-    probe: Callable[[], T | None], timeout: float = 30.0, what: str = "condition", *,
+    probe: Callable[[], T | None],
+    timeout: float = 30.0,
+    what: str = "condition",
+    *,
     interval: float = 0.02,
-) -> T:  # fmt: skip
+) -> T:
     """Poll ``probe`` until it returns something truthy and return that; fail naming
     ``what`` (and the last value seen) after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

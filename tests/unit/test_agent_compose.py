@@ -221,8 +221,9 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
     config = _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
     assert str(config.network) == "10.244.0.0/16"
     assert waits == [1.0, 1.0, 1.0]
-    said = [r.getMessage() for r in caplog.records if "waiting for the network config" in
-            r.getMessage()]  # fmt: skip
+    said = [
+        r.getMessage() for r in caplog.records if "waiting for the network config" in r.getMessage()
+    ]
     assert len(said) == 1 and "not found in etcd at /coreos.com/network/config" in said[0]
     # A config that is there but invalid is not waited for: its sentence stops the start.
     store.put(config_key(PREFIX), b'{"Network": "not a network"}')

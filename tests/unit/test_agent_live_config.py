@@ -106,9 +106,10 @@ def test_a_failed_application_is_retried(agent: AgentHarness) -> None:
 
     agent.control.record_forced = record_forced  # type: ignore[method-assign]
     override = NodeOverride(
-        backend={"Type": "host-gw"}, generation=3,
+        backend={"Type": "host-gw"},
+        generation=3,
         force=ForceRecord(reason="test", by="me", at="2023-11-14T22:00:00Z"),
-    )  # fmt: skip
+    )
     agent.store.put(override_key(PREFIX, NODE), override.to_json().encode())
     put_network_config(agent.store, PREFIX, net_conf(DisruptionPolicy={"Mode": "Block"}))
     agent.deliver_control()

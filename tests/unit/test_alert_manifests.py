@@ -24,8 +24,21 @@ SERVICE_MONITOR = MANIFESTS / "servicemonitor.yaml"
 DAEMONSET = MANIFESTS / "kube-flannelpy.yml"
 
 # PromQL words that look like names but are not series.
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "by", "without", "on",
-             "ignoring", "group_left", "group_right"}  # fmt: skip
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+}
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _NAME = re.compile(r"(?<![\w.$])[a-zA-Z_:][a-zA-Z0-9_:]*")
 
@@ -82,11 +95,14 @@ def promtool() -> str:
 
 
 def test_metric_name_extraction_sees_what_an_expression_reads() -> None:
-    expr = ('sum by (node, role) (rate(flannelpy_a_total{role="vxlan", x=~"a|b"}[5m])) > 1e3 '
-            'and on (node) flannelpy_b unless ignoring(peer) up offset 5m')  # fmt: skip
+    expr = (
+        'sum by (node, role) (rate(flannelpy_a_total{role="vxlan", x=~"a|b"}[5m])) > 1e3 '
+        "and on (node) flannelpy_b unless ignoring(peer) up offset 5m"
+    )
     assert metric_names(expr) == {"flannelpy_a_total", "flannelpy_b", "up"}
-    assert metric_names("histogram_quantile(0.99, sum by (le) (rate(x_bucket[$__rate_interval])))"
-                        ) == {"x_bucket"}  # fmt: skip
+    assert metric_names(
+        "histogram_quantile(0.99, sum by (le) (rate(x_bucket[$__rate_interval])))"
+    ) == {"x_bucket"}
 
 
 def test_prometheusrule_is_an_operator_resource_with_complete_alerts() -> None:
@@ -101,8 +117,9 @@ def test_prometheusrule_is_an_operator_resource_with_complete_alerts() -> None:
 def test_rule_groups_pass_promtool(tmp_path: Path) -> None:
     rule_file = tmp_path / "rules.yml"
     rule_file.write_text(yaml.safe_dump({"groups": rules_doc()["spec"]["groups"]}))
-    proc = subprocess.run([promtool(), "check", "rules", str(rule_file)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [promtool(), "check", "rules", str(rule_file)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(rules())} rules found" in proc.stdout
 
@@ -145,18 +162,24 @@ def test_dashboard_is_valid_json_and_uses_only_exported_metrics() -> None:
     used = set().union(*(metric_names(e) for e in exprs))
     # The families the issue calls out are all on the board.
     for family in (
-        "flannelpy_interface_dropped_packets_total", "flannelpy_peer_reachable",
-        "flannelpy_peer_path_mtu_verified", "flannelpy_peers_mtu_mismatch",
-        "flannelpy_ipam_cooling_addresses", "flannelpy_cni_request_duration_seconds_bucket",
-        "flannelpy_lease_expiry_timestamp_seconds", "flannelpy_reconciler_repairs_total",
-    ):  # fmt: skip
+        "flannelpy_interface_dropped_packets_total",
+        "flannelpy_peer_reachable",
+        "flannelpy_peer_path_mtu_verified",
+        "flannelpy_peers_mtu_mismatch",
+        "flannelpy_ipam_cooling_addresses",
+        "flannelpy_cni_request_duration_seconds_bucket",
+        "flannelpy_lease_expiry_timestamp_seconds",
+        "flannelpy_reconciler_repairs_total",
+    ):
         assert family in used, family
 
 
 def test_service_monitor_scrapes_the_daemonsets_metrics_port() -> None:
     service, monitor = list(yaml.safe_load_all(SERVICE_MONITOR.read_text()))
-    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1",
-                                                        "ServiceMonitor")  # fmt: skip
+    assert (monitor["apiVersion"], monitor["kind"]) == (
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+    )
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= service["metadata"]["labels"].items()
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
@@ -164,15 +187,17 @@ def test_service_monitor_scrapes_the_daemonsets_metrics_port() -> None:
     (port,) = service["spec"]["ports"]
     assert endpoint["port"] == port["name"]
     assert any(r["targetLabel"] == "node" for r in endpoint["relabelings"])
-    daemonset = next(d for d in yaml.safe_load_all(DAEMONSET.read_text())
-                     if d and d["kind"] == "DaemonSet")  # fmt: skip
+    daemonset = next(
+        d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d and d["kind"] == "DaemonSet"
+    )
     pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert service["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
     container_ports = {
         p["name"]: p["containerPort"]
-        for c in daemonset["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
-    }  # fmt: skip
+        for c in daemonset["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
     assert container_ports[port["targetPort"]] == port["port"]
 
 
@@ -331,8 +356,13 @@ def test_alerts_fire_when_they_should_and_only_then(tmp_path: Path) -> None:
             rule.pop("annotations", None)
     (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": groups}))
     (tmp_path / "tests.yml").write_text(ALERT_TESTS)
-    proc = subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [promtool(), "test", "rules", "tests.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 
@@ -347,6 +377,11 @@ def test_a_rule_that_never_fires_fails_the_alert_tests(tmp_path: Path) -> None:
                 rule["expr"] = "flannelpy_peer_reachable == 2"
     (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": groups}))
     (tmp_path / "tests.yml").write_text(ALERT_TESTS)
-    proc = subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [promtool(), "test", "rules", "tests.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "FlannelpyPeerUnreachable" in proc.stdout + proc.stderr

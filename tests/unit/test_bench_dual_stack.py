@@ -18,9 +18,11 @@ def test_the_table_gives_each_ratio_from_the_medians() -> None:
         return Sample(impl, family, start, [add, add * 3, add], [0.02, 0.02, 0.02])
 
     samples = [
-        sample("ours", "ipv4", 0.6, 0.010), sample("ours", "dual", 0.6, 0.012),
-        sample("flanneld", "ipv4", 0.3, 0.015), sample("flanneld", "dual", 0.4, 0.024),
-    ]  # fmt: skip
+        sample("ours", "ipv4", 0.6, 0.010),
+        sample("ours", "dual", 0.6, 0.012),
+        sample("flanneld", "ipv4", 0.3, 0.015),
+        sample("flanneld", "dual", 0.4, 0.024),
+    ]
     text = report(samples, 1, 3, "load")
     start = next(line for line in text.splitlines() if line.startswith("start-to-ready"))
     add = next(line for line in text.splitlines() if "CNI ADD" in line)

@@ -19,9 +19,11 @@ from bench.versus_flanneld import (
     rss_mib,
 )
 
-BUSY_CHILD = "import subprocess, sys, time\n" \
-    "c = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n" \
-    "time.sleep(60)\n"  # fmt: skip
+BUSY_CHILD = (
+    "import subprocess, sys, time\n"
+    "c = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+    "time.sleep(60)\n"
+)
 
 
 def test_cpu_and_rss_count_the_whole_process_tree() -> None:
@@ -50,10 +52,14 @@ def test_cpu_and_rss_count_the_whole_process_tree() -> None:
 def test_report_gives_ours_over_flanneld_for_each_measure() -> None:
     starts = [Start("ours", 1000, s, 0.5, 60.0) for s in (1.0, 3.0, 2.0)]
     starts += [Start("flanneld", 1000, s, 0.2, 40.0) for s in (0.5, 0.4, 9.0)]
-    steady = [Steady("ours", 1000, 1.0, 0.9, 0.6, 60.0), Steady("flanneld", 1000, 2.0, 0.3, 0.2,
-                                                                    60.0)]  # fmt: skip
-    props = [Propagation("ours", ["n1"], [0.04] * 10, [0.03] * 10),
-             Propagation("flanneld", ["n2"], [0.02] * 10, [0.03] * 10)]  # fmt: skip
+    steady = [
+        Steady("ours", 1000, 1.0, 0.9, 0.6, 60.0),
+        Steady("flanneld", 1000, 2.0, 0.3, 0.2, 60.0),
+    ]
+    props = [
+        Propagation("ours", ["n1"], [0.04] * 10, [0.03] * 10),
+        Propagation("flanneld", ["n2"], [0.02] * 10, [0.03] * 10),
+    ]
     text = report(starts, steady, props, ["load average 5"])
     cells = [line.rsplit(None, 3) for line in text.splitlines() if line.startswith(" ")]
     rows = {c[0].strip(): c[1:] for c in cells if len(c) == 4}

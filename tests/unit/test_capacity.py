@@ -50,13 +50,15 @@ def use(
         ({"Network": "10.244.0.0/16"}, CapacitySettings()),
         ({"MinFreeAddresses": 64, "MaxLeasesPerNode": 2}, CapacitySettings(64, 2, 300.0)),
         # keys are matched case-insensitively, as Flannel's Go decoder does
-        ({"minfreeaddresses": 8, "MAXLEASESPERNODE": 3, "leaseholddownseconds": 1.5},
-         CapacitySettings(8, 3, 1.5)),
+        (
+            {"minfreeaddresses": 8, "MAXLEASESPERNODE": 3, "leaseholddownseconds": 1.5},
+            CapacitySettings(8, 3, 1.5),
+        ),
         ({"MinFreeAddresses": None, "LeaseHoldDownSeconds": None}, CapacitySettings()),
         ({"LeaseHoldDownSeconds": 0}, CapacitySettings(hold_down_seconds=0)),
         ({"MaxLeasesPerNode": 4}, CapacitySettings(0, 4, 300.0)),
     ],
-)  # fmt: skip
+)
 def test_parse_capacity(doc: dict[str, Any], expected: CapacitySettings) -> None:
     assert parse_capacity(doc) == expected
     assert parse_capacity(doc).enabled == (expected.min_free_addresses > 0)
@@ -65,29 +67,45 @@ def test_parse_capacity(doc: dict[str, Any], expected: CapacitySettings) -> None
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ({"MinFreeAddresses": -1, "MaxLeasesPerNode": 2},
-         '"MinFreeAddresses" must be a whole number >= 0, not -1; '
-         'write it like "MinFreeAddresses": 64'),
-        ({"MinFreeAddresses": 6.5, "MaxLeasesPerNode": 2},
-         '"MinFreeAddresses" must be a whole number >= 0, not 6.5'),
-        ({"MinFreeAddresses": "64", "MaxLeasesPerNode": 2},
-         '"MinFreeAddresses" must be a whole number >= 0, not "64"'),
+        (
+            {"MinFreeAddresses": -1, "MaxLeasesPerNode": 2},
+            '"MinFreeAddresses" must be a whole number >= 0, not -1; '
+            'write it like "MinFreeAddresses": 64',
+        ),
+        (
+            {"MinFreeAddresses": 6.5, "MaxLeasesPerNode": 2},
+            '"MinFreeAddresses" must be a whole number >= 0, not 6.5',
+        ),
+        (
+            {"MinFreeAddresses": "64", "MaxLeasesPerNode": 2},
+            '"MinFreeAddresses" must be a whole number >= 0, not "64"',
+        ),
         ({"MaxLeasesPerNode": 0}, '"MaxLeasesPerNode" must be a whole number >= 1, not 0'),
         ({"MaxLeasesPerNode": True}, '"MaxLeasesPerNode" must be a whole number >= 1, not true'),
-        ({"LeaseHoldDownSeconds": -5},
-         '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not -5'),
-        ({"LeaseHoldDownSeconds": float("inf")},
-         '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not inf'),
-        ({"LeaseHoldDownSeconds": "5m"},
-         '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not "5m"'),
+        (
+            {"LeaseHoldDownSeconds": -5},
+            '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not -5',
+        ),
+        (
+            {"LeaseHoldDownSeconds": float("inf")},
+            '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not inf',
+        ),
+        (
+            {"LeaseHoldDownSeconds": "5m"},
+            '"LeaseHoldDownSeconds" must be a number of seconds >= 0, not "5m"',
+        ),
         # a warm target that could never be met is refused, not silently ignored
-        ({"MinFreeAddresses": 64},
-         '"MinFreeAddresses" is 64 but "MaxLeasesPerNode" is 1, so no further lease could '
-         'ever be acquired; set "MaxLeasesPerNode" to 2 or more, or remove "MinFreeAddresses"'),
-        ({"MinFreeAddresses": 1, "minFreeAddresses": 2},
-         'keys "MinFreeAddresses" and "minFreeAddresses" differ only in case'),
+        (
+            {"MinFreeAddresses": 64},
+            '"MinFreeAddresses" is 64 but "MaxLeasesPerNode" is 1, so no further lease could '
+            'ever be acquired; set "MaxLeasesPerNode" to 2 or more, or remove "MinFreeAddresses"',
+        ),
+        (
+            {"MinFreeAddresses": 1, "minFreeAddresses": 2},
+            'keys "MinFreeAddresses" and "minFreeAddresses" differ only in case',
+        ),
     ],
-)  # fmt: skip
+)
 def test_parse_capacity_refuses_with_one_sentence(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_capacity(doc)
@@ -111,20 +129,38 @@ LONG_EMPTY = T0 - 300  # empty for exactly the hold-down period
         # warm capacity off, one busy lease: nothing
         ([use(A, 200)], CapacitySettings(), {}, False, (), "53 free addresses on 1 serving"),
         # §2's numbers: /24 (253), 110 assigned, 80 cooling: 63 free < 64 -> ask now
-        ([use(A, 110, 80)], WARM, {}, True, (), "63 free addresses < MinFreeAddresses 64: "
-         "acquire lease 2 of at most 2"),
+        (
+            [use(A, 110, 80)],
+            WARM,
+            {},
+            True,
+            (),
+            "63 free addresses < MinFreeAddresses 64: acquire lease 2 of at most 2",
+        ),
         # exactly at the target: enough
         ([use(A, 110, 79)], WARM, {}, False, (), "64 free addresses"),
         # cooling is never free: 143 "available" if it were, 43 truly
         ([use(A, 110, 100)], WARM, {}, True, (), "43 free addresses"),
         # at the limit: say so, ask for nothing
-        ([use(A, 230), use(B, 230)], WARM, {}, False, (), "but the node holds 2 leases, "
-         "the MaxLeasesPerNode limit"),
+        (
+            [use(A, 230), use(B, 230)],
+            WARM,
+            {},
+            False,
+            (),
+            "but the node holds 2 leases, the MaxLeasesPerNode limit",
+        ),
         # a draining lease's room does not count: 53 free, though A has 243 unused
         ([use(A, 10, serving=False), use(B, 200)], WIDE, {}, True, (), "53 free addresses"),
         # a drained lease goes as soon as it is empty, without a hold-down
-        ([use(A, serving=False), use(B, 10)], WARM, {}, False, (A,), "10.244.1.0/24 is "
-         "draining and empty: release it"),
+        (
+            [use(A, serving=False), use(B, 10)],
+            WARM,
+            {},
+            False,
+            (A,),
+            "10.244.1.0/24 is draining and empty: release it",
+        ),
         # ... and not while it has pods or cooling addresses
         ([use(A, 1, serving=False), use(B, 10)], WARM, {}, False, (), "nothing to do"),
         ([use(A, 0, 1, serving=False), use(B, 10)], WARM, {}, False, (), "nothing to do"),
@@ -134,8 +170,15 @@ LONG_EMPTY = T0 - 300  # empty for exactly the hold-down period
         # releasing the drained one makes room under the limit for the new one
         ([use(A, serving=False), use(B, 240)], WARM, {}, True, (A,), "acquire lease 2"),
         # surplus: empty for the hold-down, and A alone keeps 143 >= 64
-        ([use(A, 110), use(B)], WARM, {B: LONG_EMPTY}, False, (B,), "10.244.2.0/24 has been "
-         "empty for 300 s and the node keeps 143 free addresses without it: release it"),
+        (
+            [use(A, 110), use(B)],
+            WARM,
+            {B: LONG_EMPTY},
+            False,
+            (B,),
+            "10.244.2.0/24 has been "
+            "empty for 300 s and the node keeps 143 free addresses without it: release it",
+        ),
         ([use(A, 110), use(B)], WARM, {B: LONG_EMPTY + 1}, False, (), "nothing to do"),
         ([use(A, 110), use(B)], WARM, {}, False, (), "nothing to do"),  # hold-down not started
         # surplus but needed: without B only 50 would be free
@@ -147,13 +190,24 @@ LONG_EMPTY = T0 - 300  # empty for exactly the hold-down period
         # never the last serving lease
         ([use(A, 10, serving=False), use(B)], OFF, {B: LONG_EMPTY}, False, (), "nothing to do"),
         # two surplus: newest first, as long as the rest keeps the target
-        ([use(A, 100), use(B), use(C)], WIDE, {B: LONG_EMPTY, C: LONG_EMPTY}, False, (C, B),
-         "keeps 406 free"),
-        ([use(A, 100), use(B), use(C)],
-         CapacitySettings(200, 4, 300), {B: LONG_EMPTY, C: LONG_EMPTY}, False, (C,),
-         "keeps 406 free"),
+        (
+            [use(A, 100), use(B), use(C)],
+            WIDE,
+            {B: LONG_EMPTY, C: LONG_EMPTY},
+            False,
+            (C, B),
+            "keeps 406 free",
+        ),
+        (
+            [use(A, 100), use(B), use(C)],
+            CapacitySettings(200, 4, 300),
+            {B: LONG_EMPTY, C: LONG_EMPTY},
+            False,
+            (C,),
+            "keeps 406 free",
+        ),
     ],
-)  # fmt: skip
+)
 def test_plan(
     leases: list[LeaseUsage],
     settings: CapacitySettings,

@@ -58,8 +58,14 @@ def choose(
     gone: bool = True,
 ) -> LeaseChoice:
     """``gone``: whether a lease's holder is proven gone (the manager asks etcd)."""
-    return choose_lease(cfg, leases, me, net(previous) if previous else None, random.Random(seed),
-                        holder_gone=lambda _: gone)  # fmt: skip
+    return choose_lease(
+        cfg,
+        leases,
+        me,
+        net(previous) if previous else None,
+        random.Random(seed),
+        holder_gone=lambda _: gone,
+    )
 
 
 @pytest.mark.parametrize(
@@ -101,8 +107,11 @@ def test_reuses_the_lease_with_our_public_ip() -> None:
     leases = [lease("10.244.3.0/24", "192.168.1.4"), mine]
     choice = choose(NET16, leases, attrs("192.168.1.5"), previous="10.244.9.0/24")
     assert (choice.subnet, choice.reason, choice.existing, choice.delete) == (
-        net("10.244.7.0/24"), "public-ip", mine, ()
-    )  # fmt: skip
+        net("10.244.7.0/24"),
+        "public-ip",
+        mine,
+        (),
+    )
 
 
 def test_our_lease_outside_the_config_is_deleted_and_a_new_one_chosen() -> None:
@@ -118,8 +127,10 @@ def test_takes_over_the_lease_of_our_node_name_when_our_address_changed() -> Non
     other = lease("10.244.8.0/24", "192.168.1.6", node="node-b")
     choice = choose(NET16, [other, old], attrs("192.168.1.99", node="node-a"))
     assert (choice.subnet, choice.reason, choice.existing) == (
-        net("10.244.7.0/24"), "node-name", old
-    )  # fmt: skip
+        net("10.244.7.0/24"),
+        "node-name",
+        old,
+    )
 
 
 def test_a_live_holder_of_our_node_name_keeps_its_lease_and_is_reported() -> None:
@@ -128,22 +139,27 @@ def test_a_live_holder_of_our_node_name_keeps_its_lease_and_is_reported() -> Non
     old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
     choice = choose(NET16, [old], attrs("192.168.1.99", node="node-a"), gone=False)
     assert (choice.reason, choice.existing, choice.delete, choice.name_conflict) == (
-        "free", None, (), old
-    )  # fmt: skip
+        "free",
+        None,
+        (),
+        old,
+    )
     assert not choice.subnet.overlaps(old.subnet)
 
 
 def test_a_live_holder_of_our_node_name_keeps_even_its_previous_subnet() -> None:
     old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
-    choice = choose(NET16, [old], attrs("192.168.1.99", node="node-a"),
-                    previous="10.244.7.0/24", gone=False)  # fmt: skip
+    choice = choose(
+        NET16, [old], attrs("192.168.1.99", node="node-a"), previous="10.244.7.0/24", gone=False
+    )
     assert choice.subnet != old.subnet and choice.name_conflict == old
 
 
 def test_the_default_never_takes_over_by_name() -> None:
     old = lease("10.244.7.0/24", "192.168.1.5", node="node-a")
-    choice = choose_lease(NET16, [old], attrs("192.168.1.99", node="node-a"), None,
-                          random.Random(1))  # fmt: skip
+    choice = choose_lease(
+        NET16, [old], attrs("192.168.1.99", node="node-a"), None, random.Random(1)
+    )
     assert choice.existing is None and choice.name_conflict == old
 
 
@@ -168,11 +184,17 @@ def test_node_name_none_never_matches_leases_without_a_name() -> None:
 
 
 def test_reuses_the_previous_subnet_when_free() -> None:
-    choice = choose(NET16, [lease("10.244.3.0/24", "192.168.1.4")], attrs("192.168.1.5"),
-                    previous="10.244.42.0/24")  # fmt: skip
+    choice = choose(
+        NET16,
+        [lease("10.244.3.0/24", "192.168.1.4")],
+        attrs("192.168.1.5"),
+        previous="10.244.42.0/24",
+    )
     assert (choice.subnet, choice.reason, choice.existing) == (
-        net("10.244.42.0/24"), "previous", None
-    )  # fmt: skip
+        net("10.244.42.0/24"),
+        "previous",
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -230,16 +252,20 @@ def test_deleted_stale_lease_frees_its_subnet_for_the_new_choice() -> None:
 
 
 DUAL = config(
-    Network="10.244.0.0/16", EnableIPv6=True, IPv6Network="fd00:10:244::/56",
+    Network="10.244.0.0/16",
+    EnableIPv6=True,
+    IPv6Network="fd00:10:244::/56",
     IPv6SubnetMax="fd00:10:244:3::",
-)  # fmt: skip
+)
 
 
 def test_dual_stack_picks_the_ipv6_subnet_on_its_own() -> None:
     # Flannel picks the IPv6 subnet independently of the IPv4 one: with the first IPv6
     # subnets held (by a flanneld node's random pick), a new lease still gets a free one.
-    held = [lease("10.244.9.0/24", "192.168.1.9", v6="fd00:10:244:1::/64"),
-            lease("10.244.8.0/24", "192.168.1.8", v6="fd00:10:244:2::/64")]  # fmt: skip
+    held = [
+        lease("10.244.9.0/24", "192.168.1.9", v6="fd00:10:244:1::/64"),
+        lease("10.244.8.0/24", "192.168.1.8", v6="fd00:10:244:2::/64"),
+    ]
     picks = {choose(DUAL, held, attrs("192.168.1.5"), seed=s).ipv6_subnet for s in range(20)}
     assert picks == {IPv6Network("fd00:10:244:3::/64")}
     v4_picks = {choose(DUAL, held, attrs("192.168.1.5"), seed=s).subnet for s in range(20)}
@@ -248,26 +274,39 @@ def test_dual_stack_picks_the_ipv6_subnet_on_its_own() -> None:
 
 def test_dual_stack_keeps_both_previous_subnets() -> None:
     choice = choose_lease(
-        DUAL, [], attrs("192.168.1.5"), net("10.244.5.0/24"), random.Random(1),
+        DUAL,
+        [],
+        attrs("192.168.1.5"),
+        net("10.244.5.0/24"),
+        random.Random(1),
         previous_ipv6_subnet=IPv6Network("fd00:10:244:2::/64"),
-    )  # fmt: skip
+    )
     assert (choice.reason, choice.subnet, choice.ipv6_subnet) == (
-        "previous", net("10.244.5.0/24"), IPv6Network("fd00:10:244:2::/64")
-    )  # fmt: skip
+        "previous",
+        net("10.244.5.0/24"),
+        IPv6Network("fd00:10:244:2::/64"),
+    )
     # A previous IPv6 subnet another node took meanwhile: a fresh one, the IPv4 kept.
     taken = [lease("10.244.9.0/24", "192.168.1.9", v6="fd00:10:244:2::/64")]
     choice = choose_lease(
-        DUAL, taken, attrs("192.168.1.5"), net("10.244.5.0/24"), random.Random(1),
+        DUAL,
+        taken,
+        attrs("192.168.1.5"),
+        net("10.244.5.0/24"),
+        random.Random(1),
         previous_ipv6_subnet=IPv6Network("fd00:10:244:2::/64"),
-    )  # fmt: skip
+    )
     assert choice.subnet == net("10.244.5.0/24")
-    assert choice.ipv6_subnet in {IPv6Network("fd00:10:244:1::/64"),
-                                  IPv6Network("fd00:10:244:3::/64")}  # fmt: skip
+    assert choice.ipv6_subnet in {
+        IPv6Network("fd00:10:244:1::/64"),
+        IPv6Network("fd00:10:244:3::/64"),
+    }
 
 
 def test_dual_stack_out_of_ipv6_subnets_is_said() -> None:
-    held = [lease(f"10.244.{i}.0/24", f"192.168.1.{i}", v6=f"fd00:10:244:{i}::/64")
-            for i in (1, 2, 3)]  # fmt: skip
+    held = [
+        lease(f"10.244.{i}.0/24", f"192.168.1.{i}", v6=f"fd00:10:244:{i}::/64") for i in (1, 2, 3)
+    ]
     with pytest.raises(PoolExhausted, match="no free IPv6 subnet in fd00:10:244::/56"):
         choose(DUAL, held, attrs("192.168.1.5"))
 
@@ -282,10 +321,8 @@ def test_reused_dual_lease_without_ipv6_is_replaced() -> None:
 
 def test_ipv6_only_config_leases_an_ipv6_subnet_alone_and_refuses_pools() -> None:
     cfg = config(EnableIPv4=False, EnableIPv6=True, IPv6Network="fd00:10:244::/56")
-    me = LeaseAttrs(public_ip=None, backend_type="vxlan",
-                    public_ipv6=IPv6Address("fd00:64::5"))  # fmt: skip
-    other = LeaseAttrs(public_ip=None, backend_type="vxlan",
-                       public_ipv6=IPv6Address("fd00:64::6"))  # fmt: skip
+    me = LeaseAttrs(public_ip=None, backend_type="vxlan", public_ipv6=IPv6Address("fd00:64::5"))
+    other = LeaseAttrs(public_ip=None, backend_type="vxlan", public_ipv6=IPv6Address("fd00:64::6"))
     held = Lease(None, other, ipv6_subnet=IPv6Network("fd00:10:244:1::/64"))
     choice = choose(cfg, [held], me)
     assert choice.subnet is None and choice.reason == "free"
@@ -337,8 +374,9 @@ def test_choice_is_always_inside_the_range_aligned_and_not_held_by_another(
             if all(not held.subnet.overlaps(v4) for held in leases)
         ]
         assert free == []
-        assert all(not (h.attrs.public_ip == me.public_ip and lease_fits(SMALL, h.subnet))
-                   for h in leases)  # fmt: skip
+        assert all(
+            not (h.attrs.public_ip == me.public_ip and lease_fits(SMALL, h.subnet)) for h in leases
+        )
         return
     subnet = choice.subnet
     assert SMALL.network is not None
@@ -366,8 +404,10 @@ ROLE = "flannelpy.io/role"
 
 
 def pool(cidr: str, primary: bool = False, **tags: str) -> Pool:
-    keyed = {ROLE if k == "role" else f"flannelpy.io/cluster/{k[len('cluster_'):]}": v
-             for k, v in tags.items()}  # fmt: skip
+    keyed = {
+        ROLE if k == "role" else f"flannelpy.io/cluster/{k[len('cluster_') :]}": v
+        for k, v in tags.items()
+    }
     return Pool(net(cidr), keyed, primary, 24)
 
 
@@ -384,8 +424,13 @@ def fill(cidr: str, first: int = 1) -> list[Lease]:
 SMALL_PRIMARY = config(Network="10.244.0.0/22")  # leasable: .1 .2 .3
 
 
-def new_subnet(pools: list[Pool], leases: list[Lease], cluster: str | None = None,
-               cfg: NetworkConfig = SMALL_PRIMARY, seed: int = 1) -> PoolChoice:  # fmt: skip
+def new_subnet(
+    pools: list[Pool],
+    leases: list[Lease],
+    cluster: str | None = None,
+    cfg: NetworkConfig = SMALL_PRIMARY,
+    seed: int = 1,
+) -> PoolChoice:
     return choose_new_subnet(cfg, pools, cluster, leases, random.Random(seed))
 
 
@@ -398,8 +443,7 @@ def test_new_subnet_comes_from_the_primary_pool_first() -> None:
 
 def test_without_pools_the_config_network_is_the_primary_pool() -> None:
     taken = [lease(f"10.244.{i}.0/24", f"192.168.2.{i}") for i in range(1, 11)]
-    picks = {choose_new_subnet(NET16, [], None, taken, random.Random(s)).subnet
-             for s in range(200)}  # fmt: skip
+    picks = {choose_new_subnet(NET16, [], None, taken, random.Random(s)).subnet for s in range(200)}
     assert picks <= {net(f"10.244.{i}.0/24") for i in range(11, 111)}  # Flannel's 100
     assert len(picks) > 20
 
@@ -449,8 +493,7 @@ def test_a_cluster_scoped_pool_serves_only_its_cluster(cluster: str | None, expe
 def test_a_lease_anywhere_blocks_what_it_overlaps_in_every_pool() -> None:
     pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", role="1")]
     wide = lease("10.250.0.0/23", "192.168.7.7")  # covers 10.250.1.0/24
-    picks = {new_subnet(pools, [*fill("10.244.0.0/22"), wide], seed=s).subnet
-             for s in range(50)}  # fmt: skip
+    picks = {new_subnet(pools, [*fill("10.244.0.0/22"), wide], seed=s).subnet for s in range(50)}
     assert picks == {net("10.250.2.0/24"), net("10.250.3.0/24")}
 
 
@@ -481,15 +524,27 @@ def test_exhaustion_names_every_pool_and_why() -> None:
 @pytest.mark.parametrize(
     ("pools", "cluster", "says", "full"),
     [
-        ([pool("10.244.0.0/22", primary=True, role="0")], None,
-         "the primary pool 10.244.0.0/22 is tagged flannelpy.io/role=0 (draining)", False),
-        ([pool("10.244.0.0/22", primary=True, cluster_b="1")], None,
-         "the primary pool 10.244.0.0/22 belongs to cluster(s) b, and this agent has no "
-         "cluster name", False),
-        ([pool("10.244.0.0/22", primary=True), Pool(net("10.250.0.0/24"), {ROLE: "1"})],
-         None, "10.250.0.0/24 holds no /24 subnet to lease", True),
+        (
+            [pool("10.244.0.0/22", primary=True, role="0")],
+            None,
+            "the primary pool 10.244.0.0/22 is tagged flannelpy.io/role=0 (draining)",
+            False,
+        ),
+        (
+            [pool("10.244.0.0/22", primary=True, cluster_b="1")],
+            None,
+            "the primary pool 10.244.0.0/22 belongs to cluster(s) b, and this agent has no "
+            "cluster name",
+            False,
+        ),
+        (
+            [pool("10.244.0.0/22", primary=True), Pool(net("10.250.0.0/24"), {ROLE: "1"})],
+            None,
+            "10.250.0.0/24 holds no /24 subnet to lease",
+            True,
+        ),
     ],
-)  # fmt: skip
+)
 def test_exhaustion_reasons_for_the_primary_and_empty_pools(
     pools: list[Pool], cluster: str | None, says: str, full: bool
 ) -> None:
@@ -522,10 +577,23 @@ def test_dual_stack_gives_the_primary_an_ipv6_subnet_and_skips_ipv4_only_pools()
 TWO_POOLS = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22")]
 
 
-def choose_in(pools: list[Pool], leases: list[Lease], me: LeaseAttrs, previous: str | None = None,
-              seed: int = 1, gone: bool = True) -> LeaseChoice:  # fmt: skip
-    return choose_lease(SMALL_PRIMARY, leases, me, net(previous) if previous else None,
-                        random.Random(seed), pools=pools, holder_gone=lambda _: gone)  # fmt: skip
+def choose_in(
+    pools: list[Pool],
+    leases: list[Lease],
+    me: LeaseAttrs,
+    previous: str | None = None,
+    seed: int = 1,
+    gone: bool = True,
+) -> LeaseChoice:
+    return choose_lease(
+        SMALL_PRIMARY,
+        leases,
+        me,
+        net(previous) if previous else None,
+        random.Random(seed),
+        pools=pools,
+        holder_gone=lambda _: gone,
+    )
 
 
 def test_our_lease_in_an_untagged_pool_keeps_serving() -> None:
@@ -552,9 +620,13 @@ def test_our_lease_in_no_pool_is_deleted_and_a_new_one_chosen() -> None:
 
 @pytest.mark.parametrize(
     ("previous", "role", "taken"),
-    [("10.250.2.0/24", "1", True), ("10.250.2.0/24", None, False),
-     ("10.250.2.0/24", "0", False), ("10.250.0.0/24", "1", False)],  # the first is skipped
-)  # fmt: skip
+    [
+        ("10.250.2.0/24", "1", True),
+        ("10.250.2.0/24", None, False),
+        ("10.250.2.0/24", "0", False),
+        ("10.250.0.0/24", "1", False),
+    ],  # the first is skipped
+)
 def test_the_previous_subnet_is_a_new_lease_so_its_pool_must_take_new_ones(
     previous: str, role: str | None, taken: bool
 ) -> None:
@@ -573,10 +645,15 @@ def test_choose_lease_with_pools_raises_the_pool_sentence_when_all_are_full() ->
 
 @pytest.mark.parametrize(
     ("subnet", "fits"),
-    [("10.244.1.0/24", "10.244.0.0/22"), ("10.244.0.0/24", None),
-     ("10.250.3.0/24", "10.250.0.0/22"), ("10.250.0.0/24", None),
-     ("10.250.1.0/25", None), ("10.251.0.0/24", None)],
-)  # fmt: skip
+    [
+        ("10.244.1.0/24", "10.244.0.0/22"),
+        ("10.244.0.0/24", None),
+        ("10.250.3.0/24", "10.250.0.0/22"),
+        ("10.250.0.0/24", None),
+        ("10.250.1.0/25", None),
+        ("10.251.0.0/24", None),
+    ],
+)
 def test_lease_fits_pools_names_the_pool_whatever_its_tags(subnet: str, fits: str | None) -> None:
     found = lease_fits_pools(SMALL_PRIMARY, TWO_POOLS, net(subnet))
     assert (str(found.network) if found else None) == fits

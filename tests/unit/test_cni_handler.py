@@ -406,8 +406,14 @@ def test_check_of_a_pod_attached_before_the_take_over_checks_its_held_address(
     prev = _flannel_cni_result("10.244.1.7/24")
     assert env.call("CHECK", cid="old-pod", prevResult=prev) == (0, None)
     (call,) = [c for c in env.pods.calls if c[0] == "check_pod"]
-    assert call[1:7] == (POD_NS, "eth0", "veth1a2b3c4d", "cni0", [IPv4Interface("10.244.1.7/24")],
-                         [(IPv4Network("0.0.0.0/0"), IPv4Address("10.244.1.1"))])  # fmt: skip
+    assert call[1:7] == (
+        POD_NS,
+        "eth0",
+        "veth1a2b3c4d",
+        "cni0",
+        [IPv4Interface("10.244.1.7/24")],
+        [(IPv4Network("0.0.0.0/0"), IPv4Address("10.244.1.1"))],
+    )
     # What is broken is reported as for our own pods.
     env.pods.problems = ["host veth veth1a2b3c4d does not exist"]
     status, err = env.call("CHECK", cid="old-pod", prevResult=prev)

@@ -13,8 +13,9 @@ from flannelpy.observe.metrics import AgentMetrics
 
 
 def test_the_cluster_network_is_the_configured_network(tmp_path: Path) -> None:
-    settings = replace(AgentSettings(), state_dir=str(tmp_path / "state"),
-                       run_dir=str(tmp_path / "run"))  # fmt: skip
+    settings = replace(
+        AgentSettings(), state_dir=str(tmp_path / "state"), run_dir=str(tmp_path / "run")
+    )
     network = IPv4Network("10.244.0.0/16")
     pods = PodAttachments(settings, lambda: 1450, lambda: True, AgentMetrics(), network)
     # Known from the start: no file to wait for, so such an ADD never has to retry.
@@ -34,10 +35,12 @@ class AnsweringHandler:
 
 
 def pod_side(tmp_path: Path) -> PodAttachments:
-    settings = replace(AgentSettings(), state_dir=str(tmp_path / "state"),
-                       run_dir=str(tmp_path / "run"))  # fmt: skip
-    return PodAttachments(settings, lambda: 1450, lambda: True, AgentMetrics(),
-                          IPv4Network("10.244.0.0/16"))  # fmt: skip
+    settings = replace(
+        AgentSettings(), state_dir=str(tmp_path / "state"), run_dir=str(tmp_path / "run")
+    )
+    return PodAttachments(
+        settings, lambda: 1450, lambda: True, AgentMetrics(), IPv4Network("10.244.0.0/16")
+    )
 
 
 def test_listeners_hear_each_answered_request_and_none_can_fail_one(tmp_path: Path) -> None:

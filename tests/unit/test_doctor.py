@@ -52,11 +52,14 @@ def node_lease(n: int, mtu: int | None = 1450, lease_id: int | None = 100) -> Le
     return Lease(
         subnet=IPv4Network(f"10.244.{n}.0/24"),
         attrs=LeaseAttrs(
-            public_ip=IPv4Address(f"100.64.0.{n}"), backend_type="vxlan",
-            backend_data={"VNI": 1, "VtepMAC": MAC[n]}, node_name=f"n{n}", mtu=mtu,
+            public_ip=IPv4Address(f"100.64.0.{n}"),
+            backend_type="vxlan",
+            backend_data={"VNI": 1, "VtepMAC": MAC[n]},
+            node_name=f"n{n}",
+            mtu=mtu,
         ),
         store_lease_id=lease_id,
-    )  # fmt: skip
+    )
 
 
 OWN, N2, N3 = node_lease(1), node_lease(2), node_lease(3)
@@ -86,9 +89,12 @@ def healthy_facts(backend: str = "vxlan") -> NodeFacts:
     mac = MAC[1] if backend == "vxlan" else None
     desired = get_backend(backend).plan(ctx, [OWN], [N2, N3], mac)
     observed = ObservedState(
-        links=desired.links, addresses=desired.addresses, routes=desired.routes,
-        neighbours=desired.neighbours, fdb=desired.fdb,
-    )  # fmt: skip
+        links=desired.links,
+        addresses=desired.addresses,
+        routes=desired.routes,
+        neighbours=desired.neighbours,
+        fdb=desired.fdb,
+    )
     mtu = 1450 if backend == "vxlan" else 1500
     links = [
         LinkInfo("lo", None, 65536, True),
@@ -113,15 +119,27 @@ def healthy_facts(backend: str = "vxlan") -> NodeFacts:
         chains=firewall_lines(),
         random_fully=True,
         status={
-            "node": "n1", "backend": backend, "lease": "10.244.1.0/24", "mtu": mtu,
-            "ready": True, "converged": True, "failures": [], "last_reconcile": NOW - 3,
+            "node": "n1",
+            "backend": backend,
+            "lease": "10.244.1.0/24",
+            "mtu": mtu,
+            "ready": True,
+            "converged": True,
+            "failures": [],
+            "last_reconcile": NOW - 3,
             "probes": {
-                str(p.subnet): {"reachable": True, "rtt_ms": 0.2, "loss": 0.0, "mtu_ok": True,
-                                "error": None, "probes": 20}
+                str(p.subnet): {
+                    "reachable": True,
+                    "rtt_ms": 0.2,
+                    "loss": 0.0,
+                    "mtu_ok": True,
+                    "error": None,
+                    "probes": 20,
+                }
                 for p in (N2, N3)
             },
         },
-    )  # fmt: skip
+    )
     return replace(facts, previous=parse_snapshot(snapshot_json(facts)))
 
 
@@ -138,8 +156,18 @@ def test_a_healthy_node_is_all_ok_and_exits_0(backend: str) -> None:
     findings = diagnose(facts)
     assert problems(findings) == []
     checks = {f.check for f in findings}
-    assert {"store", "lease", "agent", "links", "mtu", "routes", "firewall", "overlap", "drops",
-            "peers"} <= checks  # fmt: skip
+    assert {
+        "store",
+        "lease",
+        "agent",
+        "links",
+        "mtu",
+        "routes",
+        "firewall",
+        "overlap",
+        "drops",
+        "peers",
+    } <= checks
     assert exit_code(findings) == 0
     assert render_text("n1", findings).splitlines()[-1].startswith("n1: healthy")
 
@@ -188,9 +216,11 @@ def _without_link(name: str) -> Callable[[NodeFacts], NodeFacts]:
 def _peer(n: int, **attrs: Any) -> Callable[[NodeFacts], NodeFacts]:
     def apply(facts: NodeFacts) -> NodeFacts:
         leases = tuple(
-            replace(lease, attrs=replace(lease.attrs, **attrs)) if lease.attrs.node_name == f"n{n}"
-            else lease for lease in facts.leases
-        )  # fmt: skip
+            replace(lease, attrs=replace(lease.attrs, **attrs))
+            if lease.attrs.node_name == f"n{n}"
+            else lease
+            for lease in facts.leases
+        )
         return replace(facts, leases=leases)
 
     return apply
@@ -212,101 +242,338 @@ def _counters(f: NodeFacts, name: str, **deltas: int) -> NodeFacts:
     return _link(f, name, counters=new)
 
 
-STALE_ROUTE = Route(IPv4Network("10.244.250.0/24"), IPv4Address("10.244.250.0"), "flannel.1",
-                    True)  # fmt: skip
+STALE_ROUTE = Route(IPv4Network("10.244.250.0/24"), IPv4Address("10.244.250.0"), "flannel.1", True)
 WRONG_VNI = VxlanLink("flannel.1", 7, IPv4Address("100.64.0.1"), "eth0", 8472, 1450, MAC[1])
 
 # (case, fault, severity, check, words in the message, words in the subject)
 FAULTS: list[tuple[str, Callable[[NodeFacts], NodeFacts], str, str, tuple[str, ...], str]] = [
-    ("etcd down", lambda f: replace(f, store_error="no endpoint answered", config=None,
-                                    leases=()), "error", "store", ("no endpoint",), ""),
-    ("netlink fails", lambda f: replace(f, kernel_error="Operation not permitted"),
-     "error", "kernel", ("not permitted",), ""),
-    ("no underlay", lambda f: replace(f, underlay=None, underlay_error="no interface matches"),
-     "error", "underlay", ("no interface matches",), ""),
-    ("no own lease", lambda f: _status(replace(f, leases=(N2, N3)), lease=None),
-     "error", "lease", ("holds no lease",), ""),
-    ("stale twin lease", lambda f: replace(f, leases=(*f.leases, replace(
-        node_lease(1), subnet=IPv4Network("10.244.9.0/24")))),
-     "warning", "lease", ("advertise this node's address",), "10.244.9.0/24"),
-    ("underlay lease", lambda f: replace(f, leases=(*f.leases, replace(
-        node_lease(3), subnet=IPv4Network("100.64.0.0/24")))),
-     "warning", "leases", ("ignored as invalid", "outside-network"), "100.64.0.0-24"),
-    ("agent rejected a lease", lambda f: _status(f, rejected_leases=[
-        {"key": "10.244.77.0-24", "reason": "undecodable"}]),
-     "warning", "leases", ("10.244.77.0-24 (undecodable)",), "10.244.77.0-24"),
-    ("lease about to expire", lambda f: replace(f, own_lease_ttl=240.0),
-     "error", "lease", ("expires in 4 min",), "10.244.1.0/24"),
-    ("renewal overdue", lambda f: replace(f, own_lease_ttl=1800.0),
-     "warning", "lease", ("renewals are failing",), "10.244.1.0/24"),
-    ("no status.json", lambda f: replace(f, status=None, status_error="x does not exist"),
-     "warning", "agent", ("does not exist",), ""),
-    ("agent stopped", lambda f: _status(f, last_reconcile=NOW - 600),
-     "warning", "agent", ("10 min ago",), ""),
+    (
+        "etcd down",
+        lambda f: replace(f, store_error="no endpoint answered", config=None, leases=()),
+        "error",
+        "store",
+        ("no endpoint",),
+        "",
+    ),
+    (
+        "netlink fails",
+        lambda f: replace(f, kernel_error="Operation not permitted"),
+        "error",
+        "kernel",
+        ("not permitted",),
+        "",
+    ),
+    (
+        "no underlay",
+        lambda f: replace(f, underlay=None, underlay_error="no interface matches"),
+        "error",
+        "underlay",
+        ("no interface matches",),
+        "",
+    ),
+    (
+        "no own lease",
+        lambda f: _status(replace(f, leases=(N2, N3)), lease=None),
+        "error",
+        "lease",
+        ("holds no lease",),
+        "",
+    ),
+    (
+        "stale twin lease",
+        lambda f: replace(
+            f, leases=(*f.leases, replace(node_lease(1), subnet=IPv4Network("10.244.9.0/24")))
+        ),
+        "warning",
+        "lease",
+        ("advertise this node's address",),
+        "10.244.9.0/24",
+    ),
+    (
+        "underlay lease",
+        lambda f: replace(
+            f, leases=(*f.leases, replace(node_lease(3), subnet=IPv4Network("100.64.0.0/24")))
+        ),
+        "warning",
+        "leases",
+        ("ignored as invalid", "outside-network"),
+        "100.64.0.0-24",
+    ),
+    (
+        "agent rejected a lease",
+        lambda f: _status(f, rejected_leases=[{"key": "10.244.77.0-24", "reason": "undecodable"}]),
+        "warning",
+        "leases",
+        ("10.244.77.0-24 (undecodable)",),
+        "10.244.77.0-24",
+    ),
+    (
+        "lease about to expire",
+        lambda f: replace(f, own_lease_ttl=240.0),
+        "error",
+        "lease",
+        ("expires in 4 min",),
+        "10.244.1.0/24",
+    ),
+    (
+        "renewal overdue",
+        lambda f: replace(f, own_lease_ttl=1800.0),
+        "warning",
+        "lease",
+        ("renewals are failing",),
+        "10.244.1.0/24",
+    ),
+    (
+        "no status.json",
+        lambda f: replace(f, status=None, status_error="x does not exist"),
+        "warning",
+        "agent",
+        ("does not exist",),
+        "",
+    ),
+    (
+        "agent stopped",
+        lambda f: _status(f, last_reconcile=NOW - 600),
+        "warning",
+        "agent",
+        ("10 min ago",),
+        "",
+    ),
     ("agent not ready", lambda f: _status(f, ready=False), "error", "agent", ("not ready",), ""),
-    ("reconcile failing", lambda f: _status(f, converged=False, failures=["route x: EPERM"]),
-     "error", "agent", ("route x: EPERM",), ""),
-    ("blocked change", lambda f: _status(f, blocked=[{"change": "backend vxlan -> host-gw"}]),
-     "warning", "agent", ("backend vxlan -> host-gw",), ""),
-    ("vxlan device missing", _without_link("flannel.1"),
-     "error", "links", ("flannel.1 does not exist",), "flannel.1"),
-    ("bridge down", lambda f: _link(f, "cni0", up=False), "error", "links", ("cni0 is down",),
-     "cni0"),
-    ("underlay without carrier", lambda f: _link(f, "eth0", carrier=False),
-     "error", "links", ("eth0 has no carrier",), "eth0"),
+    (
+        "reconcile failing",
+        lambda f: _status(f, converged=False, failures=["route x: EPERM"]),
+        "error",
+        "agent",
+        ("route x: EPERM",),
+        "",
+    ),
+    (
+        "blocked change",
+        lambda f: _status(f, blocked=[{"change": "backend vxlan -> host-gw"}]),
+        "warning",
+        "agent",
+        ("backend vxlan -> host-gw",),
+        "",
+    ),
+    (
+        "vxlan device missing",
+        _without_link("flannel.1"),
+        "error",
+        "links",
+        ("flannel.1 does not exist",),
+        "flannel.1",
+    ),
+    (
+        "bridge down",
+        lambda f: _link(f, "cni0", up=False),
+        "error",
+        "links",
+        ("cni0 is down",),
+        "cni0",
+    ),
+    (
+        "underlay without carrier",
+        lambda f: _link(f, "eth0", carrier=False),
+        "error",
+        "links",
+        ("eth0 has no carrier",),
+        "eth0",
+    ),
     ("veth down", lambda f: _link(f, "veth2", up=False), "warning", "links", ("veth2",), "veth2"),
-    ("vxlan device MTU", lambda f: _link(f, "flannel.1", mtu=1500),
-     "error", "mtu", ("flannel.1 1500", "overlay MTU 1450"), "flannel.1"),
+    (
+        "vxlan device MTU",
+        lambda f: _link(f, "flannel.1", mtu=1500),
+        "error",
+        "mtu",
+        ("flannel.1 1500", "overlay MTU 1450"),
+        "flannel.1",
+    ),
     ("veth MTU", lambda f: _link(f, "veth1", mtu=1500), "error", "mtu", ("veth1 1500",), "veth1"),
-    ("underlay MTU lowered", lambda f: replace(f, underlay=replace(und(f), mtu=1400)),
-     "error", "mtu", ("agent runs with overlay MTU 1450", "gives 1350"), ""),
+    (
+        "underlay MTU lowered",
+        lambda f: replace(f, underlay=replace(und(f), mtu=1400)),
+        "error",
+        "mtu",
+        ("agent runs with overlay MTU 1450", "gives 1350"),
+        "",
+    ),
     ("peer MTU differs", _peer(2, mtu=1350), "error", "mtu", ("n2 1350",), "n2"),
-    ("route deleted", lambda f: _observed(f, routes=frozenset({_route(2)})),
-     "error", "routes", ("1 peer has no route (10.244.3.0/24 via n3 100.64.0.3)",), "n3"),
-    ("route hijacked", lambda f: _observed(f, routes=frozenset({_route(2), Route(
-        IPv4Network("10.244.3.0/24"), IPv4Address("100.64.0.99"), "eth0")})),
-     "error", "routes", ("wrong way",), "n3"),
-    ("stale route", lambda f: _observed(f, routes=obs(f).routes | {STALE_ROUTE}),
-     "warning", "routes", ("stale", "10.244.250.0/24"), "10.244.250.0/24"),
-    ("neighbour deleted", lambda f: _observed(f, neighbours=frozenset(
-        n for n in obs(f).neighbours if n.ip != IPv4Address("10.244.2.0"))),
-     "error", "neighbours", ("10.244.2.0", "(n2)"), "n2"),
-    ("stale neighbour", lambda f: _observed(f, neighbours=obs(f).neighbours | {
-        Neighbour("flannel.1", IPv4Address("10.244.7.0"), "02:00:00:00:00:07")}),
-     "warning", "neighbours", ("10.244.7.0",), "10.244.7.0"),
-    ("fdb entry deleted", lambda f: _observed(f, fdb=frozenset(
-        e for e in obs(f).fdb if e.mac != MAC[3])),
-     "error", "fdb", (MAC[3], "(n3)"), "n3"),
-    ("stale fdb entry", lambda f: _observed(f, fdb=obs(f).fdb | {
-        FdbEntry("flannel.1", "02:00:00:00:00:07", IPv4Address("100.64.0.7"))}),
-     "warning", "fdb", ("100.64.0.7",), "02:00:00:00:00:07"),
-    ("vtep address missing", lambda f: _observed(f, addresses=frozenset()),
-     "error", "addresses", ("10.244.1.0/32 on flannel.1",), ""),
-    ("vxlan device re-made wrong", lambda f: _observed(f, links=frozenset({WRONG_VNI})),
-     "error", "links", ("wrong VNI",), "flannel.1"),
-    ("masq chain flushed", _chain("nat/FLANNEL-POSTRTG", ("-N FLANNEL-POSTRTG",)),
-     "error", "firewall", ("nat/FLANNEL-POSTRTG: missing", "not masqueraded"),
-     "nat/FLANNEL-POSTRTG"),
-    ("forward jump gone", _chain("filter/FORWARD", ("-P FORWARD DROP",)),
-     "error", "firewall", ("filter/FORWARD: missing", "FORWARD policy"), "filter/FORWARD"),
-    ("masq rules out of order", _swap_first_two_rules,
-     "error", "firewall", ("wrong order",), "nat/FLANNEL-POSTRTG"),
-    ("iptables unavailable", lambda f: replace(f, chains=None, firewall_error="not installed"),
-     "warning", "firewall", ("not installed",), ""),
-    ("network overlaps a route", lambda f: replace(f, foreign=(*f.foreign, ForeignRoute(
-        IPv4Network("10.244.0.0/20"), "route 10.244.0.0/20 dev eth1"))),
-     "error", "overlap", ("route 10.244.0.0/20 dev eth1",), "10.244.0.0/20"),
-    ("drops rising on the vxlan device", lambda f: _counters(f, "flannel.1", tx_dropped=12),
-     "warning", "drops", ("flannel.1 tx_dropped +12",), "flannel.1"),
-    ("drops rising on pod veths", lambda f: _counters(f, "veth2", rx_errors=3),
-     "warning", "drops", ("pod veths rx_errors +3",), "pod veths"),
-    ("peer unreachable", _probe("10.244.3.0/24", reachable=False, error="timed out"),
-     "error", "peers", ("n3 (10.244.3.0/24): timed out",), "n3"),
-    ("full-size probe fails", _probe("10.244.2.0/24", mtu_ok=False),
-     "error", "peers", ("full-size packets do not reach n2",), "n2"),
-    ("probe loss", _probe("10.244.2.0/24", loss=0.3), "warning", "peers", ("n2 (10.244.2.0/24) "
-                                                                           "30%",), "n2"),
-]  # fmt: skip
+    (
+        "route deleted",
+        lambda f: _observed(f, routes=frozenset({_route(2)})),
+        "error",
+        "routes",
+        ("1 peer has no route (10.244.3.0/24 via n3 100.64.0.3)",),
+        "n3",
+    ),
+    (
+        "route hijacked",
+        lambda f: _observed(
+            f,
+            routes=frozenset(
+                {_route(2), Route(IPv4Network("10.244.3.0/24"), IPv4Address("100.64.0.99"), "eth0")}
+            ),
+        ),
+        "error",
+        "routes",
+        ("wrong way",),
+        "n3",
+    ),
+    (
+        "stale route",
+        lambda f: _observed(f, routes=obs(f).routes | {STALE_ROUTE}),
+        "warning",
+        "routes",
+        ("stale", "10.244.250.0/24"),
+        "10.244.250.0/24",
+    ),
+    (
+        "neighbour deleted",
+        lambda f: _observed(
+            f,
+            neighbours=frozenset(n for n in obs(f).neighbours if n.ip != IPv4Address("10.244.2.0")),
+        ),
+        "error",
+        "neighbours",
+        ("10.244.2.0", "(n2)"),
+        "n2",
+    ),
+    (
+        "stale neighbour",
+        lambda f: _observed(
+            f,
+            neighbours=obs(f).neighbours
+            | {Neighbour("flannel.1", IPv4Address("10.244.7.0"), "02:00:00:00:00:07")},
+        ),
+        "warning",
+        "neighbours",
+        ("10.244.7.0",),
+        "10.244.7.0",
+    ),
+    (
+        "fdb entry deleted",
+        lambda f: _observed(f, fdb=frozenset(e for e in obs(f).fdb if e.mac != MAC[3])),
+        "error",
+        "fdb",
+        (MAC[3], "(n3)"),
+        "n3",
+    ),
+    (
+        "stale fdb entry",
+        lambda f: _observed(
+            f,
+            fdb=obs(f).fdb
+            | {FdbEntry("flannel.1", "02:00:00:00:00:07", IPv4Address("100.64.0.7"))},
+        ),
+        "warning",
+        "fdb",
+        ("100.64.0.7",),
+        "02:00:00:00:00:07",
+    ),
+    (
+        "vtep address missing",
+        lambda f: _observed(f, addresses=frozenset()),
+        "error",
+        "addresses",
+        ("10.244.1.0/32 on flannel.1",),
+        "",
+    ),
+    (
+        "vxlan device re-made wrong",
+        lambda f: _observed(f, links=frozenset({WRONG_VNI})),
+        "error",
+        "links",
+        ("wrong VNI",),
+        "flannel.1",
+    ),
+    (
+        "masq chain flushed",
+        _chain("nat/FLANNEL-POSTRTG", ("-N FLANNEL-POSTRTG",)),
+        "error",
+        "firewall",
+        ("nat/FLANNEL-POSTRTG: missing", "not masqueraded"),
+        "nat/FLANNEL-POSTRTG",
+    ),
+    (
+        "forward jump gone",
+        _chain("filter/FORWARD", ("-P FORWARD DROP",)),
+        "error",
+        "firewall",
+        ("filter/FORWARD: missing", "FORWARD policy"),
+        "filter/FORWARD",
+    ),
+    (
+        "masq rules out of order",
+        _swap_first_two_rules,
+        "error",
+        "firewall",
+        ("wrong order",),
+        "nat/FLANNEL-POSTRTG",
+    ),
+    (
+        "iptables unavailable",
+        lambda f: replace(f, chains=None, firewall_error="not installed"),
+        "warning",
+        "firewall",
+        ("not installed",),
+        "",
+    ),
+    (
+        "network overlaps a route",
+        lambda f: replace(
+            f,
+            foreign=(
+                *f.foreign,
+                ForeignRoute(IPv4Network("10.244.0.0/20"), "route 10.244.0.0/20 dev eth1"),
+            ),
+        ),
+        "error",
+        "overlap",
+        ("route 10.244.0.0/20 dev eth1",),
+        "10.244.0.0/20",
+    ),
+    (
+        "drops rising on the vxlan device",
+        lambda f: _counters(f, "flannel.1", tx_dropped=12),
+        "warning",
+        "drops",
+        ("flannel.1 tx_dropped +12",),
+        "flannel.1",
+    ),
+    (
+        "drops rising on pod veths",
+        lambda f: _counters(f, "veth2", rx_errors=3),
+        "warning",
+        "drops",
+        ("pod veths rx_errors +3",),
+        "pod veths",
+    ),
+    (
+        "peer unreachable",
+        _probe("10.244.3.0/24", reachable=False, error="timed out"),
+        "error",
+        "peers",
+        ("n3 (10.244.3.0/24): timed out",),
+        "n3",
+    ),
+    (
+        "full-size probe fails",
+        _probe("10.244.2.0/24", mtu_ok=False),
+        "error",
+        "peers",
+        ("full-size packets do not reach n2",),
+        "n2",
+    ),
+    (
+        "probe loss",
+        _probe("10.244.2.0/24", loss=0.3),
+        "warning",
+        "peers",
+        ("n2 (10.244.2.0/24) 30%",),
+        "n2",
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -314,14 +581,18 @@ FAULTS: list[tuple[str, Callable[[NodeFacts], NodeFacts], str, str, tuple[str, .
     [pytest.param(*case[1:], id=case[0]) for case in FAULTS],
 )
 def test_each_fault_is_named_by_its_check(
-    fault: Callable[[NodeFacts], NodeFacts], severity: str, check: str,
-    words: tuple[str, ...], subject: str,
-) -> None:  # fmt: skip
+    fault: Callable[[NodeFacts], NodeFacts],
+    severity: str,
+    check: str,
+    words: tuple[str, ...],
+    subject: str,
+) -> None:
     findings = diagnose(fault(healthy_facts()))
     matching = [
-        f for f in problems(findings)
+        f
+        for f in problems(findings)
         if f.check == check and f.severity == severity and all(w in f.message for w in words)
-    ]  # fmt: skip
+    ]
     assert matching, f"no {severity} {check} finding saying {words} in {problems(findings)}"
     finding = matching[0]
     assert finding.action, "every problem says what to do"
@@ -351,10 +622,13 @@ def test_a_fault_leaves_the_other_checks_ok() -> None:
 def test_many_missing_routes_are_counted_not_all_listed() -> None:
     facts = healthy_facts()
     extra = [
-        replace(N2, subnet=IPv4Network(f"10.244.{n}.0/24"),
-                attrs=replace(N2.attrs, public_ip=IPv4Address(f"100.64.0.{n}"), node_name=f"n{n}"))
+        replace(
+            N2,
+            subnet=IPv4Network(f"10.244.{n}.0/24"),
+            attrs=replace(N2.attrs, public_ip=IPv4Address(f"100.64.0.{n}"), node_name=f"n{n}"),
+        )
         for n in range(10, 20)
-    ]  # fmt: skip
+    ]
     findings = diagnose(replace(facts, leases=(*facts.leases, *extra)))
     routes = next(f for f in findings if f.check == "routes" and f.severity == "error")
     assert "10 peers have no route" in routes.message and "and 6 more" in routes.message
@@ -423,8 +697,9 @@ def test_first_run_records_a_baseline() -> None:
 def test_snapshot_round_trips_and_garbage_starts_a_new_baseline() -> None:
     facts = healthy_facts()
     snap = parse_snapshot(snapshot_json(facts))
-    assert snap == CounterSnapshot(NOW, {"flannel.1": COUNTS, "eth0": COUNTS, "cni0": COUNTS,
-                                         "pod veths": COUNTS + COUNTS})  # fmt: skip
+    assert snap == CounterSnapshot(
+        NOW, {"flannel.1": COUNTS, "eth0": COUNTS, "cni0": COUNTS, "pod veths": COUNTS + COUNTS}
+    )
     for garbage in ("", "[]", '{"counters": {}}', '{"taken_at": 1, "counters": {"x": 3}}'):
         assert parse_snapshot(garbage) is None
 
@@ -473,10 +748,15 @@ def test_json_output_is_machine_readable() -> None:
     doc = json.loads(render_json("n1", findings))
     assert doc["node"] == "n1" and doc["healthy"] is False
     errors = [f for f in doc["findings"] if f["severity"] == "error"]
-    assert errors == [{
-        "severity": "error", "check": "routes", "subject": "n3",
-        "message": errors[0]["message"], "action": errors[0]["action"],
-    }]  # fmt: skip
+    assert errors == [
+        {
+            "severity": "error",
+            "check": "routes",
+            "subject": "n3",
+            "message": errors[0]["message"],
+            "action": errors[0]["action"],
+        }
+    ]
 
 
 def test_a_node_with_two_leases_in_two_pools_is_healthy_and_a_missing_rule_is_named() -> None:
@@ -488,8 +768,10 @@ def test_a_node_with_two_leases_in_two_pools_is_healthy_and_a_missing_rule_is_na
     desired = get_backend("vxlan").plan(ctx, [OWN, second], [N2, N3], MAC[1])
     rules = masq_rules([IPv4Network(NET), pool], [OWN.subnet, second.subnet], True)
     rules += forward_rules([IPv4Network(NET), pool])
-    chains = {key: tuple(line for line in lines if not line.startswith("-A FLANNEL"))
-              for key, lines in firewall_lines().items()}  # fmt: skip
+    chains = {
+        key: tuple(line for line in lines if not line.startswith("-A FLANNEL"))
+        for key, lines in firewall_lines().items()
+    }
     for rule in rules:
         if rule.chain.startswith("FLANNEL"):
             key = f"{rule.table}/{rule.chain}"
@@ -518,8 +800,10 @@ def _nft_mode(facts: NodeFacts, drop_rule: str | None = None) -> NodeFacts:
     from flannelpy.dataplane.nftables import masq_rules as nft_masq
 
     assert facts.config is not None and facts.config.network is not None
-    rules = [*nft_masq(facts.config.network, [OWN.subnet], True),
-             *nft_forward(facts.config.network)]  # fmt: skip
+    rules = [
+        *nft_masq(facts.config.network, [OWN.subnet], True),
+        *nft_forward(facts.config.network),
+    ]
     body = "\n".join(f"\t\t{rule}" for rule in rules if rule != drop_rule)
     listing = f"table ip flannel-ipv4 {{\n\tchain postrtg {{\n{body}\n\t}}\n}}\n"
     config = replace(facts.config, enable_nftables=True)
@@ -561,28 +845,50 @@ def _dual_facts(flanneld_peer: bool) -> NodeFacts:
 
     from flannelpy.config.netconf import parse_network_config
 
-    config = parse_network_config(_json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": "vxlan"},
-    }))  # fmt: skip
+    config = parse_network_config(
+        _json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": "vxlan"},
+            }
+        )
+    )
 
     def dual(lease: Lease, n: int, mtu: int | None) -> Lease:
-        return replace(lease, ipv6_subnet=IPv6Network(f"fc00:0:0:{n}::/64"), attrs=replace(
-            lease.attrs, public_ipv6=IPv6Address(f"fd00:64::{n}"), mtu=mtu,
-            backend_v6_data=lease.attrs.backend_data))  # fmt: skip
+        return replace(
+            lease,
+            ipv6_subnet=IPv6Network(f"fc00:0:0:{n}::/64"),
+            attrs=replace(
+                lease.attrs,
+                public_ipv6=IPv6Address(f"fd00:64::{n}"),
+                mtu=mtu,
+                backend_v6_data=lease.attrs.backend_data,
+            ),
+        )
 
     facts = healthy_facts()
-    under = replace(facts.underlay, ip6=IPv6Address("fd00:64::1"),  # type: ignore[type-var]
-                    networks6=(IPv6Network("fd00:64::/64"),))  # fmt: skip
+    under = replace(
+        facts.underlay,
+        ip6=IPv6Address("fd00:64::1"),  # type: ignore[type-var]
+        networks6=(IPv6Network("fd00:64::/64"),),
+    )
     links = [
         replace(x, mtu=1430) if x.name in ("cni0", "veth1", "veth2") else x for x in facts.links
     ] + [LinkInfo("flannel-v6.1", "vxlan", 1430, True, counters=COUNTS)]
     return replace(
-        facts, config=config, underlay=under, links=tuple(links),
-        leases=(dual(OWN, 1, 1430), dual(N2, 2, 1430),
-                dual(N3, 3, None if flanneld_peer else 1430)),
+        facts,
+        config=config,
+        underlay=under,
+        links=tuple(links),
+        leases=(
+            dual(OWN, 1, 1430),
+            dual(N2, 2, 1430),
+            dual(N3, 3, None if flanneld_peer else 1430),
+        ),
         status={**(facts.status or {}), "mtu": 1430},
-    )  # fmt: skip
+    )
 
 
 def test_dual_stack_device_mtus_are_per_family_and_flanneld_v6_is_named() -> None:
@@ -598,10 +904,19 @@ def test_dual_stack_device_mtus_are_per_family_and_flanneld_v6_is_named() -> Non
 
 def test_a_peer_whose_ipv6_path_fails_full_size_packets_is_named() -> None:
     facts = _dual_facts(flanneld_peer=True)
-    ok = {"reachable": True, "rtt_ms": 0.2, "loss": 0.0, "mtu_ok": True, "error": None,
-          "probes": 20}  # fmt: skip
-    probes = {**(facts.status or {})["probes"], "fc00:0:0:2::/64": ok,
-              "fc00:0:0:3::/64": {**ok, "mtu_ok": False}}  # fmt: skip
+    ok = {
+        "reachable": True,
+        "rtt_ms": 0.2,
+        "loss": 0.0,
+        "mtu_ok": True,
+        "error": None,
+        "probes": 20,
+    }
+    probes = {
+        **(facts.status or {})["probes"],
+        "fc00:0:0:2::/64": ok,
+        "fc00:0:0:3::/64": {**ok, "mtu_ok": False},
+    }
     peers = [f for f in diagnose(_status(facts, probes=probes)) if f.check == "peers"]
     (bad,) = [f for f in peers if f.severity == "error"]
     assert bad.message.startswith("full-size IPv6 packets do not reach n3 (fc00:0:0:3::/64)")

@@ -38,23 +38,36 @@ PEER_MAC = "02:00:00:00:00:02"
 
 
 def dual_config(backend: str = "vxlan", **options: object) -> object:
-    return parse_network_config(json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": backend, **options},
-    }))  # fmt: skip
+    return parse_network_config(
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": backend, **options},
+            }
+        )
+    )
 
 
 def ctx(backend: str = "vxlan", mtu: int = 1500, **options: object) -> NodeContext:
     config = dual_config(backend, **options)
     under = UnderlayInterface(
-        name="eth0", index=2, ip=IPv4Address("192.168.1.10"),
-        networks=(IPv4Network("192.168.1.0/24"),), mtu=mtu,
-        ip6=IPv6Address("fd00:64::10"), networks6=(IPv6Network("fd00:64::/64"),),
-    )  # fmt: skip
+        name="eth0",
+        index=2,
+        ip=IPv4Address("192.168.1.10"),
+        networks=(IPv4Network("192.168.1.0/24"),),
+        mtu=mtu,
+        ip6=IPv6Address("fd00:64::10"),
+        networks6=(IPv6Network("fd00:64::/64"),),
+    )
     return NodeContext(
-        config=config, underlay=under, public_ip=IPv4Address("192.168.1.10"),  # type: ignore[arg-type]
-        node_name="n1", public_ipv6=IPv6Address("fd00:64::10"),
-    )  # fmt: skip
+        config=config,  # type: ignore[arg-type]
+        underlay=under,
+        public_ip=IPv4Address("192.168.1.10"),
+        node_name="n1",
+        public_ipv6=IPv6Address("fd00:64::10"),
+    )
 
 
 def dual_lease(
@@ -70,11 +83,14 @@ def dual_lease(
         ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64"),
         attrs=LeaseAttrs(
             public_ip=IPv4Address(f"192.168.{1 if ip6 and 'fd00:64:' in ip6 else 2}.{n}"),
-            backend_type=backend, backend_data=data,
+            backend_type=backend,
+            backend_data=data,
             public_ipv6=IPv6Address(ip6) if ip6 else None,
-            backend_v6_data=data, mtu=1430, direct_routing=True if direct else None,
+            backend_v6_data=data,
+            mtu=1430,
+            direct_routing=True if direct else None,
         ),
-    )  # fmt: skip
+    )
 
 
 OWN = replace(dual_lease(1, "fd00:64::10", mac=MAC))
@@ -100,9 +116,11 @@ def test_lease_json_carries_public_ipv6_and_backend_v6_data_round_trip() -> None
 
 def test_flanneld_dual_stack_lease_value_parses() -> None:
     # What flanneld v0.28 writes for a dual-stack vxlan node.
-    raw = ('{"PublicIP":"192.168.64.3","PublicIPv6":"fd00:64::3","BackendType":"vxlan",'
-           '"BackendData":{"VNI":1,"VtepMAC":"c6:d2:32:6f:8f:44"},'
-           '"BackendV6Data":{"VNI":1,"VtepMAC":"6a:1f:00:11:22:33"}}')  # fmt: skip
+    raw = (
+        '{"PublicIP":"192.168.64.3","PublicIPv6":"fd00:64::3","BackendType":"vxlan",'
+        '"BackendData":{"VNI":1,"VtepMAC":"c6:d2:32:6f:8f:44"},'
+        '"BackendV6Data":{"VNI":1,"VtepMAC":"6a:1f:00:11:22:33"}}'
+    )
     attrs = LeaseAttrs.from_json(raw)
     assert attrs.public_ipv6 == IPv6Address("fd00:64::3")
     assert attrs.vtep_mac_v6 == "6a:1f:00:11:22:33"
@@ -125,11 +143,15 @@ def test_null_public_ipv6_is_no_ipv6() -> None:
 
 def bounds() -> Bounds:
     return Bounds(
-        networks=(IPv4Network("10.244.0.0/16"),), own=(IPv4Network("10.244.1.0/24"),),
-        host=(IPv4Network("192.168.1.0/24"),), public_ip=IPv4Address("192.168.1.10"),
-        ipv6_networks=(IPv6Network("fc00::/48"),), own6=(IPv6Network("fc00:0:0:1::/64"),),
-        host6=(IPv6Network("fd00:64::/64"),), host_ips6=(IPv6Address("fd00:64::10"),),
-    )  # fmt: skip
+        networks=(IPv4Network("10.244.0.0/16"),),
+        own=(IPv4Network("10.244.1.0/24"),),
+        host=(IPv4Network("192.168.1.0/24"),),
+        public_ip=IPv4Address("192.168.1.10"),
+        ipv6_networks=(IPv6Network("fc00::/48"),),
+        own6=(IPv6Network("fc00:0:0:1::/64"),),
+        host6=(IPv6Network("fd00:64::/64"),),
+        host_ips6=(IPv6Address("fd00:64::10"),),
+    )
 
 
 @pytest.mark.parametrize(
@@ -172,8 +194,12 @@ def test_vxlan_dual_stack_programs_flannel_v6_with_flannels_recipe() -> None:
     assert Address("flannel.1", IPv4Interface("10.244.1.0/32")) in state.addresses
     assert Neighbour("flannel-v6.1", IPv6Address("fc00:0:0:5::"), PEER_MAC) in state.neighbours
     assert FdbEntry("flannel-v6.1", PEER_MAC, IPv6Address("fd00:99::5")) in state.fdb
-    assert Route(IPv6Network("fc00:0:0:5::/64"), IPv6Address("fc00:0:0:5::"), "flannel-v6.1",
-                 onlink=True) in state.routes  # fmt: skip
+    assert (
+        Route(
+            IPv6Network("fc00:0:0:5::/64"), IPv6Address("fc00:0:0:5::"), "flannel-v6.1", onlink=True
+        )
+        in state.routes
+    )
     assert {"flannel.1", "flannel-v6.1"} <= state.owned_devices
 
 
@@ -216,9 +242,12 @@ def test_ipv4_only_peer_in_a_dual_stack_cluster_gets_no_ipv6_entries() -> None:
 
 def test_underlay_takes_the_interfaces_global_ipv6_address() -> None:
     eth0 = Interface(
-        "eth0", 2, 1500, (IPv4Interface("192.168.1.10/24"),),
+        "eth0",
+        2,
+        1500,
+        (IPv4Interface("192.168.1.10/24"),),
         (IPv6Interface("fe80::1/64"), IPv6Interface("fd00:64::10/64")),
-    )  # fmt: skip
+    )
     chosen = choose_underlay([eth0], default_oif=2)
     assert chosen.ip6 == IPv6Address("fd00:64::10")
     assert chosen.networks6 == (IPv6Network("fd00:64::/64"),)
@@ -238,19 +267,30 @@ def node(**annotations: str) -> dict[str, object]:
 
 def test_kube_node_per_family_lease_and_overwrite() -> None:
     config = dual_config()
-    peer = kn.node_to_lease(node(**{
-        KEYS.public_ip: "192.168.1.2", KEYS.backend_type: "vxlan",
-        KEYS.backend_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}',
-        KEYS.public_ipv6: "fd00:64::2", KEYS.public_ipv6_overwrite: "fd00:64::22",
-        KEYS.backend_v6_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}',
-    }), KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+    peer = kn.node_to_lease(
+        node(
+            **{
+                KEYS.public_ip: "192.168.1.2",
+                KEYS.backend_type: "vxlan",
+                KEYS.backend_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}',
+                KEYS.public_ipv6: "fd00:64::2",
+                KEYS.public_ipv6_overwrite: "fd00:64::22",
+                KEYS.backend_v6_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}',
+            }
+        ),
+        KEYS,
+        config,  # type: ignore[arg-type]
+    )
     assert peer is not None
     assert peer.ipv6_subnet == IPv6Network("fc00:0:0:2::/64")
     assert peer.attrs.public_ipv6 == IPv6Address("fd00:64::22")
     assert peer.attrs.vtep_mac_v6 == "02:00:00:00:00:02"
     with pytest.raises(kn.NotALease, match="public-ipv6"):
-        kn.node_to_lease(node(**{KEYS.public_ip: "192.168.1.2", KEYS.public_ipv6: "nope"}),
-                         KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+        kn.node_to_lease(
+            node(**{KEYS.public_ip: "192.168.1.2", KEYS.public_ipv6: "nope"}),
+            KEYS,
+            config,  # type: ignore[arg-type]
+        )
 
 
 def test_kube_writes_public_ipv6_and_backend_v6_data() -> None:
@@ -275,10 +315,16 @@ def test_kube_dual_stack_waits_for_both_pod_cidrs() -> None:
 
 
 def test_kube_ipv6_only_reads_and_writes_the_ipv6_half_alone() -> None:
-    config = parse_network_config(json.dumps({
-        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": "vxlan"},
-    }))  # fmt: skip
+    config = parse_network_config(
+        json.dumps(
+            {
+                "EnableIPv4": False,
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": "vxlan"},
+            }
+        )
+    )
     v6_node = {"metadata": {"name": "n1"}, "spec": {"podCIDRs": ["fc00:0:0:2::/64"]}}
     assert kn.own_subnets(v6_node, config) == (None, IPv6Network("fc00:0:0:2::/64"))
     assert kn.own_subnets({"metadata": {"name": "n1"}, "spec": {}}, config) is None
@@ -286,22 +332,43 @@ def test_kube_ipv6_only_reads_and_writes_the_ipv6_half_alone() -> None:
     with pytest.raises(ConfigError, match="outside IPv6Network"):
         kn.own_subnets(outside, config)
     # A flanneld peer IPv6-only: no public-ip, no backend-data.
-    peer = kn.node_to_lease({
-        "metadata": {"name": "n2", "annotations": {
-            KEYS.managed: "true", KEYS.backend_type: "vxlan", KEYS.public_ipv6: "fd00:64::2",
-            KEYS.backend_v6_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}'}},
-        "spec": {"podCIDRs": ["fc00:0:0:3::/64"]},
-    }, KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+    peer = kn.node_to_lease(
+        {
+            "metadata": {
+                "name": "n2",
+                "annotations": {
+                    KEYS.managed: "true",
+                    KEYS.backend_type: "vxlan",
+                    KEYS.public_ipv6: "fd00:64::2",
+                    KEYS.backend_v6_data: '{"VNI":1,"VtepMAC":"02:00:00:00:00:02"}',
+                },
+            },
+            "spec": {"podCIDRs": ["fc00:0:0:3::/64"]},
+        },
+        KEYS,
+        config,  # type: ignore[arg-type]
+    )
     assert peer is not None and peer.subnet is None
     assert peer.ipv6_subnet == IPv6Network("fc00:0:0:3::/64")
     assert peer.attrs.public_ip is None and peer.attrs.public_ipv6 == IPv6Address("fd00:64::2")
     with pytest.raises(kn.NotALease, match="public-ipv6"):
-        kn.node_to_lease({"metadata": {"name": "n2", "annotations": {KEYS.managed: "true"}},
-                          "spec": {"podCIDRs": ["fc00:0:0:3::/64"]}}, KEYS, config)  # type: ignore[arg-type]  # fmt: skip
+        kn.node_to_lease(
+            {
+                "metadata": {"name": "n2", "annotations": {KEYS.managed: "true"}},
+                "spec": {"podCIDRs": ["fc00:0:0:3::/64"]},
+            },
+            KEYS,
+            config,  # type: ignore[arg-type]
+        )
     # What we write: the IPv6 annotations, and no IPv4 ones, as flanneld.
-    attrs = LeaseAttrs(public_ip=None, backend_type="vxlan", backend_data=None,
-                       public_ipv6=IPv6Address("fd00:64::1"),
-                       backend_v6_data={"VNI": 1, "VtepMAC": MAC}, mtu=1430)  # fmt: skip
+    attrs = LeaseAttrs(
+        public_ip=None,
+        backend_type="vxlan",
+        backend_data=None,
+        public_ipv6=IPv6Address("fd00:64::1"),
+        backend_v6_data={"VNI": 1, "VtepMAC": MAC},
+        mtu=1430,
+    )
     wanted = kn.desired_annotations(attrs, KEYS)
     assert KEYS.public_ip not in wanted and KEYS.backend_data not in wanted
     assert wanted[KEYS.public_ipv6] == "fd00:64::1"
@@ -346,16 +413,28 @@ def test_etcd_dual_stack_acquire_and_restart_keep_both_subnets(tmp_path: object)
     from tests.support.agent_fakes import PREFIX, agent_settings
 
     store = FakeStore()
-    put_network_config(store, PREFIX, json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": "vxlan"},
-    }))  # fmt: skip
+    put_network_config(
+        store,
+        PREFIX,
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": "vxlan"},
+            }
+        ),
+    )
     # A flanneld node's dual lease, exactly as it writes it.
     flanneld_key = lease_key(PREFIX, IPv4Network("10.244.9.0/24"), IPv6Network("fc00:0:0:1::/64"))
     assert flanneld_key.endswith("/subnets/10.244.9.0-24&fc00:0:0:1::-64")
-    store.create(flanneld_key, b'{"PublicIP":"192.168.1.9","PublicIPv6":"fd00:64::9",'
-                 b'"BackendType":"vxlan","BackendData":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"},'
-                 b'"BackendV6Data":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"}}', 0)  # fmt: skip
+    store.create(
+        flanneld_key,
+        b'{"PublicIP":"192.168.1.9","PublicIPv6":"fd00:64::9",'
+        b'"BackendType":"vxlan","BackendData":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"},'
+        b'"BackendV6Data":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"}}',
+        0,
+    )
     settings = agent_settings(Path(str(tmp_path)))
     attrs = get_backend("vxlan").lease_attrs(ctx(), MAC)
     first = EtcdSubnetManager(store, settings, rng=random.Random(3)).acquire_lease(attrs, None)
@@ -367,10 +446,17 @@ def test_etcd_dual_stack_acquire_and_restart_keep_both_subnets(tmp_path: object)
 
     # The node's key vanished (a wiped store, an expired lease): subnet.env brings both back.
     env_path = str(Path(str(tmp_path)) / "subnet.env")
-    write_subnet_env(env_path, SubnetEnv.for_lease(
-        IPv4Network("10.244.0.0/16"), first.subnet, 1430, True,
-        IPv6Network("fc00::/48"), first.ipv6_subnet,
-    ))  # fmt: skip
+    write_subnet_env(
+        env_path,
+        SubnetEnv.for_lease(
+            IPv4Network("10.244.0.0/16"),
+            first.subnet,
+            1430,
+            True,
+            IPv6Network("fc00::/48"),
+            first.ipv6_subnet,
+        ),
+    )
     assert store.delete_if_mod_revision(
         lease_key(PREFIX, first.subnet, first.ipv6_subnet), first.revision
     )
@@ -395,10 +481,16 @@ def test_lab_ip_family_dual_plans_a_ula_underlay_and_the_ipv6_keys() -> None:
     with pytest.raises(ConfigError, match="is unknown"):
         plan.ip_family_net_conf("ipv5")
     state = plan.plan_lab(
-        "ds", 3, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.7.0/24")],
+        "ds",
+        3,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.7.0/24")],
         overlay_bridge=True,
-    )  # fmt: skip
+    )
     assert not plan.ipv6_enabled(state)
     state.extra["net_conf_extra"] = plan.ip_family_net_conf("dual")
     assert plan.ipv6_enabled(state)
@@ -426,9 +518,11 @@ def test_two_nodes_creating_dual_keys_with_one_ipv4_subnet_at_once_end_with_two(
     from flannelpy.subnet.keys import lease_key
     from tests.support.agent_fakes import PREFIX, agent_settings
 
-    other_value = (b'{"PublicIP":"192.168.1.9","PublicIPv6":"fd00:64::9","BackendType":"vxlan",'
-                   b'"BackendData":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"},'
-                   b'"BackendV6Data":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"}}')  # fmt: skip
+    other_value = (
+        b'{"PublicIP":"192.168.1.9","PublicIPv6":"fd00:64::9","BackendType":"vxlan",'
+        b'"BackendData":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"},'
+        b'"BackendV6Data":{"VNI":1,"VtepMAC":"02:00:00:00:00:09"}}'
+    )
     taken: list[str] = []
 
     class RacingStore(FakeStore):
@@ -443,10 +537,18 @@ def test_two_nodes_creating_dual_keys_with_one_ipv4_subnet_at_once_end_with_two(
             return super().create(key, value, lease_id)
 
     store = RacingStore()
-    put_network_config(store, PREFIX, json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": "vxlan"},
-    }))  # fmt: skip
+    put_network_config(
+        store,
+        PREFIX,
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": "vxlan"},
+            }
+        ),
+    )
     settings = agent_settings(Path(str(tmp_path)))
     attrs = get_backend("vxlan").lease_attrs(ctx(), MAC)
     ours = EtcdSubnetManager(store, settings, rng=random.Random(3)).acquire_lease(attrs, None)

@@ -93,8 +93,10 @@ def test_the_doctor_with_no_flags_uses_the_agents_settings(
     s = doctor_settings(monkeypatch, [], {"FLANNELD_RUN_DIR": str(run_dir)})
     assert s.etcd_endpoints == ("https://10.0.0.5:2379", "https://10.0.0.6:2379")
     assert (s.etcd_prefix, s.etcd_cafile, s.etcd_keyfile) == (
-        "/lab/network", "/etc/flannel/ca.pem", "/etc/flannel/client-key.pem",
-    )  # fmt: skip
+        "/lab/network",
+        "/etc/flannel/ca.pem",
+        "/etc/flannel/client-key.pem",
+    )
     assert s.node_name == "node-7", "not the host name"
     assert s.iface == ("eth1",) and s.iface_can_reach is None, "the interface it picked"
     assert s.ip_masq and s.run_dir == str(run_dir)

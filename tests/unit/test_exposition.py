@@ -54,14 +54,21 @@ class Families(Collector):
 def registry_with_everything() -> tuple[CollectorRegistry, Families]:
     r = CollectorRegistry()
     Counter("y_requests", "Requests.", ["command", "code"], registry=r).labels("ADD", "0").inc(5)
-    h = Histogram("y_duration_seconds", "Duration.", ["command"], buckets=(0.001, 0.5, 1e7),
-                  registry=r)  # fmt: skip
+    h = Histogram(
+        "y_duration_seconds", "Duration.", ["command"], buckets=(0.001, 0.5, 1e7), registry=r
+    )
     h.labels("ADD").observe(0.2)
     h.labels("DEL").observe(3e6)
     g = Gauge("y_values", "Values.", ["kind"], registry=r)
-    for kind, value in (("nan", math.nan), ("inf", math.inf), ("ninf", -math.inf),
-                        ("big", 123456789.0), ("small", 1e-9), ("neg", -5e12),
-                        ("int", 42)):  # fmt: skip
+    for kind, value in (
+        ("nan", math.nan),
+        ("inf", math.inf),
+        ("ninf", -math.inf),
+        ("big", 123456789.0),
+        ("small", 1e-9),
+        ("neg", -5e12),
+        ("int", 42),
+    ):
         g.labels(kind).set(value)
     Gauge("y_plain", "No labels.", registry=r).set(0)
     families = Families()
@@ -77,8 +84,22 @@ def test_same_bytes_as_generate_latest_on_every_scrape() -> None:
         assert renderer.render() == generate_latest(r)
 
 
-VALUES = [0.0, -0.0, 1.0, 1e6, 1234567.0, 1e-7, 0.1, 2.5e22, -3e9, math.nan, math.inf,
-          -math.inf, 7, True]  # fmt: skip
+VALUES = [
+    0.0,
+    -0.0,
+    1.0,
+    1e6,
+    1234567.0,
+    1e-7,
+    0.1,
+    2.5e22,
+    -3e9,
+    math.nan,
+    math.inf,
+    -math.inf,
+    7,
+    True,
+]
 
 
 @pytest.mark.parametrize("value", VALUES)
@@ -106,11 +127,18 @@ def test_agent_metrics_render_as_the_library_does() -> None:
     m = AgentMetrics()
     assert m.exposition() == generate_latest(m.registry)
     leases = [
-        Lease(IPv4Network(f"10.245.{i}.0/24"),
-              LeaseAttrs(IPv4Address(f"192.168.78.{i + 10}"), "vxlan", {"VNI": 1},
-                         node_name=f"n{i}", mtu=1450))
+        Lease(
+            IPv4Network(f"10.245.{i}.0/24"),
+            LeaseAttrs(
+                IPv4Address(f"192.168.78.{i + 10}"),
+                "vxlan",
+                {"VNI": 1},
+                node_name=f"n{i}",
+                mtu=1450,
+            ),
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     m.peers(leases)
     for i, lease in enumerate(leases):
         m.probe(lease.subnet, i != 1, 0.0004 * (i + 1), None, i == 0)

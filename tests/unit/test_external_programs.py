@@ -33,9 +33,16 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON_ROOTS = ("flannelpy", "lab", "tests", "bench", "cni_plugin")
 SHELL_SCRIPTS = ("scripts", "bench")  # vagrant/ provisions its own VM
 SEARCH_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
-     "/usr/bin", "/sbin", "/bin"]
-)  # fmt: skip
+    [
+        os.environ.get("PATH", ""),
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
+)
 
 # Every program outside Debian's required set that the scan finds, with the package
 # that ships it: checked against dpkg -S where installed, and telling a machine where it
@@ -81,10 +88,15 @@ REPO_BUILT = {
     "flanneld": "scripts/build-peers.sh",
     **{
         name: "scripts/build-kube.sh"
-        for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet",
-                     "kubectl")
+        for name in (
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kubelet",
+            "kubectl",
+        )
     },
-}  # fmt: skip
+}
 # Not a Debian package, with why.
 OUTSIDE_DEBIAN = {
     "go": "the Go toolchain from go.dev builds the pinned flanneld and Kubernetes "
@@ -107,15 +119,69 @@ NOT_RUN = {
     ("/usr/bin/python3.11", "tests/integration/test_cni_client.py"): "a shebang written",
 }
 # Words that run a program named later in the same argv.
-WRAPPERS = frozenset({"nsenter", "unshare", "env", "timeout", "xargs", "setsid", "chroot",
-                      "nohup", "sudo", "exec", "command"})  # fmt: skip
+WRAPPERS = frozenset(
+    {
+        "nsenter",
+        "unshare",
+        "env",
+        "timeout",
+        "xargs",
+        "setsid",
+        "chroot",
+        "nohup",
+        "sudo",
+        "exec",
+        "command",
+    }
+)
 SHELL_WORDS = frozenset(
-    ["if", "then", "else", "elif", "fi", "for", "while", "until", "do", "done", "case",
-     "esac", "in", "function", "return", "local", "export", "set", "unset", "cd", "exit",
-     "trap", "echo", "printf", "read", "shift", "source", ".", "[", "[[", "]]", "]", "{",
-     "}", "!", "declare", "eval", "wait", "true", "false", "test", "break", "continue",
-     "readonly"]
-)  # fmt: skip
+    [
+        "if",
+        "then",
+        "else",
+        "elif",
+        "fi",
+        "for",
+        "while",
+        "until",
+        "do",
+        "done",
+        "case",
+        "esac",
+        "in",
+        "function",
+        "return",
+        "local",
+        "export",
+        "set",
+        "unset",
+        "cd",
+        "exit",
+        "trap",
+        "echo",
+        "printf",
+        "read",
+        "shift",
+        "source",
+        ".",
+        "[",
+        "[[",
+        "]]",
+        "]",
+        "{",
+        "}",
+        "!",
+        "declare",
+        "eval",
+        "wait",
+        "true",
+        "false",
+        "test",
+        "break",
+        "continue",
+        "readonly",
+    ]
+)
 CNI_PREFIX = "cni:"  # a plugin type, looked up in CNI_DIRS rather than PATH
 CNI_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 WORD = re.compile(r"[a-z][a-z0-9._+-]*")
@@ -162,8 +228,9 @@ def python_words(path: Path) -> Iterator[tuple[str, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.For) and isinstance(node.iter, ast.List | ast.Tuple):
             # for tool in ("podman", "runc"): ... which(tool)
-            looked_up = any(isinstance(n, ast.Call) and _callee(n) == "which"
-                            for n in ast.walk(node))  # fmt: skip
+            looked_up = any(
+                isinstance(n, ast.Call) and _callee(n) == "which" for n in ast.walk(node)
+            )
             for element in node.iter.elts if looked_up else []:
                 if (word := _const(element)) is not None:
                     yield word, f"{where}:{node.lineno}"
@@ -252,8 +319,11 @@ def bootstrap_packages() -> set[str]:
     for path in (REPO / "scripts").glob("*.sh"):
         for line in path.read_text(encoding="utf-8").splitlines():
             if "apt-get install" in line:
-                packages |= {w for w in line.split("apt-get install", 1)[1].split()
-                             if re.fullmatch(r"[a-z0-9][a-z0-9.+-]+", w)}  # fmt: skip
+                packages |= {
+                    w
+                    for w in line.split("apt-get install", 1)[1].split()
+                    if re.fullmatch(r"[a-z0-9][a-z0-9.+-]+", w)
+                }
     return packages
 
 
@@ -265,8 +335,9 @@ def dpkg_query(*args: str) -> str:
 def required_packages() -> frozenset[str]:
     """Debian's required and Essential packages, as installed here."""
     rows = dpkg_query("-W", "-f=${Package} ${Priority} ${Essential}\n").splitlines()
-    return frozenset(r.split()[0] for r in rows if r.split()[1:2] == ["required"]
-                     or r.endswith(" yes"))  # fmt: skip
+    return frozenset(
+        r.split()[0] for r in rows if r.split()[1:2] == ["required"] or r.endswith(" yes")
+    )
 
 
 @functools.cache
@@ -277,8 +348,10 @@ def installed_closure() -> frozenset[str]:
         name, _, deps = row.partition("\t")
         depends[name] = [
             dep.strip().split(" ")[0].split(":")[0]
-            for alternative in deps.split(",") for dep in alternative.split("|") if dep.strip()
-        ]  # fmt: skip
+            for alternative in deps.split(",")
+            for dep in alternative.split("|")
+            if dep.strip()
+        ]
     seen: set[str] = set()
     todo = list(bootstrap_packages())
     while todo:
@@ -308,8 +381,11 @@ def owners(paths: list[str]) -> dict[str, str]:
             continue
         package, _, path = line.partition(": ")
         shipped.setdefault(path.strip(), package.split(",")[0].strip())
-    return {p: next(shipped[c] for c in candidates(p) if c in shipped)
-            for p in paths if any(c in shipped for c in candidates(p))}  # fmt: skip
+    return {
+        p: next(shipped[c] for c in candidates(p) if c in shipped)
+        for p in paths
+        if any(c in shipped for c in candidates(p))
+    }
 
 
 def venv_executables() -> set[str]:
@@ -366,9 +442,27 @@ def where_from(word: str, shipped: dict[str, str]) -> str | None:
 
 def test_the_scan_finds_the_programs_we_know_we_run() -> None:
     words = scanned()
-    for program in ("ip", "iptables", "iptables-restore", "nft", "etcd", "ping", "podman",
-                    "runc", "conmon", "gcc", "go", "nsenter", "git", "openssl", "flanneld",
-                    "flannelpy-cni", "promtool", "cni:tuning", "cni:portmap"):  # fmt: skip
+    for program in (
+        "ip",
+        "iptables",
+        "iptables-restore",
+        "nft",
+        "etcd",
+        "ping",
+        "podman",
+        "runc",
+        "conmon",
+        "gcc",
+        "go",
+        "nsenter",
+        "git",
+        "openssl",
+        "flanneld",
+        "flannelpy-cni",
+        "promtool",
+        "cni:tuning",
+        "cni:portmap",
+    ):
         assert program in words, f"the scan no longer sees {program}"
 
 
@@ -376,9 +470,10 @@ def test_the_scan_finds_the_programs_we_know_we_run() -> None:
 def test_every_program_comes_from_the_bootstrap_the_base_system_or_the_repo() -> None:
     problems = []
     words = {
-        word: places for word, seen in scanned().items()
+        word: places
+        for word, seen in scanned().items()
         if (places := [p for p in seen if (word, p.split(":")[0]) not in NOT_RUN])
-    }  # fmt: skip
+    }
     shipped = owners([path for word in words if (path := resolve(word)) is not None])
     for word, places in sorted(words.items()):
         why = where_from(word, shipped)
@@ -397,7 +492,8 @@ def test_every_known_program_has_its_package_in_the_bootstrap() -> None:
     dependency of one of them (podman brings conmon)."""
     packages = bootstrap_packages()
     missing = {
-        p: pkg for p, pkg in PROGRAMS.items()
+        p: pkg
+        for p, pkg in PROGRAMS.items()
         if pkg not in packages and pkg not in installed_closure()
-    }  # fmt: skip
+    }
     assert not missing, f"scripts/bootstrap.sh does not install {missing}"

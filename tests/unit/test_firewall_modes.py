@@ -86,8 +86,9 @@ def test_nftables_mode_in_dual_stack_fills_flannels_ipv6_table() -> None:
 def test_nftables_mode_honours_the_flags() -> None:
     log: list[Any] = []
     factory(True, log, ip_masq=False).for_networks([NET], [SUBNET])()
-    assert log[1][2] == NftRules(None, ("ip saddr 10.244.0.0/16 accept",
-                                        "ip daddr 10.244.0.0/16 accept"))  # fmt: skip
+    assert log[1][2] == NftRules(
+        None, ("ip saddr 10.244.0.0/16 accept", "ip daddr 10.244.0.0/16 accept")
+    )
     log.clear()
     factory(True, log, ip_masq=True, ip_masq_fully_random_disable=True).for_networks(
         [NET], [SUBNET]

@@ -116,8 +116,12 @@ def test_flanneld_flags_are_taken(
 
 def test_other_text_is_left_for_the_parser_to_refuse() -> None:
     assert go_style_argv(["-x", "-etcd-endpoints", "u", "--", "-ip-masq"]) == [
-        "-x", "--etcd-endpoints", "u", "--", "-ip-masq",
-    ]  # fmt: skip
+        "-x",
+        "--etcd-endpoints",
+        "u",
+        "--",
+        "-ip-masq",
+    ]
     with pytest.raises(SystemExit):
         agent(["-no-such-flag=1"])
 
@@ -157,8 +161,9 @@ def test_cli_main_takes_go_spellings(
     monkeypatch.setattr("flannelpy.log.setup_logging", lambda *a: None)
     monkeypatch.setenv("NODE_NAME", "n1")
     caplog.set_level(logging.INFO, logger="flannelpy.agent")
-    rc = cli.main(["agent", "-etcd-endpoints=http://10.0.0.9:2379", "-v", "2",
-                   "--public-ipv6", "2001:db8::9"])  # fmt: skip
+    rc = cli.main(
+        ["agent", "-etcd-endpoints=http://10.0.0.9:2379", "-v", "2", "--public-ipv6", "2001:db8::9"]
+    )
     assert rc == 0
     (s,) = seen
     assert s.etcd_endpoints == ("http://10.0.0.9:2379",) and s.v == 2

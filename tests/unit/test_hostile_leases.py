@@ -78,25 +78,33 @@ def test_size_and_depth_bounds() -> None:
 
 
 def test_wrong_field_types_never_reach_the_lease() -> None:
-    raw = json.dumps({
-        "PublicIP": "192.168.1.5", "BackendType": 7, "PublicIPv6": ["x"],
-        "BackendData": {"VNI": "1", "VtepMAC": {"a": 1}},
-        "Flannelpy": {"NodeName": 3, "MTU": True},
-    })  # fmt: skip
+    raw = json.dumps(
+        {
+            "PublicIP": "192.168.1.5",
+            "BackendType": 7,
+            "PublicIPv6": ["x"],
+            "BackendData": {"VNI": "1", "VtepMAC": {"a": 1}},
+            "Flannelpy": {"NodeName": 3, "MTU": True},
+        }
+    )
     attrs = LeaseAttrs.from_json(raw)
     assert (attrs.backend_type, attrs.public_ipv6, attrs.node_name, attrs.mtu) == (
-        "", None, None, None
-    )  # fmt: skip
+        "",
+        None,
+        None,
+        None,
+    )
     with pytest.raises(ValueError, match="PublicIP"):
         LeaseAttrs.from_json('{"PublicIP": ["192.168.1.5"]}')
 
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
-)  # fmt: skip
+)
 LEASE_DOC = st.fixed_dictionaries(
     {},
     optional={
@@ -105,11 +113,13 @@ LEASE_DOC = st.fixed_dictionaries(
         "BackendData": st.one_of(st.just(GOOD_MAC), JSON),
         "PublicIPv6": JSON,
         "Flannelpy": st.one_of(
-            st.fixed_dictionaries({}, optional={"NodeName": JSON, "MTU": JSON,
-                                                "DirectRouting": JSON}), JSON,
+            st.fixed_dictionaries(
+                {}, optional={"NodeName": JSON, "MTU": JSON, "DirectRouting": JSON}
+            ),
+            JSON,
         ),
     },
-)  # fmt: skip
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -162,11 +172,22 @@ def test_deep_backend_data_annotation_is_not_a_lease() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(notes=st.dictionaries(
-    st.sampled_from([KEYS.mtu, KEYS.backend_data, KEYS.backend_type, KEYS.public_ip,
-                     KEYS.public_ipv6, KEYS.backend_v6_data, KEYS.public_ip_overwrite]),
-    st.text(max_size=20) | st.sampled_from(["²", "١٥٠٠", "1e3", "-1", DEEP, "{}", "null"]),
-))  # fmt: skip
+@given(
+    notes=st.dictionaries(
+        st.sampled_from(
+            [
+                KEYS.mtu,
+                KEYS.backend_data,
+                KEYS.backend_type,
+                KEYS.public_ip,
+                KEYS.public_ipv6,
+                KEYS.backend_v6_data,
+                KEYS.public_ip_overwrite,
+            ]
+        ),
+        st.text(max_size=20) | st.sampled_from(["²", "١٥٠٠", "1e3", "-1", DEEP, "{}", "null"]),
+    )
+)
 def test_any_annotations_make_a_lease_or_a_value_error(notes: dict[str, str]) -> None:
     with contextlib.suppress(ValueError):
         node_to_lease(node(notes), KEYS, network_config())
@@ -200,15 +221,22 @@ def test_hostile_peer_leases_are_rejected(lease: Lease, reason: str) -> None:
 
 
 def test_a_lease_over_the_nodes_addresses_is_rejected() -> None:
-    bounds = Bounds(networks=(IPv4Network("10.0.0.0/8"),), own=(), public_ip=IPv4Address(
-        "10.1.0.5"), host=(IPv4Network("10.1.0.0/24"),))  # fmt: skip
+    bounds = Bounds(
+        networks=(IPv4Network("10.0.0.0/8"),),
+        own=(),
+        public_ip=IPv4Address("10.1.0.5"),
+        host=(IPv4Network("10.1.0.0/24"),),
+    )
     why = check_peer(peer("10.1.0.0/24"), bounds)
     assert why is not None and why.reason == OVERLAPS_HOST
 
 
 def test_good_peers_pass_and_split_sorts_them() -> None:
-    good = [peer("10.244.2.0/24"), peer("10.250.3.0/24", data=None), peer("10.244.3.0/24",
-            data={"VNI": 1, "VtepMAC": "C6:D2:32:6F:8F:44"})]  # fmt: skip
+    good = [
+        peer("10.244.2.0/24"),
+        peer("10.250.3.0/24", data=None),
+        peer("10.244.3.0/24", data={"VNI": 1, "VtepMAC": "C6:D2:32:6F:8F:44"}),
+    ]
     leases = {x.key: x for x in [*good, peer("100.64.0.0/24")]}
     accepted, rejected = split_peers(leases, [], BOUNDS)
     assert set(accepted) == {x.key for x in good}
@@ -249,14 +277,17 @@ def test_the_agent_never_programs_hostile_leases_and_counts_them(tmp_path: Path)
         assert not dsts & {"192.168.1.0/24", "10.244.200.0/24", "10.244.201.0/24"}
         view = h.writer.view
         assert [(r.key, r.reason) for r in view.rejected] == [
-            ("10.244.200.0-24", BAD_ADDRESS), ("10.244.201.0-24", UNDECODABLE),
+            ("10.244.200.0-24", BAD_ADDRESS),
+            ("10.244.201.0-24", UNDECODABLE),
             ("192.168.1.0-24", OUTSIDE_NETWORK),
-        ]  # fmt: skip
+        ]
         assert view.peers == 1
         for reason in (BAD_ADDRESS, UNDECODABLE, OUTSIDE_NETWORK):
             assert rejected_total(h, reason) == 1.0
-        h.store.delete_if_mod_revision(f"{PREFIX}/subnets/10.244.201.0-24",
-                                       h.store.get(f"{PREFIX}/subnets/10.244.201.0-24").mod_revision)  # type: ignore[union-attr]  # fmt: skip
+        h.store.delete_if_mod_revision(
+            f"{PREFIX}/subnets/10.244.201.0-24",
+            h.store.get(f"{PREFIX}/subnets/10.244.201.0-24").mod_revision,  # type: ignore[union-attr]
+        )
         h.deliver_leases()
         assert [r.key for r in h.writer.view.rejected] == ["10.244.200.0-24", "192.168.1.0-24"]
     finally:
@@ -326,8 +357,10 @@ def test_a_node_recreated_with_a_new_address_takes_over_once_the_old_is_gone(
 
 def test_a_lost_lease_with_a_live_namesake_takes_a_fresh_subnet(tmp_path: Path) -> None:
     a, b, _ = two_managers(tmp_path)
-    first = b.acquire_lease(LeaseAttrs(public_ip=IPv4Address("192.168.1.6"),
-                                       backend_type="vxlan", node_name="other"), None)  # fmt: skip
+    first = b.acquire_lease(
+        LeaseAttrs(public_ip=IPv4Address("192.168.1.6"), backend_type="vxlan", node_name="other"),
+        None,
+    )
     held = a.acquire_lease(me("192.168.1.5"), None)
     # b renamed itself to a's name at runtime, then lost its lease: it re-acquires
     # without taking a's lease (no refusal: it is not b's start any more).
@@ -369,9 +402,13 @@ def test_the_lease_watch_survives_an_unexpected_error_and_counts_it(tmp_path: Pa
         got.append(revision)
         stop.set()
 
-    manager = EtcdSubnetManager(store, agent_settings(tmp_path), clock=clock,
-                                sleep=lambda _stop, _s: None,
-                                on_watch_restart=restarts.append)  # fmt: skip
+    manager = EtcdSubnetManager(
+        store,
+        agent_settings(tmp_path),
+        clock=clock,
+        sleep=lambda _stop, _s: None,
+        on_watch_restart=restarts.append,
+    )
     manager.watch_leases(on_leases, stop)  # before: the RecursionError ended the watch
     assert restarts == ["error", "error"] and len(got) == 1
 

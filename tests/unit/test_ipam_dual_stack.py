@@ -42,8 +42,11 @@ class Clock:
 def test_a_slash_64_allocates_sequentially_and_counts_without_listing() -> None:
     pool = PoolAllocator(V6)
     got = [pool.allocate(f"c{i}", "eth0", 0.0, 30).ip for i in range(3)]
-    assert got == [IPv6Address("fc00:0:0:1::2"), IPv6Address("fc00:0:0:1::3"),
-                   IPv6Address("fc00:0:0:1::4")]  # fmt: skip
+    assert got == [
+        IPv6Address("fc00:0:0:1::2"),
+        IPv6Address("fc00:0:0:1::3"),
+        IPv6Address("fc00:0:0:1::4"),
+    ]
     acc = pool.accounting(0.0, 30)
     assert acc.total == 2**64 - 3  # minus the network address, the gateway and the last one
     assert (acc.assigned, acc.cooling, acc.free) == (3, 0, 2**64 - 6)
@@ -159,7 +162,9 @@ def test_one_address_per_family_on_disk_and_found_after_a_restart(
         assert again.find_all("c1", "eth0") == made
         again.set_leases([V4, V6])
         assert [str(a.ip) for a in again.allocate_all("c2", "eth0")] == [
-            "10.244.1.3", "fc00:0:0:1::3"]  # fmt: skip
+            "10.244.1.3",
+            "fc00:0:0:1::3",
+        ]
 
 
 def test_release_cools_both_families_and_the_ipv6_state_forgets_only_after_cooldown(
@@ -273,16 +278,27 @@ def test_the_result_carries_both_families_in_every_version(
 ) -> None:
     allocs = _allocs()
     routes = pod_routes(allocs, [IPv4Network("0.0.0.0/0"), IPv6Network("::/0")])
-    result = build_result(version, "veth1", "02:00:00:00:00:01", "eth0", "0a:58:0a:f4:01:05",
-                          POD_NS, allocs, routes, {})  # fmt: skip
+    result = build_result(
+        version,
+        "veth1",
+        "02:00:00:00:00:01",
+        "eth0",
+        "0a:58:0a:f4:01:05",
+        POD_NS,
+        allocs,
+        routes,
+        {},
+    )
     doc = json.loads(render_result(result, version))
     assert [i.get("version") for i in doc["ips"]] == (family_key or [None, None])
     assert [(i["interface"], i["address"], i["gateway"]) for i in doc["ips"]] == [
         (1, "10.244.1.5/24", "10.244.1.1"),
         (1, "fc00:0:0:1::5/64", "fc00:0:0:1::1"),
     ]
-    assert doc["routes"] == [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"},
-                             {"dst": "::/0", "gw": "fc00:0:0:1::1"}]  # fmt: skip
+    assert doc["routes"] == [
+        {"dst": "0.0.0.0/0", "gw": "10.244.1.1"},
+        {"dst": "::/0", "gw": "fc00:0:0:1::1"},
+    ]
     assert doc["interfaces"][1] == {"name": "eth0", "mac": "0a:58:0a:f4:01:05", "sandbox": POD_NS}
 
 
@@ -316,8 +332,9 @@ def test_the_handler_plumbs_and_records_both_families(env6: Env) -> None:
 def test_without_a_default_gateway_each_family_needs_its_cluster_network(env6: Env) -> None:
     code, err = env6.call("ADD", isDefaultGateway=False)
     assert (code, err["code"]) == (1, 11)
-    assert err["msg"] == ("the flannelpy agent does not know the IPv6 cluster network yet;"
-                          " try again later")  # fmt: skip
+    assert err["msg"] == (
+        "the flannelpy agent does not know the IPv6 cluster network yet; try again later"
+    )
     env6.handler.settings = dataclasses.replace(
         env6.handler.settings,
         cluster_networks=lambda: (IPv4Network("10.244.0.0/16"), IPv6Network("fc00::/48")),
@@ -336,7 +353,9 @@ def test_the_lab_reads_both_families_from_an_add_result() -> None:
     dual = {"ips": [{"address": "10.244.1.5/24"}, {"address": "fc00:0:0:1::5/64"}]}
     assert result_addresses(dual) == ("10.244.1.5/24", "fc00:0:0:1::5/64")
     assert result_addresses({"ips": [{"address": "fc00:0:0:1::5/64"}]}) == (
-        None, "fc00:0:0:1::5/64")  # fmt: skip
+        None,
+        "fc00:0:0:1::5/64",
+    )
     assert result_addresses({"ips": [{"address": "bogus"}, 7]}) == (None, None)
     pod = PodInfo("n1-p1", "n1", "ns", "cid", address6="fc00:0:0:1::5/64")
     assert (pod.ip, pod.ip6) == (None, IPv6Address("fc00:0:0:1::5"))
@@ -367,7 +386,9 @@ def test_host_locals_ipv6_entries_are_held_and_never_handed_out(tmp_path: Path) 
         node.set_leases([V4, V6])
         assert node.hold_foreign(found) == found
         assert [str(a.ip) for a in node.allocate_all("new", "eth0")] == [
-            "10.244.1.3", "fc00:0:0:1::3"]  # fmt: skip
+            "10.244.1.3",
+            "fc00:0:0:1::3",
+        ]
         # The old pod's DEL frees both (into cooldown) and forgets them in host-local's dir.
         released = node.release("old", "eth0")
         assert released is not None and released.ip == IPv4Address("10.244.1.2")
@@ -400,8 +421,12 @@ def test_check_of_a_dual_stack_pod_attached_before_the_take_over(env6: Env) -> N
     (call,) = [c for c in env6.pods.calls if c[0] == "check_pod"]
     assert [str(a) for a in call[5]] == ["10.244.1.7/24", "fc00:0:0:1::7/64"]
     assert [(str(d), str(g)) for d, g in call[6]] == [
-        ("0.0.0.0/0", "10.244.1.1"), ("::/0", "fc00:0:0:1::1")]  # fmt: skip
+        ("0.0.0.0/0", "10.244.1.1"),
+        ("::/0", "fc00:0:0:1::1"),
+    ]
     prev["ips"] = prev["ips"][:1]
     code, err = env6.call("CHECK", cid="old", prevResult=prev)
-    assert (code, err["msg"]) == (1, "prevResult names 10.244.1.7/24, but IPAM holds"
-                                     " fc00:0:0:1::7/64 for it")  # fmt: skip
+    assert (code, err["msg"]) == (
+        1,
+        "prevResult names 10.244.1.7/24, but IPAM holds fc00:0:0:1::7/64 for it",
+    )

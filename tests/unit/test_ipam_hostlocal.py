@@ -48,15 +48,17 @@ def test_render_is_host_locals_format_and_parses_back() -> None:
 def test_within_keeps_the_leases_addresses_in_order() -> None:
     other = HostLocalEntry(IPv4Address("10.244.99.2"), "x", "eth0")
     assert hostlocal.within([entry(9, "b"), other, entry(2, "a")], [SUBNET]) == [
-        entry(2, "a"), entry(9, "b"),
-    ]  # fmt: skip
+        entry(2, "a"),
+        entry(9, "b"),
+    ]
 
 
 def test_read_write_and_remove_on_disk(tmp_path: Path) -> None:
     directory = str(tmp_path / "cbr0")
     assert hostlocal.read_dir(directory) == []
-    written = hostlocal.write_allocations(directory, [entry(2, "a"), entry(3, "b")],
-                                          last=IPv4Address("10.244.13.3"))  # fmt: skip
+    written = hostlocal.write_allocations(
+        directory, [entry(2, "a"), entry(3, "b")], last=IPv4Address("10.244.13.3")
+    )
     assert written == 2
     assert (tmp_path / "cbr0" / "10.244.13.2").read_bytes() == b"a\r\neth0"
     assert (tmp_path / "cbr0" / "last_reserved_ip.0").read_text() == "10.244.13.3"
@@ -64,8 +66,9 @@ def test_read_write_and_remove_on_disk(tmp_path: Path) -> None:
     # An existing file is host-local's: never overwritten.
     assert hostlocal.write_allocations(directory, [entry(2, "other")]) == 0
     assert sorted(hostlocal.read_dir(directory), key=lambda e: e.ip) == [
-        entry(2, "a"), entry(3, "b"),
-    ]  # fmt: skip
+        entry(2, "a"),
+        entry(3, "b"),
+    ]
     hostlocal.remove_entry(directory, entry(2, "someone-else"))  # not that pod's: kept
     hostlocal.remove_entry(directory, entry(3, "b"))
     assert hostlocal.read_dir(directory) == [entry(2, "a")]
@@ -79,8 +82,9 @@ def host_local(tmp_path: Path) -> str:
 
 
 def make_ipam(tmp_path: Path, host_local: str) -> NodeIpam:
-    ipam = NodeIpam(str(tmp_path / "ipam"), cooldown_seconds=0, fsync=False,
-                    host_local_dir=host_local)  # fmt: skip
+    ipam = NodeIpam(
+        str(tmp_path / "ipam"), cooldown_seconds=0, fsync=False, host_local_dir=host_local
+    )
     ipam.set_leases([SUBNET])
     return ipam
 
@@ -149,5 +153,7 @@ def test_host_local_entries_lists_ours_and_held_for_the_way_back(
         ipam.allocate("ours", "eth0")
         entries = ipam.host_local_entries()
     assert [(str(e.ip), e.container_id) for e in entries] == [
-        ("10.244.13.2", "flanneld-pod"), ("10.244.13.3", "second"), ("10.244.13.4", "ours"),
-    ]  # fmt: skip
+        ("10.244.13.2", "flanneld-pod"),
+        ("10.244.13.3", "second"),
+        ("10.244.13.4", "ours"),
+    ]

@@ -186,8 +186,10 @@ def test_allocation_walks_serving_leases_in_the_leases_order(
         got = [node.allocate(f"c{i}", "eth0").subnet for i in range(3)]
         assert got == [ONE, A, A]  # TINY drains: skipped although it has room
         assert [(u.subnet, u.allocatable) for u in node.usage()] == [
-            (ONE, True), (TINY, False), (A, True)
-        ]  # fmt: skip
+            (ONE, True),
+            (TINY, False),
+            (A, True),
+        ]
 
 
 def test_usage_per_lease_never_counts_cooling_as_free(tmp_path: Path, clock: FakeClock) -> None:

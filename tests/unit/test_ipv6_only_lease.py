@@ -51,9 +51,11 @@ def test_the_value_is_flannels_byte_for_byte_and_flanneld_s_parses() -> None:
     assert attrs.public_ip is None and attrs.public_ipv6 == IPv6Address("fd00:64:1::2")
     assert attrs.vtep_mac_v6 == "c6:d2:32:6f:8f:44" and attrs.backend_data is None
     ours = LeaseAttrs(
-        public_ip=None, backend_type="vxlan", public_ipv6=IPv6Address("fd00:64:1::2"),
+        public_ip=None,
+        backend_type="vxlan",
+        public_ipv6=IPv6Address("fd00:64:1::2"),
         backend_v6_data={"VNI": 1, "VtepMAC": "c6:d2:32:6f:8f:44"},
-    )  # fmt: skip
+    )
     assert ours.to_json() == FLANNELD_VALUE
     assert json.loads(ours.to_json())["PublicIP"] == "0.0.0.0"
 

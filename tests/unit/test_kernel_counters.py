@@ -78,10 +78,15 @@ def test_stat_tables_sum_the_cpus_in_hex_without_the_entries_gauge() -> None:
 def test_namespace_counters_map_kernel_fields_to_reasons() -> None:
     c = kc.node_counters(SNMP, NETSTAT, ARP_CACHE, CONNTRACK)
     assert c == {
-        "tcp_sent": 480, "tcp_retransmitted": 6, "frag_needed": 7,
-        "icmp_unreachable_sent": 9, "no_route": 3, "rp_filter": 4,
-        "neighbour_unresolved": 15, "conntrack_insert_failed": 4,
-    }  # fmt: skip
+        "tcp_sent": 480,
+        "tcp_retransmitted": 6,
+        "frag_needed": 7,
+        "icmp_unreachable_sent": 9,
+        "no_route": 3,
+        "rp_filter": 4,
+        "neighbour_unresolved": 15,
+        "conntrack_insert_failed": 4,
+    }
 
 
 def test_missing_conntrack_module_leaves_the_reason_absent_not_zero() -> None:
@@ -236,8 +241,12 @@ def test_an_unreadable_pod_never_fails_the_scrape(tmp_path: Any) -> None:
 
 def test_agent_metrics_export_the_families_and_count_a_failed_reading() -> None:
     m = AgentMetrics()
-    reading = kc.KernelReading({"tcp_sent": 5, "tcp_retransmitted": 1, "frag_needed": 2},
-                               {"tcp_sent": 9, "no_route": 1}, 3, 1)  # fmt: skip
+    reading = kc.KernelReading(
+        {"tcp_sent": 5, "tcp_retransmitted": 1, "frag_needed": 2},
+        {"tcp_sent": 9, "no_route": 1},
+        3,
+        1,
+    )
     m.set_kernel_provider(lambda: reading)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -287,8 +296,9 @@ def test_lab_rules_keep_expressions_and_shorten_windows_and_for() -> None:
 def test_lab_rules_file_passes_promtool(tmp_path: Any) -> None:
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(lab_prometheus.rules_file(lab_prometheus.load_manifest())))
-    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 
@@ -316,10 +326,18 @@ def test_a_lab_with_prometheus_binds_agents_on_their_lab_address_and_scrapes_the
     from flannelpy_lab import agents, plan
 
     state = plan.plan_lab(
-        "unit", 3, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.9.0/24")],
-        overlay_bridge=False, lab_root=str(tmp_path), flanneld_nodes=1,
-    )  # fmt: skip
+        "unit",
+        3,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.9.0/24")],
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+        flanneld_nodes=1,
+    )
     n1 = state.nodes[0]
     assert not any(a.startswith("--metrics-addr") for a in agents.agent_argv(state, n1))
     lab_prometheus.record(state)
@@ -339,10 +357,15 @@ def test_lab_status_names_the_prometheus_address() -> None:
     from flannelpy_lab import status
 
     doc = {
-        "name": "demo", "backend": "vxlan", "network": "10.244.0.0/16", "etcd_endpoints": [],
-        "nodes": [], "leases": [], "matrix": {},
+        "name": "demo",
+        "backend": "vxlan",
+        "network": "10.244.0.0/16",
+        "etcd_endpoints": [],
+        "nodes": [],
+        "leases": [],
+        "matrix": {},
         "prometheus": {"url": "http://100.64.0.254:9090", "running": True},
-    }  # fmt: skip
+    }
     text = status.render_text(doc)
     assert "prometheus http://100.64.0.254:9090 (running)" in text
     assert "prometheus" not in status.render_text({**doc, "prometheus": None})

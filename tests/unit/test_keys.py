@@ -58,8 +58,12 @@ def test_node_of_key() -> None:
     assert keys.node_of_key(PREFIX, keys.status_key(PREFIX, "n1")) == ("n1", "status")
     assert keys.node_of_key(PREFIX, keys.override_key(PREFIX, "n2")) == ("n2", "override")
     nodes = keys.nodes_prefix(PREFIX)
-    for other in (keys.rollout_key(PREFIX), nodes + "n1/other", nodes + "n1/status/x",
-                  nodes + "/status"):  # fmt: skip
+    for other in (
+        keys.rollout_key(PREFIX),
+        nodes + "n1/other",
+        nodes + "n1/status/x",
+        nodes + "/status",
+    ):
         assert keys.node_of_key(PREFIX, other) is None
 
 

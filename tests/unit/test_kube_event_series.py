@@ -69,8 +69,9 @@ def test_an_event_the_server_expired_is_created_again() -> None:
 
 def test_memory_is_bounded() -> None:
     series = EventSeries(max_series=4)
-    specs = [EventSpec("ConfigChangeBlocked", "BlockConfigChange", f"change {i}")
-             for i in range(10)]  # fmt: skip
+    specs = [
+        EventSpec("ConfigChangeBlocked", "BlockConfigChange", f"change {i}") for i in range(10)
+    ]
     for i, spec in enumerate(specs):
         created(series, spec, float(i), f"n1.{i}")
     assert [series.count(s) for s in specs] == [0] * 6 + [1] * 4

@@ -43,8 +43,9 @@ def node(
     }
 
 
-def managed(ip: str = "192.168.1.2", data: str = '{"VNI":1,"VtepMAC":"0e:00:00:00:00:01"}',
-            **extra: str) -> dict[str, str]:  # fmt: skip
+def managed(
+    ip: str = "192.168.1.2", data: str = '{"VNI":1,"VtepMAC":"0e:00:00:00:00:01"}', **extra: str
+) -> dict[str, str]:
     notes = {
         P + "kube-subnet-manager": "true",
         P + "backend-type": "vxlan",
@@ -110,16 +111,25 @@ def test_flannels_annotation_names() -> None:
     ("configured", "environ", "expected"),
     [
         (None, {"NODE_NAME": "n1"}, kn.NodeIdentity(node_name="n1")),
-        ("host", {"NODE_NAME": "n1", "POD_NAME": "p", "POD_NAMESPACE": "ns"},
-         kn.NodeIdentity(node_name="n1")),
-        ("host", {"POD_NAME": "p", "POD_NAMESPACE": "ns"},
-         kn.NodeIdentity(pod_namespace="ns", pod_name="p")),
-        ("explicit", {"POD_NAME": "p", "POD_NAMESPACE": "ns"},
-         kn.NodeIdentity(node_name="explicit")),
+        (
+            "host",
+            {"NODE_NAME": "n1", "POD_NAME": "p", "POD_NAMESPACE": "ns"},
+            kn.NodeIdentity(node_name="n1"),
+        ),
+        (
+            "host",
+            {"POD_NAME": "p", "POD_NAMESPACE": "ns"},
+            kn.NodeIdentity(pod_namespace="ns", pod_name="p"),
+        ),
+        (
+            "explicit",
+            {"POD_NAME": "p", "POD_NAMESPACE": "ns"},
+            kn.NodeIdentity(node_name="explicit"),
+        ),
         ("host", {"POD_NAME": "p"}, kn.NodeIdentity(node_name="host")),
         ("host", {}, kn.NodeIdentity(node_name="host")),
     ],
-)  # fmt: skip
+)
 def test_identity_order(
     configured: str | None, environ: dict[str, str], expected: kn.NodeIdentity
 ) -> None:
@@ -140,8 +150,9 @@ def test_pod_cidrs_dual_stack_and_legacy() -> None:
     assert kn.pod_cidrs(node(legacy_cidr="10.244.2.0/24")) == (IPv4Network("10.244.2.0/24"), None)
     assert kn.pod_cidrs(node()) == (None, None)
     assert kn.pod_cidrs(node(pod_cidrs=["fd00:10:244:1::/64"])) == (
-        None, IPv6Network("fd00:10:244:1::/64"),
-    )  # fmt: skip
+        None,
+        IPv6Network("fd00:10:244:1::/64"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,15 +168,17 @@ def test_bad_pod_cidrs(cidrs: list[str]) -> None:
 def test_own_subnets() -> None:
     assert kn.own_subnets(node(), CONFIG) is None
     assert kn.own_subnets(node(pod_cidrs=["10.244.1.0/24"]), CONFIG) == (
-        IPv4Network("10.244.1.0/24"), None,
-    )  # fmt: skip
+        IPv4Network("10.244.1.0/24"),
+        None,
+    )
     with pytest.raises(ConfigError, match=r"outside Network 10\.244\.0\.0/16.*--cluster-cidr"):
         kn.own_subnets(node(pod_cidrs=["10.9.1.0/24"]), CONFIG)
     v6 = node(pod_cidrs=["10.244.1.0/24", "fd00:10:244:1::/64"])
     assert kn.own_subnets(v6, CONFIG) == (IPv4Network("10.244.1.0/24"), None)
     assert kn.own_subnets(v6, DUAL) == (
-        IPv4Network("10.244.1.0/24"), IPv6Network("fd00:10:244:1::/64"),
-    )  # fmt: skip
+        IPv4Network("10.244.1.0/24"),
+        IPv6Network("fd00:10:244:1::/64"),
+    )
     with pytest.raises(ConfigError, match="outside IPv6Network"):
         kn.own_subnets(node(pod_cidrs=["10.244.1.0/24", "fd00:99::/64"]), DUAL)
 
@@ -240,12 +253,16 @@ def test_collisions_keep_our_node_then_the_first_name() -> None:
     def lease(name: str, cidr: str) -> Any:
         return kn.node_to_lease(node(name, [cidr], managed()), KEYS, CONFIG)
 
-    by_node = {"b": lease("b", "10.244.1.0/24"), "a": lease("a", "10.244.1.0/24"),
-               "c": lease("c", "10.244.2.0/24")}  # fmt: skip
+    by_node = {
+        "b": lease("b", "10.244.1.0/24"),
+        "a": lease("a", "10.244.1.0/24"),
+        "c": lease("c", "10.244.2.0/24"),
+    }
     kept = kn.leases_by_key(by_node, own_node="b")
     assert {k: v.attrs.node_name for k, v in kept.items()} == {
-        "10.244.1.0-24": "b", "10.244.2.0-24": "c",
-    }  # fmt: skip
+        "10.244.1.0-24": "b",
+        "10.244.2.0-24": "c",
+    }
     assert kn.duplicate_claims(by_node, kept) == ["a"]
     kept = kn.leases_by_key(by_node, own_node="z")
     assert kept["10.244.1.0-24"].attrs.node_name == "a"
@@ -347,9 +364,13 @@ def test_advertised_attrs_apply_the_overwrite() -> None:
 def test_strategic_merge_merges_conditions_by_type() -> None:
     before: dict[str, Any] = {
         "metadata": {"annotations": {"a": "1", "b": "2"}},
-        "status": {"conditions": [{"type": "Ready", "status": "True"},
-                                  {"type": "NetworkUnavailable", "status": "True"}]},
-    }  # fmt: skip
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "NetworkUnavailable", "status": "True"},
+            ]
+        },
+    }
     patch = {
         "metadata": {"annotations": {"b": None, "c": "3"}},
         "status": {"conditions": [{"type": "NetworkUnavailable", "status": "False"}]},

@@ -48,24 +48,39 @@ from tests.unit.test_rollout import Env
 # --- the status Lease: bounded ---------------------------------------------------------
 
 
-def status(node: str = "n1", peers: int = 3, failing: int = 0, subnets: int = 1,
-           sentence: str = "", underlay: int = 1) -> NodeStatus:  # fmt: skip
+def status(
+    node: str = "n1",
+    peers: int = 3,
+    failing: int = 0,
+    subnets: int = 1,
+    sentence: str = "",
+    underlay: int = 1,
+) -> NodeStatus:
     probes = {
         f"10.{i // 250}.{i % 250}.0/24": PeerProbe(
-            reachable=i >= failing, mtu_ok=True, ok=i >= failing, probes=10, at=100.0,
+            reachable=i >= failing,
+            mtu_ok=True,
+            ok=i >= failing,
+            probes=10,
+            at=100.0,
             passed_at=99.0,
         )
         for i in range(peers)
-    }  # fmt: skip
+    }
     return NodeStatus(
-        node=node, at=100.0, ready=True, public_ip="192.0.2.1",
+        node=node,
+        at=100.0,
+        ready=True,
+        public_ip="192.0.2.1",
         underlay_networks=tuple(f"192.0.{i}.0/24" for i in range(underlay)),
-        backend=BackendSummary("vxlan", 1, 8472, False, 1450), vtep=True,
-        applied_generation=4, applied_at=90.0,
+        backend=BackendSummary("vxlan", 1, 8472, False, 1450),
+        vtep=True,
+        applied_generation=4,
+        applied_at=90.0,
         blocked=BlockedChange(5, "backend vxlan -> host-gw", sentence, 95.0) if sentence else None,
         subnets=tuple(f"10.244.{i}.0/24" for i in range(subnets)),
         probes=ProbeSummary.of(probes),
-    )  # fmt: skip
+    )
 
 
 def test_a_small_record_is_kept_whole_with_the_configs_backend() -> None:
@@ -104,9 +119,17 @@ def test_lease_lists_are_read_as_input_from_other_machines() -> None:
     def item(name: str, raw: Any) -> dict[str, Any]:
         return {"metadata": {"name": name, "annotations": {STATUS_ANNOTATION: raw}}}
 
-    doc = {"items": [item("n2", good), item("n3", "{not json"), item("n4", "[1]"),
-                     item("n5", "x" * (MAX_SUMMARY_BYTES * 2 + 1)), item("n6", 7),
-                     {"metadata": {"name": "n7"}}, "junk"]}  # fmt: skip
+    doc = {
+        "items": [
+            item("n2", good),
+            item("n3", "{not json"),
+            item("n4", "[1]"),
+            item("n5", "x" * (MAX_SUMMARY_BYTES * 2 + 1)),
+            item("n6", 7),
+            {"metadata": {"name": "n7"}},
+            "junk",
+        ]
+    }
     found, errors = parse_leases(doc)
     assert set(found) == {"n2"} and found["n2"].config_backend == {"Type": "vxlan"}
     assert sorted(errors) == ["lease n3/status", "lease n4/status", "lease n5/status"]
@@ -166,10 +189,14 @@ def test_the_publisher_defers_what_the_limiter_holds_back() -> None:
 # --- the cordon ------------------------------------------------------------------------
 
 
-def node(unschedulable: bool = False, label: bool = False,
-         mark: str | None = None) -> dict[str, Any]:  # fmt: skip
-    meta: dict[str, Any] = {"name": "n1", "labels": {"kubernetes.io/os": "linux"},
-                            "annotations": {}}  # fmt: skip
+def node(
+    unschedulable: bool = False, label: bool = False, mark: str | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": "n1",
+        "labels": {"kubernetes.io/os": "linux"},
+        "annotations": {},
+    }
     if label:
         meta["labels"][EXCLUDE_LABEL] = "true"
     if mark is not None:
@@ -259,9 +286,11 @@ def test_each_node_is_out_from_before_its_override_until_it_is_verified() -> Non
         for n in nodes
         for step in (("cordon", n), ("override", n), ("uncordon", n), ("done", n))
     ]
-    assert log == expected  # one node out at a time  # fmt: skip
-    assert any(line.endswith("n1: cordoned (unschedulable, out of external load balancers)")
-               for line in env.lines)  # fmt: skip
+    assert log == expected  # one node out at a time
+    assert any(
+        line.endswith("n1: cordoned (unschedulable, out of external load balancers)")
+        for line in env.lines
+    )
 
 
 def test_a_node_rolled_back_is_returned_after_its_rollback() -> None:
@@ -273,8 +302,13 @@ def test_a_node_rolled_back_is_returned_after_its_rollback() -> None:
     failed = env.drive(record.id)
     assert failed.state == "failed"
     n2 = [step for step in log if step[1] == "n2"]
-    assert n2 == [("cordon", "n2"), ("override", "n2"), ("override", "n2"), ("uncordon", "n2"),
-                  ("done", "n2")]  # fmt: skip
+    assert n2 == [
+        ("cordon", "n2"),
+        ("override", "n2"),
+        ("override", "n2"),
+        ("uncordon", "n2"),
+        ("done", "n2"),
+    ]
     assert not env.rs.out  # type: ignore[attr-defined]
 
 
@@ -311,8 +345,7 @@ class FakeLeases:
 
             raise ApiException(status=self.status, reason="Forbidden")
 
-    def patch_namespaced_lease(self, name: str, namespace: str, body: Any,
-                               **_: Any) -> Resp:  # fmt: skip
+    def patch_namespaced_lease(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
         self._fail()
         if name not in self.leases:
             from kubernetes.client.exceptions import ApiException
@@ -368,8 +401,11 @@ def test_a_forbidden_write_names_the_permission_once_and_is_retried_slowly(
         return refused
 
     def warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if r.levelname == "WARNING" and "status Lease" in r.getMessage()]  # fmt: skip
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelname == "WARNING" and "status Lease" in r.getMessage()
+        ]
 
     assert ticks(0.0, 31) == 4  # at 0, 60, 120 and 180 s: not every tick
     assert warnings() == [
@@ -439,8 +475,7 @@ class FakeCore:
         self.config_maps[name] = self._bump(json.loads(json.dumps(body)))
         return self.Resp(self.config_maps[name])
 
-    def replace_namespaced_config_map(self, name: str, namespace: str, body: Any,
-                                      **_: Any) -> Resp:  # fmt: skip
+    def replace_namespaced_config_map(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
         if (
             body["metadata"].get("resourceVersion")
             != (self.config_maps[name]["metadata"]["resourceVersion"])
@@ -449,8 +484,7 @@ class FakeCore:
         self.config_maps[name] = self._bump(json.loads(json.dumps(body)))
         return self.Resp(self.config_maps[name])
 
-    def patch_namespaced_config_map(self, name: str, namespace: str, body: Any,
-                                    **_: Any) -> Resp:  # fmt: skip
+    def patch_namespaced_config_map(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
         self._patch(self.config_maps[name], body)
         return self.Resp(self.config_maps[name])
 
@@ -472,22 +506,26 @@ def kube_store(monkeypatch: pytest.MonkeyPatch, leases: dict[str, Any]) -> tuple
     from flannelpy.subnet.kube.node_status import NodeSummary
 
     core = FakeCore()
-    core.config_maps["kube-flannelpy-cfg"] = core._bump({
-        "metadata": {"name": "kube-flannelpy-cfg"},
-        "data": {"net-conf.json": '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'},
-    })  # fmt: skip
+    core.config_maps["kube-flannelpy-cfg"] = core._bump(
+        {
+            "metadata": {"name": "kube-flannelpy-cfg"},
+            "data": {"net-conf.json": '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'},
+        }
+    )
     for name in ("n1", "n2"):
-        core.nodes[name] = core._bump({"metadata": {"name": name, "annotations": {}},
-                                       "spec": {}})  # fmt: skip
+        core.nodes[name] = core._bump({"metadata": {"name": name, "annotations": {}}, "spec": {}})
 
     def summaries(_client: Any, _ns: str) -> tuple[dict[str, NodeSummary], dict[str, str]]:
         return {n: NodeSummary(status(n).to_json(), leases.get(n)) for n in core.nodes}, {}
 
     monkeypatch.setattr(ks, "read_summaries", summaries)
     clock = [0.0]
-    store = ks.KubeRolloutStore(None, "flannel.alpha.coreos.com",  # type: ignore[arg-type]
-                                sleep=lambda s: clock.__setitem__(0, clock[0] + s),
-                                monotonic=lambda: clock[0])  # fmt: skip
+    store = ks.KubeRolloutStore(
+        None,  # type: ignore[arg-type]
+        "flannel.alpha.coreos.com",
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+        monotonic=lambda: clock[0],
+    )
     store._api = core  # type: ignore[assignment]
     return store, core
 

@@ -26,10 +26,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__))
 
 def make_lab(tmp_path: Path) -> Lab:
     state = plan.plan_lab(
-        "unit", 3, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.9.0/24")],
-        overlay_bridge=False, lab_root=str(tmp_path),
-    )  # fmt: skip
+        "unit",
+        3,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.9.0/24")],
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+    )
     state_io.save(state)
     return Lab(state)
 
@@ -83,8 +90,14 @@ def test_a_node_runs_its_own_tree_even_from_a_checkout_of_this_one(tmp_path: Pat
     assert agents.agent_source(lab.state, lab.node("n1")) is None
 
     def imported(env: dict[str, str]) -> str:
-        out = subprocess.run([sys.executable, "-m", "flannelpy"], env=env, cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "flannelpy"],
+            env=env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout.strip()
 
     env = agents.agent_env(agents.agent_source(lab.state, lab.node("n3")))
@@ -139,8 +152,16 @@ def test_the_lab_brings_its_own_etcd(tmp_path: Path) -> None:
             ],
         )
     argv = environ.command_argv("unit", state.node("n1"), ["flannelpy", "doctor"])
-    assert argv == ["ip", "netns", "exec", state.node("n1").namespace,
-                    sys.executable, "-m", "flannelpy", "doctor"]  # fmt: skip
+    assert argv == [
+        "ip",
+        "netns",
+        "exec",
+        state.node("n1").namespace,
+        sys.executable,
+        "-m",
+        "flannelpy",
+        "doctor",
+    ]
 
 
 def test_run_hands_the_command_the_labs_store_and_nothing_of_ours(
@@ -157,7 +178,9 @@ def test_run_hands_the_command_the_labs_store_and_nothing_of_ours(
 
     assert lab_cli.main(["env", "unit"]) == 0
     out = capfd.readouterr().out
-    assert out == (f"export FLANNELD_ETCD_ENDPOINTS={state.etcd_endpoint}\n"
-                   f"export FLANNELD_ETCD_PREFIX={state.etcd_prefix}\n")  # fmt: skip
+    assert out == (
+        f"export FLANNELD_ETCD_ENDPOINTS={state.etcd_endpoint}\n"
+        f"export FLANNELD_ETCD_PREFIX={state.etcd_prefix}\n"
+    )
     assert lab_cli.main(["env", "unit", "--node", "n9"]) == 1
     assert "lab unit has no node 'n9'" in capfd.readouterr().err

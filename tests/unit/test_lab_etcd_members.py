@@ -25,10 +25,18 @@ SEGMENT = IPv4Network("100.64.9.0/24")
 def make_state(tmp_path: Path, members: int, segments: int = 1) -> LabState:
     subnets = [SEGMENT, IPv4Network("100.64.10.0/24")][:segments]
     return plan.plan_lab(
-        "unit", 4, "vxlan", direct_routing=False, segments=segments, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=subnets, overlay_bridge=False,
-        lab_root=str(tmp_path), etcd_members=members,
-    )  # fmt: skip
+        "unit",
+        4,
+        "vxlan",
+        direct_routing=False,
+        segments=segments,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=subnets,
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+        etcd_members=members,
+    )
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -52,11 +60,15 @@ def test_three_members_get_own_namespaces_and_addresses_on_segment_one(
     members = state.etcd_members
     assert [m.namespace for m in members] == ["fpl-unit-e1", "fpl-unit-e2", "fpl-unit-e3"]
     assert [m.underlay_address for m in members] == [
-        "100.64.9.241/24", "100.64.9.242/24", "100.64.9.243/24"
-    ]  # fmt: skip
+        "100.64.9.241/24",
+        "100.64.9.242/24",
+        "100.64.9.243/24",
+    ]
     assert state.etcd_endpoints == [
-        "http://100.64.9.241:2379", "http://100.64.9.242:2379", "http://100.64.9.243:2379"
-    ]  # fmt: skip
+        "http://100.64.9.241:2379",
+        "http://100.64.9.242:2379",
+        "http://100.64.9.243:2379",
+    ]
     assert state.etcd_endpoint == state.etcd_endpoints[0]
     # No member collides with a node, the router or the host attachment.
     taken = [IPv4Interface(n.underlay_address).ip for n in state.nodes]
@@ -124,34 +136,54 @@ def test_members_survive_the_state_file(tmp_path: Path) -> None:
         loaded.etcd_member("e9")
 
 
-def _member(name: str, running: bool, ident: str | None, leader_id: str | None,
-            leader: bool, error: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"name": name, "client_url": f"http://{name}:2379", "pid": 7 if running else None,
-            "running": running, "id": ident, "leader_id": leader_id, "raft_term": 3,
-            "error": error, "leader": leader}  # fmt: skip
+def _member(
+    name: str,
+    running: bool,
+    ident: str | None,
+    leader_id: str | None,
+    leader: bool,
+    error: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "client_url": f"http://{name}:2379",
+        "pid": 7 if running else None,
+        "running": running,
+        "id": ident,
+        "leader_id": leader_id,
+        "raft_term": 3,
+        "error": error,
+        "leader": leader,
+    }
 
 
 def test_the_leader_is_the_one_a_majority_names() -> None:
-    partitioned = etcd.mark_leader([
-        _member("e1", True, "a1", "a1", False),  # cut off, still thinks it leads
-        _member("e2", True, "b2", "c3", False),
-        _member("e3", True, "c3", "c3", False),
-    ])  # fmt: skip
+    partitioned = etcd.mark_leader(
+        [
+            _member("e1", True, "a1", "a1", False),  # cut off, still thinks it leads
+            _member("e2", True, "b2", "c3", False),
+            _member("e3", True, "c3", "c3", False),
+        ]
+    )
     assert [d["leader"] for d in partitioned] == [False, False, True]
-    lone = etcd.mark_leader([
-        _member("e1", True, "a1", "0", False),
-        _member("e2", False, None, None, False),
-        _member("e3", True, "c3", "c3", False),
-    ])  # fmt: skip
+    lone = etcd.mark_leader(
+        [
+            _member("e1", True, "a1", "0", False),
+            _member("e2", False, None, None, False),
+            _member("e3", True, "c3", "c3", False),
+        ]
+    )
     assert not any(d["leader"] for d in lone)  # one vote of three is no majority
 
 
 def test_status_table_marks_the_leader_and_down_or_cut_off_members() -> None:
-    lines = status.render_members([
-        _member("e1", True, "a1", "b2", False),
-        _member("e2", True, "b2", "b2", True),
-        _member("e3", False, None, None, False),
-    ])  # fmt: skip
+    lines = status.render_members(
+        [
+            _member("e1", True, "a1", "b2", False),
+            _member("e2", True, "b2", "b2", True),
+            _member("e3", False, None, None, False),
+        ]
+    )
     text = "\n".join(lines)
     assert "etcd members: 3, leader elected" in text
     row = {line.split()[0]: line for line in lines if line.startswith("e")}

@@ -8,10 +8,17 @@ from flannelpy_lab.agents import parse_subnet_env
 from flannelpy_lab.state import KIND_FLANNELD, NodeInfo
 
 NODE = NodeInfo(
-    name="n3", namespace="fpl-n3", segment=1, underlay_iface="eth0",
-    underlay_address="100.64.0.3/24", switch_port="fpl-n3-p", node_dir="/tmp/n3",
-    subnet_env="/tmp/n3/subnet.env", agent_log="/tmp/n3/agent.log", agent_kind=KIND_FLANNELD,
-)  # fmt: skip
+    name="n3",
+    namespace="fpl-n3",
+    segment=1,
+    underlay_iface="eth0",
+    underlay_address="100.64.0.3/24",
+    switch_port="fpl-n3-p",
+    node_dir="/tmp/n3",
+    subnet_env="/tmp/n3/subnet.env",
+    agent_log="/tmp/n3/agent.log",
+    agent_kind=KIND_FLANNELD,
+)
 IPV4_ENV = (
     "FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET=10.244.3.1/24\n"
     "FLANNEL_MTU=1450\nFLANNEL_IPMASQ=true\n"

@@ -36,10 +36,17 @@ def test_the_pinned_directory_follows_the_wrapper_module(monkeypatch: pytest.Mon
 
 def test_agents_get_the_service_account_kubeconfig(tmp_path: Path) -> None:
     state = plan.plan_lab(
-        "unit", 2, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.9.0/24")],
-        overlay_bridge=False, lab_root=str(tmp_path),
-    )  # fmt: skip
+        "unit",
+        2,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.9.0/24")],
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+    )
     state.extra["kube_api_url"] = control_plane.api_url(state)
     state.extra["kube_kubeconfig"] = control_plane.agent_kubeconfig(state)
     parser = argparse.ArgumentParser()

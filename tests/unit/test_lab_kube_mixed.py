@@ -17,10 +17,18 @@ P = "flannel.alpha.coreos.com/"
 
 def mixed_state(tmp_path: Path, kube: bool) -> LabState:
     state = plan.plan_lab(
-        "unit", 4, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.9.0/24")],
-        overlay_bridge=False, lab_root=str(tmp_path), flanneld_nodes=2,
-    )  # fmt: skip
+        "unit",
+        4,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.9.0/24")],
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+        flanneld_nodes=2,
+    )
     state.extra["flanneld_binary"] = "/opt/flanneld"
     if kube:
         state.extra["kube_api_url"] = control_plane.api_url(state)
@@ -70,16 +78,23 @@ def test_flanneld_environment_drops_proxies_and_adds_the_daemonsets(
 
 
 def node(annotations: dict[str, str] | None, pod_cidr: str | None) -> dict[str, object]:
-    return {"metadata": {"name": "n3", **({"annotations": annotations} if annotations else {})},
-            "spec": {"podCIDR": pod_cidr} if pod_cidr else {}}  # fmt: skip
+    return {
+        "metadata": {"name": "n3", **({"annotations": annotations} if annotations else {})},
+        "spec": {"podCIDR": pod_cidr} if pod_cidr else {},
+    }
 
 
 def test_a_node_is_a_lease_once_it_has_a_pod_cidr_and_flannels_public_ip() -> None:
     notes = {P + "public-ip": "100.64.9.3", P + "backend-type": "vxlan"}
     assert control_plane.node_lease(node(notes, "10.244.2.0/24")) == {
-        "key": "n3", "subnet": "10.244.2.0/24", "public_ip": "100.64.9.3",
-        "public_ipv6": None, "backend": "vxlan", "node_name": "n3", "error": None,
-    }  # fmt: skip
+        "key": "n3",
+        "subnet": "10.244.2.0/24",
+        "public_ip": "100.64.9.3",
+        "public_ipv6": None,
+        "backend": "vxlan",
+        "node_name": "n3",
+        "error": None,
+    }
     # IPv6-only, Flannel writes the IPv6 annotations alone
     v6 = {P + "public-ipv6": "fd00:64:1::3", P + "backend-type": "vxlan"}
     lease6 = control_plane.node_lease(node(v6, "fd10:244:0:2::/64"))

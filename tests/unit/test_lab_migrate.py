@@ -20,10 +20,18 @@ from flannelpy.ipam.manager import NodeIpam
 
 def make_lab(tmp_path: Path) -> Lab:
     state = plan.plan_lab(
-        "unit", 4, "vxlan", direct_routing=False, segments=1, network="10.244.0.0/16",
-        etcd_prefix="/coreos.com/network", subnets=[IPv4Network("100.64.9.0/24")],
-        overlay_bridge=False, lab_root=str(tmp_path), flanneld_nodes=2,
-    )  # fmt: skip
+        "unit",
+        4,
+        "vxlan",
+        direct_routing=False,
+        segments=1,
+        network="10.244.0.0/16",
+        etcd_prefix="/coreos.com/network",
+        subnets=[IPv4Network("100.64.9.0/24")],
+        overlay_bridge=False,
+        lab_root=str(tmp_path),
+        flanneld_nodes=2,
+    )
     state_io.save(state)
     return Lab(state)
 
@@ -32,8 +40,12 @@ def test_the_command_line() -> None:
     args = lab_cli.build_parser().parse_args(
         ["migrate", "--name", "demo", "--node", "n3", "--to", "flannelpy"]
     )
-    assert (args.lab_command, args.name, args.node, args.to) == ("migrate", "demo", "n3",
-                                                                "flannelpy")  # fmt: skip
+    assert (args.lab_command, args.name, args.node, args.to) == (
+        "migrate",
+        "demo",
+        "n3",
+        "flannelpy",
+    )
     with pytest.raises(SystemExit):
         lab_cli.build_parser().parse_args(["migrate", "--name", "d", "--node", "n3", "--to", "x"])
 
@@ -59,6 +71,7 @@ def test_our_allocations_are_written_for_host_local(tmp_path: Path) -> None:
     assert export_allocations(str(node_dir), str(target)) == 2
     assert (target / "10.244.55.2").read_bytes() == b"lab-n2-p1\r\neth0"
     assert sorted(e.container_id for e in hostlocal.read_dir(str(target))) == [
-        "lab-n2-p1", "lab-n2-p2",
-    ]  # fmt: skip
+        "lab-n2-p1",
+        "lab-n2-p2",
+    ]
     assert export_allocations(str(tmp_path / "never-ran"), str(target)) == 0

@@ -32,8 +32,11 @@ def test_an_update_swaps_the_version_and_removes_the_old_one(tmp_path: Path) -> 
     assert second != first and not (tmp_path / first).exists()
     assert (tmp_path / "net-conf.json").read_text() == "v2"
     assert not (tmp_path / "cni-conf.json").exists()  # a key the ConfigMap lost
-    versions = [p.name for p in tmp_path.iterdir() if p.name.startswith("..") and p.is_dir()
-                and not p.is_symlink()]  # fmt: skip
+    versions = [
+        p.name
+        for p in tmp_path.iterdir()
+        if p.name.startswith("..") and p.is_dir() and not p.is_symlink()
+    ]
     assert versions == [second]
 
 

@@ -16,19 +16,26 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 def _lint(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache"],
-        cwd=root, capture_output=True, text=True, timeout=120,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": f"{root}:{root / 'lab'}", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
 def tree_copy(tmp_path: Path) -> Path:
     """The packages and their contracts, copied where they can be broken on purpose."""
     for package in ("flannelpy", "cni_plugin"):
-        shutil.copytree(REPO / package, tmp_path / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    shutil.copytree(REPO / "lab" / "flannelpy_lab", tmp_path / "lab" / "flannelpy_lab",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        shutil.copytree(
+            REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copytree(
+        REPO / "lab" / "flannelpy_lab",
+        tmp_path / "lab" / "flannelpy_lab",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 

@@ -92,11 +92,13 @@ def row(
 
 def pools() -> list[Accounting]:
     return [
-        Accounting(IPv4Network("10.244.1.0/24"), 253, assigned=100, cooling=20, free=133,
-                   next_free_in=12.0),
-        Accounting(IPv4Network("10.244.9.0/24"), 253, assigned=3, cooling=0, free=250,
-                   next_free_in=None),
-    ]  # fmt: skip
+        Accounting(
+            IPv4Network("10.244.1.0/24"), 253, assigned=100, cooling=20, free=133, next_free_in=12.0
+        ),
+        Accounting(
+            IPv4Network("10.244.9.0/24"), 253, assigned=3, cooling=0, free=250, next_free_in=None
+        ),
+    ]
 
 
 def links(n_pods: int = 3) -> list[RoleStats]:
@@ -109,8 +111,13 @@ def links(n_pods: int = 3) -> list[RoleStats]:
 
 
 def kernel_reading() -> KernelReading:
-    counts = {"tcp_sent": 100, "tcp_retransmitted": 3, "no_route": 1, "frag_needed": 2,
-              "icmp_unreachable_sent": 2}  # fmt: skip
+    counts = {
+        "tcp_sent": 100,
+        "tcp_retransmitted": 3,
+        "no_route": 1,
+        "frag_needed": 2,
+        "icmp_unreachable_sent": 2,
+    }
     return KernelReading(counts, counts, pod_namespaces=2, pod_namespaces_unreadable=0)
 
 
@@ -169,10 +176,27 @@ def test_no_label_names_a_pod_or_an_interface() -> None:
     forbidden = {"pod", "container", "container_id", "namespace", "ifname", "interface", "ip"}
     assert not label_names & forbidden
     assert label_names <= {
-        "version", "python", "role", "direction", "subnet", "command", "code", "le",
-        "result", "backend", "kind", "reason", "peer", "provider", "state", "pool",
-        "scope", "readable", "implementation", "family",
-    }  # fmt: skip
+        "version",
+        "python",
+        "role",
+        "direction",
+        "subnet",
+        "command",
+        "code",
+        "le",
+        "result",
+        "backend",
+        "kind",
+        "reason",
+        "peer",
+        "provider",
+        "state",
+        "pool",
+        "scope",
+        "readable",
+        "implementation",
+        "family",
+    }
 
 
 def test_pods_are_one_series_per_direction_however_many_veths() -> None:
@@ -364,8 +388,9 @@ def test_failed_passes_keep_the_last_success_time(metrics: AgentMetrics) -> None
     s = scrape(metrics)
     assert value(s, "flannelpy_reconciler_last_success_timestamp_seconds") == 1000.0
     assert value(s, "flannelpy_reconciler_converged") == 1
-    metrics.observe_reconcile(result("route", failures=("route 10.244.2.0/24: EPERM",),
-                                     finished_at=1010.0, route=1))  # fmt: skip
+    metrics.observe_reconcile(
+        result("route", failures=("route 10.244.2.0/24: EPERM",), finished_at=1010.0, route=1)
+    )
     metrics.reconcile_error()
     s = scrape(metrics)
     assert value(s, "flannelpy_reconciler_last_success_timestamp_seconds") == 1000.0
@@ -488,11 +513,11 @@ def test_probe_series_per_peer_unknowns_are_nan(metrics: AgentMetrics) -> None:
     assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.2.0/24", family="ipv4") == 0
     assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24", family="ipv4") == 1
     assert value(s, "flannelpy_peer_reachable", peer="10.244.3.0/24", family="ipv4") == 0
-    assert math.isnan(value(s, "flannelpy_peer_rtt_seconds", peer="10.244.3.0/24",
-                            family="ipv4"))  # fmt: skip
+    assert math.isnan(value(s, "flannelpy_peer_rtt_seconds", peer="10.244.3.0/24", family="ipv4"))
     assert value(s, "flannelpy_peer_loss_ratio", peer="10.244.3.0/24", family="ipv4") == 1
-    assert math.isnan(value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.3.0/24",
-                            family="ipv4"))  # fmt: skip
+    assert math.isnan(
+        value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.3.0/24", family="ipv4")
+    )
 
 
 def test_probe_series_of_departed_peers_are_removed(metrics: AgentMetrics) -> None:
@@ -514,12 +539,13 @@ def test_probe_series_per_family_and_departed_ipv6_sides_removed(metrics: AgentM
     metrics.probe("fd10:244:0:2::/64", True, 0.001, 0.0, False)
     metrics.probe("fd10:244:0:3::/64", True, 0.001, 0.0, True)
     s = scrape(metrics)
-    assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24",
-                 family="ipv4") == 1  # fmt: skip
-    assert value(s, "flannelpy_peer_path_mtu_verified", peer="fd10:244:0:2::/64",
-                 family="ipv6") == 0  # fmt: skip
-    dual = replace(peer("10.244.2.0/24", "192.168.1.2"),
-                   ipv6_subnet=IPv6Network("fd10:244:0:2::/64"))  # fmt: skip
+    assert value(s, "flannelpy_peer_path_mtu_verified", peer="10.244.2.0/24", family="ipv4") == 1
+    assert (
+        value(s, "flannelpy_peer_path_mtu_verified", peer="fd10:244:0:2::/64", family="ipv6") == 0
+    )
+    dual = replace(
+        peer("10.244.2.0/24", "192.168.1.2"), ipv6_subnet=IPv6Network("fd10:244:0:2::/64")
+    )
     metrics.peers([dual])  # the peer of fd10:244:0:3::/64 is gone
     sides = {
         (dict(labels)["peer"], dict(labels)["family"])

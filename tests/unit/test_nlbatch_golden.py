@@ -58,18 +58,22 @@ def test_neighbour_set_is_a_permanent_replace() -> None:
     req = rtnl.neigh_request(False, 3, IPv4Address("10.244.2.0"), MAC)
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWNEIGH, 0x400 | 0x100)
     assert req.body == encoded(
-        ndmsg(), {"family": socket.AF_INET, "ifindex": 3, "state": 0x80, "flags": 0, "ndm_type": 0},
-        [("NDA_DST", "10.244.2.0"), ("NDA_LLADDR", MAC)], req,
-    )  # fmt: skip
+        ndmsg(),
+        {"family": socket.AF_INET, "ifindex": 3, "state": 0x80, "flags": 0, "ndm_type": 0},
+        [("NDA_DST", "10.244.2.0"), ("NDA_LLADDR", MAC)],
+        req,
+    )
 
 
 def test_neighbour_delete_names_only_the_address() -> None:
     req = rtnl.neigh_request(True, 3, IPv4Address("10.244.2.0"))
     assert (req.msg_type, req.flags) == (rtnl.RTM_DELNEIGH, 0)
     assert req.body == encoded(
-        ndmsg(), {"family": socket.AF_INET, "ifindex": 3, "state": 0x80},
-        [("NDA_DST", "10.244.2.0")], req,
-    )  # fmt: skip
+        ndmsg(),
+        {"family": socket.AF_INET, "ifindex": 3, "state": 0x80},
+        [("NDA_DST", "10.244.2.0")],
+        req,
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,9 +86,11 @@ def test_fdb_entry_is_appended_or_deleted_on_the_device_itself(
     req = rtnl.fdb_request(delete, 7, MAC, IPv4Address("192.168.1.12"))
     assert (req.msg_type, req.flags) == (msg_type, flags)
     assert req.body == encoded(
-        ndmsg(), {"family": rtnl.AF_BRIDGE, "ifindex": 7, "state": 0x80, "flags": 0x02},
-        [("NDA_LLADDR", MAC), ("NDA_DST", "192.168.1.12")], req,
-    )  # fmt: skip
+        ndmsg(),
+        {"family": rtnl.AF_BRIDGE, "ifindex": 7, "state": 0x80, "flags": 0x02},
+        [("NDA_LLADDR", MAC), ("NDA_DST", "192.168.1.12")],
+        req,
+    )
 
 
 # --- routes (rtnl) --------------------------------------------------------------------
@@ -99,10 +105,18 @@ def test_route_via_a_gateway_is_a_universe_replace() -> None:
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x100)
     assert req.body == encoded(
         rtmsg(),
-        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
-         "scope": 0, "type": 1, "flags": 0},
-        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "192.168.1.13")], req,
-    )  # fmt: skip
+        {
+            "family": socket.AF_INET,
+            "dst_len": 24,
+            "table": 254,
+            "proto": OUR_PROTOCOL,
+            "scope": 0,
+            "type": 1,
+            "flags": 0,
+        },
+        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "192.168.1.13")],
+        req,
+    )
 
 
 def test_onlink_route_sets_the_next_hop_flag() -> None:
@@ -111,20 +125,35 @@ def test_onlink_route_sets_the_next_hop_flag() -> None:
     )
     assert req.body == encoded(
         rtmsg(),
-        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
-         "scope": 0, "type": 1, "flags": 0x4},
-        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 9), ("RTA_GATEWAY", "10.244.3.0")], req,
-    )  # fmt: skip
+        {
+            "family": socket.AF_INET,
+            "dst_len": 24,
+            "table": 254,
+            "proto": OUR_PROTOCOL,
+            "scope": 0,
+            "type": 1,
+            "flags": 0x4,
+        },
+        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 9), ("RTA_GATEWAY", "10.244.3.0")],
+        req,
+    )
 
 
 def test_route_without_a_gateway_has_link_scope() -> None:
     req = rtnl.route_request(False, OUR_PROTOCOL, DST.network_address.packed, 24, oif=4)
     assert req.body == encoded(
         rtmsg(),
-        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
-         "scope": 253, "type": 1},
-        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 4)], req,
-    )  # fmt: skip
+        {
+            "family": socket.AF_INET,
+            "dst_len": 24,
+            "table": 254,
+            "proto": OUR_PROTOCOL,
+            "scope": 253,
+            "type": 1,
+        },
+        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 4)],
+        req,
+    )
 
 
 def test_route_delete_names_only_destination_and_protocol() -> None:
@@ -132,10 +161,17 @@ def test_route_delete_names_only_destination_and_protocol() -> None:
     assert (req.msg_type, req.flags) == (rtnl.RTM_DELROUTE, 0)
     assert req.body == encoded(
         rtmsg(),
-        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
-         "scope": 255, "type": 0},
-        [("RTA_DST", "10.244.3.0")], req,
-    )  # fmt: skip
+        {
+            "family": socket.AF_INET,
+            "dst_len": 24,
+            "table": 254,
+            "proto": OUR_PROTOCOL,
+            "scope": 255,
+            "type": 0,
+        },
+        [("RTA_DST", "10.244.3.0")],
+        req,
+    )
 
 
 # --- dump and get requests (nlbatch) --------------------------------------------------
@@ -273,8 +309,9 @@ def fake_socket() -> tuple[nlbatch.NetlinkSocket, FakeKernel]:
     return sock, kernel
 
 
-def whole(msg: Any, fields: dict[str, Any], attrs: list[Any], msg_type: int, flags: int,
-          seq: int) -> bytes:  # fmt: skip
+def whole(
+    msg: Any, fields: dict[str, Any], attrs: list[Any], msg_type: int, flags: int, seq: int
+) -> bytes:
     for name, value in fields.items():
         msg[name] = value
     msg["attrs"] = attrs
@@ -290,14 +327,20 @@ def test_a_batch_is_one_datagram_and_only_its_last_message_asks_for_an_ack() -> 
     assert sock.batch([first, second]) == [rtnl.Reply(), rtnl.Reply()]
     [datagram] = kernel.sent
     assert datagram == whole(
-        ndmsg(), {"family": socket.AF_INET, "ifindex": 3, "state": 0x80},
+        ndmsg(),
+        {"family": socket.AF_INET, "ifindex": 3, "state": 0x80},
         [("NDA_DST", "10.244.2.0"), ("NDA_LLADDR", MAC)],
-        rtnl.RTM_NEWNEIGH, 0x1 | 0x400 | 0x100, 1,
+        rtnl.RTM_NEWNEIGH,
+        0x1 | 0x400 | 0x100,
+        1,
     ) + whole(
-        ndmsg(), {"family": rtnl.AF_BRIDGE, "ifindex": 3, "state": 0x80, "flags": 0x02},
+        ndmsg(),
+        {"family": rtnl.AF_BRIDGE, "ifindex": 3, "state": 0x80, "flags": 0x02},
         [("NDA_LLADDR", MAC), ("NDA_DST", "192.168.1.12")],
-        rtnl.RTM_NEWNEIGH, 0x1 | 0x4 | 0x400 | 0x800, 2,
-    )  # fmt: skip
+        rtnl.RTM_NEWNEIGH,
+        0x1 | 0x4 | 0x400 | 0x800,
+        2,
+    )
 
 
 def test_a_single_request_asks_for_an_ack() -> None:
@@ -306,9 +349,15 @@ def test_a_single_request_asks_for_an_ack() -> None:
     reply, answers = sock.request(req)
     assert (reply, answers) == (rtnl.Reply(), [])
     assert kernel.sent == [
-        whole(ifinfmsg(), {"family": 0}, [("IFLA_IFNAME", "veth1234abcd")],
-              rtnl.RTM_DELLINK, 0x1 | 0x4, 1)
-    ]  # fmt: skip
+        whole(
+            ifinfmsg(),
+            {"family": 0},
+            [("IFLA_IFNAME", "veth1234abcd")],
+            rtnl.RTM_DELLINK,
+            0x1 | 0x4,
+            1,
+        )
+    ]
 
 
 def test_a_dump_request_has_the_dump_flags() -> None:
@@ -459,8 +508,9 @@ def test_address_add_or_delete(address: str, broadcast: str | None, delete: bool
     assert req.body == encoded(
         ifaddrmsg(),
         {"family": socket.AF_INET, "prefixlen": iface.network.prefixlen, "scope": 0, "index": 4},
-        attrs, req,
-    )  # fmt: skip
+        attrs,
+        req,
+    )
 
 
 @pytest.mark.parametrize(
@@ -522,8 +572,9 @@ def test_pod_default_route_is_tagged_like_ip_route_add() -> None:
     assert req.body == encoded(
         rtmsg(),
         {"family": socket.AF_INET, "dst_len": 0, "table": 254, "proto": 3, "scope": 0, "type": 1},
-        [("RTA_DST", "0.0.0.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "10.244.1.1")], req,
-    )  # fmt: skip
+        [("RTA_DST", "0.0.0.0"), ("RTA_OIF", 2), ("RTA_GATEWAY", "10.244.1.1")],
+        req,
+    )
 
 
 def test_pod_ipv6_default_route_is_tagged_like_ip_route_add() -> None:
@@ -547,7 +598,15 @@ def test_blackhole_route_has_no_device_and_a_metric_below_the_connected_route() 
     assert (req.msg_type, req.flags) == (rtnl.RTM_NEWROUTE, 0x400 | 0x100)
     assert req.body == encoded(
         rtmsg(),
-        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL,
-         "scope": 0, "type": 6, "flags": 0},
-        [("RTA_DST", "10.244.3.0"), ("RTA_PRIORITY", 1024)], req,
-    )  # fmt: skip
+        {
+            "family": socket.AF_INET,
+            "dst_len": 24,
+            "table": 254,
+            "proto": OUR_PROTOCOL,
+            "scope": 0,
+            "type": 6,
+            "flags": 0,
+        },
+        [("RTA_DST", "10.244.3.0"), ("RTA_PRIORITY", 1024)],
+        req,
+    )

@@ -31,9 +31,19 @@ def status(
     applied_at: float = 10.0,
     generation: int | None = None,
 ) -> NodeStatus:
-    return NodeStatus(node, 300.0, True, "100.64.0.2", ("100.64.0.0/24",),
-                      BackendSummary("host-gw", 1, 8472, False, 1500), False, generation,
-                      applied_at, subnets=(own,), probes=ProbeSummary.of(probes))  # fmt: skip
+    return NodeStatus(
+        node,
+        300.0,
+        True,
+        "100.64.0.2",
+        ("100.64.0.0/24",),
+        BackendSummary("host-gw", 1, 8472, False, 1500),
+        False,
+        generation,
+        applied_at,
+        subnets=(own,),
+        probes=ProbeSummary.of(probes),
+    )
 
 
 @pytest.mark.parametrize("peers", [1, 100, 1000, 10_000])
@@ -77,11 +87,14 @@ def test_verification_reads_the_summaries_of_the_node_and_every_peer() -> None:
 
     def cluster(**probes: dict[str, PeerProbe]) -> dict[str, NodeStatus]:
         return {
-            n: status(n, subnets[n], probes.get(n) or {subnets[p]: GOOD for p in subnets
-                                                        if p != n},
-                      generation=1 if n == "n1" else None)
+            n: status(
+                n,
+                subnets[n],
+                probes.get(n) or {subnets[p]: GOOD for p in subnets if p != n},
+                generation=1 if n == "n1" else None,
+            )
             for n in subnets
-        }  # fmt: skip
+        }
 
     assert verification_failures("n1", 1, 100.0, target, cluster()) == []
     # A link between two other nodes does not hold n1 back...

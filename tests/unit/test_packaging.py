@@ -15,10 +15,11 @@ def test_the_wheel_holds_the_agent_and_the_cni_executable_but_not_the_lab(
     tmp_path: Path,
 ) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps",
-         "-q", "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("flannelpy-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}

@@ -29,8 +29,9 @@ VXLAN_DR = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC)
 HOSTGW = Capabilities(prefers_direct=True, vni=None, vtep_mac=None)
 HOSTGW_VTEP = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC)
 VXLAN_VNI2 = Capabilities(prefers_direct=False, vni=2, vtep_mac=MAC)
-WIREGUARD = Capabilities(prefers_direct=False, vni=None, vtep_mac=None, encrypts=True,
-                         wireguard_key=True)  # fmt: skip
+WIREGUARD = Capabilities(
+    prefers_direct=False, vni=None, vtep_mac=None, encrypts=True, wireguard_key=True
+)
 KEPT_WG = Capabilities(prefers_direct=False, vni=1, vtep_mac=MAC, wireguard_key=True)
 KEPT_WG_DR = Capabilities(prefers_direct=True, vni=1, vtep_mac=MAC, wireguard_key=True)
 

@@ -75,42 +75,89 @@ WEEKEND = window({SAT, SUN}, "02:00", 4 * H, 2 * H)
         (doc_with({"Mode": "block"}), DisruptionPolicy("Block")),
         ({"disruptionpolicy": {"mode": "BLOCK"}}, DisruptionPolicy("Block")),
         (
-            doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": {
-                "Days": ["Sat", "Sun"], "Start": "02:00", "Duration": "4h",
-                "UTCOffset": "+02:00"}}),
+            doc_with(
+                {
+                    "Mode": "AllowDuringMaintenanceWindow",
+                    "Window": {
+                        "Days": ["Sat", "Sun"],
+                        "Start": "02:00",
+                        "Duration": "4h",
+                        "UTCOffset": "+02:00",
+                    },
+                }
+            ),
             DisruptionPolicy("AllowDuringMaintenanceWindow", WEEKEND),
         ),
         (  # every key in any case, full day names in any case
-            {"DISRUPTIONPOLICY": {"mode": "allowduringmaintenancewindow", "window": {
-                "days": ["SATURDAY", "sunday"], "start": "2:00", "duration": "240m",
-                "utcoffset": "+0200"}}},
+            {
+                "DISRUPTIONPOLICY": {
+                    "mode": "allowduringmaintenancewindow",
+                    "window": {
+                        "days": ["SATURDAY", "sunday"],
+                        "start": "2:00",
+                        "duration": "240m",
+                        "utcoffset": "+0200",
+                    },
+                }
+            },
             DisruptionPolicy("AllowDuringMaintenanceWindow", WEEKEND),
         ),
         (  # a range, minutes and hours, a negative half-hour offset
-            doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": {
-                "Days": ["Mon-Fri"], "Start": "23:30", "Duration": "1h30m",
-                "UTCOffset": "-05:30"}}),
-            DisruptionPolicy("AllowDuringMaintenanceWindow", window(
-                {MON, TUE, WED, THU, FRI}, "23:30", 90 * M, -(5 * H + 30 * M))),
+            doc_with(
+                {
+                    "Mode": "AllowDuringMaintenanceWindow",
+                    "Window": {
+                        "Days": ["Mon-Fri"],
+                        "Start": "23:30",
+                        "Duration": "1h30m",
+                        "UTCOffset": "-05:30",
+                    },
+                }
+            ),
+            DisruptionPolicy(
+                "AllowDuringMaintenanceWindow",
+                window({MON, TUE, WED, THU, FRI}, "23:30", 90 * M, -(5 * H + 30 * M)),
+            ),
         ),
         (  # a range across the week boundary; no offset is UTC; Z is UTC
-            doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": {
-                "Days": ["Sat-Mon"], "Start": "00:00", "Duration": "1h"}}),
+            doc_with(
+                {
+                    "Mode": "AllowDuringMaintenanceWindow",
+                    "Window": {"Days": ["Sat-Mon"], "Start": "00:00", "Duration": "1h"},
+                }
+            ),
             DisruptionPolicy("AllowDuringMaintenanceWindow", window({SAT, SUN, MON}, "00:00", H)),
         ),
         (
-            doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": {
-                "Days": ["wed"], "Start": "12:05", "Duration": "0h45m", "UTCOffset": "Z"}}),
+            doc_with(
+                {
+                    "Mode": "AllowDuringMaintenanceWindow",
+                    "Window": {
+                        "Days": ["wed"],
+                        "Start": "12:05",
+                        "Duration": "0h45m",
+                        "UTCOffset": "Z",
+                    },
+                }
+            ),
             DisruptionPolicy("AllowDuringMaintenanceWindow", window({WED}, "12:05", 45 * M)),
         ),
         (  # a Window kept with Block: validated, unused
-            doc_with({"Mode": "Block", "Window": {
-                "Days": ["Sat", "Sun"], "Start": "02:00", "Duration": "4h",
-                "UTCOffset": "UTC+02:00"}}),
+            doc_with(
+                {
+                    "Mode": "Block",
+                    "Window": {
+                        "Days": ["Sat", "Sun"],
+                        "Start": "02:00",
+                        "Duration": "4h",
+                        "UTCOffset": "UTC+02:00",
+                    },
+                }
+            ),
             DisruptionPolicy("Block", WEEKEND),
         ),
     ],
-)  # fmt: skip
+)
 def test_parse_policy(doc: dict[str, Any], expected: DisruptionPolicy) -> None:
     assert parse_policy(doc) == expected
 
@@ -118,8 +165,12 @@ def test_parse_policy(doc: dict[str, Any], expected: DisruptionPolicy) -> None:
 def win(**window: Any) -> dict[str, Any]:
     base = {"Days": ["Sat"], "Start": "02:00", "Duration": "4h", "UTCOffset": "+02:00"}
     base.update(window)
-    return doc_with({"Mode": "AllowDuringMaintenanceWindow",
-                     "Window": {k: v for k, v in base.items() if v is not ...}})  # fmt: skip
+    return doc_with(
+        {
+            "Mode": "AllowDuringMaintenanceWindow",
+            "Window": {k: v for k, v in base.items() if v is not ...},
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -127,14 +178,20 @@ def win(**window: Any) -> dict[str, Any]:
     [
         (doc_with("Block"), ['"DisruptionPolicy"', '{"Mode": "Block"}']),
         (doc_with({}), ['"Mode" is missing', '"Mode": "Block"']),
-        (doc_with({"Mode": "Sometimes"}), ['"Sometimes" is not a mode',
-                                           "AllowDuringMaintenanceWindow"]),
+        (
+            doc_with({"Mode": "Sometimes"}),
+            ['"Sometimes" is not a mode', "AllowDuringMaintenanceWindow"],
+        ),
         (doc_with({"Mode": 1}), ['"Mode" 1 is not a mode']),
         (doc_with({"Mode": "Block", "Windows": {}}), ['unknown key "Windows"', '"Window"']),
-        (doc_with({"Mode": "AllowDuringMaintenanceWindow"}), ['needs a "Window"',
-                                                              '"Days": ["Sat", "Sun"]']),
-        (doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": "Sat 02:00"}),
-         ['"Window" must be a JSON object', '"Start": "02:00"']),
+        (
+            doc_with({"Mode": "AllowDuringMaintenanceWindow"}),
+            ['needs a "Window"', '"Days": ["Sat", "Sun"]'],
+        ),
+        (
+            doc_with({"Mode": "AllowDuringMaintenanceWindow", "Window": "Sat 02:00"}),
+            ['"Window" must be a JSON object', '"Start": "02:00"'],
+        ),
         (win(Days=...), ['"Days" is missing', '"Days": ["Sat", "Sun"]']),
         (win(Start=...), ['"Start" is missing', '"Start": "02:00"']),
         (win(Duration=...), ['"Duration" is missing', '"Duration": "4h"']),
@@ -156,11 +213,13 @@ def win(**window: Any) -> dict[str, Any]:
         (win(Timezone="CET"), ['unknown key "Timezone"', '"UTCOffset"']),
         (win(Days=["Mon-Sun"], Duration="24h"), ['"Window" is always open', "Allow"]),
         (win(Days=["Sat", "Sun"], Duration="150h"), ["always open", "shorten the duration"]),
-        ({"DisruptionPolicy": {"Mode": "Allow"}, "disruptionPolicy": {"Mode": "Block"}},
-         ['"DisruptionPolicy" and "disruptionPolicy" differ only in case']),
+        (
+            {"DisruptionPolicy": {"Mode": "Allow"}, "disruptionPolicy": {"Mode": "Block"}},
+            ['"DisruptionPolicy" and "disruptionPolicy" differ only in case'],
+        ),
         (doc_with({"Mode": "Block", "mode": "Allow"}), ['"Mode" and "mode" differ only']),
     ],
-)  # fmt: skip
+)
 def test_parse_errors_are_one_sentence_naming_the_key_and_an_example(
     doc: dict[str, Any], names: list[str]
 ) -> None:
@@ -286,17 +345,27 @@ def test_policy_round_trips_through_its_json(policy: DisruptionPolicy) -> None:
     [
         (ALLOW, "Allow"),
         (DisruptionPolicy("Block"), "Block"),
-        (DisruptionPolicy("AllowDuringMaintenanceWindow", WEEKEND),
-         "AllowDuringMaintenanceWindow: Sat,Sun 02:00 for 4h (UTC+02:00)"),
-        (DisruptionPolicy("AllowDuringMaintenanceWindow",
-                          window({SUN, MON}, "23:30", 90 * M, -(5 * H + 30 * M))),
-         "AllowDuringMaintenanceWindow: Mon,Sun 23:30 for 1h30m (UTC-05:30)"),
-        (DisruptionPolicy("AllowDuringMaintenanceWindow", window({WED}, "00:05", 45 * M)),
-         "AllowDuringMaintenanceWindow: Wed 00:05 for 45m (UTC+00:00)"),
-        (DisruptionPolicy("Block", WEEKEND),
-         "Block (its Window Sat,Sun 02:00 for 4h (UTC+02:00) is unused)"),
+        (
+            DisruptionPolicy("AllowDuringMaintenanceWindow", WEEKEND),
+            "AllowDuringMaintenanceWindow: Sat,Sun 02:00 for 4h (UTC+02:00)",
+        ),
+        (
+            DisruptionPolicy(
+                "AllowDuringMaintenanceWindow",
+                window({SUN, MON}, "23:30", 90 * M, -(5 * H + 30 * M)),
+            ),
+            "AllowDuringMaintenanceWindow: Mon,Sun 23:30 for 1h30m (UTC-05:30)",
+        ),
+        (
+            DisruptionPolicy("AllowDuringMaintenanceWindow", window({WED}, "00:05", 45 * M)),
+            "AllowDuringMaintenanceWindow: Wed 00:05 for 45m (UTC+00:00)",
+        ),
+        (
+            DisruptionPolicy("Block", WEEKEND),
+            "Block (its Window Sat,Sun 02:00 for 4h (UTC+02:00) is unused)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_format_policy(policy: DisruptionPolicy, line: str) -> None:
     assert format_policy(policy) == line
 
@@ -304,9 +373,13 @@ def test_format_policy(policy: DisruptionPolicy, line: str) -> None:
 def test_policy_to_doc_writes_the_documented_form() -> None:
     assert policy_to_doc(DisruptionPolicy("AllowDuringMaintenanceWindow", WEEKEND)) == {
         "Mode": "AllowDuringMaintenanceWindow",
-        "Window": {"Days": ["Sat", "Sun"], "Start": "02:00", "Duration": "4h",
-                   "UTCOffset": "+02:00"},
-    }  # fmt: skip
+        "Window": {
+            "Days": ["Sat", "Sun"],
+            "Start": "02:00",
+            "Duration": "4h",
+            "UTCOffset": "+02:00",
+        },
+    }
     assert policy_to_doc(ALLOW) == {"Mode": "Allow"}
 
 
@@ -371,45 +444,100 @@ TOUCHING = window({MON, TUE}, "00:00", 24 * H)  # contiguous occurrences
     [
         # Sat,Sun 02:00 for 4h at +02:00; 2026-12-12 is a Saturday.
         (WEEKEND, "2026-12-12T01:59:59+02:00", False, None, "2026-12-12T02:00:00+02:00"),
-        (WEEKEND, "2026-12-12T02:00:00+02:00", True, "2026-12-12T06:00:00+02:00",
-         "2026-12-13T02:00:00+02:00"),  # exactly at the start: inside
-        (WEEKEND, "2026-12-12T00:00:00+00:00", True, "2026-12-12T06:00:00+02:00",
-         "2026-12-13T02:00:00+02:00"),  # now in UTC, 02:00 local
-        (WEEKEND, "2026-12-12T05:59:59+02:00", True, "2026-12-12T06:00:00+02:00",
-         "2026-12-13T02:00:00+02:00"),
-        (WEEKEND, "2026-12-12T06:00:00+02:00", False, None,
-         "2026-12-13T02:00:00+02:00"),  # exactly at the end: outside
+        (
+            WEEKEND,
+            "2026-12-12T02:00:00+02:00",
+            True,
+            "2026-12-12T06:00:00+02:00",
+            "2026-12-13T02:00:00+02:00",
+        ),  # exactly at the start: inside
+        (
+            WEEKEND,
+            "2026-12-12T00:00:00+00:00",
+            True,
+            "2026-12-12T06:00:00+02:00",
+            "2026-12-13T02:00:00+02:00",
+        ),  # now in UTC, 02:00 local
+        (
+            WEEKEND,
+            "2026-12-12T05:59:59+02:00",
+            True,
+            "2026-12-12T06:00:00+02:00",
+            "2026-12-13T02:00:00+02:00",
+        ),
+        (
+            WEEKEND,
+            "2026-12-12T06:00:00+02:00",
+            False,
+            None,
+            "2026-12-13T02:00:00+02:00",
+        ),  # exactly at the end: outside
         (WEEKEND, "2026-12-13T06:00:00+02:00", False, None, "2026-12-19T02:00:00+02:00"),
         (WEEKEND, "2026-12-09T12:00:00+02:00", False, None, "2026-12-12T02:00:00+02:00"),
         # Sunday 23:00 for 3h (UTC): inside on Monday 01:00, across the week boundary.
-        (SUN_LATE, "2026-12-07T01:00:00+00:00", True, "2026-12-07T02:00:00+00:00",
-         "2026-12-13T23:00:00+00:00"),
-        (SUN_LATE, "2026-12-06T23:00:00+00:00", True, "2026-12-07T02:00:00+00:00",
-         "2026-12-13T23:00:00+00:00"),
+        (
+            SUN_LATE,
+            "2026-12-07T01:00:00+00:00",
+            True,
+            "2026-12-07T02:00:00+00:00",
+            "2026-12-13T23:00:00+00:00",
+        ),
+        (
+            SUN_LATE,
+            "2026-12-06T23:00:00+00:00",
+            True,
+            "2026-12-07T02:00:00+00:00",
+            "2026-12-13T23:00:00+00:00",
+        ),
         (SUN_LATE, "2026-12-06T22:59:00+00:00", False, None, "2026-12-06T23:00:00+00:00"),
         (SUN_LATE, "2026-12-07T02:00:00+00:00", False, None, "2026-12-13T23:00:00+00:00"),
         # Friday 22:00 for 4h: Saturday 01:00 is inside.
-        (FRI_NIGHT, "2026-12-12T01:00:00+00:00", True, "2026-12-12T02:00:00+00:00",
-         "2026-12-18T22:00:00+00:00"),
+        (
+            FRI_NIGHT,
+            "2026-12-12T01:00:00+00:00",
+            True,
+            "2026-12-12T02:00:00+00:00",
+            "2026-12-18T22:00:00+00:00",
+        ),
         (FRI_NIGHT, "2026-12-12T02:00:00+00:00", False, None, "2026-12-18T22:00:00+00:00"),
         # Monday 00:00 local at +05:30 is Sunday 18:30 UTC.
-        (MON_IST, "2026-12-06T18:30:00+00:00", True, "2026-12-07T01:00:00+05:30",
-         "2026-12-14T00:00:00+05:30"),
+        (
+            MON_IST,
+            "2026-12-06T18:30:00+00:00",
+            True,
+            "2026-12-07T01:00:00+05:30",
+            "2026-12-14T00:00:00+05:30",
+        ),
         (MON_IST, "2026-12-06T18:29:00+00:00", False, None, "2026-12-07T00:00:00+05:30"),
         (MON_IST, "2026-12-07T00:30:00+00:00", False, None, "2026-12-14T00:00:00+05:30"),
         # Monday 22:00 at -05:00 is Tuesday 03:00 UTC; Tuesday 04:00 UTC is inside.
-        (MON_EST, "2026-12-08T04:00:00+00:00", True, "2026-12-08T02:00:00-05:00",
-         "2026-12-14T22:00:00-05:00"),
+        (
+            MON_EST,
+            "2026-12-08T04:00:00+00:00",
+            True,
+            "2026-12-08T02:00:00-05:00",
+            "2026-12-14T22:00:00-05:00",
+        ),
         (MON_EST, "2026-12-08T02:59:00+00:00", False, None, "2026-12-07T22:00:00-05:00"),
         (MON_EST, "2026-12-08T07:00:00+00:00", False, None, "2026-12-14T22:00:00-05:00"),
         # Overlapping and touching occurrences are one window.
-        (LONG, "2026-12-07T12:00:00+00:00", True, "2026-12-09T06:00:00+00:00",
-         "2026-12-14T00:00:00+00:00"),
+        (
+            LONG,
+            "2026-12-07T12:00:00+00:00",
+            True,
+            "2026-12-09T06:00:00+00:00",
+            "2026-12-14T00:00:00+00:00",
+        ),
         (LONG, "2026-12-09T06:00:00+00:00", False, None, "2026-12-14T00:00:00+00:00"),
-        (TOUCHING, "2026-12-07T23:59:00+00:00", True, "2026-12-09T00:00:00+00:00",
-         "2026-12-14T00:00:00+00:00"),
+        (
+            TOUCHING,
+            "2026-12-07T23:59:00+00:00",
+            True,
+            "2026-12-09T00:00:00+00:00",
+            "2026-12-14T00:00:00+00:00",
+        ),
     ],
-)  # fmt: skip
+)
 def test_window_state(
     w: MaintenanceWindow, now: str, inside: bool, end: str | None, next_start: str
 ) -> None:
@@ -536,20 +664,34 @@ VX = BackendConfig("vxlan")
         (VX, VX, 1450, 1450, []),
         (VX, BackendConfig("vxlan", direct_routing=True), 1450, 1450, []),  # applied live
         (VX, BackendConfig("vxlan", port=8472), 1450, 1450, []),  # 0 is the kernel's 8472
-        (VX, BackendConfig("host-gw"), 1450, 1500,
-         ["backend vxlan -> host-gw", "MTU 1450 -> 1500"]),
+        (
+            VX,
+            BackendConfig("host-gw"),
+            1450,
+            1500,
+            ["backend vxlan -> host-gw", "MTU 1450 -> 1500"],
+        ),
         (VX, BackendConfig("vxlan", vni=2), 1450, 1450, ["VNI 1 -> 2"]),
         (VX, BackendConfig("vxlan", port=4789), 1450, 1450, ["VXLAN port 8472 -> 4789"]),
         (VX, VX, 1450, 1400, ["MTU 1450 -> 1400"]),
         (VX, BackendConfig("vxlan", gbp=True), 1450, 1450, ["GBP off -> on"]),
         (BackendConfig("vxlan", learning=True), VX, 1450, 1450, ["learning on -> off"]),
-        (BackendConfig("host-gw"), BackendConfig("vxlan", vni=3, port=4789, gbp=True,
-                                                 learning=True, direct_routing=True),
-         1500, 1450,
-         ["backend host-gw -> vxlan", "VNI 1 -> 3", "VXLAN port 8472 -> 4789",
-          "MTU 1500 -> 1450", "GBP off -> on", "learning off -> on"]),
+        (
+            BackendConfig("host-gw"),
+            BackendConfig("vxlan", vni=3, port=4789, gbp=True, learning=True, direct_routing=True),
+            1500,
+            1450,
+            [
+                "backend host-gw -> vxlan",
+                "VNI 1 -> 3",
+                "VXLAN port 8472 -> 4789",
+                "MTU 1500 -> 1450",
+                "GBP off -> on",
+                "learning off -> on",
+            ],
+        ),
     ],
-)  # fmt: skip
+)
 def test_disruptive_changes(
     old: BackendConfig, new: BackendConfig, old_mtu: int, new_mtu: int, phrases: list[str]
 ) -> None:

@@ -160,8 +160,10 @@ def test_pool_record_round_trips_and_has_the_documented_shape() -> None:
     pool = Pool(IPv4Network("10.250.0.0/16"), {ROLE: "1", SCOPE_A: "true"}, subnet_len=25)
     raw = pool_record(pool, 24)
     assert json.loads(raw) == {
-        "Network": "10.250.0.0/16", "SubnetLen": 25, "Tags": {SCOPE_A: "true", ROLE: "1"}
-    }  # fmt: skip
+        "Network": "10.250.0.0/16",
+        "SubnetLen": 25,
+        "Tags": {SCOPE_A: "true", ROLE: "1"},
+    }
     assert parse_pool_record(raw) == pool
     # No SubnetLen of its own: the config's is written.
     assert json.loads(pool_record(Pool(pool.network), 24))["SubnetLen"] == 24
@@ -192,9 +194,11 @@ def test_assemble_pools_puts_the_primary_first_then_cidr_order() -> None:
     ]
     pools = assemble_pools(CONFIG, records)
     assert [(str(p.network), p.primary) for p in pools] == [
-        ("10.244.0.0/16", True), ("10.9.0.0/16", False),
-        ("10.250.0.0/16", False), ("10.252.0.0/16", False),
-    ]  # fmt: skip
+        ("10.244.0.0/16", True),
+        ("10.9.0.0/16", False),
+        ("10.250.0.0/16", False),
+        ("10.252.0.0/16", False),
+    ]
     # The primary keeps its record's tags, but its SubnetLen follows the config.
     assert (dict(pools[0].tags), pools[0].subnet_len) == ({ROLE: "0"}, 24)
     assert assemble_pools(CONFIG, []) == [Pool(CONFIG.network, {}, True, 24)]  # type: ignore[arg-type]
@@ -209,8 +213,10 @@ def test_leasable_range_primary_follows_subnet_min_max_others_skip_the_first() -
     span = leasable_range(other, narrowed)
     assert (str(span.first), span.count) == ("10.250.1.0", 3)
     assert [str(span.subnet(i)) for i in range(3)] == [
-        "10.250.1.0/24", "10.250.2.0/24", "10.250.3.0/24"
-    ]  # fmt: skip
+        "10.250.1.0/24",
+        "10.250.2.0/24",
+        "10.250.3.0/24",
+    ]
     # A pool without its own SubnetLen takes the config's.
     assert leasable_range(Pool(IPv4Network("10.250.0.0/20")), narrowed).count == 15
 
@@ -246,11 +252,12 @@ def test_check_new_pool_accepts_two_subnets_and_more() -> None:
 def test_capacity_counts_size_taken_free_and_leases_per_pool() -> None:
     pools = assemble_pools(CONFIG, [Pool(IPv4Network("10.250.0.0/22"), {ROLE: "1"})])
     leases = [
-        lease("10.244.1.0/24"), lease("10.244.2.0/24"),
+        lease("10.244.1.0/24"),
+        lease("10.244.2.0/24"),
         lease("10.250.2.0/24"),
         lease("10.250.0.0/24"),  # the skipped first subnet: a lease, but no leasable one
         lease("10.9.0.0/24"),  # in no pool
-    ]  # fmt: skip
+    ]
     primary, extra = capacity(CONFIG, pools, leases)
     assert (primary.size, primary.taken, primary.free, primary.leases) == (255, 2, 253, 2)
     assert (extra.size, extra.taken, extra.free, extra.leases) == (3, 1, 2, 2)
@@ -270,8 +277,11 @@ def test_a_wide_lease_counts_every_subnet_it_blocks_and_overlaps_count_once() ->
 @pytest.mark.parametrize(("taken", "warned"), [(1, False), (2, False), (3, True), (4, True)])
 def test_warning_when_more_than_half_used(taken: int, warned: bool) -> None:
     small = cfg(Network="10.244.0.0/16", SubnetMin="10.244.1.0", SubnetMax="10.244.4.0")
-    (cap,) = capacity(small, assemble_pools(small, []),
-                      [lease(f"10.244.{i}.0/24", i) for i in range(1, taken + 1)])  # fmt: skip
+    (cap,) = capacity(
+        small,
+        assemble_pools(small, []),
+        [lease(f"10.244.{i}.0/24", i) for i in range(1, taken + 1)],
+    )
     assert (cap.utilisation > WARN_UTILISATION) is warned
     if warned:
         assert cap.warning == (
@@ -314,6 +324,8 @@ def test_capacity_agrees_with_a_subnet_by_subnet_count(held: list[tuple[str, int
         subnets = [span.subnet(i) for i in range(span.count)]
         blocked = [s for s in subnets if any(h.subnet.overlaps(s) for h in leases)]
         assert (cap.size, cap.taken, cap.free) == (
-            len(subnets), len(blocked), len(subnets) - len(blocked)
-        )  # fmt: skip
+            len(subnets),
+            len(blocked),
+            len(subnets) - len(blocked),
+        )
         assert cap.leases == sum(h.subnet.overlaps(cap.pool.network) for h in leases)

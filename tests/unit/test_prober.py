@@ -564,18 +564,29 @@ def test_checksum_known_value() -> None:
 
 @pytest.mark.parametrize(
     ("n", "per_interval", "cycle"),
-    [(0, 100, 5.0), (1, 100, 5.0), (100, 100, 5.0), (101, 100, 10.0), (1000, 100, 50.0),
-     (5000, 64, 5.0 * 79)],
-)  # fmt: skip
+    [
+        (0, 100, 5.0),
+        (1, 100, 5.0),
+        (100, 100, 5.0),
+        (101, 100, 10.0),
+        (1000, 100, 50.0),
+        (5000, 64, 5.0 * 79),
+    ],
+)
 def test_cycle_covers_every_peer_within_the_budget(n: int, per_interval: int, cycle: float) -> None:
     assert cycle_seconds(n, 5.0, per_interval) == cycle
 
 
 @pytest.mark.parametrize(
     ("due", "now", "phase", "period", "expected"),
-    [(10.0, 10.0, 0.0, 5.0, 15.0), (10.0, 12.0, 0.0, 5.0, 15.0), (10.0, 31.0, 0.0, 5.0, 35.0),
-     (50.0, 12.0, 2.0, 5.0, 52.0), (3.0, 3.0, 3.0, 50.0, 53.0)],
-)  # fmt: skip
+    [
+        (10.0, 10.0, 0.0, 5.0, 15.0),
+        (10.0, 12.0, 0.0, 5.0, 15.0),
+        (10.0, 31.0, 0.0, 5.0, 35.0),
+        (50.0, 12.0, 2.0, 5.0, 52.0),
+        (3.0, 3.0, 3.0, 50.0, 53.0),
+    ],
+)
 def test_next_slot(due: float, now: float, phase: float, period: float, expected: float) -> None:
     assert next_slot(due, now, phase, period) == expected
 
@@ -682,9 +693,13 @@ def make_dual(
     net = FakeNet(clock)
     options: dict = {"interval_seconds": 5.0, "timeout_seconds": 1.0, **kwargs}
     prober = Prober(
-        net, clock, mtu_provider=lambda: MTU, own_address_provider=lambda: OWN,
-        own_address6_provider=lambda: own6, **options,
-    )  # fmt: skip
+        net,
+        clock,
+        mtu_provider=lambda: MTU,
+        own_address_provider=lambda: OWN,
+        own_address6_provider=lambda: own6,
+        **options,
+    )
     peers: dict[str, tuple[IPv4Address | IPv6Address, str]] = {}
     for i in range(n_peers):
         peers[f"p{i}"] = (peer_ip(i), f"node{i}")
@@ -777,25 +792,43 @@ def _dual_peer(n: int, backend: str = "vxlan", v6: bool = True) -> Lease:
         subnet=IPv4Network(f"10.244.{n}.0/24"),
         ipv6_subnet=IPv6Network(f"fd10:244:0:{n:x}::/64") if v6 else None,
         attrs=LeaseAttrs(
-            public_ip=IPv4Address(f"192.168.1.{n}"), backend_type=backend, backend_data=data,
+            public_ip=IPv4Address(f"192.168.1.{n}"),
+            backend_type=backend,
+            backend_data=data,
             public_ipv6=IPv6Address(f"fd00:64::{n:x}") if v6 else None,
-            backend_v6_data=data if v6 else None, node_name=f"n{n}",
+            backend_v6_data=data if v6 else None,
+            node_name=f"n{n}",
         ),
-    )  # fmt: skip
+    )
 
 
 def _dual_ctx(backend: str) -> NodeContext:
-    config = parse_network_config(json.dumps({
-        "Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd10:244::/56",
-        "Backend": {"Type": backend},
-    }))  # fmt: skip
+    config = parse_network_config(
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "EnableIPv6": True,
+                "IPv6Network": "fd10:244::/56",
+                "Backend": {"Type": backend},
+            }
+        )
+    )
     under = UnderlayInterface(
-        name="eth0", index=2, ip=IPv4Address("192.168.1.1"),
-        networks=(IPv4Network("192.168.1.0/24"),), mtu=1500,
-        ip6=IPv6Address("fd00:64::1"), networks6=(IPv6Network("fd00:64::/64"),),
-    )  # fmt: skip
-    return NodeContext(config=config, underlay=under, public_ip=IPv4Address("192.168.1.1"),
-                       node_name="n1", public_ipv6=IPv6Address("fd00:64::1"))  # fmt: skip
+        name="eth0",
+        index=2,
+        ip=IPv4Address("192.168.1.1"),
+        networks=(IPv4Network("192.168.1.0/24"),),
+        mtu=1500,
+        ip6=IPv6Address("fd00:64::1"),
+        networks6=(IPv6Network("fd00:64::/64"),),
+    )
+    return NodeContext(
+        config=config,
+        underlay=under,
+        public_ip=IPv4Address("192.168.1.1"),
+        node_name="n1",
+        public_ipv6=IPv6Address("fd00:64::1"),
+    )
 
 
 def test_probe_peers_add_the_ipv6_side_where_the_peer_answers() -> None:

@@ -24,9 +24,10 @@ def test_a_peer_without_a_path_leaves_the_node_ready(tmp_path: Path) -> None:
         assert h.writer.status.readiness() == (True, "ok")
         # Off our segment, with a VTEP of another VNI: no path (choose_path says why).
         far = LeaseAttrs(
-            public_ip=IPv4Address("172.16.9.9"), backend_type="vxlan",
+            public_ip=IPv4Address("172.16.9.9"),
+            backend_type="vxlan",
             backend_data={"VNI": 7, "VtepMAC": "02:00:00:00:00:07"},
-        )  # fmt: skip
+        )
         h.store.put(lease_key(PREFIX, IPv4Network("10.244.77.0/24")), far.to_json().encode())
         h.deliver_leases()
         h.reconcile()
@@ -49,15 +50,21 @@ def test_a_flanneld_peer_s_unknown_mtu_is_said_once_at_info(
     try:
         h.drain()
         caplog.set_level(logging.INFO, logger="flannelpy")
-        theirs = LeaseAttrs(public_ip=IPv4Address("192.168.1.30"), backend_type="vxlan",
-                            backend_data={"VNI": 1, "VtepMAC": "02:00:00:00:00:30"})  # fmt: skip
+        theirs = LeaseAttrs(
+            public_ip=IPv4Address("192.168.1.30"),
+            backend_type="vxlan",
+            backend_data={"VNI": 1, "VtepMAC": "02:00:00:00:00:30"},
+        )
         h.store.put(lease_key(PREFIX, IPv4Network("10.244.30.0/24")), theirs.to_json().encode())
         for _ in range(3):
             h.deliver_leases()
             h.reconcile()
         # Another node joins: the first one is not said again.
-        other = LeaseAttrs(public_ip=IPv4Address("192.168.1.31"), backend_type="vxlan",
-                           backend_data={"VNI": 1, "VtepMAC": "02:00:00:00:00:31"})  # fmt: skip
+        other = LeaseAttrs(
+            public_ip=IPv4Address("192.168.1.31"),
+            backend_type="vxlan",
+            backend_data={"VNI": 1, "VtepMAC": "02:00:00:00:00:31"},
+        )
         h.store.put(lease_key(PREFIX, IPv4Network("10.244.31.0/24")), other.to_json().encode())
         h.deliver_leases()
         said = [r for r in caplog.records if "advertises no overlay MTU" in r.getMessage()]

@@ -54,9 +54,10 @@ from tests.support.rollout_agents import SimCluster, SimNode, config_json, five_
 PREFIX = "/t/coreos.com/network"
 MONDAY_1AM = datetime(2026, 1, 5, 1, 0, tzinfo=UTC)  # 2026-01-05 is a Monday
 VXLAN = {"Type": "vxlan"}
-WINDOW = {"Mode": "AllowDuringMaintenanceWindow",
-          "Window": {"Days": ["Mon", "Tue"], "Start": "02:00", "Duration": "1m",
-                     "UTCOffset": "+00:00"}}  # fmt: skip
+WINDOW = {
+    "Mode": "AllowDuringMaintenanceWindow",
+    "Window": {"Days": ["Mon", "Tue"], "Start": "02:00", "Duration": "1m", "UTCOffset": "+00:00"},
+}
 
 
 class RecordingStore(FakeStore):
@@ -100,10 +101,16 @@ class Env:
     ) -> None:
         self.clocks = Clocks(wall)
         self.store = RecordingStore(clock=lambda: self.clocks.mono)
-        self.store.put(config_key(PREFIX), (raw_config or config_json(backend or VXLAN, policy))
-                       .encode())  # fmt: skip
-        self.sim = SimCluster(self.store, PREFIX, nodes or five_nodes(), self.clocks.agent_time,
-                              lambda: self.clocks.wall)  # fmt: skip
+        self.store.put(
+            config_key(PREFIX), (raw_config or config_json(backend or VXLAN, policy)).encode()
+        )
+        self.sim = SimCluster(
+            self.store,
+            PREFIX,
+            nodes or five_nodes(),
+            self.clocks.agent_time,
+            lambda: self.clocks.wall,
+        )
         self.clocks.cluster = self.sim
         self.sim.tick()
         self.rs = RolloutStore(self.store, PREFIX)
@@ -114,8 +121,9 @@ class Env:
         plan = make_plan(self.rs, backend, self.clocks.wall, **kw)
         return start(self.rs, plan, self.clocks.wall, timeout, force)
 
-    def drive(self, record_id: str, display: Callable[[str], None] | None = None,
-              **kw: Any) -> RolloutRecord:  # fmt: skip
+    def drive(
+        self, record_id: str, display: Callable[[str], None] | None = None, **kw: Any
+    ) -> RolloutRecord:
         return drive(
             self.rs,
             record_id,
@@ -151,20 +159,36 @@ def statuses(env: Env) -> dict[str, NodeStatus]:
 
 
 def test_target_is_the_configs_backend_with_the_given_options_replaced() -> None:
-    config = parse_network_config(json.dumps(
-        {"Network": "10.244.0.0/16", "backend": {"type": "vxlan", "vni": 4, "Port": 4789,
-                                                 "directrouting": True}}))  # fmt: skip
+    config = parse_network_config(
+        json.dumps(
+            {
+                "Network": "10.244.0.0/16",
+                "backend": {"type": "vxlan", "vni": 4, "Port": 4789, "directrouting": True},
+            }
+        )
+    )
     assert target_backend(config, "host-gw") == {
-        "vni": 4, "Port": 4789, "Type": "host-gw", "DirectRouting": False,
-    }  # fmt: skip
+        "vni": 4,
+        "Port": 4789,
+        "Type": "host-gw",
+        "DirectRouting": False,
+    }
     assert target_backend(config, "vxlan", True, vni=7, mtu=9000) == {
-        "Port": 4789, "Type": "vxlan", "DirectRouting": True, "VNI": 7, "MTU": 9000,
-    }  # fmt: skip
+        "Port": 4789,
+        "Type": "vxlan",
+        "DirectRouting": True,
+        "VNI": 7,
+        "MTU": 9000,
+    }
 
 
 def test_with_backend_keeps_every_other_key_and_the_backend_spelling_in_place() -> None:
-    doc = {"Network": "10.244.0.0/16", "backend": {"Type": "vxlan"}, "SubnetLen": 25,
-           "DisruptionPolicy": {"Mode": "Block"}}  # fmt: skip
+    doc = {
+        "Network": "10.244.0.0/16",
+        "backend": {"Type": "vxlan"},
+        "SubnetLen": 25,
+        "DisruptionPolicy": {"Mode": "Block"},
+    }
     out = with_backend(doc, {"Type": "host-gw"})
     assert list(out) == ["Network", "backend", "SubnetLen", "DisruptionPolicy"]
     assert out["backend"] == {"Type": "host-gw"} and out["SubnetLen"] == 25
@@ -179,13 +203,19 @@ def test_an_invalid_target_is_refused_by_net_confs_parser() -> None:
 
 
 def test_final_config_write_replaces_only_the_backend() -> None:
-    raw = ('{\n  "Network": "10.244.0.0/16",\n  "backend": {"type": "vxlan", "VNI": 3},\n'
-           '  "SubnetLen": 25,\n  "DisruptionPolicy": {"Mode": "Allow"}\n}\n')  # fmt: skip
+    raw = (
+        '{\n  "Network": "10.244.0.0/16",\n  "backend": {"type": "vxlan", "VNI": 3},\n'
+        '  "SubnetLen": 25,\n  "DisruptionPolicy": {"Mode": "Allow"}\n}\n'
+    )
     env = Env(raw_config=raw)
     env.rs.write_config_backend({"Type": "host-gw", "VNI": 3})
     doc = env.config()
-    assert doc == {"Network": "10.244.0.0/16", "backend": {"Type": "host-gw", "VNI": 3},
-                   "SubnetLen": 25, "DisruptionPolicy": {"Mode": "Allow"}}  # fmt: skip
+    assert doc == {
+        "Network": "10.244.0.0/16",
+        "backend": {"Type": "host-gw", "VNI": 3},
+        "SubnetLen": 25,
+        "DisruptionPolicy": {"Mode": "Allow"},
+    }
     assert parse_network_config(json.dumps(doc)).backend.type == "host-gw"
 
 
@@ -300,9 +330,19 @@ def _status(
     subnet: str = "",
 ) -> NodeStatus:
     mtu = 1500 if backend == "host-gw" else 1450
-    return NodeStatus(node, applied_at + 1, True, "100.64.0.2", ("100.64.0.0/24",),
-                      BackendSummary(backend, 1, 8472, False, mtu), True, gen, applied_at,
-                      subnets=(subnet,), probes=ProbeSummary.of(probes or {}))  # fmt: skip
+    return NodeStatus(
+        node,
+        applied_at + 1,
+        True,
+        "100.64.0.2",
+        ("100.64.0.0/24",),
+        BackendSummary(backend, 1, 8472, False, mtu),
+        True,
+        gen,
+        applied_at,
+        subnets=(subnet,),
+        probes=ProbeSummary.of(probes or {}),
+    )
 
 
 def _record(env: Env) -> RolloutRecord:
@@ -339,9 +379,10 @@ def test_verification_needs_fresh_good_probes_both_ways() -> None:
     stale = PeerProbe(True, True, True, 2, 99.0)
     sts = {
         "n1": _status("n1", 1, 100.0, probes={"10.244.2.0/24": good}, subnet="10.244.1.0/24"),
-        "n2": _status("n2", None, 10.0, "vxlan", probes={"10.244.1.0/24": stale},
-                      subnet="10.244.2.0/24"),
-    }  # fmt: skip
+        "n2": _status(
+            "n2", None, 10.0, "vxlan", probes={"10.244.1.0/24": stale}, subnet="10.244.2.0/24"
+        ),
+    }
     action = next_action(record, sts, ALLOW, MONDAY_1AM, 5.0)
     assert isinstance(action, Wait) and "n2 -> n1: no probe round since the change" in action.detail
     lost = PeerProbe(True, False, False, 3, 102.0)
@@ -384,24 +425,35 @@ def test_policy_is_checked_before_each_node_with_the_injected_clock(
     env = Env(policy=WINDOW, wall=datetime(2026, 1, 5, 2, 0, tzinfo=UTC))
     record = env.start()
     snap = env.rs.read_nodes()
-    action = next_action(record, snap.statuses, parse_policy(env.config()), now, 0.0,
-                         snap.overrides)  # fmt: skip
+    action = next_action(
+        record, snap.statuses, parse_policy(env.config()), now, 0.0, snap.overrides
+    )
     if expected == "go":
         assert isinstance(action, WriteOverride)
     else:
         assert isinstance(action, PauseForWindow)
         assert action.next_start.isoformat() == expected.split(":", 1)[1]
         paused = record_after(record, action, now)
-        resumed = next_action(paused, snap.statuses, parse_policy(env.config()),
-                              action.next_start, 0.0, snap.overrides)  # fmt: skip
+        resumed = next_action(
+            paused,
+            snap.statuses,
+            parse_policy(env.config()),
+            action.next_start,
+            0.0,
+            snap.overrides,
+        )
         assert resumed == Resume()
 
 
 def test_record_round_trips_through_json() -> None:
     env = Env()
     record = env.start()
-    record = record_after(record, WriteOverride("n1", record.target, 3), MONDAY_1AM,
-                          {"Backend": {"Type": "vxlan"}, "Generation": 2})  # fmt: skip
+    record = record_after(
+        record,
+        WriteOverride("n1", record.target, 3),
+        MONDAY_1AM,
+        {"Backend": {"Type": "vxlan"}, "Generation": 2},
+    )
     assert RolloutRecord.from_json(record.to_json()) == record
     doc = json.loads(record.to_json())
     assert doc["id"] == record.id and doc["state"] == "running"  # what agents read
@@ -441,8 +493,7 @@ def test_apply_timeout_rolls_the_node_back_and_fails() -> None:
         "n3 did not apply generation 1 within 20 s (it reports no override generation, "
         "Ready, vxlan (MTU 1450))"
     )
-    assert [e.state for e in failed.nodes] == ["done", "done", "rolled-back", "pending",
-                                               "pending"]  # fmt: skip
+    assert [e.state for e in failed.nodes] == ["done", "done", "rolled-back", "pending", "pending"]
     # n3 had no override: the rollback wrote the config's Backend, then removed it.
     assert [(o.backend, o.generation) for o in env.override_puts("n3")] == [
         (record.target, 1),
@@ -466,8 +517,7 @@ def test_verify_failure_rolls_back_to_the_previous_override() -> None:
         "n2 failed verification after 15 s: n2 -> n4: unreachable; n4 -> n2: unreachable"
     )
     assert failed.entry("n2").state == "rolled-back"
-    assert failed.entry("n2").previous == {"Backend": {"Type": "vxlan", "VNI": 1},
-                                           "Generation": 7}  # fmt: skip
+    assert failed.entry("n2").previous == {"Backend": {"Type": "vxlan", "VNI": 1}, "Generation": 7}
     restored = env.override("n2")
     assert restored is not None and restored.backend == {"Type": "vxlan", "VNI": 1}
     assert restored.generation == 9 and restored.rollout == record.id
@@ -492,10 +542,12 @@ def test_window_waits_before_proceeds_inside_pauses_between_nodes_and_resumes() 
     assert all(window_state(window, t).inside for t in starts)
     days = {t.date().isoformat() for t in starts}
     assert days == {"2026-01-05", "2026-01-06"}  # the window closed between nodes
-    assert any("paused: disruptive change (backend vxlan -> host-gw, MTU 1450 -> 1500) "
-               "blocked by DisruptionPolicy AllowDuringMaintenanceWindow: outside the window; "
-               "the next window starts 2026-01-06T02:00:00+00:00" in line
-               for line in env.lines)  # fmt: skip
+    assert any(
+        "paused: disruptive change (backend vxlan -> host-gw, MTU 1450 -> 1500) "
+        "blocked by DisruptionPolicy AllowDuringMaintenanceWindow: outside the window; "
+        "the next window starts 2026-01-06T02:00:00+00:00" in line
+        for line in env.lines
+    )
     assert any("the maintenance window is open" in line for line in env.lines)
 
 
@@ -665,8 +717,14 @@ def test_a_store_outage_mid_rollout_is_waited_out() -> None:
             outage["sleeps"] = 5
             env.store.set_available(False)
 
-    done = drive(env.rs, record.id, lambda: env.clocks.wall, flaky_sleep, cut_on_n2,
-                 monotonic=lambda: env.clocks.mono)  # fmt: skip
+    done = drive(
+        env.rs,
+        record.id,
+        lambda: env.clocks.wall,
+        flaky_sleep,
+        cut_on_n2,
+        monotonic=lambda: env.clocks.mono,
+    )
     assert done.state == "done"
     assert sum("the store does not answer" in line for line in env.lines) == 1
 

@@ -35,8 +35,13 @@ def flanneld_value(ip: str, backend_type: str = "vxlan", vni: int = 1) -> bytes:
 
 
 def ours(subnet: str, ip: str) -> Lease:
-    attrs = LeaseAttrs(IPv4Address(ip), "vxlan", {"VNI": 1, "VtepMAC": "aa:bb:cc:00:00:01"},
-                       node_name="n1", mtu=1450)  # fmt: skip
+    attrs = LeaseAttrs(
+        IPv4Address(ip),
+        "vxlan",
+        {"VNI": 1, "VtepMAC": "aa:bb:cc:00:00:01"},
+        node_name="n1",
+        mtu=1450,
+    )
     return Lease(IPv4Network(subnet), attrs)
 
 
@@ -47,21 +52,26 @@ def with_flanneld(env: Env, *nodes: tuple[str, str, str]) -> None:
 
 def test_leases_without_our_extension_are_flanneld_nodes_unless_a_status_claims_them() -> None:
     env = Env()
-    with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"),
-                  ("10.244.1.0/24", "100.64.0.2", "vxlan"))  # fmt: skip
-    env.store.put(lease_key(PREFIX, IPv4Network("10.244.2.0/24")),
-                  ours("10.244.2.0/24", "100.64.0.3").attrs.to_json().encode())  # fmt: skip
+    with_flanneld(
+        env, ("10.244.9.0/24", "100.64.0.10", "vxlan"), ("10.244.1.0/24", "100.64.0.2", "vxlan")
+    )
+    env.store.put(
+        lease_key(PREFIX, IPv4Network("10.244.2.0/24")),
+        ours("10.244.2.0/24", "100.64.0.3").attrs.to_json().encode(),
+    )
     statuses = env.rs.read_nodes().statuses
     found = flanneld_nodes(env.rs.read_leases(), statuses)
     # 10.244.1.0/24 has no extension but n1's status lists it: an older agent of ours.
-    assert found == [FlanneldNode(IPv4Network("10.244.9.0/24"), IPv4Address("100.64.0.10"),
-                                  "vxlan", 1)]  # fmt: skip
+    assert found == [
+        FlanneldNode(IPv4Network("10.244.9.0/24"), IPv4Address("100.64.0.10"), "vxlan", 1)
+    ]
 
 
 def test_host_gw_target_is_refused_naming_every_flanneld_node() -> None:
     env = Env()
-    with_flanneld(env, ("10.244.9.0/24", "100.64.0.10", "vxlan"),
-                  ("10.244.8.0/24", "100.64.0.11", "vxlan"))  # fmt: skip
+    with_flanneld(
+        env, ("10.244.9.0/24", "100.64.0.10", "vxlan"), ("10.244.8.0/24", "100.64.0.11", "vxlan")
+    )
     plan = make_plan(env.rs, "host-gw", MONDAY_1AM)
     flanneld = [p for p in plan.problems if p.startswith("flanneld node")]
     assert flanneld == [
@@ -84,8 +94,10 @@ def test_nodes_of_ours_brought_back_to_the_configs_backend_are_planned_around_fl
     plan = make_plan(env.rs, "vxlan", MONDAY_1AM)
     assert plan.problems == ()
     assert [s.node for s in plan.to_switch] == ["n2"]
-    assert ("flanneld nodes (not switched; they keep the network config's Backend): "
-            "10.244.9.0/24 (100.64.0.10)") in plan.lines()  # fmt: skip
+    assert (
+        "flanneld nodes (not switched; they keep the network config's Backend): "
+        "10.244.9.0/24 (100.64.0.10)"
+    ) in plan.lines()
 
 
 def test_direct_routing_is_refused_while_flanneld_nodes_take_it_from_the_config() -> None:
@@ -170,8 +182,9 @@ def test_status_shows_flanneld_nodes_and_which_the_target_cuts_off() -> None:
     config = env.rs.read_config().config.backend
     flanneld = flanneld_nodes(env.rs.read_leases(), statuses(env))
     rows = status_rows(record, statuses(env), flanneld, config)
-    assert rows[-1] == NodeRow("10.244.9.0/24 (100.64.0.10)", "flanneld (not switched)",
-                               "vxlan (VNI 1)", None, None, None)  # fmt: skip
+    assert rows[-1] == NodeRow(
+        "10.244.9.0/24 (100.64.0.10)", "flanneld (not switched)", "vxlan (VNI 1)", None, None, None
+    )
     assert [r.node for r in rows[:-1]] == ["n1", "n2", "n3", "n4", "n5"]
     hostgw = replace(record, target={"Type": "host-gw"}, state="paused")
     row = status_rows(hostgw, {}, flanneld, config)[-1]
@@ -188,5 +201,16 @@ def test_rollout_status_command_lists_flanneld_nodes(
     assert _command(args, env.rs) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("10.244.9.0/24"))
-    assert line.split() == ["10.244.9.0/24", "(100.64.0.10)", "flanneld", "(not", "switched)",
-                            "vxlan", "(VNI", "1)", "-", "-", "-"]  # fmt: skip
+    assert line.split() == [
+        "10.244.9.0/24",
+        "(100.64.0.10)",
+        "flanneld",
+        "(not",
+        "switched)",
+        "vxlan",
+        "(VNI",
+        "1)",
+        "-",
+        "-",
+        "-",
+    ]

@@ -45,21 +45,28 @@ def test_only_routes_of_flannels_shape_are_adoptable(
 
 def _route(dst: str, gateway: str, dev: str, protocol: int) -> ForeignRoute:
     net = IPv4Network(dst)
-    return ForeignRoute(net, f"route {net} via {gateway} dev {dev}", protocol,
-                        IPv4Address(gateway), dev)  # fmt: skip
+    return ForeignRoute(
+        net, f"route {net} via {gateway} dev {dev}", protocol, IPv4Address(gateway), dev
+    )
 
 
 def test_the_overlap_check_skips_what_flanneld_left_and_still_refuses_the_rest() -> None:
     network = IPv4Network("10.244.0.0/16")
-    left = [_route("10.244.5.0/24", "100.64.0.5", "eth0", RTPROT_BOOT),
-            _route("10.244.6.0/24", "100.64.0.6", "eth0", RTPROT_BOOT)]  # fmt: skip
+    left = [
+        _route("10.244.5.0/24", "100.64.0.5", "eth0", RTPROT_BOOT),
+        _route("10.244.6.0/24", "100.64.0.6", "eth0", RTPROT_BOOT),
+    ]
     # As flanneld leaves a host-gw node, the check refused to start (the old behaviour).
     with pytest.raises(ConfigError, match=r"overlaps route 10\.244\.5\.0/24"):
         check_no_overlap(network, left, allow_overlap=False)
     check_no_overlap(network, [r for r in left if not _left_by_flannel(r, SHAPE)], False)
     static = _route("10.244.7.0/24", "100.64.0.7", "eth0", STATIC)
-    address = ForeignRoute(IPv4Network("10.244.8.0/24"), "address 10.244.8.1/24 on eth0",
-                           device="eth0", is_address=True)  # fmt: skip
+    address = ForeignRoute(
+        IPv4Network("10.244.8.0/24"),
+        "address 10.244.8.1/24 on eth0",
+        device="eth0",
+        is_address=True,
+    )
     kept = [r for r in [*left, static, address] if not _left_by_flannel(r, SHAPE)]
     assert kept == [static, address]
     with pytest.raises(ConfigError, match=r"10\.244\.7\.0/24"):
@@ -76,5 +83,6 @@ def test_a_taken_over_route_is_replaced_when_wanted_and_deleted_when_not() -> No
     assert [r.dst for r in changes.routes_to_delete] == [departed.dst]
     assert changes.routes_to_delete[0].protocol == RTPROT_BOOT  # deleted with its own
     # Once ours, nothing to do.
-    assert diff(DesiredState(routes=frozenset({live})),
-                ObservedState(routes=frozenset({live}))).empty  # fmt: skip
+    assert diff(
+        DesiredState(routes=frozenset({live})), ObservedState(routes=frozenset({live}))
+    ).empty

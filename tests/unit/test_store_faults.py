@@ -52,9 +52,11 @@ def test_lease_watch_backoff_grows_while_watches_are_cancelled_at_once() -> None
             stop.set()
 
     manager = EtcdSubnetManager(
-        store, AgentSettings(etcd_prefix=PREFIX), sleep=sleep,
+        store,
+        AgentSettings(etcd_prefix=PREFIX),
+        sleep=sleep,
         backoff=lambda: Backoff(first=1.0, cap=100.0, jitter=0.0),
-    )  # fmt: skip
+    )
     delivered: list[int] = []
 
     def on_leases(leases: dict[str, Lease], revision: int) -> None:

@@ -166,22 +166,33 @@ DUAL_TEXT = (
 
 def test_dual_stack_file_is_flannels_and_both_subnets_read_back(tmp_path: Path) -> None:
     env = SubnetEnv.for_lease(
-        IPv4Network("10.244.0.0/16"), IPv4Network("10.244.1.0/24"), 1430, True,
-        IPv6Network("fd00:10:244::/56"), IPv6Network("fd00:10:244:7::/64"),
-    )  # fmt: skip
+        IPv4Network("10.244.0.0/16"),
+        IPv4Network("10.244.1.0/24"),
+        1430,
+        True,
+        IPv6Network("fd00:10:244::/56"),
+        IPv6Network("fd00:10:244:7::/64"),
+    )
     path = tmp_path / "subnet.env"
     write_subnet_env(str(path), env)
     assert path.read_text() == DUAL_TEXT
     assert read_subnet_env(str(path)) == env
     assert read_previous_subnets(str(path)) == (
-        IPv4Network("10.244.1.0/24"), IPv6Network("fd00:10:244:7::/64")
-    )  # fmt: skip
+        IPv4Network("10.244.1.0/24"),
+        IPv6Network("fd00:10:244:7::/64"),
+    )
 
 
 def test_ipv6_only_file_has_no_ipv4_keys(tmp_path: Path) -> None:
     # Flannel's WriteSubnetFile writes the IPv4 pair only when EnableIPv4.
-    env = SubnetEnv(None, None, 1430, False, IPv6Network("fd00:10:244::/56"),
-                    IPv6Interface("fd00:10:244:7::1/64"))  # fmt: skip
+    env = SubnetEnv(
+        None,
+        None,
+        1430,
+        False,
+        IPv6Network("fd00:10:244::/56"),
+        IPv6Interface("fd00:10:244:7::1/64"),
+    )
     path = tmp_path / "subnet.env"
     write_subnet_env(str(path), env)
     assert path.read_text() == (

@@ -181,8 +181,13 @@ def test_report_totals_lost_pairs_broken_streams_and_a_summary_naming_them() -> 
     names = {"10.0.1.1": "a", "10.0.2.1": "b", "10.0.3.1": "c"}
     pairs = pair_counts("a", _icmp_doc({"10.0.2.1": (200, 200), "10.0.3.1": (200, 190)}), names)
     pairs += pair_counts("b", _icmp_doc({"10.0.1.1": (201, 201), "10.0.3.1": (200, 200)}), names)
-    stream_doc = {"sent": 500, "echoed": 120, "broken": True,
-                  "error": "no echo of seq 7 within 5 s", "max_stall_ms": 5001.0}  # fmt: skip
+    stream_doc = {
+        "sent": 500,
+        "echoed": 120,
+        "broken": True,
+        "error": "no echo of seq 7 within 5 s",
+        "max_stall_ms": 5001.0,
+    }
     streams = (stream_result("a", "c", stream_doc),)
     report = TrafficReport(tuple(pairs), streams, 20.0, 50.0, 10.0, 0.5, 2.0, 10.0, ("x",))
     assert (report.sent, report.received, report.lost) == (801, 791, 10)
@@ -191,7 +196,12 @@ def test_report_totals_lost_pairs_broken_streams_and_a_summary_naming_them() -> 
     assert report.broken_streams == list(streams)
     assert report.cpu_share == pytest.approx(0.2)
     text = report.summary()
-    for part in ("801 echoes sent, 791 answered, 10 lost", "losses on 1 pairs: a->c 10/200",
-                 "1 broken", "a->c broke: no echo of seq 7 within 5 s", "20.0% of one core",
-                 "Notes: x."):  # fmt: skip
+    for part in (
+        "801 echoes sent, 791 answered, 10 lost",
+        "losses on 1 pairs: a->c 10/200",
+        "1 broken",
+        "a->c broke: no echo of seq 7 within 5 s",
+        "20.0% of one core",
+        "Notes: x.",
+    ):
         assert part in text, text

@@ -56,8 +56,13 @@ def backend_of(**options: Any) -> BackendConfig:
     return parse_network_config(doc).backend
 
 
-def wg_lease(subnet: str, ip: str, pub: str | None, port: int | None = 51820,
-             extra: dict[str, Any] | None = None) -> Lease:  # fmt: skip
+def wg_lease(
+    subnet: str,
+    ip: str,
+    pub: str | None,
+    port: int | None = 51820,
+    extra: dict[str, Any] | None = None,
+) -> Lease:
     data: dict[str, Any] = {"PublicKey": pub}
     if port is not None:
         data["Port"] = port
@@ -67,8 +72,9 @@ def wg_lease(subnet: str, ip: str, pub: str | None, port: int | None = 51820,
 
 def identified(tmp_path: Any, ctx: NodeContext) -> NodeContext:
     """``ctx`` with the node's key loaded, as the agent does before it plans wireguard."""
-    rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "run"),
-                          implementation="userspace")  # fmt: skip
+    rt = WireguardRuntime(
+        str(tmp_path / "wireguard.key"), str(tmp_path / "run"), implementation="userspace"
+    )
     options = parse_wireguard_config(ctx.config.backend)
     return replace(ctx, wireguard_identity=rt.prepare(options))
 
@@ -83,18 +89,32 @@ def devices(state: DesiredState) -> list[WgDeviceSpec]:
 
 def test_flannel_s_defaults() -> None:
     assert parse_wireguard_config(backend_of()) == WireguardConfig(
-        listen_port=51820, listen_port_v6=51821, psk=None, keepalive=0, mode="separate",
+        listen_port=51820,
+        listen_port_v6=51821,
+        psk=None,
+        keepalive=0,
+        mode="separate",
         implementation="auto",
-    )  # fmt: skip
+    )
 
 
 def test_options_are_read_case_insensitively_as_go_does() -> None:
-    config = parse_wireguard_config(backend_of(
-        listenport=51900, PSK=PSK, PersistentKeepaliveInterval=25, mode="AUTO",
-        Implementation="userspace",
-    ))  # fmt: skip
-    assert (config.listen_port, config.psk, config.keepalive, config.mode,
-            config.implementation) == (51900, PSK, 25, "auto", "userspace")  # fmt: skip
+    config = parse_wireguard_config(
+        backend_of(
+            listenport=51900,
+            PSK=PSK,
+            PersistentKeepaliveInterval=25,
+            mode="AUTO",
+            Implementation="userspace",
+        )
+    )
+    assert (
+        config.listen_port,
+        config.psk,
+        config.keepalive,
+        config.mode,
+        config.implementation,
+    ) == (51900, PSK, 25, "auto", "userspace")
 
 
 @pytest.mark.parametrize(
@@ -139,8 +159,9 @@ def test_x25519_matches_rfc_7748() -> None:
 
 
 def test_public_key_matches_wg_pubkey() -> None:
-    out = subprocess.run(["wg", "pubkey"], input=KEY_A + "\n", capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        ["wg", "pubkey"], input=KEY_A + "\n", capture_output=True, text=True, check=True
+    )
     assert public_key(KEY_A) == out.stdout.strip()
 
 
@@ -159,34 +180,47 @@ def test_the_key_is_generated_once_and_kept_0600(tmp_path: Any) -> None:
 
 
 def test_uapi_get_answer_is_parsed() -> None:
-    text = "\n".join([
-        f"private_key={base64.b64decode(KEY_A).hex()}",
-        "listen_port=51820",
-        f"public_key={base64.b64decode(PUB_B).hex()}",
-        f"preshared_key={'0' * 64}",
-        "protocol_version=1",
-        "endpoint=100.64.0.2:51820",
-        "last_handshake_time_sec=0",
-        "tx_bytes=0",
-        "persistent_keepalive_interval=25",
-        "allowed_ip=10.244.2.0/24",
-        "allowed_ip=fd00::/64",
-        "errno=0",
-        "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            f"private_key={base64.b64decode(KEY_A).hex()}",
+            "listen_port=51820",
+            f"public_key={base64.b64decode(PUB_B).hex()}",
+            f"preshared_key={'0' * 64}",
+            "protocol_version=1",
+            "endpoint=100.64.0.2:51820",
+            "last_handshake_time_sec=0",
+            "tx_bytes=0",
+            "persistent_keepalive_interval=25",
+            "allowed_ip=10.244.2.0/24",
+            "allowed_ip=fd00::/64",
+            "errno=0",
+            "",
+        ]
+    )
     got = parse_get(text)
     assert got.private_key == KEY_A and got.listen_port == 51820
-    assert got.peers == {PUB_B: WgPeer(
-        PUB_B, (IPv4Address("100.64.0.2"), 51820),
-        frozenset({IPv4Network("10.244.2.0/24"), IPv6Network("fd00::/64")}), 25, None)}  # fmt: skip
+    assert got.peers == {
+        PUB_B: WgPeer(
+            PUB_B,
+            (IPv4Address("100.64.0.2"), 51820),
+            frozenset({IPv4Network("10.244.2.0/24"), IPv6Network("fd00::/64")}),
+            25,
+            None,
+        )
+    }
     with pytest.raises(DataplaneError, match="errno 1"):
         parse_get("errno=1\n\n")
 
 
 def test_an_ipv6_peer_round_trips_through_the_uapi() -> None:
     """flannel-wg-v6's peers: a bracketed IPv6 endpoint and IPv6 allowed IPs."""
-    peer = WgPeer(PUB_B, (IPv6Address("fd00:64::2"), 51821),
-                  frozenset({IPv6Network("fd10:244:0:2::/64")}), 0, None)  # fmt: skip
+    peer = WgPeer(
+        PUB_B,
+        (IPv6Address("fd00:64::2"), 51821),
+        frozenset({IPv6Network("fd10:244:0:2::/64")}),
+        0,
+        None,
+    )
     request = format_set(None, 51821, [peer]).decode()
     assert "endpoint=[fd00:64::2]:51821\n" in request
     assert "allowed_ip=fd10:244:0:2::/64\n" in request
@@ -195,12 +229,16 @@ def test_an_ipv6_peer_round_trips_through_the_uapi() -> None:
 
 
 def test_uapi_set_replaces_each_peer_whole() -> None:
-    peer = WgPeer(PUB_B, (IPv4Address("100.64.0.2"), 51820),
-                  frozenset({IPv4Network("10.244.2.0/24")}), 0, PSK)  # fmt: skip
+    peer = WgPeer(
+        PUB_B, (IPv4Address("100.64.0.2"), 51820), frozenset({IPv4Network("10.244.2.0/24")}), 0, PSK
+    )
     text = format_set(KEY_A, 51820, [peer], remove=[PUB_C]).decode()
     lines = text.split("\n")
-    assert lines[:3] == ["set=1", f"private_key={base64.b64decode(KEY_A).hex()}",
-                         "listen_port=51820"]  # fmt: skip
+    assert lines[:3] == [
+        "set=1",
+        f"private_key={base64.b64decode(KEY_A).hex()}",
+        "listen_port=51820",
+    ]
     assert lines[3:5] == [f"public_key={base64.b64decode(PUB_C).hex()}", "remove=true"]
     assert "replace_allowed_ips=true" in lines and "allowed_ip=10.244.2.0/24" in lines
     assert f"preshared_key={bytes(range(32)).hex()}" in lines
@@ -239,8 +277,12 @@ def test_lease_carries_flannel_s_backend_data_and_the_mtu(tmp_path: Any) -> None
         assert public_key(f.read().strip()) == pub
     # with a VTEP (a peer still vxlan) the VTEP is advertised beside the key
     with_vtep = backend.lease_attrs(ctx, "02:00:00:00:00:01")
-    assert with_vtep.backend_data == {"PublicKey": pub, "Port": 51820, "VNI": 1,
-                                      "VtepMAC": "02:00:00:00:00:01"}  # fmt: skip
+    assert with_vtep.backend_data == {
+        "PublicKey": pub,
+        "Port": 51820,
+        "VNI": 1,
+        "VtepMAC": "02:00:00:00:00:01",
+    }
 
 
 def test_a_peer_per_node_and_one_route_for_the_network(tmp_path: Any) -> None:
@@ -263,11 +305,21 @@ def test_a_peer_per_node_and_one_route_for_the_network(tmp_path: Any) -> None:
     assert (spec.name, spec.listen_port, spec.mtu) == ("flannel-wg", 51820, 1440)
     assert spec.address == IPv4Interface("10.244.1.0/32")
     assert spec.peers == {
-        WgPeer(PUB_B, (IPv4Address("192.168.1.11"), 51820),
-               frozenset({IPv4Network("10.244.2.0/24"), IPv4Network("10.244.7.0/24")}), 25, PSK),
-        WgPeer(PUB_C, (IPv4Address("192.168.2.12"), 51820),
-               frozenset({IPv4Network("10.244.3.0/24")}), 25, PSK),
-    }  # fmt: skip
+        WgPeer(
+            PUB_B,
+            (IPv4Address("192.168.1.11"), 51820),
+            frozenset({IPv4Network("10.244.2.0/24"), IPv4Network("10.244.7.0/24")}),
+            25,
+            PSK,
+        ),
+        WgPeer(
+            PUB_C,
+            (IPv4Address("192.168.2.12"), 51820),
+            frozenset({IPv4Network("10.244.3.0/24")}),
+            25,
+            PSK,
+        ),
+    }
 
 
 def test_a_wireguard_node_talks_vxlan_to_a_vxlan_peer_and_never_plain(tmp_path: Any) -> None:
@@ -280,8 +332,10 @@ def test_a_wireguard_node_talks_vxlan_to_a_vxlan_peer_and_never_plain(tmp_path: 
     assert backend.needs_vtep(ctx, [vxlan_peer])
     assert not backend.needs_vtep(ctx, [wg_lease("10.244.3.0/24", "192.168.1.12", PUB_B)])
     state = backend.plan(ctx, [own], [vxlan_peer, hostgw_peer], "02:00:00:00:00:01")
-    assert Route(IPv4Network("10.244.2.0/24"), IPv4Address("10.244.2.0"), "flannel.1",
-                 onlink=True) in state.routes  # fmt: skip
+    assert (
+        Route(IPv4Network("10.244.2.0/24"), IPv4Address("10.244.2.0"), "flannel.1", onlink=True)
+        in state.routes
+    )
     assert not [r for r in state.routes if r.ifname == "eth0"]  # no plain direct route
     (unreachable,) = state.unreachable
     assert unreachable.subnet == IPv4Network("10.244.4.0/24")
@@ -347,8 +401,14 @@ def test_the_device_is_repaired_and_a_new_one_handshakes_at_once() -> None:
     spec = WgDeviceSpec("flannel-wg", 51820, 1440, None, frozenset({b}))
     link, fake = FakeLink(), FakeDevice()
     repairs: list[tuple[str, int]] = []
-    device = WireguardDevice("flannel-wg", KEY_A, "kernel", "/nonexistent", link=link,
-                             on_repair=lambda kind, n: repairs.append((kind, n)))  # fmt: skip
+    device = WireguardDevice(
+        "flannel-wg",
+        KEY_A,
+        "kernel",
+        "/nonexistent",
+        link=link,
+        on_repair=lambda kind, n: repairs.append((kind, n)),
+    )
     device.configurator = fake
     device._spec = spec  # as set_desired stores it, without the loop thread
     device.reconcile_once()
@@ -368,8 +428,9 @@ def test_the_device_is_repaired_and_a_new_one_handshakes_at_once() -> None:
     device.reconcile_once()
     assert [w.set for w in fake.writes] == [(b,)]
     assert ("peers_set", 1) in repairs
-    assert device.reconcile_once() == PeerChanges(counts={"peers_removed": 0, "peers_set": 0,
-                                                          "key": 0, "port": 0})  # fmt: skip
+    assert device.reconcile_once() == PeerChanges(
+        counts={"peers_removed": 0, "peers_set": 0, "key": 0, "port": 0}
+    )
 
 
 # --- dual stack: flannel-wg-v6 (Mode separate) ----------------------------------------
@@ -388,26 +449,34 @@ def test_dual_stack_plans_the_ipv6_device_its_route_and_flannels_backend_v6_data
     key = node.wireguard_identity.public_key
     assert attrs.backend_v6_data == {"PublicKey": key, "Port": 51821}
     assert attrs.mtu == 1500 - 80  # the pods' MTU: the smaller family's
-    own = Lease(subnet=IPv4Network("10.244.1.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:1::/64"),
-                attrs=attrs)  # fmt: skip
+    own = Lease(
+        subnet=IPv4Network("10.244.1.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:1::/64"), attrs=attrs
+    )
     peer = Lease(
-        subnet=IPv4Network("10.244.2.0/24"), ipv6_subnet=IPv6Network("fc00:0:0:2::/64"),
+        subnet=IPv4Network("10.244.2.0/24"),
+        ipv6_subnet=IPv6Network("fc00:0:0:2::/64"),
         attrs=LeaseAttrs(
-            public_ip=IPv4Address("192.168.1.12"), backend_type="wireguard",
+            public_ip=IPv4Address("192.168.1.12"),
+            backend_type="wireguard",
             backend_data={"PublicKey": PUB_B, "Port": 51820},
             public_ipv6=IPv6Address("fd00:64::12"),
             backend_v6_data={"PublicKey": PUB_B, "Port": 0},  # 0: ours, as Flannel reads it
         ),
-    )  # fmt: skip
+    )
     desired = backend.plan(node, [own], [peer], None)
     v4, v6 = devices(desired)
     assert (v4.name, v4.listen_port, v4.mtu) == ("flannel-wg", 51820, 1440)
     assert (v6.name, v6.listen_port, v6.mtu) == ("flannel-wg-v6", 51821, 1420)
     assert v6.address == IPv6Interface("fc00:0:0:1::/128")
-    assert v6.peers == {WgPeer(PUB_B, (IPv6Address("fd00:64::12"), 51821),
-                               frozenset({IPv6Network("fc00:0:0:2::/64")}))}  # fmt: skip
-    assert Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0),
-                 ifname="flannel-wg-v6") in desired.routes  # fmt: skip
+    assert v6.peers == {
+        WgPeer(
+            PUB_B, (IPv6Address("fd00:64::12"), 51821), frozenset({IPv6Network("fc00:0:0:2::/64")})
+        )
+    }
+    assert (
+        Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0), ifname="flannel-wg-v6")
+        in desired.routes
+    )
 
 
 def test_dual_stack_with_one_device_for_both_families_is_refused(tmp_path: Any) -> None:
@@ -425,22 +494,47 @@ def ipv6_only_ctx() -> Any:
     from flannelpy.backend.base import NodeContext
     from flannelpy.dataplane.state import UnderlayInterface
 
-    config = parse_network_config(json.dumps({
-        "EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fc00::/48",
-        "Backend": {"Type": "wireguard"},
-    }))  # fmt: skip
+    config = parse_network_config(
+        json.dumps(
+            {
+                "EnableIPv4": False,
+                "EnableIPv6": True,
+                "IPv6Network": "fc00::/48",
+                "Backend": {"Type": "wireguard"},
+            }
+        )
+    )
     under = UnderlayInterface(
-        name="eth0", index=2, ip=None, networks=(), mtu=1500,
-        ip6=IPv6Address("fd00:64::10"), networks6=(IPv6Network("fd00:64::/64"),),
-    )  # fmt: skip
-    return NodeContext(config=config, underlay=under, public_ip=None, node_name="n1",
-                       public_ipv6=IPv6Address("fd00:64::10"))  # fmt: skip
+        name="eth0",
+        index=2,
+        ip=None,
+        networks=(),
+        mtu=1500,
+        ip6=IPv6Address("fd00:64::10"),
+        networks6=(IPv6Network("fd00:64::/64"),),
+    )
+    return NodeContext(
+        config=config,
+        underlay=under,
+        public_ip=None,
+        node_name="n1",
+        public_ipv6=IPv6Address("fd00:64::10"),
+    )
 
 
 def v6_lease(n: int, ip6: str, backend: str, v6_data: dict[str, Any] | None) -> Lease:
-    return Lease(subnet=None, ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64"), attrs=LeaseAttrs(
-        public_ip=None, backend_type=backend, backend_data=None,
-        public_ipv6=IPv6Address(ip6), backend_v6_data=v6_data, mtu=1420))  # fmt: skip
+    return Lease(
+        subnet=None,
+        ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64"),
+        attrs=LeaseAttrs(
+            public_ip=None,
+            backend_type=backend,
+            backend_data=None,
+            public_ipv6=IPv6Address(ip6),
+            backend_v6_data=v6_data,
+            mtu=1420,
+        ),
+    )
 
 
 def test_ipv6_only_runs_flannel_wg_v6_alone_with_flannels_backend_v6_data(tmp_path: Any) -> None:
@@ -464,8 +558,12 @@ def test_ipv6_only_runs_flannel_wg_v6_alone_with_flannels_backend_v6_data(tmp_pa
     (spec,) = desired.wireguard  # flannel-wg-v6 only
     assert (spec.name, spec.listen_port, spec.mtu) == ("flannel-wg-v6", 51821, 1420)
     assert spec.address == IPv6Interface("fc00:0:0:1::/128")
-    assert spec.peers == {WgPeer(PUB_B, (IPv6Address("fd00:64::12"), 51821),
-                                 frozenset({IPv6Network("fc00:0:0:2::/64")}))}  # fmt: skip
-    assert desired.routes == {Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0),
-                                    ifname="flannel-wg-v6")}  # fmt: skip
+    assert spec.peers == {
+        WgPeer(
+            PUB_B, (IPv6Address("fd00:64::12"), 51821), frozenset({IPv6Network("fc00:0:0:2::/64")})
+        )
+    }
+    assert desired.routes == {
+        Route(dst=IPv6Network("fc00::/48"), gateway=IPv6Address(0), ifname="flannel-wg-v6")
+    }
     assert not desired.links  # and never a plain route to the vxlan peer

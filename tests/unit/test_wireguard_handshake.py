@@ -42,8 +42,9 @@ OWN = Lease(IPv4Network("10.244.1.0/24"), LeaseAttrs(IPv4Address("192.168.1.10")
 VXLAN_ROUTE = Route(PEER_SUBNET, IPv4Address("10.244.2.0"), "flannel.1", onlink=True)
 
 
-def wg_peer(pub: str, subnet: str = "10.244.2.0/24", ip: str = "192.168.1.11",
-            vtep: bool = True) -> Lease:  # fmt: skip
+def wg_peer(
+    pub: str, subnet: str = "10.244.2.0/24", ip: str = "192.168.1.11", vtep: bool = True
+) -> Lease:
     """A wireguard peer's lease; with ``vtep`` it still keeps its VTEP (a rollout)."""
     data: dict[str, Any] = {"PublicKey": pub, "Port": 51820}
     if vtep:
@@ -66,20 +67,33 @@ def planned(
 
 def test_the_uapi_answer_says_which_peers_have_completed_a_handshake() -> None:
     def peer(pub: str, seconds: int) -> list[str]:
-        return [f"public_key={base64.b64decode(pub).hex()}", f"last_handshake_time_sec={seconds}",
-                "last_handshake_time_nsec=0", "allowed_ip=10.244.2.0/24"]  # fmt: skip
+        return [
+            f"public_key={base64.b64decode(pub).hex()}",
+            f"last_handshake_time_sec={seconds}",
+            "last_handshake_time_nsec=0",
+            "allowed_ip=10.244.2.0/24",
+        ]
 
-    got = parse_get("\n".join(["listen_port=51820", *peer(PUB_B, 1765000000),
-                               *peer(PUB_C, 0), "errno=0", "", ""]))  # fmt: skip
+    got = parse_get(
+        "\n".join(
+            ["listen_port=51820", *peer(PUB_B, 1765000000), *peer(PUB_C, 0), "errno=0", "", ""]
+        )
+    )
     assert got.handshaken == frozenset({PUB_B})
     assert set(got.peers) == {PUB_B, PUB_C}
 
 
 def spec_of(*pubs: str) -> WgDeviceSpec:
-    return WgDeviceSpec("flannel-wg", 51820, 1440, None, frozenset(
-        WgPeer(pub, (IPv4Address("192.168.1.11"), 51820), frozenset({PEER_SUBNET}))
-        for pub in pubs
-    ))  # fmt: skip
+    return WgDeviceSpec(
+        "flannel-wg",
+        51820,
+        1440,
+        None,
+        frozenset(
+            WgPeer(pub, (IPv4Address("192.168.1.11"), 51820), frozenset({PEER_SUBNET}))
+            for pub in pubs
+        ),
+    )
 
 
 def test_a_confirmed_peer_stays_confirmed_until_it_leaves_the_plan() -> None:
@@ -119,8 +133,14 @@ class NoLink:
 
 def test_the_device_says_when_its_confirmed_peers_change_and_only_then() -> None:
     told: list[frozenset[str]] = []
-    device = WireguardDevice("flannel-wg", KEY_A, "kernel", "/nonexistent", link=NoLink(),
-                             on_confirmed=lambda _name, keys: told.append(keys))  # fmt: skip
+    device = WireguardDevice(
+        "flannel-wg",
+        KEY_A,
+        "kernel",
+        "/nonexistent",
+        link=NoLink(),
+        on_confirmed=lambda _name, keys: told.append(keys),
+    )
     fake = FakeConfigurator()
     device.configurator = fake
     device._spec = spec_of(PUB_B, PUB_C)  # as set_desired stores it, without the loop thread
@@ -182,8 +202,12 @@ def test_without_a_vxlan_path_to_fall_back_on_the_pair_is_not_held(
 def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
     tmp_path: Path,
 ) -> None:
-    rt = WireguardRuntime(str(tmp_path / "wireguard.key"), str(tmp_path / "wgrun"),
-                          implementation="userspace", make_device=NoDevice)  # fmt: skip
+    rt = WireguardRuntime(
+        str(tmp_path / "wireguard.key"),
+        str(tmp_path / "wgrun"),
+        implementation="userspace",
+        make_device=NoDevice,
+    )
     agent = AgentHarness(tmp_path, config=net_conf({"Type": "wireguard"}), wireguard=rt)
     peer = wg_peer(PUB_B, subnet="10.244.200.0/24")
     agent.store.put(lease_key(PREFIX, peer.subnet), peer.attrs.to_json().encode())

@@ -23,8 +23,9 @@ from flannelpy.errors import DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import context, lease
 
-SPEC = WgDeviceSpec(name="flannel-wg", listen_port=51820, mtu=1440,
-                    address=IPv4Interface("10.5.1.0/32"))  # fmt: skip
+SPEC = WgDeviceSpec(
+    name="flannel-wg", listen_port=51820, mtu=1440, address=IPv4Interface("10.5.1.0/32")
+)
 
 
 class FakeDevice:
@@ -47,8 +48,9 @@ def fake_runtime(tmp_path: Path) -> tuple[WireguardRuntime, list[FakeDevice]]:
         made.append(FakeDevice(name))
         return made[-1]
 
-    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"), implementation="userspace",
-                          make_device=make)  # fmt: skip
+    rt = WireguardRuntime(
+        str(tmp_path / "k"), str(tmp_path / "run"), implementation="userspace", make_device=make
+    )
     rt.prepare(WireguardConfig())
     return rt, made
 
@@ -69,8 +71,9 @@ def test_the_runtime_runs_exactly_the_planned_devices(tmp_path: Path) -> None:
 
 
 def test_a_device_is_not_started_before_the_key_is_loaded(tmp_path: Path) -> None:
-    rt = WireguardRuntime(str(tmp_path / "k"), str(tmp_path / "run"),
-                          make_device=lambda *_: FakeDevice("x"))  # fmt: skip
+    rt = WireguardRuntime(
+        str(tmp_path / "k"), str(tmp_path / "run"), make_device=lambda *_: FakeDevice("x")
+    )
     with pytest.raises(DataplaneError, match="before the WireGuard key was loaded"):
         rt.apply([SPEC])
 
@@ -104,8 +107,12 @@ def test_a_grace_under_way_is_not_pushed_back_by_replans() -> None:
 
 # --- switching back from wireguard: the device is kept while a peer runs it ---------------
 
-OWN = Lease(IPv4Network("10.244.1.0/24"), LeaseAttrs(IPv4Address("192.168.1.10"), "vxlan",
-            {"VNI": 1, "VtepMAC": "02:00:00:00:00:01"}, mtu=1450))  # fmt: skip
+OWN = Lease(
+    IPv4Network("10.244.1.0/24"),
+    LeaseAttrs(
+        IPv4Address("192.168.1.10"), "vxlan", {"VNI": 1, "VtepMAC": "02:00:00:00:00:01"}, mtu=1450
+    ),
+)
 VXLAN_PEER = lease("10.244.2.0/24", "192.168.1.11", mac="02:00:00:00:00:02")
 
 
@@ -140,10 +147,15 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route() -> No
     peer_pub, kept_pub = (public_key(generate_private_key()) for _ in range(2))
     peer = wg_peer(peer_pub)
     # a node that switched back before us, and still keeps its key
-    kept = Lease(IPv4Network("10.244.5.0/24"), LeaseAttrs(
-        IPv4Address("192.168.1.15"), "vxlan",
-        {"VNI": 1, "VtepMAC": "02:00:00:00:00:05", "PublicKey": kept_pub, "Port": 51999},
-        mtu=1450))  # fmt: skip
+    kept = Lease(
+        IPv4Network("10.244.5.0/24"),
+        LeaseAttrs(
+            IPv4Address("192.168.1.15"),
+            "vxlan",
+            {"VNI": 1, "VtepMAC": "02:00:00:00:00:05", "PublicKey": kept_pub, "Port": 51999},
+            mtu=1450,
+        ),
+    )
     peers = [VXLAN_PEER, peer, kept]
     ctx = keeping_context(vxlan_node(), "vxlan", peers, device_up=True)
     desired = plan_kept(
@@ -164,8 +176,12 @@ def test_a_kept_device_carries_the_wireguard_peers_and_the_network_route() -> No
     assert wg.endpoint == (IPv4Address("192.168.1.12"), 51999)
     attrs = with_kept_key(ctx, VxlanBackend().lease_attrs(ctx, "02:00:00:00:00:01"))
     assert attrs.backend_type == "vxlan"
-    assert attrs.backend_data == {"VNI": 1, "VtepMAC": "02:00:00:00:00:01",
-                                  "PublicKey": IDENTITY.public_key, "Port": 51999}  # fmt: skip
+    assert attrs.backend_data == {
+        "VNI": 1,
+        "VtepMAC": "02:00:00:00:00:01",
+        "PublicKey": IDENTITY.public_key,
+        "Port": 51999,
+    }
 
 
 def test_once_no_peer_runs_wireguard_the_device_leaves_the_plan_and_the_key_the_lease() -> None:

@@ -83,9 +83,14 @@ class EtcdStore:
                 "--etcd-username and --etcd-password go together; give both or neither"
             )
         tls_flags = [
-            flag for flag, path in (("--etcd-cafile", cafile), ("--etcd-certfile", certfile),
-                                    ("--etcd-keyfile", keyfile)) if path is not None
-        ]  # fmt: skip
+            flag
+            for flag, path in (
+                ("--etcd-cafile", cafile),
+                ("--etcd-certfile", certfile),
+                ("--etcd-keyfile", keyfile),
+            )
+            if path is not None
+        ]
         if tls_flags and not any(ep.secure for ep in self._endpoints):
             raise ConfigError(
                 f"{' and '.join(tls_flags)} given, but every --etcd-endpoints URL is "
@@ -188,8 +193,9 @@ class EtcdStore:
                 # depends on now.
                 log.warning(
                     "etcd requests moved to another endpoint from=%s to=%s",
-                    self._endpoints[previous].url, self._endpoints[index].url,
-                )  # fmt: skip
+                    self._endpoints[previous].url,
+                    self._endpoints[index].url,
+                )
             return result
         self._report("unavailable")
         raise StoreUnavailable(

@@ -134,10 +134,13 @@ def open_client(
         endpoint = _SocketEndpoint(ep.socket_target, GRPC_OPTIONS)
     else:
         endpoint = pyetcd.Endpoint(
-            ep.host, ep.port, secure=ep.secure,
+            ep.host,
+            ep.port,
+            secure=ep.secure,
             creds=credentials if ep.secure else None,
-            time_retry=0, opts=GRPC_OPTIONS,
-        )  # fmt: skip
+            time_retry=0,
+            opts=GRPC_OPTIONS,
+        )
     try:
         client = LeaderClient(
             endpoints=[endpoint], timeout=timeout, user=username, password=password

@@ -151,10 +151,16 @@ class EtcdSubnetManager:
         for attempt in range(1, RACE_RETRIES + 1):
             leases, _ = self.list_leases()
             choice = choose_lease(
-                config, list(leases.values()), attrs, previous_subnet, self._rng,
-                pools=pools, cluster=cluster, holder_gone=self._holder_gone,
+                config,
+                list(leases.values()),
+                attrs,
+                previous_subnet,
+                self._rng,
+                pools=pools,
+                cluster=cluster,
+                holder_gone=self._holder_gone,
                 previous_ipv6_subnet=previous_ipv6_subnet,
-            )  # fmt: skip
+            )
             if choice.name_conflict is not None:
                 self._name_conflict(choice.name_conflict, attrs)
             for stale in choice.delete:
@@ -162,8 +168,10 @@ class EtcdSubnetManager:
                     log.info(
                         "deleted our lease that no longer fits the network config "
                         "subnet=%s public_ip=%s network=%s",
-                        stale.subnet, stale.attrs.public_ip, config.network,
-                    )  # fmt: skip
+                        stale.subnet,
+                        stale.attrs.public_ip,
+                        config.network,
+                    )
             lease = self._write_choice(choice, attrs)
             if lease is not None:
                 self._log_acquired(choice, lease)
@@ -171,8 +179,9 @@ class EtcdSubnetManager:
                 return lease
             log.info(
                 "lost a race for a subnet; choosing again subnet=%s attempt=%d",
-                choice.subnet, attempt,
-            )  # fmt: skip
+                choice.subnet,
+                attempt,
+            )
         raise StoreError(
             f"could not acquire a lease in {RACE_RETRIES} attempts: other nodes kept taking "
             "the chosen subnets first; retry, and check for many nodes starting at once"
@@ -200,8 +209,10 @@ class EtcdSubnetManager:
             log.warning(
                 "another live node holds a lease under this node's name; not taking it "
                 "subnet=%s node=%s its_public_ip=%s",
-                other.subnet, attrs.node_name, other.attrs.public_ip,
-            )  # fmt: skip
+                other.subnet,
+                attrs.node_name,
+                other.attrs.public_ip,
+            )
             return
         raise ConfigError(
             f"node name {attrs.node_name!r} is already used by the live node at "
@@ -223,11 +234,14 @@ class EtcdSubnetManager:
             if lease is not None:
                 log.info(
                     "additional lease acquired subnet=%s pool=%s public_ip=%s",
-                    lease.subnet, new.pool.network, attrs.public_ip,
-                )  # fmt: skip
+                    lease.subnet,
+                    new.pool.network,
+                    attrs.public_ip,
+                )
                 return lease
-            log.info("lost a race for a subnet; choosing again subnet=%s attempt=%d",
-                     new.subnet, attempt)  # fmt: skip
+            log.info(
+                "lost a race for a subnet; choosing again subnet=%s attempt=%d", new.subnet, attempt
+            )
         raise StoreError(
             f"could not acquire another lease in {RACE_RETRIES} attempts: other nodes kept "
             "taking the chosen subnets first; it is retried"
@@ -274,8 +288,12 @@ class EtcdSubnetManager:
         if not earlier:
             return False
         self._store.delete_if_mod_revision(key, revision)
-        log.info("another node took one of the chosen subnets first; choosing again "
-                 "subnet=%s ipv6_subnet=%s", choice.subnet, choice.ipv6_subnet)  # fmt: skip
+        log.info(
+            "another node took one of the chosen subnets first; choosing again "
+            "subnet=%s ipv6_subnet=%s",
+            choice.subnet,
+            choice.ipv6_subnet,
+        )
         return True
 
     def _own_lease(
@@ -301,14 +319,20 @@ class EtcdSubnetManager:
             log.warning(
                 "took over the lease of this node's previous address subnet=%s node=%s "
                 "old_public_ip=%s public_ip=%s",
-                lease.subnet, lease.attrs.node_name, old.attrs.public_ip, lease.attrs.public_ip,
-            )  # fmt: skip
+                lease.subnet,
+                lease.attrs.node_name,
+                old.attrs.public_ip,
+                lease.attrs.public_ip,
+            )
             return
         log.info(
             "lease acquired subnet=%s ipv6_subnet=%s public_ip=%s reason=%s expiration=%s",
-            lease.subnet, lease.ipv6_subnet, lease.attrs.public_ip, choice.reason,
+            lease.subnet,
+            lease.ipv6_subnet,
+            lease.attrs.public_ip,
+            choice.reason,
             lease.expiration,
-        )  # fmt: skip
+        )
 
     def renew_lease(self, lease: Lease) -> Lease:
         """Grant a fresh etcd lease and rewrite the key with it (same key, new expiry).
@@ -428,16 +452,18 @@ class EtcdSubnetManager:
             except RevisionCompacted as e:
                 log.warning(
                     "lease watch fell behind a compaction; re-listing revision=%d compacted=%d",
-                    revision, e.compacted_revision,
-                )  # fmt: skip
+                    revision,
+                    e.compacted_revision,
+                )
                 self._watch_restarted("compacted")
                 leases = None
             except StoreUnavailable as e:
                 delay = backoff.next()
                 log.warning(
                     "lease store unavailable; re-listing after a delay delay=%.1f error=%s",
-                    delay, e,
-                )  # fmt: skip
+                    delay,
+                    e,
+                )
                 self._watch_restarted("unavailable")
                 leases = None
                 self._sleep(stop, delay)
@@ -446,8 +472,9 @@ class EtcdSubnetManager:
                 raise e.__cause__ from None
             except Exception as e:
                 delay = backoff.next()
-                log.exception("lease watch failed; re-listing after a delay delay=%.1f "
-                              "error=%s", delay, e)  # fmt: skip
+                log.exception(
+                    "lease watch failed; re-listing after a delay delay=%.1f error=%s", delay, e
+                )
                 self._watch_restarted("error")
                 leases = None
                 self._sleep(stop, delay)

@@ -46,8 +46,9 @@ class Forbidden(StoreError):
 
 
 def _rules_text(rules: Rules) -> str:
-    return "; ".join(f"{res}{'.' + group if group else ''}: {','.join(verbs)}"
-                     for group, res, verbs in rules)  # fmt: skip
+    return "; ".join(
+        f"{res}{'.' + group if group else ''}: {','.join(verbs)}" for group, res, verbs in rules
+    )
 
 
 def build_api_client(settings: AgentSettings) -> kclient.ApiClient:

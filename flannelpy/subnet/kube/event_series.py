@@ -137,8 +137,11 @@ class EventSeries:
         return Write("patch", s.spec, s.count, s.last_seen, s.name)
 
     def _expire(self, now: float) -> None:
-        stale = [k for k, s in self._series.items()
-                 if now - max(s.sent_at, s.last_seen) >= self._forget_after]  # fmt: skip
+        stale = [
+            k
+            for k, s in self._series.items()
+            if now - max(s.sent_at, s.last_seen) >= self._forget_after
+        ]
         for key in stale:
             del self._series[key]
 
@@ -154,7 +157,8 @@ def micro_time(at: float) -> str:
 def create_body(node: str, instance: str, spec: EventSpec, at: float) -> dict[str, Any]:
     """An events.k8s.io/v1 Event about the Node ``node``, reported by ``instance``."""
     return {
-        "apiVersion": API_VERSION, "kind": "Event",
+        "apiVersion": API_VERSION,
+        "kind": "Event",
         "metadata": {"name": event_name(node, spec, at), "namespace": NAMESPACE},
         "eventTime": micro_time(at),
         "reportingController": REPORTING_CONTROLLER,
@@ -164,7 +168,7 @@ def create_body(node: str, instance: str, spec: EventSpec, at: float) -> dict[st
         "regarding": {"apiVersion": "v1", "kind": "Node", "name": node},
         "note": _clip(spec.note, NOTE_LIMIT),
         "type": spec.type,
-    }  # fmt: skip
+    }
 
 
 def event_name(node: str, spec: EventSpec, at: float) -> str:

@@ -68,16 +68,21 @@ class NodeEvents:
                 try:
                     self._send(write, now)
                 except StoreError as e:
-                    log.warning("could not update the Event series reason=%s: %s",
-                                write.spec.reason, e)  # fmt: skip
+                    log.warning(
+                        "could not update the Event series reason=%s: %s", write.spec.reason, e
+                    )
 
     def _send(self, write: Write, now: float) -> None:
         if write.op == "create":
             node = self._node()
             body: Any = create_body(node, f"flannelpy-{node}", write.spec, write.at)
             try:
-                doc = read_json("create event", lambda: self._api.create_namespaced_event(
-                    NAMESPACE, body, _preload_content=False, _request_timeout=TIMEOUT))  # fmt: skip
+                doc = read_json(
+                    "create event",
+                    lambda: self._api.create_namespaced_event(
+                        NAMESPACE, body, _preload_content=False, _request_timeout=TIMEOUT
+                    ),
+                )
             except StoreError:
                 self._series.gone(write.spec)
                 raise
@@ -87,9 +92,17 @@ class NodeEvents:
         assert write.name is not None
         name = write.name
         try:
-            read_json("patch event", lambda: self._api.patch_namespaced_event(
-                name, NAMESPACE, series_patch(write), _content_type=MERGE_PATCH,
-                _preload_content=False, _request_timeout=TIMEOUT))  # fmt: skip
+            read_json(
+                "patch event",
+                lambda: self._api.patch_namespaced_event(
+                    name,
+                    NAMESPACE,
+                    series_patch(write),
+                    _content_type=MERGE_PATCH,
+                    _preload_content=False,
+                    _request_timeout=TIMEOUT,
+                ),
+            )
         except StoreError as e:
             if not (isinstance(e.__cause__, ApiException) and e.__cause__.status == 404):
                 self._series.failed(write, now)

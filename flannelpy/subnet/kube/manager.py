@@ -203,22 +203,29 @@ class KubeSubnetManager:
         if advertised.public_ip != attrs.public_ip:
             log.info(
                 "advertising the address from public-ip-overwrite public_ip=%s own=%s",
-                advertised.public_ip, attrs.public_ip,
-            )  # fmt: skip
+                advertised.public_ip,
+                attrs.public_ip,
+            )
         patch = kn.status_patch(
-            node, advertised, self._keys, self._clock(),
+            node,
+            advertised,
+            self._keys,
+            self._clock(),
             set_condition=self._settings.set_node_network_unavailable,
-        )  # fmt: skip
+        )
         if patch is None:
             return advertised
         name = kn.node_name(node)
         read_json(
             f"patch node {name} status",
             lambda: self._api.patch_node_status(
-                name, patch, _content_type=STRATEGIC_MERGE,
-                _preload_content=False, _request_timeout=self._timeout(),
+                name,
+                patch,
+                _content_type=STRATEGIC_MERGE,
+                _preload_content=False,
+                _request_timeout=self._timeout(),
             ),
-        )  # fmt: skip
+        )
         log.info("node updated node=%s wrote=%s", name, ",".join(kn.changed_keys(patch)))
         return advertised
 
@@ -245,8 +252,9 @@ class KubeSubnetManager:
         if previous_subnet is not None and previous_subnet != subnet:
             log.warning(
                 "the node's pod cidr differs from the last run's subnet subnet=%s previous=%s",
-                subnet, previous_subnet,
-            )  # fmt: skip
+                subnet,
+                previous_subnet,
+            )
         self._attrs = attrs
         advertised = self._advertised = self._publish(node, attrs)
         return Lease(subnet=subnet, attrs=advertised, expiration=None, ipv6_subnet=ipv6_subnet)
@@ -266,8 +274,9 @@ class KubeSubnetManager:
                 log.warning(
                     "pod cidr not assigned to node %s yet; waiting for the controller-manager "
                     "(is --allocate-node-cidrs set?) waited_seconds=%.0f",
-                    self.node_name, now - started,
-                )  # fmt: skip
+                    self.node_name,
+                    now - started,
+                )
             self._pause(backoff.next())
 
     def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
@@ -339,8 +348,9 @@ class KubeSubnetManager:
                     delay = backoff.next()
                     log.warning(
                         "node watch failed; retrying after a delay delay=%.1f error=%s",
-                        delay, e,
-                    )  # fmt: skip
+                        delay,
+                        e,
+                    )
                     self._sleep(stop, delay)
                 except CallbackFailed as e:
                     assert e.__cause__ is not None
@@ -348,8 +358,9 @@ class KubeSubnetManager:
                 except Exception as e:
                     # A bug or an input no parser foresaw: never the end of the watch.
                     delay = backoff.next()
-                    log.exception("node watch failed; re-listing after a delay delay=%.1f "
-                                  "error=%s", delay, e)  # fmt: skip
+                    log.exception(
+                        "node watch failed; re-listing after a delay delay=%.1f error=%s", delay, e
+                    )
                     state.rv = None
                     self._sleep(stop, delay)
 
@@ -386,10 +397,12 @@ class KubeSubnetManager:
         return read_json(
             "list nodes",
             lambda: self._api.list_node(
-                limit=self._page_size, _continue=token,
-                _preload_content=False, _request_timeout=self._timeout(),
+                limit=self._page_size,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=self._timeout(),
             ),
-        )  # fmt: skip
+        )
 
     def _watch(
         self,
@@ -403,11 +416,14 @@ class KubeSubnetManager:
         resp: Any = call(
             "watch nodes",
             lambda: self._api.list_node(
-                watch=True, resource_version=state.rv, allow_watch_bookmarks=True,
-                timeout_seconds=self._watch_timeout, _preload_content=False,
+                watch=True,
+                resource_version=state.rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=self._watch_timeout,
+                _preload_content=False,
                 _request_timeout=(CONNECT_TIMEOUT, self._watch_timeout + WATCH_READ_SLACK),
             ),
-        )  # fmt: skip
+        )
         closer.attach(resp)
         state.watch_opened(time.monotonic())
         count = 0
@@ -519,8 +535,10 @@ class KubeSubnetManager:
                     raise
                 log.warning(
                     "kubernetes API unavailable, retrying request=%s delay=%.1f error=%s",
-                    what, delay, e,
-                )  # fmt: skip
+                    what,
+                    delay,
+                    e,
+                )
             self._pause(delay)
 
     def undecodable(self) -> dict[str, Rejection]:

@@ -335,8 +335,7 @@ def node_to_lease(node: Node, keys: AnnotationKeys, config: NetworkConfig) -> Le
         direct_routing=True if notes.get(keys.direct_routing) == "true" else None,
     )
     ipv6 = v6 if config.enable_ipv6 else None
-    return Lease(subnet=None if ipv6_only else v4, attrs=attrs, expiration=None,
-                 ipv6_subnet=ipv6)  # fmt: skip
+    return Lease(subnet=None if ipv6_only else v4, attrs=attrs, expiration=None, ipv6_subnet=ipv6)
 
 
 def _backend_data(text: Any, key: str) -> Mapping[str, Any] | None:
@@ -377,9 +376,11 @@ def advertised_attrs(attrs: LeaseAttrs, node: Node, keys: AnnotationKeys) -> Lea
     overwrite6 = public_ipv6_overwrite(node, keys) if attrs.public_ipv6 is not None else None
     name = node_name(node) or attrs.node_name
     return replace(
-        attrs, public_ip=overwrite or attrs.public_ip,
-        public_ipv6=overwrite6 or attrs.public_ipv6, node_name=name,
-    )  # fmt: skip
+        attrs,
+        public_ip=overwrite or attrs.public_ip,
+        public_ipv6=overwrite6 or attrs.public_ipv6,
+        node_name=name,
+    )
 
 
 def backend_data_text(data: Mapping[str, Any] | None) -> str:

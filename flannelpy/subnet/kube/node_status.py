@@ -91,8 +91,11 @@ def _short_names(doc: dict[str, Any]) -> None:
 
 # What goes, in turn, while the record is over its bound.
 _SHEDDING: tuple[Callable[[dict[str, Any]], None], ...] = (
-    _no_failing_names, _no_config_backend, _no_lists, _short_names,
-)  # fmt: skip
+    _no_failing_names,
+    _no_config_backend,
+    _no_lists,
+    _short_names,
+)
 
 
 def encode_summary(status_json: str, config_backend: Mapping[str, Any] | None = None) -> str:
@@ -152,8 +155,9 @@ class WriteLimiter:
     seconds old; the same content again only after ``heartbeat`` seconds. Times are
     monotonic seconds."""
 
-    def __init__(self, min_gap: float = MIN_WRITE_GAP,
-                 heartbeat: float = HEARTBEAT_SECONDS) -> None:  # fmt: skip
+    def __init__(
+        self, min_gap: float = MIN_WRITE_GAP, heartbeat: float = HEARTBEAT_SECONDS
+    ) -> None:
         self.min_gap, self.heartbeat = min_gap, heartbeat
         self._last_at: float | None = None
         self._last_content: str | None = None
@@ -266,9 +270,13 @@ class LeaseForbidden(Forbidden):
 class LeasePublisher:
     """The agent's side: write our Lease when :class:`WriteLimiter` allows."""
 
-    def __init__(self, api_client: kclient.ApiClient, namespace: str,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 limiter: WriteLimiter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        api_client: kclient.ApiClient,
+        namespace: str,
+        monotonic: Callable[[], float] = time.monotonic,
+        limiter: WriteLimiter | None = None,
+    ) -> None:
         self._api = kclient.CoordinationV1Api(api_client)
         self._namespace = namespace
         self._monotonic = monotonic
@@ -279,20 +287,23 @@ class LeasePublisher:
         self._told_forbidden = False  # said once until a write succeeds again
         self.writes = 0
 
-    def publish(self, node: str, status_json: str,
-                config_backend: Mapping[str, Any] | None) -> None:  # fmt: skip
+    def publish(
+        self, node: str, status_json: str, config_backend: Mapping[str, Any] | None
+    ) -> None:
         """Write ``status_json`` (``NodeStatus.to_json()``); StatusDeferred when the
         rate limit holds it back (the caller publishes again on its next tick)."""
         text = encode_summary(status_json, config_backend)
         with self._lock:
             now = self._monotonic()
             if not self._limiter.due(now, text):
-                raise StatusDeferred("status Lease written less than "
-                                     f"{self._limiter.min_gap:g} s ago")  # fmt: skip
+                raise StatusDeferred(
+                    f"status Lease written less than {self._limiter.min_gap:g} s ago"
+                )
             refused = self._forbidden_at
             if refused is not None and now - refused < FORBIDDEN_RETRY_SECONDS:
-                raise StatusDeferred("status Lease write refused (403) less than "
-                                     f"{FORBIDDEN_RETRY_SECONDS:g} s ago")  # fmt: skip
+                raise StatusDeferred(
+                    f"status Lease write refused (403) less than {FORBIDDEN_RETRY_SECONDS:g} s ago"
+                )
             try:
                 self._write(node, text)
             except LeaseForbidden as e:
@@ -318,9 +329,13 @@ class LeasePublisher:
         def patched() -> bool:
             try:
                 resp = self._api.patch_namespaced_lease(
-                    node, self._namespace, body, _content_type=MERGE_PATCH,
-                    _preload_content=False, _request_timeout=timeout,
-                )  # fmt: skip
+                    node,
+                    self._namespace,
+                    body,
+                    _content_type=MERGE_PATCH,
+                    _preload_content=False,
+                    _request_timeout=timeout,
+                )
             except kclient.ApiException as e:
                 if e.status == 404:
                     return False  # the first write on this node: create it
@@ -357,8 +372,11 @@ def read_summaries(
     api = kclient.CoordinationV1Api(api_client)
     doc = read_json(
         f"list leases in {namespace}",
-        lambda: api.list_namespaced_lease(namespace, label_selector=f"{STATUS_LABEL}=true",
-                                          _preload_content=False,
-                                          _request_timeout=(5.0, 15.0)),
-    )  # fmt: skip
+        lambda: api.list_namespaced_lease(
+            namespace,
+            label_selector=f"{STATUS_LABEL}=true",
+            _preload_content=False,
+            _request_timeout=(5.0, 15.0),
+        ),
+    )
     return parse_leases(doc)
