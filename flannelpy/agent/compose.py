@@ -24,7 +24,7 @@ from flannelpy.agent.live_config import load_applied
 from flannelpy.agent.node import NodeAgent
 from flannelpy.agent.vtep import load_vtep_mac
 from flannelpy.agent.writer import AgentParts, ProbeTransport
-from flannelpy.backend.base import NodeContext
+from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.wireguard_config import parse_wireguard_config
 from flannelpy.backend.wireguard_runtime import WireguardRuntime, default_key_file
@@ -97,19 +97,12 @@ def build_agent(
         vtep_mac = None
         if backend.type_name == "vxlan" or kube:
             vtep_mac = load_vtep_mac(
-                kernel, settings.state_dir, backend.device_names(ctx)[0],
+                kernel,
+                settings.state_dir,
+                backend.device_names(ctx)[0],
                 advertised=kube.own_vtep_mac() if kube else None,
-            )  # fmt: skip
-        if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
-            log.info(
-                "dual stack: address pools beyond Network, the warm-capacity count, the "
-                "rollout's verification and wireguard stay IPv4-only for now"
             )
-        log.info(
-            "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
-            ctx.node_name, backend.type_name, ctx.underlay.name, ctx.public_ip,
-            ctx.public_ipv6, backend.mtu(ctx),
-        )  # fmt: skip
+        _log_start(ctx, backend)
     except BaseException:
         manager.close()
         raise
@@ -142,6 +135,24 @@ def build_agent(
     )
 
 
+def _log_start(ctx: NodeContext, backend: Backend) -> None:
+    config = ctx.config
+    if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
+        log.info(
+            "dual stack: address pools beyond Network, the warm-capacity count, the "
+            "rollout's verification and wireguard stay IPv4-only for now"
+        )
+    log.info(
+        "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
+        ctx.node_name,
+        backend.type_name,
+        ctx.underlay.name,
+        ctx.public_ip,
+        ctx.public_ipv6,
+        backend.mtu(ctx),
+    )
+
+
 def _is_ipv6_only(config: NetworkConfig) -> bool:
     return not config.enable_ipv4 or config.network is None
 
@@ -166,9 +177,11 @@ def _network_config(
 
 
 def _node_context(
-    settings: AgentSettings, config: NetworkConfig, kernel: Kernel,
+    settings: AgentSettings,
+    config: NetworkConfig,
+    kernel: Kernel,
     kube: KubeSubnetManager | None,
-) -> NodeContext:  # fmt: skip
+) -> NodeContext:
     """Who this node is on the network: its underlay interface and public addresses."""
     ipv6_only = _is_ipv6_only(config)
     # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
@@ -178,9 +191,11 @@ def _node_context(
         underlay = kernel.find_underlay(settings.iface, settings.iface_regex, ipv6_only=True)
     else:
         underlay = kernel.find_underlay(
-            settings.iface, settings.iface_regex,
-            _ip_or_none(settings.iface_can_reach), public_ip,
-        )  # fmt: skip
+            settings.iface,
+            settings.iface_regex,
+            _ip_or_none(settings.iface_can_reach),
+            public_ip,
+        )
     return NodeContext(
         config=config,
         underlay=underlay,
@@ -220,8 +235,10 @@ def _capacity_and_pools(
     if opened.etcd is not None:
         return capacity, PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
     if capacity.max_leases_per_node > 1:
-        log.warning("MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
-                    "(one podCIDR per node); ignoring them")  # fmt: skip
+        log.warning(
+            "MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
+            "(one podCIDR per node); ignoring them"
+        )
         capacity = CapacitySettings()
     return capacity, None
 
@@ -261,8 +278,10 @@ def _check_ipv6_only(config: NetworkConfig) -> None:
             "net-conf.json: MaxLeasesPerNode and MinFreeAddresses (warm capacity) are "
             "IPv4-only; remove them for IPv6-only (EnableIPv4 false)"
         )
-    log.info("IPv6-only: address pools, warm capacity and the rollout's verification "
-             "are IPv4-only and stay off")  # fmt: skip
+    log.info(
+        "IPv6-only: address pools, warm capacity and the rollout's verification "
+        "are IPv4-only and stay off"
+    )
 
 
 def _public_ipv6(

@@ -55,10 +55,14 @@ class FirewallSync:
     """One node's firewall adapters and what has happened to them so far."""
 
     def __init__(
-        self, settings: AgentSettings, metrics: AgentMetrics,
-        firewall: IptablesFirewall | None, firewall6: IptablesFirewall | None,
-        nft: NftablesFirewall | None, nftables: bool,
-    ) -> None:  # fmt: skip
+        self,
+        settings: AgentSettings,
+        metrics: AgentMetrics,
+        firewall: IptablesFirewall | None,
+        firewall6: IptablesFirewall | None,
+        nft: NftablesFirewall | None,
+        nftables: bool,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.firewall = firewall
@@ -124,9 +128,12 @@ class FirewallSync:
         return steps
 
     def _nftables_step(
-        self, networks: Sequence[PodNet], subnets: Sequence[PodNet],
-        networks6: Sequence[PodNet], subnets6: Sequence[PodNet],
-    ) -> SyncStep:  # fmt: skip
+        self,
+        networks: Sequence[PodNet],
+        subnets: Sequence[PodNet],
+        networks6: Sequence[PodNet],
+        subnets6: Sequence[PodNet],
+    ) -> SyncStep:
         """Both families' tables in one nftables sync."""
         from flannelpy.dataplane import nftables as nft_rules
 
@@ -143,9 +150,11 @@ class FirewallSync:
             return nft_rules.forward_rules(nets) if forward and nets else None
 
         desired = nft_rules.NftRules(
-            masq_of(networks, subnets), forward_of(networks),
-            masq_of(networks6, subnets6), forward_of(networks6),
-        )  # fmt: skip
+            masq_of(networks, subnets),
+            forward_of(networks),
+            masq_of(networks6, subnets6),
+            forward_of(networks6),
+        )
         return lambda: nft.sync(desired)
 
     def _clean_other_mode(self) -> None:

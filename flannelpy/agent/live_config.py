@@ -122,8 +122,9 @@ class LiveConfig:
         if snap is None or snap.config is None:
             return
         if snap.override_error:
-            self.say_once(snap.override_error, "ignoring this node's override: %s",
-                          snap.override_error)  # fmt: skip
+            self.say_once(
+                snap.override_error, "ignoring this node's override: %s", snap.override_error
+            )
         self._take_pools(snap)
         try:
             wanted = wanted_config(snap.config, snap.override)
@@ -131,8 +132,9 @@ class LiveConfig:
             if (wanted.network is None) != (s.config.network is None):
                 raise ConfigError("EnableIPv4 or Network changed; restart the agent to apply it")
             if (wanted.enable_ipv6, wanted.ipv6_network) != (
-                s.config.enable_ipv6, s.config.ipv6_network,
-            ):  # fmt: skip
+                s.config.enable_ipv6,
+                s.config.ipv6_network,
+            ):
                 raise ConfigError(
                     "EnableIPv6 or IPv6Network changed; restart the agent to apply it"
                 )
@@ -143,10 +145,15 @@ class LiveConfig:
         generation = snap.override.generation if snap.override else None
         try:
             decision = decide_change(
-                s.config, s.mtu, wanted, backend.mtu(ctx), snap.override, snap.rollout,
+                s.config,
+                s.mtu,
+                wanted,
+                backend.mtu(ctx),
+                snap.override,
+                snap.rollout,
                 datetime.fromtimestamp(self.clocks.wall(), UTC),
                 KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
-            )  # fmt: skip
+            )
         except ConfigError as e:  # e.g. a DisruptionPolicy that does not parse
             self.say_once(f"config:{e}", "not applying the new network config: %s", e)
             return
@@ -199,8 +206,9 @@ class LiveConfig:
             self.metrics.blocked_operation("backend_change")
             log.warning("%s", decision.sentence)
         if s.blocked is None or s.blocked.change != change:
-            s.blocked = BlockedChange(generation, change, decision.sentence or "",
-                                      self.clocks.wall())  # fmt: skip
+            s.blocked = BlockedChange(
+                generation, change, decision.sentence or "", self.clocks.wall()
+            )
             self.status.write_file(self.reconciler.last_result, s.view())
             self.status.publish(force=True)
             if self.control is not None:  # a block starting (again) is one occurrence
@@ -228,8 +236,10 @@ class LiveConfig:
         if decision.forced is not None:
             log.warning(
                 "disruptive change forced past the disruption policy change=%r reason=%r by=%s",
-                ", ".join(decision.changes), decision.forced.reason, decision.forced.by,
-            )  # fmt: skip
+                ", ".join(decision.changes),
+                decision.forced.reason,
+                decision.forced.by,
+            )
             if self.control is not None:
                 try:
                     self.control.record_forced(
@@ -238,10 +248,13 @@ class LiveConfig:
                 except StoreError as e:
                     log.warning("could not record the forced change in the store: %s", e)
         target = _Target(
-            wanted, override.generation if override else None, decision.changes,
-            self._unfinished.before if self._unfinished else BackendSummary.of(
-                s.config.backend, s.mtu),
-        )  # fmt: skip
+            wanted,
+            override.generation if override else None,
+            decision.changes,
+            self._unfinished.before
+            if self._unfinished
+            else BackendSummary.of(s.config.backend, s.mtu),
+        )
         s.backend = backend
         s.ctx = ctx
         s.known_devices.update(backend.device_names(ctx))
@@ -272,9 +285,11 @@ class LiveConfig:
         if target.changes:
             log.info(
                 "backend changed from=%s to=%s generation=%s converged=%s",
-                target.before.describe(), after.describe(), target.generation,
+                target.before.describe(),
+                after.describe(),
+                target.generation,
                 result.converged if result else None,
-            )  # fmt: skip
+            )
         else:
             log.info("network config change applied backend=%s", after.describe())
         self.status.publish(force=True)
@@ -308,7 +323,7 @@ def load_applied(state_dir: str) -> NodeOverride | None:
 
 def pool_summary(pools: Sequence[Pool]) -> str:
     return ", ".join(
-        f"{p.network}" + (f"[{','.join(f'{k}={v}' for k, v in sorted(p.tags.items()))}]"
-                          if p.tags else "")
+        f"{p.network}"
+        + (f"[{','.join(f'{k}={v}' for k, v in sorted(p.tags.items()))}]" if p.tags else "")
         for p in pools
-    )  # fmt: skip
+    )

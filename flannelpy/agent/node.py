@@ -109,8 +109,10 @@ class NodeAgent:
         w.become_ready(result)
         log.info(
             "agent ready subnet=%s mtu=%s program_seconds=%.3f",
-            lease.subnet, w.state.mtu, result.duration_seconds if result else 0.0,
-        )  # fmt: skip
+            lease.subnet,
+            w.state.mtu,
+            result.duration_seconds if result else 0.0,
+        )
 
     def _write_effective_settings(self) -> None:
         """<run-dir>/settings.json, for the doctor run on this node without flags."""
@@ -118,8 +120,9 @@ class NodeAgent:
         try:
             write_effective(self.settings, ctx.node_name, ctx.underlay.name)
         except OSError as e:  # only a convenience for commands; the agent runs on
-            log.warning("cannot write the effective settings run_dir=%s: %s",
-                        self.settings.run_dir, e)  # fmt: skip
+            log.warning(
+                "cannot write the effective settings run_dir=%s: %s", self.settings.run_dir, e
+            )
 
     def run_until_stopped(self) -> None:
         """The writer's loop on this thread until stopped, then shutdown."""
@@ -180,9 +183,12 @@ class NodeAgent:
             # The healthz port listens on every address (hostNetwork): metrics only if asked.
             metrics_here = addr != healthz or self.settings.healthz_metrics
             server = HealthServer(
-                addr, self.metrics.registry, self.writer.status.readiness, self.beats.live,
+                addr,
+                self.metrics.registry,
+                self.writer.status.readiness,
+                self.beats.live,
                 serve_metrics=metrics_here,
-            )  # fmt: skip
+            )
             server.start()
             self._servers.append(server)
 

@@ -34,7 +34,7 @@ from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 if TYPE_CHECKING:
-    from flannelpy.dataplane.wireguard import WgDeviceSpec
+    from flannelpy.dataplane.wgspec import WgDeviceSpec
 
 log = logging.getLogger("flannelpy.agent.planning")
 UNKNOWN_MTU_LINES = 3  # more new peers of unknown MTU than this: one line for them all
@@ -91,8 +91,9 @@ class Lingering(Generic[T]):
         for name in self._planned.keys() - planned.keys():
             self._lingering[name] = (now + self.seconds, self._planned[name])
         self._planned = planned
-        self._lingering = {n: v for n, v in self._lingering.items()
-                           if v[0] > now and n not in planned}  # fmt: skip
+        self._lingering = {
+            n: v for n, v in self._lingering.items() if v[0] > now and n not in planned
+        }
         return {name: thing for name, (_, thing) in self._lingering.items()}
 
     def over(self, now: float) -> bool:
@@ -101,9 +102,13 @@ class Lingering(Generic[T]):
 
 class Planner:
     def __init__(
-        self, state: NodeState, reconciler: Reconciler, vtep: VtepMac, metrics: AgentMetrics,
+        self,
+        state: NodeState,
+        reconciler: Reconciler,
+        vtep: VtepMac,
+        metrics: AgentMetrics,
         monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.state = state
         self.reconciler = reconciler
         self.vtep = vtep
@@ -177,10 +182,11 @@ class Planner:
             return desired, stale
         kept = frozenset(links.values())
         return replace(
-            desired, links=desired.links | kept,
+            desired,
+            links=desired.links | kept,
             owned_devices=desired.owned_devices | {link.name for link in kept},
             wireguard=desired.wireguard | frozenset(devices.values()),
-        ), stale  # fmt: skip
+        ), stale
 
     def linger_over(self) -> bool:
         """A lingering device is due for removal: the writer replans."""
@@ -202,8 +208,9 @@ class Planner:
         for key, why in sorted(rejected.items()):
             old = s.rejected.get(key)
             if old is None or old.reason != why.reason:
-                log.warning("ignoring a peer lease key=%s reason=%s: %s", key, why.reason,
-                            why.detail)  # fmt: skip
+                log.warning(
+                    "ignoring a peer lease key=%s reason=%s: %s", key, why.reason, why.detail
+                )
                 self.metrics.rejected_lease(why.reason)
         s.rejected = rejected
 
@@ -216,16 +223,18 @@ class Planner:
         report = mtu_mismatches(s.mtu, list(peers))
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
             backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
-            mixed = [p for p in report.mismatched
-                     if backend_of.get(p.subnet) != s.backend.type_name]  # fmt: skip
+            mixed = [
+                p for p in report.mismatched if backend_of.get(p.subnet) != s.backend.type_name
+            ]
             for peer in report.mismatched:
                 if peer not in mixed:
                     log.warning("MTU mismatch: %s", describe_mismatch(report.own_mtu, peer))
             if mixed:
                 log.info(
                     "overlay MTU differs from %d peer lease(s) on another backend, as expected "
-                    "while backends are mixed; pods keep their MTU until re-created", len(mixed),
-                )  # fmt: skip
+                    "while backends are mixed; pods keep their MTU until re-created",
+                    len(mixed),
+                )
         # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer,
         # or in one line for many at once (a start among thousands of flanneld nodes
         # would log a line for each).
@@ -233,10 +242,11 @@ class Planner:
         new = [peer for peer in report.unknown if peer.subnet not in self._said_unknown_mtu]
         if len(new) > UNKNOWN_MTU_LINES:
             log.info(
-                "MTU unknown for %d peers (%s, ...): %s", len(new),
+                "MTU unknown for %d peers (%s, ...): %s",
+                len(new),
                 ", ".join(str(peer.subnet) for peer in new[:UNKNOWN_MTU_LINES]),
                 describe_unknown(new[0]),
-            )  # fmt: skip
+            )
         else:
             for peer in new:
                 log.info("MTU unknown: %s", describe_unknown(peer))

@@ -143,31 +143,65 @@ class Writer:
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
         self.leases = OwnLeases(
-            s, parts.manager, vtep, metrics, settings.cluster_name,
-            settings.subnet_lease_renew_margin * 60.0, clocks,
-        )  # fmt: skip
+            s,
+            parts.manager,
+            vtep,
+            metrics,
+            settings.cluster_name,
+            settings.subnet_lease_renew_margin * 60.0,
+            clocks,
+        )
         self.planner = Planner(s, self.reconciler, vtep, metrics, clocks.monotonic)
         self.planner.undecodable = parts.manager.undecodable
         self.firewall = parts.firewall
         s.rules_in_place = parts.firewall is None
         self.status = StatusReporter(
-            settings, s, lambda: self.view, self.reconciler, self.counts, parts.control, clocks,
+            settings,
+            s,
+            lambda: self.view,
+            self.reconciler,
+            self.counts,
+            parts.control,
+            clocks,
             parts.jitter,
-        )  # fmt: skip
+        )
         self.pods = parts.pods(lambda: self.view.mtu, lambda: self.view.ready)
-        self.capacity = Capacity(
-            s, self.leases, parts.manager, self.pods, metrics, self.counts, say_once,
-            cluster=settings.cluster_name, kube_mode=settings.kube_subnet_mgr,
+        self.capacity, self.live = self._capacity_and_live_config(parts, say_once)
+
+    def _capacity_and_live_config(
+        self, parts: AgentParts, say_once: SayOnce
+    ) -> tuple[Capacity, LiveConfig]:
+        settings, s = self.settings, self.state
+        capacity = Capacity(
+            s,
+            self.leases,
+            parts.manager,
+            self.pods,
+            self.metrics,
+            self.counts,
+            say_once,
+            cluster=settings.cluster_name,
+            kube_mode=settings.kube_subnet_mgr,
             on_low_free=self.on_low_free,
-            clocks=clocks,
-        )  # fmt: skip
-        self.live = LiveConfig(
-            s, settings, parts.control, reconciler=self.reconciler, planner=self.planner,
-            leases=self.leases, capacity=self.capacity,
-            status=self.status, metrics=metrics, say_once=say_once,
-            publish_view=self.publish_view, write_subnet_env=self.write_subnet_env,
-            clocks=clocks, wireguard=parts.wireguard,
-        )  # fmt: skip
+            clocks=self.clocks,
+        )
+        live = LiveConfig(
+            s,
+            settings,
+            parts.control,
+            reconciler=self.reconciler,
+            planner=self.planner,
+            leases=self.leases,
+            capacity=capacity,
+            status=self.status,
+            metrics=self.metrics,
+            say_once=say_once,
+            publish_view=self.publish_view,
+            write_subnet_env=self.write_subnet_env,
+            clocks=self.clocks,
+            wireguard=parts.wireguard,
+        )
+        return capacity, live
 
     # -- producers: any thread --------------------------------------------------------
 
@@ -255,9 +289,15 @@ class Writer:
 
     def pending(self) -> bool:
         s = self.state
-        return (s.lease_lost or s.attrs_dirty or s.capacity_due or self.live.due()
-                or self.planner.linger_over() or s.replan_due
-                or s.subnet_env_due)  # fmt: skip
+        return (
+            s.lease_lost
+            or s.attrs_dirty
+            or s.capacity_due
+            or self.live.due()
+            or self.planner.linger_over()
+            or s.replan_due
+            or s.subnet_env_due
+        )
 
     def settle(self) -> None:
         """The follow-ups, in order; a failed one pauses them all briefly."""

@@ -83,7 +83,7 @@ from flannelpy.backend.wireguard_config import (
 from flannelpy.dataplane.state import DesiredState, Route, blackhole_route
 from flannelpy.dataplane.uapi import WgPeer
 from flannelpy.dataplane.wgkeys import is_key
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 

@@ -22,7 +22,7 @@ from typing import Protocol
 from flannelpy.backend.wireguard_config import DEVICE, WireguardConfig, WireguardIdentity
 from flannelpy.dataplane.wgkeys import load_or_create_key
 from flannelpy.dataplane.wgkeys import public_key as public_key_of
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.errors import ConfigError, DataplaneError
 
 log = logging.getLogger("flannelpy.backend.wireguard")
@@ -42,16 +42,23 @@ DeviceFactory = Callable[..., Device]
 
 
 def _real_device(
-    name: str, private_key: str, implementation: str, socket_dir: str,
+    name: str,
+    private_key: str,
+    implementation: str,
+    socket_dir: str,
     on_repair: Callable[[str, int], None] | None,
     on_confirmed: Callable[[str, frozenset[str]], None] | None,
-) -> Device:  # fmt: skip
+) -> Device:
     from flannelpy.dataplane.wireguard import WireguardDevice
 
     return WireguardDevice(
-        name, private_key, implementation,  # type: ignore[arg-type]
-        socket_dir, on_repair=on_repair, on_confirmed=on_confirmed,
-    )  # fmt: skip
+        name,
+        private_key,
+        implementation,  # type: ignore[arg-type]
+        socket_dir,
+        on_repair=on_repair,
+        on_confirmed=on_confirmed,
+    )
 
 
 class WireguardRuntime:
@@ -62,11 +69,14 @@ class WireguardRuntime:
     device is first needed."""
 
     def __init__(
-        self, key_file: str, socket_dir: str, implementation: str | None = None,
+        self,
+        key_file: str,
+        socket_dir: str,
+        implementation: str | None = None,
         on_repair: Callable[[str, int], None] | None = None,
         on_prepared: Callable[[str], None] | None = None,
         make_device: DeviceFactory = _real_device,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.key_file = key_file
         self.socket_dir = socket_dir
         self._on_repair = on_repair
@@ -92,9 +102,12 @@ class WireguardRuntime:
                 )
             if self._private_key is None:
                 self._private_key = load_or_create_key(self.key_file)
-                log.info("wireguard implementation=%s key_file=%s public_key=%s",
-                         self.implementation, self.key_file,
-                         public_key_of(self._private_key))  # fmt: skip
+                log.info(
+                    "wireguard implementation=%s key_file=%s public_key=%s",
+                    self.implementation,
+                    self.key_file,
+                    public_key_of(self._private_key),
+                )
                 if self._on_prepared is not None:
                     self._on_prepared(self.implementation)
             return WireguardIdentity(public_key_of(self._private_key), config)
@@ -123,9 +136,13 @@ class WireguardRuntime:
                         f"{name} is planned before the WireGuard key was loaded; restart the agent"
                     )
                 device = self._make_device(
-                    name, self._private_key, self.implementation, self.socket_dir,
-                    self._on_repair, self._confirmed if name == DEVICE else None,
-                )  # fmt: skip
+                    name,
+                    self._private_key,
+                    self.implementation,
+                    self.socket_dir,
+                    self._on_repair,
+                    self._confirmed if name == DEVICE else None,
+                )
                 self.devices[name] = device
             device.set_desired(spec)
 

@@ -20,7 +20,7 @@ from flannelpy.dataplane.state import Changes, DesiredState, PodRanges, VxlanLin
 from flannelpy.errors import DataplaneError, FlannelpyError
 
 if TYPE_CHECKING:
-    from flannelpy.dataplane.wireguard import WgDeviceSpec
+    from flannelpy.dataplane.wgspec import WgDeviceSpec
 
 log = logging.getLogger("flannelpy.reconciler")
 

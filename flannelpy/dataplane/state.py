@@ -19,7 +19,7 @@ from ipaddress import (
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a type only: the planner's values stay free of the device code
-    from flannelpy.dataplane.wireguard import WgDeviceSpec
+    from flannelpy.dataplane.wgspec import WgDeviceSpec
 
 # Dual stack: every entry below holds either family; its address says which.
 IPAddress = IPv4Address | IPv6Address

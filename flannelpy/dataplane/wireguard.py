@@ -23,7 +23,6 @@ Keys: :mod:`flannelpy.dataplane.wgkeys`.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
@@ -33,11 +32,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from ipaddress import IPv4Interface, IPv6Interface
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Literal, Protocol
 
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, format_set, uapi_get, uapi_set
+from flannelpy.dataplane.wgnetlink import KernelConfigurator, PyrouteLink
+from flannelpy.dataplane.wgspec import PeerChanges, WgDeviceSpec, confirmed_peers, peer_changes
 from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.fsutil import atomic_write
 
@@ -60,62 +60,6 @@ USERSPACE_FIX = (
     "wireguard-go is not installed; install it (Debian: apt-get install wireguard-go) or "
     "load the kernel's wireguard module"
 )
-
-# --- the desired device and its difference (pure) ----------------------------
-
-
-@dataclass(frozen=True)
-class WgDeviceSpec:
-    """Everything of one WireGuard device the agent owns."""
-
-    name: str
-    listen_port: int
-    mtu: int
-    # our lease's network address /32 (/128 on flannel-wg-v6), as Flannel's
-    address: IPv4Interface | IPv6Interface | None
-    peers: frozenset[WgPeer] = frozenset()
-
-
-@dataclass(frozen=True)
-class PeerChanges:
-    private_key: str | None = None  # set when the device's differs
-    listen_port: int | None = None
-    remove: tuple[str, ...] = ()
-    set: tuple[WgPeer, ...] = ()
-    counts: dict[str, int] = field(default_factory=dict, compare=False)
-
-    @property
-    def empty(self) -> bool:
-        return (self.private_key is None and self.listen_port is None
-                and not self.remove and not self.set)  # fmt: skip
-
-
-def peer_changes(spec: WgDeviceSpec, private_key: str, observed: WgDeviceConfig) -> PeerChanges:
-    """What to write so the device matches ``spec``: peers missing, differing or extra."""
-    wanted = {peer.public_key: peer for peer in spec.peers}
-    remove = tuple(sorted(k for k in observed.peers if k not in wanted))
-    to_set = tuple(
-        peer for key, peer in sorted(wanted.items())
-        if observed.peers.get(key) != peer
-    )  # fmt: skip
-    key = private_key if observed.private_key != private_key else None
-    port = spec.listen_port if observed.listen_port != spec.listen_port else None
-    return PeerChanges(
-        private_key=key, listen_port=port, remove=remove, set=to_set,
-        counts={"peers_removed": len(remove), "peers_set": len(to_set),
-                "key": int(key is not None), "port": int(port is not None)},
-    )  # fmt: skip
-
-
-def confirmed_peers(
-    spec: WgDeviceSpec, previous: frozenset[str], observed: WgDeviceConfig
-) -> frozenset[str]:
-    """The planned peers a handshake has been completed with, now or before (pure). Kept
-    once seen: a restarted wireguard-go forgets its handshakes, but the peer knows our key
-    and answers the next one, so its route need not go back to vxlan meanwhile."""
-    wanted = {peer.public_key for peer in spec.peers}
-    return frozenset((previous | observed.handshaken) & wanted)
-
 
 # --- implementations ---------------------------------------------------------
 
@@ -161,52 +105,6 @@ class Configurator(Protocol):
     def set(self, changes: PeerChanges) -> None: ...
 
 
-class PyrouteLink:
-    def exists(self, name: str) -> bool:
-        from pyroute2 import IPRoute
-
-        with IPRoute() as ipr:
-            return bool(ipr.link_lookup(ifname=name))
-
-    def ensure(self, spec: WgDeviceSpec, create_kind: str | None) -> None:
-        from pyroute2 import IPRoute
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        try:
-            with IPRoute() as ipr:
-                found = ipr.link_lookup(ifname=spec.name)
-                if not found and create_kind is not None:
-                    ipr.link("add", ifname=spec.name, kind=create_kind)
-                    found = ipr.link_lookup(ifname=spec.name)
-                if not found:
-                    raise DataplaneError(f"the WireGuard device {spec.name} does not exist")
-                index = found[0]
-                link = ipr.link("get", index=index)[0]
-                if link.get_attr("IFLA_MTU") != spec.mtu:
-                    ipr.link("set", index=index, mtu=spec.mtu)
-                if spec.address is not None:
-                    family = 10 if spec.address.version == 6 else 2  # AF_INET6, AF_INET
-                    have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"])
-                            for a in ipr.get_addr(index=index, family=family)
-                            if a["scope"] == 0}  # fmt: skip  # not a link-local one
-                    want = (str(spec.address.ip), spec.address.network.prefixlen)
-                    for addr, plen in have - {want}:
-                        ipr.addr("del", index=index, address=addr, prefixlen=plen)
-                    if want not in have:
-                        ipr.addr("replace", index=index, address=want[0], prefixlen=want[1])
-                if not link["flags"] & 1:  # IFF_UP
-                    ipr.link("set", index=index, state="up")
-        except NetlinkError as e:
-            raise DataplaneError(f"could not set up {spec.name}: {e}") from e
-
-    def delete(self, name: str) -> None:
-        from pyroute2 import IPRoute
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        with IPRoute() as ipr, contextlib.suppress(NetlinkError):
-            ipr.link("del", ifname=name)
-
-
 class UapiConfigurator:
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
@@ -215,105 +113,10 @@ class UapiConfigurator:
         return uapi_get(self.socket_path)
 
     def set(self, changes: PeerChanges) -> None:
-        uapi_set(self.socket_path, format_set(
-            changes.private_key, changes.listen_port, changes.set, changes.remove
-        ))  # fmt: skip
-
-
-class KernelConfigurator:
-    """pyroute2's generic netlink WireGuard family (the kernel module)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def get(self) -> WgDeviceConfig:
-        from pyroute2 import WireGuard
-
-        peers: dict[str, WgPeer] = {}
-        handshaken: set[str] = set()
-        private_key: str | None = None
-        port = 0
-        with WireGuard() as wg:
-            for msg in wg.info(self.name):
-                raw_key = msg.get_attr("WGDEVICE_A_PRIVATE_KEY")
-                if raw_key:
-                    private_key = _b64(raw_key)
-                port = msg.get_attr("WGDEVICE_A_LISTEN_PORT") or port
-                for p in msg.get_attr("WGDEVICE_A_PEERS") or []:
-                    peer = _kernel_peer(p)
-                    if peer is not None:
-                        peers[peer.public_key] = peer
-                        if _kernel_handshake_seconds(p):
-                            handshaken.add(peer.public_key)
-        return WgDeviceConfig(private_key=private_key, listen_port=port, peers=peers,
-                              handshaken=frozenset(handshaken))  # fmt: skip
-
-    def set(self, changes: PeerChanges) -> None:
-        from pyroute2 import WireGuard
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        try:
-            with WireGuard() as wg:
-                if changes.private_key is not None or changes.listen_port is not None:
-                    args: dict[str, Any] = {}
-                    if changes.private_key is not None:
-                        args["private_key"] = changes.private_key
-                    if changes.listen_port is not None:
-                        args["listen_port"] = changes.listen_port
-                    wg.set(self.name, **args)
-                for key in changes.remove:
-                    wg.set(self.name, peer={"public_key": key, "remove": True})
-                for peer in changes.set:
-                    spec: dict[str, Any] = {
-                        "public_key": peer.public_key,
-                        "allowed_ips": sorted(str(n) for n in peer.allowed_ips),
-                        "persistent_keepalive": peer.keepalive,
-                    }
-                    if peer.endpoint is not None:
-                        spec["endpoint_addr"] = str(peer.endpoint[0])
-                        spec["endpoint_port"] = peer.endpoint[1]
-                    if peer.preshared_key:
-                        spec["preshared_key"] = peer.preshared_key
-                    wg.set(self.name, peer=spec)
-        except NetlinkError as e:
-            raise DataplaneError(f"could not configure {self.name}: {e}") from e
-
-
-def _kernel_handshake_seconds(msg: Any) -> int:
-    """WGPEER_A_LAST_HANDSHAKE_TIME's seconds (pyroute2 decodes a timespec); 0: never."""
-    value = msg.get_attr("WGPEER_A_LAST_HANDSHAKE_TIME")
-    try:
-        return int(value["tv_sec"]) if value is not None else 0
-    except (KeyError, TypeError, ValueError):
-        return 0
-
-
-def _b64(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _kernel_peer(msg: Any) -> WgPeer | None:
-    from ipaddress import ip_address, ip_network
-
-    key = msg.get_attr("WGPEER_A_PUBLIC_KEY")
-    if not key:
-        return None
-    allowed = set()
-    for a in msg.get_attr("WGPEER_A_ALLOWEDIPS") or []:
-        allowed.add(ip_network(a.get_attr("WGALLOWEDIP_A_IPADDR") or "0.0.0.0/0", strict=False))
-    endpoint = msg.get_attr("WGPEER_A_ENDPOINT")
-    ep = None
-    if isinstance(endpoint, dict) and endpoint.get("family") in (2, 10):
-        ep = (ip_address(endpoint["addr"]), int(endpoint["port"]))
-    psk = msg.get_attr("WGPEER_A_PRESHARED_KEY")
-    psk_s = _b64(psk) if psk else None
-    if psk_s is not None and base64.b64decode(psk_s) == bytes(32):
-        psk_s = None
-    return WgPeer(
-        public_key=_b64(key), endpoint=ep, allowed_ips=frozenset(allowed),
-        keepalive=int(msg.get_attr("WGPEER_A_PERSISTENT_KEEPALIVE_INTERVAL") or 0),
-        preshared_key=psk_s,
-    )  # fmt: skip
+        uapi_set(
+            self.socket_path,
+            format_set(changes.private_key, changes.listen_port, changes.set, changes.remove),
+        )
 
 
 class UserspaceProcess:
@@ -366,16 +169,33 @@ class UserspaceProcess:
             os.unlink(self.socket_path)
         if link.exists(self.name):  # a device left without its process: wireguard-go would fail
             link.delete(self.name)
-        script = ('mkdir -p /var/run/wireguard && mount --bind "$1" /var/run/wireguard '
-                  '&& exec "$2" -f "$3"')  # fmt: skip
+        script = (
+            'mkdir -p /var/run/wireguard && mount --bind "$1" /var/run/wireguard '
+            '&& exec "$2" -f "$3"'
+        )
         logfile = open(os.path.join(self.socket_dir, f"{self.name}.log"), "ab")  # noqa: SIM115
         try:
             proc = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
-                 "sh", self.socket_dir, self.binary, self.name],
-                stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
-                env={**os.environ, "LOG_LEVEL": "error"}, start_new_session=True,
-            )  # fmt: skip
+                [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                    "sh",
+                    self.socket_dir,
+                    self.binary,
+                    self.name,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=logfile,
+                env={**os.environ, "LOG_LEVEL": "error"},
+                start_new_session=True,
+            )
         except OSError as e:
             raise DataplaneError(f"could not start {self.binary}: {e}") from e
         finally:
@@ -440,9 +260,8 @@ class WireguardDevice:
         self.link: Link = link or PyrouteLink()
         self.process = UserspaceProcess(name, socket_dir) if implementation == "userspace" else None
         self.configurator: Configurator = (
-            UapiConfigurator(self.process.socket_path) if self.process
-            else KernelConfigurator(name)
-        )  # fmt: skip
+            UapiConfigurator(self.process.socket_path) if self.process else KernelConfigurator(name)
+        )
         self._on_repair = on_repair
         self._on_confirmed = on_confirmed
         # Public keys of the planned peers a handshake has been completed with.
@@ -507,11 +326,15 @@ class WireguardDevice:
             if not changes.empty:
                 self.configurator.set(changes)
                 fresh = changes.private_key is not None
-                self._nudge(tuple(p for p in changes.set
-                                  if fresh or p.public_key not in observed.peers))  # fmt: skip
+                self._nudge(
+                    tuple(p for p in changes.set if fresh or p.public_key not in observed.peers)
+                )
                 done = {k: v for k, v in changes.counts.items() if v}
-                log.info("reconciled WireGuard device=%s %s", self.name,
-                         " ".join(f"{k}={v}" for k, v in sorted(done.items())))  # fmt: skip
+                log.info(
+                    "reconciled WireGuard device=%s %s",
+                    self.name,
+                    " ".join(f"{k}={v}" for k, v in sorted(done.items())),
+                )
                 if self._on_repair:
                     for kind, count in done.items():
                         self._on_repair(kind, count)
@@ -534,8 +357,11 @@ class WireguardDevice:
     def _awaiting_handshake(self) -> bool:
         with self._lock:
             spec, until = self._spec, self._watch_until
-        return (spec is not None and time.monotonic() < until
-                and any(p.public_key not in self.confirmed for p in spec.peers))  # fmt: skip
+        return (
+            spec is not None
+            and time.monotonic() < until
+            and any(p.public_key not in self.confirmed for p in spec.peers)
+        )
 
     def _nudge(self, peers: tuple[WgPeer, ...]) -> None:
         """Handshake now with ``peers``: every peer of a new device (or key), whose peers

@@ -183,7 +183,7 @@ def _wireguard_facts(settings: AgentSettings, v6: bool = False) -> WireguardFact
 
     from flannelpy.backend import wireguard_config as wireguard
     from flannelpy.dataplane.uapi import uapi_get
-    from flannelpy.dataplane.wireguard import KernelConfigurator
+    from flannelpy.dataplane.wgnetlink import KernelConfigurator
 
     device = wireguard.DEVICE_V6 if v6 else wireguard.DEVICE
     sock_dir = os.path.join(settings.run_dir, "wireguard")

@@ -12,7 +12,7 @@ from flannelpy.backend.wireguard import (
     wireguard_peers_v6,
 )
 from flannelpy.backend.wireguard_config import DEVICE, DEVICE_V6
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.doctor.facts import Finding, NodeFacts, WireguardFacts
 from flannelpy.doctor.plan import Plan
 from flannelpy.doctor.report import listed

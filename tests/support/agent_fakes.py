@@ -203,10 +203,13 @@ class AgentHarness:
         self.manager = ListOnceManager(self.store, self.settings, clock=self.clock)
         self.control = ReadOnceControl(self.store, PREFIX, NODE)
         ctx = NodeContext(
-            config=netconf, underlay=underlay(NODE_IP), public_ip=underlay(NODE_IP).ip,
-            node_name=NODE, wireguard_confirmed=frozenset(),  # as the agent's composition
+            config=netconf,
+            underlay=underlay(NODE_IP),
+            public_ip=underlay(NODE_IP).ip,
+            node_name=NODE,
+            wireguard_confirmed=frozenset(),  # as the agent's composition
             vtep_tx_checksum_off=self.settings.vxlan_tx_checksum_off,
-        )  # fmt: skip
+        )
         if wireguard is not None and netconf.backend.type == "wireguard":
             options = parse_wireguard_config(netconf.backend)
             ctx = replace(ctx, wireguard_identity=wireguard.prepare(options))

@@ -11,7 +11,7 @@ from flannelpy.backend.base import NodeContext
 from flannelpy.config.netconf import BackendConfig, NetworkConfig
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.state import Changes, ObservedState, UnderlayInterface
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 

@@ -15,7 +15,7 @@ from flannelpy.agent.events import LeasesChanged
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.dataplane.state import Changes
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import LeaseAttrs
 from tests.support.agent_fakes import PREFIX, AgentHarness, net_conf
@@ -27,8 +27,12 @@ class RecordingRuntime(WireguardRuntime):
     """A runtime whose devices are only recorded, with every write in ``writes``."""
 
     def __init__(self, tmp_path: Path, writes: list[str]) -> None:
-        super().__init__(str(tmp_path / "wg.key"), str(tmp_path / "wgrun"),
-                         implementation="userspace", make_device=self._device)  # fmt: skip
+        super().__init__(
+            str(tmp_path / "wg.key"),
+            str(tmp_path / "wgrun"),
+            implementation="userspace",
+            make_device=self._device,
+        )
         self.writes = writes
         self.applied: list[frozenset[WgDeviceSpec]] = []
 
@@ -53,8 +57,7 @@ def test_planning_a_wireguard_cluster_writes_nothing_and_the_reconciler_writes_i
     writes: list[str] = []
     rt = RecordingRuntime(tmp_path, writes)
     agent = AgentHarness(tmp_path, config=net_conf({"Type": "wireguard"}), wireguard=rt)
-    peer = LeaseAttrs(IPv4Address("192.168.1.11"), "wireguard", {"PublicKey": PEER_KEY},
-                      mtu=1440)  # fmt: skip
+    peer = LeaseAttrs(IPv4Address("192.168.1.11"), "wireguard", {"PublicKey": PEER_KEY}, mtu=1440)
     agent.store.put(lease_key(PREFIX, IPv4Network("10.244.200.0/24")), peer.to_json().encode())
     try:
         plan_then_reconcile(agent, rt, writes)

@@ -30,14 +30,8 @@ from flannelpy.config.netconf import BackendConfig, parse_network_config
 from flannelpy.dataplane.state import DesiredState, Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, format_set, parse_get
 from flannelpy.dataplane.wgkeys import generate_private_key, load_or_create_key, public_key
-from flannelpy.dataplane.wireguard import (
-    KERNEL_FIX,
-    PeerChanges,
-    WgDeviceSpec,
-    WireguardDevice,
-    choose_implementation,
-    peer_changes,
-)
+from flannelpy.dataplane.wgspec import PeerChanges, WgDeviceSpec, peer_changes
+from flannelpy.dataplane.wireguard import KERNEL_FIX, WireguardDevice, choose_implementation
 from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import context, lease

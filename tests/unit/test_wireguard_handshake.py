@@ -24,11 +24,8 @@ from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.dataplane.state import DesiredState, FdbEntry, Neighbour, Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, parse_get
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
-from flannelpy.dataplane.wireguard import (
-    WgDeviceSpec,
-    WireguardDevice,
-    confirmed_peers,
-)
+from flannelpy.dataplane.wgspec import WgDeviceSpec, confirmed_peers
+from flannelpy.dataplane.wireguard import WireguardDevice
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.agent_fakes import PREFIX, AgentHarness, net_conf

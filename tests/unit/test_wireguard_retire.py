@@ -18,7 +18,7 @@ from flannelpy.backend.wireguard import keeping_context, plan_kept, with_kept_ke
 from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
-from flannelpy.dataplane.wireguard import WgDeviceSpec
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.errors import DataplaneError
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import context, lease
