@@ -43,9 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from flannelpy.config.effective import with_agent_defaults
     from flannelpy.config.settings import settings_from_args
-    from flannelpy.doctor.checks import diagnose, snapshot_json
+    from flannelpy.doctor.checks import diagnose
     from flannelpy.doctor.gather import SNAPSHOT_FILE, gather, save_snapshot
     from flannelpy.doctor.report import exit_code, render_json, render_text
+    from flannelpy.doctor.traffic_checks import snapshot_json
     from flannelpy.errors import FlannelpyError
 
     try:

@@ -5,7 +5,7 @@ it reports back: facts in, findings out, plus the previous run's drop counters.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 from typing import Any, Literal
@@ -66,6 +66,11 @@ class LinkInfo:
     master: str | None = None
     counters: LinkCounters = field(default_factory=LinkCounters)
     carrier: bool = True  # IFF_LOWER_UP: the link can pass packets
+
+
+def pod_veths(links: Iterable[LinkInfo]) -> list[LinkInfo]:
+    """The pods' ends on this node: the veths enslaved to the pod bridge."""
+    return [link for link in links if link.kind == "veth" and link.master == BRIDGE]
 
 
 @dataclass(frozen=True)

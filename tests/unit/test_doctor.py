@@ -27,7 +27,7 @@ from flannelpy.dataplane.state import (
     VxlanLink,
     blackhole_route,
 )
-from flannelpy.doctor.checks import diagnose, snapshot_json
+from flannelpy.doctor.checks import diagnose
 from flannelpy.doctor.facts import (
     CounterSnapshot,
     Finding,
@@ -39,6 +39,7 @@ from flannelpy.doctor.facts import (
 from flannelpy.doctor.gather import vtep_devices
 from flannelpy.doctor.plan import Plan, plan_node
 from flannelpy.doctor.report import exit_code, render_json, render_line, render_text
+from flannelpy.doctor.traffic_checks import snapshot_json
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.fakes import network_config, underlay
 
