@@ -39,9 +39,11 @@ class PyrouteLink:
                     ipr.link("set", index=index, mtu=spec.mtu)
                 if spec.address is not None:
                     family = 10 if spec.address.version == 6 else 2  # AF_INET6, AF_INET
-                    have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"])
-                            for a in ipr.get_addr(index=index, family=family)
-                            if a["scope"] == 0}  # fmt: skip  # not a link-local one
+                    have = {  # not the link-local one: scope 0 (global)
+                        (a.get_attr("IFA_ADDRESS"), a["prefixlen"])
+                        for a in ipr.get_addr(index=index, family=family)
+                        if a["scope"] == 0
+                    }
                     want = (str(spec.address.ip), spec.address.network.prefixlen)
                     for addr, plen in have - {want}:
                         ipr.addr("del", index=index, address=addr, prefixlen=plen)
