@@ -24,7 +24,7 @@ import pytest
 from flannelpy_lab import Lab, etcd, plan, pods, status, topology
 from flannelpy_lab.state import NodeInfo, PodInfo
 
-from tests.support.lab_util import lab_run_argv, running_lab
+from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 from tests.support.underlay_capture import captured_flows, underlay_capture
 
 pytestmark = [pytest.mark.lab]
@@ -139,11 +139,27 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
         text = status.render_text(doc)
         assert "all 6 node pairs reach each other in IPv6" in text, text
         assert "all 6 pod pairs reach each other in IPv6" in text, text
-        # The doctor reads the IPv6-only node as the agent plans it: no error.
-        doctor = subprocess.run(
-            lab_run_argv(lab.name, "doctor", node="n1"), capture_output=True, text=True, timeout=60
-        )
-        assert "ERROR" not in doctor.stdout, doctor.stdout + doctor.stderr
+        # The doctor reads the IPv6-only node as the agent plans it: no error. Its peer check
+        # reports the agent's last probe round, which may predate the matrix's convergence:
+        # a round every 5 s (--probe-interval), so it is clean within two of them.
+        last: list[subprocess.CompletedProcess[str]] = []
+
+        def doctor_clean() -> bool:
+            last[:] = [
+                subprocess.run(
+                    lab_run_argv(lab.name, "doctor", node="n1"),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+            ]
+            return "ERROR" not in last[0].stdout
+
+        try:
+            wait_until(doctor_clean, 12.0, "the doctor finding no error on n1", interval=1.0)
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{last[0].stdout}{last[0].stderr}") from None
+        doctor = last[0]
         if backend == "wireguard":
             assert "WireGuard's flannel-wg-v6 runs in userspace" in doctor.stdout, doctor.stdout
 
