@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from functools import partial
 from ipaddress import IPv6Interface, ip_interface
 from pathlib import Path
 
@@ -100,7 +101,13 @@ def test_ipv6_only_lab_reaches_over_ipv6_with_the_mtu_right(
             for b in lab.nodes:
                 if a is not b:
                     src, dst = str(subnet6(a).ip), str(subnet6(b).ip)
-                    assert status.ping(a, src, dst, 3), (a.name, b.name)
+                    # Agents start side by side: a node may see a peer's lease, and
+                    # handshake with it, a moment after it is ready.
+                    wait_until(
+                        partial(status.ping, a, src, dst, 3),
+                        30.0,
+                        f"{a.name} reaching {b.name} over IPv6",
+                    )
         # Pods: IPv6-only, and every pod pair reaches.
         assert len(lab.state.pods) == 3
         for pod in lab.state.pods:
