@@ -34,7 +34,7 @@ from flannelpy.cni import CniHandler, CniServer, CniSettings, PodNetwork, Record
 from flannelpy.dataplane.podnames import host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
-from tests.support.netns_util import Netns, is_root, sh, temp_netns, unique_name
+from tests.support.netns_util import Netns, add_netns, is_root, sh, temp_netns, unique_name
 
 pytestmark = [
     pytest.mark.netns,
@@ -113,7 +113,7 @@ class Node:
     def pod(self, prefix: str = "p") -> str:
         """A new pod namespace (deleted at the end of the test); returns its path."""
         name = unique_name(f"fpc{prefix}", max_len=40)
-        sh(["ip", "netns", "add", name])
+        add_netns(name)
         self.stack.callback(sh, ["ip", "netns", "del", name], False)
         return f"/run/netns/{name}"
 

@@ -25,6 +25,7 @@ from flannelpy.dataplane.firewall import (
     forward_rules,
     masq_rules,
 )
+from tests.support.netns_util import add_netns
 
 pytestmark = [
     pytest.mark.netns,
@@ -56,7 +57,7 @@ class Recorder:
 @pytest.fixture
 def netns() -> Iterator[str]:
     name = f"fp-fw-{os.getpid()}-{secrets.token_hex(2)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
+    add_netns(name)
     try:
         yield name
     finally:

@@ -23,6 +23,7 @@ from flannelpy.dataplane.nftables import (
     forward_rules,
     masq_rules,
 )
+from tests.support.netns_util import add_netns
 
 pytestmark = [
     pytest.mark.netns,
@@ -86,7 +87,7 @@ FLANNEL_IPV6_DUAL = """table ip6 flannel-ipv6 {
 @pytest.fixture
 def netns() -> Iterator[str]:
     name = f"fp-nft-{os.getpid()}-{secrets.token_hex(2)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
+    add_netns(name)
     try:
         yield name
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.integration.test_cni_server import MTU, Node, in_pod, make_node
-from tests.support.netns_util import is_root, sh, temp_netns, unique_name
+from tests.support.netns_util import add_netns, is_root, sh, temp_netns, unique_name
 from tests.support.waiting import wait_until
 
 pytestmark = [
@@ -275,7 +275,7 @@ def test_same_shape_as_the_reference_bridge_and_host_local(dual: Node) -> None:
         theirs = []
         for _ in range(2):
             name = unique_name("fprfp", max_len=40)
-            sh(["ip", "netns", "add", name])
+            add_netns(name)
             dual.stack.callback(sh, ["ip", "netns", "del", name], False)
             theirs.append(f"/run/netns/{name}")
         started = time.monotonic()

@@ -17,6 +17,7 @@ import secrets
 import shlex
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -36,10 +37,33 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
+class CommandFailed(subprocess.CalledProcessError):
+    """A failed command whose message carries its stderr, so a test report shows why."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}: {(self.stderr or '').strip() or 'no stderr'}"
+
+
 def sh(args: str | list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a command (a string is split shell-style, never run by a shell)."""
     argv = shlex.split(args) if isinstance(args, str) else args
-    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and done.returncode:
+        raise CommandFailed(done.returncode, argv, done.stdout, done.stderr)
+    return done
+
+
+def add_netns(name: str) -> None:
+    """``ip netns add``, tried once more after a failure: concurrent first uses of
+    ``/run/netns`` race on its bind mount, and the loser fails once."""
+    for attempt in range(2):
+        done = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        if attempt == 0:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            time.sleep(0.2)
+    raise CommandFailed(done.returncode, ["ip", "netns", "add", name], done.stdout, done.stderr)
 
 
 class Netns:
@@ -91,7 +115,7 @@ class Netns:
 def temp_netns(prefix: str = "t") -> Iterator[Netns]:
     """A fresh namespace with ``lo`` up, deleted on exit whatever happens."""
     name = unique_name(f"fp{prefix}", max_len=40)
-    sh(["ip", "netns", "add", name])
+    add_netns(name)
     try:
         ns = Netns(name)
         ns.ip("link set lo up")
