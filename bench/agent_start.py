@@ -48,8 +48,8 @@ from bench.common import (
     table,
 )
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
-from flannelpy.subnet.etcd.client import EtcdStore
-from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.etcd.config import put_network_config
 
 NETWORK = IPv4Network("10.0.0.0/8")
 NET_CONF = '{"Network":"10.0.0.0/8","SubnetLen":24,"Backend":{"Type":"vxlan"}}'

@@ -51,8 +51,8 @@ from bench.agent_start import NET_CONF, reference_netns
 from bench.cni_latency import Plugin, invoke
 from bench.common import median, ratio, table
 from bench.versus_flanneld import PREFIX, BenchNode, spawn, stop
-from flannelpy.subnet.etcd.client import EtcdStore
-from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.etcd.config import put_network_config
 from flannelpy.subnet.keys import subnets_prefix
 
 UNDERLAY6 = "2001:2::1/64"  # RFC 5180 benchmarking range, only inside the throwaway netns

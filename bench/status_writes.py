@@ -56,7 +56,7 @@ def measure(peers: int, minutes: float, tree: str, rollout: bool = False) -> Res
     from bench.common import fake_peers
     from flannelpy.agent.events import TICK_STATUS
     from flannelpy.observe.probe_verdict import ProbeResult
-    from flannelpy.subnet.etcd.kv import FakeStore
+    from flannelpy.store.etcd.kv import FakeStore
     from flannelpy.subnet.keys import rollout_key, status_key, subnets_prefix
     from tests.support.agent_fakes import NODE, PREFIX, AgentHarness, FakeClock, net_conf
 

@@ -68,8 +68,8 @@ from bench.common import (
     table,
 )
 from bench.propagation import FAKE_INDEX_BASE, LAB_TIMEOUT, free_subnets, run_trials
-from flannelpy.subnet.etcd.client import EtcdStore
-from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.etcd.config import put_network_config
 from flannelpy.subnet.keys import subnets_prefix
 
 DEVICE = "flannel.1"

@@ -1,7 +1,7 @@
 """The node agent.
 
 - ``compose``: builds every adapter (the one etcd/Kubernetes choice, via
-  ``subnet.open_store``); ``run_agent`` is the ``flannelpy agent`` command's body.
+  ``store.open_store``); ``run_agent`` is the ``flannelpy agent`` command's body.
 - ``node``: ``NodeAgent``, the lifecycle: start order, supervised threads, shutdown.
 - ``writer``: the one thread that changes the node's state, fed by ``events``;
   ``state`` holds that state and the immutable view other threads read.

@@ -42,7 +42,7 @@ class Capacity:
         say_once: SayOnce,
         *,
         cluster: str | None,
-        kube_mode: bool,
+        several_leases_per_node: bool,
         on_low_free: Callable[[int], None],
         clocks: Clocks,
     ) -> None:
@@ -54,10 +54,11 @@ class Capacity:
         self.counts = counts
         self.say_once = say_once
         self.cluster = cluster
-        self.kube_mode = kube_mode
+        self.several_leases_per_node = several_leases_per_node
         self.on_low_free = on_low_free  # runs in a CNI request's thread: only enqueues
         self.clocks = clocks
         self._empty_since: dict[IPv4Network, float] = {}
+        self._low_free_watched: int | None = None  # the MinFreeAddresses IPAM watches for
         self._ipam_view: tuple[tuple[IPv4Network | IPv6Network, ...], ...] = ()
         self._v6_view: tuple[IPv6Network | None, ...] = ()
 
@@ -94,15 +95,19 @@ class Capacity:
         return tuple(lease.ipv6_subnet for lease in own) != self._v6_view
 
     def watch_low_free(self) -> None:
-        """Have IPAM call for capacity below the current MinFreeAddresses."""
-        self.pods.ipam.set_low_free_watch(self.state.capacity.min_free_addresses, self.on_low_free)
+        """Have IPAM call for capacity below the current MinFreeAddresses (once per value)."""
+        threshold = self.state.capacity.min_free_addresses
+        if threshold != self._low_free_watched:
+            self.pods.ipam.set_low_free_watch(threshold, self.on_low_free)
+            self._low_free_watched = threshold
 
     def manage(self) -> None:
         """Add a lease before the node runs dry, release what is drained or surplus."""
         self.counts.capacity_checked()
         self.state.capacity_due = False
         self.sync_ipam()
-        if self.kube_mode or self.state.config.network is None:
+        self.watch_low_free()  # settings that changed live apply here
+        if not self.several_leases_per_node or self.state.config.network is None:
             # The controller-manager owns pod CIDRs: one lease, its podCIDR; IPv6-only,
             # warm capacity is off (it is IPv4-only).
             return

@@ -2,7 +2,8 @@
 
 Everything that can be refused is refused here, before anything on the host
 changes. The etcd/Kubernetes choice is made once, by ``open_store``; the rest
-of the agent sees only the subnet manager and node control it is given.
+of the agent sees only the store's face (``ClusterStore``): the subnet manager, the
+node control, pools and what the store says of this node.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv6Address
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.agent.live_config import load_applied
@@ -39,17 +38,9 @@ from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
-from flannelpy.subnet.etcd.kv import Store
-from flannelpy.subnet.etcd.pools import PoolStore
-from flannelpy.subnet.keys import config_key
-from flannelpy.subnet.manager import SubnetManager
-from flannelpy.subnet.open_store import OpenedStore, open_store
+from flannelpy.store.open_store import ClusterStore, NodeIdentity, open_store
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.survey import check_no_overlap
-
-if TYPE_CHECKING:
-    from flannelpy.control.node_control import NodeControl
-    from flannelpy.subnet.kube.manager import KubeSubnetManager
 
 log = logging.getLogger("flannelpy.agent.compose")
 CONFIG_WAIT = 1.0  # seconds between two looks for a network config not written yet (flanneld's)
@@ -67,46 +58,47 @@ def node_name_default(settings: AgentSettings) -> str:
 
 def build_agent(
     settings: AgentSettings,
-    opened: OpenedStore | None = None,
+    store: ClusterStore | None = None,
     kernel: Kernel | None = None,
     metrics: AgentMetrics | None = None,
 ) -> NodeAgent:
-    """Wire the parts together (``opened``, ``kernel``: already built ones, for tests)."""
+    """Wire the parts together (``store``, ``kernel``: already built ones, for tests)."""
     metrics = metrics or AgentMetrics()
-    if opened is None:
-        opened = open_store(
+    if store is None:
+        store = open_store(
             settings, on_error=metrics.store_error, on_watch_restart=metrics.watch_restart
         )
-    manager, kube = opened.manager, opened.kube
+    manager = store.manager
     try:
-        config, applied = _network_config(settings, opened)
+        config, applied = _network_config(settings, store)
+        identity = store.node_identity()
         backend = get_backend(config.backend.type)
         if kernel is None:
             from flannelpy.dataplane.netlink import NetlinkKernel
 
             kernel = NetlinkKernel()
-        ctx = _node_context(settings, config, kernel, kube)
+        ctx = _node_context(settings, config, kernel, identity)
         wireguard = _wireguard_runtime(settings, metrics)
         if backend.type_name == "wireguard":
             # The options checked, kernel or userspace chosen and the key loaded before
             # anything on the host changes: "Implementation": "kernel" without the module
             # stops here.
-            identity = wireguard.prepare(parse_wireguard_config(config.backend))
-            ctx = replace(ctx, wireguard_identity=identity)
+            keys = wireguard.prepare(parse_wireguard_config(config.backend))
+            ctx = replace(ctx, wireguard_identity=keys)
         _take_over_flannel_routes(settings, kernel, ctx)
         vtep_mac = None
-        if backend.type_name == "vxlan" or kube:
+        if backend.type_name == "vxlan" or identity.publishes_vtep_mac:
             vtep_mac = load_vtep_mac(
                 kernel,
                 settings.state_dir,
                 backend.device_names(ctx)[0],
-                advertised=kube.own_vtep_mac() if kube else None,
+                advertised=identity.advertised_vtep_mac,
             )
         _log_start(ctx, backend)
     except BaseException:
         manager.close()
         raise
-    capacity, pools = _capacity_and_pools(settings, config, opened)
+    capacity, pools = _capacity_and_pools(config, store)
     network = config.network  # never changed live: a new Network needs a restart
     ipv6_network = config.ipv6_network  # nor a new IPv6Network
 
@@ -122,7 +114,8 @@ def build_agent(
             ctx=ctx,
             pods=pods,
             metrics=metrics,
-            control=_node_control(settings, opened, ctx),
+            control=store.node_control(settings, ctx.node_name),
+            store_traits=store.traits,
             vtep_mac=vtep_mac,
             firewall=firewall_factory(settings, metrics, nftables=config.enable_nftables),
             applied_generation=(applied.generation or None) if applied else None,
@@ -158,12 +151,10 @@ def _is_ipv6_only(config: NetworkConfig) -> bool:
 
 
 def _network_config(
-    settings: AgentSettings, opened: OpenedStore
+    settings: AgentSettings, store: ClusterStore
 ) -> tuple[NetworkConfig, NodeOverride | None]:
     """The network config to start with, checked, and the backend this node last applied."""
-    config = _read_config_patiently(
-        opened.manager, settings.startup_timeout, opened.etcd, settings.etcd_prefix
-    )
+    config = _read_config_patiently(store, settings.startup_timeout)
     # A restart keeps the backend this node last applied: a change that arrived
     # meanwhile still goes through the disruption policy, like any live change.
     applied = load_applied(settings.state_dir)
@@ -180,13 +171,13 @@ def _node_context(
     settings: AgentSettings,
     config: NetworkConfig,
     kernel: Kernel,
-    kube: KubeSubnetManager | None,
+    identity: NodeIdentity,
 ) -> NodeContext:
     """Who this node is on the network: its underlay interface and public addresses."""
     ipv6_only = _is_ipv6_only(config)
     # Kubernetes mode: the node-public-ip annotation replaces --public-ip, as in
     # flanneld (it also picks the interface when no --iface is given).
-    public_ip = (kube.node_public_ip() if kube else None) or settings.public_ip
+    public_ip = identity.public_ip or settings.public_ip
     if ipv6_only:
         underlay = kernel.find_underlay(settings.iface, settings.iface_regex, ipv6_only=True)
     else:
@@ -200,8 +191,8 @@ def _node_context(
         config=config,
         underlay=underlay,
         public_ip=None if ipv6_only else (public_ip or underlay.ip),
-        public_ipv6=_public_ipv6(config, settings, underlay, kube),
-        node_name=kube.node_name if kube else node_name_default(settings),
+        public_ipv6=_public_ipv6(config, settings, underlay, identity),
+        node_name=identity.node_name or node_name_default(settings),
         blackhole_own_subnets=settings.ip_blackhole_route,
         vtep_tx_checksum_off=settings.vxlan_tx_checksum_off,
         wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
@@ -225,15 +216,16 @@ def _take_over_flannel_routes(settings: AgentSettings, kernel: Kernel, ctx: Node
 
 
 def _capacity_and_pools(
-    settings: AgentSettings, config: NetworkConfig, opened: OpenedStore
+    config: NetworkConfig, store: ClusterStore
 ) -> tuple[CapacitySettings, list[Pool] | None]:
-    """Warm capacity and the address pools (etcd mode; IPv4 only)."""
+    """Warm capacity and the address pools (a store with several leases per node;
+    IPv4 only)."""
     capacity = parse_capacity(config.raw)
     if _is_ipv6_only(config):
         # _check_ipv6_only refused the IPv4-only features: no pools, no warm capacity
         return capacity, None
-    if opened.etcd is not None:
-        return capacity, PoolStore(opened.etcd, settings.etcd_prefix).list_pools(config)
+    if store.traits.several_leases_per_node:
+        return capacity, store.list_pools(config)
     if capacity.max_leases_per_node > 1:
         log.warning(
             "MaxLeasesPerNode and MinFreeAddresses do not apply in Kubernetes mode "
@@ -241,23 +233,6 @@ def _capacity_and_pools(
         )
         capacity = CapacitySettings()
     return capacity, None
-
-
-def _node_control(settings: AgentSettings, opened: OpenedStore, ctx: NodeContext) -> NodeControl:
-    """Where this node reads its backend override and publishes its status record."""
-    if opened.kube is not None:
-        from flannelpy.control.node_control import KubeNodeControl
-        from flannelpy.subnet.kube.node_status import LeasePublisher, agent_namespace
-
-        # The status record: this node's Lease in the agent's namespace.
-        publisher = LeasePublisher(
-            opened.kube.api_client, agent_namespace(os.environ, lambda p: Path(p).read_text())
-        )
-        return KubeNodeControl(opened.kube, settings.net_config_path, publisher)
-    from flannelpy.control.node_control import EtcdNodeControl
-
-    assert opened.etcd is not None
-    return EtcdNodeControl(opened.etcd, settings.etcd_prefix, ctx.node_name)
 
 
 IPV6_ONLY_BACKENDS = ("vxlan", "host-gw", "wireguard")
@@ -288,14 +263,14 @@ def _public_ipv6(
     config: NetworkConfig,
     settings: AgentSettings,
     underlay: UnderlayInterface,
-    kube: KubeSubnetManager | None,
+    identity: NodeIdentity,
 ) -> IPv6Address | None:
     """The IPv6 address peers reach us at (dual stack): the node-public-ipv6 annotation,
     else --public-ipv6, else the underlay interface's global IPv6 address (Flannel's
     order); None without IPv6."""
     if not config.enable_ipv6:
         return None
-    given = (kube.node_public_ipv6() if kube else None) or (
+    given = identity.public_ipv6 or (
         IPv6Address(settings.public_ipv6) if settings.public_ipv6 else None
     )
     if given is not None:
@@ -376,10 +351,8 @@ def _wireguard_runtime(settings: AgentSettings, metrics: AgentMetrics) -> Wiregu
 
 
 def _read_config_patiently(
-    manager: SubnetManager,
+    store: ClusterStore,
     timeout: float,
-    etcd: Store | None = None,
-    prefix: str = "",
     sleep: Callable[[float], None] = time.sleep,
 ) -> NetworkConfig:
     """The network config, retrying an unreachable store for up to ``timeout`` seconds.
@@ -395,7 +368,7 @@ def _read_config_patiently(
     waiting = False
     while True:
         try:
-            return manager.get_network_config()
+            return store.manager.get_network_config()
         except StoreUnavailable as e:
             if time.monotonic() + delay > deadline:
                 raise
@@ -403,7 +376,7 @@ def _read_config_patiently(
             sleep(delay)
             delay = min(delay * 2, 5.0)
         except ConfigError as e:
-            if etcd is None or etcd.get(config_key(prefix)) is not None:
+            if store.config_written():
                 raise
             if not waiting:  # once: the wait may be long, and it is expected
                 log.warning("waiting for the network config: %s", e)

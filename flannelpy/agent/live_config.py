@@ -1,5 +1,10 @@
-"""Live config: compare what this node is told to run with what it runs, and act per
+"""Live config: compare what this node is told to run with what it runs, and decide per
 the disruption policy (apply, block, or say a restart is needed).
+
+It decides and switches the node's state in memory; what must follow a switch
+(a new plan, a reconcile pass, the lease's attributes, IPAM and subnet.env) is the
+writer's to run, in its order: ``run_if_due`` returns the switch still to finish, and
+the writer calls :meth:`LiveConfig.finished` once every step succeeded.
 
 What was applied is remembered in ``<state-dir>/applied-backend.json``, so a
 restart keeps the backend this node last applied: a change that arrived
@@ -10,17 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flannelpy.agent.capacity import Capacity
-from flannelpy.agent.leases import OwnLeases
-from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import Clocks, NodeState, SayOnce
-from flannelpy.agent.status import StatusReporter, backend_doc
+from flannelpy.agent.status import backend_doc
 from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.wireguard_config import parse_wireguard_config
@@ -28,15 +30,13 @@ from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.change import ChangeDecision, decide_change, wanted_config
-from flannelpy.control.policy import ETCD_REMEDY, KUBE_REMEDY
 from flannelpy.control.records import BackendSummary, BlockedChange, NodeOverride
-from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.errors import ConfigError, StoreError
 from flannelpy.fsutil import atomic_write
 from flannelpy.ipam.capacity import parse_capacity
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.subnet.etcd.pools import records_to_pools
-from flannelpy.subnet.pools import Pool
+from flannelpy.store.open_store import StoreTraits
+from flannelpy.subnet.pools import Pool, records_to_pools
 
 if TYPE_CHECKING:
     from flannelpy.control.node_control import ControlSnapshot, NodeControl
@@ -55,38 +55,26 @@ class LiveConfig:
         settings: AgentSettings,
         control: NodeControl | None,
         *,
-        reconciler: Reconciler,
-        planner: Planner,
-        leases: OwnLeases,
-        capacity: Capacity,
-        status: StatusReporter,
         metrics: AgentMetrics,
         say_once: SayOnce,
-        publish_view: Callable[[], None],
-        write_subnet_env: Callable[[], None],
         clocks: Clocks,
         wireguard: WireguardRuntime | None = None,
+        store_traits: StoreTraits | None = None,
     ) -> None:
         self.state = state
         self.settings = settings
         self.control = control
-        self.reconciler = reconciler
-        self.planner = planner
-        self.leases = leases
-        self.capacity = capacity
-        self.status = status
         self.metrics = metrics
         self.say_once = say_once
-        self.publish_view = publish_view
-        self.write_subnet_env = write_subnet_env
         self.clocks = clocks
+        self.store_traits = store_traits or StoreTraits()
         self.wireguard = wireguard
         self.snapshot: ControlSnapshot | None = None
         self.pending = False  # a snapshot not looked at yet
         self.failed = False  # the last application raised: retry
         self._last_check = clocks.monotonic()
         self._blocked_counted: set[tuple[int | None, tuple[str, ...]]] = set()
-        self._unfinished: _Target | None = None  # switched to, not every step done yet
+        self._unfinished: ConfigSwitch | None = None  # switched to, not every step done yet
 
     def take(self, snapshot: ControlSnapshot) -> None:
         self.snapshot = snapshot
@@ -99,21 +87,26 @@ class LiveConfig:
             or (self.failed and since >= CONTROL_RETRY_SECONDS)
         )
 
-    def run_if_due(self) -> None:
+    def run_if_due(self) -> ConfigSwitch | None:
+        """Look at the latest snapshot when due; the switch the writer must finish (a new
+        one, or one whose steps failed before and no newer change replaced), if any."""
         if not self.due():
-            return
+            return None
         self.pending = False
         self._last_check = self.clocks.monotonic()
         try:
             self.evaluate()
-            if self._unfinished is not None:  # no newer change replaced it: finish it
-                self._complete(self._unfinished)
-            self.failed = False
         except Exception:
-            # Like a failed reconcile pass: a retry follows (it finishes a change
-            # already switched to, else looks again), and the log has the cause.
-            log.exception("applying the network config failed; retrying")
-            self.failed = True
+            self.failed_to_apply()
+            return None
+        self.failed = False
+        return self._unfinished
+
+    def failed_to_apply(self) -> None:
+        # Like a failed reconcile pass: a retry follows (it finishes a change already
+        # switched to, else looks again), and the log has the cause.
+        log.exception("applying the network config failed; retrying")
+        self.failed = True
 
     def evaluate(self) -> None:
         """Compare what we are told to run with what we run, and act per the policy."""
@@ -152,7 +145,7 @@ class LiveConfig:
                 snap.override,
                 snap.rollout,
                 datetime.fromtimestamp(self.clocks.wall(), UTC),
-                KUBE_REMEDY if self.settings.kube_subnet_mgr else ETCD_REMEDY,
+                self.store_traits.config_remedy,
             )
         except ConfigError as e:  # e.g. a DisruptionPolicy that does not parse
             self.say_once(f"config:{e}", "not applying the new network config: %s", e)
@@ -171,11 +164,11 @@ class LiveConfig:
         if generation != s.applied_generation and self._unfinished is None:
             s.applied_generation = generation
             s.applied_at = self.clocks.wall()
-            self.status.publish(force=True)
+            s.status_due = True
 
     def _take_pools(self, snap: ControlSnapshot) -> None:
         """Pool records and warm-capacity settings apply at once (never disruptive)."""
-        if self.settings.kube_subnet_mgr or self.state.config.network is None:
+        if not self.store_traits.several_leases_per_node or self.state.config.network is None:
             return  # IPv6-only: pools and warm capacity are IPv4-only
         s = self.state
         pools, ignored = records_to_pools(s.config, snap.pools, self.settings.etcd_prefix)
@@ -193,8 +186,7 @@ class LiveConfig:
             s.pools = pools
             s.capacity = capacity
             self.metrics.lease_limit(capacity.max_leases_per_node)
-            self.capacity.watch_low_free()
-            s.capacity_due = True
+            s.capacity_due = True  # IPAM's low-free watch follows the new settings there
             s.replan_due = True  # the firewall's ranges follow the pools
 
     def _block(self, decision: ChangeDecision, generation: int | None) -> None:
@@ -209,8 +201,7 @@ class LiveConfig:
             s.blocked = BlockedChange(
                 generation, change, decision.sentence or "", self.clocks.wall()
             )
-            self.status.write_file(self.reconciler.last_result, s.view())
-            self.status.publish(force=True)
+            s.status_due = True
             if self.control is not None:  # a block starting (again) is one occurrence
                 try:
                     self.control.record_blocked(s.ctx.node_name, change, s.blocked.sentence)
@@ -247,7 +238,7 @@ class LiveConfig:
                     )
                 except StoreError as e:
                     log.warning("could not record the forced change in the store: %s", e)
-        target = _Target(
+        target = ConfigSwitch(
             wanted,
             override.generation if override else None,
             decision.changes,
@@ -258,25 +249,14 @@ class LiveConfig:
         s.backend = backend
         s.ctx = ctx
         s.known_devices.update(backend.device_names(ctx))
-        self.publish_view()  # CNI requests and the bridge take the new MTU from here on
         # From the switch on, the change is pending until every step has succeeded: a
         # step that raises leaves it for the next retry, which runs them all again.
         self._unfinished = target
-        self._complete(target)
 
-    def _complete(self, target: _Target) -> None:
-        """Every step after the switch, each idempotent; the applied state (generation,
-        applied-backend.json) moves only once all of them succeeded."""
+    def finished(self, target: ConfigSwitch, mtu: int, converged: bool | None) -> None:
+        """Every step after the switch succeeded: the applied state (generation,
+        applied-backend.json) moves now, and only now."""
         s = self.state
-        self.planner.replan()
-        result = self.reconciler.reconcile_once("config change")
-        if not self.leases.rewrite_attrs():
-            s.attrs_dirty = True
-            raise StoreError("could not advertise the new backend on our lease; retrying")
-        mtu = s.backend.mtu(s.ctx)
-        self.metrics.overlay_mtu(mtu)
-        self.capacity.sync_ipam(again=True)  # the bridge takes its new MTU
-        self.write_subnet_env()
         save_applied(self.settings.state_dir, target.config, target.generation)
         s.applied_generation = target.generation
         s.applied_at = self.clocks.wall()
@@ -288,15 +268,15 @@ class LiveConfig:
                 target.before.describe(),
                 after.describe(),
                 target.generation,
-                result.converged if result else None,
+                converged,
             )
         else:
             log.info("network config change applied backend=%s", after.describe())
-        self.status.publish(force=True)
+        s.status_due = True
 
 
 @dataclass(frozen=True)
-class _Target:
+class ConfigSwitch:
     """A change switched to in memory whose steps have not all succeeded yet."""
 
     config: NetworkConfig

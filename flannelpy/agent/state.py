@@ -67,6 +67,7 @@ class NodeState:
     # ... and what those asked of the others (Writer._follow_up runs them in one order).
     replan_due: bool = False
     subnet_env_due: bool = False
+    status_due: bool = False  # status.json and the store record, now (not at the next tick)
     # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).
     wireguard_device_up: bool = False
 

@@ -41,7 +41,7 @@ from flannelpy.agent.events import (
 )
 from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.leases import OwnLeases
-from flannelpy.agent.live_config import LiveConfig
+from flannelpy.agent.live_config import ConfigSwitch, LiveConfig
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
@@ -58,6 +58,7 @@ from flannelpy.observe.health import Heartbeats
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.observe.probe_rounds import Transport
 from flannelpy.observe.probe_verdict import ProbeResult
+from flannelpy.store.open_store import StoreTraits
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool
@@ -103,6 +104,7 @@ class AgentParts:
     jitter: Callable[[], float] = random.random  # 0.0 .. 1.0: spreads the status heartbeat
     # The node's WireGuard key and devices (the reconciler applies the planned ones).
     wireguard: WireguardRuntime | None = None
+    store_traits: StoreTraits = field(default_factory=StoreTraits)  # etcd's unless told
 
 
 def _primary_pool(network: IPv4Network | None) -> list[Pool]:
@@ -114,6 +116,7 @@ class Writer:
     def __init__(self, parts: AgentParts, beats: Heartbeats) -> None:
         settings, metrics, clocks = parts.settings, parts.metrics, parts.clocks
         self.settings = settings
+        self.store_traits = parts.store_traits
         self.metrics = metrics
         self.clocks = clocks
         self.beats = beats
@@ -181,7 +184,7 @@ class Writer:
             self.counts,
             say_once,
             cluster=settings.cluster_name,
-            kube_mode=settings.kube_subnet_mgr,
+            several_leases_per_node=parts.store_traits.several_leases_per_node,
             on_low_free=self.on_low_free,
             clocks=self.clocks,
         )
@@ -189,17 +192,11 @@ class Writer:
             s,
             settings,
             parts.control,
-            reconciler=self.reconciler,
-            planner=self.planner,
-            leases=self.leases,
-            capacity=capacity,
-            status=self.status,
             metrics=self.metrics,
             say_once=say_once,
-            publish_view=self.publish_view,
-            write_subnet_env=self.write_subnet_env,
             clocks=self.clocks,
             wireguard=parts.wireguard,
+            store_traits=parts.store_traits,
         )
         return capacity, live
 
@@ -297,6 +294,7 @@ class Writer:
             or self.planner.linger_over()
             or s.replan_due
             or s.subnet_env_due
+            or s.status_due
         )
 
     def settle(self) -> None:
@@ -313,7 +311,9 @@ class Writer:
                 s.lease_lost = True
                 self._pause()
                 return
-        self.live.run_if_due()
+        switch = self.live.run_if_due()
+        if switch is not None:
+            self._finish_switch(switch)
         if self.planner.linger_over():
             self.planner.replan()  # a device that left the plan goes now
         if s.attrs_dirty:
@@ -330,9 +330,29 @@ class Writer:
                 self._pause()
         self._follow_up()
 
+    def _finish_switch(self, switch: ConfigSwitch) -> None:
+        """Every step after a switch of backend or MTU, in order and each idempotent: a
+        step that fails leaves the switch unfinished, and the next try runs them all."""
+        s = self.state
+        self.publish_view()  # CNI requests and the bridge take the new MTU from here on
+        try:
+            self.planner.replan()
+            result = self.reconciler.reconcile_once("config change")
+            if not self.leases.rewrite_attrs():
+                s.attrs_dirty = True
+                raise StoreError("could not advertise the new backend on our lease; retrying")
+            mtu = s.backend.mtu(s.ctx)
+            self.metrics.overlay_mtu(mtu)
+            self.capacity.sync_ipam(again=True)  # the bridge takes its new MTU
+            self.write_subnet_env()
+        except Exception:
+            self.live.failed_to_apply()
+            return
+        self.live.finished(switch, mtu, result.converged if result else None)
+
     def _follow_up(self) -> None:
         """What the steps above asked of the others, in one order: a new plan (routes and
-        the firewall's ranges), then subnet.env."""
+        the firewall's ranges), then subnet.env, then the status record."""
         s = self.state
         if s.replan_due:
             s.replan_due = False
@@ -340,6 +360,10 @@ class Writer:
         if s.subnet_env_due:
             s.subnet_env_due = False
             self.write_subnet_env()
+        if s.status_due:
+            s.status_due = False
+            self.status.write_file(self.reconciler.last_result, s.view())
+            self.status.publish(force=True)
 
     def _pause(self) -> None:
         self._pause_until = self.clocks.monotonic() + RETRY_PAUSE_SECONDS
@@ -398,11 +422,10 @@ class Writer:
             self.handle(event, settle=False)
 
     def after_first_snapshot(self) -> None:
-        if not self.settings.kube_subnet_mgr:
+        if self.store_traits.several_leases_per_node:  # leases outlive a restart
             self.leases.adopt(self.planner.bounds())
             self.planner.replan()
         self.capacity.manage()  # may add a lease (warm capacity, a drained pool)
-        self.capacity.watch_low_free()
         self.publish_view()
 
     def become_ready(self, result: ReconcileResult | None) -> None:

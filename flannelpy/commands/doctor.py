@@ -15,11 +15,14 @@ The store clients and netlink are imported when the command runs, not when the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Any
 
 from flannelpy.config.settings import add_agent_arguments
+
+STORE_TIMEOUT = 3.0  # seconds per etcd request: the doctor is run by a person waiting
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,13 +51,14 @@ def run(args: argparse.Namespace) -> int:
     from flannelpy.doctor.report import exit_code, render_json, render_text
     from flannelpy.doctor.traffic_checks import snapshot_json
     from flannelpy.errors import FlannelpyError
+    from flannelpy.store.open_store import open_store
 
     try:
         run_dir = settings_from_args(args, os.environ).run_dir
         chose_iface = bool(args.iface or args.iface_regex or args.iface_can_reach)
         environ = with_agent_defaults(run_dir, os.environ, chose_iface)
         settings = settings_from_args(args, environ)
-        facts = gather(settings)
+        facts = gather(settings, functools.partial(open_store, timeout=STORE_TIMEOUT))
     except FlannelpyError as e:
         print(f"flannelpy doctor: {e}", file=sys.stderr)
         return e.exit_code

@@ -5,7 +5,7 @@ The policy is the ``DisruptionPolicy`` key of net-conf.json at ``<prefix>/config
 with a compare-and-swap so an edit made meanwhile by someone else is never lost.
 ``show`` adds what the agents report: changes blocked on each node (their
 ``nodes/<node>/status``) and the last changes forced past the policy (``events/``).
-The reads and writes are :mod:`flannelpy.control.policy_store`; this module parses
+The reads and writes are :mod:`flannelpy.store.policy_records`; this module parses
 the arguments and prints.
 
 The store is found as the agent finds it (``--etcd-*`` flags or ``FLANNELD_ETCD_*``).
@@ -32,8 +32,8 @@ from flannelpy.control.policy import (
     window_from_flags,
     window_state,
 )
-from flannelpy.control.policy_store import FORCED_SHOWN, PolicyReport, gather, set_policy
 from flannelpy.errors import ConfigError, FlannelpyError
+from flannelpy.store.policy_records import FORCED_SHOWN, PolicyReport, gather, set_policy
 
 KUBE_REFUSAL = (
     "flannelpy policy talks to etcd only, and FLANNELD_KUBE_SUBNET_MGR selects "

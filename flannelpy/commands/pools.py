@@ -1,7 +1,7 @@
 """``flannelpy pools``: list, add, tag, untag and remove address pools in etcd.
 
 The semantics (field-notes §3) live in :mod:`flannelpy.subnet.pools`, the keys
-in :mod:`flannelpy.subnet.etcd.pools`; this module parses the command line,
+in :mod:`flannelpy.store.etcd.pools`; this module parses the command line,
 connects with the agent's ``--etcd-*`` flags (or FLANNELD_ETCD_* variables), and
 prints.
 
@@ -35,7 +35,7 @@ from flannelpy.subnet.pools import (
 )
 
 if TYPE_CHECKING:
-    from flannelpy.subnet.etcd.pools import PoolStore
+    from flannelpy.store.etcd.pools import PoolStore
 
 KUBE_REFUSAL = (
     "pools apply to etcd mode only: in Kubernetes mode the controller-manager "
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 @contextmanager
 def open_pools(settings: AgentSettings) -> Iterator[PoolStore]:
-    from flannelpy.subnet.etcd.pools import PoolStore
+    from flannelpy.store.etcd.pools import PoolStore
 
     with connected(settings) as store:
         yield PoolStore(store, settings.etcd_prefix)

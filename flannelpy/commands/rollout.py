@@ -19,7 +19,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from flannelpy.commands.store import add_agent_flags, connected, store_parent
+from flannelpy.commands.store import STORE_TIMEOUT, add_agent_flags, store_parent
 from flannelpy.config.settings import settings_from_args
 from flannelpy.control.records import ForceRecord
 from flannelpy.errors import ConfigError, FlannelpyError
@@ -28,9 +28,8 @@ from flannelpy.rollout.plan import DEFAULT_STEP_TIMEOUT
 from flannelpy.rollout.show import describe_state, how_to_go_back, status_rows, summary
 
 if TYPE_CHECKING:
-    from flannelpy.config.settings import AgentSettings
     from flannelpy.rollout.driver import WallClock
-    from flannelpy.rollout.store import RolloutStorage
+    from flannelpy.rollout.storage import RolloutStorage
 
 KUBE_FLAGS = ("kube_subnet_mgr", "kube_api_url", "kubeconfig_file", "kube_annotation_prefix")
 DEFAULT_KUBE_NAMESPACE = "kube-flannelpy"  # the manifests'
@@ -135,14 +134,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flannelpy.rollout.store import RolloutStore
+    from flannelpy.store.open_store import open_rollout_store
 
     try:
         settings = settings_from_args(args, os.environ)
-        if settings.kube_subnet_mgr:
-            return _kube_command(args, settings)
-        with connected(settings) as etcd:
-            return _command(args, RolloutStore(etcd, settings.etcd_prefix))
+        store, close = open_rollout_store(
+            settings, args.kube_namespace, args.kube_config_map, STORE_TIMEOUT
+        )
+        try:
+            return _command(args, store)
+        finally:
+            close()
     except FlannelpyError as e:
         print(f"flannelpy rollout: {e}", file=sys.stderr)
         return e.exit_code
@@ -153,20 +155,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-
-
-def _kube_command(args: argparse.Namespace, settings: AgentSettings) -> int:
-    from flannelpy.rollout.kube_store import KubeRolloutStore
-    from flannelpy.subnet.kube.api import build_api_client
-
-    client = build_api_client(settings)
-    try:
-        store = KubeRolloutStore(
-            client, settings.kube_annotation_prefix, args.kube_namespace, args.kube_config_map
-        )
-        return _command(args, store)
-    finally:
-        client.close()
 
 
 def _wall_clock(args: argparse.Namespace) -> WallClock:

@@ -19,7 +19,7 @@ from flannelpy.config.settings import AgentSettings, add_agent_arguments, settin
 from flannelpy.errors import ConfigError
 
 if TYPE_CHECKING:
-    from flannelpy.subnet.etcd.client import EtcdStore
+    from flannelpy.store.etcd.client import EtcdStore
 
 STORE_TIMEOUT = 3.0  # seconds per etcd request: a person is waiting
 STORE_FLAGS = tuple(f.name for f in fields(AgentSettings) if f.name.startswith("etcd_"))
@@ -70,7 +70,7 @@ def store_settings(
 
 @contextmanager
 def connected(settings: AgentSettings) -> Iterator[EtcdStore]:
-    from flannelpy.subnet.etcd.client import connect_etcd
+    from flannelpy.store.etcd.client import connect_etcd
 
     store = connect_etcd(settings, timeout=STORE_TIMEOUT)
     try:

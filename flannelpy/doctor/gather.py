@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from ipaddress import IPv4Address
-from typing import Any
+from typing import Any, Protocol
 
+from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.doctor.facts import (
     BRIDGE,
@@ -30,14 +30,14 @@ from flannelpy.doctor.facts import (
     parse_snapshot,
 )
 from flannelpy.doctor.plan import own_lease
-from flannelpy.errors import DataplaneError, FlannelpyError, StoreError, StoreUnavailable
+from flannelpy.errors import DataplaneError, FlannelpyError
 from flannelpy.fsutil import atomic_write
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet.pools import Pool
 
 STATUS_FILE = "status.json"
 SNAPSHOT_FILE = "doctor-last.json"
-STORE_TIMEOUT = 3.0  # seconds per etcd request: the doctor is run by a person waiting
 STORE_SNAPSHOT_TIMEOUT = 15.0  # seconds for the first lease list in Kubernetes mode
 FIREWALL_CHAINS = (
     ("nat", "POSTROUTING"),
@@ -47,13 +47,29 @@ FIREWALL_CHAINS = (
 )
 
 
-def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> NodeFacts:
+class DoctorStore(Protocol):
+    """What the doctor reads of the store (``flannelpy.store.open_store.ClusterStore``)."""
+
+    manager: SubnetManager
+
+    def all_leases(self, timeout: float) -> tuple[Lease, ...]: ...
+    def list_pools(self, config: NetworkConfig) -> list[Pool]: ...
+    def lease_seconds_left(self, lease_id: int) -> float | None: ...
+    def close(self) -> None: ...
+
+
+StoreOpener = Callable[[AgentSettings], DoctorStore]
+
+
+def gather(
+    settings: AgentSettings, open_store: StoreOpener, clock: Callable[[], float] = time.time
+) -> NodeFacts:
     """Every fact diagnose() needs, about the node (network namespace) we run in.
     Failures become ``*_error`` fields, never exceptions, so that one broken source
     still leaves a report on the others."""
     facts = NodeFacts(settings=settings, now=clock())
     facts = replace(facts, **_agent_files(settings.run_dir))
-    with _Store(settings) as store:
+    with _Store(settings, open_store) as store:
         facts = replace(facts, **store.read())
         facts = replace(facts, **_kernel_facts(settings, facts))
         config = facts.config
@@ -75,105 +91,39 @@ def gather(settings: AgentSettings, clock: Callable[[], float] = time.time) -> N
 
 
 class _Store:
-    """The lease store, read-only: etcd (the agent's --etcd-* flags) or, with
-    --kube-subnet-mgr, the Kubernetes API. Errors end up in ``store_error``."""
+    """The lease store, read-only, opened by ``open_store`` (the caller's: the store
+    layer sits above the doctor). Errors end up in ``store_error``."""
 
-    def __init__(self, settings: AgentSettings) -> None:
+    def __init__(self, settings: AgentSettings, open_store: StoreOpener) -> None:
         self.settings = settings
-        self.store: Any = None  # the EtcdStore, for lease time-to-live
-        self.manager: Any = None
+        self.open_store = open_store
+        self.store: DoctorStore | None = None
 
     def __enter__(self) -> _Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.manager is not None:
-            self.manager.close()
         if self.store is not None:
             self.store.close()
 
     def read(self) -> dict[str, Any]:
         try:
-            if self.settings.kube_subnet_mgr:
-                from flannelpy.subnet.kube.manager import KubeSubnetManager
-
-                self.manager = KubeSubnetManager(self.settings)
-                config = self.manager.get_network_config()
-                leases = first_snapshot(self.manager, STORE_SNAPSHOT_TIMEOUT)
-            else:
-                from flannelpy.subnet.etcd.client import connect_etcd
-                from flannelpy.subnet.etcd.manager import EtcdSubnetManager
-
-                self.store = connect_etcd(self.settings, timeout=STORE_TIMEOUT)
-                self.manager = EtcdSubnetManager(self.store, self.settings)
-                config = self.manager.get_network_config()
-                leases, _ = self.manager.list_leases()
-                from flannelpy.subnet.etcd.pools import PoolStore
-
-                # Pools are IPv4 ranges: none IPv6-only (the agent turns them off too).
-                pools = (
-                    PoolStore(self.store, self.settings.etcd_prefix).list_pools(config)
-                    if config.network is not None
-                    else []
-                )
-                return {
-                    "config": config,
-                    "leases": tuple(leases.values()),
-                    "pool_networks": tuple(p.network for p in pools if not p.primary),
-                }
+            self.store = store = self.open_store(self.settings)
+            config = store.manager.get_network_config()
+            leases = store.all_leases(STORE_SNAPSHOT_TIMEOUT)
+            # Pools are IPv4 ranges: none IPv6-only (the agent turns them off too).
+            pools = store.list_pools(config) if config.network is not None else []
         except FlannelpyError as e:
             return {"store_error": str(e)}
-        return {"config": config, "leases": tuple(leases.values())}
+        return {
+            "config": config,
+            "leases": leases,
+            "pool_networks": tuple(p.network for p in pools if not p.primary),
+        }
 
     def ttl(self, lease_id: int) -> float | None:
-        """Seconds left on an etcd lease; None when unknown."""
-        if self.store is None:
-            return None
-
-        def op(client: Any) -> int:
-            return int(client.get_lease_info(lease_id).TTL)
-
-        try:
-            # EtcdStore has no public time-to-live call; its _call gives us failover
-            # and the same error mapping as every other request.
-            ttl = self.store._call(f"lease time-to-live {lease_id:x}", op)
-        except StoreError:
-            return None
-        return float(max(ttl, 0))
-
-
-def first_snapshot(manager: SubnetManager, timeout: float) -> Mapping[str, Lease]:
-    """Every lease, from the first callback of ``watch_leases`` (all a manager promises)."""
-    leases: dict[str, Lease] = {}
-    got = threading.Event()
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def on_leases(snapshot: Mapping[str, Lease], _revision: int) -> None:
-        if not got.is_set():
-            leases.update(snapshot)
-            got.set()
-        stop.set()
-
-    def watch() -> None:
-        try:
-            manager.watch_leases(on_leases, stop)
-        except BaseException as e:  # handed to the caller
-            failure.append(e)
-            got.set()
-
-    thread = threading.Thread(target=watch, name="doctor-leases", daemon=True)
-    thread.start()
-    got.wait(timeout)
-    stop.set()
-    thread.join(timeout)
-    if failure:
-        raise failure[0]
-    if not leases and not got.is_set():
-        raise StoreUnavailable(
-            f"no lease list from the store within {timeout:g} s; check that it is reachable"
-        )
-    return leases
+        """Seconds left on a store lease; None when unknown."""
+        return None if self.store is None else self.store.lease_seconds_left(lease_id)
 
 
 def _wireguard_facts(settings: AgentSettings, v6: bool = False) -> WireguardFacts:

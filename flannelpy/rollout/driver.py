@@ -56,7 +56,7 @@ from flannelpy.rollout.steps import (
     node_of,
     record_after,
 )
-from flannelpy.rollout.store import RolloutStorage
+from flannelpy.rollout.storage import RolloutStorage
 
 WINDOW_POLL = 30.0  # seconds between looks at the record while waiting for a window
 CAS_RETRIES = 20  # record writes racing pause/abort requests: read again and retry

@@ -21,7 +21,20 @@ slash is ignored.
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from the store."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int = 0
+    lease_id: int = 0  # 0: no TTL lease attached (a permanent key)
+
 
 # --- Flannel's keys --------------------------------------------------------------------
 

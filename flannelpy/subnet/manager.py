@@ -1,6 +1,6 @@
 """The subnet manager protocol: the only thing the agent knows of its lease store.
 
-etcd mode (:mod:`flannelpy.subnet.etcd`) is the reference; Kubernetes mode
+etcd mode (:mod:`flannelpy.store.etcd`) is the reference; Kubernetes mode
 implements the same protocol with what the API server gives. Keep it small.
 """
 
@@ -12,6 +12,7 @@ from ipaddress import IPv4Network, IPv6Network
 from typing import Protocol
 
 from flannelpy.config.netconf import NetworkConfig
+from flannelpy.errors import StoreUnavailable
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.validate import Rejection
@@ -82,3 +83,37 @@ class SubnetManager(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def first_snapshot(manager: SubnetManager, timeout: float) -> Mapping[str, Lease]:
+    """Every lease, from the first callback of ``watch_leases`` (all a manager promises)."""
+    leases: dict[str, Lease] = {}
+    got = threading.Event()
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def on_leases(snapshot: Mapping[str, Lease], _revision: int) -> None:
+        if not got.is_set():
+            leases.update(snapshot)
+            got.set()
+        stop.set()
+
+    def watch() -> None:
+        try:
+            manager.watch_leases(on_leases, stop)
+        except BaseException as e:  # handed to the caller
+            failure.append(e)
+            got.set()
+
+    thread = threading.Thread(target=watch, name="doctor-leases", daemon=True)
+    thread.start()
+    got.wait(timeout)
+    stop.set()
+    thread.join(timeout)
+    if failure:
+        raise failure[0]
+    if not leases and not got.is_set():
+        raise StoreUnavailable(
+            f"no lease list from the store within {timeout:g} s; check that it is reachable"
+        )
+    return leases

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from flannelpy.config.settings import check_cluster_name
 from flannelpy.errors import ConfigError
+from flannelpy.subnet.keys import KeyValue, key_to_subnet, pools_prefix, subnet_to_key
 
 if TYPE_CHECKING:
     from flannelpy.config.netconf import NetworkConfig
@@ -344,3 +345,30 @@ def _pool_capacity(pool: Pool, config: NetworkConfig, leases: Sequence[Lease]) -
             taken += high_i - max(low_i, reach + 1) + 1
             reach = high_i
     return PoolCapacity(pool, rng.length, rng.count, taken, inside)
+
+
+def records_to_pools(
+    config: NetworkConfig, items: Iterable[KeyValue], prefix: str
+) -> tuple[list[Pool], list[str]]:
+    """Records under :func:`pools_prefix` → pools (primary first) and the unreadable ones."""
+    base = pools_prefix(prefix)
+    records = []
+    ignored = []
+    for kv in items:
+        try:
+            records.append(parse_pool_key_value(kv, base))
+        except ValueError as e:
+            ignored.append(f"{kv.key}: {e}")
+    return assemble_pools(config, records), ignored
+
+
+def parse_pool_key_value(kv: KeyValue, base: str) -> Pool:
+    """One record under ``base`` (the pools prefix) as a Pool; ValueError says why not."""
+    suffix = kv.key[len(base) :]
+    network, ipv6 = key_to_subnet(suffix)
+    if ipv6 is not None or subnet_to_key(network) != suffix:
+        raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
+    pool = parse_pool_record(kv.value)
+    if pool.network != network:
+        raise ValueError(f"the record's Network {pool.network} does not match its key")
+    return pool

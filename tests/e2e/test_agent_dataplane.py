@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from flannelpy_lab import Lab
 
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from tests.support.lab_util import running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]

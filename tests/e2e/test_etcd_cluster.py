@@ -37,7 +37,7 @@ from flannelpy_lab.lab import down as lab_down
 from flannelpy_lab.state import EtcdMemberInfo, LabState
 
 from flannelpy.errors import StoreUnavailable
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import lease_key, subnets_prefix
 from flannelpy.subnet.lease import LeaseAttrs
 from tests.support.kernel_entries import VXLAN_DEVICE

@@ -22,7 +22,7 @@ from flannelpy_lab import Lab
 from flannelpy_lab.pods import pod_matrix
 
 from flannelpy.control.records import NodeOverride
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import override_key
 from tests.support.kernel_entries import read_leases
 from tests.support.lab_util import lab_run_argv, running_mixed_lab, segment_ip, wait_until

@@ -21,7 +21,7 @@ from flannelpy_lab import Lab
 from flannelpy_lab.errors import LabError
 from prometheus_client.parser import text_string_to_metric_families
 
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import subnet_to_key
 from tests.support.agent_events import wait_for_reconcile_passes
 from tests.support.lab_util import running_lab, segment_ip, wait_until

@@ -25,7 +25,7 @@ import pytest
 from flannelpy_lab import Lab, agents
 
 from flannelpy.config.netconf import parse_network_config
-from flannelpy.subnet.kube import node as kn
+from flannelpy.store.kube import node as kn
 from tests.support.kernel_entries import (
     VXLAN_DEVICE,
     PeerLease,

@@ -26,7 +26,7 @@ import pytest
 from flannelpy_lab import Lab, agents, plan
 from flannelpy_lab import kube as control_plane
 
-from flannelpy.subnet.kube.manager import OVERRIDE_ANNOTATION
+from flannelpy.store.kube.manager import OVERRIDE_ANNOTATION
 from tests.e2e.test_observability import scrape
 from tests.support.agent_events import processed_mark, wait_until_processed
 from tests.support.lab_util import running_real_kube_lab, wait_until

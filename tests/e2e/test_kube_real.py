@@ -20,7 +20,7 @@ from flannelpy_lab import Lab, plan, procs
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 
-from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES
+from flannelpy.store.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES
 from tests.support.lab_util import (
     host_snapshot,
     lab_residue,

@@ -27,7 +27,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
 from flannelpy.rollout.cordon import CORDON_ANNOTATION, EXCLUDE_LABEL
-from flannelpy.subnet.kube.node_status import (
+from flannelpy.store.kube.node_status import (
     MAX_SUMMARY_BYTES,
     MIN_WRITE_GAP,
     STATUS_ANNOTATION,

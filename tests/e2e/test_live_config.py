@@ -17,7 +17,7 @@ import pytest
 from flannelpy_lab import Lab
 
 from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import override_key, status_key
 from tests.e2e.test_observability import scrape
 from tests.support.lab_util import lab_run_argv, running_lab, wait_until

@@ -31,7 +31,7 @@ from flannelpy_lab.state import PodInfo
 
 import flannelpy
 from flannelpy.control.records import NodeStatus
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import status_key
 from tests.support.agent_events import (
     AgentNode,

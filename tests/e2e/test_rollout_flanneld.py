@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from flannelpy_lab import Lab
 
-from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.rollout_etcd import RolloutStore
 from flannelpy.subnet.lease import EXTENSION_KEY
 from tests.support.lab_util import lab_run_argv, running_mixed_lab, wait_until
 

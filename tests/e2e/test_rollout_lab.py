@@ -33,8 +33,8 @@ from flannelpy.agent.planning import LINGER_SECONDS
 from flannelpy.control.records import NodeStatus
 from flannelpy.rollout.driver import drive, make_plan, start
 from flannelpy.rollout.record import RolloutRecord
-from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.rollout_etcd import RolloutStore
 from flannelpy.subnet.keys import config_key, override_key, rollout_key
 from tests.e2e.test_observability import scrape
 from tests.support.lab_util import lab_run_argv, running_lab, wait_until

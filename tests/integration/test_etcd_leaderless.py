@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from flannelpy.errors import StoreUnavailable
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from tests.support.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")

@@ -32,10 +32,10 @@ from flannelpy.errors import (
     StoreUnavailable,
 )
 from flannelpy.retry import Backoff
-from flannelpy.subnet.etcd.client import EtcdStore, connect_etcd
-from flannelpy.subnet.etcd.config import put_network_config
-from flannelpy.subnet.etcd.kv import FakeStore, Store, WatchBatch, WatchStream
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.client import EtcdStore, connect_etcd
+from flannelpy.store.etcd.config import put_network_config
+from flannelpy.store.etcd.kv import FakeStore, Store, WatchBatch, WatchStream
+from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.etcd_server import EtcdServer, free_port, make_tls_files
 from tests.support.waiting import wait_until
@@ -600,7 +600,7 @@ def test_watch_ignores_keys_that_are_not_leases_and_warns_once(
     subnets = f"{etcd_prefix}/subnets/"
     raw_store.put(subnets + "garbage", b"{}")
     raw_store.put(subnets + "10.244.3.0-24", b"not json")
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.etcd.manager")
+    caplog.set_level(logging.WARNING, logger="flannelpy.store.etcd.manager")
     with watching(managers()) as seen:
         seen.wait_for(lambda m: True, 2.0)
         raw_store.put(subnets + "garbage", b"{}")  # seen again through the watch

@@ -16,7 +16,7 @@ import pytest
 
 from flannelpy.cli import build_parser
 from flannelpy.config.settings import go_style_argv, settings_from_args
-from flannelpy.subnet.etcd.client import EtcdStore, connect_etcd
+from flannelpy.store.etcd.client import EtcdStore, connect_etcd
 from tests.support.etcd_server import EtcdServer
 
 SOCKET = "localhost:2379"  # a file name: etcd 3.4 wants host:port even for unix://

@@ -22,7 +22,7 @@ from flannelpy.dataplane.rtnl import LinkStats
 from flannelpy.errors import ConfigError, StoreUnavailable
 from flannelpy.observe.health import HealthServer, Heartbeats
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.subnet.etcd.client import EtcdStore
+from flannelpy.store.etcd.client import EtcdStore
 from tests.support.etcd_server import free_port
 from tests.support.netns_util import Netns, is_root, temp_netns
 

@@ -21,8 +21,8 @@ import pytest
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, StoreError
-from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES, build_api_client
-from flannelpy.subnet.kube.manager import KubeSubnetManager
+from flannelpy.store.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES, build_api_client
+from flannelpy.store.kube.manager import KubeSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.kube_standin import STRATEGIC, KubeStandin, Request
 from tests.support.waiting import wait_until
@@ -312,7 +312,7 @@ def test_public_ip_overwrite_is_advertised(standin: KubeStandin, make_manager: M
 def test_acquire_waits_for_the_pod_cidr_and_says_why(
     standin: KubeStandin, make_manager: MakeManager, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube.manager")
+    caplog.set_level(logging.WARNING, logger="flannelpy.store.kube.manager")
     standin.add_node(OWN)
     manager = make_manager()
     result: list[Lease] = []
@@ -563,7 +563,7 @@ def test_410_relists_and_loses_no_event(
 def test_watch_recovers_after_the_api_is_unreachable(
     make_manager: MakeManager, gone_as: str, compact: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube.manager")
+    caplog.set_level(logging.WARNING, logger="flannelpy.store.kube.manager")
     with KubeStandin(bookmark_interval=0.5, gone_as=gone_as) as server:
         server.add_node(OWN, "10.244.1.0/24", peer_annotations("192.168.50.1", MAC_A))
         server.add_node("node-b", "10.244.2.0/24", peer_annotations("192.168.50.2", MAC_A))
@@ -599,7 +599,7 @@ def test_a_watch_that_served_and_then_broke_is_resumed_at_once(
     """An outage escalates the backoff; once a watch has served again, the next break
     (an API server restart, say) starts from the first delay, not where the last outage
     left off (it used to wait 3.2 s here, and up to 10 s after longer outages)."""
-    caplog.set_level(logging.WARNING, logger="flannelpy.subnet.kube.manager")
+    caplog.set_level(logging.WARNING, logger="flannelpy.store.kube.manager")
     with KubeStandin(bookmark_interval=0.5) as server:
         server.add_node(OWN, "10.244.1.0/24", peer_annotations("192.168.50.1", MAC_A))
         server.add_node("node-b", "10.244.2.0/24", peer_annotations("192.168.50.2", MAC_A))
@@ -793,7 +793,7 @@ def test_rbac_rules_are_exactly_the_calls_made(
     with Watcher(manager) as w:
         standin.delete_node("node-b")
         w.wait_subnets({OWN: "10.244.1.0/24"})
-    # Events (flannelpy.subnet.kube.events) are exercised against the real API server,
+    # Events (flannelpy.store.kube.events) are exercised against the real API server,
     # in tests/e2e/test_kube_live_config.py; so is the status Lease (written by the
     # agent, not the manager, under the namespaced Role), in tests/e2e/test_kube_rollout.py.
     assert standin.rbac_usage() == {r for r in RBAC if r[0] != "events.k8s.io"}
@@ -834,7 +834,7 @@ def test_the_node_public_ip_annotation_wins_over_the_flag(
 ) -> None:
     """flanneld: an annotated node-public-ip replaces --public-ip (main.go)."""
     from flannelpy.agent.compose import build_agent
-    from flannelpy.subnet.open_store import OpenedStore
+    from flannelpy.store.open_store import KubeClusterStore
     from tests.support.agent_fakes import HostTouchingKernel
 
     standin.add_node(OWN, "10.244.7.0/24", annotations={P + "node-public-ip": "198.51.100.4"})
@@ -851,9 +851,7 @@ def test_the_node_public_ip_annotation_wins_over_the_flag(
     )
     manager = KubeSubnetManager(settings, environ={}, watch_timeout=5)
     try:
-        agent = build_agent(
-            settings, OpenedStore(manager=manager, kube=manager), HostTouchingKernel()
-        )
+        agent = build_agent(settings, KubeClusterStore(manager), HostTouchingKernel())
         assert agent.parts.ctx.public_ip == IPv4Address("198.51.100.4")
     finally:
         manager.close()

@@ -24,11 +24,11 @@ from flannelpy_lab import state as lab_state
 from flannelpy_lab.cli import main as lab_main
 
 from flannelpy.cli import main
-from flannelpy.control import policy_store
 from flannelpy.control.policy import DisruptionPolicy, parse_policy
 from flannelpy.errors import StoreError
-from flannelpy.subnet.etcd.client import EtcdStore
-from flannelpy.subnet.etcd.kv import KeyValue
+from flannelpy.store import policy_records as policy_store
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.etcd.kv import KeyValue
 from tests.support.etcd_server import EtcdServer, free_port
 from tests.support.lab_util import lab_run_args
 

@@ -23,10 +23,10 @@ from flannelpy_lab.cli import main as lab_main
 
 from flannelpy.cli import main
 from flannelpy.config.netconf import parse_network_config
-from flannelpy.subnet.etcd.client import EtcdStore
-from flannelpy.subnet.etcd.config import put_network_config
-from flannelpy.subnet.etcd.kv import Store
-from flannelpy.subnet.etcd.pools import PoolStore
+from flannelpy.store.etcd.client import EtcdStore
+from flannelpy.store.etcd.config import put_network_config
+from flannelpy.store.etcd.kv import Store
+from flannelpy.store.etcd.pools import PoolStore
 from flannelpy.subnet.keys import pool_key
 from tests.support.etcd_server import EtcdServer, free_port
 from tests.support.lab_util import lab_run_args, lab_run_argv

@@ -21,8 +21,8 @@ from flannelpy.cli import main
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.records import NodeOverride
 from flannelpy.rollout.record import RolloutRecord
-from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.client import EtcdStore, connect_etcd
+from flannelpy.store.etcd.client import EtcdStore, connect_etcd
+from flannelpy.store.rollout_etcd import RolloutStore
 from flannelpy.subnet.keys import config_key, node_of_key, nodes_prefix
 from tests.support.etcd_server import EtcdServer
 from tests.support.rollout_agents import AgentThreads, SimCluster, config_json, five_nodes

@@ -26,15 +26,16 @@ from flannelpy.backend.registry import get_backend
 from flannelpy.backend.wireguard_config import parse_wireguard_config
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.settings import AgentSettings
-from flannelpy.control.node_control import ControlSnapshot, EtcdNodeControl
+from flannelpy.control.node_control import ControlSnapshot
 from flannelpy.dataplane.kernel import ApplyResult
 from flannelpy.dataplane.state import Changes
 from flannelpy.errors import StoreUnavailable
 from flannelpy.ipam.capacity import parse_capacity
 from flannelpy.ipam.manager import NodeIpam
-from flannelpy.subnet.etcd.config import put_network_config
-from flannelpy.subnet.etcd.kv import FakeStore
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.config import put_network_config
+from flannelpy.store.etcd.kv import FakeStore
+from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.node_control import EtcdNodeControl
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 from tests.support.fakes import FakeKernel, underlay

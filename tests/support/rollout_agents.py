@@ -29,7 +29,7 @@ from flannelpy.control.records import (
     ProbeSummary,
 )
 from flannelpy.rollout.backends import backend_config
-from flannelpy.subnet.etcd.kv import Store
+from flannelpy.store.etcd.kv import Store
 from flannelpy.subnet.keys import config_key, override_key, rollout_key, status_key
 
 UNDERLAY_MTU = 1500

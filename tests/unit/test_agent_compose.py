@@ -17,17 +17,18 @@ from flannelpy.dataplane.firewall import SyncResult
 from flannelpy.dataplane.kernel import ForeignRoute
 from flannelpy.errors import ConfigError, DataplaneError
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.subnet.etcd.config import put_network_config
-from flannelpy.subnet.etcd.kv import FakeStore
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.config import put_network_config
+from flannelpy.store.etcd.kv import FakeStore
+from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.open_store import ClusterStore, EtcdClusterStore
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import LeaseAttrs
-from flannelpy.subnet.open_store import OpenedStore
 from tests.support.agent_fakes import PREFIX, AgentHarness, HostTouchingKernel, agent_settings
 
 
-def opened(store: FakeStore, tmp: Path) -> OpenedStore:
-    return OpenedStore(manager=EtcdSubnetManager(store, agent_settings(tmp)), etcd=store)
+def opened(store: FakeStore, tmp: Path) -> ClusterStore:
+    settings = agent_settings(tmp)
+    return EtcdClusterStore(settings, store, EtcdSubnetManager(store, settings))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_open_store_imports_only_the_chosen_client(kube: bool, absent: tuple[str
     code = (
         "import sys\n"
         "from flannelpy.config.settings import AgentSettings\n"
-        "from flannelpy.subnet.open_store import open_store\n"
+        "from flannelpy.store.open_store import open_store\n"
         "import flannelpy.agent.compose\n"
         f"settings = AgentSettings(kube_subnet_mgr={kube}, kube_api_url='http://127.0.0.1:1',"
         " node_name='n1')\n"
@@ -206,7 +207,7 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
     from flannelpy.subnet.keys import config_key
 
     store = FakeStore()
-    manager = EtcdSubnetManager(store, agent_settings(tmp_path))
+    cluster = opened(store, tmp_path)
     waits: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -218,7 +219,7 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
                 json.dumps({"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}),
             )
 
-    config = _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
+    config = _read_config_patiently(cluster, 0.1, sleep=sleep)
     assert str(config.network) == "10.244.0.0/16"
     assert waits == [1.0, 1.0, 1.0]
     said = [
@@ -228,5 +229,5 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
     # A config that is there but invalid is not waited for: its sentence stops the start.
     store.put(config_key(PREFIX), b'{"Network": "not a network"}')
     with pytest.raises(ConfigError, match="Network"):
-        _read_config_patiently(manager, 0.1, store, PREFIX, sleep=sleep)
+        _read_config_patiently(cluster, 0.1, sleep=sleep)
     assert len(waits) == 3

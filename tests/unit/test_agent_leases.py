@@ -13,7 +13,7 @@ import pytest
 from flannelpy.agent.events import TICK_RENEW, TICK_STATUS, LeasesChanged
 from flannelpy.agent.leases import RENEW_RETRY_SECONDS
 from flannelpy.errors import StoreUnavailable
-from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.store.etcd.config import put_network_config
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease
 from tests.support.agent_fakes import NODE_IP, PREFIX, AgentHarness, net_conf

@@ -21,7 +21,7 @@ from flannelpy.agent.live_config import (
 )
 from flannelpy.agent.planning import LINGER_SECONDS
 from flannelpy.control.records import ForceRecord, NodeOverride, NodeStatus
-from flannelpy.subnet.etcd.config import put_network_config
+from flannelpy.store.etcd.config import put_network_config
 from flannelpy.subnet.keys import override_key, status_key
 from tests.support.agent_fakes import NODE, PREFIX, AgentHarness, FakeClock, net_conf
 

@@ -18,7 +18,7 @@ import pytest
 from flannelpy.agent.events import TICK_STATUS
 from flannelpy.control.records import NodeStatus
 from flannelpy.observe.probe_verdict import ProbeResult
-from flannelpy.subnet.etcd.kv import FakeStore
+from flannelpy.store.etcd.kv import FakeStore
 from flannelpy.subnet.keys import rollout_key, status_key
 from tests.support.agent_fakes import NODE, PREFIX, AgentHarness, FakeClock
 

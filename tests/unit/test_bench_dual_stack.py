@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.dual_stack import Sample, net_conf, report
-from flannelpy.subnet.etcd.config import parse_network_config
+from flannelpy.store.etcd.config import parse_network_config
 
 
 def test_the_dual_config_is_the_ipv4_one_with_ipv6_enabled() -> None:

@@ -21,8 +21,8 @@ from flannelpy.config.netconf import parse_network_config
 from flannelpy.dataplane.state import Address, FdbEntry, Neighbour, Route, UnderlayInterface
 from flannelpy.dataplane.underlay import Interface, choose_underlay
 from flannelpy.errors import ConfigError
+from flannelpy.store.kube import node as kn
 from flannelpy.subnet.keys import key_to_subnet, subnet_to_key
-from flannelpy.subnet.kube import node as kn
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.validate import (
     BACKEND_DATA,
@@ -405,9 +405,9 @@ def test_etcd_dual_stack_acquire_and_restart_keep_both_subnets(tmp_path: object)
     import random
     from pathlib import Path
 
-    from flannelpy.subnet.etcd.config import put_network_config
-    from flannelpy.subnet.etcd.kv import FakeStore
-    from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+    from flannelpy.store.etcd.config import put_network_config
+    from flannelpy.store.etcd.kv import FakeStore
+    from flannelpy.store.etcd.manager import EtcdSubnetManager
     from flannelpy.subnet.keys import lease_key
     from flannelpy.subnet.subnet_env import SubnetEnv, read_previous_subnets, write_subnet_env
     from tests.support.agent_fakes import PREFIX, agent_settings
@@ -512,9 +512,9 @@ def test_two_nodes_creating_dual_keys_with_one_ipv4_subnet_at_once_end_with_two(
     import random
     from pathlib import Path
 
-    from flannelpy.subnet.etcd.config import put_network_config
-    from flannelpy.subnet.etcd.kv import FakeStore
-    from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+    from flannelpy.store.etcd.config import put_network_config
+    from flannelpy.store.etcd.kv import FakeStore
+    from flannelpy.store.etcd.manager import EtcdSubnetManager
     from flannelpy.subnet.keys import lease_key
     from tests.support.agent_fakes import PREFIX, agent_settings
 

@@ -9,7 +9,7 @@ import pyetcd
 import pytest
 
 from flannelpy.errors import StoreError
-from flannelpy.subnet.etcd import client, connection, rpc_errors
+from flannelpy.store.etcd import client, connection, rpc_errors
 
 
 class _RpcError(grpc.RpcError):
@@ -78,7 +78,7 @@ def test_a_call_fails_over_past_a_member_that_timed_out_and_logs_the_move_once(
         return next(iter(c.endpoints))
 
     try:
-        with caplog.at_level("WARNING", logger="flannelpy.subnet.etcd.client"):
+        with caplog.at_level("WARNING", logger="flannelpy.store.etcd.client"):
             assert store._call("get /k", call) == "127.0.0.1:10"
             assert store._call("get /k", call) == "127.0.0.1:10"  # stays on the second
         moves = [r.getMessage() for r in caplog.records if "moved" in r.getMessage()]

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flannelpy.errors import ConfigError
+from flannelpy.store.etcd.kv import FakeStore
+from flannelpy.store.etcd.manager import RENEW_GRACE_SECONDS, EtcdSubnetManager
+from flannelpy.store.kube.node import annotation_keys, node_to_lease
 from flannelpy.subnet.bounded_json import MAX_DEPTH, loads_bounded, nesting_depth
-from flannelpy.subnet.etcd.kv import FakeStore
-from flannelpy.subnet.etcd.manager import RENEW_GRACE_SECONDS, EtcdSubnetManager
 from flannelpy.subnet.keys import lease_key
-from flannelpy.subnet.kube.node import annotation_keys, node_to_lease
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.validate import (
     BACKEND_DATA,
@@ -313,7 +313,7 @@ def test_a_lease_with_our_address_outside_the_network_is_not_adopted(tmp_path: P
 
 
 def two_managers(tmp_path: Path) -> tuple[EtcdSubnetManager, EtcdSubnetManager, FakeClock]:
-    from flannelpy.subnet.etcd.config import put_network_config
+    from flannelpy.store.etcd.config import put_network_config
 
     clock = FakeClock()
     store = FakeStore(clock=clock)
@@ -389,7 +389,7 @@ class FlakyStore(FakeStore):
 
 
 def test_the_lease_watch_survives_an_unexpected_error_and_counts_it(tmp_path: Path) -> None:
-    from flannelpy.subnet.etcd.config import put_network_config
+    from flannelpy.store.etcd.config import put_network_config
 
     clock = FakeClock()
     store = FlakyStore(2, clock)
@@ -414,7 +414,7 @@ def test_the_lease_watch_survives_an_unexpected_error_and_counts_it(tmp_path: Pa
 
 
 def test_the_callbacks_own_exceptions_still_propagate(tmp_path: Path) -> None:
-    from flannelpy.subnet.etcd.config import put_network_config
+    from flannelpy.store.etcd.config import put_network_config
 
     store = FakeStore(clock=FakeClock())
     put_network_config(store, PREFIX, '{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}')

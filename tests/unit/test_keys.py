@@ -1,4 +1,4 @@
-"""The etcd keyspace (subnet.keys) and the config key's compare-and-swap (subnet.etcd.config)."""
+"""The etcd keyspace (subnet.keys) and the config key's compare-and-swap (store.etcd.config)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from ipaddress import IPv4Network, IPv6Network
 import pytest
 
 from flannelpy.errors import ConfigError, StoreError
-from flannelpy.subnet import keys
-from flannelpy.subnet.etcd.config import (
+from flannelpy.store.etcd.config import (
     network_config_of,
     put_network_config,
     read_network_config,
     swap_config,
 )
-from flannelpy.subnet.etcd.kv import FakeStore, KeyValue
+from flannelpy.store.etcd.kv import FakeStore, KeyValue
+from flannelpy.subnet import keys
 
 PREFIX = "/coreos.com/network"
 NETCONF = '{"Network": "10.244.0.0/16"}'

@@ -1,8 +1,8 @@
-"""The Event series decisions (flannelpy.subnet.kube.event_series): pure, time given."""
+"""The Event series decisions (flannelpy.store.kube.event_series): pure, time given."""
 
 from __future__ import annotations
 
-from flannelpy.subnet.kube.event_series import (
+from flannelpy.store.kube.event_series import (
     NOTE_LIMIT,
     EventSeries,
     EventSpec,

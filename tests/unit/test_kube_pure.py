@@ -10,7 +10,7 @@ import pytest
 
 from flannelpy.config.netconf import parse_network_config
 from flannelpy.errors import ConfigError
-from flannelpy.subnet.kube import node as kn
+from flannelpy.store.kube import node as kn
 from flannelpy.subnet.lease import LeaseAttrs
 from tests.support.kube_standin import json_merge, strategic_merge
 

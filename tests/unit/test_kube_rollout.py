@@ -27,8 +27,7 @@ from flannelpy.rollout.cordon import (
     uncordon_patch,
 )
 from flannelpy.rollout.record import RolloutRecord
-from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.kube.node_status import (
+from flannelpy.store.kube.node_status import (
     CONFIG_BACKEND_KEY,
     HEARTBEAT_SECONDS,
     MAX_SUMMARY_BYTES,
@@ -42,6 +41,7 @@ from flannelpy.subnet.kube.node_status import (
     override_rollout,
     parse_leases,
 )
+from flannelpy.store.rollout_etcd import RolloutStore
 from tests.support.kube_standin import json_merge
 from tests.unit.test_rollout import Env
 
@@ -502,8 +502,8 @@ class FakeCore:
 
 
 def kube_store(monkeypatch: pytest.MonkeyPatch, leases: dict[str, Any]) -> tuple[Any, FakeCore]:
-    from flannelpy.rollout import kube_store as ks
-    from flannelpy.subnet.kube.node_status import NodeSummary
+    from flannelpy.store import rollout_kube as ks
+    from flannelpy.store.kube.node_status import NodeSummary
 
     core = FakeCore()
     core.config_maps["kube-flannelpy-cfg"] = core._bump(

@@ -3,7 +3,7 @@ start a fresh backoff."""
 
 from __future__ import annotations
 
-from flannelpy.subnet.kube.watch import HEALTHY_WATCH, LeaseMap
+from flannelpy.store.kube.watch import HEALTHY_WATCH, LeaseMap
 
 
 def test_no_watch_opened_is_not_healthy() -> None:

@@ -184,7 +184,7 @@ def _granted(kind: str) -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
-    from flannelpy.subnet.kube.api import RBAC_RULES
+    from flannelpy.store.kube.api import RBAC_RULES
 
     assert _granted("ClusterRole") == _normalised(RBAC_RULES)
     # Flannel's, plus Events (forced and blocked changes, a repeat patched into the
@@ -200,8 +200,8 @@ def test_cluster_role_grants_exactly_what_the_kubernetes_manager_uses() -> None:
 def test_leases_are_granted_in_the_agents_namespace_only() -> None:
     """Each node's status Lease: a Role in kube-flannelpy, not the ClusterRole (which would
     let an agent rewrite kube-node-lease heartbeats and leader elections anywhere)."""
-    from flannelpy.subnet.kube.api import NAMESPACED_RBAC_RULES
-    from flannelpy.subnet.kube.node_status import DEFAULT_NAMESPACE
+    from flannelpy.store.kube.api import NAMESPACED_RBAC_RULES
+    from flannelpy.store.kube.node_status import DEFAULT_NAMESPACE
 
     assert _one("Role")["metadata"]["namespace"] == DEFAULT_NAMESPACE
     assert _granted("Role") == _normalised(NAMESPACED_RBAC_RULES)

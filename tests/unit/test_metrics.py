@@ -33,9 +33,9 @@ from flannelpy.observe.health import Heartbeats, readiness, split_host_port
 from flannelpy.observe.kernel_counters import KernelReading
 from flannelpy.observe.metric_families import FAMILIES, sample_names
 from flannelpy.observe.metrics import AgentMetrics, store_error_kind
-from flannelpy.subnet.etcd.kv import FakeStore, WatchStream
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
-from flannelpy.subnet.etcd.rpc_errors import error_kind
+from flannelpy.store.etcd.kv import FakeStore, WatchStream
+from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.rpc_errors import error_kind
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.waiting import wait_until
 

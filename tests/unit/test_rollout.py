@@ -46,8 +46,8 @@ from flannelpy.rollout.steps import (
     next_action,
     record_after,
 )
-from flannelpy.rollout.store import RolloutStore
-from flannelpy.subnet.etcd.kv import FakeStore
+from flannelpy.store.etcd.kv import FakeStore
+from flannelpy.store.rollout_etcd import RolloutStore
 from flannelpy.subnet.keys import config_key, override_key
 from tests.support.rollout_agents import SimCluster, SimNode, config_json, five_nodes
 

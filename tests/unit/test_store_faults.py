@@ -7,11 +7,12 @@ import threading
 from collections.abc import Iterator
 
 from flannelpy.config.settings import AgentSettings
-from flannelpy.control.node_control import ControlSnapshot, EtcdNodeControl
+from flannelpy.control.node_control import ControlSnapshot
 from flannelpy.errors import StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
-from flannelpy.subnet.etcd.kv import FakeStore, WatchBatch, WatchStream
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.kv import FakeStore, WatchBatch, WatchStream
+from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.node_control import EtcdNodeControl
 from flannelpy.subnet.keys import config_key
 from flannelpy.subnet.lease import Lease
 from tests.support.waiting import wait_until

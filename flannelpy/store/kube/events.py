@@ -1,5 +1,5 @@
 """Kubernetes Events about this node's Node (events.k8s.io/v1): a thin adapter that sends
-what :mod:`flannelpy.subnet.kube.event_series` decides (create, or patch a series).
+what :mod:`flannelpy.store.kube.event_series` decides (create, or patch a series).
 
 ``kubectl get events`` and ``kubectl describe node`` show them. The ClusterRole needs
 ``create`` and ``patch`` on ``events.events.k8s.io`` (see api.RBAC_RULES).
@@ -17,8 +17,8 @@ from kubernetes import client as kclient
 from kubernetes.client.exceptions import ApiException
 
 from flannelpy.errors import StoreError
-from flannelpy.subnet.kube.api import read_json
-from flannelpy.subnet.kube.event_series import (
+from flannelpy.store.kube.api import read_json
+from flannelpy.store.kube.event_series import (
     NAMESPACE,
     EventSeries,
     EventSpec,
@@ -27,7 +27,7 @@ from flannelpy.subnet.kube.event_series import (
     series_patch,
 )
 
-log = logging.getLogger("flannelpy.subnet.kube.events")
+log = logging.getLogger("flannelpy.store.kube.events")
 
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT = (5.0, 15.0)  # seconds: connect, then the whole request

@@ -1,12 +1,12 @@
-"""etcd mode's store adapter: pyetcd behind the :class:`~flannelpy.subnet.etcd.kv.Store`
+"""etcd mode's store adapter: pyetcd behind the :class:`~flannelpy.store.etcd.kv.Store`
 protocol.
 
 :class:`EtcdStore` adds failover between endpoints, TLS, auth and timeouts, and
-maps gRPC errors to ours. It and its helpers (:mod:`~flannelpy.subnet.etcd.connection`
-reaches a member, :mod:`~flannelpy.subnet.etcd.rpc_errors` reads its failures,
-:mod:`~flannelpy.subnet.etcd.watch` holds an open watch) are the only modules of etcd
+maps gRPC errors to ours. It and its helpers (:mod:`~flannelpy.store.etcd.connection`
+reaches a member, :mod:`~flannelpy.store.etcd.rpc_errors` reads its failures,
+:mod:`~flannelpy.store.etcd.watch` holds an open watch) are the only modules of etcd
 mode that import gRPC. The keys it is used with are :mod:`flannelpy.subnet.keys`'; the
-SubnetManager over it is :mod:`flannelpy.subnet.etcd.manager`.
+SubnetManager over it is :mod:`flannelpy.store.etcd.manager`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from flannelpy.errors import (
     StoreError,
     StoreUnavailable,
 )
-from flannelpy.subnet.etcd import connection
-from flannelpy.subnet.etcd.kv import GrantedLease, KeyValue
-from flannelpy.subnet.etcd.rpc_errors import (
+from flannelpy.store.etcd import connection
+from flannelpy.store.etcd.kv import GrantedLease, KeyValue
+from flannelpy.store.etcd.rpc_errors import (
     UNREACHABLE,
     error_kind,
     request_error,
@@ -40,9 +40,9 @@ from flannelpy.subnet.etcd.rpc_errors import (
     rpc_details,
     unreachable,
 )
-from flannelpy.subnet.etcd.watch import EtcdWatch
+from flannelpy.store.etcd.watch import EtcdWatch
 
-log = logging.getLogger("flannelpy.subnet.etcd.client")
+log = logging.getLogger("flannelpy.store.etcd.client")
 
 REQUEST_TIMEOUT = 5.0  # seconds per etcd request, so a dead member never hangs a call
 TLS_CHECK_INTERVAL = 1.0  # seconds between looks at the TLS files' mtimes
@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 
 class EtcdStore:
-    """:class:`~flannelpy.subnet.etcd.kv.Store` over etcd v3 (pyetcd), with failover.
+    """:class:`~flannelpy.store.etcd.kv.Store` over etcd v3 (pyetcd), with failover.
 
     Requests go to one endpoint until it fails to answer, then to the next;
     only when every endpoint failed does a call raise StoreUnavailable. Clients

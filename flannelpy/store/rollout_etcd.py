@@ -1,4 +1,4 @@
-"""The rollout's reads and writes in the store (etcd mode), over any Store.
+"""The rollout's reads and writes in etcd, over any Store.
 
 Keys (see :mod:`flannelpy.subnet.keys`): the network config, every node's
 status and override, the rollout record and the events of forced changes. The
@@ -10,17 +10,18 @@ overwritten: the loser re-reads and decides again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import NodeOverride, NodeStatus
 from flannelpy.errors import KeyExists, StoreError
 from flannelpy.rollout.backends import rewrite_backend
 from flannelpy.rollout.record import RolloutRecord
-from flannelpy.subnet.etcd.config import network_config_of, read_network_config, swap_config
-from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.rollout.storage import ConfigDoc, NodesSnapshot
+from flannelpy.store.etcd.config import network_config_of, read_network_config, swap_config
+from flannelpy.store.etcd.kv import Store
 from flannelpy.subnet.keys import (
+    KeyValue,
     config_key,
     key_to_subnet,
     node_of_key,
@@ -32,42 +33,6 @@ from flannelpy.subnet.keys import (
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 CAS_RETRIES = 5  # an override written by someone else meanwhile: read again
-
-
-@dataclass(frozen=True)
-class ConfigDoc:
-    raw: bytes
-    mod_revision: int
-    config: NetworkConfig
-
-
-@dataclass(frozen=True)
-class NodesSnapshot:
-    statuses: dict[str, NodeStatus] = field(default_factory=dict)
-    overrides: dict[str, NodeOverride] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # key -> why it cannot be read
-
-
-class RolloutStorage(Protocol):
-    """What the driver and the commands need of a mode's store: etcd's
-    :class:`RolloutStore`, or Kubernetes mode's (:mod:`flannelpy.rollout.kube_store`)."""
-
-    record_key: str
-
-    def read_config(self) -> ConfigDoc: ...
-    def read_nodes(self) -> NodesSnapshot: ...
-    def read_leases(self) -> list[Lease]: ...
-    def read_record(self) -> tuple[RolloutRecord | None, int]: ...
-    def put_record(self, record: RolloutRecord, mod_revision: int) -> int | None: ...
-    def write_override(self, node: str, override: NodeOverride) -> None: ...
-    def delete_override(self, node: str, generation: int | None = None) -> bool: ...
-    def write_config_backend(self, backend: Mapping[str, Any]) -> NetworkConfig: ...
-
-    def cordon(self, node: str, rollout: str) -> bool:
-        """Take ``node`` out of scheduling and load balancing while it changes."""
-        ...
-
-    def uncordon(self, node: str) -> bool: ...
 
 
 class RolloutStore:

@@ -7,7 +7,7 @@ Where each thing lives (all bounded: one object per node, or one in all):
 - a node's override: its Node's ``flannelpy.io/override`` annotation (what the agent
   already follows, from the node watch it runs anyway);
 - a node's status: its Lease in the flannelpy namespace
-  (:mod:`flannelpy.subnet.kube.node_status`), which no agent watches;
+  (:mod:`flannelpy.store.kube.node_status`), which no agent watches;
 - the rollout record: the ``rollout.json`` key of the ConfigMap ``flannelpy-rollout``
   in the same namespace, replaced only with its resourceVersion (a compare-and-swap,
   as in etcd). Agents never read it: an override a rollout writes is checked against
@@ -32,11 +32,11 @@ from flannelpy.errors import ConfigError, StoreError
 from flannelpy.rollout.backends import rewrite_backend
 from flannelpy.rollout.cordon import cordon_patch, uncordon_patch
 from flannelpy.rollout.record import RolloutRecord
-from flannelpy.rollout.store import ConfigDoc, NodesSnapshot
-from flannelpy.subnet.kube import node as kn
-from flannelpy.subnet.kube.api import call, read_json, rv_number
-from flannelpy.subnet.kube.manager import OVERRIDE_ANNOTATION
-from flannelpy.subnet.kube.node_status import DEFAULT_NAMESPACE, NodeSummary, read_summaries
+from flannelpy.rollout.storage import ConfigDoc, NodesSnapshot
+from flannelpy.store.kube import node as kn
+from flannelpy.store.kube.api import call, read_json, rv_number
+from flannelpy.store.kube.manager import OVERRIDE_ANNOTATION
+from flannelpy.store.kube.node_status import DEFAULT_NAMESPACE, NodeSummary, read_summaries
 from flannelpy.subnet.lease import Lease
 
 CONFIG_MAP = "kube-flannelpy-cfg"  # the manifests' ConfigMap and key

@@ -17,32 +17,32 @@ allocates each node's podCIDR and no pool applies.
 
 An agent that follows pools lists them with :meth:`PoolStore.list_pools`, then
 watches :func:`pools_prefix` and rebuilds the list from its records with
-:func:`records_to_pools` on every change.
+:func:`flannelpy.subnet.pools.records_to_pools` on every change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, KeyExists, StoreError
-from flannelpy.subnet.etcd.kv import KeyValue, Store
-from flannelpy.subnet.etcd.manager import EtcdSubnetManager
-from flannelpy.subnet.keys import key_to_subnet, pool_key, pools_prefix, subnet_to_key
+from flannelpy.store.etcd.kv import KeyValue, Store
+from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.subnet.keys import pool_key, pools_prefix
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.pools import (
     ROLE_EXCLUDED,
     ROLE_KEY,
     ROLE_OPT_IN,
     Pool,
-    assemble_pools,
     check_new_pool,
     check_tag,
-    parse_pool_record,
+    parse_pool_key_value,
     pool_record,
+    records_to_pools,
 )
 
 # Edits ``tags`` in place; returns whether anything changed.
@@ -71,34 +71,8 @@ class PoolEdit:
     changed: bool  # False: the pool already looked like that (nothing written)
 
 
-def records_to_pools(
-    config: NetworkConfig, items: Iterable[KeyValue], prefix: str
-) -> tuple[list[Pool], list[str]]:
-    """Records under :func:`pools_prefix` → pools (primary first) and the unreadable ones."""
-    base = pools_prefix(prefix)
-    records = []
-    ignored = []
-    for kv in items:
-        try:
-            records.append(_parse(kv, base))
-        except ValueError as e:
-            ignored.append(f"{kv.key}: {e}")
-    return assemble_pools(config, records), ignored
-
-
-def _parse(kv: KeyValue, base: str) -> Pool:
-    suffix = kv.key[len(base) :]
-    network, ipv6 = key_to_subnet(suffix)
-    if ipv6 is not None or subnet_to_key(network) != suffix:
-        raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
-    pool = parse_pool_record(kv.value)
-    if pool.network != network:
-        raise ValueError(f"the record's Network {pool.network} does not match its key")
-    return pool
-
-
 class PoolStore:
-    """Pools over any :class:`~flannelpy.subnet.etcd.kv.Store` (etcd, or the fake)."""
+    """Pools over any :class:`~flannelpy.store.etcd.kv.Store` (etcd, or the fake)."""
 
     def __init__(self, store: Store, prefix: str) -> None:
         self._store = store
@@ -211,7 +185,7 @@ class PoolStore:
 
     def _read(self, kv: KeyValue) -> Pool:
         try:
-            return _parse(kv, pools_prefix(self._prefix))
+            return parse_pool_key_value(kv, pools_prefix(self._prefix))
         except ValueError as e:
             raise StoreError(
                 f"the pool record at {kv.key} cannot be read ({e}); fix it or delete it "

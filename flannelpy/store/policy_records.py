@@ -25,8 +25,8 @@ from flannelpy.control.policy import (
     with_policy,
 )
 from flannelpy.errors import ConfigError
-from flannelpy.subnet.etcd.config import swap_config
-from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.store.etcd.config import swap_config
+from flannelpy.store.etcd.kv import KeyValue, Store
 from flannelpy.subnet.keys import config_key, events_prefix, node_of_key, nodes_prefix
 
 WRITE_ATTEMPTS = 5  # compare-and-swap rounds before giving up on a busy config key

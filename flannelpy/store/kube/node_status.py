@@ -31,7 +31,7 @@ from typing import Any
 from kubernetes import client as kclient
 
 from flannelpy.errors import StoreError
-from flannelpy.subnet.kube.api import Forbidden, call, read_json
+from flannelpy.store.kube.api import Forbidden, call, read_json
 
 log = logging.getLogger("flannelpy.kube.status")
 

@@ -10,13 +10,13 @@ import socket
 import threading
 from typing import Any
 
-from flannelpy.subnet.kube import node as kn
-from flannelpy.subnet.kube.api import rv_number
+from flannelpy.store.kube import node as kn
+from flannelpy.store.kube.api import rv_number
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 
 # The manager's logger: these lines are the node watch's, as before the split.
-log = logging.getLogger("flannelpy.subnet.kube.manager")
+log = logging.getLogger("flannelpy.store.kube.manager")
 
 STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 HEALTHY_WATCH = 1.0  # seconds: a watch open this long (or bringing events) was healthy

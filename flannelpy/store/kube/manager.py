@@ -2,7 +2,7 @@
 
 The controller-manager (``--allocate-node-cidrs``) assigns every Node a
 ``spec.podCIDR``; that is the node's lease. A node advertises how to reach it
-with Flannel's annotations (see :mod:`flannelpy.subnet.kube.node`, which holds
+with Flannel's annotations (see :mod:`flannelpy.store.kube.node`, which holds
 the pure part), written with a strategic-merge PATCH of ``nodes/<name>/status``
 only when something differs. Peers are the nodes annotated
 ``kube-subnet-manager: "true"`` with a podCIDR.
@@ -16,7 +16,7 @@ informer cache sync:
 our own Node is read directly, and the list is one consistent snapshot read in
 pages of raw JSON (no client models).
 
-Every API call the code makes is in :data:`flannelpy.subnet.kube.api.RBAC_RULES`;
+Every API call the code makes is in :data:`flannelpy.store.kube.api.RBAC_RULES`;
 the manifest's ClusterRole is tested against it. The client and its error
 mapping are :mod:`.api`, the watch's helpers :mod:`.watch`.
 """
@@ -41,16 +41,16 @@ from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
-from flannelpy.subnet.kube import node as kn
-from flannelpy.subnet.kube.api import UNREACHABLE, build_api_client, call, read_json
-from flannelpy.subnet.kube.node_status import override_rollout
-from flannelpy.subnet.kube.watch import LeaseMap, StreamCloser
+from flannelpy.store.kube import node as kn
+from flannelpy.store.kube.api import UNREACHABLE, build_api_client, call, read_json
+from flannelpy.store.kube.node_status import override_rollout
+from flannelpy.store.kube.watch import LeaseMap, StreamCloser
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.validate import Rejection
 
-log = logging.getLogger("flannelpy.subnet.kube.manager")
+log = logging.getLogger("flannelpy.store.kube.manager")
 
 OVERRIDE_ANNOTATION = "flannelpy.io/override"  # this node's Backend, like etcd's override key
 

@@ -1,6 +1,6 @@
 """Kubernetes mode, the pure part: Node objects in, leases and status patches out.
 
-The Kubernetes subnet manager (:mod:`flannelpy.subnet.kube`) only moves JSON
+The Kubernetes subnet manager (:mod:`flannelpy.store.kube`) only moves JSON
 between the API server and these functions. Nodes are plain dicts as the API
 server sends them (``metadata``, ``spec``, ``status``), never client models:
 large clusters list faster that way, and the tests need no client.

@@ -1,6 +1,6 @@
 """The network config key (``<prefix>/config``): read, write, compare-and-swap.
 
-Over any :class:`~flannelpy.subnet.etcd.kv.Store`, so no gRPC import. Every tool
+Over any :class:`~flannelpy.store.etcd.kv.Store`, so no gRPC import. Every tool
 that rewrites part of the config (the disruption policy, a rollout's final
 Backend) goes through :func:`swap_config`: it re-reads and re-applies its edit
 when someone else wrote the key meanwhile, so another writer's edit is never lost.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.errors import ConfigError, KeyExists, StoreError
-from flannelpy.subnet.etcd.kv import KeyValue, Store
+from flannelpy.store.etcd.kv import KeyValue, Store
 from flannelpy.subnet.keys import config_key
 
 CONFIG_CAS_ATTEMPTS = 5  # rounds before giving up on a config key that keeps changing

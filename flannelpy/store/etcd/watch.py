@@ -1,4 +1,4 @@
-"""An open etcd watch as the :class:`~flannelpy.subnet.etcd.kv.Store` hands it out: an
+"""An open etcd watch as the :class:`~flannelpy.store.etcd.kv.Store` hands it out: an
 iterator of event batches that ends on stop, or raises when the history it needs was
 compacted or the stream broke.
 """
@@ -17,11 +17,11 @@ from pyetcd import exceptions as etcd_exc
 from pyetcd.watch import WatchResponse
 
 from flannelpy.errors import RevisionCompacted, StoreUnavailable
-from flannelpy.subnet.etcd.kv import WatchBatch, WatchEvent
-from flannelpy.subnet.etcd.rpc_errors import rpc_details
+from flannelpy.store.etcd.kv import WatchBatch, WatchEvent
+from flannelpy.store.etcd.rpc_errors import rpc_details
 
 # The client's logger: these lines are the etcd adapter's, as before the split.
-log = logging.getLogger("flannelpy.subnet.etcd.client")
+log = logging.getLogger("flannelpy.store.etcd.client")
 
 WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 

@@ -4,8 +4,8 @@ Each lease key (:func:`flannelpy.subnet.keys.lease_key`) is attached to a real
 etcd lease of ``--subnet-lease-ttl`` seconds (24 h, as Flannel); a key without
 an etcd lease is a permanent reservation and stays one when reused. The choice
 of subnet is :mod:`flannelpy.subnet.choose`'s; this class only does I/O, over
-the :class:`~flannelpy.subnet.etcd.kv.Store` protocol (the gRPC adapter is
-:mod:`flannelpy.subnet.etcd.client`, the in-memory fake is in ``kv``).
+the :class:`~flannelpy.store.etcd.kv.Store` protocol (the gRPC adapter is
+:mod:`flannelpy.store.etcd.client`, the in-memory fake is in ``kv``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, KeyExists, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
+from flannelpy.store.etcd.config import read_network_config
+from flannelpy.store.etcd.kv import GrantedLease, Store, WatchEvent
 from flannelpy.subnet.choose import LeaseChoice, choose_lease, choose_new_subnet
-from flannelpy.subnet.etcd.config import read_network_config
-from flannelpy.subnet.etcd.kv import GrantedLease, Store, WatchEvent
 from flannelpy.subnet.keys import key_to_subnet, lease_key, subnet_to_key, subnets_prefix
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded

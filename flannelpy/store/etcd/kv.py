@@ -3,7 +3,7 @@
 :class:`Store` is the subset of etcd v3 the manager uses: ranged reads with the
 store revision, create-if-absent and compare-and-swap writes that attach a TTL
 lease, deletes guarded by a mod revision, leases, and a prefix watch that
-resumes from a revision. :class:`flannelpy.subnet.etcd.EtcdStore` implements it
+resumes from a revision. :class:`flannelpy.store.etcd.EtcdStore` implements it
 over etcd; :class:`FakeStore` implements it in memory with the same revision
 semantics and the same error types, so one contract test suite covers both
 (``tests/integration/test_etcd_manager.py``).
@@ -23,19 +23,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from flannelpy.errors import KeyExists, RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.subnet.keys import KeyValue
 
 WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from the store."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int = 0
-    lease_id: int = 0  # 0: no TTL lease attached (a permanent key)
 
 
 @dataclass(frozen=True)
