@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the agent start-to-ready, CNI latency and propagation benchmarks for two commits in
+# Run the agent start-to-ready, CNI latency, propagation and idle-CPU benchmarks for two commits in
 # one run, each from its own work tree and virtualenv, alternating before/after for
 # ROUNDS rounds (default 3), so both sides see the same load whatever else the machine
 # does. Needs root. A benchmark that misses its own goal exits non-zero; that is
@@ -45,6 +45,8 @@ benches=(
   "bench.agent_start --peers 1000 5000 --repeat 2"
   "bench.cni_latency --pods 100 --repeat 1"
   "bench.propagation --nodes 10 --leases 50"
+  # idle CPU over 60 s at 1,000 peers (flanneld beside each side, as a yardstick)
+  "bench.versus_flanneld --peers 1000 --repeat 1 --changes 200 --idle-seconds 60 --nodes 0"
 )
 for bench in "${benches[@]}"; do
   for ((round = 1; round <= rounds; round++)); do
