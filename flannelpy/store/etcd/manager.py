@@ -19,7 +19,14 @@ from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
-from flannelpy.errors import ConfigError, KeyExists, RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.errors import (
+    ConfigError,
+    KeyExists,
+    MalformedWatchEvent,
+    RevisionCompacted,
+    StoreError,
+    StoreUnavailable,
+)
 from flannelpy.retry import Backoff
 from flannelpy.store.etcd.config import read_network_config
 from flannelpy.store.etcd.kv import GrantedLease, Store, WatchEvent
@@ -421,7 +428,9 @@ class EtcdSubnetManager:
 
         Compaction → re-list. Store outage → back off, then re-list rather than
         resume: etcd silently cancels a watch from a revision it does not have yet
-        (an etcd restored from an older backup), which would hang us forever.
+        (an etcd restored from an older backup), which would hang us forever. A
+        malformed event (no put or delete of a key under subnets/) → back off and
+        re-list: its batch is never applied, so it can never remove a peer.
         Any other error (a bug, a value no parser foresaw) is logged, counted as
         "error" and handled like an outage: the watch never ends on input.
         Exceptions raised by ``on_leases`` propagate.
@@ -442,6 +451,8 @@ class EtcdSubnetManager:
                 stream = self._store.watch_prefix(self._subnets, revision + 1, stop)
                 for batch in stream:
                     for event in batch.events:
+                        self._check(event, revision)
+                    for event in batch.events:
                         self._apply(leases, event)
                     revision = batch.revision
                     delivered = dict(leases)
@@ -457,14 +468,12 @@ class EtcdSubnetManager:
                 )
                 self._watch_restarted("compacted")
                 leases = None
-            except StoreUnavailable as e:
+            except (StoreUnavailable, MalformedWatchEvent) as e:
                 delay = backoff.next()
-                log.warning(
-                    "lease store unavailable; re-listing after a delay delay=%.1f error=%s",
-                    delay,
-                    e,
+                log.warning("lease watch re-lists after a delay delay=%.1f error=%s", delay, e)
+                self._watch_restarted(
+                    "malformed" if isinstance(e, MalformedWatchEvent) else "unavailable"
                 )
-                self._watch_restarted("unavailable")
                 leases = None
                 self._sleep(stop, delay)
             except CallbackFailed as e:
@@ -482,6 +491,18 @@ class EtcdSubnetManager:
     def _watch_restarted(self, reason: str) -> None:
         if self._on_watch_restart is not None:
             self._on_watch_restart(reason)
+
+    def _check(self, event: WatchEvent, revision: int) -> None:
+        """Whatever the store adapter let through: a batch is applied whole or not at all."""
+        if (
+            event.kind not in ("put", "delete")
+            or not event.key.startswith(self._subnets)
+            or event.mod_revision <= revision
+        ):
+            raise MalformedWatchEvent(
+                f"the lease watch sent a {event.kind!r} event for key {event.key[:200]!r} at "
+                f"revision {event.mod_revision}, after revision {revision}; re-listing"
+            )
 
     def _apply(self, leases: dict[str, Lease], event: WatchEvent) -> None:
         suffix = event.key[len(self._subnets) :]
