@@ -19,12 +19,12 @@ Run = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flannelpy.commands import agent, doctor, policy, pools, rollout
+    from flannelpy.commands import agent, doctor, install_cni, policy, pools, rollout
 
     parser = argparse.ArgumentParser(prog="flannelpy", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (agent, doctor, policy, pools, rollout):
+    for command in (agent, doctor, policy, pools, rollout, install_cni):
         command.add_parser(sub)
     return parser
 

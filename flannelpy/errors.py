@@ -45,6 +45,11 @@ class RevisionCompacted(StoreError):
         self.compacted_revision = compacted_revision
 
 
+class MalformedWatchEvent(StoreError):
+    """A watch delivered an event that is no put or delete of a key under the watched
+    prefix: never applied (it must not remove anything); the watcher re-lists."""
+
+
 class PoolExhausted(StoreError):
     """Every subnet of the network is leased."""
 

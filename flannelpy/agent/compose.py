@@ -277,8 +277,9 @@ def _public_ipv6(
         return given
     if underlay.ip6 is None:
         raise ConfigError(
-            f"net-conf.json enables IPv6, but {underlay.name} has no global IPv6 address; "
-            "add one, or choose another interface with --iface, or give --public-ipv6"
+            f"net-conf.json enables IPv6, but {underlay.name} has no global IPv6 address "
+            "that is neither temporary nor deprecated; add a stable one, or choose another "
+            "interface with --iface, or give --public-ipv6"
         )
     return underlay.ip6
 

@@ -145,6 +145,7 @@ class Planner:
         self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
         ctx = keeping_context(s.ctx, s.backend.type_name, peers, s.wireguard_device_up)
+        s.kept_in_plan = ctx.keeps_wireguard  # the prober's MTU follows this plan
         if (vtep_mac is not None) != s.vtep_advertised or (
             ctx.keeps_wireguard != s.keeps_wireguard
         ):

@@ -52,6 +52,9 @@ class NodeState:
     first_snapshot: bool = False
     vtep_advertised: bool = False  # whether our lease carries our VTEP
     keeps_wireguard: bool = False  # whether our lease carries a kept WireGuard key
+    # Whether the last plan kept the WireGuard device for pairs still on it: ahead of
+    # keeps_wireguard at a switch back from wireguard (the lease is rewritten after).
+    kept_in_plan: bool = False
     unreachable: frozenset[Unreachable] = frozenset()
     mtu_report: MtuReport | None = None
     applied_generation: int | None = None
@@ -83,8 +86,9 @@ class NodeState:
     def probe_mtu(self) -> int:
         """The size of the prober's full-MTU probe: the overlay MTU, or the kept WireGuard
         device's while pairs still run through it (switching back from wireguard), since a
-        probe at the new MTU would not fit those paths and fail the node's verification."""
-        if self.keeps_wireguard:
+        probe at the new MTU would not fit those paths and fail the node's verification.
+        The plan says so first: at the switch, before the lease is rewritten."""
+        if self.keeps_wireguard or self.kept_in_plan:
             return min(self.mtu, kept_device_mtu(self.ctx))
         return self.mtu
 

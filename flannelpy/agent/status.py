@@ -201,6 +201,8 @@ class StatusReporter:
             blocked=view.blocked,
             subnets=tuple(str(x.subnet) for x in view.own),
             probes=ProbeSummary.of(probes),
+            public_ipv6=str(ctx.public_ipv6) if ctx.public_ipv6 is not None else None,
+            heartbeat_seconds=self.settings.status_publish_interval,
         )
 
     def _fingerprints(self, status: NodeStatus) -> tuple[str, str]:

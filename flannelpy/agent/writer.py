@@ -334,9 +334,13 @@ class Writer:
         """Every step after a switch of backend or MTU, in order and each idempotent: a
         step that fails leaves the switch unfinished, and the next try runs them all."""
         s = self.state
-        self.publish_view()  # CNI requests and the bridge take the new MTU from here on
         try:
             self.planner.replan()
+            # CNI requests and the bridge take the new MTU from here on, and the prober the
+            # replanned paths': switching back from wireguard, the kept device's while pairs
+            # still run through it (a view from before the plan would probe at the new MTU
+            # over those pairs, and lose the probe).
+            self.publish_view()
             result = self.reconciler.reconcile_once("config change")
             if not self.leases.rewrite_attrs():
                 s.attrs_dirty = True

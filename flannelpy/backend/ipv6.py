@@ -63,23 +63,40 @@ def vtep6_mtu(ctx: NodeContext) -> int:
     return (ctx.config.backend.mtu or ctx.underlay.mtu) - VXLAN6_ENCAP_OVERHEAD
 
 
+def vtep6_mac(ctx: NodeContext, vtep_mac: str | None) -> str | None:
+    """The IPv6 VTEP's MAC. Dual stack: the IPv4 VTEP's (``vtep_mac``) with bit 2 of the
+    first octet flipped, so still unicast and locally administered. Flannel's two devices
+    each get their own MAC, so BackendData and BackendV6Data name different ones; here
+    too, and the IPv6 one is as stable across restarts as the IPv4 one (in Kubernetes mode
+    read back from the Node's backend-data), through that one mechanism. IPv6-only:
+    ``vtep_mac`` itself, the node's only VTEP."""
+    if vtep_mac is None or not ctx.config.enable_ipv4:
+        return vtep_mac
+    first, rest = vtep_mac.split(":", 1)
+    return f"{int(first, 16) ^ 0x04:02x}:{rest}"
+
+
 def vtep6_link(ctx: NodeContext, vtep_mac: str | None) -> VxlanLink | None:
-    """``flannel-v6.<VNI>`` over the IPv6 underlay, or None without IPv6. It shares the
-    IPv4 device's MAC: the two are separate L2 domains, and one advertised MAC per
-    node keeps the MAC stable across restarts through one mechanism."""
+    """``flannel-v6.<VNI>`` over the IPv6 underlay with :func:`vtep6_mac`, or None
+    without IPv6; ``vtep_mac`` is the IPv4 VTEP's."""
     if not enabled(ctx):
         return None
     assert ctx.underlay.ip6 is not None
     return vxlan_link(
-        ctx, device_name_v6(ctx.config.backend.vni), ctx.underlay.ip6, vtep6_mtu(ctx), vtep_mac
+        ctx,
+        device_name_v6(ctx.config.backend.vni),
+        ctx.underlay.ip6,
+        vtep6_mtu(ctx),
+        vtep6_mac(ctx, vtep_mac),
     )
 
 
 def backend_v6_data(ctx: NodeContext, vtep_mac: str | None) -> dict[str, object] | None:
-    """BackendV6Data as flanneld writes it for vxlan: ``{"VNI", "VtepMAC"}``."""
+    """BackendV6Data as flanneld writes it for vxlan: ``{"VNI", "VtepMAC"}``, the MAC
+    :func:`vtep6_mac` of the IPv4 VTEP's ``vtep_mac``."""
     if not enabled(ctx) or vtep_mac is None:
         return None
-    return {"VNI": ctx.config.backend.vni, "VtepMAC": vtep_mac}
+    return {"VNI": ctx.config.backend.vni, "VtepMAC": vtep6_mac(ctx, vtep_mac)}
 
 
 def own_capabilities_v6(ctx: NodeContext) -> Capabilities:

@@ -26,11 +26,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flannelpy.config.netconf import BackendConfig
+from flannelpy.subnet.bounded_json import loads_bounded
+
+# A node's agent rewrites its status record at least once per heartbeat interval
+# (--status-publish-interval, 300 s by default). A holder whose record has gone
+# unwritten for HEARTBEATS_MISSED intervals and CLOCK_SLACK_SECONDS more (17 min by
+# default) is not running: the lease it holds under a node name may be taken over.
+HEARTBEATS_MISSED = 3
+CLOCK_SLACK_SECONDS = 120.0  # the writer's clock against the reader's
 
 
 def _decode(raw: str | bytes, what: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw)
+        doc = loads_bounded(raw)  # written by another machine: bounded before parsing
     except ValueError as e:
         raise ValueError(f"{what} is not valid JSON: {e}") from e
     if not isinstance(doc, dict):
@@ -296,6 +304,8 @@ class NodeStatus:
     blocked: BlockedChange | None = None
     subnets: tuple[str, ...] = ()
     probes: ProbeSummary = field(default_factory=ProbeSummary)
+    public_ipv6: str | None = None
+    heartbeat_seconds: float | None = None  # its --status-publish-interval
 
     def to_json(self) -> str:
         return json.dumps(
@@ -312,6 +322,8 @@ class NodeStatus:
                 "Blocked": self.blocked.to_doc() if self.blocked else None,
                 "Subnets": list(self.subnets),
                 "ProbeSummary": self.probes.to_doc(),
+                "PublicIPv6": self.public_ipv6,
+                "HeartbeatSeconds": self.heartbeat_seconds,
             },
             separators=(",", ":"),
         )
@@ -345,6 +357,34 @@ class NodeStatus:
                     if "ProbeSummary" in doc
                     else _legacy_probes(doc.get("Probes") or {})
                 ),
+                public_ipv6=_str_or_none(doc.get("PublicIPv6")),
+                heartbeat_seconds=_positive_or_none(doc.get("HeartbeatSeconds")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"the node status lacks or mangles a field: {e}") from e
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _positive_or_none(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e9
+    return float(value) if ok else None
+
+
+def names_holder(status: NodeStatus, public_ip: object, public_ipv6: object) -> bool:
+    """The record was written by the node at these addresses (a lease's PublicIP, or
+    PublicIPv6 when it has none): only then does it say whether that node runs."""
+    if public_ip is not None:
+        return status.public_ip == str(public_ip)
+    return public_ipv6 is not None and status.public_ipv6 == str(public_ipv6)
+
+
+def heartbeat_deadline(status: NodeStatus, interval: float) -> float:
+    """Unix time after which the node that wrote ``status``, having written no newer
+    one, is judged gone: :data:`HEARTBEATS_MISSED` of its heartbeat intervals (the one
+    its record names, else ``interval``) and :data:`CLOCK_SLACK_SECONDS` after the
+    time it wrote it."""
+    every = status.heartbeat_seconds or interval
+    return status.at + HEARTBEATS_MISSED * every + CLOCK_SLACK_SECONDS

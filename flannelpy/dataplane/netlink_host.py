@@ -5,7 +5,7 @@ and to survey the routes that are not ours, and its sysctls.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Interface
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Interface
 
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
@@ -57,10 +57,13 @@ def _interfaces(sock: nl.NetlinkSocket) -> list[Interface]:
     for row in nl.dump_addresses(sock):
         addrs.setdefault(row.ifindex, []).append(IPv4Interface(f"{row.address}/{row.prefixlen}"))
     addrs6: dict[int, list[IPv6Interface]] = {}
+    unstable6: dict[int, set[IPv6Address]] = {}
     for row6 in nl.dump_addresses6(sock):
         addrs6.setdefault(row6.ifindex, []).append(
             IPv6Interface(f"{row6.address}/{row6.prefixlen}")
         )
+        if row6.flags & rtnl.IFA_F_UNSTABLE:
+            unstable6.setdefault(row6.ifindex, set()).add(row6.address)
     return [
         Interface(
             link.name,
@@ -68,6 +71,7 @@ def _interfaces(sock: nl.NetlinkSocket) -> list[Interface]:
             link.mtu,
             tuple(addrs.get(link.index, ())),
             tuple(addrs6.get(link.index, ())),
+            frozenset(unstable6.get(link.index, ())),
         )
         for link in sorted(nl.dump_links(sock), key=lambda r: r.index)
     ]

@@ -93,6 +93,10 @@ IFF_LOWER_UP = 0x10000  # carrier: the link can pass packets
 IFA_ADDRESS, IFA_LOCAL, IFA_BROADCAST = 1, 2, 4
 IFA_FLAGS = 8  # u32: all of the flags (the header's byte holds only the low 8 bits)
 IFA_F_NODAD, IFA_F_DADFAILED, IFA_F_TENTATIVE = 0x02, 0x08, 0x40
+# IPv6 addresses no endpoint is built on: privacy addresses that rotate, addresses whose
+# preferred lifetime ran out (``preferred_lft 0``), and those a duplicate took.
+IFA_F_TEMPORARY, IFA_F_DEPRECATED = 0x01, 0x20
+IFA_F_UNSTABLE = IFA_F_TEMPORARY | IFA_F_DEPRECATED | IFA_F_DADFAILED
 
 HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 ATTR = struct.Struct("=HH")  # rtattr: len, type

@@ -25,14 +25,21 @@ class Interface:
     mtu: int
     addresses: tuple[IPv4Interface, ...]  # IPv4 only, kernel order (primary first)
     addresses6: tuple[IPv6Interface, ...] = ()  # IPv6, kernel order
+    # Of addresses6, those flagged temporary, deprecated or DAD-failed (IFA_F_*): they
+    # rotate or are going away, so no endpoint is built on them.
+    unstable6: frozenset[IPv6Address] = frozenset()
 
 
 def global_ipv6(iface: Interface) -> IPv6Interface | None:
     """The interface's first IPv6 address usable as a VXLAN/route endpoint: global scope
-    (ULA included), not link-local, multicast or loopback. Flannel's IPv6 auto-detection
-    takes the interface's global address the same way."""
+    (ULA included), not link-local, multicast or loopback, and neither temporary (a
+    privacy address, replaced every few hours) nor deprecated (preferred lifetime 0:
+    on its way out) nor DAD-failed. Flannel's IPv6 auto-detection skips the same
+    (its #2295); peers would otherwise be given an address that soon stops working."""
     for addr in iface.addresses6:
         ip = addr.ip
+        if ip in iface.unstable6:
+            continue
         if not (ip.is_link_local or ip.is_multicast or ip.is_loopback or ip.is_unspecified):
             return addr
     return None
@@ -203,7 +210,8 @@ def choose_underlay_v6(
         if global_ipv6(iface) is not None:
             return _underlay(iface, None, None)
     raise InterfaceNotFound(
-        "IPv6-only: no interface with a global IPv6 address matches "
+        "IPv6-only: no interface with a stable global IPv6 address (neither temporary "
+        "nor deprecated) matches "
         + (
             " or ".join(
                 [f"--iface {s}" for s in ifaces] + [f"--iface-regex {p}" for p in iface_regexes]

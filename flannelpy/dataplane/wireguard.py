@@ -15,8 +15,13 @@ one host (a lab, or nodes in containers sharing /run) would all claim the same
 socket, so it runs in a private mount namespace in which the agent's own
 ``<run-dir>/wireguard`` is mounted over /var/run/wireguard: the socket is then
 ``<run-dir>/wireguard/<dev>.sock`` for the agent and ``wg`` sees it inside that
-namespace (``nsenter -t <pid> -m -n wg show``). The pid is kept beside it, so a
-restarted agent adopts the running process instead of cutting traffic.
+namespace (``nsenter -t <pid> -m -n wg show``). The mount point is made on a tmpfs
+mounted over /var/run in that namespace alone (the socket directory is reached through
+the shell's working directory, which the tmpfs does not hide), so nothing is created
+in the host's /run: a ``mkdir /run/wireguard`` there used to outlive every agent, and
+removing it while another node's wireguard-go had its socket mounted on it would
+unmount that node's socket. The pid is kept beside it, so a restarted agent adopts the
+running process instead of cutting traffic.
 
 Keys: :mod:`flannelpy.dataplane.wgkeys`.
 """
@@ -169,9 +174,10 @@ class UserspaceProcess:
             os.unlink(self.socket_path)
         if link.exists(self.name):  # a device left without its process: wireguard-go would fail
             link.delete(self.name)
-        script = (
-            'mkdir -p /var/run/wireguard && mount --bind "$1" /var/run/wireguard '
-            '&& exec "$2" -f "$3"'
+        script = (  # $1, the socket directory, mounted where wireguard-go seeks it
+            'cd "$1" && mount -n -t tmpfs -o mode=0755 flannelpy-wg /var/run '
+            "&& mkdir /var/run/wireguard && mount -n -c --bind . /var/run/wireguard "
+            '&& cd / && exec "$2" -f "$3"'
         )
         logfile = open(os.path.join(self.socket_dir, f"{self.name}.log"), "ab")  # noqa: SIM115
         try:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv6Address
 
 from flannelpy.backend.base import Backend, NodeContext, node_bounds
 from flannelpy.backend.ipv6 import device_name_v6
 from flannelpy.backend.registry import get_backend
 from flannelpy.backend.vxlan import device_name
+from flannelpy.backend.wireguard import keeping_context, plan_kept
+from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
 from flannelpy.control.change import wanted_config
 from flannelpy.control.records import NodeOverride
 from flannelpy.dataplane.state import (
@@ -76,8 +78,13 @@ def plan_node(facts: NodeFacts) -> Plan | str:
     bounds = node_bounds(ctx, own_all, facts.pool_networks)
     accepted, rejected = split_peers({x.key: x for x in facts.leases}, own_keys, bounds)
     peers = tuple(accepted.values())
+    kept = kept_identity(own, backend)
+    if kept is not None:  # as the agent plans it: the pairs still on wireguard go through it
+        ctx = keeping_context(replace(ctx, wireguard_identity=kept), backend.type_name, peers, True)
     vtep_mac = facts.vtep_mac if backend.needs_vtep(ctx, peers) else None
     desired = backend.plan(ctx, list(own_all), list(peers), vtep_mac) if own else None
+    if desired is not None and kept is not None:
+        desired = plan_kept(ctx, list(own_all), list(peers), desired)
     return Plan(
         backend,
         ctx,
@@ -92,6 +99,24 @@ def plan_node(facts: NodeFacts) -> Plan | str:
         else device_name_v6(config.backend.vni),
         tuple(rejected[k] for k in sorted(rejected)),
     )
+
+
+def kept_identity(own: Lease | None, backend: Backend) -> WireguardIdentity | None:
+    """The WireGuard device a node keeps after switching away from wireguard, while a peer
+    still runs it (:func:`~flannelpy.backend.wireguard.keeping_context`), as its lease
+    says: the agent adds its key and port to BackendData exactly then. Its routes and the
+    peers through it are then planned, not stale (the device's other options do not
+    change them, and its private key stays with the agent)."""
+    if own is None or backend.type_name == "wireguard":
+        return None
+    data = own.attrs.backend_data or {}
+    key, port = data.get("PublicKey"), data.get("Port")
+    if not isinstance(key, str) or not key:
+        return None
+    options = WireguardConfig()
+    if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+        options = replace(options, listen_port=port)
+    return WireguardIdentity(key, options)
 
 
 def own_lease(

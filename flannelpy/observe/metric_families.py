@@ -32,7 +32,7 @@ CHANGE_KINDS = ("link", "address", "route", "neighbour", "fdb", "stale", "rule")
 CNI_COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
 LEASE_STATES = ("serving", "draining")  # flannelpy_leases{state}
 RENEWAL_RESULTS = ("success", "failure")
-WATCH_RESTART_REASONS = ("compacted", "unavailable", "error")
+WATCH_RESTART_REASONS = ("compacted", "unavailable", "malformed", "error")
 # flannelpy_rejected_leases_total{reason}
 REJECTION_REASONS = REASONS
 # flannelpy_agent_events_total{kind}: what the agent's writer handled
@@ -285,8 +285,8 @@ class StoreFamilies:
         )
         self.watch_restarts = Counter(
             "flannelpy_store_watch_restarts_total",
-            "Lease watches re-listed after a compaction, an outage or an unexpected error, "
-            "by reason.",
+            "Lease watches re-listed after a compaction, an outage, a malformed event or an "
+            "unexpected error, by reason.",
             ["reason"],
             registry=r,
         )

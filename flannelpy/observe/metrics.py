@@ -296,7 +296,7 @@ class AgentMetrics:
         self._store.errors.labels(_label(kind)).inc()
 
     def watch_restart(self, reason: str) -> None:
-        """The lease watch re-listed: reason "compacted", "unavailable" or "error"."""
+        """The lease watch re-listed: "compacted", "unavailable", "malformed" or "error"."""
         self._store.watch_restarts.labels(_label(reason, WATCH_RESTART_REASONS)).inc()
 
     def rejected_lease(self, reason: str) -> None:

@@ -58,6 +58,8 @@ from flannelpy.rollout.steps import (
 )
 from flannelpy.rollout.storage import RolloutStorage
 
+MAX_FORCE_REASON = 500  # characters of a rollback's reason kept in its force record
+
 WINDOW_POLL = 30.0  # seconds between looks at the record while waiting for a window
 CAS_RETRIES = 20  # record writes racing pause/abort requests: read again and retry
 
@@ -269,12 +271,7 @@ def _perform(
 ) -> None:
     """The side effect of an action, once the record says it is being done."""
     if isinstance(action, WriteOverride | RollBack):
-        store.write_override(
-            action.node,
-            NodeOverride(
-                dict(action.backend), action.generation, rollout=record.id, force=record.force
-            ),
-        )
+        store.write_override(action.node, override_for(record, action, now))
     elif isinstance(action, MarkRolledBack) and action.delete_override:
         store.delete_override(action.node, record.entry(action.node).rollback_generation)
     elif isinstance(action, Finalize):
@@ -284,6 +281,24 @@ def _perform(
         _update(
             store, record.id, lambda r: replace(r, config_written=True, updated_at=now.isoformat())
         )
+
+
+def override_for(
+    record: RolloutRecord, action: WriteOverride | RollBack, now: datetime
+) -> NodeOverride:
+    """The override a step writes. A step forward carries the rollout's own force record,
+    if any; a rollback always carries one: the node may check the disruption policy
+    itself (Kubernetes mode), and a window that closed since the step began must never
+    keep it on the backend that failed. A forced override always applies, and the node
+    records it (an event in etcd, an Event on the Node), as an operator's would."""
+    force = record.force
+    if isinstance(action, RollBack):
+        force = ForceRecord(
+            reason=f"rollback by rollout {record.id}: {action.reason}"[:MAX_FORCE_REASON],
+            by=operator(),
+            at=now.isoformat(),
+        )
+    return NodeOverride(dict(action.backend), action.generation, rollout=record.id, force=force)
 
 
 def _event(before: RolloutRecord, record: RolloutRecord, action: Any, took: str) -> str | None:

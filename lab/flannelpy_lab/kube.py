@@ -171,12 +171,24 @@ def process_refs(state: LabState) -> list[procs.ProcessRef]:
     return [r for r in refs if r]
 
 
-def stop(state: LabState) -> None:
-    projector = projector_ref(state)
-    if projector:  # first: it watches kube-apiserver
+PROJECTOR = "flannelpy_lab.projector"
+
+
+def stop(state: LabState | None, lab_dir: str) -> None:
+    """Stop the control plane: the projector first (it watches kube-apiserver), then its
+    processes newest first. Without a state file (or one that lost a record) they are
+    found by their command lines: a program of ours naming a file in ``lab_dir`` (the
+    control plane's etcd names its --data-dir, so the lab's etcd sweep takes it)."""
+    projector = projector_ref(state) if state else None
+    if projector:
         procs.stop([projector])
-    for ref in process_refs(state):
+    for ref in process_refs(state) if state else []:
         procs.stop([ref])
+    order = (PROJECTOR, *reversed(PROCESSES[1:]))
+    found = procs.pids_of_programs_under(order, lab_dir)
+    for program in order:
+        refs = [procs.current_ref(pid) for name, pid in found if name == program]
+        procs.stop([r for r in refs if r])
 
 
 # -- kubectl --------------------------------------------------------------------------------

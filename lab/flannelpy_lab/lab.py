@@ -89,8 +89,10 @@ def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
     procs.stop(set(refs))
     if state:
         prometheus.stop(state)
-    if state:  # the Kubernetes control plane, if any (its etcd is swept by its data dir)
-        control_plane.stop(state)
+    procs.stop(_refs([pid for _, pid in procs.pids_of_programs_under(["prometheus"], directory)]))
+    # The Kubernetes control plane, if any, from the state or by its command lines (its
+    # etcd is swept by its data dir below).
+    control_plane.stop(state, directory)
     etcd_refs = _refs(procs.pids_with_files_under(directory))
     for ns in member_namespaces:
         etcd_refs += _refs(procs.pids_in_netns(netns_path(ns)))

@@ -15,7 +15,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from flannelpy_lab.errors import LabError
@@ -152,17 +152,43 @@ LAB_FILE_FLAGS = (b"--data-dir", b"--subnet-file", b"--state-dir", b"--run-dir")
 def pids_with_files_under(directory: str) -> list[int]:
     """Live lab processes (etcd, agents) whose data flags point inside ``directory``."""
     needle = directory.rstrip("/").encode() + b"/"
+    return [
+        pid
+        for pid, args in _command_lines()
+        if any(
+            flag in LAB_FILE_FLAGS and value.startswith(needle)
+            for flag, value in itertools.pairwise(args)
+        )
+    ]
+
+
+def pids_of_programs_under(programs: Iterable[str], directory: str) -> list[tuple[str, int]]:
+    """Live processes running one of ``programs`` (the basename of argv[0], or a Python
+    module run with ``-m``) with an argument naming ``directory`` or a file in it: the lab's
+    Kubernetes processes, found when no state file records them. (program, pid) pairs."""
+    needle = directory.rstrip("/").encode() + b"/"
+    wanted = {p.encode() for p in programs}
     found = []
+    for pid, args in _command_lines():
+        names = [os.path.basename(args[0])] + [m for f, m in itertools.pairwise(args) if f == b"-m"]
+        program = next((n for n in names if n in wanted), None)
+        if program is None:
+            continue
+        values = [a.split(b"=", 1)[-1] for a in args[1:]]
+        if any(v.startswith(needle) or v == needle[:-1] for v in values):
+            found.append((program.decode(), pid))
+    return found
+
+
+def _command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every live process but this one."""
     for pid in _all_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
+                raw = f.read()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        pairs = itertools.pairwise(args)
-        if any(flag in LAB_FILE_FLAGS and value.startswith(needle) for flag, value in pairs):
-            found.append(pid)
-    return found
+        yield pid, raw.split(b"\0")
 
 
 def _all_pids() -> list[int]:

@@ -92,6 +92,11 @@ def test_each_node_gets_a_podcidr_of_each_family_and_both_sides_annotate_both(
         v6_data = json.loads(notes[PREFIX + "backend-v6-data"])
         link = json.loads(lab.exec(name, ["ip", "-j", "link", "show", "flannel-v6.1"]).stdout)
         assert v6_data == {"VNI": 1, "VtepMAC": link[0]["address"]}, (name, v6_data)
+        # flanneld gives each VTEP its own MAC; so do we (before, flannel-v6.1 had ours
+        # of flannel.1).
+        v4_data = json.loads(notes[PREFIX + "backend-data"])
+        link4 = json.loads(lab.exec(name, ["ip", "-j", "link", "show", "flannel.1"]).stdout)
+        assert v4_data["VtepMAC"] == link4[0]["address"] != link[0]["address"], (name, notes)
         # Each side's subnet.env holds the Node's two podCIDRs.
         env = subnet_env(lab, name)
         assert IPv4Network(env["FLANNEL_SUBNET"], strict=False) == IPv4Network(v4)

@@ -28,6 +28,8 @@ pytestmark = [
 ]
 
 MACS = {1: "02:00:00:00:01:01", 2: "02:00:00:00:01:02"}
+# flannel-v6.1's own MACs (bit 2 of the first octet flipped), as each node advertises them.
+MACS6 = {1: "06:00:00:00:01:01", 2: "06:00:00:00:01:02"}
 
 
 def config(backend: str) -> object:
@@ -64,6 +66,7 @@ def node_lease(n: int, backend: str, mtu: int) -> Lease:
     from flannelpy.subnet.lease import LeaseAttrs
 
     data = {"VNI": 1, "VtepMAC": MACS[n]} if backend == "vxlan" else None
+    data6 = {"VNI": 1, "VtepMAC": MACS6[n]} if backend == "vxlan" else None
     return Lease(
         subnet=IPv4Network(f"10.244.{n}.0/24"),
         ipv6_subnet=IPv6Network(f"fc00:0:0:{n}::/64"),
@@ -72,7 +75,7 @@ def node_lease(n: int, backend: str, mtu: int) -> Lease:
             backend_type=backend,
             backend_data=data,
             public_ipv6=IPv6Address(f"fd00:64::{n}"),
-            backend_v6_data=data,
+            backend_v6_data=data6,
             mtu=mtu,
         ),
     )
@@ -121,6 +124,9 @@ def test_vxlan_dual_stack_reaches_in_both_families_with_the_ipv6_mtu_right(
     link6 = a.ip("-d link show flannel-v6.1")
     assert "mtu 1430" in link6 and "local fd00:64::1" in link6
     assert "mtu 1450" in a.ip("link show flannel.1")
+    # A MAC per device and family, as flanneld's; the peer's FDB names each.
+    assert f"link/ether {MACS6[1]} " in link6
+    assert f"link/ether {MACS[1]} " in a.ip("link show flannel.1")
     assert "fc00:0:0:2::/64 via fc00:0:0:2:: dev flannel-v6.1" in a.ip("-6 route show proto 75")
     assert (
         "dst fd00:64::2" in a.ip("neigh show dev flannel-v6.1")

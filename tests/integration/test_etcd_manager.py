@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any, cast
 
@@ -485,6 +485,41 @@ def test_two_live_nodes_with_one_name_the_second_refuses_to_start(
     assert first.renew_lease(held).subnet == held.subnet
     items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
     assert [json.loads(kv.value)["PublicIP"] for kv in items] == ["192.168.64.3"]
+
+
+def test_recreated_node_takes_over_its_lease_once_the_old_heartbeat_stopped(
+    managers: Callable[..., EtcdSubnetManager], raw_store: EtcdStore, etcd_prefix: str
+) -> None:
+    """The old holder's etcd lease has a day left; its status record, written by its
+    agent's control channel as every heartbeat is, last came 3 x 300 s + 2 min ago."""
+    from flannelpy.control.records import BackendSummary, NodeStatus
+    from flannelpy.store.node_control import EtcdNodeControl
+
+    day = {"subnet_lease_ttl": 24 * 3600}  # Flannel's TTL: renewed an hour before it ends
+    old = managers(**day).acquire_lease(attrs("192.168.64.3", node="node-a"), None)
+    record = NodeStatus(
+        node="node-a",
+        at=time.time(),
+        ready=True,
+        public_ip="192.168.64.3",
+        underlay_networks=("192.168.64.0/24",),
+        backend=BackendSummary(type="vxlan", vni=1, port=0, direct_routing=False, mtu=1450),
+        vtep=True,
+        applied_generation=None,
+        heartbeat_seconds=300.0,
+    )
+    control = EtcdNodeControl(raw_store, etcd_prefix, "node-a")
+    control.publish_status(record)  # alive: the second node with its name is refused
+    with pytest.raises(ConfigError, match=r"start this node again after .* or delete "):
+        managers(**day).acquire_lease(attrs("192.168.64.30", node="node-a"), None)
+    control.publish_status(replace(record, at=time.time() - 3 * 300 - 121))  # silent since
+    new = managers(**day).acquire_lease(attrs("192.168.64.30", node="node-a"), None)
+    assert new.subnet == old.subnet
+    assert old.store_lease_id is not None
+    remaining = raw_store.lease_remaining(old.store_lease_id)
+    assert remaining is None or remaining > 23 * 3600  # before: refused for that long
+    items, _ = raw_store.get_prefix(f"{etcd_prefix}/subnets/")
+    assert [json.loads(kv.value)["PublicIP"] for kv in items] == ["192.168.64.30"]
 
 
 def test_reservation_without_etcd_lease_is_reused_and_stays_permanent(

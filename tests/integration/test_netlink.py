@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address
 
 import pytest
 
@@ -231,6 +231,31 @@ def test_find_underlay(node: Netns, kernel: NetlinkKernel) -> None:
     node.ip("route del default")
     with pytest.raises(InterfaceNotFound, match="no IPv4 default route"):
         node.call(kernel.find_underlay)
+
+
+def test_find_underlay_skips_temporary_and_deprecated_ipv6(
+    node: Netns, kernel: NetlinkKernel
+) -> None:
+    """Flannel #2295: the IPv6 endpoint is a stable address. The kernel lists IPv6
+    addresses newest first, so before this change the deprecated one, then the
+    temporary one, was advertised to peers."""
+    node.exec("sysctl -qw net.ipv6.conf.u0.use_tempaddr=2 net.ipv6.conf.u0.accept_dad=0")
+    # A SLAAC-style address that manages privacy addresses: the kernel adds a temporary one.
+    node.ip("-6 addr add fd00:51::5/64 dev u0 mngtmpaddr valid_lft 3600 preferred_lft 3600")
+    wait_until(lambda: "temporary" in node.ip("-6 addr show dev u0"), 10, "a temporary address")
+    node.ip("-6 addr add fd00:50::99/64 dev u0 nodad preferred_lft 0")  # deprecated at once
+    listed = node.ip("-6 addr show dev u0")
+    assert listed.index("deprecated") < listed.index("temporary") < listed.index("mngtmpaddr")
+
+    stable = IPv6Address("fd00:51::5")
+    assert node.call(kernel.find_underlay, ["u0"]).ip6 == stable  # dual stack
+    assert node.call(kernel.find_underlay, ["u0"], ipv6_only=True).ip6 == stable
+    # Only unstable addresses left: none is chosen, and the refusal says why.
+    node.ip("-6 addr del fd00:51::5/64 dev u0")
+    node.ip("-6 addr add fd00:51::6/64 dev u0 nodad preferred_lft 0")
+    assert node.call(kernel.find_underlay, ["u0"]).ip6 is None
+    with pytest.raises(InterfaceNotFound, match="neither temporary nor deprecated"):
+        node.call(kernel.find_underlay, ["u0"], ipv6_only=True)
 
 
 def test_survey(overlay: Netns, kernel: NetlinkKernel) -> None:

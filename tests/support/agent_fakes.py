@@ -29,6 +29,7 @@ from flannelpy.config.settings import AgentSettings
 from flannelpy.control.node_control import ControlSnapshot
 from flannelpy.dataplane.kernel import ApplyResult
 from flannelpy.dataplane.state import Changes
+from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.errors import StoreUnavailable
 from flannelpy.ipam.capacity import parse_capacity
 from flannelpy.ipam.manager import NodeIpam
@@ -36,6 +37,7 @@ from flannelpy.store.etcd.config import put_network_config
 from flannelpy.store.etcd.kv import FakeStore
 from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.store.node_control import EtcdNodeControl
+from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 from tests.support.fakes import FakeKernel, underlay
@@ -289,3 +291,31 @@ class AgentHarness:
 
     def reconcile(self) -> None:
         self.writer.reconciler.reconcile_once("test")
+
+
+class NoWgDevice:
+    """A WireGuard device that starts nothing: it takes what the reconciler applies."""
+
+    def __init__(self, *_: object) -> None:
+        pass
+
+    def set_desired(self, spec: WgDeviceSpec) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def wireguard_agent(tmp: Path, *peers: Lease) -> tuple[AgentHarness, WireguardRuntime]:
+    """An agent running wireguard whose devices start nothing, with ``peers`` in the store
+    (not started), and its WireGuard runtime."""
+    rt = WireguardRuntime(
+        str(tmp / "wireguard.key"),
+        str(tmp / "wgrun"),
+        implementation="userspace",
+        make_device=NoWgDevice,
+    )
+    agent = AgentHarness(tmp, config=net_conf({"Type": "wireguard"}), wireguard=rt)
+    for peer in peers:
+        agent.store.put(lease_key(PREFIX, peer.subnet), peer.attrs.to_json().encode())
+    return agent, rt

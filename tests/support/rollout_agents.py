@@ -1,8 +1,11 @@
 """Simulated agents for rollout tests: they follow the store contract, not the kernel.
 
 Each tick, a simulated node reads the network config, its override and the rollout
-record as a real agent does, applies the wanted Backend (or blocks it, per the
-disruption policy), and publishes a status with a VTEP per the transition rule and
+record as a real agent does (in Kubernetes mode, ``kube_mode``, not the record: each
+agent checks the policy itself), decides with the agent's own pure function
+(:func:`flannelpy.control.change.decide_change`) whether to apply the wanted Backend,
+block it per the disruption policy, or apply it forced (keeping the record the agent
+would write, in ``forced``), and publishes a status with a VTEP per the transition rule and
 one probe result per peer: reachable when the path rule finds a path between the
 two nodes' running backends, unless the test breaks that pair. Works over any
 Store (FakeStore in unit tests, etcd in integration tests).
@@ -13,27 +16,26 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from ipaddress import IPv4Address, IPv4Network
 
 from flannelpy.backend.paths import NodeView, pairs_without_path
-from flannelpy.config.netconf import VXLAN_ENCAP_OVERHEAD, BackendConfig, parse_network_config
-from flannelpy.control.policy import decide, disruptive_changes, parse_policy
+from flannelpy.config.netconf import VXLAN_ENCAP_OVERHEAD, BackendConfig
+from flannelpy.control.change import decide_change, wanted_config
 from flannelpy.control.records import (
     BackendSummary,
     BlockedChange,
+    ForceRecord,
     NodeOverride,
     NodeStatus,
     PeerProbe,
     ProbeSummary,
 )
-from flannelpy.rollout.backends import backend_config
 from flannelpy.store.etcd.kv import Store
 from flannelpy.subnet.keys import config_key, override_key, rollout_key, status_key
 
 UNDERLAY_MTU = 1500
-VOUCHING_STATES = ("running", "rolling-back", "finalizing")
 
 
 def config_json(backend: Mapping[str, object], policy: Mapping[str, object] | None = None) -> str:
@@ -82,8 +84,11 @@ class SimCluster:
         nodes: Sequence[SimNode],
         clock: Callable[[], float],
         policy_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        kube_mode: bool = False,
     ) -> None:
         self.store = store
+        self.kube_mode = kube_mode
+        self.forced: list[tuple[str, str, ForceRecord]] = []  # what agents record
         self.prefix = prefix
         self.nodes = {n.name: n for n in nodes}
         self.clock = clock
@@ -105,26 +110,26 @@ class SimCluster:
         with self.lock:
             kv = self.store.get(config_key(self.prefix))
             assert kv is not None, "write the network config first"
-            config = parse_network_config(kv.value)
             record_kv = self.store.get(rollout_key(self.prefix))
             record = json.loads(record_kv.value) if record_kv else None
+            if self.kube_mode:
+                record = None  # a Kubernetes-mode agent never reads the rollout record
             # Probe rounds reflect the paths before this round's changes: a change is
             # verified by the rounds that follow it, as with a real prober.
             for node in self.nodes.values():
                 self._probe(node, self.nodes)
             for node in self.nodes.values():
-                self._follow(node, config.raw, config.backend, record)
+                self._follow(node, kv.value, record)
             for node in self.nodes.values():
                 self.store.put(
                     status_key(self.prefix, node.name), self._status(node).to_json().encode()
                 )
 
-    def _follow(
-        self, node: SimNode, raw: object, config_backend: BackendConfig, record: dict | None
-    ) -> None:
+    def _follow(self, node: SimNode, config_raw: bytes, record: dict | None) -> None:
         kv = self.store.get(override_key(self.prefix, node.name))
         override = NodeOverride.from_json(kv.value) if kv else None
-        wanted = backend_config(override.backend) if override else config_backend
+        wanted_cfg = wanted_config(config_raw, override)
+        wanted = wanted_cfg.backend
         generation = override.generation if override else None
         if not node.started:  # first start: run what we are told, no policy involved
             node.running, node.started = wanted, True
@@ -132,24 +137,24 @@ class SimCluster:
             return
         if node.ignore_type == wanted.type:
             return
-        changes = disruptive_changes(node.running, wanted, node.mtu(), node.mtu(wanted))
-        if changes:
-            vouched = (
-                override is not None
-                and override.rollout is not None
-                and record is not None
-                and record.get("id") == override.rollout
-                and record.get("state") in VOUCHING_STATES
+        decision = decide_change(
+            replace(wanted_cfg, backend=node.running),
+            node.mtu(),
+            wanted_cfg,
+            node.mtu(wanted),
+            override,
+            record,
+            self.policy_clock(),
+        )
+        if decision.action == "block":
+            node.blocked = BlockedChange(
+                generation, ", ".join(decision.changes), decision.sentence or "", self.clock()
             )
-            forced = override is not None and override.force is not None
-            if not (vouched or forced):
-                assert isinstance(raw, dict)
-                decision = decide(parse_policy(raw), self.policy_clock(), ", ".join(changes))
-                if not decision.allowed:
-                    node.blocked = BlockedChange(
-                        generation, ", ".join(changes), decision.sentence or "", self.clock()
-                    )
-                    return
+            return
+        if decision.forced is not None and (node.name, decision.forced) not in {
+            (n, f) for n, _, f in self.forced
+        }:
+            self.forced.append((node.name, ", ".join(decision.changes), decision.forced))
         node.blocked = None
         if wanted != node.running or generation != node.applied_generation:
             node.running = wanted

@@ -55,7 +55,8 @@ def opened(store: FakeStore, tmp: Path) -> ClusterStore:
         # (found by reading the interfaces, which changes nothing).
         (
             {"Network": "10.244.0.0/16", "EnableIPv6": True, "IPv6Network": "fd00::/56"},
-            "has no global IPv6 address; add one, or choose another interface",
+            "has no global IPv6 address that is neither temporary nor deprecated; add a "
+            "stable one, or choose another interface",
             ["find_underlay"],
         ),
     ],

@@ -93,6 +93,36 @@ def test_change_blocked_by_the_policy_applies_when_its_window_opens(agent: Agent
     assert "flannel.1" not in {link.name for link in agent.kernel.state.links}
 
 
+def test_a_rollouts_rollback_applies_outside_the_window_and_is_recorded(
+    agent: AgentHarness,
+) -> None:
+    """The override a rollout writes to roll this node back, met outside the window with
+    no active rollout to vouch for it (a Kubernetes-mode agent never reads the rollout
+    record): it applies, and the node records it as it records an emergency override."""
+    from flannelpy.rollout.driver import override_for
+    from flannelpy.rollout.record import RolloutRecord
+    from flannelpy.rollout.steps import RollBack
+    from flannelpy.subnet.keys import events_prefix
+
+    change_config(agent, {"Type": "host-gw"})  # the step forward, applied in its window
+    assert agent.writer.state.backend.type_name == "host-gw"
+    change_config(agent, {"Type": "host-gw"}, DisruptionPolicy=WINDOW)  # now outside it
+    record = RolloutRecord("r-1", "failed", {"Type": "host-gw"}, None, (), "", "")
+    now = datetime.fromtimestamp(agent.clock.now, UTC)
+    failed = RollBack(NODE, {"Type": "vxlan"}, 2, f"{NODE} failed verification after 90 s")
+    override = override_for(record, failed, now)
+    agent.store.put(override_key(PREFIX, NODE), override.to_json().encode())
+    agent.deliver_control()
+
+    state = agent.writer.state
+    assert state.backend.type_name == "vxlan" and state.blocked is None
+    assert state.applied_generation == 2 and published(agent).applied_generation == 2
+    events, _ = agent.store.get_prefix(events_prefix(PREFIX))
+    (event,) = [json.loads(kv.value) for kv in events]
+    assert event["Node"] == NODE and event["Change"].startswith("backend host-gw -> vxlan")
+    assert event["Reason"] == f"rollback by rollout r-1: {NODE} failed verification after 90 s"
+
+
 def test_a_failed_application_is_retried(agent: AgentHarness) -> None:
     class Boom(RuntimeError):
         pass

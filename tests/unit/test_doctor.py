@@ -955,3 +955,39 @@ def test_dual_stack_kernel_is_read_on_the_ipv6_vtep_too() -> None:
     ok = [f for f in diagnose(read) if f.check == "routes"]
     assert [f.severity for f in ok] == ["ok"]
     assert f"{len(desired.routes)} peer route(s)" in ok[0].message
+
+
+def test_a_device_kept_during_a_wireguard_rollout_is_planned_not_stale() -> None:
+    """n1 switched back from wireguard to vxlan while n2 still runs wireguard: n1 keeps
+    flannel-wg for that pair and routes the Network through it, as its agent plans (the
+    kernel below holds that plan). Before, the doctor planned vxlan alone: the route
+    through flannel-wg was "stale" and n2 "had no route"."""
+    from flannelpy.backend.wireguard import keeping_context, plan_kept, with_kept_key
+    from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
+    from flannelpy.dataplane.wgkeys import generate_private_key, public_key
+
+    n2 = replace(
+        N2,
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address("100.64.0.2"),
+            backend_type="wireguard",
+            backend_data={"PublicKey": public_key(generate_private_key()), "Port": 51820},
+            node_name="n2",
+            mtu=1440,
+        ),
+    )
+    facts = healthy_facts()
+    assert facts.underlay is not None and facts.config is not None
+    identity = WireguardIdentity(public_key(generate_private_key()), WireguardConfig())
+    base = NodeContext(facts.config, facts.underlay, facts.underlay.ip, "n1")
+    ctx = keeping_context(replace(base, wireguard_identity=identity), "vxlan", [n2, N3], True)
+    assert ctx.keeps_wireguard
+    vxlan = get_backend("vxlan")
+    own = replace(OWN, attrs=with_kept_key(ctx, vxlan.lease_attrs(ctx, MAC[1])))
+    planned = plan_kept(ctx, [own], [n2, N3], vxlan.plan(ctx, [own], [n2, N3], MAC[1]))
+    through_wg = [r for r in planned.routes if r.ifname == "flannel-wg"]
+    assert [str(r.dst) for r in through_wg] == [NET]  # what the agent programs
+    facts = _observed(replace(facts, leases=(own, n2, N3)), routes=planned.routes)
+
+    findings = [f for f in diagnose(facts) if f.check == "routes"]
+    assert problems(findings) == [], findings

@@ -34,6 +34,7 @@ from flannelpy.subnet.validate import (
 )
 
 MAC = "02:00:00:00:00:01"
+MAC6 = "06:00:00:00:00:01"  # flannel-v6.1's: its own, as each of flanneld's devices has
 PEER_MAC = "02:00:00:00:00:02"
 
 
@@ -109,7 +110,7 @@ def test_lease_json_carries_public_ipv6_and_backend_v6_data_round_trip() -> None
     attrs = get_backend("vxlan").lease_attrs(ctx(), MAC)
     doc = json.loads(attrs.to_json())
     assert doc["PublicIPv6"] == "fd00:64::10"
-    assert doc["BackendV6Data"] == {"VNI": 1, "VtepMAC": MAC}
+    assert doc["BackendV6Data"] == {"VNI": 1, "VtepMAC": MAC6}
     assert doc["BackendData"] == {"VNI": 1, "VtepMAC": MAC}
     assert LeaseAttrs.from_json(attrs.to_json()) == attrs
 
@@ -190,6 +191,8 @@ def test_vxlan_dual_stack_programs_flannel_v6_with_flannels_recipe() -> None:
     assert (v6.local_ip, v6.mtu, v6.vni, v6.port) == (IPv6Address("fd00:64::10"), 1430, 1, 8472)
     v4 = next(link for link in state.links if link.name == "flannel.1")
     assert v4.mtu == 1450
+    # Each device its own MAC, as flanneld's (before: flannel-v6.1 took flannel.1's).
+    assert (v4.mac, v6.mac) == (MAC, MAC6)
     assert Address("flannel-v6.1", IPv6Interface("fc00:0:0:1::/128")) in state.addresses
     assert Address("flannel.1", IPv4Interface("10.244.1.0/32")) in state.addresses
     assert Neighbour("flannel-v6.1", IPv6Address("fc00:0:0:5::"), PEER_MAC) in state.neighbours
@@ -300,7 +303,8 @@ def test_kube_writes_public_ipv6_and_backend_v6_data() -> None:
     advertised = kn.advertised_attrs(attrs, me, KEYS)
     wanted = kn.desired_annotations(advertised, KEYS)
     assert wanted[KEYS.public_ipv6] == "fd00:64::88"
-    assert json.loads(wanted[KEYS.backend_v6_data]) == {"VNI": 1, "VtepMAC": MAC}
+    assert json.loads(wanted[KEYS.backend_v6_data]) == {"VNI": 1, "VtepMAC": MAC6}
+    assert json.loads(wanted[KEYS.backend_data]) == {"VNI": 1, "VtepMAC": MAC}
 
 
 def test_kube_dual_stack_waits_for_both_pod_cidrs() -> None:

@@ -65,3 +65,39 @@ def test_the_node_is_registered_as_a_kubelet_would() -> None:
     assert {"type": "InternalIP", "address": "100.64.9.1"} in node["status"]["addresses"]
     (ready,) = node["status"]["conditions"]
     assert (ready["type"], ready["status"]) == ("Ready", "True")
+
+
+def test_down_without_a_state_file_stops_the_control_plane_it_started(tmp_path: Path) -> None:
+    """Before, a lab whose state file was gone left kube-apiserver, kube-controller-manager,
+    kube-scheduler and the ConfigMap projector running: only processes naming a file by
+    --data-dir/--state-dir/... were swept. Stand-ins: Python under those names."""
+    import os
+    import subprocess
+    import sys
+
+    lab_dir = tmp_path / "labs" / "unit"
+    (lab_dir / "kube").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sleep = "import time; time.sleep(60)"
+    started = {}
+    for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
+        os.symlink(sys.executable, bin_dir / name)
+        arg = f"--kubeconfig={lab_dir}/kube/{name}.kubeconfig"
+        started[name] = subprocess.Popen([str(bin_dir / name), "-c", sleep, arg])
+    projector = [sys.executable, "-m", "flannelpy_lab.projector", "--dir", str(lab_dir)]
+    started["projector"] = subprocess.Popen([sys.executable, "-c", sleep, *projector[1:]])
+    # Another lab's and a user's processes, which must live on.
+    other = subprocess.Popen(
+        [str(bin_dir / "kube-apiserver"), "-c", sleep, f"--tls-cert-file={tmp_path}/other/a"]
+    )
+    reader = subprocess.Popen([sys.executable, "-c", sleep, f"{lab_dir}/kube/admin.kubeconfig"])
+    try:
+        control_plane.stop(None, str(lab_dir))
+        for name, proc in started.items():
+            assert proc.wait(timeout=10) is not None, name
+        assert other.poll() is None and reader.poll() is None
+    finally:
+        for proc in [*started.values(), other, reader]:
+            proc.kill()
+            proc.wait()

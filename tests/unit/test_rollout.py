@@ -98,6 +98,7 @@ class Env:
         nodes: list[SimNode] | None = None,
         wall: datetime = MONDAY_1AM,
         raw_config: str | None = None,
+        kube_mode: bool = False,
     ) -> None:
         self.clocks = Clocks(wall)
         self.store = RecordingStore(clock=lambda: self.clocks.mono)
@@ -110,6 +111,7 @@ class Env:
             nodes or five_nodes(),
             self.clocks.agent_time,
             lambda: self.clocks.wall,
+            kube_mode=kube_mode,
         )
         self.clocks.cluster = self.sim
         self.sim.tick()
@@ -671,6 +673,34 @@ def test_a_policy_that_turns_to_block_mid_rollout_pauses_it() -> None:
     assert paused.state == "paused"
     assert paused.reason is not None and "blocked by DisruptionPolicy Block" in paused.reason
     assert [e.state for e in paused.nodes][:2] == ["done", "pending"]
+
+
+@pytest.mark.parametrize("kube_mode", [True, False], ids=["kubernetes", "etcd"])
+def test_a_rollback_applies_after_the_window_closed_mid_step_and_is_recorded(
+    kube_mode: bool,
+) -> None:
+    """The window (02:00-02:01) is open when n1 switches and closed by the time its
+    verification fails. In Kubernetes mode n1 checks the policy itself: before, it refused
+    its own rollback and stayed on the backend that failed (the rollout failed with
+    "rolling n1 back did not take effect")."""
+    env = Env(policy=WINDOW, wall=datetime(2026, 1, 5, 2, 0, tzinfo=UTC), kube_mode=kube_mode)
+    env.sim.break_pairs("n1", ["n4"])
+    record = env.start(timeout=90)
+    failed = env.drive(record.id, poll=10.0)
+    assert not window_state(parse_policy(env.config()).window, env.clocks.wall).inside  # type: ignore[arg-type]
+    assert failed.state == "failed"
+    assert failed.reason is not None and failed.reason.startswith("n1 failed verification")
+    assert [e.state for e in failed.nodes] == ["rolled-back", *["pending"] * 4]
+    n1 = statuses(env)["n1"]
+    assert n1.backend.type == "vxlan" and n1.blocked is None  # applied, not refused
+    assert n1.applied_generation == failed.entry("n1").rollback_generation
+    # Forced, so the node applied it whatever the policy said, and recorded it as it
+    # records an operator's emergency override.
+    rollback = env.override_puts("n1")[-1]
+    assert rollback.backend == VXLAN and rollback.force is not None
+    assert rollback.force.reason.startswith(f"rollback by rollout {record.id}: n1 failed")
+    assert [(node, force) for node, _, force in env.sim.forced] == [("n1", rollback.force)]
+    assert env.sim.forced[0][1].startswith("backend host-gw -> vxlan")
 
 
 def test_host_gw_nodes_that_keep_a_vtep_only_leave_a_note() -> None:

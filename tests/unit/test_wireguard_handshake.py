@@ -20,15 +20,13 @@ import pytest
 from flannelpy.backend.base import NodeContext
 from flannelpy.backend.wireguard import WireguardBackend, unencrypted_peers
 from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
-from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.dataplane.state import DesiredState, FdbEntry, Neighbour, Route
 from flannelpy.dataplane.uapi import WgDeviceConfig, WgPeer, parse_get
 from flannelpy.dataplane.wgkeys import generate_private_key, public_key
 from flannelpy.dataplane.wgspec import WgDeviceSpec, confirmed_peers
 from flannelpy.dataplane.wireguard import WireguardDevice
-from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from tests.support.agent_fakes import PREFIX, AgentHarness, net_conf
+from tests.support.agent_fakes import AgentHarness, wireguard_agent
 from tests.support.fakes import context
 
 KEY_A = generate_private_key()
@@ -199,15 +197,8 @@ def test_without_a_vxlan_path_to_fall_back_on_the_pair_is_not_held(
 def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
     tmp_path: Path,
 ) -> None:
-    rt = WireguardRuntime(
-        str(tmp_path / "wireguard.key"),
-        str(tmp_path / "wgrun"),
-        implementation="userspace",
-        make_device=NoDevice,
-    )
-    agent = AgentHarness(tmp_path, config=net_conf({"Type": "wireguard"}), wireguard=rt)
     peer = wg_peer(PUB_B, subnet="10.244.200.0/24")
-    agent.store.put(lease_key(PREFIX, peer.subnet), peer.attrs.to_json().encode())
+    agent, rt = wireguard_agent(tmp_path, peer)
     agent.start()
     try:
         agent.deliver_leases()
@@ -225,19 +216,6 @@ def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
         assert agent.writer.counts.events()["handshake"] == 1
     finally:
         agent.stop()
-
-
-class NoDevice:
-    """Takes what the reconciler applies, starting nothing."""
-
-    def __init__(self, *_: object) -> None:
-        pass
-
-    def set_desired(self, spec: WgDeviceSpec) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 def own_lease(agent: AgentHarness) -> LeaseAttrs:

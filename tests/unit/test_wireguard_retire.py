@@ -193,3 +193,43 @@ def test_once_no_peer_runs_wireguard_the_device_leaves_the_plan_and_the_key_the_
     assert all(r.ifname != "flannel-wg" for r in desired.routes)
     attrs = with_kept_key(ctx, VxlanBackend().lease_attrs(ctx, "02:00:00:00:00:01"))
     assert "PublicKey" not in (attrs.backend_data or {})
+
+
+# --- the prober's MTU at a switch back ---------------------------------------------------
+
+
+def test_the_prober_reads_the_kept_devices_mtu_from_the_switch_back_on(tmp_path: Path) -> None:
+    """A node switches back from wireguard to vxlan while a peer still runs wireguard: the
+    pair stays on the kept device (MTU 1440), so from the switch on the full-MTU probe is
+    that size. Before, the view published at the switch, ahead of the new plan, said 1450
+    until the lease was rewritten, and a probe round in between lost its full-MTU echo."""
+    from flannelpy.agent.state import NodeState
+    from flannelpy.backend.wireguard import kept_device_mtu
+    from flannelpy.store.etcd.config import put_network_config
+    from tests.support.agent_fakes import PREFIX, net_conf, wireguard_agent
+
+    key = public_key(generate_private_key())
+    peer = LeaseAttrs(IPv4Address("192.168.1.11"), "wireguard", {"PublicKey": key}, mtu=1440)
+    agent, _ = wireguard_agent(tmp_path, Lease(IPv4Network("10.244.200.0/24"), peer))
+    agent.start()
+    try:
+        agent.deliver_leases()
+        agent.reconcile()
+        seen: list[int] = []  # what a probe round reads while the switch is applied
+        apply = agent.kernel.apply
+
+        def watching_apply(changes: Any) -> Any:
+            seen.append(agent.writer.view.probe_mtu)
+            return apply(changes)
+
+        agent.kernel.apply = watching_apply  # type: ignore[method-assign]
+        put_network_config(agent.store, PREFIX, net_conf({"Type": "vxlan"}))
+        agent.deliver_control()
+        state: NodeState = agent.writer.state
+        assert state.backend.type_name == "vxlan" and state.keeps_wireguard
+        kept = kept_device_mtu(state.ctx)
+        assert state.mtu == 1450 and kept == 1440
+        assert seen and set(seen) == {kept}, seen
+        assert agent.writer.view.probe_mtu == kept
+    finally:
+        agent.stop()

@@ -15,16 +15,31 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from ipaddress import IPv4Network, IPv6Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
-from flannelpy.errors import ConfigError, KeyExists, RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.control.records import NodeStatus, heartbeat_deadline, names_holder
+from flannelpy.errors import (
+    ConfigError,
+    KeyExists,
+    MalformedWatchEvent,
+    RevisionCompacted,
+    StoreError,
+    StoreUnavailable,
+)
 from flannelpy.retry import Backoff
 from flannelpy.store.etcd.config import read_network_config
 from flannelpy.store.etcd.kv import GrantedLease, Store, WatchEvent
 from flannelpy.subnet.choose import LeaseChoice, choose_lease, choose_new_subnet
-from flannelpy.subnet.keys import key_to_subnet, lease_key, subnet_to_key, subnets_prefix
+from flannelpy.subnet.keys import (
+    key_to_subnet,
+    lease_key,
+    status_key,
+    subnet_to_key,
+    subnets_prefix,
+)
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
@@ -39,6 +54,10 @@ RENEW_GRACE_SECONDS = 300.0
 
 def _wait(stop: threading.Event, seconds: float) -> None:
     stop.wait(seconds)
+
+
+def _utc(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 class EtcdSubnetManager:
@@ -68,6 +87,7 @@ class EtcdSubnetManager:
         self._ttl = settings.subnet_lease_ttl
         margin = settings.subnet_lease_renew_margin * 60  # when every holder renews
         self._margin = float(min(margin, settings.subnet_lease_ttl))
+        self._heartbeat = settings.status_publish_interval  # a holder's, unless it says
         self._acquired = False  # the first acquire is the agent's start
         self._clock = clock
         self._sleep = sleep
@@ -188,10 +208,11 @@ class EtcdSubnetManager:
         )
 
     def _holder_gone(self, lease: Lease) -> bool:
-        """Proof that the node holding ``lease`` stopped: every holder renews its etcd
-        lease ``margin`` before expiry, so time left well below the margin means nobody
-        renewed it. A reservation (no etcd lease) is never proven gone; nor is anything
-        while etcd cannot say."""
+        """Proof that the node holding ``lease`` (under our node name) stopped, either
+        way (README, "Two nodes, one name"): its etcd lease is well past the renewal every
+        holder makes ``margin`` before expiry, or its status heartbeat has been silent
+        past :func:`~flannelpy.control.records.heartbeat_deadline`. A reservation (no
+        etcd lease) is never proven gone; nor is anything while etcd cannot say."""
         if lease.store_lease_id is None:
             return False
         try:
@@ -200,7 +221,30 @@ class EtcdSubnetManager:
             return False
         if remaining is None:
             return True  # expired: its key goes with it
-        return remaining < self._margin - min(RENEW_GRACE_SECONDS, self._margin / 2)
+        if remaining < self._margin - min(RENEW_GRACE_SECONDS, self._margin / 2):
+            return True
+        deadline = self._heartbeat_deadline(lease)
+        return deadline is not None and self._clock() > deadline
+
+    def _heartbeat_deadline(self, lease: Lease) -> float | None:
+        """When the holder's heartbeat counts as stopped, from the status record under its
+        name if that record is the holder's own (flanneld writes none); else None."""
+        name = lease.attrs.node_name
+        if name is None:
+            return None
+        try:
+            kv = self._store.get(status_key(self._prefix, name))
+        except StoreError:
+            return None
+        if kv is None:
+            return None
+        try:
+            status = NodeStatus.from_json(kv.value)
+        except ValueError:
+            return None
+        if not names_holder(status, lease.attrs.public_ip, lease.attrs.public_ipv6):
+            return None
+        return heartbeat_deadline(status, self._heartbeat)
 
     def _name_conflict(self, other: Lease, attrs: LeaseAttrs) -> None:
         """Another live node leases under our name: refuse at start; later (a lost lease
@@ -214,12 +258,19 @@ class EtcdSubnetManager:
                 other.attrs.public_ip,
             )
             return
+        deadline = self._heartbeat_deadline(other)
+        when = (
+            f"start this node again after {_utc(deadline)}, when its status heartbeat will "
+            f"have been silent long enough to prove it, or delete {self._key(other)} now"
+            if deadline is not None
+            else f"delete {self._key(other)} from etcd"
+        )
         raise ConfigError(
             f"node name {attrs.node_name!r} is already used by the live node at "
             f"{other.attrs.public_ip} (it holds lease {other.subnet} and renews it), so this "
             f"node at {attrs.public_ip} refuses to start; give each node its own name "
             f"(--node-name or NODE_NAME), or, if {other.attrs.public_ip} is really gone, "
-            f"delete {self._key(other)} from etcd"
+            f"{when}"
         )
 
     def create_lease(self, attrs: LeaseAttrs, pools: Sequence[Pool], cluster: str | None) -> Lease:
@@ -421,7 +472,9 @@ class EtcdSubnetManager:
 
         Compaction → re-list. Store outage → back off, then re-list rather than
         resume: etcd silently cancels a watch from a revision it does not have yet
-        (an etcd restored from an older backup), which would hang us forever.
+        (an etcd restored from an older backup), which would hang us forever. A
+        malformed event (no put or delete of a key under subnets/) → back off and
+        re-list: its batch is never applied, so it can never remove a peer.
         Any other error (a bug, a value no parser foresaw) is logged, counted as
         "error" and handled like an outage: the watch never ends on input.
         Exceptions raised by ``on_leases`` propagate.
@@ -442,6 +495,8 @@ class EtcdSubnetManager:
                 stream = self._store.watch_prefix(self._subnets, revision + 1, stop)
                 for batch in stream:
                     for event in batch.events:
+                        self._check(event, revision)
+                    for event in batch.events:
                         self._apply(leases, event)
                     revision = batch.revision
                     delivered = dict(leases)
@@ -457,14 +512,12 @@ class EtcdSubnetManager:
                 )
                 self._watch_restarted("compacted")
                 leases = None
-            except StoreUnavailable as e:
+            except (StoreUnavailable, MalformedWatchEvent) as e:
                 delay = backoff.next()
-                log.warning(
-                    "lease store unavailable; re-listing after a delay delay=%.1f error=%s",
-                    delay,
-                    e,
+                log.warning("lease watch re-lists after a delay delay=%.1f error=%s", delay, e)
+                self._watch_restarted(
+                    "malformed" if isinstance(e, MalformedWatchEvent) else "unavailable"
                 )
-                self._watch_restarted("unavailable")
                 leases = None
                 self._sleep(stop, delay)
             except CallbackFailed as e:
@@ -482,6 +535,18 @@ class EtcdSubnetManager:
     def _watch_restarted(self, reason: str) -> None:
         if self._on_watch_restart is not None:
             self._on_watch_restart(reason)
+
+    def _check(self, event: WatchEvent, revision: int) -> None:
+        """Whatever the store adapter let through: a batch is applied whole or not at all."""
+        if (
+            event.kind not in ("put", "delete")
+            or not event.key.startswith(self._subnets)
+            or event.mod_revision <= revision
+        ):
+            raise MalformedWatchEvent(
+                f"the lease watch sent a {event.kind!r} event for key {event.key[:200]!r} at "
+                f"revision {event.mod_revision}, after revision {revision}; re-listing"
+            )
 
     def _apply(self, leases: dict[str, Lease], event: WatchEvent) -> None:
         suffix = event.key[len(self._subnets) :]

@@ -9,14 +9,15 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
+from pyetcd.events import DeleteEvent, PutEvent
 from pyetcd.watch import WatchResponse
 
-from flannelpy.errors import RevisionCompacted, StoreUnavailable
+from flannelpy.errors import MalformedWatchEvent, RevisionCompacted, StoreUnavailable
 from flannelpy.store.etcd.kv import WatchBatch, WatchEvent
 from flannelpy.store.etcd.rpc_errors import rpc_details
 
@@ -59,7 +60,7 @@ class EtcdWatch:
 
     def _batch(self, item: Any) -> WatchBatch | None:
         if isinstance(item, WatchResponse):
-            events = tuple(_event(e) for e in item.events)
+            events = tuple(_event(e, self._prefix) for e in item.events)
             # Empty responses are progress notifications: nothing to report.
             return WatchBatch(events, max(e.mod_revision for e in events)) if events else None
         if isinstance(item, etcd_exc.RevisionCompactedError):
@@ -82,12 +83,33 @@ class EtcdWatch:
             log.debug("cancelling a watch failed error=%s", rpc_details(e))
 
 
-def _event(e: Any) -> WatchEvent:
-    is_put = type(e).__name__ == "PutEvent"
-    return WatchEvent(
-        kind="put" if is_put else "delete",
-        key=bytes(e.key).decode("utf-8", "replace"),
-        value=bytes(e.value) if is_put else b"",
-        mod_revision=int(e.mod_revision),
-        lease_id=int(e.lease) if is_put else 0,
-    )
+def _event(e: Any, prefix: str) -> WatchEvent:
+    """One event of a watch response, or MalformedWatchEvent: an event of another type
+    (pyetcd's base ``Event``), a key that is no UTF-8 or outside ``prefix``, or no
+    revision. Flannel once turned such an event into an eventless result that its
+    watcher read as an empty snapshot, removing every peer (its PR #2539): here it is
+    never applied, and the watcher re-lists."""
+    if isinstance(e, PutEvent):
+        kind: Literal["put", "delete"] = "put"
+    elif isinstance(e, DeleteEvent):
+        kind = "delete"
+    else:
+        raise MalformedWatchEvent(
+            f"etcd watch on {prefix} sent an event that is neither a put nor a delete "
+            f"({type(e).__name__}); re-listing"
+        )
+    try:
+        key = bytes(e.key).decode("utf-8")
+        revision = int(e.mod_revision)
+        value = bytes(e.value) if kind == "put" else b""
+        lease_id = int(e.lease) if kind == "put" else 0
+    except (TypeError, ValueError, AttributeError) as err:
+        raise MalformedWatchEvent(
+            f"etcd watch on {prefix} sent an event that does not decode ({err}); re-listing"
+        ) from err
+    if not key.startswith(prefix) or revision <= 0:
+        raise MalformedWatchEvent(
+            f"etcd watch on {prefix} sent an event for key {key[:200]!r} at revision "
+            f"{revision}, outside what it watches; re-listing"
+        )
+    return WatchEvent(kind=kind, key=key, value=value, mod_revision=revision, lease_id=lease_id)
