@@ -166,7 +166,9 @@ class _RuleContext:
         pod_peers = [p for p in rule.peers if p.ip_block is None]
         dests = [pod for peer in pod_peers for pod in self._peer_pods(peer, live)]
         self.peer_sets: list[tuple[int, str, str]] = []  # (family, name, kind)
-        for family in (4, 6):
+        # Address sets serve every rule but an egress rule of named ports only.
+        addressed = direction == INGRESS or not rule.ports or bool(self.numeric)
+        for family in (4, 6) if addressed else ():
             if pod_peers:
                 members = [
                     ((int(ip),), str(ip)) for p in dests for ip in p.ips if ip.version == family

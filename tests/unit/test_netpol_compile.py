@@ -243,6 +243,7 @@ def test_named_egress_ports_expand_per_destination_pod() -> None:
     assert elements(compiled, sname("web", EGRESS, 1, ADDR_PORTS, 6)) == ("fd10:1::2 . tcp . 8080",)
     egress = rules_of(compiled, "shop/web")[1]
     assert {a.kind for a in egress} == {ADDR_PORTS}  # no address-only allow opens other ports
+    assert {s.kind for s in compiled.sets} == {ADDR_PORTS}  # and no unused address set
 
 
 def test_several_policies_are_a_union_in_policy_order() -> None:
