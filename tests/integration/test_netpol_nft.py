@@ -1,0 +1,167 @@
+"""The compiled policy table against real nftables, inside a network namespace of our own.
+
+The first load (``nft -f``) and then one incremental transaction must leave exactly the
+desired table (sets, maps and their elements, chains and their rules, per
+``nft -j list table``); the transaction leaves another table and every chain it has no
+reason to touch alone (the same rule handles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+import pytest
+
+from flannelpy.netpol.compile import compile_node
+from flannelpy.netpol.model import Pod, Policy, parse_namespace, parse_pod, parse_policy
+from flannelpy.netpol.nft import FAMILY, TABLE, Ruleset, full_script, render, transaction
+from tests.support.netns_util import Netns, temp_netns
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces"),
+]
+
+NODE = "n1"
+NAMESPACES = [
+    parse_namespace({"metadata": {"name": "shop", "labels": {"team": "a"}}}),
+    parse_namespace({"metadata": {"name": "bank", "labels": {"team": "b"}}}),
+]
+
+
+def pod(ns: str, name: str, app: str, ips: list[str], node: str = NODE) -> Pod:
+    ports = [{"name": "http", "containerPort": 8080}, {"name": "dns", "containerPort": 53,
+                                                        "protocol": "UDP"}]  # fmt: skip
+    return parse_pod(
+        {
+            "metadata": {"namespace": ns, "name": name, "labels": {"app": app}},
+            "spec": {"nodeName": node, "containers": [{"ports": ports}]},
+            "status": {"podIPs": [{"ip": ip} for ip in ips]},
+        }
+    )
+
+
+def policy(name: str, spec: dict[str, Any]) -> Policy:
+    return parse_policy({"metadata": {"namespace": "shop", "name": name}, "spec": spec})
+
+
+POLICIES = [
+    policy("db", {
+        "podSelector": {"matchLabels": {"app": "db"}},
+        "ingress": [
+            {"from": [{"podSelector": {"matchLabels": {"app": "api"}}},
+                      {"namespaceSelector": {"matchLabels": {"team": "b"}}},
+                      {"ipBlock": {"cidr": "192.168.0.0/16", "except": ["192.168.1.0/24"]}},
+                      {"ipBlock": {"cidr": "fd00::/48", "except": ["fd00::/64"]}}],
+             "ports": [{"port": 5432}, {"protocol": "UDP", "port": 7000, "endPort": 7100},
+                       {"port": "http"}, {"protocol": "SCTP"}]},
+        ],
+        "egress": [{"to": [{"podSelector": {}}], "ports": [{"port": "dns", "protocol": "UDP"}]},
+                   {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443}]}],
+    }),
+    policy("deny-web", {"podSelector": {"matchLabels": {"app": "web"}}}),
+]  # fmt: skip
+PODS = [
+    pod("shop", "db", "db", ["10.244.1.3", "fd10:1::3"]),
+    pod("shop", "web", "web", ["10.244.1.4"]),
+    pod("shop", "api", "api", ["10.244.2.2", "fd10:2::2"], node="n2"),
+    pod("bank", "teller", "teller", ["10.244.3.2"], node="n3"),
+]
+
+
+def nft(ns: Netns, *args: str, script: str | None = None) -> str:
+    argv = ["ip", "netns", "exec", ns.name, "nft", *args]
+    proc = subprocess.run(argv, input=script, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, f"nft {' '.join(args)} failed: {proc.stderr}\n{script}"
+    return proc.stdout
+
+
+def element_text(e: Any) -> str:
+    if isinstance(e, str | int):
+        return str(e)
+    if "prefix" in e:
+        return f"{e['prefix']['addr']}/{e['prefix']['len']}"
+    if "concat" in e:
+        return " . ".join(element_text(x) for x in e["concat"])
+    if "range" in e:
+        return "-".join(element_text(x) for x in e["range"])
+    if "elem" in e:
+        return element_text(e["elem"]["val"])
+    raise AssertionError(f"unexpected element {e!r}")
+
+
+def observed(ns: Netns) -> tuple[dict[str, Any], dict[str, list[tuple[int, str]]]]:
+    """Sets and maps (type, sorted elements) and chains ([(handle, comment)]) of our table."""
+    listing = json.loads(nft(ns, "-j", "list", "table", FAMILY, TABLE))["nftables"]
+    sets: dict[str, Any] = {}
+    chains: dict[str, list[tuple[int, str]]] = {}
+    for item in listing:
+        kind, body = next(iter(item.items()))
+        if kind in ("set", "map"):
+            elems = []
+            for e in body.get("elem", []):
+                if kind == "map":
+                    key, verdict = e
+                    elems.append((element_text(key), f"jump {verdict['jump']['target']}"))
+                else:
+                    elems.append((element_text(e), ""))
+            type_ = body["type"] if isinstance(body["type"], str) else " . ".join(body["type"])
+            if kind == "map":
+                type_ += f" : {body['map']}"
+            sets[body["name"]] = (type_, sorted(elems))
+        elif kind == "chain":
+            chains[body["name"]] = []
+        elif kind == "rule":
+            chains[body["chain"]].append((body["handle"], body.get("comment", "")))
+    return sets, chains
+
+
+def desired(ruleset: Ruleset) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    sets = {n: (s.type, sorted(s.elements)) for n, s in ruleset.sets.items()}
+    comments = {
+        n: [r.split('comment "')[1].rstrip('"') if 'comment "' in r else "" for r in c.rules]
+        for n, c in ruleset.chains.items()
+    }
+    return sets, comments
+
+
+def assert_table_is(ns: Netns, ruleset: Ruleset) -> dict[str, list[tuple[int, str]]]:
+    sets, chains = observed(ns)
+    want_sets, want_comments = desired(ruleset)
+    assert sets == want_sets
+    assert {n: [c for _, c in rules] for n, rules in chains.items()} == want_comments
+    return chains
+
+
+def test_the_first_load_and_one_transaction_leave_exactly_the_desired_table() -> None:
+    first = render(compile_node(POLICIES, PODS, NAMESPACES, NODE))
+    moved = [
+        *PODS[:2],
+        pod("shop", "api", "web", ["10.244.2.2", "fd10:2::2"], node="n2"),  # leaves a db peer set
+        PODS[3],
+        pod("shop", "db2", "db", ["10.244.1.5"]),  # a new local pod, selected
+    ]
+    second = render(compile_node(POLICIES, moved, NAMESPACES, NODE))
+    with temp_netns("npol") as ns:
+        nft(ns, "-f", "-", script="add table inet bystander\nadd chain inet bystander c\n"
+            "add rule inet bystander c counter accept\n")  # fmt: skip
+        nft(ns, "-f", "-", script=full_script(first))
+        before = assert_table_is(ns, first)
+        script = transaction(first, second)
+        assert "table" not in script  # never the whole table
+        assert "delete element" in script and "add chain" in script
+        nft(ns, "-f", "-", script=script)
+        after = assert_table_is(ns, second)
+        # chains whose rules did not change keep their rules (the same handles)
+        assert {n: before[n] for n in before} == {n: after[n] for n in before}
+        assert "bystander" in nft(ns, "list", "tables")
+        nft(ns, "-f", "-", script=transaction(second, first))  # and back
+        assert_table_is(ns, first)
+        nft(ns, "-f", "-", script=transaction(first, render(compile_node([], PODS, NAMESPACES,
+                                                                           NODE))))  # fmt: skip
+        sets, chains = observed(ns)
+        assert sorted(chains) == ["forward", "input"]
+        assert all(not elems for _, elems in sets.values())
