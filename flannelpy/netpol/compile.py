@@ -6,8 +6,9 @@ The result (:class:`NodePolicy`) holds two kinds of values:
   ``np_<hash of namespace/name>_<i|e><rule>_<kind><4|6>``: ``p`` the IPs of the pods
   the rule's selectors match (anywhere in the cluster), ``c`` its ipBlocks minus
   their excepts (disjoint CIDRs), ``n`` for an egress rule with named ports the
-  triples ``IP . protocol . port`` of every destination pod whose container port of
-  that name resolves. A set's name depends only on the policy, so a pod that
+  triples ``IP . protocol . port`` of every destination pod (selected by the rule's
+  selectors, inside one of its ipBlocks, or any pod when it names no peer) whose
+  container port of that name resolves. A set's name depends only on the policy, so a pod that
   changes labels, appears or goes changes only the elements of the sets it
   enters or leaves; a set exists while its policy selects a pod of this node;
 * **per local pod and direction**, ``None`` when no policy selects the pod for
@@ -17,8 +18,9 @@ The result (:class:`NodePolicy`) holds two kinds of values:
   judged). Named ports of ingress rules are resolved on the local pod itself.
 
 Host-network pods and pods without an IP are neither selected nor peers (their
-addresses are the node's, or nothing). Everything is sorted, so the same input in
-any order compiles to an equal value.
+addresses are the node's, or nothing); a pod whose Namespace has not been read
+matches no namespace selector. Everything is sorted, so the same input (one Pod
+per namespace/name) in any order compiles to an equal value.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from flannelpy.netpol.model import (
     EGRESS,
     INGRESS,
     Namespace,
+    Net,
     Peer,
     Pod,
     Policy,
@@ -168,33 +171,38 @@ class _RuleContext:
         self.peer_sets: list[tuple[int, str, str]] = []  # (family, name, kind)
         # Address sets serve every rule but an egress rule of named ports only.
         addressed = direction == INGRESS or not rule.ports or bool(self.numeric)
+        blocks: dict[int, list[Net]] = {4: [], 6: []}
+        for peer in rule.peers:
+            for net in peer.ip_block.networks() if peer.ip_block is not None else ():
+                blocks[net.version].append(net)
         for family in (4, 6) if addressed else ():
             if pod_peers:
                 members = [
                     ((int(ip),), str(ip)) for p in dests for ip in p.ips if ip.version == family
                 ]
                 self.peer_sets.append((family, self._set(PODS, family, members), PODS))
-            nets = [
-                n
-                for peer in rule.peers
-                if peer.ip_block is not None
-                for n in peer.ip_block.networks()
-                if n.version == family
-            ]
-            if nets:
-                merged = collapse_addresses(nets)  # type: ignore[type-var]
+            if blocks[family]:
+                merged = collapse_addresses(blocks[family])  # type: ignore[type-var]
                 elements = [((int(n.network_address), n.prefixlen), str(n)) for n in merged]
                 self.peer_sets.append((family, self._set(CIDRS, family, elements), CIDRS))
         self.port_sets: list[tuple[int, str]] = []  # egress named ports: (family, name)
-        if direction == EGRESS and self.named and (pod_peers or not rule.peers):
+        if direction == EGRESS and self.named:
+            # A named port resolves on the destination pod: one selected by the rule's
+            # selectors, or any pod (with no peers), or one whose address is in an ipBlock.
+            chosen = {p.key for p in dests}
             for family in (4, 6):
                 triples = [
                     ((int(ip), number, len(proto)), f"{ip} . {proto.lower()} . {number}")
-                    for dest in (dests if pod_peers else live)
-                    for name, proto in self.named
-                    if (number := dest.named_port(name, proto))
+                    for dest in live
                     for ip in dest.ips
                     if ip.version == family
+                    and (
+                        not rule.peers
+                        or dest.key in chosen
+                        or any(ip in net for net in blocks[family])
+                    )
+                    for name, proto in self.named
+                    if (number := dest.named_port(name, proto))
                 ]
                 self.port_sets.append((family, self._set(ADDR_PORTS, family, triples)))
 
@@ -219,7 +227,9 @@ class _RuleContext:
             p
             for p in live
             if (
-                ns_sel.matches(self.ns_labels.get(p.namespace, {}))
+                # A pod of a namespace not read yet matches no namespace selector: its
+                # labels are unknown, and NotIn or DoesNotExist would let it in.
+                p.namespace in self.ns_labels and ns_sel.matches(self.ns_labels[p.namespace])
                 if ns_sel is not None
                 else p.namespace == self.policy.namespace
             )

@@ -89,14 +89,12 @@ def render(policy: NodePolicy) -> Ruleset:
             s.name,
             _set_type(s.family, s.kind),
             "interval" if s.kind == CIDRS else "",
-            s.comment,
+            _comment(s.comment),
             tuple((e, "") for e in s.elements),
         )
         for s in policy.sets
     }
-    maps: dict[str, list[tuple[str, str]]] = {
-        f"{d}{f}": [] for d in ("ingress", "egress") for f in (4, 6)
-    }
+    maps: dict[str, dict[str, str]] = {f"{d}{f}": {} for d in ("ingress", "egress") for f in (4, 6)}
     chains = {
         "forward": NftChain(
             "forward",
@@ -129,13 +127,14 @@ def render(policy: NodePolicy) -> Ruleset:
             chains[name] = NftChain(name, "", tuple(rules))
             for ip in pod.ips:
                 family = 6 if ":" in ip else 4
-                maps[f"{'ingress' if direction == 'in' else 'egress'}{family}"].append(
-                    (ip, f"jump {name}")
+                # Two pods claiming one address (one of them stale): the first keeps it.
+                maps[f"{'ingress' if direction == 'in' else 'egress'}{family}"].setdefault(
+                    ip, f"jump {name}"
                 )
     for name, elements in maps.items():
         family = int(name[-1])
         sets[name] = NftSet(
-            name, f"{ADDR_TYPES[family]} : verdict", elements=tuple(sorted(elements))
+            name, f"{ADDR_TYPES[family]} : verdict", elements=tuple(sorted(elements.items()))
         )
     return Ruleset(dict(sorted(sets.items())), dict(sorted(chains.items())))
 

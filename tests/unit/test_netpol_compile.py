@@ -360,3 +360,26 @@ def test_compiled_output_is_independent_of_input_order(rnd: random.Random) -> No
     namespaces = list(NAMESPACES)
     rnd.shuffle(namespaces)
     assert compile_node(policies, pods, namespaces, NODE) == expected
+
+
+def test_a_pod_of_an_unread_namespace_matches_no_namespace_selector() -> None:
+    spec = {"podSelector": {"matchLabels": {"app": "db"}}, "ingress": [{"from": [
+        {"namespaceSelector": {"matchExpressions": [
+            {"key": "team", "operator": "NotIn", "values": ["a"]}]}}]}]}  # fmt: skip
+    stranger = pod("new", "x", {}, ["10.244.9.9"], node="n9")
+    compiled = run([policy("db", spec)], [DB, TELLER, stranger])
+    # bank (team b) is in; "new" has no Namespace yet: its labels could be anything
+    assert elements(compiled, sname("db", INGRESS, 0, PODS, 4)) == ("10.244.2.3",)
+
+
+def test_a_named_egress_port_to_an_ip_block_resolves_on_the_pods_inside_it() -> None:
+    spec = {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Egress"],
+            "egress": [{"to": [{"ipBlock": {"cidr": "10.244.2.0/24"}}],
+                        "ports": [{"port": "http"}]}]}  # fmt: skip
+    compiled = run([policy("web", spec)])
+    # shop/api (10.244.2.2) names http; bank/teller (10.244.2.3) has no such port;
+    # dev/box names it but is outside the block
+    assert elements(compiled, sname("web", EGRESS, 0, ADDR_PORTS, 4)) == (
+        "10.244.2.2 . tcp . 9090",
+    )
+    assert elements(compiled, sname("web", EGRESS, 0, ADDR_PORTS, 6)) == ()

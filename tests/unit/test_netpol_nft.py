@@ -183,3 +183,23 @@ def test_an_egress_named_port_and_isolation_render_as_concatenations_and_a_drop(
         ("10.244.2.2 . tcp . 8080", ""),
     )
     assert ruleset.sets["egress4"].elements == (("10.244.1.3", f"jump {chain.name}"),)
+
+
+def test_two_local_pods_claiming_one_address_give_one_map_element() -> None:
+    stale = pod("aaa-stale", "db", "10.244.1.3")  # an old pod still holding db's address
+    ruleset = table([DB_POLICY], [*CLUSTER, stale])
+    chains = [name for name in ruleset.chains if name.startswith("pod_")]
+    assert len(chains) == 2
+    (element,) = ruleset.sets["ingress4"].elements
+    assert element[0] == "10.244.1.3" and element[1] in {f"jump {c}" for c in chains}
+    assert "10.244.1.3 : jump" in full_script(ruleset)
+
+
+def test_long_policy_names_keep_comments_within_nft_limits() -> None:
+    long_name = "p" * 200
+    ruleset = table([policy(long_name, {"podSelector": {}, "ingress": [
+        {"from": [{"podSelector": {}}]}]})], CLUSTER)  # fmt: skip
+    script = full_script(ruleset)
+    comments = [part.split('"')[0] for part in script.split('comment "')[1:]]
+    assert comments and all(len(c) <= 128 for c in comments)
+    assert all(len(name) < 64 for name in [*ruleset.sets, *ruleset.chains])
