@@ -40,6 +40,8 @@ MAX_ITEMS = 1000  # rules, peers, ports, expressions, values, labels: per list
 MAX_TEXT = 317  # a qualified label key (253-char prefix, '/', 63-char name) is the longest
 PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAME
 METADATA_NAME = "kubernetes.io/metadata.name"
+DNS_LABEL = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
 class PolicyRefused(FlannelpyError):
@@ -257,10 +259,11 @@ def _meta(obj: Any, kind: str, namespaced: bool = True) -> tuple[str, str]:
         raise PolicyRefused(f"a {kind}", "metadata is missing or not an object")
     meta = obj["metadata"]
     name, namespace = meta.get("name"), meta.get("namespace", "")
-    if not isinstance(name, str) or not name or len(name) > 253:
-        raise PolicyRefused(f"a {kind}", "metadata.name is missing or not a name")
-    if namespaced and (not isinstance(namespace, str) or not namespace or len(namespace) > 63):
-        raise PolicyRefused(f"{kind} {name}", "metadata.namespace is missing or not a name")
+    # Names reach nft comments: only what the API allows (no quotes, spaces, newlines).
+    if not isinstance(name, str) or not DNS_SUBDOMAIN.match(name):
+        raise PolicyRefused(f"a {kind}", "metadata.name is missing or not a DNS subdomain")
+    if namespaced and (not isinstance(namespace, str) or not DNS_LABEL.match(namespace)):
+        raise PolicyRefused(f"{kind} {name}", "metadata.namespace is missing or not a DNS label")
     return str(namespace), name
 
 

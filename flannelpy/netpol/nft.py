@@ -251,4 +251,5 @@ def _port_match(ports: tuple[PortMatch, ...]) -> list[str]:
 
 
 def _comment(text: str) -> str:
-    return text.replace('"', "")[:COMMENT_MAX]
+    """Names are validated by the model; keep only their characters all the same."""
+    return "".join(c for c in text if c.isascii() and (c.isalnum() or c in "-./ "))[:COMMENT_MAX]

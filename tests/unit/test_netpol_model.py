@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from ipaddress import IPv4Address, IPv6Address, ip_network
+import itertools
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_network
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flannelpy.netpol.model import (
     EGRESS,
@@ -215,6 +218,20 @@ def test_objects_without_identity_are_refused(obj: Any) -> None:
         parse_policy(obj)
 
 
+@pytest.mark.parametrize(
+    ("name", "namespace"),
+    [('x"\nflush ruleset', "ns"), ("web", 'a"b'), ("Web", "ns"), ("web", "a.b"), ("-w", "ns"),
+     ("w" * 254, "ns"), ("web", "n" * 64), ("web ", "ns")],
+)  # fmt: skip
+def test_names_the_api_would_not_accept_are_refused(name: str, namespace: str) -> None:
+    with pytest.raises(
+        PolicyRefused, match=r"is refused: metadata\.(name|namespace) is missing or not a DNS"
+    ):
+        parse_policy(policy({"podSelector": {}}, name=name, namespace=namespace))
+    with pytest.raises(PolicyRefused, match="is refused: metadata"):
+        parse_pod({"metadata": {"name": name, "namespace": namespace}})
+
+
 def pod_obj(**status: Any) -> dict[str, Any]:
     return {
         "metadata": {"name": "w1", "namespace": "shop", "labels": {"app": "web"}},
@@ -249,3 +266,29 @@ def test_a_pod_with_a_bad_ip_is_refused() -> None:
 def test_a_namespace_carries_its_name_label_as_the_api_sets_it() -> None:
     ns = parse_namespace({"metadata": {"name": "shop", "labels": {"team": "a"}}})
     assert dict(ns.labels) == {"team": "a", "kubernetes.io/metadata.name": "shop"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(16, 28),
+    st.lists(st.tuples(st.integers(0, 2**16 - 1), st.integers(17, 32)), max_size=6),
+    st.lists(st.integers(0, 2**16 - 1), min_size=1, max_size=20),
+)
+def test_ip_block_networks_hold_exactly_the_cidr_minus_its_excepts(
+    prefix: int, holes: list[tuple[int, int]], probes: list[int]
+) -> None:
+    base = int(IPv4Address("10.20.0.0"))
+    cidr = IPv4Network(f"10.20.0.0/{prefix}")
+    excepts = []
+    for offset, length in holes:
+        hole = IPv4Network(f"{IPv4Address(base + offset)}/{length}", strict=False)
+        if length > prefix and hole.subnet_of(cidr):
+            excepts.append(hole)
+    block = IPBlock(cidr, tuple(excepts))
+    nets = block.networks()
+    for a, b in itertools.pairwise(nets):
+        assert int(a.broadcast_address) < int(b.network_address)  # disjoint and sorted
+    for probe in probes:
+        addr = IPv4Address(base + probe)
+        inside = addr in cidr and not any(addr in hole for hole in excepts)
+        assert any(addr in net for net in nets) is inside

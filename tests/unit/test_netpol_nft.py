@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flannelpy.netpol.compile import CIDRS, PODS, compile_node, set_name
 from flannelpy.netpol.model import INGRESS, Pod, Policy, parse_namespace, parse_pod, parse_policy
 from flannelpy.netpol.nft import (
@@ -203,3 +206,94 @@ def test_long_policy_names_keep_comments_within_nft_limits() -> None:
     comments = [part.split('"')[0] for part in script.split('comment "')[1:]]
     assert comments and all(len(c) <= 128 for c in comments)
     assert all(len(name) < 64 for name in [*ruleset.sets, *ruleset.chains])
+
+
+class Kernel:
+    """A model of what nft does with our scripts, strict where nft refuses: deleting
+    what is absent, adding what is present, deleting what is still referred to."""
+
+    def __init__(self) -> None:
+        self.sets: dict[str, tuple[str, dict[str, str]]] = {}
+        self.chains: dict[str, list[str]] = {}
+
+    def run(self, script: str) -> int:
+        """Apply ``script``; return how many elements its element lines named."""
+        touched = 0
+        for line in script.splitlines():
+            if line == f"add table {PREFIX}":
+                continue
+            verb, what, rest = line.split(" ", 2)
+            assert rest.startswith(PREFIX + " "), line
+            name, _, body = rest.removeprefix(PREFIX + " ").partition(" ")
+            items = body.strip("{} ").split(", ") if body.startswith("{") else []
+            touched += len(items) if what == "element" else 0
+            self._one(verb, what, name, body, items)
+        return touched
+
+    def _one(self, verb: str, what: str, name: str, body: str, items: list[str]) -> None:
+        if (verb, what) in (("add", "set"), ("add", "map")):
+            assert name not in self.sets
+            self.sets[name] = (body.split("type ")[1].split(" ;")[0], {})
+        elif (verb, what) == ("add", "chain"):
+            assert name not in self.chains
+            self.chains[name] = []
+        elif (verb, what) == ("add", "element"):
+            for item in items:
+                key, _, value = item.partition(" : ")
+                assert key not in self.sets[name][1], item
+                self.sets[name][1][key] = value
+        elif (verb, what) == ("delete", "element"):
+            for key in items:
+                del self.sets[name][1][key]
+        elif (verb, what) == ("flush", "chain"):
+            self.chains[name] = []
+        elif (verb, what) == ("add", "rule"):
+            self.chains[name].append(body)
+        elif (verb, what) == ("delete", "chain"):
+            assert self.chains.pop(name) == []
+            assert all(f"jump {name}" not in s[1].values() for s in self.sets.values())
+        else:
+            assert (verb, what) in (("delete", "set"), ("delete", "map")), (verb, what)
+            del self.sets[name]
+            assert all(f"@{name} " not in r for rules in self.chains.values() for r in rules)
+
+    def state(self) -> tuple[dict[str, Any], dict[str, list[str]]]:
+        return self.sets, self.chains
+
+
+def modelled(ruleset: Ruleset) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    sets = {n: (s.type, dict(s.elements)) for n, s in ruleset.sets.items()}
+    return sets, {n: list(c.rules) for n, c in ruleset.chains.items()}
+
+
+APPS = ("db", "api", "web")
+POLICY_POOL = [
+    DB_POLICY,
+    policy("deny", {"podSelector": {"matchLabels": {"app": "web"}}}),
+    policy("out", {"podSelector": {"matchExpressions": [{"key": "app", "operator": "NotIn",
+                                                         "values": ["db"]}]},
+                   "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "db"}}}],
+                               "ports": [{"port": "http"}, {"port": 5432}]}]}),
+]  # fmt: skip
+
+
+def cluster_state(data: Any) -> Ruleset:
+    pods = [
+        pod(f"p{i}", data.draw(st.sampled_from(APPS)), f"10.244.{i % 3}.{i + 2}",
+            node=data.draw(st.sampled_from([NODE, "n2"])))
+        for i in range(data.draw(st.integers(0, 8)))
+    ]  # fmt: skip
+    chosen = data.draw(st.lists(st.sampled_from(POLICY_POOL), unique_by=lambda p: p.name))
+    return table(chosen, pods)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_every_transaction_turns_the_old_table_into_the_new_one(data: Any) -> None:
+    old, new = cluster_state(data), cluster_state(data)
+    kernel = Kernel()
+    kernel.run(full_script(old))
+    assert kernel.state() == modelled(old)
+    touched = kernel.run(transaction(old, new))
+    assert kernel.state() == modelled(new)
+    assert touched <= changed_elements(old, new)  # never more elements than differ
