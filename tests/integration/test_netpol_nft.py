@@ -3,7 +3,8 @@
 The first load (``nft -f``) and then one incremental transaction must leave exactly the
 desired table (sets, maps and their elements, chains and their rules, per
 ``nft -j list table``); the transaction leaves another table and every chain it has no
-reason to touch alone (the same rule handles).
+reason to touch alone (the same rule handles). Random pairs of clusters then check the
+same against the kernel, as the unit tier checks them against a model of nft.
 """
 
 from __future__ import annotations
@@ -11,42 +12,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flannelpy.netpol.compile import compile_node
-from flannelpy.netpol.model import Pod, Policy, parse_namespace, parse_pod, parse_policy
-from flannelpy.netpol.nft import FAMILY, TABLE, Ruleset, full_script, render, transaction
+from flannelpy.netpol.nft import FAMILY, TABLE, Ruleset, full_script, transaction
 from tests.support.netns_util import Netns, temp_netns
+from tests.support.netpol_cases import pod, policy, random_table, table
 
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces"),
 ]
-
-NODE = "n1"
-NAMESPACES = [
-    parse_namespace({"metadata": {"name": "shop", "labels": {"team": "a"}}}),
-    parse_namespace({"metadata": {"name": "bank", "labels": {"team": "b"}}}),
-]
-
-
-def pod(ns: str, name: str, app: str, ips: list[str], node: str = NODE) -> Pod:
-    ports = [{"name": "http", "containerPort": 8080}, {"name": "dns", "containerPort": 53,
-                                                        "protocol": "UDP"}]  # fmt: skip
-    return parse_pod(
-        {
-            "metadata": {"namespace": ns, "name": name, "labels": {"app": app}},
-            "spec": {"nodeName": node, "containers": [{"ports": ports}]},
-            "status": {"podIPs": [{"ip": ip} for ip in ips]},
-        }
-    )
-
-
-def policy(name: str, spec: dict[str, Any]) -> Policy:
-    return parse_policy({"metadata": {"namespace": "shop", "name": name}, "spec": spec})
-
 
 POLICIES = [
     policy("db", {
@@ -65,10 +45,10 @@ POLICIES = [
     policy("deny-web", {"podSelector": {"matchLabels": {"app": "web"}}}),
 ]  # fmt: skip
 PODS = [
-    pod("shop", "db", "db", ["10.244.1.3", "fd10:1::3"]),
-    pod("shop", "web", "web", ["10.244.1.4"]),
-    pod("shop", "api", "api", ["10.244.2.2", "fd10:2::2"], node="n2"),
-    pod("bank", "teller", "teller", ["10.244.3.2"], node="n3"),
+    pod("db", "db", "10.244.1.3", "fd10:1::3"),
+    pod("web", "web", "10.244.1.4"),
+    pod("api", "api", "10.244.2.2", "fd10:2::2", node="n2"),
+    pod("teller", "teller", "10.244.3.2", node="n3", namespace="bank"),
 ]
 
 
@@ -137,14 +117,14 @@ def assert_table_is(ns: Netns, ruleset: Ruleset) -> dict[str, list[tuple[int, st
 
 
 def test_the_first_load_and_one_transaction_leave_exactly_the_desired_table() -> None:
-    first = render(compile_node(POLICIES, PODS, NAMESPACES, NODE))
+    first = table(POLICIES, PODS)
     moved = [
         *PODS[:2],
-        pod("shop", "api", "web", ["10.244.2.2", "fd10:2::2"], node="n2"),  # leaves a db peer set
+        pod("api", "web", "10.244.2.2", "fd10:2::2", node="n2"),  # leaves a db peer set
         PODS[3],
-        pod("shop", "db2", "db", ["10.244.1.5"]),  # a new local pod, selected
+        pod("db2", "db", "10.244.1.5"),  # a new local pod, selected
     ]
-    second = render(compile_node(POLICIES, moved, NAMESPACES, NODE))
+    second = table(POLICIES, moved)
     with temp_netns("npol") as ns:
         nft(ns, "-f", "-", script="add table inet bystander\nadd chain inet bystander c\n"
             "add rule inet bystander c counter accept\n")  # fmt: skip
@@ -160,8 +140,25 @@ def test_the_first_load_and_one_transaction_leave_exactly_the_desired_table() ->
         assert "bystander" in nft(ns, "list", "tables")
         nft(ns, "-f", "-", script=transaction(second, first))  # and back
         assert_table_is(ns, first)
-        nft(ns, "-f", "-", script=transaction(first, render(compile_node([], PODS, NAMESPACES,
-                                                                           NODE))))  # fmt: skip
+        nft(ns, "-f", "-", script=transaction(first, table([], PODS)))
         sets, chains = observed(ns)
         assert sorted(chains) == ["forward", "input"]
         assert all(not elems for _, elems in sets.values())
+
+
+@pytest.fixture(scope="module")
+def shared_ns() -> Iterator[Netns]:
+    """One namespace for every example: each starts by deleting the table."""
+    with temp_netns("npolh") as ns:
+        yield ns
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_random_transactions_leave_exactly_the_desired_table(shared_ns: Netns, data: Any) -> None:
+    old, new = random_table(data), random_table(data)
+    nft(shared_ns, "-f", "-", script=f"add table {FAMILY} {TABLE}\ndelete table {FAMILY} {TABLE}\n")
+    nft(shared_ns, "-f", "-", script=full_script(old))
+    assert_table_is(shared_ns, old)
+    nft(shared_ns, "-f", "-", script=transaction(old, new))
+    assert_table_is(shared_ns, new)

@@ -8,56 +8,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flannelpy.netpol.compile import CIDRS, PODS, compile_node, set_name
-from flannelpy.netpol.model import INGRESS, Pod, Policy, parse_namespace, parse_pod, parse_policy
+from flannelpy.netpol.model import INGRESS
 from flannelpy.netpol.nft import (
     PREFIX,
     Ruleset,
     changed_elements,
     full_script,
     pod_chain,
-    render,
     transaction,
 )
-
-NODE = "n1"
-NAMESPACES = [parse_namespace({"metadata": {"name": "shop"}})]
-
-
-def pod(name: str, app: str, ip: str, node: str = NODE) -> Pod:
-    return parse_pod(
-        {
-            "metadata": {"namespace": "shop", "name": name, "labels": {"app": app}},
-            "spec": {"nodeName": node, "containers": [{"ports": [{"name": "http",
-                                                                  "containerPort": 8080}]}]},
-            "status": {"podIPs": [{"ip": ip}]},
-        }
-    )  # fmt: skip
-
-
-def policy(name: str, spec: dict[str, Any]) -> Policy:
-    return parse_policy({"metadata": {"namespace": "shop", "name": name}, "spec": spec})
-
-
-DB_POLICY = policy(
-    "db",
-    {
-        "podSelector": {"matchLabels": {"app": "db"}},
-        "ingress": [
-            {
-                "from": [
-                    {"podSelector": {"matchLabels": {"app": "api"}}},
-                    {"ipBlock": {"cidr": "192.168.0.0/16", "except": ["192.168.1.0/24"]}},
-                ],
-                "ports": [{"port": 5432}, {"port": "http"}],
-            }
-        ],
-    },
+from tests.support.netpol_cases import (
+    DB_POLICY,
+    NAMESPACES,
+    NODE,
+    pod,
+    policy,
+    random_table,
+    table,
 )
+
 CLUSTER = [pod("db", "db", "10.244.1.3"), pod("api", "api", "10.244.2.2", node="n2")]
-
-
-def table(policies: list[Policy], pods: list[Pod]) -> Ruleset:
-    return render(compile_node(policies, pods, NAMESPACES, NODE))
 
 
 P4 = set_name("shop/db", INGRESS, 0, PODS, 4)
@@ -266,31 +236,10 @@ def modelled(ruleset: Ruleset) -> tuple[dict[str, Any], dict[str, list[str]]]:
     return sets, {n: list(c.rules) for n, c in ruleset.chains.items()}
 
 
-APPS = ("db", "api", "web")
-POLICY_POOL = [
-    DB_POLICY,
-    policy("deny", {"podSelector": {"matchLabels": {"app": "web"}}}),
-    policy("out", {"podSelector": {"matchExpressions": [{"key": "app", "operator": "NotIn",
-                                                         "values": ["db"]}]},
-                   "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "db"}}}],
-                               "ports": [{"port": "http"}, {"port": 5432}]}]}),
-]  # fmt: skip
-
-
-def cluster_state(data: Any) -> Ruleset:
-    pods = [
-        pod(f"p{i}", data.draw(st.sampled_from(APPS)), f"10.244.{i % 3}.{i + 2}",
-            node=data.draw(st.sampled_from([NODE, "n2"])))
-        for i in range(data.draw(st.integers(0, 8)))
-    ]  # fmt: skip
-    chosen = data.draw(st.lists(st.sampled_from(POLICY_POOL), unique_by=lambda p: p.name))
-    return table(chosen, pods)
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_every_transaction_turns_the_old_table_into_the_new_one(data: Any) -> None:
-    old, new = cluster_state(data), cluster_state(data)
+    old, new = random_table(data), random_table(data)
     kernel = Kernel()
     kernel.run(full_script(old))
     assert kernel.state() == modelled(old)
