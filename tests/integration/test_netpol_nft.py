@@ -9,6 +9,7 @@ same against the kernel, as the unit tier checks them against a model of nft.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -162,3 +163,26 @@ def test_random_transactions_leave_exactly_the_desired_table(shared_ns: Netns, d
     assert_table_is(shared_ns, old)
     nft(shared_ns, "-f", "-", script=transaction(old, new))
     assert_table_is(shared_ns, new)
+
+
+def test_editing_an_ip_block_swaps_interval_elements_in_place() -> None:
+    def block(cidr: str, excepts: list[str]) -> Ruleset:
+        spec = {
+            "podSelector": {},
+            "ingress": [{"from": [{"ipBlock": {"cidr": cidr, "except": excepts}}]}],
+        }
+        return table([policy("x", spec)], [pod("a", "db", "10.244.1.2")])  # fmt: skip
+
+    steps = [
+        block("10.0.0.0/8", []),
+        block("10.0.0.0/8", ["10.1.0.0/16"]),
+        block("10.0.0.0/7", ["10.0.0.0/9"]),  # keeps 10.128.0.0/9, beside it 11.0.0.0/8
+        block("10.0.0.0/8", []),
+    ]
+    with temp_netns("npolc") as ns:
+        nft(ns, "-f", "-", script=full_script(steps[0]))
+        for old, new in itertools.pairwise(steps):
+            script = transaction(old, new)
+            assert all(line.split()[1] == "element" for line in script.splitlines())
+            nft(ns, "-f", "-", script=script)
+            assert_table_is(ns, new)
