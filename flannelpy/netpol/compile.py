@@ -100,9 +100,8 @@ def compile_node(
     node: str,
 ) -> NodePolicy:
     """This node's desired policy state (see the module's docstring)."""
-    ns_labels = {ns.name: dict(ns.labels) for ns in namespaces}
-    live = sorted((p for p in pods if p.ips and not p.host_network), key=lambda p: p.key)
-    local = [p for p in live if p.node == node]
+    cluster = _Cluster(pods, namespaces)
+    local = [p for p in cluster.live if p.node == node]
     sets: dict[str, AddressSet] = {}
     allows: dict[tuple[str, str], list[Allow]] = {}
     for policy in sorted(policies, key=lambda p: p.key):
@@ -119,7 +118,7 @@ def compile_node(
             for pod in selected:
                 allows.setdefault((pod.key, direction), [])
             for index, rule in enumerate(rules):
-                ctx = _RuleContext(policy, direction, index, rule, live, ns_labels, sets)
+                ctx = _RuleContext(policy, direction, index, rule, cluster, sets)
                 for pod in selected:
                     allows[(pod.key, direction)] += ctx.allows_for(pod)
     pod_rules = []
@@ -145,6 +144,34 @@ def set_name(policy: str, direction: str, rule: int, kind: str, family: int) -> 
     return f"np_{digest}_{'i' if direction == INGRESS else 'e'}{rule}_{kind}{family}"
 
 
+class _Cluster:
+    """The live pods (sorted) and namespace labels, with each peer's pods found once:
+    policies often share selectors (every pod of a namespace, every namespace)."""
+
+    def __init__(self, pods: Iterable[Pod], namespaces: Iterable[Namespace]) -> None:
+        self.live = sorted((p for p in pods if p.ips and not p.host_network), key=lambda p: p.key)
+        self.ns_labels = {ns.name: dict(ns.labels) for ns in namespaces}
+        self._found: dict[tuple[object, ...], list[Pod]] = {}
+
+    def peer_pods(self, peer: Peer, policy_namespace: str) -> list[Pod]:
+        ns_sel, pod_sel = peer.namespace_selector, peer.pod_selector
+        key = (ns_sel, pod_sel, policy_namespace if ns_sel is None else None)
+        if key not in self._found:
+            self._found[key] = [
+                p
+                for p in self.live
+                if (
+                    # A pod of a namespace not read yet matches no namespace selector: its
+                    # labels are unknown, and NotIn or DoesNotExist would let it in.
+                    p.namespace in self.ns_labels and ns_sel.matches(self.ns_labels[p.namespace])
+                    if ns_sel is not None
+                    else p.namespace == policy_namespace
+                )
+                and (pod_sel is None or pod_sel.matches(p.label_map))
+            ]
+        return self._found[key]
+
+
 class _RuleContext:
     """One rule of one policy: its sets, made once, and its allows for each selected pod."""
 
@@ -154,12 +181,12 @@ class _RuleContext:
         direction: str,
         index: int,
         rule: Rule,
-        live: list[Pod],
-        ns_labels: dict[str, dict[str, str]],
+        cluster: _Cluster,
         sets: dict[str, AddressSet],
     ) -> None:
         self.policy, self.direction, self.index, self.rule = policy, direction, index, rule
-        self.ns_labels, self.sets = ns_labels, sets
+        self.sets = sets
+        live = cluster.live
         self.numeric = _merge_ports(
             PortMatch(p.protocol, p.port, p.end_port or p.port) if p.port else PortMatch(p.protocol)
             for p in rule.ports
@@ -167,7 +194,7 @@ class _RuleContext:
         )
         self.named = sorted({(p.port, p.protocol) for p in rule.ports if isinstance(p.port, str)})
         pod_peers = [p for p in rule.peers if p.ip_block is None]
-        dests = [pod for peer in pod_peers for pod in self._peer_pods(peer, live)]
+        dests = [pod for peer in pod_peers for pod in cluster.peer_pods(peer, policy.namespace)]
         self.peer_sets: list[tuple[int, str, str]] = []  # (family, name, kind)
         # Address sets serve every rule but an egress rule of named ports only.
         addressed = direction == INGRESS or not rule.ports or bool(self.numeric)
@@ -177,9 +204,7 @@ class _RuleContext:
                 blocks[net.version].append(net)
         for family in (4, 6) if addressed else ():
             if pod_peers:
-                members = [
-                    ((int(ip),), str(ip)) for p in dests for ip in p.ips if ip.version == family
-                ]
+                members = [((n,), t) for p in dests for v, n, t in p.addresses if v == family]
                 self.peer_sets.append((family, self._set(PODS, family, members), PODS))
             if blocks[family]:
                 merged = collapse_addresses(blocks[family])  # type: ignore[type-var]
@@ -220,21 +245,6 @@ class _RuleContext:
             found += [Allow(key, index, f, name, kind, numeric) for f, name, kind in self.peer_sets]
         found += [Allow(key, index, f, name, ADDR_PORTS) for f, name in self.port_sets]
         return found
-
-    def _peer_pods(self, peer: Peer, live: list[Pod]) -> list[Pod]:
-        ns_sel, pod_sel = peer.namespace_selector, peer.pod_selector
-        return [
-            p
-            for p in live
-            if (
-                # A pod of a namespace not read yet matches no namespace selector: its
-                # labels are unknown, and NotIn or DoesNotExist would let it in.
-                p.namespace in self.ns_labels and ns_sel.matches(self.ns_labels[p.namespace])
-                if ns_sel is not None
-                else p.namespace == self.policy.namespace
-            )
-            and (pod_sel is None or pod_sel.matches(p.label_map))
-        ]
 
     def _set(self, kind: str, family: int, elements: Sequence[tuple[tuple[int, ...], str]]) -> str:
         """Record the rule's set; ``elements`` are (sort key, text): sorted by address."""

@@ -163,6 +163,11 @@ class Pod:
     def label_map(self) -> dict[str, str]:  # computed once: selectors ask it per policy
         return dict(self.labels)
 
+    @cached_property
+    def addresses(self) -> tuple[tuple[int, int, str], ...]:
+        """(family, integer, text) of each IP, computed once: every rule's sets list them."""
+        return tuple((ip.version, int(ip), str(ip)) for ip in self.ips)
+
     def named_port(self, name: str, protocol: str) -> int | None:
         """The number of this pod's container port ``name`` with ``protocol``, if any."""
         for cp in self.ports:
