@@ -3,7 +3,8 @@
 The objects come from the API server, but the agent treats them as untrusted
 input: every field is type-checked and bounded, and anything the agent cannot
 represent exactly is refused with :class:`PolicyRefused` (one sentence naming
-the object and the reason), never turned into a wider rule. The semantics are
+the object and the reason), never turned into a wider rule: that includes a field
+of a policy's spec, rules, peers or ports that this agent does not know. The semantics are
 ``networking.k8s.io/v1``'s:
 
 * a label selector's ``matchLabels`` and ``matchExpressions`` are ANDed; an empty
@@ -40,6 +41,7 @@ MAX_ITEMS = 1000  # rules, peers, ports, expressions, values, labels: per list
 MAX_TEXT = 317  # a qualified label key (253-char prefix, '/', 63-char name) is the longest
 PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAME
 METADATA_NAME = "kubernetes.io/metadata.name"
+SPEC_FIELDS = ("podSelector", "ingress", "egress", "policyTypes")
 DNS_LABEL = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
@@ -189,7 +191,7 @@ def parse_policy(obj: Any) -> Policy:
     """A ``networking.k8s.io/v1`` NetworkPolicy; :class:`PolicyRefused` if not exact."""
     namespace, name = _meta(obj, "NetworkPolicy")
     what = f"NetworkPolicy {namespace}/{name}"
-    spec = _dict(obj.get("spec"), what, "spec")
+    spec = _dict(obj.get("spec"), what, "spec", SPEC_FIELDS)
     selector = _selector(spec.get("podSelector"), what, "spec.podSelector")
     if selector is None:
         raise PolicyRefused(what, "spec.podSelector is missing; use {} to select every pod")
@@ -276,7 +278,7 @@ def _rules(spec: dict[str, Any], field: str, peers_field: str, what: str) -> tup
     rules = []
     for i, raw in enumerate(_list(spec.get(field), what, f"spec.{field}")):
         where = f"spec.{field}[{i}]"
-        raw = _dict(raw, what, where)
+        raw = _dict(raw, what, where, ("ports", peers_field))
         peers = tuple(
             _peer(p, what, f"{where}.{peers_field}[{j}]")
             for j, p in enumerate(_list(raw.get(peers_field), what, f"{where}.{peers_field}"))
@@ -290,7 +292,7 @@ def _rules(spec: dict[str, Any], field: str, peers_field: str, what: str) -> tup
 
 
 def _peer(raw: Any, what: str, where: str) -> Peer:
-    raw = _dict(raw, what, where)
+    raw = _dict(raw, what, where, ("podSelector", "namespaceSelector", "ipBlock"))
     pods = _selector(raw.get("podSelector"), what, f"{where}.podSelector")
     namespaces = _selector(raw.get("namespaceSelector"), what, f"{where}.namespaceSelector")
     block_raw = raw.get("ipBlock")
@@ -304,7 +306,7 @@ def _peer(raw: Any, what: str, where: str) -> Peer:
 
 
 def _ip_block(raw: Any, what: str, where: str) -> IPBlock:
-    raw = _dict(raw, what, f"{where}.ipBlock")
+    raw = _dict(raw, what, f"{where}.ipBlock", ("cidr", "except"))
     cidr = _cidr(raw.get("cidr"), what, f"{where}.ipBlock.cidr")
     excepts = []
     for e in _list(raw.get("except"), what, f"{where}.ipBlock.except"):
@@ -318,7 +320,7 @@ def _ip_block(raw: Any, what: str, where: str) -> IPBlock:
 
 
 def _port(raw: Any, what: str, where: str) -> Port:
-    raw = _dict(raw, what, where)
+    raw = _dict(raw, what, where, ("protocol", "port", "endPort"))
     protocol = _protocol(raw.get("protocol"), what)
     port, end = raw.get("port"), raw.get("endPort")
     if isinstance(port, str):
@@ -343,11 +345,11 @@ def _port(raw: Any, what: str, where: str) -> Port:
 def _selector(raw: Any, what: str, where: str) -> LabelSelector | None:
     if raw is None:
         return None
-    raw = _dict(raw, what, where)
+    raw = _dict(raw, what, where, ("matchLabels", "matchExpressions"))
     labels = _labels(raw.get("matchLabels"), what)
     expressions = []
     for e in _list(raw.get("matchExpressions"), what, f"{where}.matchExpressions"):
-        e = _dict(e, what, f"{where}.matchExpressions[]")
+        e = _dict(e, what, f"{where}.matchExpressions[]", ("key", "operator", "values"))
         key = _text(e.get("key"), what, f"{where}.matchExpressions[].key")
         op = e.get("operator")
         if op not in OPERATORS:
@@ -402,11 +404,16 @@ def _text(raw: Any, what: str, where: str) -> str:
     return raw
 
 
-def _dict(raw: Any, what: str, where: str) -> dict[str, Any]:
+def _dict(raw: Any, what: str, where: str, fields: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """An object; with ``fields``, one that has no other field: a field added to the API
+    later may narrow a rule, and ignoring it would enforce a wider one."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise PolicyRefused(what, f"{where} is not an object")
+    unknown = sorted(str(k) for k in raw if fields is not None and k not in fields)
+    if unknown:
+        raise PolicyRefused(what, f"{where} has the field {unknown[0]!r}, which is not understood")
     return raw
 
 

@@ -196,6 +196,20 @@ REFUSALS = [
     ({"podSelector": {}, "policyTypes": ["Both"]}, "policyType 'Both'"),
     ({"podSelector": {}, "ingress": {"from": []}}, "spec.ingress is not a list"),
     ({"podSelector": {"matchLabels": {"a": 1}}}, "label is not a string"),
+    # fields this agent does not know might narrow a rule: refused, never ignored
+    ({"podSelector": {}, "ingress": [{"from": [{"podSelector": {}, "nodeSelector": {}}]}]},
+     "spec.ingress[0].from[0] has the field 'nodeSelector', which is not understood"),
+    ({"podSelector": {}, "ingress": [{"ports": [{"port": 80, "portSet": "x"}]}]},
+     "spec.ingress[0].ports[0] has the field 'portSet'"),
+    ({"podSelector": {}, "egress": [{"to": [], "action": "Deny"}]},
+     "spec.egress[0] has the field 'action'"),
+    ({"podSelector": {}, "egress": [{"from": []}]}, "spec.egress[0] has the field 'from'"),
+    ({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8",
+                                                            "exclude": []}}]}]},
+     "ipBlock has the field 'exclude'"),
+    ({"podSelector": {"matchExpressions": [{"key": "a", "operator": "Exists", "negate": True}]}},
+     "has the field 'negate'"),
+    ({"podSelector": {}, "priority": 1}, "spec has the field 'priority'"),
 ]  # fmt: skip
 
 
