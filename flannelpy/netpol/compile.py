@@ -1,0 +1,282 @@
+"""All policies, pods and namespaces + this node's name -> this node's desired policy state.
+
+The result (:class:`NodePolicy`) holds two kinds of values:
+
+* **address sets**, one per (policy, direction, rule index, kind, family), named
+  ``np_<hash of namespace/name>_<i|e><rule>_<kind><4|6>``: ``p`` the IPs of the pods
+  the rule's selectors match (anywhere in the cluster), ``c`` its ipBlocks minus
+  their excepts (disjoint CIDRs), ``n`` for an egress rule with named ports the
+  triples ``IP . protocol . port`` of every destination pod (selected by the rule's
+  selectors, inside one of its ipBlocks, or any pod when it names no peer) whose
+  container port of that name resolves. A set's name depends only on the policy, so a pod that
+  changes labels, appears or goes changes only the elements of the sets it
+  enters or leaves; a set exists while its policy selects a pod of this node;
+* **per local pod and direction**, ``None`` when no policy selects the pod for
+  it (not isolated: everything passes) or the tuple of :class:`Allow` that
+  together are the union of every selecting policy's rules (empty: isolated,
+  everything is denied but replies; the node's own traffic to its pods is never
+  judged). Named ports of ingress rules are resolved on the local pod itself.
+
+Host-network pods and pods without an IP are neither selected nor peers (their
+addresses are the node's, or nothing); a pod whose Namespace has not been read
+matches no namespace selector. Everything is sorted, so the same input (one Pod
+per namespace/name) in any order compiles to an equal value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from ipaddress import collapse_addresses
+
+from flannelpy.netpol.model import (
+    EGRESS,
+    INGRESS,
+    Namespace,
+    Net,
+    Peer,
+    Pod,
+    Policy,
+    Rule,
+)
+
+PODS = "p"  # set kinds, the letter in the set's name
+CIDRS = "c"
+ADDR_PORTS = "n"
+
+
+@dataclass(frozen=True)
+class AddressSet:
+    name: str
+    family: int  # 4 or 6
+    kind: str  # PODS, CIDRS or ADDR_PORTS
+    comment: str  # "namespace/name ingress rule 0"
+    elements: tuple[str, ...]  # sorted: "10.0.0.1", "10.0.0.0/8", "10.0.0.1 . tcp . 80"
+
+
+@dataclass(frozen=True)
+class PortMatch:
+    protocol: str  # TCP, UDP or SCTP
+    first: int | None = None  # None: every port of the protocol
+    last: int | None = None
+
+
+@dataclass(frozen=True)
+class Allow:
+    """One way one rule of one policy lets a pod's traffic pass in one direction."""
+
+    policy: str  # namespace/name
+    rule: int
+    family: int | None = None  # None with peer_set None: any peer of either family
+    peer_set: str | None = None
+    kind: str = PODS  # of peer_set; ADDR_PORTS sets carry the ports themselves
+    ports: tuple[PortMatch, ...] = ()  # (): any port of any protocol
+
+
+@dataclass(frozen=True)
+class PodRules:
+    namespace: str
+    name: str
+    ips: tuple[str, ...]
+    ingress: tuple[Allow, ...] | None  # None: not isolated
+    egress: tuple[Allow, ...] | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    sets: tuple[AddressSet, ...] = ()  # sorted by name
+    pods: tuple[PodRules, ...] = ()  # sorted by namespace/name; only selected local pods
+
+
+def compile_node(
+    policies: Iterable[Policy],
+    pods: Iterable[Pod],
+    namespaces: Iterable[Namespace],
+    node: str,
+) -> NodePolicy:
+    """This node's desired policy state (see the module's docstring)."""
+    cluster = _Cluster(pods, namespaces)
+    local = [p for p in cluster.live if p.node == node]
+    sets: dict[str, AddressSet] = {}
+    allows: dict[tuple[str, str], list[Allow]] = {}
+    for policy in sorted(policies, key=lambda p: p.key):
+        selected = [
+            p
+            for p in local
+            if p.namespace == policy.namespace and policy.pod_selector.matches(p.label_map)
+        ]
+        if not selected:
+            continue
+        for direction, rules in ((INGRESS, policy.ingress), (EGRESS, policy.egress)):
+            if direction not in policy.policy_types:
+                continue
+            for pod in selected:
+                allows.setdefault((pod.key, direction), [])
+            for index, rule in enumerate(rules):
+                ctx = _RuleContext(policy, direction, index, rule, cluster, sets)
+                for pod in selected:
+                    allows[(pod.key, direction)] += ctx.allows_for(pod)
+    pod_rules = []
+    for pod in local:
+        ingress, egress = allows.get((pod.key, INGRESS)), allows.get((pod.key, EGRESS))
+        if ingress is None and egress is None:
+            continue
+        pod_rules.append(
+            PodRules(
+                pod.namespace,
+                pod.name,
+                tuple(str(ip) for ip in pod.ips),
+                None if ingress is None else tuple(ingress),
+                None if egress is None else tuple(egress),
+            )
+        )
+    return NodePolicy(tuple(sets[n] for n in sorted(sets)), tuple(pod_rules))
+
+
+def set_name(policy: str, direction: str, rule: int, kind: str, family: int) -> str:
+    """The stable name of a rule's set: it depends on the policy's identity, nothing else."""
+    digest = hashlib.sha256(policy.encode()).hexdigest()[:12]
+    return f"np_{digest}_{'i' if direction == INGRESS else 'e'}{rule}_{kind}{family}"
+
+
+class _Cluster:
+    """The live pods (sorted) and namespace labels, with each peer's pods found once:
+    policies often share selectors (every pod of a namespace, every namespace)."""
+
+    def __init__(self, pods: Iterable[Pod], namespaces: Iterable[Namespace]) -> None:
+        self.live = sorted((p for p in pods if p.ips and not p.host_network), key=lambda p: p.key)
+        self.ns_labels = {ns.name: dict(ns.labels) for ns in namespaces}
+        self._found: dict[tuple[object, ...], list[Pod]] = {}
+
+    def peer_pods(self, peer: Peer, policy_namespace: str) -> list[Pod]:
+        ns_sel, pod_sel = peer.namespace_selector, peer.pod_selector
+        key = (ns_sel, pod_sel, policy_namespace if ns_sel is None else None)
+        if key not in self._found:
+            self._found[key] = [
+                p
+                for p in self.live
+                if (
+                    # A pod of a namespace not read yet matches no namespace selector: its
+                    # labels are unknown, and NotIn or DoesNotExist would let it in.
+                    p.namespace in self.ns_labels and ns_sel.matches(self.ns_labels[p.namespace])
+                    if ns_sel is not None
+                    else p.namespace == policy_namespace
+                )
+                and (pod_sel is None or pod_sel.matches(p.label_map))
+            ]
+        return self._found[key]
+
+
+class _RuleContext:
+    """One rule of one policy: its sets, made once, and its allows for each selected pod."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        direction: str,
+        index: int,
+        rule: Rule,
+        cluster: _Cluster,
+        sets: dict[str, AddressSet],
+    ) -> None:
+        self.policy, self.direction, self.index, self.rule = policy, direction, index, rule
+        self.sets = sets
+        live = cluster.live
+        self.numeric = _merge_ports(
+            PortMatch(p.protocol, p.port, p.end_port or p.port) if p.port else PortMatch(p.protocol)
+            for p in rule.ports
+            if not isinstance(p.port, str)
+        )
+        self.named = sorted({(p.port, p.protocol) for p in rule.ports if isinstance(p.port, str)})
+        pod_peers = [p for p in rule.peers if p.ip_block is None]
+        dests = [pod for peer in pod_peers for pod in cluster.peer_pods(peer, policy.namespace)]
+        self.peer_sets: list[tuple[int, str, str]] = []  # (family, name, kind)
+        # Address sets serve every rule but an egress rule of named ports only.
+        addressed = direction == INGRESS or not rule.ports or bool(self.numeric)
+        blocks: dict[int, list[Net]] = {4: [], 6: []}
+        for peer in rule.peers:
+            for net in peer.ip_block.networks() if peer.ip_block is not None else ():
+                blocks[net.version].append(net)
+        for family in (4, 6) if addressed else ():
+            if pod_peers:
+                members = [((n,), t) for p in dests for v, n, t in p.addresses if v == family]
+                self.peer_sets.append((family, self._set(PODS, family, members), PODS))
+            if blocks[family]:
+                merged = collapse_addresses(blocks[family])  # type: ignore[type-var]
+                elements = [((int(n.network_address), n.prefixlen), str(n)) for n in merged]
+                self.peer_sets.append((family, self._set(CIDRS, family, elements), CIDRS))
+        self.port_sets: list[tuple[int, str]] = []  # egress named ports: (family, name)
+        if direction == EGRESS and self.named:
+            # A named port resolves on the destination pod: one selected by the rule's
+            # selectors, or any pod (with no peers), or one whose address is in an ipBlock.
+            chosen = {p.key for p in dests}
+            for family in (4, 6):
+                triples = [
+                    ((int(ip), number, len(proto)), f"{ip} . {proto.lower()} . {number}")
+                    for dest in live
+                    for ip in dest.ips
+                    if ip.version == family
+                    and (
+                        not rule.peers
+                        or dest.key in chosen
+                        or any(ip in net for net in blocks[family])
+                    )
+                    for name, proto in self.named
+                    if (number := dest.named_port(name, proto))
+                ]
+                self.port_sets.append((family, self._set(ADDR_PORTS, family, triples)))
+
+    def allows_for(self, pod: Pod) -> list[Allow]:
+        """The ways this rule lets ``pod``'s traffic pass (none when no port of it resolves)."""
+        numeric = self.numeric
+        if self.direction == INGRESS and self.named:  # named ports resolve on the pod itself
+            resolved = [(pod.named_port(n, proto), proto) for n, proto in self.named]
+            numeric = _merge_ports([*numeric, *(PortMatch(pr, n, n) for n, pr in resolved if n)])
+        key, index = self.policy.key, self.index
+        found: list[Allow] = []
+        if not self.rule.ports or numeric:
+            if not self.rule.peers:
+                found.append(Allow(key, index, ports=numeric))
+            found += [Allow(key, index, f, name, kind, numeric) for f, name, kind in self.peer_sets]
+        found += [Allow(key, index, f, name, ADDR_PORTS) for f, name in self.port_sets]
+        return found
+
+    def _set(self, kind: str, family: int, elements: Sequence[tuple[tuple[int, ...], str]]) -> str:
+        """Record the rule's set; ``elements`` are (sort key, text): sorted by address."""
+        name = set_name(self.policy.key, self.direction, self.index, kind, family)
+        comment = f"{self.policy.key} {self.direction.lower()} rule {self.index}"
+        texts = tuple(text for _, text in sorted(set(elements)))
+        self.sets[name] = AddressSet(name, family, kind, comment, texts)
+        return name
+
+
+def _merge_ports(ports: Iterable[PortMatch]) -> tuple[PortMatch, ...]:
+    """Ports as disjoint, merged ranges per protocol (a protocol without a port
+    swallows its ranges), sorted: one value per meaning."""
+    by_proto: dict[str, list[tuple[int, int]] | None] = {}
+    for p in ports:
+        if p.first is None or by_proto.get(p.protocol, []) is None:
+            by_proto[p.protocol] = None
+            continue
+        ranges = by_proto.setdefault(p.protocol, [])
+        assert ranges is not None
+        ranges.append((p.first, p.last if p.last is not None else p.first))
+    merged: list[PortMatch] = []
+    for proto in sorted(by_proto):
+        ranges = by_proto[proto]
+        if ranges is None:
+            merged.append(PortMatch(proto))
+            continue
+        spans: list[list[int]] = []
+        for first, last in sorted(ranges):
+            if spans and first <= spans[-1][1] + 1:
+                spans[-1][1] = max(spans[-1][1], last)
+            else:
+                spans.append([first, last])
+        merged += [PortMatch(proto, a, b) for a, b in spans]
+    return tuple(merged)
