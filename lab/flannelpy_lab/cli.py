@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kubelet",
         action="store_true",
-        help="implies --kube: kube-scheduler, and on every node a real kubelet and containerd; "
+        help="implies --kube: kube-scheduler, and on every node a real kubelet, containerd "
+        "and kube-proxy; "
         "the agents run as the manifests' DaemonSet (image built by scripts/build-images.sh), "
         "and a test Deployment spreads one busybox pod per node",
+    )
+    up.add_argument(
+        "--proxy-mode",
+        choices=("iptables", "nftables"),
+        default="iptables",
+        help="with --kubelet: the mode of the kube-proxy every node runs (default iptables)",
     )
     up.add_argument(
         "--ip-family",
@@ -229,6 +236,7 @@ def _up(args: argparse.Namespace) -> int:
         or None,
         kube=args.kube,
         kubelets=args.kubelet,
+        proxy_mode=args.proxy_mode,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))
