@@ -340,7 +340,7 @@ def render_text(doc: dict[str, Any]) -> str:
         )
         suffix = "_ipv6" if family == "IPv6" else ""
         how = doc.get(f"matrix{suffix}_judged_by")
-        lines += ["", f"{title} (from row to column; {_JUDGED}):"]
+        lines += ["", f"{title} (from row to column):", f"  {_JUDGED}"]
         lines += render_matrix(reach, how)
         points = doc.get(f"probe_points{suffix}") or {}
         lines += [f"  {name}: {point}" for name, point in points.items()]
@@ -425,7 +425,7 @@ def render_members(members: list[dict[str, Any]]) -> list[str]:
 
 _JUDGED = (
     "ok: a ping between the probe points below answered; rt: an end has no probe point "
-    "and the route is in place; --: neither"
+    "and the route is in place; --: not reached"
 )
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flannelpy_lab import cli, proxy, reach, status
+from flannelpy_lab import cli, kube, kubelet, proxy, reach, status
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
+
+from tests.unit.test_lab_agents import make_lab
 
 LEASE = IPv4Network("10.244.3.0/24")
 
@@ -130,3 +132,12 @@ def test_the_proxy_mode_flag(tmp_path: Path) -> None:
     with pytest.raises(LabError, match="--proxy-mode needs --kubelet"):
         Lab.up("unit", 2, kube=True, proxy_mode="nftables", lab_root=str(tmp_path / "labs"))
     assert not (tmp_path / "labs").exists()
+
+
+def test_up_names_kubectl_and_the_proxy_mode_of_a_kubelet_lab(tmp_path: Path) -> None:
+    state = make_lab(tmp_path).state
+    state.extra[kube.STATE_KEY] = {kube.KUBELETS_KEY: True}
+    state.extra[kubelet.STATE_KEY] = {"proxy_mode": "nftables"}
+    text = cli.summary(state)
+    assert f"kubectl --kubeconfig {kube.admin_kubeconfig(state)} get nodes" in text
+    assert "kube-proxy (nftables mode) on every node" in text
