@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubelet, kubectl), pinned by the wrapper module in tests/peers/kubernetes,
-# into a cache outside git. The lab runs it in Kubernetes mode; the product never needs Go.
-# Rebuilds only when the pin, the wrapper, this script or the Go toolchain changes (a stamp
-# holds their hash). Prints the directory holding the binaries.
+# kube-scheduler, kubelet, kube-proxy, kubectl), pinned by the wrapper module in
+# tests/peers/kubernetes, into a cache outside git. The lab runs it in Kubernetes mode; the
+# product never needs Go. Rebuilds only when the pin, the wrapper, this script (its list of
+# binaries too) or the Go toolchain changes (a stamp holds their hash), or a binary is
+# missing. Prints the directory holding the binaries.
 #   FLANNELPY_PEERS_DIR   cache directory (default /var/cache/flannelpy/peers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wrapper=tests/peers/kubernetes
-binaries=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet)
+binaries=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy)
 
 if ! command -v go >/dev/null; then
   PATH=$PATH:/usr/local/go/bin
@@ -73,7 +74,9 @@ done
   -o "$tmp_dir/" "${packages[@]}")
 for bin in "${binaries[@]}"; do
   if [[ $bin == kubectl ]]; then
-    reported=$("$tmp_dir/$bin" version --client 2>&1 | head -1)
+    # sed, not head: under pipefail, kubectl writing on after head has exited fails the
+    # pipeline (SIGPIPE), which ended a build here without a word.
+    reported=$("$tmp_dir/$bin" version --client 2>&1 | sed -n 1p)
     expected="Client Version: $pin"
   else
     reported=$("$tmp_dir/$bin" --version 2>&1)

@@ -188,18 +188,22 @@ def _ipv6_interface(text: str | None) -> str | None:
         return None
 
 
-def read_subnet_env(node: NodeInfo, newer_than: float | None = None) -> SubnetEnv | None:
-    """The node's subnet.env, or None if missing, older than ``newer_than`` or half-written."""
+def read_subnet_env(
+    node: NodeInfo, newer_than: float | None = None, path: str | None = None
+) -> SubnetEnv | None:
+    """The node's subnet.env (at ``path``, by default where the lab's agent writes it), or
+    None if missing, older than ``newer_than`` or half-written."""
+    path = path or node.subnet_env
     try:
-        st = os.stat(node.subnet_env)
+        st = os.stat(path)
         if newer_than is not None and st.st_mtime < newer_than:
             return None
-        with open(node.subnet_env, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         return None
     try:
-        return parse_subnet_env(text, node.subnet_env)
+        return parse_subnet_env(text, path)
     except ValueError:
         return None
 

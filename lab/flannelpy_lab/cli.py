@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kubelet",
         action="store_true",
-        help="implies --kube: kube-scheduler, and on every node a real kubelet and containerd; "
+        help="implies --kube: kube-scheduler, and on every node a real kubelet, containerd "
+        "and kube-proxy; "
         "the agents run as the manifests' DaemonSet (image built by scripts/build-images.sh), "
         "and a test Deployment spreads one busybox pod per node",
+    )
+    up.add_argument(
+        "--proxy-mode",
+        choices=("iptables", "nftables"),
+        default="iptables",
+        help="with --kubelet: the mode of the kube-proxy every node runs (default iptables)",
     )
     up.add_argument(
         "--ip-family",
@@ -229,6 +236,7 @@ def _up(args: argparse.Namespace) -> int:
         or None,
         kube=args.kube,
         kubelets=args.kubelet,
+        proxy_mode=args.proxy_mode,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))
@@ -236,6 +244,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def summary(state: LabState) -> str:
+    from flannelpy_lab import kube, kubelet
+
     mode = state.backend + (" (DirectRouting)" if state.direct_routing else "")
     lines = [
         f"lab {state.name} is up: {len(state.nodes)} nodes, {mode}, network "
@@ -250,13 +260,14 @@ def summary(state: LabState) -> str:
             f"Prometheus {prom['url']} scrapes every agent (rules: "
             f"{state.lab_dir}/prometheus/rules.yml)"
         ]
-    kube_config = state.extra.get("kube_kubeconfig")
-    if kube_config:
-        admin = kube_config.replace("flannelpy.kubeconfig", "admin.kubeconfig")
+    if kube.STATE_KEY in state.extra:
         lines[-1:-1] = [
-            f"Kubernetes API {state.extra.get('kube_api_url')}: "
-            f"kubectl --kubeconfig {admin} get nodes"
+            f"Kubernetes API {kube.api_url(state)}: "
+            f"kubectl --kubeconfig {kube.admin_kubeconfig(state)} get nodes"
         ]
+    if kubelet.enabled(state):
+        mode = kubelet.record(state).get("proxy_mode", "iptables")
+        lines[-1:-1] = [f"kubelet, containerd and kube-proxy ({mode} mode) on every node"]
     rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
     for n in state.nodes:
         rows.append(

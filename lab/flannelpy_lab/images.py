@@ -32,7 +32,11 @@ PAUSE_IMAGE = "localhost/flannelpy-pause:1"
 BUSYBOX_IMAGE = "localhost/flannelpy-busybox:1"
 PAUSE_ENTRYPOINT = ("/bin/sleep", "2147483647")
 BUSYBOX = "/bin/busybox"  # from busybox-static: the rootfs needs no libc
-APPLETS = ("sh", "ping", "nc", "sleep", "cat", "ip", "hostname", "wget", "ls", "echo")
+# The Service tests' backends (httpd running a CGI) and clients (wget under timeout:
+# busybox-static's wget crashes on its own -T).
+SERVICE_APPLETS = ("httpd", "mkdir", "chmod", "timeout")
+BASIC_APPLETS = ("sh", "ping", "nc", "sleep", "cat", "ip", "hostname", "wget", "ls", "echo")
+APPLETS = BASIC_APPLETS + SERVICE_APPLETS
 MISSING_TOOLS_HINT = "run scripts/bootstrap.sh, which installs busybox-static"
 
 

@@ -47,7 +47,7 @@ BUILD_SCRIPT = "scripts/build-kube.sh"
 PIN_FILE = "tests/peers/kubernetes/go.mod"
 BIN_DIR_ENV = "FLANNELPY_KUBE_BIN_DIR"
 PEERS_DIR_ENV = "FLANNELPY_PEERS_DIR"
-BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl")
+BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "kube-proxy")
 STATE_KEY = "kube"  # in LabState.extra: the control plane's record
 API_PORT = 6443
 NAMESPACE = "kube-flannelpy"  # the manifests' names
@@ -72,6 +72,10 @@ KUBELET_CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     "garbage-collector-controller",
     "pod-garbage-collector-controller",
+    # A Service's endpoints, which kube-proxy (flannelpy_lab.proxy) programs.
+    "endpoints-controller",
+    "endpointslice-controller",
+    "endpointslice-mirroring-controller",
 )
 _PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
@@ -402,6 +406,27 @@ def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> No
     os.replace(tmp, path)
 
 
+def cert_kubeconfig(server: str, ca: str, cert: str, key: str) -> dict[str, Any]:
+    """A kubeconfig authenticating with a client certificate (kubelets, the scheduler,
+    kube-proxy)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": ca}}],
+        "users": [{"name": "lab", "user": {"client-certificate": cert, "client-key": key}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
+    }
+
+
+def write_file(path: str, text: str, mode: int = 0o644) -> None:
+    """``text`` into ``path`` atomically, its directory made, with ``mode``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 # The control plane's other listeners, on the lab's own host address like the API server:
 # fixed ports on an address no other lab has, so labs started side by side never race for a
 # port (as a "free" loopback port picked at start would).
@@ -490,7 +515,8 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--kubelet-client-certificate", p("apiserver-kubelet-client.crt"),
         "--kubelet-client-key", p("apiserver-kubelet-client.key"),
         "--kubelet-preferred-address-types", "InternalIP",
-        # No Service reaches the API server here: the "kubernetes" endpoints need no upkeep.
+        # No pod reaches the API server through the "kubernetes" Service here (the agents
+        # are given its address): that Service's endpoints need no upkeep.
         "--endpoint-reconciler-type", "none",
         "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
         "--service-account-key-file", p("sa.pub"),

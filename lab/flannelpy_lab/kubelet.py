@@ -20,12 +20,18 @@ clamps oom_score_adj to its own (root lacks CAP_SYS_RESOURCE; the DaemonSet's
 system-node-critical pods would ask for -997) and has AppArmor off; the kubelet keeps
 its own oom_score_adj and does not account local storage.
 
+Beside them each node runs a real kube-proxy (``flannelpy_lab.proxy``), in iptables or
+nftables mode, and the controller-manager runs the endpoints and EndpointSlice
+controllers, so Services carry traffic over the overlay.
+
 The images come without a registry (``flannelpy_lab.images``) and are imported into
 every containerd. The manifests are applied through a kustomization of the lab's that
 only sets the image and, on the agent's container, ``KUBERNETES_SERVICE_HOST`` and
-``KUBERNETES_SERVICE_PORT`` (the API server's address: no kube-proxy runs, as Flannel's
-docs describe for clusters without it) and ``FLANNELD_IFACE`` (lab nodes have no
-default route to pick the interface from).
+``KUBERNETES_SERVICE_PORT`` (the API server's address, as Flannel's docs describe for
+clusters without kube-proxy: the agent must reach the API server before any Service
+carries traffic, and the API server keeps no endpoints for the ``kubernetes`` Service
+here) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the interface
+from).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import images, plan, procs, topology
+from flannelpy_lab import images, plan, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
@@ -214,17 +220,6 @@ def kubelet_config(
     }
 
 
-def _kubeconfig(server: str, ca: str, cert: str, key: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "lab",
-        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": ca}}],
-        "users": [{"name": "lab", "user": {"client-certificate": cert, "client-key": key}}],
-        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
-    }
-
-
 def kustomization(manifests: str, image_ref: str, api_host: str, api_port: int, iface: str) -> str:
     """The lab's overlay of ``manifests/``: the image, and the agent's way to the API
     server without kube-proxy; nothing else changes."""
@@ -301,13 +296,6 @@ def workload(replicas: int) -> dict[str, Any]:
 # -- start ----------------------------------------------------------------------------------
 
 
-def _write(path: str, text: str, mode: int = 0o644) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 def _spawn(state: LabState, key: str, argv: list[str], log: str, save: Save) -> procs.ProcessRef:
     ref = procs.spawn_detached(argv, log)
     record(state).setdefault("processes", {})[key] = [ref.pid, ref.start_ticks]
@@ -362,6 +350,9 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     wait_nodes_registered(state)
     control_plane.wait_pod_cidrs(state)
     rec["nodes_registered_seconds"] = round(time.monotonic() - t0, 1)
+    say(f"      starting kube-proxy ({rec.get('proxy_mode', proxy.DEFAULT_MODE)} mode)")
+    proxy.start(state, rec.setdefault("processes", {}), node_base, save)
+    rec["proxy_seconds"] = round(time.monotonic() - t0, 1)
     say("      applying manifests/ with the DaemonSet")
     apply_with_daemonset(state)
     wait_ready(state)
@@ -372,7 +363,8 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     save()
     say(
         f"      images in {rec['images_seconds']} s, Nodes registered at "
-        f"{rec['nodes_registered_seconds']} s, Ready with every agent pod at "
+        f"{rec['nodes_registered_seconds']} s, kube-proxy healthy at {rec['proxy_seconds']} s, "
+        f"Ready with every agent pod at "
         f"{rec['ready_seconds']} s, test pods Running at {rec['workload_seconds']} s"
     )
 
@@ -381,7 +373,11 @@ def _start_scheduler(state: LabState, save: Save) -> None:
     cert, key = control_plane.client_cert(state, "scheduler", "system:kube-scheduler")
     kubeconfig = control_plane._path(state, "scheduler.kubeconfig")
     ca = control_plane._path(state, "pki", "ca.crt")
-    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)), 0o600)
+    control_plane.write_file(
+        kubeconfig,
+        json.dumps(control_plane.cert_kubeconfig(control_plane.api_url(state), ca, cert, key)),
+        0o600,
+    )
     argv = [
         os.path.join(control_plane.record(state)["bin_dir"], "kube-scheduler"),
         "--kubeconfig",
@@ -406,7 +402,7 @@ def _start_containerd(state: LabState, node: NodeInfo, save: Save) -> None:
         os.makedirs(host_source(node, p), exist_ok=True)
     for plugin in REFERENCE_PLUGINS:
         shutil.copy(os.path.join(REFERENCE_DIR, plugin), host_source(node, "/opt/cni/bin"))
-    _write(os.path.join(base, "config.toml"), containerd_config(base))
+    control_plane.write_file(os.path.join(base, "config.toml"), containerd_config(base))
     _make_cgroups(cgroup_parent(state, node))
     binds = " && ".join(f"mount --bind {host_source(node, p)} {p}" for p in HOST_PATHS)
     script = f"{binds} && exec containerd --config {os.path.join(base, 'config.toml')}"
@@ -464,9 +460,13 @@ def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
         state, f"node-{node.name}", f"system:node:{node.name}", "system:nodes"
     )
     kubeconfig = os.path.join(base, "kubelet.kubeconfig")
-    _write(kubeconfig, json.dumps(_kubeconfig(control_plane.api_url(state), ca, cert, key)), 0o600)
+    control_plane.write_file(
+        kubeconfig,
+        json.dumps(control_plane.cert_kubeconfig(control_plane.api_url(state), ca, cert, key)),
+        0o600,
+    )
     config = os.path.join(base, "kubelet.yaml")
-    _write(
+    control_plane.write_file(
         config,
         json.dumps(
             kubelet_config(str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node))
@@ -552,7 +552,7 @@ def apply_with_daemonset(state: LabState) -> None:
         control_plane.API_PORT,
         iface,
     )
-    _write(os.path.join(overlay, "kustomization.yaml"), text)
+    control_plane.write_file(os.path.join(overlay, "kustomization.yaml"), text)
     rendered = control_plane.kubectl_json(state, "apply", "-k", overlay, "--dry-run=client")
     items = rendered.get("items", [rendered])
     rest = [o for o in items if o.get("kind") != "DaemonSet"]
@@ -634,7 +634,7 @@ def stop(state: LabState | None, name: str) -> None:
     when there is no state."""
     rec = state.extra.get(STATE_KEY, {}) if state else {}
     started = rec.get("processes", {})
-    for prefix in ("kubelet/", "containerd/"):
+    for prefix in (proxy.PROCESS_PREFIX, "kubelet/", "containerd/"):
         refs = [procs.ref_of(*v) for k, v in started.items() if k.startswith(prefix)]
         procs.stop([r for r in refs if r])
     if state is None:  # no record: first whatever runs in the nodes' network namespaces
@@ -659,7 +659,11 @@ def stop_node(state: LabState, node: NodeInfo) -> None:
     """Take one node's machine away: its kubelet, containerd and every pod on it (the
     agent's too); its network namespace stays. Its Node object is left to the caller."""
     started = record(state).get("processes", {})
-    for key in (f"kubelet/{node.name}", f"containerd/{node.name}"):
+    for key in (
+        proxy.PROCESS_PREFIX + node.name,
+        f"kubelet/{node.name}",
+        f"containerd/{node.name}",
+    ):
         ref = procs.ref_of(*started[key]) if key in started else None
         if ref:
             procs.stop([ref])

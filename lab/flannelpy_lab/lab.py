@@ -24,6 +24,7 @@ from flannelpy.errors import ConfigError
 from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, prometheus, status, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab import kubelet as real_nodes
+from flannelpy_lab import proxy as kube_proxy
 from flannelpy_lab import state as state_io
 from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
@@ -151,6 +152,7 @@ class Lab:
         kube: bool = False,
         with_prometheus: bool = False,
         kubelets: bool = False,
+        proxy_mode: str = kube_proxy.DEFAULT_MODE,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -166,8 +168,9 @@ class Lab:
         ``with_prometheus``: a real Prometheus on the host's lab address scraping every
         agent, the manifests' alert rules loaded (``flannelpy_lab.prometheus``).
 
-        ``kubelets`` (implies ``kube``): a real kubelet and containerd per node, the agents
-        run by the manifests' DaemonSet, a test Deployment (``flannelpy_lab.kubelet``)."""
+        ``kubelets`` (implies ``kube``): a real kubelet, containerd and kube-proxy (in
+        ``proxy_mode``, iptables or nftables) per node, the agents run by the manifests'
+        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``)."""
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
@@ -180,6 +183,7 @@ class Lab:
             flanneld_nodes,
             etcd_members,
         )
+        kube_proxy.validate_mode(proxy_mode, kubelets)
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
@@ -207,7 +211,7 @@ class Lab:
             control_plane.record(state)
         if kubelets:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
-            real_nodes.record(state)
+            real_nodes.record(state)["proxy_mode"] = proxy_mode
         if with_prometheus:
             prometheus.record(state)
         lab = cls(state)
