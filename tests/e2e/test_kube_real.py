@@ -298,3 +298,23 @@ def test_a_partial_start_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(procs.alive(r) for r in started)
     assert not os.path.exists(os.path.join(plan.LAB_ROOT, name))
     assert lab_residue(before, host_snapshot(), name) == []
+
+
+def test_down_without_a_state_file_removes_the_control_plane() -> None:
+    """The state file lost (a crashed up, a hand-deleted lab directory): down still finds
+    kube-apiserver, kube-controller-manager and the ConfigMap projector by their command
+    lines. Before, only the etcds and agents were swept, and those three ran on."""
+    from flannelpy_lab.lab import down
+
+    name = unique_lab_name()
+    before = host_snapshot()
+    lab = Lab.up(name, 2, "vxlan", kube=True)
+    try:
+        refs = [*control_plane.process_refs(lab.state), control_plane.projector_ref(lab.state)]
+        assert len(refs) == 4 and all(procs.alive(r) for r in refs)
+        os.unlink(os.path.join(lab.state.lab_dir, "state.json"))
+        down(name)
+        assert not any(procs.alive(r) for r in refs)
+        assert lab_residue(before, host_snapshot(), name) == []
+    finally:
+        down(name)
