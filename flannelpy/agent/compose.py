@@ -286,7 +286,6 @@ def _public_ipv6(
 
 def run_agent(settings: AgentSettings) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit code; errors become one sentence."""
-    gc.disable()  # start-up only allocates what it keeps: no collection until ready
     try:
         agent = build_agent(settings)
     except FlannelpyError as e:
@@ -321,10 +320,9 @@ def settle_heap() -> None:
     """Once the agent is ready: what start-up built (imports, clients, the lease list, the
     first plan) lives as long as the process. Collect the garbage once, then keep the rest
     out of the collector's sight, so that its periodic full collections no longer walk
-    every object of the start (CPython's gc.freeze), and let the collector run again."""
+    every object of the start (CPython's gc.freeze)."""
     gc.collect()
     gc.freeze()
-    gc.enable()
 
 
 def _icmp_transport() -> ProbeTransport:
