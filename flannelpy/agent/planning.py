@@ -17,7 +17,7 @@ from flannelpy.agent.firewall import pod_ranges
 from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
-from flannelpy.backend.base import NodeContext, node_bounds
+from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
 from flannelpy.backend.wireguard import (
     WireguardBackend,
     keeping_context,
@@ -28,9 +28,16 @@ from flannelpy.backend.wireguard_config import DEVICE as WG_DEVICE
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.observe.mtu import describe_mismatch, describe_unknown, mtu_mismatches
+from flannelpy.observe.mtu import (
+    MtuReport,
+    PeerOrder,
+    describe_mismatch,
+    describe_unknown,
+    mtu_mismatches,
+)
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.memo import LeaseMemo
 from flannelpy.subnet.validate import Bounds, Rejection, split_peers
 
 if TYPE_CHECKING:
@@ -63,19 +70,34 @@ def probe_source6(ctx: NodeContext, own: Lease | None) -> IPv6Address | None:
 
 
 def probe_peers(
-    peers: Sequence[Lease], *, ipv6: bool
+    peers: Sequence[Lease],
+    *,
+    ipv6: bool,
+    memo: LeaseMemo[ProbeEntries] | None = None,
 ) -> dict[str, tuple[IPv4Address | IPv6Address, str]]:
     """The prober's peer set: one entry per family a peer has (keyed by its subnet of
-    that family), so the per-interval budget counts both."""
-    out: dict[str, tuple[IPv4Address | IPv6Address, str]] = {}
-    for p in peers:
-        label = p.attrs.node_name or str(p.attrs.public_ip or p.attrs.public_ipv6)
-        if p.subnet is not None and p.gateway is not None:
-            out[str(p.subnet)] = (p.gateway, label)
-        target6 = probe_target6(p) if ipv6 else None
-        if target6 is not None:
-            out[str(p.ipv6_subnet)] = (target6, label)
-    return out
+    that family), so the per-interval budget counts both. ``memo`` keeps each lease's
+    entries for the next call."""
+    if memo is None:
+        found = [probe_entries(p, ipv6) for p in peers]
+    else:
+        found = memo.results(ipv6, peers, lambda p: probe_entries(p, ipv6))
+    return {key: value for entries in found for key, value in entries}
+
+
+ProbeEntries = tuple[tuple[str, tuple[IPv4Address | IPv6Address, str]], ...]
+
+
+def probe_entries(p: Lease, ipv6: bool) -> ProbeEntries:
+    """One lease's entries of :func:`probe_peers`."""
+    label = p.attrs.node_name or str(p.attrs.public_ip or p.attrs.public_ipv6)
+    out: list[tuple[str, tuple[IPv4Address | IPv6Address, str]]] = []
+    if p.subnet is not None and p.gateway is not None:
+        out.append((str(p.subnet), (p.gateway, label)))
+    target6 = probe_target6(p) if ipv6 else None
+    if target6 is not None:
+        out.append((str(p.ipv6_subnet), (target6, label)))
+    return tuple(out)
 
 
 class Lingering(Generic[T]):
@@ -122,6 +144,17 @@ class Planner:
         # Devices that left the plan, kept a few seconds in their last planned form.
         self._links: Lingering[VxlanLink] = Lingering(LINGER_SECONDS)
         self._wireguard: Lingering[WgDeviceSpec] = Lingering(LINGER_SECONDS)
+        # Per peer lease, what the last plan found (verdict, paths, MTU, probe targets):
+        # the next plan recomputes only the leases that changed (subnet.memo).
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what earlier plans found: the next plan computes every lease anew (it
+        gives the same plan; tests compare the two)."""
+        self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
+        self._plans = PlanMemo()
+        self._mtus: LeaseMemo[PeerOrder | None] = LeaseMemo()
+        self._probes: LeaseMemo[ProbeEntries] = LeaseMemo()
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
         """Hand the prober the current peers: each lease's IPv4 overlay address (its
@@ -131,7 +164,8 @@ class Planner:
             return
         if peers is None:
             peers = self.state.peers()
-        self.prober.set_peers(probe_peers(peers, ipv6=ipv6_plan.enabled(self.state.ctx)))
+        ipv6 = ipv6_plan.enabled(self.state.ctx)
+        self.prober.set_peers(probe_peers(peers, ipv6=ipv6, memo=self._probes))
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
@@ -140,8 +174,7 @@ class Planner:
             return
         self.check_peers()
         peers = s.peers()
-        self.metrics.peers(peers)
-        self.check_mtu(peers)
+        self.metrics.peers(peers, self.check_mtu(peers))
         self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
         ctx = keeping_context(s.ctx, s.backend.type_name, peers, s.wireguard_device_up)
@@ -150,7 +183,7 @@ class Planner:
             ctx.keeps_wireguard != s.keeps_wireguard
         ):
             s.attrs_dirty = True  # the writer rewrites our lease next
-        desired = s.backend.plan(ctx, s.own, peers, vtep_mac)
+        desired = s.backend.plan(ctx, s.own, peers, vtep_mac, self._plans)
         if s.backend.type_name == WireguardBackend.type_name:
             self.metrics.wireguard_unencrypted_peers(
                 unencrypted_peers(ctx, s.own, peers, vtep_mac is not None)
@@ -203,7 +236,7 @@ class Planner:
         """Set aside the peer leases that must never reach the kernel; each new rejection
         is logged once and counted (with the values the store could not even parse)."""
         s = self.state
-        _, rejected = split_peers(s.leases, (x.key for x in s.own), self.bounds())
+        _, rejected = split_peers(s.leases, (x.key for x in s.own), self.bounds(), self._verdicts)
         for key, why in self.undecodable().items():
             rejected.setdefault(key, why)
         for key, why in sorted(rejected.items()):
@@ -215,13 +248,13 @@ class Planner:
                 self.metrics.rejected_lease(why.reason)
         s.rejected = rejected
 
-    def check_mtu(self, peers: Sequence[Lease]) -> None:
+    def check_mtu(self, peers: Sequence[Lease]) -> MtuReport:
         """Peers must agree on the overlay MTU, or large packets vanish silently between them.
 
         Between nodes on different backends (a backend switch under way) the MTUs differ
         by design; that is said once at info level, not warned per peer."""
         s = self.state
-        report = mtu_mismatches(s.mtu, list(peers))
+        report = mtu_mismatches(s.mtu, peers, self._mtus)
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
             backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
             mixed = [
@@ -239,8 +272,21 @@ class Planner:
         # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer,
         # or in one line for many at once (a start among thousands of flanneld nodes
         # would log a line for each).
-        unknown = {peer.subnet for peer in report.unknown}
-        new = [peer for peer in report.unknown if peer.subnet not in self._said_unknown_mtu]
+        before = s.mtu_report.unknown if s.mtu_report is not None else []
+        s.mtu_report = report
+        if report.unknown == before:
+            return report
+        # Only what changed is looked at: the report of an unchanged lease is the same
+        # object from one plan to the next (the memo's).
+        was = dict(zip(map(id, before), before, strict=True))
+        now = dict(zip(map(id, report.unknown), report.unknown, strict=True))
+        arrived = now.keys() - was.keys()
+        fresh = [peer for peer in report.unknown if id(peer) in arrived] if arrived else []
+        gone = list(map(was.__getitem__, was.keys() - now.keys()))
+        said = self._said_unknown_mtu
+        new = [peer for peer in fresh if peer.subnet not in said]
+        said.difference_update(peer.subnet for peer in gone)
+        said.update(peer.subnet for peer in fresh)
         if len(new) > UNKNOWN_MTU_LINES:
             log.info(
                 "MTU unknown for %d peers (%s, ...): %s",
@@ -251,5 +297,4 @@ class Planner:
         else:
             for peer in new:
                 log.info("MTU unknown: %s", describe_unknown(peer))
-        self._said_unknown_mtu = unknown
-        s.mtu_report = report
+        return report

@@ -93,8 +93,15 @@ class NodeState:
         return self.mtu
 
     def peers(self) -> list[Lease]:
+        """Every lease but ours and the rejected, in the store's order."""
+        others = dict(self.leases)  # a copy in C: thousands of leases, a few to drop
+        for key in [lease.key for lease in self.own] + list(self.rejected):
+            others.pop(key, None)
+        return list(others.values())
+
+    def peer_count(self) -> int:
         own_keys = {lease.key for lease in self.own}
-        return [p for k, p in self.leases.items() if k not in own_keys and k not in self.rejected]
+        return len(self.leases.keys() - own_keys - self.rejected.keys())
 
     def own_subnets(self) -> list[IPv4Network]:
         return [lease.subnet for lease in self.own if lease.subnet is not None]
@@ -106,7 +113,7 @@ class NodeState:
             mtu=self.mtu,
             probe_mtu=self.probe_mtu,
             own=tuple(self.own),
-            peers=len(self.peers()),
+            peers=self.peer_count(),
             unreachable=self.unreachable,
             mtu_mismatched=tuple(self.mtu_report.mismatched) if self.mtu_report else (),
             applied_generation=self.applied_generation,

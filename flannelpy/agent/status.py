@@ -40,6 +40,7 @@ from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.errors import StoreError
 from flannelpy.fsutil import atomic_write
 from flannelpy.observe.health import readiness
+from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.subnet_env import SubnetEnv, write_subnet_env
@@ -80,10 +81,14 @@ class StatusReporter:
         self._clocks = clocks
         self.prober: Prober | None = None  # set once it runs
         self._file_lock = threading.Lock()  # the reconciler's thread and the writer write it
+        self._file_text = ""  # what the file holds (written by this process)
+        self._probes = ProbesJson()
         self._jitter = jitter  # 0.0 .. 1.0
         self._probe_at: dict[str, float] = {}  # peer key -> its latest round (wall clock)
         self._passed_at: dict[str, float] = {}  # peer key -> its latest passing round
         self._failing: dict[str, str] = {}  # every failing peer of the latest node_status()
+        # peer key -> (its result, when seen, its PeerProbe) of the latest node_status()
+        self._peer_probe_memo: dict[str, tuple[ProbeResult, float | None, PeerProbe]] = {}
         self._written = ("", "")  # the last record written: what counts as a change, all
         self._written_at = float("-inf")  # monotonic
         self._heartbeat_due = float("-inf")  # monotonic
@@ -124,11 +129,6 @@ class StatusReporter:
             "ready": view.ready,
             "ip_masq": self.settings.ip_masq,
             "iptables_forward_rules": self.settings.iptables_forward_rules,
-            "probes": (
-                {key: r.as_status() for key, r in self.prober.results().items()}
-                if self.prober is not None
-                else {}
-            ),
             "backend_config": backend_doc(view.ctx.config),
             "applied_generation": view.applied_generation,
             "blocked": [
@@ -150,11 +150,11 @@ class StatusReporter:
             "firewall_resyncs": self._counts.firewall_resyncs,
         }
         with self._file_lock:
-            atomic_write(
-                Path(self.settings.run_dir) / STATUS_FILE,
-                json.dumps(doc, indent=1),
-                durable=False,
-            )
+            text = self._probes.splice(json.dumps(doc, separators=(",", ":")), self.prober)
+            if text == self._file_text:
+                return  # the file holds it already
+            atomic_write(Path(self.settings.run_dir) / STATUS_FILE, text, durable=False)
+            self._file_text = text
 
     # -- the writer only ------------------------------------------------------------------
 
@@ -163,25 +163,36 @@ class StatusReporter:
 
     def _peer_probes(self) -> dict[str, PeerProbe]:
         """The prober's latest results with the times the writer saw them; remembers each
-        peer's latest passing round (both echoes answered) for ``passed_at``."""
+        peer's latest passing round (both echoes answered) for ``passed_at``. A peer with
+        no round since the last call keeps its entry (the same result, seen at the same
+        time), so a call costs the rounds that came in, not every peer."""
         results = self.prober.results() if self.prober is not None else {}
+        old, kept = self._peer_probe_memo, {}
         probes = {}
         for key, r in results.items():
             at = self._probe_at.get(key)
-            ok = r.reachable and r.last_error is None and r.mtu_ok is not False
-            if at is not None and ok and r.mtu_ok is True:
-                self._passed_at[key] = max(at, self._passed_at.get(key, at))
-            probes[key] = PeerProbe(
-                reachable=r.reachable,
-                mtu_ok=r.mtu_ok,
-                ok=ok,
-                probes=r.probes,
-                at=at or 0.0,
-                passed_at=self._passed_at.get(key),
-            )
+            hit = old.get(key)
+            if hit is None or hit[0] is not r or hit[1] != at:
+                hit = (r, at, self._peer_probe(key, r, at))
+            kept[key] = hit
+            probes[key] = hit[2]
+        self._peer_probe_memo = kept
         for gone in set(self._passed_at) - set(results):
             del self._passed_at[gone]
         return probes
+
+    def _peer_probe(self, key: str, r: ProbeResult, at: float | None) -> PeerProbe:
+        ok = r.reachable and r.last_error is None and r.mtu_ok is not False
+        if at is not None and ok and r.mtu_ok is True:
+            self._passed_at[key] = max(at, self._passed_at.get(key, at))
+        return PeerProbe(
+            reachable=r.reachable,
+            mtu_ok=r.mtu_ok,
+            ok=ok,
+            probes=r.probes,
+            at=at or 0.0,
+            passed_at=self._passed_at.get(key),
+        )
 
     def node_status(self) -> NodeStatus:
         view = self._state.view()
@@ -242,6 +253,28 @@ class StatusReporter:
         self._written, self._written_at = (changes, whole), now
         interval = self.settings.status_publish_interval
         self._heartbeat_due = now + interval * (1 - HEARTBEAT_JITTER * self._jitter())
+
+
+class ProbesJson:
+    """The ``probes`` member of status.json, each peer's result rendered once: the prober
+    keeps the result object of a peer until its next round, so of a thousand peers only
+    the few with a new round are rendered again. Used under the file lock."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, tuple[ProbeResult, str]] = {}
+
+    def splice(self, doc_json: str, prober: Prober | None) -> str:
+        """``doc_json`` (a JSON object) with ``"probes": {peer: result}`` as its last member."""
+        results = prober.results() if prober is not None else {}
+        old, texts = self._texts, {}
+        for key, result in results.items():
+            hit = old.get(key)
+            if hit is None or hit[0] is not result:
+                hit = (result, f"{json.dumps(key)}:{json.dumps(result.as_status())}")
+            texts[key] = hit
+        self._texts = texts
+        probes = ",".join(text for _, text in texts.values())
+        return f'{doc_json[:-1]},"probes":{{{probes}}}}}\n'
 
 
 def write_node_subnet_env(

@@ -398,7 +398,28 @@ class Writer:
                     self.settle()
                     self.publish_view()
                 continue
-            self.handle(event)
+            for each in self.take_queued(event):
+                self.handle(each)
+
+    def take_queued(self, first: Event) -> list[Event]:
+        """``first`` and whatever else waits on the queue, in order, less the lease lists
+        that a newer one replaces: each carries every lease, so a burst of watch events
+        that arrived while the writer planned costs one plan, not one each. The skipped
+        ones are counted as handled (the newest one stands for them)."""
+        events = [first]
+        while True:
+            try:
+                events.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        newest = max(
+            (i for i, e in enumerate(events) if isinstance(e, LeasesChanged)), default=None
+        )
+        kept = [e for i, e in enumerate(events) if not isinstance(e, LeasesChanged) or i == newest]
+        for _ in range(len(events) - len(kept)):
+            self.counts.handled("leases")
+            self.metrics.agent_event("leases")
+        return kept
 
     # -- start-up steps (the starting thread is the writer then) -------------------------
 

@@ -8,10 +8,10 @@ kernel; the reconciler does. Every backend plans its peers through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Network
+from typing import NamedTuple, Protocol
 
 from flannelpy.backend.paths import (
     Capabilities,
@@ -35,6 +35,7 @@ from flannelpy.dataplane.state import (
     blackhole_route,
 )
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.memo import LeaseMemo
 from flannelpy.subnet.validate import Bounds
 
 
@@ -86,8 +87,15 @@ class Backend(Protocol):
         ...
 
     def plan(
-        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
-    ) -> DesiredState: ...
+        self,
+        ctx: NodeContext,
+        own: Sequence[Lease],
+        peers: Sequence[Lease],
+        vtep_mac: str | None,
+        memo: PlanMemo | None = None,
+    ) -> DesiredState:
+        """The plan; ``memo`` (kept by the caller between plans) makes it cost what changed."""
+        ...
 
 
 def node_needs_vtep(ctx: NodeContext, peers: Sequence[Lease]) -> bool:
@@ -176,21 +184,109 @@ def routable_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease
     A peer lease that advertises our own address is a stale lease of this node
     (re-created, or left by a previous run); routing to it would loop.
     """
-    own_nets = [net for lease in own for net in lease.subnets]
-    return [
-        peer
-        for peer in peers
-        if not is_own_address(ctx, peer)
-        and not any(
-            mine.version == theirs.version and theirs.overlaps(mine)  # type: ignore[arg-type]
-            for theirs in peer.subnets
-            for mine in own_nets
+    own_nets = own_networks(own)
+    return [peer for peer in peers if is_routable(ctx, own_nets, peer)]
+
+
+def own_networks(own: Sequence[Lease]) -> tuple[IPv4Network | IPv6Network, ...]:
+    return tuple(net for lease in own for net in lease.subnets)
+
+
+def is_routable(
+    ctx: NodeContext, own_nets: Sequence[IPv4Network | IPv6Network], peer: Lease
+) -> bool:
+    """One peer of :func:`routable_peers` (``own_nets``: our leases' subnets)."""
+    return not is_own_address(ctx, peer) and not any(
+        mine.version == theirs.version and theirs.overlaps(mine)  # type: ignore[arg-type]
+        for theirs in peer.subnets
+        for mine in own_nets
+    )
+
+
+class PeerEntries(NamedTuple):
+    """What one peer adds to a plan (the entries of its path, or why it has none)."""
+
+    routes: tuple[Route, ...] = ()
+    neighbours: tuple[Neighbour, ...] = ()
+    fdb: tuple[FdbEntry, ...] = ()
+    unreachable: tuple[Unreachable, ...] = ()
+
+
+NO_ENTRIES = PeerEntries()
+
+
+class EntriesMemo:
+    """The peers' entries of the last plan of one family, and their union, kept up to
+    date by what changed: the union of thousands of entries is then copied, never
+    hashed again (a set built from a dict or a set reuses the hashes they hold)."""
+
+    def __init__(self) -> None:
+        self._memo: LeaseMemo[PeerEntries] = LeaseMemo()
+        # Per field of PeerEntries: entry -> how many peers plan it (two leases may).
+        self._counts: tuple[dict[object, int], ...] = ({}, {}, {}, {})
+
+    def union(
+        self, context: object, peers: Sequence[Lease], one: Callable[[Lease], PeerEntries]
+    ) -> PeerEntries:
+        """Every peer's entries of :func:`one` in ``context``, as one union per field
+        (frozensets in a PeerEntries)."""
+        delta = self._memo.update(context, peers, one)
+        for entries in delta.dropped:
+            for field, counts in zip(entries, self._counts, strict=True):
+                for entry in field:
+                    left = counts[entry] - 1
+                    if left:
+                        counts[entry] = left
+                    else:
+                        del counts[entry]
+        for entries in delta.added:
+            for field, counts in zip(entries, self._counts, strict=True):
+                for entry in field:
+                    counts[entry] = counts.get(entry, 0) + 1
+        return PeerEntries(*(frozenset(counts) for counts in self._counts))  # type: ignore[arg-type]
+
+
+class PlanMemo:
+    """Each peer's entries of the last plan, per family, reused by the next plan for the
+    leases that did not change (:class:`~flannelpy.subnet.memo.LeaseMemo`): a plan then
+    costs what changed. Planning with it gives exactly what planning without it gives."""
+
+    def __init__(self) -> None:
+        self.v4 = EntriesMemo()
+        self.v6 = EntriesMemo()
+
+
+def peer_entries(
+    peers: Sequence[Lease],
+    context: object,
+    one: Callable[[Lease], PeerEntries],
+    memo: EntriesMemo | None,
+) -> DesiredState:
+    """The peers' entries, each from ``one`` (or ``memo``, in ``context``), as a plan
+    without devices."""
+    if memo is None:
+        entries = [one(peer) for peer in peers]
+        return DesiredState(
+            routes=frozenset(r for e in entries for r in e.routes),
+            neighbours=frozenset(n for e in entries for n in e.neighbours),
+            fdb=frozenset(f for e in entries for f in e.fdb),
+            unreachable=frozenset(u for e in entries for u in e.unreachable),
         )
-    ]
+    union = memo.union(context, peers, one)
+    return DesiredState(
+        routes=frozenset(union.routes),
+        neighbours=frozenset(union.neighbours),
+        fdb=frozenset(union.fdb),
+        unreachable=frozenset(union.unreachable),
+    )
 
 
 def plan_peers(
-    ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], link: VxlanLink | None
+    ctx: NodeContext,
+    own: Sequence[Lease],
+    peers: Sequence[Lease],
+    link: VxlanLink | None,
+    memo: PlanMemo | None = None,
 ) -> DesiredState:
     """The one planner behind every backend: a path per peer, chosen by
     :func:`~flannelpy.backend.paths.choose_path` from both ends' capabilities.
@@ -199,7 +295,7 @@ def plan_peers(
     still vxlan), or None. Direct paths are a route via the peer's address on the
     underlay; vxlan paths are the three entries of the recipe in
     :mod:`flannelpy.backend.vxlan`. A peer without a path is reported, never
-    routed into a black hole.
+    routed into a black hole. ``memo`` keeps each peer's entries for the next plan.
     """
     # Our VTEP is the link we create; whether we prefer direct follows from the config.
     own_caps = own_capabilities(ctx.config.backend, None, ctx.keeps_wireguard)
@@ -210,47 +306,18 @@ def plan_peers(
         encrypts=own_caps.encrypts,
         wireguard_key=own_caps.wireguard_key,
     )
-    # flanneld peers run the network config's own Backend, not this node's override.
-    flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
-    routes: set[Route] = set()
-    neighbours: set[Neighbour] = set()
-    fdb: set[FdbEntry] = set()
-    unreachable: set[Unreachable] = set()
-    for peer in routable_peers(ctx, own, peers):
-        ip, subnet, vtep_ip = peer.attrs.public_ip, peer.subnet, peer.vtep_ip
-        if ip is None or subnet is None or vtep_ip is None or not ctx.config.enable_ipv4:
-            continue  # an IPv6-only peer or node: the path is backend.ipv6's
-        on_link = ctx.underlay.on_link(ip)
-        peer_caps = peer_capabilities(peer, flanneld_direct_routing)
-        path = choose_path(caps, peer_caps, on_link)
-        if isinstance(path, NoPath):
-            networks = ", ".join(str(n) for n in ctx.underlay.networks) or "none"
-            where = (
-                f"on a subnet of {ctx.underlay.name}"
-                if on_link
-                else f"not on a subnet of {ctx.underlay.name} ({networks})"
-            )
-            unreachable.add(
-                Unreachable(
-                    subnet=subnet,
-                    public_ip=ip,
-                    reason=f"no path to peer {ip}, which is {where}: {path.reason}",
-                )
-            )
-        elif path == "wireguard" and not held_on_vxlan(ctx, peer, peer_caps, caps.vni):
-            continue  # the WireGuard device's peer (backend.wireguard), under its one route
-        elif path == "direct":
-            routes.add(Route(dst=subnet, gateway=ip, ifname=ctx.underlay.name))
-        else:
-            # choose_path answers vxlan only when both ends have a VTEP (a peer's needs its MAC).
-            assert link is not None and peer_caps.vtep_mac is not None
-            neighbours.add(Neighbour(link.name, vtep_ip, peer_caps.vtep_mac))
-            fdb.add(FdbEntry(link.name, peer_caps.vtep_mac, ip))
-            routes.add(Route(dst=subnet, gateway=vtep_ip, ifname=link.name, onlink=True))
+    own_nets = own_networks(own)
+
+    def one(peer: Lease) -> PeerEntries:
+        return _peer_path(ctx, own_nets, caps, link, peer)
+
+    planned = peer_entries(peers, (ctx, own_nets, link), one, memo.v4 if memo else None)
+    routes = planned.routes
     if ctx.blackhole_own_subnets:
-        routes.update(blackhole_route(lease.subnet) for lease in own if lease.subnet is not None)
+        routes |= {blackhole_route(lease.subnet) for lease in own if lease.subnet is not None}
     links = [link] if link else []
-    return DesiredState(
+    return replace(
+        planned,
         links=frozenset(links),
         addresses=frozenset(
             Address(dev.name, IPv4Interface(f"{lease.vtep_ip}/32"))
@@ -258,9 +325,45 @@ def plan_peers(
             for lease in own
             if lease.vtep_ip is not None
         ),
-        routes=frozenset(routes),
-        neighbours=frozenset(neighbours),
-        fdb=frozenset(fdb),
+        routes=routes,
         owned_devices=frozenset(dev.name for dev in links),
-        unreachable=frozenset(unreachable),
+    )
+
+
+def _peer_path(
+    ctx: NodeContext,
+    own_nets: Sequence[IPv4Network | IPv6Network],
+    caps: Capabilities,
+    link: VxlanLink | None,
+    peer: Lease,
+) -> PeerEntries:
+    """One peer's IPv4 entries in :func:`plan_peers`."""
+    ip, subnet, vtep_ip = peer.attrs.public_ip, peer.subnet, peer.vtep_ip
+    if ip is None or subnet is None or vtep_ip is None or not ctx.config.enable_ipv4:
+        return NO_ENTRIES  # an IPv6-only peer or node: the path is backend.ipv6's
+    if not is_routable(ctx, own_nets, peer):
+        return NO_ENTRIES
+    on_link = ctx.underlay.on_link(ip)
+    # flanneld peers run the network config's own Backend, not this node's override.
+    peer_caps = peer_capabilities(peer, ctx.config.flanneld_backend.direct_routing)
+    path = choose_path(caps, peer_caps, on_link)
+    if isinstance(path, NoPath):
+        networks = ", ".join(str(n) for n in ctx.underlay.networks) or "none"
+        where = (
+            f"on a subnet of {ctx.underlay.name}"
+            if on_link
+            else f"not on a subnet of {ctx.underlay.name} ({networks})"
+        )
+        reason = f"no path to peer {ip}, which is {where}: {path.reason}"
+        return PeerEntries(unreachable=(Unreachable(subnet=subnet, public_ip=ip, reason=reason),))
+    if path == "wireguard" and not held_on_vxlan(ctx, peer, peer_caps, caps.vni):
+        return NO_ENTRIES  # the WireGuard device's peer (backend.wireguard), under its one route
+    if path == "direct":
+        return PeerEntries(routes=(Route(dst=subnet, gateway=ip, ifname=ctx.underlay.name),))
+    # choose_path answers vxlan only when both ends have a VTEP (a peer's needs its MAC).
+    assert link is not None and peer_caps.vtep_mac is not None
+    return PeerEntries(
+        routes=(Route(dst=subnet, gateway=vtep_ip, ifname=link.name, onlink=True),),
+        neighbours=(Neighbour(link.name, vtep_ip, peer_caps.vtep_mac),),
+        fdb=(FdbEntry(link.name, peer_caps.vtep_mac, ip),),
     )

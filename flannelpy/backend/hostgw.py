@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flannelpy.backend import ipv6
-from flannelpy.backend.base import NodeContext, node_needs_vtep, plan_peers, routable_peers
+from flannelpy.backend.base import NodeContext, PlanMemo, node_needs_vtep, plan_peers
 from flannelpy.backend.vxlan import device_name, vtep_link
 from flannelpy.dataplane.state import DesiredState
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -60,14 +60,20 @@ class HostGwBackend:
         return node_needs_vtep(ctx, peers)
 
     def plan(
-        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
+        self,
+        ctx: NodeContext,
+        own: Sequence[Lease],
+        peers: Sequence[Lease],
+        vtep_mac: str | None,
+        memo: PlanMemo | None = None,
     ) -> DesiredState:
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
         v6 = ipv6.plan_ipv6(
             ctx,
             own,
-            routable_peers(ctx, own, peers),
+            peers,
             ipv6.own_capabilities_v6(ctx),
             ipv6.vtep6_link(ctx, vtep_mac) if vtep_mac else None,
+            memo,
         )
-        return ipv6.merge(plan_peers(ctx, own, peers, link), v6)
+        return ipv6.merge(plan_peers(ctx, own, peers, link, memo), v6)

@@ -24,9 +24,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from ipaddress import IPv6Interface
+from ipaddress import IPv4Network, IPv6Interface, IPv6Network
 
-from flannelpy.backend.base import NodeContext, vxlan_link
+from flannelpy.backend.base import (
+    NO_ENTRIES,
+    NodeContext,
+    PeerEntries,
+    PlanMemo,
+    is_routable,
+    own_networks,
+    peer_entries,
+    vxlan_link,
+)
 from flannelpy.backend.paths import (
     Capabilities,
     NoPath,
@@ -118,63 +127,72 @@ def plan_ipv6(
     peers: Sequence[Lease],
     caps: Capabilities,
     link6: VxlanLink | None,
+    memo: PlanMemo | None = None,
 ) -> DesiredState:
-    """The IPv6 entries: a path per peer that has an IPv6 subnet and PublicIPv6.
+    """The IPv6 entries: a path per routable peer that has an IPv6 subnet and PublicIPv6.
 
     ``caps`` are our capabilities (prefers direct, wireguard); our IPv6 VTEP is
-    ``link6``. Peers must already be the routable ones (not ourselves, not overlapping)."""
+    ``link6``. ``memo`` keeps each peer's entries for the next plan."""
     if not enabled(ctx) or not any(lease.ipv6_subnet is not None for lease in own):
         return DesiredState()
     caps6 = replace(caps, vni=link6.vni if link6 else None, vtep_mac=link6.mac if link6 else None)
-    flanneld_direct_routing = ctx.config.flanneld_backend.direct_routing
     own6 = [lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None]
-    routes: set[Route] = set()
-    neighbours: set[Neighbour] = set()
-    fdb: set[FdbEntry] = set()
-    unreachable: set[Unreachable] = set()
-    for peer in peers:
-        subnet6, ip6, vtep6 = peer.ipv6_subnet, peer.attrs.public_ipv6, peer.vtep_ip6
-        if subnet6 is None or ip6 is None or vtep6 is None:
-            continue  # an IPv4-only peer: nothing to route in IPv6
-        if ip6 == ctx.underlay.ip6 or any(subnet6.overlaps(n) for n in own6):
-            continue
-        on_link = ctx.underlay.on_link(ip6)
-        peer_caps = peer_capabilities_v6(peer, flanneld_direct_routing)
-        path = choose_path(caps6, peer_caps, on_link)
-        if isinstance(path, NoPath):
-            where = "on" if on_link else "not on"
-            unreachable.add(
-                Unreachable(
-                    subnet=subnet6,
-                    public_ip=ip6,
-                    reason=f"no IPv6 path to peer {ip6}, which is {where} an IPv6 subnet of "
-                    f"{ctx.underlay.name}: {path.reason}",
-                )
-            )
-        elif path == "direct":
-            routes.add(Route(dst=subnet6, gateway=ip6, ifname=ctx.underlay.name))
-        elif path == "vxlan":
-            assert link6 is not None and peer_caps.vtep_mac is not None
-            neighbours.add(Neighbour(link6.name, vtep6, peer_caps.vtep_mac))
-            fdb.add(FdbEntry(link6.name, peer_caps.vtep_mac, ip6))
-            routes.add(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True))
-        # wireguard: IPv4 only for now (its device carries no IPv6 peers yet).
+    own_nets = own_networks(own)
+
+    def one(peer: Lease) -> PeerEntries:
+        return _peer_path6(ctx, own_nets, caps6, link6, peer)
+
+    planned = peer_entries(peers, (ctx, own_nets, caps6, link6), one, memo.v6 if memo else None)
+    routes = planned.routes
     if ctx.blackhole_own_subnets:
-        routes.update(blackhole_route(net) for net in own6)
+        routes |= {blackhole_route(net) for net in own6}
     links = [link6] if link6 else []
-    return DesiredState(
+    return replace(
+        planned,
         links=frozenset(links),
         addresses=frozenset(
             Address(link.name, IPv6Interface(f"{net.network_address}/128"))
             for link in links
             for net in own6
         ),
-        routes=frozenset(routes),
-        neighbours=frozenset(neighbours),
-        fdb=frozenset(fdb),
+        routes=routes,
         owned_devices=frozenset(link.name for link in links),
-        unreachable=frozenset(unreachable),
     )
+
+
+def _peer_path6(
+    ctx: NodeContext,
+    own_nets: Sequence[IPv4Network | IPv6Network],
+    caps6: Capabilities,
+    link6: VxlanLink | None,
+    peer: Lease,
+) -> PeerEntries:
+    """One peer's IPv6 entries in :func:`plan_ipv6`."""
+    subnet6, ip6, vtep6 = peer.ipv6_subnet, peer.attrs.public_ipv6, peer.vtep_ip6
+    if subnet6 is None or ip6 is None or vtep6 is None:
+        return NO_ENTRIES  # an IPv4-only peer: nothing to route in IPv6
+    if not is_routable(ctx, own_nets, peer) or ip6 == ctx.underlay.ip6:
+        return NO_ENTRIES
+    on_link = ctx.underlay.on_link(ip6)
+    peer_caps = peer_capabilities_v6(peer, ctx.config.flanneld_backend.direct_routing)
+    path = choose_path(caps6, peer_caps, on_link)
+    if isinstance(path, NoPath):
+        where = "on" if on_link else "not on"
+        reason = (
+            f"no IPv6 path to peer {ip6}, which is {where} an IPv6 subnet of "
+            f"{ctx.underlay.name}: {path.reason}"
+        )
+        return PeerEntries(unreachable=(Unreachable(subnet=subnet6, public_ip=ip6, reason=reason),))
+    if path == "direct":
+        return PeerEntries(routes=(Route(dst=subnet6, gateway=ip6, ifname=ctx.underlay.name),))
+    if path == "vxlan":
+        assert link6 is not None and peer_caps.vtep_mac is not None
+        return PeerEntries(
+            routes=(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True),),
+            neighbours=(Neighbour(link6.name, vtep6, peer_caps.vtep_mac),),
+            fdb=(FdbEntry(link6.name, peer_caps.vtep_mac, ip6),),
+        )
+    return NO_ENTRIES  # wireguard: IPv4 only for now (its device carries no IPv6 peers yet)
 
 
 def merge(a: DesiredState, b: DesiredState) -> DesiredState:

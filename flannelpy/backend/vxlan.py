@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flannelpy.backend import ipv6
-from flannelpy.backend.base import NodeContext, plan_peers, routable_peers, vxlan_link
+from flannelpy.backend.base import NodeContext, PlanMemo, plan_peers, vxlan_link
 from flannelpy.config.netconf import VXLAN_ENCAP_OVERHEAD
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -98,14 +98,20 @@ class VxlanBackend:
         return True
 
     def plan(
-        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
+        self,
+        ctx: NodeContext,
+        own: Sequence[Lease],
+        peers: Sequence[Lease],
+        vtep_mac: str | None,
+        memo: PlanMemo | None = None,
     ) -> DesiredState:
         link = vtep_link(ctx, vtep_mac)
         v6 = ipv6.plan_ipv6(
             ctx,
             own,
-            routable_peers(ctx, own, peers),
+            peers,
             ipv6.own_capabilities_v6(ctx),
             ipv6.vtep6_link(ctx, vtep_mac),
+            memo,
         )
-        return ipv6.merge(plan_peers(ctx, own, peers, link), v6)
+        return ipv6.merge(plan_peers(ctx, own, peers, link, memo), v6)

@@ -60,6 +60,7 @@ from typing import Any
 from flannelpy.backend import ipv6
 from flannelpy.backend.base import (
     NodeContext,
+    PlanMemo,
     held_on_vxlan,
     node_needs_vtep,
     plan_peers,
@@ -365,11 +366,16 @@ class WireguardBackend:
         return node_needs_vtep(ctx, peers)
 
     def plan(
-        self, ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], vtep_mac: str | None
+        self,
+        ctx: NodeContext,
+        own: Sequence[Lease],
+        peers: Sequence[Lease],
+        vtep_mac: str | None,
+        memo: PlanMemo | None = None,
     ) -> DesiredState:
         config = self.config(ctx)
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
-        desired = plan_peers(ctx, own, peers, link)
+        desired = plan_peers(ctx, own, peers, link, memo)
         # Pure: the devices are values the reconciler applies. The doctor plans without
         # our key (it compares peers, which never include ourselves).
         key = ctx.wireguard_identity.public_key if ctx.wireguard_identity else None

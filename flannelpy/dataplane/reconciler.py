@@ -12,17 +12,58 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.dataplane.state import Changes, DesiredState, PodRanges, VxlanLink
+from flannelpy.dataplane.state import (
+    Address,
+    Changes,
+    DesiredState,
+    FdbEntry,
+    Neighbour,
+    ObservedState,
+    PodRanges,
+    VxlanLink,
+)
 from flannelpy.errors import DataplaneError, FlannelpyError
 
 if TYPE_CHECKING:
     from flannelpy.dataplane.wgspec import WgDeviceSpec
 
 log = logging.getLogger("flannelpy.reconciler")
+PLAN_CHANGED = "desired state changed"  # the pass's reason when only the plan changed
+Scope = tuple[frozenset[str], frozenset[str]]  # what a pass reads: links, owned devices
+KERNEL_EVENTS_WAIT = 0.02  # seconds a pass for kernel events waits for the rest of a burst
+
+
+def after_apply(
+    desired: DesiredState, observed: ObservedState, changes: Changes, owned: frozenset[str]
+) -> ObservedState | None:
+    """What a dump would find after ``changes`` (the diff of ``desired`` and ``observed``)
+    were all applied: the planned entries, as :meth:`Kernel.observe` reports them (the
+    neighbours and FDB entries of our own devices only). None when a device was created,
+    re-created or changed: its attributes are the kernel's to report (a MAC it chose)."""
+    if changes.links_to_create or changes.links_to_delete or changes.links_to_update:
+        return None
+    names = frozenset(link.name for link in observed.links)
+    return ObservedState(
+        links=observed.links,
+        addresses=_on(desired.addresses, names),
+        routes=desired.routes,
+        neighbours=_on(desired.neighbours, owned),
+        fdb=_on(desired.fdb, owned),
+    )
+
+
+E = TypeVar("E", Address, Neighbour, FdbEntry)
+
+
+def _on(entries: frozenset[E], devices: frozenset[str]) -> frozenset[E]:
+    """``entries`` on ``devices`` (all of them, as a plan has it, without a copy)."""
+    if {entry.ifname for entry in entries} <= devices:
+        return entries
+    return frozenset(entry for entry in entries if entry.ifname in devices)
 
 
 @dataclass(frozen=True)
@@ -77,6 +118,10 @@ class Reconciler:
         self._wake = threading.Event()
         self._reasons: set[str] = set()
         self.last_result: ReconcileResult | None = None
+        # The kernel's state of ours as the last pass left it (and what it was read for),
+        # or None when that pass failed somewhere or changed a device.
+        self._view: tuple[Scope, ObservedState] | None = None
+        self.dumps = 0  # passes that read the kernel (the others knew it from the last)
 
     @property
     def desired(self) -> DesiredState | None:
@@ -91,7 +136,7 @@ class Reconciler:
             self._desired = desired
             self._stale_links = stale_links
         if changed:
-            self.trigger("desired state changed")
+            self.trigger(PLAN_CHANGED)
 
     def trigger(self, reason: str) -> None:
         with self._lock:
@@ -113,8 +158,15 @@ class Reconciler:
         started = time.monotonic()
         # The devices first: a route into flannel-wg must find its peer there.
         failures = self._apply_wireguard(desired)
-        link_names = {link.name for link in desired.links} | stale
-        observed = self._kernel.observe(link_names, desired.owned_devices | stale)
+        scope = (
+            frozenset({link.name for link in desired.links} | stale),
+            desired.owned_devices | stale,
+        )
+        observed = self._known(reason, scope)
+        self._view = None  # until this pass has applied all it found to do
+        if observed is None:
+            observed = self._kernel.observe(*scope)
+            self.dumps += 1
         changes = diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
@@ -127,12 +179,23 @@ class Reconciler:
             )
             for failure in failures[:10]:
                 log.warning("reconcile failure: %s", failure)
+        view = after_apply(desired, observed, changes, scope[1]) if not failures else None
+        self._view = (scope, view) if view is not None else None
         failures += self._apply_firewall(desired)  # after the routes, as at start
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
             self._on_result(outcome)
         return outcome
+
+    def _known(self, reason: str, scope: Scope) -> ObservedState | None:
+        """What the kernel holds of ours without a dump, when a pass is only for a new
+        plan: the state the last pass left, if it left the kernel exactly as planned and
+        nothing was reported since (another tool's change, lost notifications, the timer
+        and every other reason dump the kernel again)."""
+        if reason != PLAN_CHANGED or self._view is None or self._view[0] != scope:
+            return None
+        return self._view[1]
 
     def _apply_firewall(self, desired: DesiredState) -> tuple[str, ...]:
         """The rules for new ranges (after the routes). Unchanged ranges are left to
@@ -200,8 +263,12 @@ class Reconciler:
             if stop.is_set():
                 return
             # Let a burst of kernel events (one deletion often brings several) arrive,
-            # so that it costs one pass rather than one per event.
-            stop.wait(0.02)
+            # so that it costs one pass rather than one per event. A new plan alone goes
+            # at once: the writer already made one plan of its burst of lease events.
+            with self._lock:
+                kernel_news = bool(self._reasons - {PLAN_CHANGED})
+            if kernel_news:
+                stop.wait(KERNEL_EVENTS_WAIT)
             self._wake.clear()
             with self._lock:
                 reasons = sorted(self._reasons) or ["periodic resync"]

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from ipaddress import IPv4Network, IPv6Network
 from typing import TypeVar
@@ -58,9 +60,10 @@ from flannelpy.observe.metric_families import (
     register_build_info,
     unregistered_scrape_errors,
 )
-from flannelpy.observe.mtu import mtu_mismatches
+from flannelpy.observe.mtu import MtuReport, mtu_mismatches
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.memo import LeaseMemo
 
 log = logging.getLogger("flannelpy.observe.metrics")
 
@@ -78,6 +81,14 @@ def _label(value: str, allowed: Sequence[str] | None = None) -> str:
         return value if value in allowed else "other"
     folded = value.strip().lower()
     return folded if _SAFE_LABEL.fullmatch(folded) else "other"
+
+
+_backend_type = operator.attrgetter("attrs.backend_type")  # of a Lease, in C
+
+
+def _probe_names(lease: Lease) -> tuple[str, ...]:
+    """The probe series' peer labels a lease keeps: its subnets as text."""
+    return tuple(str(net) for net in (lease.subnet, lease.ipv6_subnet) if net)
 
 
 def _family(peer_subnet: str) -> str:
@@ -129,6 +140,8 @@ class AgentMetrics:
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
         self._probed: set[str] = set()
+        # Per peer lease, kept between calls of peers() (the writer's only).
+        self._names_of: LeaseMemo[tuple[str, ...]] = LeaseMemo()
         self._leases: set[str] = set()
         self._pools: set[str] = set()
         r = self.registry
@@ -214,28 +227,32 @@ class AgentMetrics:
         """A lease renewal attempt: "success" or "failure"."""
         self._lease.renewals.labels(_label(result, RENEWAL_RESULTS)).inc()
 
-    def peers(self, leases: Iterable[Lease]) -> None:
+    def peers(self, leases: Iterable[Lease], mtu: MtuReport | None = None) -> None:
         """The current peer leases (other nodes only, never ours): counts by backend,
-        MTU mismatches against the overlay MTU; drops probe series of peers gone."""
+        MTU mismatches against the overlay MTU (``mtu``: the caller's report of these
+        peers, else computed); drops probe series of peers gone."""
         peers = list(leases)
         counts: dict[str, int] = {}
-        for lease in peers:
-            backend = _label(lease.attrs.backend_type or "unknown")
-            counts[backend] = counts.get(backend, 0) + 1
+        for backend_type, count in Counter(map(_backend_type, peers)).items():
+            backend = _label(backend_type or "unknown")
+            counts[backend] = counts.get(backend, 0) + count
         with self._lock:
             self._peer_leases = peers
-            gone = self._probed - {
-                str(net) for lease in peers for net in (lease.subnet, lease.ipv6_subnet) if net
-            }
+            probed = set(self._probed)
             vanished = self._backends - counts.keys()
             self._backends = set(counts)
+        if probed:
+            names = self._names_of.results(None, peers, _probe_names)
+            gone = probed.difference(*names)
+        else:
+            gone = set()
         for backend, count in counts.items():
             self._lease.peers.labels(backend).set(count)
         for backend in vanished:
             self._lease.peers.remove(backend)
         for peer in gone:
             self.forget_probe(peer)
-        self._update_mtu_consistency()
+        self._update_mtu_consistency(mtu)
 
     def peers_without_path(self, count: int) -> None:
         """How many peers the latest plan found no path to (not a readiness matter)."""
@@ -248,12 +265,13 @@ class AgentMetrics:
         self._mtu.overlay.set(mtu)
         self._update_mtu_consistency()
 
-    def _update_mtu_consistency(self) -> None:
+    def _update_mtu_consistency(self, report: MtuReport | None = None) -> None:
         with self._lock:
             own, peers = self._overlay_mtu, self._peer_leases
         if own is None:
             return
-        report = mtu_mismatches(own, peers)
+        if report is None or report.own_mtu != own:
+            report = mtu_mismatches(own, peers)
         self._mtu.mismatch.set(len(report.mismatched))
         self._mtu.unknown.set(len(report.unknown))
 

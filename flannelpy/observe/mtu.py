@@ -10,12 +10,14 @@ prober's DF probe is what verifies those paths.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import NamedTuple
 
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.memo import LeaseMemo
 
 
 class PeerMtu(NamedTuple):
@@ -46,23 +48,45 @@ class MtuReport:
         ]
 
 
-def mtu_mismatches(own_mtu: int, peers: Iterable[Lease]) -> MtuReport:
+def mtu_mismatches(
+    own_mtu: int, peers: Iterable[Lease], memo: LeaseMemo[PeerOrder | None] | None = None
+) -> MtuReport:
     """Compare our overlay MTU with what each peer lease advertises.
 
-    Output is sorted by subnet so logs and metrics are stable between runs.
-    """
-    mismatched: list[PeerMtu] = []
-    unknown: list[PeerMtu] = []
-    for lease in sorted(peers, key=lambda lease: lease.order):
-        ip = lease.attrs.public_ip or lease.attrs.public_ipv6
-        if ip is None:
+    Output is sorted by subnet so logs and metrics are stable between runs. ``memo``
+    keeps each lease's advertisement for the next call."""
+    if memo is None:
+        found = [peer_mtu(lease) for lease in peers]
+    else:
+        found = memo.results(None, peers, peer_mtu)
+    mismatched: list[PeerOrder] = []
+    unknown: list[PeerOrder] = []
+    for entry in found:
+        if entry is None:
             continue
-        peer = PeerMtu(lease.subnets[0], ip, lease.attrs.mtu)
-        if peer.advertised is None:
-            unknown.append(peer)
-        elif peer.advertised != own_mtu:
-            mismatched.append(peer)
-    return MtuReport(own_mtu, mismatched, unknown)
+        advertised = entry[1].advertised
+        if advertised is None:
+            unknown.append(entry)
+        elif advertised != own_mtu:
+            mismatched.append(entry)
+    mismatched.sort(key=_ORDER)
+    unknown.sort(key=_ORDER)
+    return MtuReport(own_mtu, [p for _, p in mismatched], [p for _, p in unknown])
+
+
+# A peer's advertisement and where it sorts (Lease.order).
+PeerOrder = tuple[tuple[int, int, int, int], PeerMtu]
+
+
+def peer_mtu(lease: Lease) -> PeerOrder | None:
+    """What one lease advertises (None: it has no address to name it by)."""
+    ip = lease.attrs.public_ip or lease.attrs.public_ipv6
+    if ip is None:
+        return None
+    return (lease.order, PeerMtu(lease.subnets[0], ip, lease.attrs.mtu))
+
+
+_ORDER = operator.itemgetter(0)  # a PeerOrder's sort key, in C
 
 
 def describe_mismatch(own_mtu: int, peer: PeerMtu) -> str:

@@ -67,12 +67,21 @@ class StreamCloser:
 
 
 class LeaseMap:
-    """Node name → lease, the resourceVersion it reflects, and what was last delivered."""
+    """Node name → lease, the resourceVersion it reflects, and what was last delivered.
+
+    The map by lease key that is delivered is kept up to date event by event: a watch
+    event costs what it changes, not a pass over every node (at thousands of nodes a
+    burst of new ones would otherwise cost each a sort of every name). Two nodes
+    claiming one podCIDR keep one as :func:`~flannelpy.store.kube.node.leases_by_key`
+    does: our own node, else the first name in order."""
 
     def __init__(self, own_node: str) -> None:
         self.own_node = own_node
         self.by_node: dict[str, Lease] = {}
         self.rv: str | None = None  # None: list before watching
+        self._by_key: dict[str, Lease] = {}  # what is delivered
+        self._claims: dict[str, set[str]] = {}  # lease key -> the nodes claiming it
+        self._contested: set[str] = set()  # lease keys more than one node claims
         self._delivered: dict[str, Lease] | None = None
         self._dirty = False
         self._duplicates: list[str] = []
@@ -99,22 +108,57 @@ class LeaseMap:
     def replace_all(self, by_node: dict[str, Lease], rv: str) -> None:
         self.by_node = by_node
         self.rv = rv
+        self._by_key = kn.leases_by_key(by_node, self.own_node)
+        self._claims = {}
+        for name, lease in by_node.items():
+            self._claims.setdefault(lease.key, set()).add(name)
+        self._contested = {key for key, names in self._claims.items() if len(names) > 1}
         self._dirty = True
 
     def put(self, name: str, lease: Lease | None) -> None:
         old = self.by_node.get(name)
+        if old is lease or (old is not None and lease is not None and old == lease):
+            return
         if lease is None:
             self.by_node.pop(name, None)
         else:
             self.by_node[name] = lease
-        self._dirty = self._dirty or old != lease
+        for key in {x.key for x in (old, lease) if x is not None}:
+            self._claim(key, name, lease is not None and lease.key == key)
+        self._dirty = True
+
+    def _claim(self, key: str, name: str, claims: bool) -> None:
+        """``name`` claims ``key`` now (or no longer): the key's lease is its winner's."""
+        names = self._claims.setdefault(key, set())
+        if claims:
+            names.add(name)
+        else:
+            names.discard(name)
+        if len(names) > 1:
+            self._contested.add(key)
+        else:
+            self._contested.discard(key)
+        if not names:
+            del self._claims[key]
+            self._by_key.pop(key, None)
+            return
+        winner = self.own_node if self.own_node in names else min(names)
+        self._by_key[key] = self.by_node[winner]
+
+    def duplicates(self) -> list[str]:
+        """Names of nodes whose lease lost a podCIDR collision."""
+        return sorted(
+            name
+            for key in self._contested
+            for name in self._claims[key]
+            if self._by_key[key] is not self.by_node[name]
+        )
 
     def deliver(self, on_leases: LeasesCallback, always: bool = False) -> None:
         if not (self._dirty or always):
             return
         self._dirty = False
-        leases = kn.leases_by_key(self.by_node, self.own_node)
-        duplicates = kn.duplicate_claims(self.by_node, leases)
+        duplicates = self.duplicates()
         if duplicates != self._duplicates:
             self._duplicates = duplicates
             if duplicates:
@@ -122,6 +166,7 @@ class LeaseMap:
                     "nodes claim a pod cidr another node holds; ignoring them nodes=%s",
                     ",".join(duplicates),
                 )
+        leases = self._by_key
         if always or leases != self._delivered:
-            self._delivered = leases
+            self._delivered = dict(leases)
             on_leases(dict(leases), rv_number(self.rv))

@@ -1,0 +1,356 @@
+"""Work per event in proportion to what changed, with the results of doing it all again.
+
+Planning with the per-lease memo gives exactly what planning from scratch gives.
+
+Random sequences of lease changes (peers joining, leaving, changing their VTEP MAC,
+address, backend, MTU or DirectRouting, bogus leases, our own lease moving) are
+planned twice at every step: with one memo kept across the whole sequence, and
+without any. Both plans must be equal, field by field; so must the validation
+verdicts and the MTU report. At the agent level, a writer fed such a sequence event
+by event holds the plan, rejections and MTU report that planning its lease list from
+scratch gives. A burst of lease lists costs one plan; a pass for
+a new plan knows the kernel from the last pass, and leaves it as a pass that reads the
+kernel would; status.json renders only the probe results that changed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from pathlib import Path
+
+import pytest
+
+from flannelpy.agent.events import Event, LeasesChanged, Tick
+from flannelpy.agent.status import ProbesJson
+from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
+from flannelpy.backend.registry import get_backend
+from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.reconciler import PLAN_CHANGED, Reconciler
+from flannelpy.observe.mtu import mtu_mismatches
+from flannelpy.observe.probe_verdict import ProbeResult
+from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.validate import split_peers
+from tests.support.agent_fakes import AgentHarness
+from tests.support.fakes import FakeKernel, context, lease
+from tests.unit.test_dual_stack_node import ctx as dual_ctx
+
+MACS = [f"02:00:00:00:{i // 256:02x}:{i % 256:02x}" for i in range(1, 40)]
+
+
+def random_lease(rnd: random.Random, n: int, dual: bool) -> Lease:
+    """Peer ``n``'s lease in one of many shapes, some of them bogus."""
+    backend = rnd.choice(["vxlan", "vxlan", "vxlan", "host-gw", "wireguard"])
+    mac = rnd.choice([*MACS, None, "not-a-mac"])
+    data: dict[str, object] | None = {"VNI": rnd.choice([1, 1, 1, 2]), "VtepMAC": mac}
+    if backend != "vxlan":
+        data = rnd.choice([None, data])
+    segment = rnd.choice([1, 1, 2])
+    ip = rnd.choice([f"192.168.{segment}.{n + 20}", "192.168.1.10", "127.0.0.1", "10.244.9.9"])
+    subnet = IPv4Network(f"10.244.{n}.0/24") if rnd.random() > 0.03 else IPv4Network("10.9.0.0/24")
+    ipv6 = dual and rnd.random() > 0.2
+    return Lease(
+        subnet=subnet,
+        ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64") if ipv6 else None,
+        attrs=LeaseAttrs(
+            public_ip=IPv4Address(ip),
+            backend_type=backend,
+            backend_data=data,
+            public_ipv6=IPv6Address(f"fd00:64::{n + 20:x}") if ipv6 else None,
+            backend_v6_data=data if ipv6 else None,
+            mtu=rnd.choice([1450, 1450, 1430, None]),
+            direct_routing=rnd.choice([None, None, True]),
+            node_name=f"node-{n}",
+        ),
+    )
+
+
+def own_lease(n: int, dual: bool, ctx: NodeContext) -> Lease:
+    return Lease(
+        subnet=IPv4Network(f"10.244.{n}.0/24"),
+        ipv6_subnet=IPv6Network(f"fc00:0:0:{n:x}::/64") if dual else None,
+        attrs=LeaseAttrs(
+            public_ip=ctx.public_ip,
+            backend_type=ctx.config.backend.type,
+            public_ipv6=ctx.public_ipv6,
+        ),
+    )
+
+
+def steps(rnd: random.Random, dual: bool, count: int) -> list[dict[int, Lease]]:
+    """``count`` lease maps (peer number -> lease), each a few changes from the last."""
+    leases: dict[int, Lease] = {n: random_lease(rnd, n, dual) for n in rnd.sample(range(2, 60), 20)}
+    out = [dict(leases)]
+    for _ in range(count):
+        for _ in range(rnd.choice([1, 1, 1, 2, 5])):
+            n = rnd.randrange(2, 60)
+            if n in leases and rnd.random() < 0.3:
+                del leases[n]
+            else:
+                leases[n] = random_lease(rnd, n, dual)
+        out.append(dict(leases))
+    return out
+
+
+CONTEXTS = {
+    "vxlan": lambda: context("vxlan"),
+    "vxlan-direct-routing": lambda: context("vxlan", direct_routing=True),
+    "host-gw": lambda: context("host-gw"),
+    "vxlan-blackhole": lambda: replace(context("vxlan"), blackhole_own_subnets=True),
+    "dual-vxlan": lambda: dual_ctx("vxlan"),
+    "dual-host-gw": lambda: dual_ctx("host-gw"),
+}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("name", sorted(CONTEXTS))
+def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
+    rnd = random.Random(f"{name}-{seed}")
+    ctx = CONTEXTS[name]()
+    dual = ctx.public_ipv6 is not None
+    backend = get_backend(ctx.config.backend.type)
+    memo, verdicts, mtus = PlanMemo(), LeaseMemo(), LeaseMemo()  # type: ignore[var-annotated]
+    own = [own_lease(1, dual, ctx)]
+    for i, leases in enumerate(steps(rnd, dual, 40)):
+        if i % 13 == 12:  # our lease moves now and then: everything is planned anew
+            own = [own_lease(rnd.choice([1, 70, 71]), dual, ctx)]
+        by_key = {lease.key: lease for lease in leases.values()}
+        bounds = node_bounds(ctx, own, [])
+        own_keys = [lease.key for lease in own]
+        fresh = split_peers(by_key, own_keys, bounds)
+        assert split_peers(by_key, own_keys, bounds, verdicts) == fresh, f"step {i}"
+        peers = list(fresh[0].values())
+        mac = rnd.choice([MACS[0], MACS[0], MACS[1]])
+        want = backend.plan(ctx, own, peers, mac)
+        got = backend.plan(ctx, own, peers, mac, memo)
+        assert got == want, f"step {i}"
+        assert mtu_mismatches(1450, peers, mtus) == mtu_mismatches(1450, peers), f"step {i}"
+
+
+def test_the_memo_plans_only_the_leases_that_changed() -> None:
+    ctx = context("vxlan")
+    rnd = random.Random(1)
+    leases = [random_lease(rnd, n, False) for n in range(2, 30)]
+    planned: list[Lease] = []
+    memo: LeaseMemo[int] = LeaseMemo()
+
+    def compute(lease: Lease) -> int:
+        planned.append(lease)
+        return (lease.attrs.mtu or 0) * 100 + lease.ipv4_subnet.network_address.packed[2]
+
+    memo.results(ctx, leases, compute)
+    assert sorted(map(id, planned)) == sorted(map(id, leases))
+    planned.clear()
+    changed = replace(leases[3], attrs=replace(leases[3].attrs, mtu=1400))
+    delta = memo.update(ctx, [*leases[:3], changed, *leases[4:-1]], compute)
+    assert planned == [changed]  # the other leases are the same objects
+    assert delta.added == [140005]  # the changed lease's new result; its old one dropped
+    assert sorted(delta.dropped) == sorted([compute(leases[3]), compute(leases[-1])])
+    assert delta.results == [compute(x) for x in [*leases[:3], changed, *leases[4:-1]]]
+    planned.clear()
+    memo.results(context("host-gw"), leases, compute)  # another context: all again
+    assert sorted(map(id, planned)) == sorted(map(id, leases))
+
+
+def peer_json(rnd: random.Random, n: int) -> bytes:
+    lease = random_lease(rnd, n, False)
+    return lease.attrs.to_json().encode()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_agent_fed_event_by_event_plans_what_a_plan_from_scratch_gives(
+    tmp_path: Path, seed: int
+) -> None:
+    rnd = random.Random(seed)
+    agent = AgentHarness(tmp_path)
+    try:
+        writer = agent.writer
+        writer.acquire_first()
+        for step in range(40):
+            for _ in range(rnd.choice([1, 1, 3])):
+                n = rnd.randrange(2, 40)
+                key = f"/coreos.com/network/subnets/10.244.{n}.0-24"
+                held = agent.store.get(key)
+                if held is not None and rnd.random() < 0.25:
+                    agent.store.delete_if_mod_revision(key, held.mod_revision)
+                elif n != writer.state.own[0].ipv4_subnet.network_address.packed[2]:
+                    agent.store.put(key, peer_json(rnd, n))
+            agent.deliver_leases()
+            if step % 10 != 9:
+                continue
+            s = writer.state
+            seen = (writer.reconciler.desired, dict(s.rejected), s.mtu_report, s.unreachable)
+            writer.planner.forget()
+            writer.planner.replan()
+            assert (writer.reconciler.desired, s.rejected, s.mtu_report, s.unreachable) == seen
+    finally:
+        agent.stop()
+
+
+def test_a_burst_of_lease_lists_costs_one_plan(tmp_path: Path) -> None:
+    agent = AgentHarness(tmp_path)
+    try:
+        agent.writer.acquire_first()
+        leases, revision = agent.manager.list_leases()
+        replans = 0
+        replan = agent.writer.planner.replan
+
+        def counting() -> None:
+            nonlocal replans
+            replans += 1
+            replan()
+
+        agent.writer.planner.replan = counting  # type: ignore[method-assign]
+        burst: list[Event] = [LeasesChanged(leases, revision + i) for i in range(50)]
+        tick = Tick("renew")
+        for event in burst[:25]:
+            agent.put(event)
+        agent.put(tick)
+        for event in burst[25:]:
+            agent.put(event)
+        events = agent.writer.take_queued(agent.writer.queue.get_nowait())
+        assert events == [tick, burst[-1]]  # the newest list stands for the others, in order
+        for event in events:
+            agent.writer.handle(event, settle=False)
+        assert replans == 1
+        assert agent.writer.counts.events()["leases"] == 50  # every one counted as handled
+    finally:
+        agent.stop()
+
+
+# --- the reconciler: a pass for a new plan reads the kernel only when it must ---------------
+
+
+def test_a_pass_for_a_new_plan_leaves_the_kernel_as_a_pass_that_dumps_would() -> None:
+    rnd = random.Random(5)
+    ctx = context("vxlan", direct_routing=True)
+    backend = get_backend("vxlan")
+    own = [own_lease(1, False, ctx)]
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10.0)
+    memo = PlanMemo()
+    for i, leases in enumerate(steps(rnd, False, 60)):
+        bounds = node_bounds(ctx, own, [])
+        peers = list(split_peers({x.key: x for x in leases.values()}, [], bounds)[0].values())
+        want = backend.plan(ctx, own, peers, rnd.choice([MACS[0], MACS[0], MACS[1]]), memo)
+        reconciler.set_desired(want)
+        reconciler.reconcile_once(PLAN_CHANGED)
+        # What a dump finds now is exactly the plan: nothing left to do.
+        scope = ({link.name for link in want.links}, want.owned_devices)
+        assert diff(want, kernel.observe(*scope)).empty, f"step {i}"
+    # Only a new VTEP MAC (a device change) made a pass read the kernel again.
+    assert 1 < reconciler.dumps < 40
+
+
+def test_a_change_by_another_tool_or_a_failed_pass_is_read_back_from_the_kernel() -> None:
+    ctx = context("vxlan")
+    own = [own_lease(1, False, ctx)]
+    peers = [lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n]) for n in range(2, 8)]
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10.0)
+    for n in (2, 3, 4):
+        reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers[:n], MACS[0]))
+        reconciler.reconcile_once(PLAN_CHANGED)
+    # The first pass made the device (whose MAC the kernel reports), the second read it
+    # back, the third knew the kernel from the second.
+    assert reconciler.dumps == 2 and len(kernel.state.routes) == 4
+    # Someone deletes a route: the netlink event's pass reads the kernel and repairs it.
+    kernel.state = replace(kernel.state, routes=frozenset(list(kernel.state.routes)[1:]))
+    reconciler.reconcile_once("route")
+    assert reconciler.dumps == 3 and len(kernel.state.routes) == 4
+    # A pass whose routes failed leaves no view: the next one reads the kernel again.
+    kernel.fail_next_routes = True
+    reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers[:5], MACS[0]))
+    reconciler.reconcile_once(PLAN_CHANGED)
+    assert len(kernel.state.routes) == 4
+    reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers[:6], MACS[0]))
+    reconciler.reconcile_once(PLAN_CHANGED)
+    assert reconciler.dumps == 4 and len(kernel.state.routes) == 6
+
+
+# --- status.json: each probe result is rendered once -----------------------------------------
+
+
+class Results:
+    """What ``ProbesJson`` reads of the prober: its latest result per peer."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, ProbeResult] = {}
+
+    def results(self) -> dict[str, ProbeResult]:
+        return dict(self.latest)
+
+
+def test_the_status_file_renders_only_the_probe_results_that_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prober = Results()
+    for n in range(50):
+        prober.latest[f"10.244.{n}.0/24"] = ProbeResult(True, 0.001 * n, 0.0, True, None, n)
+    rendered: list[ProbeResult] = []
+    as_status = ProbeResult.as_status
+
+    def counting(self: ProbeResult) -> dict[str, object]:
+        rendered.append(self)
+        return as_status(self)
+
+    monkeypatch.setattr(ProbeResult, "as_status", counting)
+    probes = ProbesJson()
+    doc = json.loads(probes.splice('{"node":"n1"}', prober))  # type: ignore[arg-type]
+    assert doc["node"] == "n1" and len(rendered) == 50
+    assert doc["probes"] == {k: as_status(r) for k, r in prober.latest.items()}
+    rendered.clear()
+    prober.latest["10.244.7.0/24"] = ProbeResult(False, None, 0.5, None, "no answer", 8)
+    del prober.latest["10.244.9.0/24"]
+    doc = json.loads(probes.splice('{"node":"n1"}', prober))  # type: ignore[arg-type]
+    assert rendered == [prober.latest["10.244.7.0/24"]]  # the one new round alone
+    assert doc["probes"] == {k: as_status(r) for k, r in prober.latest.items()}
+    assert json.loads(ProbesJson().splice('{"node":"n1"}', None)) == {"node": "n1", "probes": {}}
+
+
+def test_a_peer_without_an_mtu_is_said_once_whatever_else_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = AgentHarness(tmp_path)
+    flanneld = [
+        lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n], mtu=None)
+        for n in range(2, 12)
+    ]
+
+    def put(*peers: Lease) -> None:
+        for peer in peers:
+            key = f"/coreos.com/network/subnets/{peer.key}"
+            agent.store.put(key, peer.attrs.to_json().encode())
+        agent.deliver_leases()
+
+    def said() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if "MTU unknown" in r.getMessage()]
+        caplog.clear()
+        return lines
+
+    try:
+        agent.writer.acquire_first()
+        caplog.set_level("INFO", "flannelpy.agent.planning")
+        put(*flanneld[:6])
+        (line,) = said()
+        assert line.startswith("MTU unknown for 6 peers (10.244.2.0/24, 10.244.3.0/24, ")
+        put(flanneld[6])
+        assert said() == [f"MTU unknown: peer 10.244.8.0/24 (192.168.1.28) {ADVERTISES}"]
+        moved = replace(
+            flanneld[0],
+            attrs=replace(flanneld[0].attrs, backend_data={"VNI": 1, "VtepMAC": MACS[30]}),
+        )
+        put(moved)  # the same peer, still without an MTU: nothing more to say
+        agent.deliver_leases()
+        assert said() == []
+    finally:
+        agent.stop()
+
+
+ADVERTISES = (
+    "advertises no overlay MTU (flanneld or an older flannelpy), so only the prober's "
+    "full-size DF probe can verify that path"
+)
