@@ -87,6 +87,9 @@ class NodeAgent:
         if parts.control is not None:
             control = parts.control
             self._spawn("control-watch", lambda stop: control.watch(w.on_control, stop))
+        if w.netpol is not None:  # until its first full sync the kernel's table is kept
+            netpol = w.netpol
+            self._spawn("policy-watch", lambda stop: netpol.source.watch(netpol.changed, stop))
         w.wait_first_snapshot(FIRST_SNAPSHOT_TIMEOUT)
         w.after_first_snapshot()
         result = w.reconciler.reconcile_once("start")

@@ -19,7 +19,7 @@ from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.wireguard import kept_device_mtu
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import BlockedChange
-from flannelpy.dataplane.state import Unreachable
+from flannelpy.dataplane.state import NftTableSpec, Unreachable
 from flannelpy.ipam.capacity import CapacitySettings
 from flannelpy.observe.mtu import MtuReport, PeerMtu
 from flannelpy.subnet.lease import Lease
@@ -73,6 +73,8 @@ class NodeState:
     status_due: bool = False  # status.json and the store record, now (not at the next tick)
     # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).
     wireguard_device_up: bool = False
+    # The NetworkPolicy table to enforce; None: off, or not synced since start.
+    policy: NftTableSpec | None = None
 
     @property
     def config(self) -> NetworkConfig:
