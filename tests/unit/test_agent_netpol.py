@@ -30,7 +30,7 @@ def raw_pod(name: str, app: str, ip: str, node: str = NODE) -> dict[str, Any]:
     }
 
 
-DB_ONLY_FROM_API = {
+DB_ONLY_FROM_API: dict[str, Any] = {
     "metadata": {"namespace": "shop", "name": "db"},
     "spec": {
         "podSelector": {"matchLabels": {"app": "db"}},
