@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 from flannelpy.agent.events import PolicyInputsChanged
-from flannelpy.agent.state import NodeState
+from flannelpy.agent.state import NodeState, PolicyStatus
 from flannelpy.netpol.compile import compile_node
 from flannelpy.netpol.nft import Ruleset, render
 from flannelpy.store.policy_inputs import PolicySnapshot, PolicySource
@@ -52,18 +52,19 @@ class NetworkPolicySync:
             self._waiting = False  # a change after the snapshot below queues a new event
         snapshot = self.source.snapshot()
         self.last = snapshot
+        self.state.policy_status = _status(snapshot, None)
         if not snapshot.synced:
             return False
         try:
-            table: Ruleset = render(
-                compile_node(
-                    snapshot.policies, snapshot.pods, snapshot.namespaces, self.state.ctx.node_name
-                )
+            compiled = compile_node(
+                snapshot.policies, snapshot.pods, snapshot.namespaces, self.state.ctx.node_name
             )
+            table: Ruleset = render(compiled)
         except Exception:  # a bug: keep enforcing the last table rather than stop the node
             log.exception("policy compile failed; the last table stays")
             return False
         self.compiles += 1
+        self.state.policy_status = _status(snapshot, len(compiled.pods))
         if not self.synced:
             self.synced = True
             log.info(
@@ -76,3 +77,14 @@ class NetworkPolicySync:
             return False
         self.state.policy = table
         return True
+
+
+def _status(snapshot: PolicySnapshot, selected: int | None) -> PolicyStatus:
+    return PolicyStatus(
+        synced=snapshot.synced and selected is not None,
+        policies=len(snapshot.policies),
+        pods=len(snapshot.pods),
+        namespaces=len(snapshot.namespaces),
+        selected_pods=selected or 0,
+        refused=snapshot.refused[:20],
+    )

@@ -36,6 +36,18 @@ class Clocks:
     monotonic: Callable[[], float] = time.monotonic
 
 
+@dataclass(frozen=True)
+class PolicyStatus:
+    """NetworkPolicy as the writer last compiled it, for status.json."""
+
+    synced: bool  # every kind listed whole since start; before, the kernel's table is kept
+    policies: int
+    pods: int  # in the cluster, with an address
+    namespaces: int
+    selected_pods: int  # this node's pods isolated in some direction
+    refused: tuple[str, ...]  # one sentence per object refused now
+
+
 @dataclass
 class NodeState:
     """What this node runs and holds. Written by the writer only."""
@@ -75,6 +87,7 @@ class NodeState:
     wireguard_device_up: bool = False
     # The NetworkPolicy table to enforce; None: off, or not synced since start.
     policy: NftTableSpec | None = None
+    policy_status: PolicyStatus | None = None
 
     @property
     def config(self) -> NetworkConfig:
@@ -119,6 +132,7 @@ class NodeState:
             rules_in_place=self.rules_in_place,
             ready=self.ready,
             rejected=tuple(self.rejected[k] for k in sorted(self.rejected)),
+            policy=self.policy_status,
         )
 
 
@@ -142,6 +156,7 @@ class AgentView:
     rules_in_place: bool
     ready: bool
     rejected: tuple[Rejection, ...] = ()  # peer leases ignored, for status.json and the doctor
+    policy: PolicyStatus | None = None  # NetworkPolicy; None when off
 
     @property
     def lease(self) -> Lease | None:

@@ -99,6 +99,7 @@ def test_nothing_is_written_before_the_first_full_sync(agent: Any) -> None:
     assert nft.scripts == []
     assert nft.table == ["add rule left by the previous run"]  # the kernel's table is kept
     assert harness.writer.state.policy is None
+    assert harness.status()["network_policy"]["synced"] is False
 
 
 def test_a_policy_event_leads_to_exactly_one_nft_transaction(agent: Any) -> None:
