@@ -7,7 +7,7 @@ wait for the first full lease snapshot (never program an empty peer set over a
 live one); adopt our other leases; capacity; one synchronous reconcile (devices,
 routes, then the firewall's rules); the loops; the CNI server; ready; only then
 subnet.env. After that the writer (``agent.writer``) is the only thread that
-changes the node's state; the others (lease and control watches, reconciler,
+changes the node's state; the others (lease, control and policy watches, reconciler,
 kernel event watch, prober, ticker) feed it events, all under one stop event: when
 one of them dies, all stop within a grace period.
 """

@@ -150,7 +150,7 @@ class Writer:
             firewall=parts.firewall,
             policy=parts.policy_table,
         )
-        self.netpol = None
+        self.netpol: NetworkPolicySync | None = None
         if parts.policy_source is not None:
             self.netpol = NetworkPolicySync(s, parts.policy_source, self.queue.put)
         self.kernel = parts.kernel
