@@ -30,16 +30,18 @@ from flannelpy.backend.wireguard_config import parse_wireguard_config
 from flannelpy.backend.wireguard_runtime import WireguardRuntime, default_key_file
 from flannelpy.cni.pods import PodAttachments, PodSide
 from flannelpy.config.netconf import NetworkConfig
-from flannelpy.config.settings import AgentSettings
+from flannelpy.config.settings import NETWORK_POLICY_NEEDS_KUBE, AgentSettings
 from flannelpy.control.change import wanted_config
 from flannelpy.control.records import NodeOverride
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ForeignRoute, Kernel
+from flannelpy.dataplane.reconciler import PolicyRules
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.store.open_store import ClusterStore, NodeIdentity, open_store
+from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.survey import check_no_overlap
 
@@ -100,6 +102,7 @@ def build_agent(
         manager.close()
         raise
     capacity, pools = _capacity_and_pools(config, store)
+    policy_source, policy_table = _network_policy(settings, store, metrics)
     network = config.network  # never changed live: a new Network needs a restart
     ipv6_network = config.ipv6_network  # nor a new IPv6Network
 
@@ -125,8 +128,26 @@ def build_agent(
             probe_transport=_icmp_transport,
             link_stats=_link_stats,
             wireguard=wireguard,
+            policy_source=policy_source,
+            policy_table=policy_table,
         )
     )
+
+
+def _network_policy(
+    settings: AgentSettings, store: ClusterStore, metrics: AgentMetrics
+) -> tuple[PolicySource | None, PolicyRules | None]:
+    """--enable-network-policy: the store's policy inputs and the nftables table."""
+    if not settings.enable_network_policy:
+        return None, None
+    source = store.policy_source(metrics.policy_refused)
+    if source is None:
+        store.close()
+        raise ConfigError(f"--enable-network-policy {NETWORK_POLICY_NEEDS_KUBE}")
+    from flannelpy.dataplane.policy_table import PolicyTable
+
+    log.info("network policy on: table inet flannelpy-policy, kept as it is until synced")
+    return source, PolicyTable()
 
 
 def _log_start(ctx: NodeContext, backend: Backend) -> None:

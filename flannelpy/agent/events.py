@@ -69,6 +69,12 @@ class WireguardConfirmed:
 
 
 @dataclass(frozen=True)
+class PolicyInputsChanged:
+    """NetworkPolicies, Pods or Namespaces changed (any number of them: coalesced); the
+    writer reads the store's snapshot when it handles this."""
+
+
+@dataclass(frozen=True)
 class Tick:
     name: str
 
@@ -85,6 +91,7 @@ Event = (
     | ProbeReported
     | CapacityLow
     | WireguardConfirmed
+    | PolicyInputsChanged
     | Tick
     | Stop
 )
@@ -99,6 +106,7 @@ _KINDS: dict[type, str] = {
     CapacityLow: "capacity",
     Tick: "tick",
     WireguardConfirmed: "handshake",
+    PolicyInputsChanged: "policy",
 }
 assert set(_KINDS.values()) == set(AGENT_EVENT_KINDS)
 

@@ -7,7 +7,7 @@ wait for the first full lease snapshot (never program an empty peer set over a
 live one); adopt our other leases; capacity; one synchronous reconcile (devices,
 routes, then the firewall's rules); the loops; the CNI server; ready; only then
 subnet.env. After that the writer (``agent.writer``) is the only thread that
-changes the node's state; the others (lease and control watches, reconciler,
+changes the node's state; the others (lease, control and policy watches, reconciler,
 kernel event watch, prober, ticker) feed it events, all under one stop event: when
 one of them dies, all stop within a grace period.
 """
@@ -87,6 +87,9 @@ class NodeAgent:
         if parts.control is not None:
             control = parts.control
             self._spawn("control-watch", lambda stop: control.watch(w.on_control, stop))
+        if w.netpol is not None:  # until its first full sync the kernel's table is kept
+            netpol = w.netpol
+            self._spawn("policy-watch", lambda stop: netpol.source.watch(netpol.changed, stop))
         w.wait_first_snapshot(FIRST_SNAPSHOT_TIMEOUT)
         w.after_first_snapshot()
         result = w.reconciler.reconcile_once("start")

@@ -191,7 +191,7 @@ class Planner:
         else:
             desired = plan_kept(ctx, s.own, peers, desired)
         desired, stale_links = self._with_lingering(desired)
-        desired = replace(desired, firewall=pod_ranges(s))
+        desired = replace(desired, firewall=pod_ranges(s), policy=s.policy)
         s.wireguard_device_up = any(spec.name == WG_DEVICE for spec in desired.wireguard)
         if desired.unreachable != s.unreachable:
             for peer in sorted(desired.unreachable - s.unreachable, key=lambda u: u.subnet):

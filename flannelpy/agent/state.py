@@ -19,7 +19,7 @@ from flannelpy.backend.base import Backend, NodeContext
 from flannelpy.backend.wireguard import kept_device_mtu
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import BlockedChange
-from flannelpy.dataplane.state import Unreachable
+from flannelpy.dataplane.state import NftTableSpec, Unreachable
 from flannelpy.ipam.capacity import CapacitySettings
 from flannelpy.observe.mtu import MtuReport, PeerMtu
 from flannelpy.subnet.lease import Lease
@@ -34,6 +34,18 @@ class Clocks:
 
     wall: Callable[[], float] = time.time
     monotonic: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True)
+class PolicyStatus:
+    """NetworkPolicy as the writer last compiled it, for status.json."""
+
+    synced: bool  # every kind listed whole since start; before, the kernel's table is kept
+    policies: int
+    pods: int  # in the cluster, with an address
+    namespaces: int
+    selected_pods: int  # this node's pods isolated in some direction
+    refused: tuple[str, ...]  # one sentence per object refused now
 
 
 @dataclass
@@ -73,6 +85,9 @@ class NodeState:
     status_due: bool = False  # status.json and the store record, now (not at the next tick)
     # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).
     wireguard_device_up: bool = False
+    # The NetworkPolicy table to enforce; None: off, or not synced since start.
+    policy: NftTableSpec | None = None
+    policy_status: PolicyStatus | None = None
 
     @property
     def config(self) -> NetworkConfig:
@@ -124,6 +139,7 @@ class NodeState:
             rules_in_place=self.rules_in_place,
             ready=self.ready,
             rejected=tuple(self.rejected[k] for k in sorted(self.rejected)),
+            policy=self.policy_status,
         )
 
 
@@ -147,6 +163,7 @@ class AgentView:
     rules_in_place: bool
     ready: bool
     rejected: tuple[Rejection, ...] = ()  # peer leases ignored, for status.json and the doctor
+    policy: PolicyStatus | None = None  # NetworkPolicy; None when off
 
     @property
     def lease(self) -> Lease | None:

@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from ipaddress import IPv4Interface, IPv6Interface
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,6 +124,8 @@ class StatusReporter:
             ],
             # peer leases refused before they reached the kernel (the doctor lists them)
             "rejected_leases": [{"key": r.key, "reason": r.reason} for r in view.rejected[:100]],
+            # --enable-network-policy: synced or not, object counts, refusals (None: off)
+            "network_policy": asdict(view.policy) if view.policy is not None else None,
             "converged": result.converged if result else None,
             "failures": list(result.failures[:20]) if result else [],
             "last_reconcile": result.finished_at if result else None,

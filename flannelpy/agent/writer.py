@@ -34,6 +34,7 @@ from flannelpy.agent.events import (
     EventCounts,
     LeaseLost,
     LeasesChanged,
+    PolicyInputsChanged,
     ProbeReported,
     Tick,
     WireguardConfirmed,
@@ -42,6 +43,7 @@ from flannelpy.agent.events import (
 from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.live_config import ConfigSwitch, LiveConfig
+from flannelpy.agent.netpol import NetworkPolicySync
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
@@ -51,7 +53,7 @@ from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.cni.pods import PodSide
 from flannelpy.config.settings import AgentSettings
 from flannelpy.dataplane.kernel import Kernel
-from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
+from flannelpy.dataplane.reconciler import PolicyRules, Reconciler, ReconcileResult
 from flannelpy.errors import DataplaneError, StoreError
 from flannelpy.ipam.capacity import CapacitySettings
 from flannelpy.observe.health import Heartbeats
@@ -59,6 +61,7 @@ from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.observe.probe_rounds import Transport
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.store.open_store import StoreTraits
+from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool
@@ -105,6 +108,9 @@ class AgentParts:
     # The node's WireGuard key and devices (the reconciler applies the planned ones).
     wireguard: WireguardRuntime | None = None
     store_traits: StoreTraits = field(default_factory=StoreTraits)  # etcd's unless told
+    # --enable-network-policy: the store's policy inputs and the kernel's policy table.
+    policy_source: PolicySource | None = None
+    policy_table: PolicyRules | None = None
 
 
 def _primary_pool(network: IPv4Network | None) -> list[Pool]:
@@ -142,7 +148,11 @@ class Writer:
             metrics.reconcile_error,
             wireguard=parts.wireguard,
             firewall=parts.firewall,
+            policy=parts.policy_table,
         )
+        self.netpol: NetworkPolicySync | None = None
+        if parts.policy_source is not None:
+            self.netpol = NetworkPolicySync(s, parts.policy_source, self.queue.put)
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
         self.leases = OwnLeases(
@@ -258,6 +268,9 @@ class Writer:
             if s.ctx.wireguard_confirmed != event.keys:
                 s.ctx = replace(s.ctx, wireguard_confirmed=event.keys)
                 self.planner.replan()  # held pairs move to the tunnel, the VTEP may go
+        elif isinstance(event, PolicyInputsChanged):
+            if self.netpol is not None and self.netpol.take():
+                s.replan_due = True  # the new table reaches the reconciler with the plan
         elif isinstance(event, Tick):
             self._on_tick(event.name)
         if settle:

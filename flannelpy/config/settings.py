@@ -18,8 +18,8 @@ from ipaddress import (
     ip_address,
 )
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
+from flannelpy.config.etcd_endpoints import check_endpoints, with_schemes
 from flannelpy.errors import ConfigError
 
 
@@ -89,7 +89,15 @@ class AgentSettings:
     # changed, jittered down to 80 %; a change an operator acts on is written at once,
     # and probe rounds are followed only while a change settles or a rollout runs
     status_publish_interval: float = 300.0
+    # Kubernetes mode: enforce NetworkPolicy for this node's pods (nftables table
+    # inet flannelpy-policy); off, as Flannel has none.
+    enable_network_policy: bool = False
 
+
+NETWORK_POLICY_NEEDS_KUBE = (
+    "needs Kubernetes mode, since etcd mode has no Pods or NetworkPolicies; "
+    "add --kube-subnet-mgr or remove it"
+)
 
 _Kind = Literal["str", "bool", "int", "float", "csv", "repeat"]
 
@@ -214,6 +222,11 @@ _FLAGS: tuple[_Flag, ...] = (
         "seconds between this node's heartbeat status records in etcd when nothing "
         "changed (jittered 80-100 %; a change is written at once)",
     ),
+    _Flag(
+        "enable_network_policy",
+        "bool",
+        "enforce NetworkPolicy for this node's pods in nftables (Kubernetes mode only)",
+    ),
 )
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AgentSettings)}
@@ -289,7 +302,7 @@ def settings_from_args(ns: argparse.Namespace, environ: Mapping[str, str]) -> Ag
             values[name] = check(values[name], sources[name])
     if values.get("node_name") is None:
         values["node_name"] = environ.get("NODE_NAME") or socket.gethostname()
-    _with_schemes(values)
+    with_schemes(values, _DEFAULTS["etcd_endpoints"])
     # klog's -v above 0 shows flanneld's verbose logs; ours are the debug level.
     if values.get("v", 0) > 0 and "log_level" not in values:
         values["log_level"] = "debug"
@@ -362,41 +375,6 @@ def _parse_float(text: str, source: str) -> float:
     if not math.isfinite(value):
         raise ConfigError(f"{source} {text!r} is not a number of seconds; give seconds like 5")
     return value
-
-
-def _check_endpoints(urls: tuple[str, ...], source: str) -> tuple[str, ...]:
-    """Each endpoint a URL or ``unix://PATH``. A bare ``host:port`` is taken as etcd's Go
-    client takes it (the TLS files decide the scheme: see _with_schemes)."""
-    if not urls:
-        raise ConfigError(f"{source} is empty; give etcd URLs like http://127.0.0.1:2379")
-    for url in urls:
-        if url.startswith("unixs:"):
-            raise ConfigError(
-                f"{source} entry {url!r} is TLS over a unix socket, which flannelpy does not "
-                "speak; give unix://PATH (no TLS) or an https:// URL"
-            )
-        if url.startswith("unix:"):
-            if not url.removeprefix("unix:").strip("/"):
-                raise ConfigError(
-                    f"{source} entry {url!r} names no socket; write it like "
-                    "unix:///run/etcd/etcd.sock"
-                )
-            continue
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if (
-            parts.scheme not in ("http", "https")
-            or not parts.hostname
-            or ("://" not in url and port is None)
-        ):
-            raise ConfigError(
-                f"{source} entry {url!r} is not an etcd URL; write it like "
-                "http://127.0.0.1:2379, https://etcd-0:2379 or etcd-0:2379"
-            )
-    return urls
 
 
 def _check_prefix(prefix: str, source: str) -> str:
@@ -547,7 +525,7 @@ def _check_listen_addr(value: str, source: str) -> str | None:
 
 # Per-field checks on converted values; each returns the (normalised) value.
 _CHECKS: dict[str, Callable[[Any, str], Any]] = {
-    "etcd_endpoints": _check_endpoints,
+    "etcd_endpoints": check_endpoints,
     "etcd_prefix": _check_prefix,
     "kube_annotation_prefix": _check_annotation_prefix,
     "iface_regex": _check_regexes,
@@ -584,16 +562,6 @@ def _check_together(settings: AgentSettings, sources: Mapping[str, str]) -> None
         )
     if (settings.etcd_keyfile is None) != (settings.etcd_certfile is None):
         raise ConfigError("--etcd-keyfile and --etcd-certfile go together; give both or neither")
-
-
-def _with_schemes(values: dict[str, Any]) -> None:
-    """A bare ``host:port`` endpoint gets the scheme etcd's Go client would use: https
-    when any TLS file is given, else http."""
-    urls = values.get("etcd_endpoints")
-    if urls is None:
-        urls = _DEFAULTS["etcd_endpoints"]
-    tls = any(values.get(name) for name in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"))
-    scheme = "https" if tls else "http"
-    values["etcd_endpoints"] = tuple(
-        u if "://" in u or u.startswith("unix:") else f"{scheme}://{u}" for u in urls
-    )
+    if settings.enable_network_policy and not settings.kube_subnet_mgr:
+        source = sources.get("enable_network_policy", "--enable-network-policy")
+        raise ConfigError(f"{source} {NETWORK_POLICY_NEEDS_KUBE}")

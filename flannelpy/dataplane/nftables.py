@@ -257,7 +257,7 @@ class NftablesFirewall:
             proc = self._exec(["nft", "list", "table", family, table])
             if proc.returncode != 0 and "No such file or directory" not in proc.stderr:
                 raise DataplaneError(
-                    f"nft cannot list table {family} {table}: {_first_line(proc.stderr)}; "
+                    f"nft cannot list table {family} {table}: {first_line(proc.stderr)}; "
                     "check that nftables works on this host"
                 )
             found[f"{family} {table}"] = proc.stdout if proc.returncode == 0 else ""
@@ -277,28 +277,36 @@ class NftablesFirewall:
         proc = self._exec(["nft", "-f", "-"], input=script)
         if proc.returncode != 0:
             raise DataplaneError(
-                f"nft could not {what}: {_first_line(proc.stderr)}; "
+                f"nft could not {what}: {first_line(proc.stderr)}; "
                 "check that the kernel has nftables (nf_tables, nft_masq)"
             )
 
     def _exec(
         self, argv: Sequence[str], input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        kwargs: dict[str, Any] = {
-            "input": input,
-            "capture_output": True,
-            "text": True,
-            "check": False,
-            "timeout": self._timeout,
-        }
-        try:
-            return self._run([*self._prefix, *argv], **kwargs)
-        except FileNotFoundError as e:
-            raise DataplaneError("nft is not installed; install the nftables package") from e
-        except subprocess.TimeoutExpired as e:
-            raise DataplaneError(f"nft did not finish in {self._timeout:g} s") from e
+        return run_nft(self._run, [*self._prefix, *argv], input, self._timeout)
 
 
-def _first_line(text: str) -> str:
+def run_nft(
+    run: Runner, argv: Sequence[str], input: str | None, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run an ``nft`` command line (``argv``, maybe behind a netns prefix), its output as text;
+    a missing binary or a hang becomes DataplaneError."""
+    kwargs: dict[str, Any] = {
+        "input": input,
+        "capture_output": True,
+        "text": True,
+        "check": False,
+        "timeout": timeout,
+    }
+    try:
+        return run(list(argv), **kwargs)
+    except FileNotFoundError as e:
+        raise DataplaneError("nft is not installed; install the nftables package") from e
+    except subprocess.TimeoutExpired as e:
+        raise DataplaneError(f"nft did not finish in {timeout:g} s") from e
+
+
+def first_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[0] if lines else "no error output"

@@ -22,6 +22,7 @@ from flannelpy.dataplane.state import (
     DesiredState,
     FdbEntry,
     Neighbour,
+    NftTableSpec,
     ObservedState,
     PodRanges,
     VxlanLink,
@@ -93,6 +94,20 @@ class Firewall(Protocol):
         ...
 
 
+class PolicyRules(Protocol):
+    """Where the planned NetworkPolicy table goes (:class:`~.policy_table.PolicyTable`)."""
+
+    def apply(self, desired: NftTableSpec) -> str | None:
+        """Make the table ``desired``; why it was rebuilt whole, if it was. Raises
+        DataplaneError."""
+        ...
+
+
+# Same-node pod-to-pod traffic crosses cni0 as bridged frames: the forward hook, where
+# the policy table judges it, sees them only with these on (module br_netfilter).
+BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables")
+
+
 class Reconciler:
     def __init__(
         self,
@@ -102,8 +117,13 @@ class Reconciler:
         on_error: Callable[[], None] | None = None,
         wireguard: WireguardDevices | None = None,
         firewall: Firewall | None = None,
+        policy: PolicyRules | None = None,
     ) -> None:
         self._kernel = kernel
+        self._policy = policy
+        self._bridge_nf_on = False
+        self._policy_failure: str | None = None
+        self.policy_rebuilds = 0  # whole-table rebuilds (start, missing, changed)
         self._wireguard = wireguard
         self._firewall = firewall
         self._firewall_done: PodRanges | None = None  # the ranges whose rules are in place
@@ -182,6 +202,7 @@ class Reconciler:
         view = after_apply(desired, observed, changes, scope[1]) if not failures else None
         self._view = (scope, view) if view is not None else None
         failures += self._apply_firewall(desired)  # after the routes, as at start
+        failures += self._apply_policy(desired)
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
@@ -209,6 +230,33 @@ class Reconciler:
             return ("firewall rules not in place yet; the firewall timer retries",)
         self._firewall_done = ranges
         return ()
+
+    def _apply_policy(self, desired: DesiredState) -> tuple[str, ...]:
+        """The NetworkPolicy table, checked and brought to the desired one every pass; None
+        desired (off, or not synced since start) leaves the kernel's table as it is."""
+        if self._policy is None or desired.policy is None:
+            return ()
+        failures: list[str] = []
+        if not self._bridge_nf_on:
+            try:
+                for name in BRIDGE_NF_SYSCTLS:
+                    self._kernel.set_sysctl(name, "1")
+                self._bridge_nf_on = True
+            except DataplaneError as e:
+                failures.append(
+                    f"{name} cannot be set ({e}); load br_netfilter (modprobe br_netfilter) "
+                    "so that policy judges traffic between pods of this node"
+                )
+        try:
+            if self._policy.apply(desired.policy) is not None:
+                self.policy_rebuilds += 1
+        except DataplaneError as e:
+            failures.append(f"policy: {e}")
+        failure = "; ".join(failures) or None
+        if failure is not None and failure != self._policy_failure:  # said once
+            log.warning("reconcile failure: %s", failure)
+        self._policy_failure = failure
+        return tuple(failures)
 
     def resync_firewall(self) -> bool:
         """Check and repair the firewall's rules alone (its timer; a full pass would read

@@ -16,7 +16,7 @@ from ipaddress import (
     IPv6Interface,
     IPv6Network,
 )
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # a type only: the planner's values stay free of the device code
     from flannelpy.dataplane.wgspec import WgDeviceSpec
@@ -122,6 +122,21 @@ class PodRanges:
     subnets: tuple[IPNetwork, ...]
 
 
+class NftTableSpec(Protocol):
+    """A whole nftables table of ours as a value (NetworkPolicy's ``Ruleset``): its name
+    and the one atomic ``nft -f`` transaction that turns another such value into it."""
+
+    @property
+    def table(self) -> str:
+        """``<family> <name>``, e.g. ``inet flannelpy-policy``."""
+        ...
+
+    def script_from(self, old: Any) -> str:
+        """The transaction from ``old`` (the same kind of value) to this; from nothing
+        (the table absent) when ``old`` is None; empty when nothing differs."""
+        ...
+
+
 @dataclass(frozen=True)
 class DesiredState:
     """Everything the agent owns in the kernel. Anything of ours not listed here is stale.
@@ -141,6 +156,9 @@ class DesiredState:
     wireguard: frozenset[WgDeviceSpec] = frozenset()
     # The ranges of the masq and forward rules; None before we hold a lease.
     firewall: PodRanges | None = None
+    # The NetworkPolicy table; None: policy is off, or not synced since start (whatever
+    # table the kernel holds is kept, so a restart opens no window).
+    policy: NftTableSpec | None = None
 
 
 @dataclass(frozen=True)

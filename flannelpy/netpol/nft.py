@@ -71,10 +71,18 @@ class NftChain:
 
 @dataclass(frozen=True)
 class Ruleset:
-    """The whole table as values, keyed by name."""
+    """The whole table as values, keyed by name. The reconciler's policy adapter sees it
+    through :meth:`script_from` and :attr:`table` alone."""
 
     sets: dict[str, NftSet] = field(default_factory=dict)
     chains: dict[str, NftChain] = field(default_factory=dict)
+
+    table = PREFIX  # "inet flannelpy-policy"
+
+    def script_from(self, old: Ruleset | None) -> str:
+        """The transaction from ``old`` to this table; from nothing (the table absent)
+        when ``old`` is None."""
+        return full_script(self) if old is None else transaction(old, self)
 
 
 def pod_chain(pod: PodRules, direction: str) -> str:

@@ -36,7 +36,18 @@ WATCH_RESTART_REASONS = ("compacted", "unavailable", "malformed", "error")
 # flannelpy_rejected_leases_total{reason}
 REJECTION_REASONS = REASONS
 # flannelpy_agent_events_total{kind}: what the agent's writer handled
-AGENT_EVENT_KINDS = ("leases", "lease_lost", "control", "probe", "capacity", "tick", "handshake")
+AGENT_EVENT_KINDS = (
+    "leases",
+    "lease_lost",
+    "control",
+    "probe",
+    "capacity",
+    "tick",
+    "handshake",
+    "policy",
+)
+# flannelpy_policy_refused_objects_total{kind}: API objects NetworkPolicy cannot represent
+POLICY_OBJECT_KINDS = ("networkpolicy", "pod", "namespace")
 WIREGUARD_IMPLEMENTATIONS = ("kernel", "userspace")
 WIREGUARD_REPAIR_KINDS = ("peers_set", "peers_removed", "key", "port", "process")
 SCRAPE_PROVIDERS = ("links", "ipam", "kernel")
@@ -122,6 +133,8 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_blocked_operations_total": "counter",
     # the agent's writer
     "flannelpy_agent_events_total": "counter",
+    # NetworkPolicy (--enable-network-policy)
+    "flannelpy_policy_refused_objects_total": "counter",
     # the metrics themselves
     "flannelpy_scrape_errors_total": "counter",
     # the wireguard backend
@@ -402,6 +415,20 @@ def register_blocked_operations(r: CollectorRegistry) -> Counter:
     # increase() sees no rise in a series that appears at 1: the first block must count.
     blocked.labels("backend_change")
     return blocked
+
+
+def register_policy_refusals(r: CollectorRegistry) -> Counter:
+    refused = Counter(
+        "flannelpy_policy_refused_objects_total",
+        "NetworkPolicies, Pods and Namespaces the policy compiler cannot represent, once "
+        "per object version (nothing of it is enforced; an edit keeps the last accepted "
+        "version), by kind.",
+        ["kind"],
+        registry=r,
+    )
+    for kind in POLICY_OBJECT_KINDS:
+        refused.labels(kind)
+    return refused
 
 
 def unregistered_scrape_errors() -> Counter:

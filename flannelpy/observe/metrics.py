@@ -43,6 +43,7 @@ from flannelpy.observe.metric_families import (
     AGENT_EVENT_KINDS,
     CHANGE_KINDS,
     CNI_COMMANDS,
+    POLICY_OBJECT_KINDS,
     REJECTION_REASONS,
     RENEWAL_RESULTS,
     WATCH_RESTART_REASONS,
@@ -58,6 +59,7 @@ from flannelpy.observe.metric_families import (
     register_agent_events,
     register_blocked_operations,
     register_build_info,
+    register_policy_refusals,
     unregistered_scrape_errors,
 )
 from flannelpy.observe.mtu import MtuReport, mtu_mismatches
@@ -156,6 +158,7 @@ class AgentMetrics:
         self._agent_events = register_agent_events(r)
         self._wireguard = WireguardFamilies(r)
         self._blocked = register_blocked_operations(r)
+        self._policy_refused = register_policy_refusals(r)
         self._scrape_errors = unregistered_scrape_errors()
         r.register(ScrapeCollector(self._read_links, self._read_ipam))
         r.register(KernelCollector(self._read_kernel))
@@ -372,6 +375,12 @@ class AgentMetrics:
     def blocked_operation(self, kind: str) -> None:
         """A disruptive operation refused by the policy (kind: short snake_case)."""
         self._blocked.labels(_label(kind)).inc()
+
+    # -- NetworkPolicy ----------------------------------------------------------------
+
+    def policy_refused(self, kind: str) -> None:
+        """An API object the policy compiler cannot represent (kind: POLICY_OBJECT_KINDS)."""
+        self._policy_refused.labels(_label(kind, POLICY_OBJECT_KINDS)).inc()
 
     # -- output -----------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from flannelpy.rollout.storage import RolloutStorage
     from flannelpy.store.etcd.kv import Store
     from flannelpy.store.kube.manager import KubeSubnetManager
+    from flannelpy.store.policy_inputs import PolicySource
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ class ClusterStore:
 
     def lease_seconds_left(self, lease_id: int) -> float | None:
         """Seconds left on a store lease's TTL; ``None`` when unknown."""
+        return None
+
+    def policy_source(
+        self,
+        on_refused: Callable[[str], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> PolicySource | None:
+        """NetworkPolicy's inputs (policies, pods, namespaces); None where the store has
+        none (etcd)."""
         return None
 
     def close(self) -> None:
@@ -156,6 +166,15 @@ class KubeClusterStore(ClusterStore):
             self.kube.api_client, agent_namespace(os.environ, lambda p: Path(p).read_text())
         )
         return KubeNodeControl(self.kube, settings.net_config_path, publisher)
+
+    def policy_source(
+        self,
+        on_refused: Callable[[str], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> PolicySource | None:
+        from flannelpy.store.kube.policy_watch import KubePolicySource, kube_resources
+
+        return KubePolicySource(kube_resources(self.kube.api_client), on_refused, on_restart)
 
 
 def open_store(

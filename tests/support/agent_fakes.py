@@ -28,6 +28,7 @@ from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.node_control import ControlSnapshot
 from flannelpy.dataplane.kernel import ApplyResult
+from flannelpy.dataplane.reconciler import PolicyRules
 from flannelpy.dataplane.state import Changes
 from flannelpy.dataplane.wgspec import WgDeviceSpec
 from flannelpy.errors import StoreUnavailable
@@ -37,6 +38,7 @@ from flannelpy.store.etcd.config import put_network_config
 from flannelpy.store.etcd.kv import FakeStore
 from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.store.node_control import EtcdNodeControl
+from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.keys import lease_key
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
@@ -196,6 +198,8 @@ class AgentHarness:
         jitter: Callable[[], float] | None = None,
         wireguard: WireguardRuntime | None = None,
         firewall: FirewallSync | None = None,
+        policy_source: PolicySource | None = None,
+        policy_table: PolicyRules | None = None,
         **settings: Any,
     ) -> None:
         self.clock = clock or FakeClock()
@@ -238,6 +242,8 @@ class AgentHarness:
                 jitter=jitter or random.Random(7).random,
                 wireguard=wireguard,
                 firewall=firewall,
+                policy_source=policy_source,
+                policy_table=policy_table,
             )
         )
         self.writer = self.agent.writer

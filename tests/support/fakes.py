@@ -22,6 +22,7 @@ class FakeKernel:
         self.observe_calls = 0
         self.fail_next_routes = False
         self.tx_checksum_writes: list[tuple[str, bool]] = []
+        self.sysctls: dict[str, str] = {}
 
     def find_underlay(self, *args: object, **kwargs: object) -> UnderlayInterface:
         return underlay()
@@ -88,7 +89,7 @@ class FakeKernel:
         stop.wait()
 
     def set_sysctl(self, name: str, value: str) -> None:
-        pass
+        self.sysctls[name] = value
 
     def set_tx_checksum(self, name: str, on: bool) -> None:
         self.tx_checksum_writes.append((name, on))

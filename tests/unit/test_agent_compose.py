@@ -232,3 +232,47 @@ def test_a_config_not_written_yet_is_waited_for_as_flanneld_does(
     with pytest.raises(ConfigError, match="Network"):
         _read_config_patiently(cluster, 0.1, sleep=sleep)
     assert len(waits) == 3
+
+
+VXLAN = {"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}
+
+
+def test_network_policy_on_a_store_without_policy_inputs_is_refused_before_any_change(
+    tmp_path: Path,
+) -> None:
+    store = FakeStore()
+    put_network_config(store, PREFIX, json.dumps(VXLAN))
+    kernel = HostTouchingKernel()
+    settings = agent_settings(tmp_path, enable_network_policy=True)  # past the flag check
+    with pytest.raises(ConfigError, match=r"^--enable-network-policy needs Kubernetes mode"):
+        build_agent(settings, opened(store, tmp_path), kernel)
+    assert kernel.calls == ["find_underlay", "survey"], "only looked, never changed"
+    assert store.closed
+
+
+def test_network_policy_gives_the_agent_the_stores_inputs_and_the_policy_table(
+    tmp_path: Path,
+) -> None:
+    from flannelpy.dataplane.policy_table import PolicyTable
+    from flannelpy.store.policy_inputs import PolicyCache
+
+    store = FakeStore()
+    put_network_config(store, PREFIX, json.dumps(VXLAN))
+    settings = agent_settings(tmp_path, enable_network_policy=True)
+    refused: list[str] = []
+
+    class WithPolicy(EtcdClusterStore):
+        def policy_source(self, on_refused: object = None, on_restart: object = None) -> object:
+            refused.append("asked")
+            return PolicyCache()
+
+    agent = build_agent(
+        settings,
+        WithPolicy(settings, store, EtcdSubnetManager(store, settings)),
+        HostTouchingKernel(),
+    )
+    assert refused == ["asked"]
+    assert isinstance(agent.parts.policy_source, PolicyCache)
+    assert isinstance(agent.parts.policy_table, PolicyTable)
+    assert agent.writer.netpol is not None
+    agent.manager.close()

@@ -418,3 +418,49 @@ def test_test_clusters_use_the_manifests_network() -> None:
 @pytest.mark.parametrize("script", ["kind-up.sh", "smoke-test.sh"])
 def test_cluster_scripts_are_valid_bash(script: str) -> None:
     subprocess.run(["bash", "-n", str(VAGRANT / script)], check=True)
+
+
+# --- NetworkPolicy, a kustomize component ------------------------------------------------
+
+POLICY_COMPONENT = MANIFESTS / "network-policy"
+
+
+def test_the_network_policy_component_grants_exactly_what_its_watches_use() -> None:
+    from flannelpy.store.kube.policy_watch import POLICY_RBAC_RULES
+
+    (kust,) = _load(POLICY_COMPONENT / "kustomization.yaml")
+    assert kust["kind"] == "Component"
+    docs = [d for name in kust["resources"] for d in _load(POLICY_COMPONENT / name)]
+    for doc in docs:
+        kubernetes_validate.validate(doc, SCHEMA_VERSIONS[-1], strict=True)
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    granted = _normalised(
+        (group, resource, rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    )
+    assert granted == _normalised(POLICY_RBAC_RULES)
+    assert (
+        binding["roleRef"]["name"]
+        == role["metadata"]["name"]
+        != _one("ClusterRole")["metadata"]["name"]
+    )
+    assert binding["subjects"] == _one("ClusterRoleBinding")["subjects"]
+
+
+def test_the_network_policy_component_turns_the_flag_on_in_the_daemonset() -> None:
+    (kust,) = _load(POLICY_COMPONENT / "kustomization.yaml")
+    (patch,) = [d for p in kust["patches"] for d in _load(POLICY_COMPONENT / p["path"])]
+    daemonset = _one("DaemonSet")
+    assert patch["metadata"] == {
+        "name": daemonset["metadata"]["name"],
+        "namespace": daemonset["metadata"]["namespace"],
+    }
+    (container,) = patch["spec"]["template"]["spec"]["containers"]
+    agent = _agent()
+    assert container["name"] == agent["name"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    ns = build_parser().parse_args(_agent_argv()[1:])
+    assert settings_from_args(ns, {**FAKE_POD_ENV, **env}).enable_network_policy

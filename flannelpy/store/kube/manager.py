@@ -23,7 +23,6 @@ mapping are :mod:`.api`, the watch's helpers :mod:`.watch`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -35,16 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client as kclient
-from kubernetes.watch.watch import iter_resp_lines
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
 from flannelpy.store.kube import node as kn
-from flannelpy.store.kube.api import UNREACHABLE, build_api_client, call, read_json
+from flannelpy.store.kube.api import build_api_client, call, read_json
 from flannelpy.store.kube.node_status import override_rollout
-from flannelpy.store.kube.watch import LeaseMap, StreamCloser
+from flannelpy.store.kube.watch import LeaseMap, StreamCloser, decoded_events
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
 from flannelpy.subnet.pools import Pool
@@ -428,7 +426,7 @@ class KubeSubnetManager:
         state.watch_opened(time.monotonic())
         count = 0
         try:
-            for event in self._events(resp, stop):
+            for event in decoded_events(resp, stop, "node watch"):
                 count += 1
                 self._apply(event, state, config)
                 state.watch_event()  # after: an ERROR event (raised above) is no sign of health
@@ -438,23 +436,6 @@ class KubeSubnetManager:
             resp.close()  # a stream cut short leaves unread data: never reuse it
             resp.release_conn()
         return count
-
-    @staticmethod
-    def _events(resp: Any, stop: threading.Event) -> Any:
-        """Decoded watch events; transport failures become StoreUnavailable (raised
-        here, so that exceptions from the caller's loop body pass untouched)."""
-        try:
-            for line in iter_resp_lines(resp):
-                if stop.is_set():
-                    return
-                if line.strip():
-                    yield json.loads(line)
-        except UNREACHABLE as e:
-            if stop.is_set():
-                return
-            raise StoreUnavailable(f"node watch broke ({e})") from e
-        except ValueError as e:
-            raise StoreUnavailable(f"node watch sent a line that is not JSON ({e})") from e
 
     def _apply(self, event: Mapping[str, Any], state: LeaseMap, config: NetworkConfig) -> None:
         kind = event.get("type")

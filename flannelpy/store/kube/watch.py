@@ -5,13 +5,18 @@ the watch keeps and delivers from.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+from kubernetes.watch.watch import iter_resp_lines
+
+from flannelpy.errors import StoreUnavailable
 from flannelpy.store.kube import node as kn
-from flannelpy.store.kube.api import rv_number
+from flannelpy.store.kube.api import UNREACHABLE, rv_number
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 
@@ -20,6 +25,23 @@ log = logging.getLogger("flannelpy.store.kube.manager")
 
 STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 HEALTHY_WATCH = 1.0  # seconds: a watch open this long (or bringing events) was healthy
+
+
+def decoded_events(resp: Any, stop: threading.Event, what: str) -> Iterator[Any]:
+    """A watch response's decoded events; transport failures become StoreUnavailable
+    (raised here, so that exceptions from the caller's loop body pass untouched)."""
+    try:
+        for line in iter_resp_lines(resp):
+            if stop.is_set():
+                return
+            if line.strip():
+                yield json.loads(line)
+    except UNREACHABLE as e:
+        if stop.is_set():
+            return
+        raise StoreUnavailable(f"{what} broke ({e})") from e
+    except ValueError as e:
+        raise StoreUnavailable(f"{what} sent a line that is not JSON ({e})") from e
 
 
 class StreamCloser:

@@ -1,0 +1,90 @@
+"""NetworkPolicy, the writer's concern: the store's policy inputs -> this node's table.
+
+The store's watches keep the parsed policies, pods and namespaces of the cluster and
+call :meth:`NetworkPolicySync.changed` from their threads; it puts one
+``PolicyInputsChanged`` on the writer's queue unless one is waiting already, so a burst of
+changes costs one compile. The writer then calls :meth:`take`: once every kind has been
+listed since the start, the pure compiler and renderer give the node's table, which
+goes into ``NodeState.policy`` and from the next plan to the reconciler. Before that
+first full sync the table stays None and the kernel keeps whatever it holds (a restart
+opens no window).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from flannelpy.agent.events import PolicyInputsChanged
+from flannelpy.agent.state import NodeState, PolicyStatus
+from flannelpy.netpol.compile import compile_node
+from flannelpy.netpol.nft import Ruleset, render
+from flannelpy.store.policy_inputs import PolicySnapshot, PolicySource
+
+log = logging.getLogger("flannelpy.agent.netpol")
+
+
+class NetworkPolicySync:
+    def __init__(
+        self, state: NodeState, source: PolicySource, put: Callable[[PolicyInputsChanged], None]
+    ) -> None:
+        self.state = state
+        self.source = source
+        self._put = put
+        self._lock = threading.Lock()
+        self._waiting = False  # a PolicyInputsChanged is on the queue, not handled yet
+        self.synced = False
+        self.compiles = 0
+        self.last: PolicySnapshot | None = None
+
+    def changed(self) -> None:
+        """The watches' callback (any thread): one event on the queue at a time."""
+        with self._lock:
+            if self._waiting:
+                return
+            self._waiting = True
+        self._put(PolicyInputsChanged())
+
+    def take(self) -> bool:
+        """The writer's step: whether the node's table changed (a replan is due)."""
+        with self._lock:
+            self._waiting = False  # a change after the snapshot below queues a new event
+        snapshot = self.source.snapshot()
+        self.last = snapshot
+        self.state.policy_status = _status(snapshot, None)
+        if not snapshot.synced:
+            return False
+        try:
+            compiled = compile_node(
+                snapshot.policies, snapshot.pods, snapshot.namespaces, self.state.ctx.node_name
+            )
+            table: Ruleset = render(compiled)
+        except Exception:  # a bug: keep enforcing the last table rather than stop the node
+            log.exception("policy compile failed; the last table stays")
+            return False
+        self.compiles += 1
+        self.state.policy_status = _status(snapshot, len(compiled.pods))
+        if not self.synced:
+            self.synced = True
+            log.info(
+                "network policy synced policies=%d pods=%d namespaces=%d",
+                len(snapshot.policies),
+                len(snapshot.pods),
+                len(snapshot.namespaces),
+            )
+        if table == self.state.policy:
+            return False
+        self.state.policy = table
+        return True
+
+
+def _status(snapshot: PolicySnapshot, selected: int | None) -> PolicyStatus:
+    return PolicyStatus(
+        synced=snapshot.synced and selected is not None,
+        policies=len(snapshot.policies),
+        pods=len(snapshot.pods),
+        namespaces=len(snapshot.namespaces),
+        selected_pods=selected or 0,
+        refused=snapshot.refused[:20],
+    )

@@ -1,0 +1,107 @@
+"""The NetworkPolicy table in the kernel: the reconciler's thin adapter over ``nft``.
+
+The planner hands a whole table as a value (:class:`~flannelpy.dataplane.state.NftTableSpec`,
+NetworkPolicy's ``Ruleset``). Each pass reads the table back (``nft -j list table``)
+and compares it with the listing taken right after our last write, counters aside:
+
+* unchanged since our last write: the one transaction from what we last applied to
+  the new value, which touches only the elements, sets and chains that differ
+  (nothing at all when the value is the same);
+* missing, or changed by someone else, or not written by this process yet (a
+  restart): the whole table is replaced by one transaction that deletes and re-creates
+  it, so no packet ever sees it half-built or absent.
+
+Until the agent has a table to enforce (policy synced after a start) it hands None
+and the reconciler does not call this at all: the kernel keeps what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+from flannelpy.dataplane.nftables import Runner, first_line, run_nft
+from flannelpy.dataplane.state import NftTableSpec
+from flannelpy.errors import DataplaneError
+
+log = logging.getLogger(__name__)
+
+MISSING = "missing"  # the table is not in the kernel
+CHANGED = "changed"  # someone else changed it since our last write
+AT_START = "start"  # this process has not written it yet
+
+
+class PolicyTable:
+    """Keeps one nftables table exactly as the last desired value, in one transaction per
+    change. ``command_prefix`` (``ip netns exec NS``) runs ``nft`` in a namespace."""
+
+    def __init__(
+        self,
+        run: Runner = subprocess.run,
+        command_prefix: Sequence[str] = (),
+        timeout: float = 30.0,
+    ) -> None:
+        self._run = run
+        self._prefix = tuple(command_prefix)
+        self._timeout = timeout
+        self._applied: NftTableSpec | None = None  # what our last write made the table
+        self._listing: Any = None  # its listing right after that write, counters aside
+        self.transactions = 0  # nft -f runs that changed the table (tests read it)
+
+    def apply(self, desired: NftTableSpec) -> str | None:
+        """Make the table ``desired``. Returns why it was rebuilt whole (MISSING, CHANGED,
+        AT_START), or None for an incremental change or none. Raises DataplaneError."""
+        listing = self.listing(desired.table)
+        if self._applied is not None and listing is not None and listing == self._listing:
+            script = desired.script_from(self._applied)
+            reason = None
+        else:
+            script = f"add table {desired.table}\ndelete table {desired.table}\n"
+            script += desired.script_from(None)
+            reason = MISSING if listing is None else CHANGED if self._applied else AT_START
+        if script:
+            self._applied = None  # unknown until the write is read back
+            self._nft(["-f", "-"], script, f"write the table {desired.table}")
+            self.transactions += 1
+            self._listing = self.listing(desired.table)
+        self._applied = desired
+        if reason is not None:
+            log.info("policy table rebuilt table=%r reason=%s", desired.table, reason)
+        return reason
+
+    def listing(self, table: str) -> Any:
+        """``nft -j list table`` with counter values dropped; None when it is absent."""
+        argv = [*self._prefix, "nft", "-j", "list", "table", *table.split()]
+        proc = run_nft(self._run, argv, None, self._timeout)
+        if proc.returncode != 0:
+            if "No such file or directory" in proc.stderr:
+                return None
+            raise DataplaneError(
+                f"nft cannot list table {table}: {first_line(proc.stderr)}; "
+                "check that nftables works on this host"
+            )
+        try:
+            doc = json.loads(proc.stdout)
+        except ValueError as e:
+            raise DataplaneError(f"nft listed table {table} as something not JSON ({e})") from e
+        return _without_counts(doc.get("nftables", []))
+
+    def _nft(self, args: Sequence[str], script: str, what: str) -> None:
+        proc = run_nft(self._run, [*self._prefix, "nft", *args], script, self._timeout)
+        if proc.returncode != 0:
+            raise DataplaneError(
+                f"nft could not {what}: {first_line(proc.stderr)}; check that the kernel "
+                "has nftables with the inet family (nf_tables, nft_ct)"
+            )
+
+
+def _without_counts(value: Any) -> Any:
+    """The listing with what packets change removed: counter values and the metainfo."""
+    if isinstance(value, list):
+        return [_without_counts(v) for v in value if not (isinstance(v, dict) and "metainfo" in v)]
+    if isinstance(value, dict):
+        return {k: ({} if k == "counter" else _without_counts(v)) for k, v in value.items()}
+    return value

@@ -1,0 +1,51 @@
+"""A stand-in for the ``nft`` command that holds one table as the scripts written to it:
+enough for the policy table's adapter to list, compare and write, in the unit tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+
+class FakeNft:
+    """Call it as ``subprocess.run``. ``scripts`` are the ``nft -f`` inputs, in order."""
+
+    def __init__(self) -> None:
+        self.table: list[str] | None = None  # the scripts that made the table; None: absent
+        self.scripts: list[str] = []
+
+    def __call__(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        args = argv[argv.index("nft") + 1 :]
+        if args[:3] == ["-j", "list", "table"]:
+            if self.table is None:
+                return self._done(argv, 1, err="Error: No such file or directory")
+            items = [{"table": {"name": args[-1]}}, {"script": self.table}]
+            return self._done(argv, 0, out=json.dumps({"nftables": items}))
+        if args == ["-f", "-"]:
+            return self._write(argv, kwargs["input"])
+        return self._done(argv, 1, err=f"Error: unexpected {args}")
+
+    def _write(self, argv: list[str], script: str) -> subprocess.CompletedProcess[str]:
+        self.scripts.append(script)
+        lines = script.splitlines()
+        if len(lines) >= 2 and lines[0].startswith("add table") and lines[1].startswith("delete"):
+            self.table = lines[2:]
+        elif self.table is None:
+            return self._done(argv, 1, err="Error: No such file or directory")
+        else:
+            self.table = self.table + lines
+        return self._done(argv, 0)
+
+    def delete_table(self) -> None:
+        """What ``nft delete table`` by hand does."""
+        self.table = None
+
+    def alter(self) -> None:
+        """What a rule added by hand does to the listing."""
+        assert self.table is not None
+        self.table = [*self.table, "add rule by hand"]
+
+    @staticmethod
+    def _done(argv: list[str], rc: int, out: str = "", err: str = "") -> Any:
+        return subprocess.CompletedProcess(argv, rc, out, err)

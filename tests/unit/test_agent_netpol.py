@@ -1,0 +1,166 @@
+"""NetworkPolicy through the agent: the store's policy inputs reach the kernel's table
+only through the writer (one coalesced event) and the reconciler (one nft transaction),
+never before the first full sync, and refusals are counted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flannelpy.agent.events import PolicyInputsChanged
+from flannelpy.dataplane.policy_table import PolicyTable
+from flannelpy.dataplane.reconciler import BRIDGE_NF_SYSCTLS
+from flannelpy.netpol.nft import TABLE
+from flannelpy.store.policy_inputs import NAMESPACES, PODS, POLICIES, PolicyCache, PolicySnapshot
+from tests.support.agent_fakes import NODE, AgentHarness
+from tests.support.fake_nft import FakeNft
+from tests.support.fakes import FakeKernel
+from tests.support.waiting import wait_until
+
+
+def raw_pod(name: str, app: str, ip: str, node: str = NODE) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "shop", "name": name, "labels": {"app": app}},
+        "spec": {"nodeName": node},
+        "status": {"podIP": ip, "phase": "Running"},
+    }
+
+
+DB_ONLY_FROM_API: dict[str, Any] = {
+    "metadata": {"namespace": "shop", "name": "db"},
+    "spec": {
+        "podSelector": {"matchLabels": {"app": "db"}},
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "api"}}}]}],
+    },
+}
+SHOP = {"metadata": {"name": "shop"}}
+
+
+class FakePolicySource:
+    """The store's cache, fed by the test instead of watches."""
+
+    def __init__(self, on_refused: Callable[[str], None]) -> None:
+        self.cache = PolicyCache(on_refused)
+        self.on_change: Callable[[], None] | None = None
+        self.watching = threading.Event()
+
+    def snapshot(self) -> PolicySnapshot:
+        return self.cache.snapshot()
+
+    def watch(self, on_change: Callable[[], None], stop: threading.Event) -> None:
+        self.on_change = on_change
+        self.watching.set()
+        stop.wait()
+
+    def changed(self) -> None:
+        assert self.watching.wait(5.0) and self.on_change is not None
+        self.on_change()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[AgentHarness, FakePolicySource, FakeNft]]:
+    nft = FakeNft()
+    nft.table = ["add rule left by the previous run"]
+    holder: list[AgentHarness] = []
+    source = FakePolicySource(lambda kind: holder[0].agent.metrics.policy_refused(kind))
+    harness = AgentHarness(
+        tmp_path, kernel=FakeKernel(), policy_source=source, policy_table=PolicyTable(run=nft)
+    )
+    holder.append(harness)
+    harness.start()
+    # The control watch's first snapshot, so that the queue holds only what tests put.
+    wait_until(
+        lambda: harness.drain() or harness.writer.counts.events()["control"], 10.0, "control"
+    )
+    source.watching.wait(5.0)
+    try:
+        yield harness, source, nft
+    finally:
+        harness.stop()
+
+
+def sync(source: FakePolicySource, *pods: dict[str, Any]) -> None:
+    source.cache.replace_all(POLICIES, [DB_ONLY_FROM_API])
+    source.cache.replace_all(NAMESPACES, [SHOP])
+    source.cache.replace_all(PODS, list(pods))
+    source.changed()
+
+
+def test_nothing_is_written_before_the_first_full_sync(agent: Any) -> None:
+    harness, source, nft = agent
+    source.cache.replace_all(POLICIES, [DB_ONLY_FROM_API])  # pods and namespaces not yet
+    source.changed()
+    assert harness.drain() == 1
+    harness.reconcile()
+    assert nft.scripts == []
+    assert nft.table == ["add rule left by the previous run"]  # the kernel's table is kept
+    assert harness.writer.state.policy is None
+    assert harness.status()["network_policy"]["synced"] is False
+
+
+def test_a_policy_event_leads_to_exactly_one_nft_transaction(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"), raw_pod("api", "api", "10.244.2.2", "n2"))
+    assert harness.drain() == 1
+    harness.reconcile()
+    (replace,) = nft.scripts  # the previous run's table replaced whole, atomically
+    assert replace.startswith(f"add table inet {TABLE}\ndelete table inet {TABLE}\n")
+    assert "10.244.2.2" in replace and "10.244.1.3 : jump pod_" in replace
+    assert all(harness.kernel.sysctls.get(name) == "1" for name in BRIDGE_NF_SYSCTLS)
+    # A new peer pod: one event, one transaction adding one element, nothing else.
+    assert source.cache.put(PODS, raw_pod("api2", "api", "10.244.2.9", "n2"))
+    source.changed()
+    assert harness.drain() == 1
+    harness.reconcile()
+    harness.reconcile()
+    assert len(nft.scripts) == 2
+    assert nft.scripts[1].splitlines() == [
+        line for line in nft.scripts[1].splitlines() if line.startswith("add element")
+    ]
+    assert "10.244.2.9" in nft.scripts[1]
+    assert harness.writer.counts.events()["policy"] == 2
+
+
+def test_a_burst_of_changes_is_one_event(agent: Any) -> None:
+    harness, source, _ = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"))
+    for i in range(20):
+        source.cache.put(PODS, raw_pod(f"api{i}", "api", f"10.244.2.{i + 2}", "n2"))
+        source.changed()
+    queued = [harness.writer.queue.get_nowait() for _ in range(harness.writer.queue.qsize())]
+    assert [type(e) for e in queued] == [PolicyInputsChanged]
+
+
+def test_a_refused_edit_is_counted_once_and_keeps_the_enforced_version(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"), raw_pod("api", "api", "10.244.2.2", "n2"))
+    harness.drain()
+    harness.reconcile()
+    broken = {**DB_ONLY_FROM_API, "spec": {**DB_ONLY_FROM_API["spec"], "podSelector": None}}
+    for _ in range(3):  # the same refusal again: said and counted once
+        assert not source.cache.put(POLICIES, broken)
+    source.changed()
+    harness.drain()
+    harness.reconcile()
+    assert len(nft.scripts) == 1  # the db pod stays isolated by the accepted version
+    text = harness.agent.metrics.exposition().decode()
+    assert 'flannelpy_policy_refused_objects_total{kind="networkpolicy"} 1.0' in text
+    assert source.snapshot().refused == (
+        "NetworkPolicy shop/db is refused: spec.podSelector is missing; use {} to select every pod",
+    )
+
+
+def test_a_table_deleted_by_hand_is_back_after_the_next_pass(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"))
+    harness.drain()
+    harness.reconcile()
+    written = nft.table
+    nft.delete_table()
+    harness.reconcile()
+    assert nft.table == written
+    assert harness.writer.reconciler.policy_rebuilds == 2  # at start, and the repair

@@ -1,0 +1,73 @@
+"""The reconciler's policy adapter on a stand-in ``nft``: a whole-table replace in one
+transaction at start, when the table went missing or someone else changed it; otherwise
+the one proportional transaction, and nothing when nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from flannelpy.dataplane.policy_table import AT_START, CHANGED, MISSING, PolicyTable
+from flannelpy.errors import DataplaneError
+from flannelpy.netpol.nft import TABLE
+from tests.support.fake_nft import FakeNft
+from tests.support.netpol_cases import DB_POLICY, pod, table
+
+PODS = [pod("db", "db", "10.244.1.3"), pod("api", "api", "10.244.2.2", node="n2")]
+FIRST = table([DB_POLICY], PODS)
+SECOND = table([DB_POLICY], [*PODS, pod("api2", "api", "10.244.2.3", node="n2")])
+
+
+def test_the_first_write_replaces_whatever_table_a_previous_run_left_in_one_script() -> None:
+    nft = FakeNft()
+    nft.table = ["add rule left by a previous run"]
+    adapter = PolicyTable(run=nft)
+    assert adapter.apply(FIRST) == AT_START
+    (script,) = nft.scripts
+    lines = script.splitlines()
+    assert lines[:3] == [
+        f"add table inet {TABLE}",
+        f"delete table inet {TABLE}",
+        f"add table inet {TABLE}",
+    ]
+    assert nft.table == lines[2:]
+
+
+def test_an_unchanged_table_is_left_alone_and_a_change_is_one_proportional_transaction() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft)
+    assert adapter.apply(FIRST) == MISSING
+    assert adapter.apply(FIRST) is None
+    assert len(nft.scripts) == 1  # nothing written for an unchanged table
+    assert adapter.apply(SECOND) is None
+    assert len(nft.scripts) == 2
+    assert nft.scripts[1] == SECOND.script_from(FIRST)
+    assert "table" not in nft.scripts[1] and "add element" in nft.scripts[1]
+
+
+@pytest.mark.parametrize(("damage", "reason"), [("delete_table", MISSING), ("alter", CHANGED)])
+def test_a_table_deleted_or_changed_by_hand_is_replaced_whole(damage: str, reason: str) -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft)
+    adapter.apply(FIRST)
+    getattr(nft, damage)()
+    assert adapter.apply(FIRST) == reason
+    assert nft.scripts[-1].startswith(f"add table inet {TABLE}\ndelete table inet {TABLE}\n")
+    assert adapter.apply(FIRST) is None  # and left alone again after the repair
+    assert len(nft.scripts) == 2
+
+
+def test_a_failed_write_raises_and_the_next_pass_replaces_the_table_whole() -> None:
+    nft = FakeNft()
+    failing = [True]
+
+    def run(argv: list[str], **kwargs: object) -> object:
+        if "-f" in argv and failing and failing.pop():
+            return FakeNft._done(argv, 1, err="Error: Could not process rule")
+        return nft(argv, **kwargs)
+
+    adapter = PolicyTable(run=run)  # type: ignore[arg-type]
+    nft.table = []
+    with pytest.raises(DataplaneError, match="nft could not write the table"):
+        adapter.apply(FIRST)
+    assert adapter.apply(FIRST) == AT_START  # what the kernel holds is unknown: whole
+    assert nft.table is not None and nft.table[0] == f"add table inet {TABLE}"
