@@ -18,6 +18,11 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 AGENT_PACKAGES=python3,python3-pip,ca-certificates,iproute2,iptables
 CNI_PACKAGES=gcc,libc6-dev
 mkdir -p "$IMAGES_DIR/podman"
+# One build at a time: labs starting side by side would otherwise build the same image
+# into the same archive at once (podman refuses to modify an archive another build writes).
+# The ones that wait find it cached.
+exec 9>"$IMAGES_DIR/.build.lock"
+flock 9
 
 # podman of its own: vfs storage (any filesystem), cgroupfs, file locks and events.
 cat >"$IMAGES_DIR/podman/containers.conf" <<EOF
