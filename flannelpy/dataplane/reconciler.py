@@ -123,6 +123,7 @@ class Reconciler:
         self._policy = policy
         self._bridge_nf_on = False
         self._policy_failure: str | None = None
+        self._policy_done: NftTableSpec | None = None  # the table last put in place, no failure
         self.policy_rebuilds = 0  # whole-table rebuilds (start, missing, changed)
         self._wireguard = wireguard
         self._firewall = firewall
@@ -202,7 +203,7 @@ class Reconciler:
         view = after_apply(desired, observed, changes, scope[1]) if not failures else None
         self._view = (scope, view) if view is not None else None
         failures += self._apply_firewall(desired)  # after the routes, as at start
-        failures += self._apply_policy(desired)
+        failures += self._apply_policy(desired, reason)
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
@@ -231,10 +232,15 @@ class Reconciler:
         self._firewall_done = ranges
         return ()
 
-    def _apply_policy(self, desired: DesiredState) -> tuple[str, ...]:
-        """The NetworkPolicy table, checked and brought to the desired one every pass; None
-        desired (off, or not synced since start) leaves the kernel's table as it is."""
+    def _apply_policy(self, desired: DesiredState, reason: str) -> tuple[str, ...]:
+        """The NetworkPolicy table, checked and brought to the desired one; None desired
+        (off, or not synced since start) leaves the kernel's table as it is. A pass only
+        for a new plan whose table is the one last written leaves it too, as it leaves the
+        routes undumped: every lease event makes such a pass, and reading the table back
+        costs an nft run; the timer's and the kernel's passes still check it."""
         if self._policy is None or desired.policy is None:
+            return ()
+        if reason == PLAN_CHANGED and desired.policy is self._policy_done:
             return ()
         failures: list[str] = []
         if not self._bridge_nf_on:
@@ -252,6 +258,7 @@ class Reconciler:
                 self.policy_rebuilds += 1
         except DataplaneError as e:
             failures.append(f"policy: {e}")
+        self._policy_done = None if failures else desired.policy
         failure = "; ".join(failures) or None
         if failure is not None and failure != self._policy_failure:  # said once
             log.warning("reconcile failure: %s", failure)
