@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.policy import ETCD_REMEDY, KUBE_REMEDY
+from flannelpy.errors import StoreError
 from flannelpy.subnet.keys import config_key
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager, first_snapshot
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from flannelpy.control.node_control import NodeControl
     from flannelpy.rollout.storage import RolloutStorage
     from flannelpy.store.etcd.kv import Store
+    from flannelpy.store.etcd.manager import EtcdSubnetManager
     from flannelpy.store.kube.manager import KubeSubnetManager
     from flannelpy.store.policy_inputs import PolicySource
 
@@ -105,7 +107,9 @@ class ClusterStore:
 class EtcdClusterStore(ClusterStore):
     traits = StoreTraits()
 
-    def __init__(self, settings: AgentSettings, etcd: Store, manager: SubnetManager) -> None:
+    manager: EtcdSubnetManager
+
+    def __init__(self, settings: AgentSettings, etcd: Store, manager: EtcdSubnetManager) -> None:
         self.etcd = etcd
         self.manager = manager
         self.prefix = settings.etcd_prefix
@@ -124,15 +128,9 @@ class EtcdClusterStore(ClusterStore):
         return EtcdNodeControl(self.etcd, self.prefix, node_name)
 
     def all_leases(self, timeout: float) -> tuple[Lease, ...]:
-        from flannelpy.store.etcd.manager import EtcdSubnetManager
-
-        if isinstance(self.manager, EtcdSubnetManager):  # one list, not a watch
-            return tuple(self.manager.list_leases()[0].values())
-        return super().all_leases(timeout)
+        return tuple(self.manager.list_leases()[0].values())  # one list, not a watch
 
     def lease_seconds_left(self, lease_id: int) -> float | None:
-        from flannelpy.errors import StoreError
-
         try:
             left = self.etcd.lease_remaining(lease_id)
         except StoreError:
