@@ -1,5 +1,5 @@
 """The `flannelpy` command: `agent` runs the node agent; the operator commands inspect and
-change a cluster (doctor, policy, pools, rollout).
+change a cluster (doctor, policy, pools, rollout, netpol).
 
 This module builds the root parser and hands each parsed command to its module in
 ``flannelpy.commands``. Building the parser imports no store client (etcd's gRPC or the
@@ -19,12 +19,12 @@ Run = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flannelpy.commands import agent, doctor, install_cni, policy, pools, rollout
+    from flannelpy.commands import agent, doctor, install_cni, netpol, policy, pools, rollout
 
     parser = argparse.ArgumentParser(prog="flannelpy", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"flannelpy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (agent, doctor, policy, pools, rollout, install_cni):
+    for command in (agent, doctor, policy, pools, rollout, netpol, install_cni):
         command.add_parser(sub)
     return parser
 

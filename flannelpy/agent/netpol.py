@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from flannelpy.agent.events import PolicyInputsChanged
 from flannelpy.agent.state import NodeState, PolicyStatus
 from flannelpy.netpol.compile import compile_node
 from flannelpy.netpol.nft import Ruleset, render
+from flannelpy.observe.policy_metrics import PolicyReading
 from flannelpy.store.policy_inputs import PolicySnapshot, PolicySource
 
 log = logging.getLogger("flannelpy.agent.netpol")
@@ -37,6 +38,7 @@ class NetworkPolicySync:
         self.synced = False
         self.compiles = 0
         self.last: PolicySnapshot | None = None
+        self.table: Ruleset | None = None  # the last compiled; replaced whole, never changed
 
     def changed(self) -> None:
         """The watches' callback (any thread): one event on the queue at a time."""
@@ -52,7 +54,7 @@ class NetworkPolicySync:
             self._waiting = False  # a change after the snapshot below queues a new event
         snapshot = self.source.snapshot()
         self.last = snapshot
-        self.state.policy_status = _status(snapshot, None)
+        self.state.policy_status = _status(snapshot, None, self.table)
         if not snapshot.synced:
             return False
         try:
@@ -64,7 +66,8 @@ class NetworkPolicySync:
             log.exception("policy compile failed; the last table stays")
             return False
         self.compiles += 1
-        self.state.policy_status = _status(snapshot, len(compiled.pods))
+        self.table = table
+        self.state.policy_status = _status(snapshot, len(compiled.pods), table)
         if not self.synced:
             self.synced = True
             log.info(
@@ -78,13 +81,28 @@ class NetworkPolicySync:
         self.state.policy = table
         return True
 
+    def reading(self, counters: Callable[[str], Mapping[str, int]]) -> PolicyReading | None:
+        """What ``/metrics`` shows (any thread): None before the first compile; the
+        kernel's named counters (``counters(table)``) by the labels the table gave them."""
+        table, status = self.table, self.state.policy_status
+        if table is None or status is None:
+            return None
+        counted = counters(table.table)
+        denied = {
+            name: ((c.namespace, c.policy, c.direction), counted[name])
+            for name, c in table.counters.items()
+            if name in counted
+        }
+        return PolicyReading(status.policies, status.selected_pods, status.set_elements, denied)
 
-def _status(snapshot: PolicySnapshot, selected: int | None) -> PolicyStatus:
+
+def _status(snapshot: PolicySnapshot, selected: int | None, table: Ruleset | None) -> PolicyStatus:
     return PolicyStatus(
         synced=snapshot.synced and selected is not None,
         policies=len(snapshot.policies),
         pods=len(snapshot.pods),
         namespaces=len(snapshot.namespaces),
         selected_pods=selected or 0,
+        set_elements=0 if table is None else sum(len(s.elements) for s in table.sets.values()),
         refused=snapshot.refused[:20],
     )

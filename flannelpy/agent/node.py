@@ -77,6 +77,9 @@ class NodeAgent:
             self.metrics.set_kernel_provider(counters)
             w.pods.add_listener(counters.on_cni)  # keeps each pod's table open while it lives
         self.metrics.set_ipam_provider(w.pods.ipam.accounting)
+        if w.netpol is not None and parts.policy_table is not None:
+            netpol, table = w.netpol, parts.policy_table
+            self.metrics.set_policy_provider(lambda: netpol.reading(table.counters))
         self._start_servers()
         lease = w.acquire_first()
         ensure_ip_forwarding(parts.kernel)

@@ -45,6 +45,7 @@ class PolicyStatus:
     pods: int  # in the cluster, with an address
     namespaces: int
     selected_pods: int  # this node's pods isolated in some direction
+    set_elements: int  # in the sets and maps of the node's table
     refused: tuple[str, ...]  # one sentence per object refused now
 
 

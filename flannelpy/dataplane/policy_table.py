@@ -89,6 +89,30 @@ class PolicyTable:
             raise DataplaneError(f"nft listed table {table} as something not JSON ({e})") from e
         return _without_counts(doc.get("nftables", []))
 
+    def counters(self, table: str) -> dict[str, int]:
+        """The packets each named counter of ``table`` counted (``nft -j list counters``:
+        the counters alone, whatever the size of the table); empty when it is absent."""
+        argv = [*self._prefix, "nft", "-j", "list", "counters", "table", *table.split()]
+        proc = run_nft(self._run, argv, None, self._timeout)
+        if proc.returncode != 0:
+            if "No such file or directory" in proc.stderr:
+                return {}
+            raise DataplaneError(
+                f"nft cannot list the counters of {table}: {first_line(proc.stderr)}"
+            )
+        try:
+            doc = json.loads(proc.stdout)
+        except ValueError as e:
+            raise DataplaneError(
+                f"nft listed the counters of {table} as something not JSON ({e})"
+            ) from e
+        found = {}
+        for item in doc.get("nftables", []):
+            counter = item.get("counter") if isinstance(item, dict) else None
+            if isinstance(counter, dict) and isinstance(counter.get("name"), str):
+                found[counter["name"]] = int(counter.get("packets", 0))
+        return found
+
     def _nft(self, args: Sequence[str], script: str, what: str) -> None:
         proc = run_nft(self._run, [*self._prefix, "nft", *args], script, self._timeout)
         if proc.returncode != 0:
@@ -99,9 +123,18 @@ class PolicyTable:
 
 
 def _without_counts(value: Any) -> Any:
-    """The listing with what packets change removed: counter values and the metainfo."""
+    """The listing with what packets change removed: counter values (of a rule's own
+    counter and of a named one, whose name and comment stay) and the metainfo."""
     if isinstance(value, list):
         return [_without_counts(v) for v in value if not (isinstance(v, dict) and "metainfo" in v)]
     if isinstance(value, dict):
-        return {k: ({} if k == "counter" else _without_counts(v)) for k, v in value.items()}
+        return {
+            k: (_uncounted(v) if k == "counter" else _without_counts(v)) for k, v in value.items()
+        }
     return value
+
+
+def _uncounted(counter: Any) -> Any:
+    if isinstance(counter, dict):
+        return {k: v for k, v in counter.items() if k not in ("packets", "bytes")}
+    return counter  # a rule's reference to a named counter: its name

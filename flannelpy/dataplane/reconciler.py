@@ -102,6 +102,10 @@ class PolicyRules(Protocol):
         DataplaneError."""
         ...
 
+    def counters(self, table: str) -> dict[str, int]:
+        """The packets each named counter of the table counted (for ``/metrics``)."""
+        ...
+
 
 # Same-node pod-to-pod traffic crosses cni0 as bridged frames: the forward hook, where
 # the policy table judges it, sees them only with these on (module br_netfilter).

@@ -81,6 +81,9 @@ class PodRules:
     ips: tuple[str, ...]
     ingress: tuple[Allow, ...] | None  # None: not isolated
     egress: tuple[Allow, ...] | None
+    # The names of the policies (of the pod's namespace) that isolate it, per direction.
+    ingress_policies: tuple[str, ...] = ()
+    egress_policies: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -104,6 +107,7 @@ def compile_node(
     local = [p for p in cluster.live if p.node == node]
     sets: dict[str, AddressSet] = {}
     allows: dict[tuple[str, str], list[Allow]] = {}
+    isolating: dict[tuple[str, str], list[str]] = {}
     for policy in sorted(policies, key=lambda p: p.key):
         selected = [
             p
@@ -117,6 +121,7 @@ def compile_node(
                 continue
             for pod in selected:
                 allows.setdefault((pod.key, direction), [])
+                isolating.setdefault((pod.key, direction), []).append(policy.name)
             for index, rule in enumerate(rules):
                 ctx = _RuleContext(policy, direction, index, rule, cluster, sets)
                 for pod in selected:
@@ -133,6 +138,8 @@ def compile_node(
                 tuple(str(ip) for ip in pod.ips),
                 None if ingress is None else tuple(ingress),
                 None if egress is None else tuple(egress),
+                tuple(isolating.get((pod.key, INGRESS), ())),
+                tuple(isolating.get((pod.key, EGRESS), ())),
             )
         )
     return NodePolicy(tuple(sets[n] for n in sorted(sets)), tuple(pod_rules))

@@ -12,7 +12,10 @@ The table (``inet flannelpy-policy``)::
     chain input    (hook input): the egress half only, for pods talking to the node
     chain pod_<hash of namespace/name>_in|_out   one per selected pod and direction:
           <peer> <ports> counter return comment "namespace/policy ingress 0"   per Allow
-          counter drop                           isolated: nothing else passes
+          counter name deny_<hash>_<in|out> drop  isolated: nothing else passes
+    counter deny_<hash of namespace and policies>_<in|out>   named, shared by every pod
+          that the same policies of one namespace isolate in that direction: what
+          ``flannelpy_policy_denied_packets_total{namespace,policy,direction}`` reads
 
 A pod chain *returns* on an allowed packet rather than accepting it, so a packet
 between two selected pods is judged by the sender's egress chain and then the
@@ -63,6 +66,28 @@ class NftSet:
 
 
 @dataclass(frozen=True)
+class DenyCounter:
+    """The named counter of the packets one set of policies of one namespace denies in
+    one direction: its labels are the metric's (``policy``: the names, comma-joined)."""
+
+    name: str
+    namespace: str
+    policy: str
+    direction: str  # "ingress" or "egress"
+
+    def declaration(self) -> str:
+        comment = _comment(f"{self.namespace} {self.direction} {self.policy}", ",")
+        return f'add counter {PREFIX} {self.name} {{ comment "{comment}" ; }}'
+
+
+def deny_counter(namespace: str, policies: tuple[str, ...], direction: str) -> DenyCounter:
+    policy = ",".join(policies)
+    digest = hashlib.sha256(f"{namespace}/{policy}".encode()).hexdigest()[:12]
+    name = f"deny_{digest}_{'in' if direction == 'ingress' else 'out'}"
+    return DenyCounter(name, namespace, policy, direction)
+
+
+@dataclass(frozen=True)
 class NftChain:
     name: str
     hook: str = ""  # a base chain's "type ... hook ... priority ... ;", else empty
@@ -76,6 +101,7 @@ class Ruleset:
 
     sets: dict[str, NftSet] = field(default_factory=dict)
     chains: dict[str, NftChain] = field(default_factory=dict)
+    counters: dict[str, DenyCounter] = field(default_factory=dict)
 
     table = PREFIX  # "inet flannelpy-policy"
 
@@ -125,13 +151,22 @@ def render(policy: NodePolicy) -> Ruleset:
             ),
         ),
     }
+    counters: dict[str, DenyCounter] = {}
     for pod in policy.pods:
-        for direction, allows in (("in", pod.ingress), ("out", pod.egress)):
+        for direction, allows, isolating in (
+            ("in", pod.ingress, pod.ingress_policies),
+            ("out", pod.egress, pod.egress_policies),
+        ):
             if allows is None:
                 continue
             name = pod_chain(pod, direction)
             rules = [_allow_rule(a, direction) for a in allows]
-            rules.append(f'counter drop comment "{_comment(pod.key + " " + direction)}"')
+            deny = deny_counter(
+                pod.namespace, isolating, "ingress" if direction == "in" else "egress"
+            )
+            counters[deny.name] = deny
+            comment = _comment(pod.key + " " + direction)
+            rules.append(f'counter name "{deny.name}" drop comment "{comment}"')
             chains[name] = NftChain(name, "", tuple(rules))
             for ip in pod.ips:
                 family = 6 if ":" in ip else 4
@@ -144,7 +179,9 @@ def render(policy: NodePolicy) -> Ruleset:
         sets[name] = NftSet(
             name, f"{ADDR_TYPES[family]} : verdict", elements=tuple(sorted(elements.items()))
         )
-    return Ruleset(dict(sorted(sets.items())), dict(sorted(chains.items())))
+    return Ruleset(
+        dict(sorted(sets.items())), dict(sorted(chains.items())), dict(sorted(counters.items()))
+    )
 
 
 def full_script(new: Ruleset) -> str:
@@ -155,14 +192,17 @@ def full_script(new: Ruleset) -> str:
 def transaction(old: Ruleset, new: Ruleset, create_table: bool = False) -> str:
     """One atomic ``nft -f`` script from ``old`` to ``new``, touching only differences.
 
-    Order: new sets and chains are declared; set elements that go are deleted, then
-    new ones added (an interval set never holds overlapping elements); changed
-    chains are flushed and refilled, new ones filled; map elements change last of
-    the additions, once their chains hold their rules; then chains and sets that
-    go, after everything that referred to them. Empty when nothing differs.
+    Order: new counters, sets and chains are declared; set elements that go are
+    deleted, then new ones added (an interval set never holds overlapping elements);
+    changed chains are flushed and refilled, new ones filled; map elements change last
+    of the additions, once their chains hold their rules; then chains, sets and
+    counters that go, after everything that referred to them. Empty when nothing
+    differs.
     """
     lines = [f"add table {PREFIX}"] if create_table else []
     is_map = {name for name, s in new.sets.items() if ":" in s.type}
+    for name in sorted(set(new.counters) - set(old.counters)):
+        lines.append(new.counters[name].declaration())
     for name in sorted(set(new.sets) - set(old.sets)):
         lines.append(new.sets[name].declaration())
     for name in sorted(set(new.chains) - set(old.chains)):
@@ -187,6 +227,8 @@ def transaction(old: Ruleset, new: Ruleset, create_table: bool = False) -> str:
     for name in sorted(set(old.sets) - set(new.sets)):
         kind = "map" if ":" in old.sets[name].type else "set"
         lines.append(f"delete {kind} {PREFIX} {name}")
+    for name in sorted(set(old.counters) - set(new.counters)):
+        lines.append(f"delete counter {PREFIX} {name}")
     return "".join(line + "\n" for line in lines)
 
 
@@ -258,6 +300,7 @@ def _port_match(ports: tuple[PortMatch, ...]) -> list[str]:
     return [f"meta l4proto . th dport {{ {', '.join(items)} }}"]
 
 
-def _comment(text: str) -> str:
+def _comment(text: str, also: str = "") -> str:
     """Names are validated by the model; keep only their characters all the same."""
-    return "".join(c for c in text if c.isascii() and (c.isalnum() or c in "-./ "))[:COMMENT_MAX]
+    kept = "-./ " + also
+    return "".join(c for c in text if c.isascii() and (c.isalnum() or c in kept))[:COMMENT_MAX]

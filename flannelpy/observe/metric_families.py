@@ -50,7 +50,7 @@ AGENT_EVENT_KINDS = (
 POLICY_OBJECT_KINDS = ("networkpolicy", "pod", "namespace")
 WIREGUARD_IMPLEMENTATIONS = ("kernel", "userspace")
 WIREGUARD_REPAIR_KINDS = ("peers_set", "peers_removed", "key", "port", "process")
-SCRAPE_PROVIDERS = ("links", "ipam", "kernel")
+SCRAPE_PROVIDERS = ("links", "ipam", "kernel", "policy")
 
 # CNI latency: 1 ms to the kubelet's default 4-minute runtime request timeout.
 CNI_BUCKETS = (
@@ -135,6 +135,10 @@ FAMILIES: Mapping[str, str] = {
     "flannelpy_agent_events_total": "counter",
     # NetworkPolicy (--enable-network-policy)
     "flannelpy_policy_refused_objects_total": "counter",
+    "flannelpy_policy_denied_packets_total": "counter",
+    "flannelpy_policy_policies": "gauge",
+    "flannelpy_policy_selected_pods": "gauge",
+    "flannelpy_policy_set_elements": "gauge",
     # the metrics themselves
     "flannelpy_scrape_errors_total": "counter",
     # the wireguard backend

@@ -63,6 +63,7 @@ from flannelpy.observe.metric_families import (
     unregistered_scrape_errors,
 )
 from flannelpy.observe.mtu import MtuReport, mtu_mismatches
+from flannelpy.observe.policy_metrics import PolicyCollector, PolicyReading
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.memo import LeaseMemo
@@ -138,6 +139,7 @@ class AgentMetrics:
         self._link_provider: LinkProvider | None = None
         self._ipam_provider: IpamProvider | None = None
         self._kernel_provider: Callable[[], KernelReading] | None = None
+        self._policy_provider: Callable[[], PolicyReading | None] | None = None
         self._overlay_mtu: int | None = None
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
@@ -162,6 +164,7 @@ class AgentMetrics:
         self._scrape_errors = unregistered_scrape_errors()
         r.register(ScrapeCollector(self._read_links, self._read_ipam))
         r.register(KernelCollector(self._read_kernel))
+        r.register(PolicyCollector(self._read_policy))
         # Last, so that a failing reading is counted in the very scrape it fails in.
         r.register(self._scrape_errors)
         self._renderer = TextRenderer(r)
@@ -176,6 +179,11 @@ class AgentMetrics:
         """Read TCP and drop counters of the node and its pods at scrape time (a
         ``kernel_counters.KernelCounters``, which follows ADD and DEL as a pod listener)."""
         self._kernel_provider = fn
+
+    def set_policy_provider(self, fn: Callable[[], PolicyReading | None] | None) -> None:
+        """Read NetworkPolicy's counts and the kernel's denial counters at scrape time
+        (``NetworkPolicySync.reading``)."""
+        self._policy_provider = fn
 
     def set_ipam_provider(self, fn: IpamProvider | None) -> None:
         """Read IPAM accounting per lease at scrape time (e.g. ``NodeIpam.accounting``)."""
@@ -393,10 +401,15 @@ class AgentMetrics:
         return None if fn is None else self._read("links", fn)
 
     def _read_kernel(self) -> KernelReading | None:
-        fn = self._kernel_provider
+        return self._read_one("kernel", self._kernel_provider)
+
+    def _read_policy(self) -> PolicyReading | None:
+        return self._read_one("policy", self._policy_provider)
+
+    def _read_one(self, provider: str, fn: Callable[[], T | None] | None) -> T | None:
         if fn is None:
             return None
-        got = self._read("kernel", lambda: [fn()])
+        got = self._read(provider, lambda: [fn()])
         return got[0] if got else None
 
     def _read_ipam(self) -> Sequence[Accounting] | None:

@@ -14,6 +14,11 @@ class FakeNft:
     def __init__(self) -> None:
         self.table: list[str] | None = None  # the scripts that made the table; None: absent
         self.scripts: list[str] = []
+        self.packets: dict[str, int] = {}  # what each named counter counted
+
+    def counters(self) -> list[str]:
+        """The named counters the table's scripts declared."""
+        return [line.split()[4] for line in self.table or [] if line.startswith("add counter ")]
 
     def __call__(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         args = argv[argv.index("nft") + 1 :]
@@ -21,6 +26,13 @@ class FakeNft:
             if self.table is None:
                 return self._done(argv, 1, err="Error: No such file or directory")
             items = [{"table": {"name": args[-1]}}, {"script": self.table}]
+            return self._done(argv, 0, out=json.dumps({"nftables": items}))
+        if args[:3] == ["-j", "list", "counters"]:
+            if self.table is None:
+                return self._done(argv, 1, err="Error: No such file or directory")
+            items = [
+                {"counter": {"name": n, "packets": self.packets.get(n, 0)}} for n in self.counters()
+            ]
             return self._done(argv, 0, out=json.dumps({"nftables": items}))
         if args == ["-f", "-"]:
             return self._write(argv, kwargs["input"])

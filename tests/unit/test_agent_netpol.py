@@ -164,3 +164,21 @@ def test_a_table_deleted_by_hand_is_back_after_the_next_pass(agent: Any) -> None
     harness.reconcile()
     assert nft.table == written
     assert harness.writer.reconciler.policy_rebuilds == 2  # at start, and the repair
+
+
+def test_metrics_show_the_denials_by_policy_and_the_size_of_the_table(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"), raw_pod("api", "api", "10.244.2.2", "n2"))
+    harness.drain()
+    harness.reconcile()
+    (counter,) = nft.counters()  # db isolated for ingress by the one policy "db"
+    nft.packets[counter] = 7
+    text = harness.agent.metrics.exposition().decode()
+    assert (
+        'flannelpy_policy_denied_packets_total{direction="ingress",namespace="shop",policy="db"}'
+        " 7.0" in text
+    )
+    assert "flannelpy_policy_policies 1.0" in text
+    assert "flannelpy_policy_selected_pods 1.0" in text
+    # The peer set holds api's address; the ingress map holds db's.
+    assert "flannelpy_policy_set_elements 2.0" in text

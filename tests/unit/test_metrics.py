@@ -33,6 +33,7 @@ from flannelpy.observe.health import Heartbeats, readiness, split_host_port
 from flannelpy.observe.kernel_counters import KernelReading
 from flannelpy.observe.metric_families import FAMILIES, sample_names
 from flannelpy.observe.metrics import AgentMetrics, store_error_kind
+from flannelpy.observe.policy_metrics import PolicyReading
 from flannelpy.store.etcd.kv import FakeStore, WatchStream
 from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.store.etcd.rpc_errors import error_kind
@@ -121,6 +122,10 @@ def kernel_reading() -> KernelReading:
     return KernelReading(counts, counts, pod_namespaces=2, pod_namespaces_unreadable=0)
 
 
+def policy_reading() -> PolicyReading:
+    return PolicyReading(3, 2, 40, {"deny_a_in": (("shop", "db", "ingress"), 7)})
+
+
 @pytest.fixture
 def metrics() -> AgentMetrics:
     return AgentMetrics()
@@ -132,6 +137,7 @@ def populated() -> AgentMetrics:
     m.set_link_provider(links)
     m.set_ipam_provider(pools)
     m.set_kernel_provider(kernel_reading)
+    m.set_policy_provider(policy_reading)
     m.cni_request("ADD", 0, 0.004)
     m.lease("10.244.1.0/24", 2_000_000_000.0)
     m.renewal("success")
@@ -172,9 +178,14 @@ def test_names_follow_prometheus_conventions() -> None:
 
 def test_no_label_names_a_pod_or_an_interface() -> None:
     samples = scrape(populated())
-    label_names = {k for (_, labels) in samples for k, _ in labels}
+    # The one exception: NetworkPolicy's denials name the Kubernetes namespace of the
+    # policies that deny (as many series as policies, at most), never a pod.
+    by_policy = "flannelpy_policy_denied_packets_total"
+    label_names = {k for (name, labels) in samples if name != by_policy for k, _ in labels}
     forbidden = {"pod", "container", "container_id", "namespace", "ifname", "interface", "ip"}
     assert not label_names & forbidden
+    policy_labels = {k for (name, labels) in samples if name == by_policy for k, _ in labels}
+    assert policy_labels == {"namespace", "policy", "direction"}
     assert label_names <= {
         "version",
         "python",

@@ -13,6 +13,7 @@ from flannelpy.netpol.nft import (
     PREFIX,
     Ruleset,
     changed_elements,
+    deny_counter,
     full_script,
     pod_chain,
     transaction,
@@ -35,6 +36,8 @@ P6 = set_name("shop/db", INGRESS, 0, PODS, 6)
 C4 = set_name("shop/db", INGRESS, 0, CIDRS, 4)
 RETURN = 'counter return comment "shop/db ingress 0"'
 SET = f"add set {PREFIX}"
+DB_DENY = deny_counter("shop", ("db",), "ingress").name
+DB_DROP = f'counter name "{DB_DENY}" drop comment "shop/db in"'
 DB_IN = pod_chain(compile_node([DB_POLICY], CLUSTER, NAMESPACES, NODE).pods[0], "in")
 
 
@@ -43,6 +46,7 @@ def test_the_first_load_creates_the_whole_table_in_one_script() -> None:
     ports = "meta l4proto . th dport { tcp . 5432, tcp . 8080 }"
     assert script.splitlines() == [
         f"add table {PREFIX}",
+        f'add counter {PREFIX} {DB_DENY} {{ comment "shop ingress db" ; }}',
         f"add map {PREFIX} egress4 {{ type ipv4_addr : verdict ; }}",
         f"add map {PREFIX} egress6 {{ type ipv6_addr : verdict ; }}",
         f"add map {PREFIX} ingress4 {{ type ipv4_addr : verdict ; }}",
@@ -68,7 +72,7 @@ def test_the_first_load_creates_the_whole_table_in_one_script() -> None:
         f"add rule {PREFIX} {DB_IN} ip saddr @{P4} {ports} {RETURN}",
         f"add rule {PREFIX} {DB_IN} ip saddr @{C4} {ports} {RETURN}",
         f"add rule {PREFIX} {DB_IN} ip6 saddr @{P6} {ports} {RETURN}",
-        f'add rule {PREFIX} {DB_IN} counter drop comment "shop/db in"',
+        f"add rule {PREFIX} {DB_IN} {DB_DROP}",
         f"add element {PREFIX} ingress4 {{ 10.244.1.3 : jump {DB_IN} }}",
     ]  # fmt: skip
 
@@ -100,7 +104,7 @@ def test_a_port_edit_rewrites_only_the_chain_of_the_pod_it_selects() -> None:
         f"flush chain {PREFIX} {DB_IN}",
         f"add rule {PREFIX} {DB_IN} ip saddr @{P4} {ports} {RETURN}",
         f"add rule {PREFIX} {DB_IN} ip6 saddr @{P6} {ports} {RETURN}",
-        f'add rule {PREFIX} {DB_IN} counter drop comment "shop/db in"',
+        f"add rule {PREFIX} {DB_IN} {DB_DROP}",
         f"delete set {PREFIX} {C4}",  # the ipBlock went: after the rules that used it
     ]  # fmt: skip
 
@@ -134,6 +138,7 @@ def test_a_deleted_policy_goes_in_order_without_touching_the_table() -> None:
         f"delete set {PREFIX} {C4}",
         f"delete set {PREFIX} {P4}",
         f"delete set {PREFIX} {P6}",
+        f"delete counter {PREFIX} {DB_DENY}",  # after the rule that counted into it
     ]
     assert not any("table" in line for line in lines)
 
@@ -148,7 +153,8 @@ def test_an_egress_named_port_and_isolation_render_as_concatenations_and_a_drop(
         f'ip daddr . meta l4proto . th dport @{n4} counter return comment "shop/out egress 0"',
         f"ip6 daddr . meta l4proto . th dport @{n4[:-1]}6 "
         'counter return comment "shop/out egress 0"',
-        'counter drop comment "shop/db out"',
+        f'counter name "{deny_counter("shop", ("out",), "egress").name}" drop '
+        'comment "shop/db out"',
     )  # fmt: skip
     assert ruleset.sets[n4].type == "ipv4_addr . inet_proto . inet_service"
     assert ruleset.sets[n4].elements == (
@@ -185,6 +191,7 @@ class Kernel:
     def __init__(self) -> None:
         self.sets: dict[str, tuple[str, dict[str, str]]] = {}
         self.chains: dict[str, list[str]] = {}
+        self.counters: set[str] = set()
 
     def run(self, script: str) -> int:
         """Apply ``script``; return how many elements its element lines named."""
@@ -215,10 +222,18 @@ class Kernel:
         elif (verb, what) == ("delete", "element"):
             for key in items:
                 del self.sets[name][1][key]
+        elif (verb, what) == ("add", "counter"):
+            assert name not in self.counters
+            self.counters.add(name)
+        elif (verb, what) == ("delete", "counter"):
+            self.counters.remove(name)
+            assert all(f'"{name}"' not in r for rules in self.chains.values() for r in rules)
         elif (verb, what) == ("flush", "chain"):
             self.chains[name] = []
         elif (verb, what) == ("add", "rule"):
             self.chains[name].append(body)
+            counted = body.split('counter name "')[1:]
+            assert all(c.split('"')[0] in self.counters for c in counted), body
         elif (verb, what) == ("delete", "chain"):
             assert self.chains.pop(name) == []
             assert all(f"jump {name}" not in s[1].values() for s in self.sets.values())
@@ -227,13 +242,13 @@ class Kernel:
             del self.sets[name]
             assert all(f"@{name} " not in r for rules in self.chains.values() for r in rules)
 
-    def state(self) -> tuple[dict[str, Any], dict[str, list[str]]]:
-        return self.sets, self.chains
+    def state(self) -> tuple[dict[str, Any], dict[str, list[str]], set[str]]:
+        return self.sets, self.chains, self.counters
 
 
-def modelled(ruleset: Ruleset) -> tuple[dict[str, Any], dict[str, list[str]]]:
+def modelled(ruleset: Ruleset) -> tuple[dict[str, Any], dict[str, list[str]], set[str]]:
     sets = {n: (s.type, dict(s.elements)) for n, s in ruleset.sets.items()}
-    return sets, {n: list(c.rules) for n, c in ruleset.chains.items()}
+    return sets, {n: list(c.rules) for n, c in ruleset.chains.items()}, set(ruleset.counters)
 
 
 @settings(max_examples=150, deadline=None)

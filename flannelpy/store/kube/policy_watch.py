@@ -90,7 +90,7 @@ class KindWatch:
             served = False
             try:
                 if self.rv is None:
-                    self._list(stop)
+                    self.list_all(stop)
                 served = self._watch(stop) > 0
             except RevisionCompacted as e:
                 log.warning("%s list or watch too old (410 Gone); re-listing error=%s", kind, e)
@@ -117,7 +117,8 @@ class KindWatch:
         if self.on_restart is not None:
             self.on_restart(reason)
 
-    def _list(self, stop: threading.Event) -> None:
+    def list_all(self, stop: threading.Event) -> None:
+        """List every object of the kind (page by page, one snapshot) into the cache."""
         items: list[Any] = []
         rv: str | None = None
         token: str | None = None
@@ -246,3 +247,11 @@ class KubePolicySource:
         stop.wait()
         for thread in threads:
             thread.join(2.0)
+
+
+def list_policy_inputs(api_client: kclient.ApiClient) -> PolicySnapshot:
+    """Every NetworkPolicy, Pod and Namespace, listed once (``flannelpy netpol explain``)."""
+    cache = PolicyCache()
+    for resource in kube_resources(api_client):
+        KindWatch(resource, cache, lambda: None).list_all(threading.Event())
+    return cache.snapshot()
