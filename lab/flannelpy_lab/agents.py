@@ -73,6 +73,8 @@ def agent_argv(state: LabState, node: NodeInfo) -> list[str]:
         kubeconfig = state.extra.get("kube_kubeconfig")
         if kubeconfig:
             argv += ["--kubeconfig-file", kubeconfig]
+        if state.extra.get("network_policy"):  # kube.NETWORK_POLICY_KEY
+            argv.append("--enable-network-policy")
     else:
         argv += [
             "--etcd-endpoints",

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kubelet: the mode of the kube-proxy every node runs (default iptables)",
     )
     up.add_argument(
+        "--enable-network-policy",
+        action="store_true",
+        help="with --kube or --kubelet: the agents enforce NetworkPolicy "
+        "(--enable-network-policy and the manifests' network-policy component)",
+    )
+    up.add_argument(
         "--ip-family",
         choices=("ipv4", "dual", "ipv6"),
         default="ipv4",
@@ -237,6 +243,7 @@ def _up(args: argparse.Namespace) -> int:
         kube=args.kube,
         kubelets=args.kubelet,
         proxy_mode=args.proxy_mode,
+        network_policy=args.enable_network_policy,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))

@@ -598,9 +598,36 @@ def manifests_dir() -> str:
     return os.path.join(repo_root(), "manifests")
 
 
+NETWORK_POLICY_KEY = "network_policy"  # in LabState.extra: the agents enforce NetworkPolicy
+
+
+def network_policy(state: LabState) -> bool:
+    return bool(state.extra.get(NETWORK_POLICY_KEY))
+
+
+def components(state: LabState, overlay: str) -> list[str]:
+    """The kustomize components of ``manifests/`` the lab adds, relative to ``overlay``:
+    NetworkPolicy's (its RBAC and the agent's flag) when the lab enforces it."""
+    if not network_policy(state):
+        return []
+    return [os.path.relpath(os.path.join(manifests_dir(), "network-policy"), overlay)]
+
+
 def apply_manifests(state: LabState) -> None:
-    """``kubectl apply`` of everything ``kustomization.yaml`` lists but the DaemonSet."""
-    rendered = kubectl_json(state, "apply", "-k", manifests_dir(), "--dry-run=client")
+    """``kubectl apply`` of everything ``kustomization.yaml`` lists but the DaemonSet (with
+    NetworkPolicy's component when the lab enforces it)."""
+    source = manifests_dir()
+    if network_policy(state):
+        source = os.path.join(kube_dir(state), "kustomize-manifests")
+        os.makedirs(source, exist_ok=True)
+        doc = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [os.path.relpath(manifests_dir(), source)],
+            "components": components(state, source),
+        }
+        write_file(os.path.join(source, "kustomization.yaml"), json.dumps(doc, indent=1))
+    rendered = kubectl_json(state, "apply", "-k", source, "--dry-run=client")
     items = [o for o in rendered.get("items", [rendered]) if o.get("kind") != "DaemonSet"]
     doc = {"apiVersion": "v1", "kind": "List", "items": items}
     kubectl(state, "apply", "-f", "-", stdin=json.dumps(doc))

@@ -220,9 +220,16 @@ def kubelet_config(
     }
 
 
-def kustomization(manifests: str, image_ref: str, api_host: str, api_port: int, iface: str) -> str:
+def kustomization(
+    manifests: str,
+    image_ref: str,
+    api_host: str,
+    api_port: int,
+    iface: str,
+    components: list[str] | None = None,
+) -> str:
     """The lab's overlay of ``manifests/``: the image, and the agent's way to the API
-    server without kube-proxy; nothing else changes."""
+    server without kube-proxy; nothing else changes but the ``components`` added."""
     name, _, tag = image_ref.rpartition(":")
     patch = {
         "apiVersion": "apps/v1",
@@ -251,6 +258,7 @@ def kustomization(manifests: str, image_ref: str, api_host: str, api_port: int, 
         "resources": [manifests],
         "images": [{"name": "flannelpy", "newName": name, "newTag": tag}],
         "patches": [{"patch": json.dumps(patch)}],
+        **({"components": components} if components else {}),
     }
     return json.dumps(doc, indent=1)
 
@@ -551,6 +559,7 @@ def apply_with_daemonset(state: LabState) -> None:
         control_plane.host_ip(state),
         control_plane.API_PORT,
         iface,
+        control_plane.components(state, overlay),
     )
     control_plane.write_file(os.path.join(overlay, "kustomization.yaml"), text)
     rendered = control_plane.kubectl_json(state, "apply", "-k", overlay, "--dry-run=client")

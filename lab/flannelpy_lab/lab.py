@@ -153,6 +153,7 @@ class Lab:
         with_prometheus: bool = False,
         kubelets: bool = False,
         proxy_mode: str = kube_proxy.DEFAULT_MODE,
+        network_policy: bool = False,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -170,7 +171,10 @@ class Lab:
 
         ``kubelets`` (implies ``kube``): a real kubelet, containerd and kube-proxy (in
         ``proxy_mode``, iptables or nftables) per node, the agents run by the manifests'
-        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``)."""
+        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``).
+
+        ``network_policy`` (needs ``kube``): the agents enforce NetworkPolicy
+        (``--enable-network-policy``, the manifests' ``network-policy`` component)."""
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
@@ -184,6 +188,11 @@ class Lab:
             etcd_members,
         )
         kube_proxy.validate_mode(proxy_mode, kubelets)
+        if network_policy and not kube:
+            raise LabError(
+                "--enable-network-policy needs --kube or --kubelet: etcd mode has no Pods or "
+                "NetworkPolicies"
+            )
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
@@ -209,6 +218,8 @@ class Lab:
             state.extra["net_conf_extra"] = dict(net_conf_extra)
         if kube:
             control_plane.record(state)
+        if network_policy:
+            state.extra[control_plane.NETWORK_POLICY_KEY] = True
         if kubelets:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
             real_nodes.record(state)["proxy_mode"] = proxy_mode

@@ -22,6 +22,7 @@ LONGEST_FIRST = (
     "test_kube_rollout.py",  # 72 s
     "test_migration.py",  # 63 s
     "test_agent_dataplane.py",  # 62 s
+    "test_kube_netpol.py",  # 60 s
     "test_kube_live_config.py",  # 53 s
     "test_kube_real.py",  # 51 s
 )
