@@ -15,8 +15,9 @@ missing entry is what the agent should have programmed, a stale one is ours
 This module holds the runbook's order and its first check (can the store and the
 kernel be read at all). The plan lives in :mod:`.plan`; the checks in :mod:`.lease_checks`,
 :mod:`.agent_check`, :mod:`.link_checks`, :mod:`.mtu_checks`, :mod:`.wireguard_check`,
-:mod:`.kernel_checks` (data plane and firewall) and :mod:`.traffic_checks` (drops and
-probes, and the counter baseline); the rendering in :mod:`.report`.
+:mod:`.kernel_checks` (data plane and firewall), :mod:`.policy_check` (NetworkPolicy) and
+:mod:`.traffic_checks` (drops and probes, and the counter baseline); the rendering in
+:mod:`.report`.
 
 Each :class:`~.facts.Finding` says what was found and what it means (``message``) and
 what to do (``action``). ``ok`` findings say what was checked, so a healthy
@@ -32,13 +33,14 @@ from flannelpy.doctor.lease_checks import check_lease, check_peer_leases
 from flannelpy.doctor.link_checks import check_links, check_overlap
 from flannelpy.doctor.mtu_checks import check_mtu
 from flannelpy.doctor.plan import plan_node
+from flannelpy.doctor.policy_check import check_policy
 from flannelpy.doctor.traffic_checks import check_drops, check_probes
 from flannelpy.doctor.wireguard_check import check_wireguard
 
 
 def diagnose(facts: NodeFacts) -> list[Finding]:
     """Every check, in runbook order: store and lease, agent, links and MTU, data plane,
-    firewall, overlap, drops, reachability."""
+    firewall, NetworkPolicy, overlap, drops, reachability."""
     plan = plan_node(facts)
     findings = check_sources(facts)
     if isinstance(plan, str):
@@ -60,6 +62,7 @@ def diagnose(facts: NodeFacts) -> list[Finding]:
         findings += check_wireguard(facts, plan)
         findings += check_dataplane(facts, plan)
         findings += check_firewall(facts, plan)
+    findings += check_policy(facts)
     findings += check_overlap(facts)
     findings += check_drops(facts, plan)
     findings += check_probes(facts, plan)

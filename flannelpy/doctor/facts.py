@@ -118,6 +118,8 @@ class NodeFacts:
     random_fully: bool = True
     # nftables mode: "family table" -> `nft list table` text (empty: no such table)
     nft_tables: Mapping[str, str] | None = None
+    # NetworkPolicy: does the kernel hold the table inet flannelpy-policy (None: unknown)
+    policy_table_present: bool | None = None
     # the agent
     status: Mapping[str, Any] | None = None
     status_error: str | None = None

@@ -80,6 +80,7 @@ def gather(
                 facts = replace(facts, wireguard_v6=_wireguard_facts(settings, v6=True))
         nftables = facts.config is not None and facts.config.enable_nftables
         facts = replace(facts, **(_nft_facts() if nftables else _firewall_facts()))
+        facts = replace(facts, policy_table_present=_policy_table_present())
         if facts.underlay is not None:
             v4 = config is None or config.enable_ipv4
             own = own_lease(
@@ -256,6 +257,17 @@ def _nft_facts() -> dict[str, Any]:
         return {"nft_tables": firewall.listing(), "random_fully": firewall.random_fully}
     except DataplaneError as e:
         return {"firewall_error": str(e)}
+
+
+def _policy_table_present() -> bool | None:
+    """Whether the kernel holds NetworkPolicy's table; None when nft cannot tell."""
+    from flannelpy.dataplane.policy_table import PolicyTable
+    from flannelpy.netpol.nft import PREFIX
+
+    try:
+        return PolicyTable(timeout=5.0).listing(PREFIX) is not None
+    except DataplaneError:
+        return None
 
 
 def _agent_files(run_dir: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 
 from tests.e2e.test_observability import scrape
-from tests.support.lab_util import running_real_kube_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_real_kube_lab, wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.netns]
 
@@ -227,6 +227,15 @@ def test_the_policy_edited_to_deny_accepts_no_connection_after_its_first_refusal
         return samples.get(key, 0.0)
 
     wait_until(lambda: denied() > 0, 20, "denials counted under the policy's name")
+    doctor = subprocess.run(
+        lab_run_argv(lab.name, "doctor", "--json", node="n1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    (finding,) = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "netpol"]
+    assert finding["severity"] == "ok", finding
+    assert "1 pod(s) of this node isolated" in finding["message"]
 
 
 def test_no_connection_is_accepted_while_the_enforcing_agent_restarts(
