@@ -80,6 +80,7 @@ class NodeAgent:
         if w.netpol is not None and parts.policy_table is not None:
             netpol, table = w.netpol, parts.policy_table
             self.metrics.set_policy_provider(lambda: netpol.reading(table.counters))
+            w.pods.add_listener(netpol.on_cni)  # pods attached before their Pod is read
         self._start_servers()
         lease = w.acquire_first()
         ensure_ip_forwarding(parts.kernel)

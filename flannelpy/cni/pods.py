@@ -24,9 +24,10 @@ log = logging.getLogger("flannelpy.cni.pods")
 # The node's pod subnets are given in one sequence, both families mixed; pods get
 # one address per family present (no IPv4 subnet: IPv6-only pods).
 PodSubnet = IPv4Network | IPv6Network
-# Told of each CNI request answered with success: its CNI_* environment, its stdin and the
-# pod namespace's descriptor if the executable passed one (valid during the call only).
-PodListener = Callable[[Mapping[str, str], bytes, "int | None"], None]
+# Told of each CNI request answered with success: its CNI_* environment, its stdin, the
+# pod namespace's descriptor if the executable passed one (valid during the call only)
+# and the answer (ADD: the result, with the pod's addresses).
+PodListener = Callable[[Mapping[str, str], bytes, "int | None", bytes], None]
 
 
 class PodSide(Protocol):
@@ -124,7 +125,7 @@ class PodAttachments:
         if exit_code == 0:
             for listener in self._listeners:
                 try:
-                    listener(env, stdin, netns_fd)
+                    listener(env, stdin, netns_fd, out)
                 except Exception as e:  # a CNI request never fails on a listener
                     log.warning("a pod listener failed on a CNI request error=%s", e)
         return exit_code, out

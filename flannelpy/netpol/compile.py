@@ -19,20 +19,27 @@ The result (:class:`NodePolicy`) holds two kinds of values:
 
 Host-network pods and pods without an IP are neither selected nor peers (their
 addresses are the node's, or nothing); a pod whose Namespace has not been read
-matches no namespace selector. Everything is sorted, so the same input (one Pod
-per namespace/name) in any order compiles to an equal value.
+matches no namespace selector. A pod this node's CNI attached (``attached``: its
+namespace/name and addresses, from the ADD) whose addresses no Pod object shows yet is
+**denied both ways** where a policy of its namespace exists (:data:`UNREAD`): its labels
+are not known, so a policy might select it, and fail-closed is the safe reading until
+the watch brings it (the kubelet reports a pod's IP only after the ADD).
+
+Everything is sorted, so the same input (one Pod per namespace/name) in any order
+compiles to an equal value.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import collapse_addresses
 
 from flannelpy.netpol.model import (
     EGRESS,
     INGRESS,
+    Addr,
     Namespace,
     Net,
     Peer,
@@ -44,6 +51,7 @@ from flannelpy.netpol.model import (
 PODS = "p"  # set kinds, the letter in the set's name
 CIDRS = "c"
 ADDR_PORTS = "n"
+UNREAD = "(pod not read yet)"  # what isolates an attached pod whose Pod object is unread
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,10 @@ def compile_node(
     pods: Iterable[Pod],
     namespaces: Iterable[Namespace],
     node: str,
+    attached: Mapping[str, Sequence[Addr]] | None = None,
 ) -> NodePolicy:
     """This node's desired policy state (see the module's docstring)."""
+    policies = list(policies)
     cluster = _Cluster(pods, namespaces)
     local = [p for p in cluster.live if p.node == node]
     sets: dict[str, AddressSet] = {}
@@ -142,7 +152,25 @@ def compile_node(
                 tuple(isolating.get((pod.key, EGRESS), ())),
             )
         )
+    pod_rules += _unread(attached or {}, local, {p.namespace for p in policies})
+    pod_rules.sort(key=lambda r: r.key)
     return NodePolicy(tuple(sets[n] for n in sorted(sets)), tuple(pod_rules))
+
+
+def _unread(
+    attached: Mapping[str, Sequence[Addr]], local: Sequence[Pod], guarded: set[str]
+) -> list[PodRules]:
+    """Attached pods whose addresses no Pod object of this node shows, in a namespace
+    with a policy: isolated both ways, nothing allowed."""
+    shown = {ip for p in local for ip in p.ips}
+    found = []
+    for key, ips in sorted(attached.items()):
+        namespace, _, name = key.partition("/")
+        fresh = tuple(str(ip) for ip in ips if ip not in shown)
+        if fresh and namespace in guarded:
+            # Its own name: the Pod object, once read, may carry the same one.
+            found.append(PodRules(namespace, f"{name}.unread", fresh, (), (), (UNREAD,), (UNREAD,)))
+    return found
 
 
 def set_name(policy: str, direction: str, rule: int, kind: str, family: int) -> str:

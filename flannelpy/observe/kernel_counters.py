@@ -448,7 +448,9 @@ class KernelCounters:
         self._node = DeltaAccumulator()
         self._lock = threading.Lock()
 
-    def on_cni(self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None) -> None:
+    def on_cni(
+        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None, result: bytes = b""
+    ) -> None:
         """A CNI request the agent answered with success: ADD adopts the namespace's
         descriptor, DEL releases it."""
         if self._pods is None:

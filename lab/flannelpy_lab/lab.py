@@ -323,12 +323,14 @@ class Lab:
         node: str,
         name: str | None = None,
         port_mappings: list[dict[str, Any]] | None = None,
+        kube_pod: str | None = None,
     ) -> PodInfo:
-        """A new pod on ``node`` through the real CNI executable (ADD of the node's conflist)."""
+        """A new pod on ``node`` through the real CNI executable (ADD of the node's conflist);
+        ``kube_pod`` (namespace/name): with the kubelet's CNI_ARGS naming it so."""
         if "cni_exec" not in self.state.extra:
             self.install_cni()
         try:
-            return pods.add_pod(self.state, node, name, port_mappings)
+            return pods.add_pod(self.state, node, name, port_mappings, kube_pod)
         finally:
             self._save()
 

@@ -123,6 +123,18 @@ def _attachment(pod: PodInfo, port_mappings: list[dict[str, Any]] | None = None)
         pod.netns_path,
         pod.ifname,
         {"portMappings": port_mappings} if port_mappings else {},
+        _kube_args(pod),
+    )
+
+
+def _kube_args(pod: PodInfo) -> str:
+    """The CNI_ARGS a kubelet passes (containerd's form), for a pod named as a Kubernetes one."""
+    if pod.kube_pod is None:
+        return ""
+    namespace, _, name = pod.kube_pod.partition("/")
+    return (
+        f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};"
+        f"K8S_POD_INFRA_CONTAINER_ID={pod.container_id}"
     )
 
 
@@ -179,8 +191,10 @@ def add_pod(
     node_name: str,
     name: str | None = None,
     port_mappings: list[dict[str, Any]] | None = None,
+    kube_pod: str | None = None,
 ) -> PodInfo:
-    """Create a pod namespace and run CNI ADD for it, as a runtime on ``node_name`` would."""
+    """Create a pod namespace and run CNI ADD for it, as a runtime on ``node_name`` would;
+    ``kube_pod`` (namespace/name) passes the kubelet's CNI_ARGS naming it."""
     node = state.node(node_name)
     if node.runs_flanneld:
         prepare_flanneld_node(node)
@@ -192,6 +206,7 @@ def add_pod(
         node=node_name,
         namespace=f"fpl-{state.name}-{name}",
         container_id=f"{state.name}-{name}",
+        kube_pod=kube_pod,
     )
     topology.ip("netns", "add", pod.namespace)
     try:

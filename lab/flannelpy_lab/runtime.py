@@ -27,6 +27,7 @@ class Attachment:
     netns: str  # path, e.g. /run/netns/fpl-demo-n1-p1
     ifname: str
     capability_args: dict[str, Any]  # e.g. {"portMappings": [...]}
+    cni_args: str = ""  # CNI_ARGS, e.g. the kubelet's K8S_POD_NAMESPACE=...;K8S_POD_NAME=...
 
 
 class CniRuntime:
@@ -94,6 +95,7 @@ class CniRuntime:
             "CNI_NETNS": att.netns,
             "CNI_IFNAME": att.ifname,
             "CNI_PATH": self.cni_path,
+            **({"CNI_ARGS": att.cni_args} if att.cni_args else {}),
         }
         proc = subprocess.run(
             ["ip", "netns", "exec", self.node_netns, binary],

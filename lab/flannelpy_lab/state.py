@@ -86,6 +86,7 @@ class PodInfo:
     ifname: str = "eth0"
     address: str | None = None  # "10.244.3.5/24", from the CNI result
     address6: str | None = None  # "fc00:0:0:3::5/64": the IPv6 one, on an IPv6-enabled node
+    kube_pod: str | None = None  # "namespace/name" the runtime names it by (K8S_POD_* args)
 
     @property
     def netns_path(self) -> str:

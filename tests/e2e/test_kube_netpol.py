@@ -12,7 +12,9 @@ tests, in file order, read that log:
 2. the policy edited to deny: after the first refused connection, no connection is
    accepted; the denials are counted under the policy's name in /metrics, and explain
    says which policy isolates db;
-3. db's agent restarted: no connection is accepted while it is down or starting.
+3. a pod attached on n1 before its Pod object shows its address is denied (its namespace
+   has a policy, its labels are unknown) and let go once the object is read;
+4. db's agent restarted: no connection is accepted while it is down or starting.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", {PORT}))
 s.listen(4096)
+print("ready", flush=True)
 while True:
     c, _ = s.accept()
     c.close()
@@ -130,6 +133,33 @@ class Client:
         return [a for a in self.attempts() if a[0] >= t0]
 
 
+def serve(netns: str) -> subprocess.Popen[str]:
+    """The TCP server in a pod's namespace, once it listens."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", netns, "python3", "-c", SERVER], stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    return server
+
+
+def stop_server(server: subprocess.Popen[str]) -> None:
+    server.kill()
+    server.wait(timeout=10)
+    if server.stdout is not None:
+        server.stdout.close()
+
+
+def connects(lab: Lab, src: str, ip: str) -> bool:
+    """One TCP connect from pod ``src`` to ``ip``, answered within half a second."""
+    code = f"import socket; socket.create_connection(('{ip}', {PORT}), timeout=0.5)"
+    proc = subprocess.run(
+        ["ip", "netns", "exec", lab.pod(src).namespace, "python3", "-c", code],
+        capture_output=True,
+        timeout=20,
+    )
+    return proc.returncode == 0
+
+
 def apply(lab: Lab, doc: dict[str, Any]) -> float:
     """``kubectl apply``; returns when kubectl was started (the agents may see the change
     before kubectl has exited)."""
@@ -167,7 +197,7 @@ def client(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clien
     workdir = tmp_path_factory.mktemp("netpol")
     log, stop = workdir / "client.log", workdir / "stop"
     log.touch()
-    server = subprocess.Popen(["ip", "netns", "exec", db.namespace, "python3", "-c", SERVER])
+    server = serve(db.namespace)
     conn = subprocess.Popen(
         ["ip", "netns", "exec", web.namespace, "python3", "-c", CLIENT,
          ips[db.name], str(log), str(stop)]
@@ -176,15 +206,12 @@ def client(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clien
         yield Client(log)
     finally:
         stop.touch()
-        for proc in (conn, server):
-            if proc is conn:
-                try:
-                    proc.wait(timeout=5)
-                    continue
-                except subprocess.TimeoutExpired:
-                    pass
-            proc.kill()
-            proc.wait(timeout=10)
+        try:
+            conn.wait(timeout=5)  # it stops at the stop file
+        except subprocess.TimeoutExpired:
+            conn.kill()
+            conn.wait(timeout=10)
+        stop_server(server)
 
 
 def test_an_allowing_policy_lets_every_connection_through_and_explain_names_its_rule(
@@ -236,6 +263,33 @@ def test_the_policy_edited_to_deny_accepts_no_connection_after_its_first_refusal
     (finding,) = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "netpol"]
     assert finding["severity"] == "ok", finding
     assert "1 pod(s) of this node isolated" in finding["message"]
+
+
+def test_a_pod_attached_before_its_pod_object_is_read_is_denied_until_it_is(
+    lab: Lab, client: Client
+) -> None:
+    web = next(p for p in lab.pods if p.node == "n2")
+    web_ip = (web.address or "").split("/")[0]
+    late = lab.add_pod("n1", "late", kube_pod=f"{NS}/late")  # CNI_ARGS name it shop/late
+    servers = [serve(late.namespace), serve(web.namespace)]
+    try:
+        ip = (late.address or "").split("/")[0]
+        assert connects(lab, late.name, "127.0.0.1")  # its server listens
+        # No Pod object shows its address and shop has a policy: denied both ways.
+        assert not any(connects(lab, web.name, ip) for _ in range(3))
+        assert not any(connects(lab, late.name, web_ip) for _ in range(3))
+        lab.kubectl("apply", "-f", "-", stdin=json.dumps(pod_object("late", "n1")))
+        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+        lab.kubectl("patch", "pod", "late", "-n", NS, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(status))  # fmt: skip
+        # Read: app=late, which no policy selects, so open both ways.
+        wait_until(lambda: connects(lab, web.name, ip), ENFORCE, "late reachable once read")
+        assert connects(lab, late.name, web_ip)
+    finally:
+        for server in servers:
+            stop_server(server)
+        lab.kubectl("delete", "pod", "late", "-n", NS, "--grace-period=0", "--force", check=False)
+        lab.delete_pod(late.name)
 
 
 def test_no_connection_is_accepted_while_the_enforcing_agent_restarts(

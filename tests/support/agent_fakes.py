@@ -126,7 +126,7 @@ class FakePods:
     ready: Callable[[], bool]
     gateways: set[IPv4Interface] = field(default_factory=set)
     bridge_mtus: list[int] = field(default_factory=list)
-    listeners: list[Callable[[Any, bytes, int | None], None]] = field(default_factory=list)
+    listeners: list[Callable[[Any, bytes, int | None, bytes], None]] = field(default_factory=list)
     started: bool = False
 
     def __post_init__(self) -> None:
@@ -146,7 +146,7 @@ class FakePods:
     def remove_gateway(self, gateway: IPv4Interface) -> None:
         self.gateways.discard(gateway)
 
-    def add_listener(self, listener: Callable[[Any, bytes, int | None], None]) -> None:
+    def add_listener(self, listener: Callable[[Any, bytes, int | None, bytes], None]) -> None:
         self.listeners.append(listener)
 
     def start(self) -> None:

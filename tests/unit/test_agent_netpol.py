@@ -4,6 +4,7 @@ never before the first full sync, and refusals are counted."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -182,3 +183,59 @@ def test_metrics_show_the_denials_by_policy_and_the_size_of_the_table(agent: Any
     assert "flannelpy_policy_selected_pods 1.0" in text
     # The peer set holds api's address; the ingress map holds db's.
     assert "flannelpy_policy_set_elements 2.0" in text
+
+
+def cni(command: str, name: str, container: str, ip: str = "") -> tuple[Any, ...]:
+    env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": container,
+        "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME={name}",
+    }
+    result = {"cniVersion": "1.0.0", "ips": [{"address": f"{ip}/24"}] if ip else []}
+    return env, b"{}", None, json.dumps(result).encode()
+
+
+def test_a_pod_attached_before_its_pod_object_is_read_is_denied_until_it_is(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"), raw_pod("api", "api", "10.244.2.2", "n2"))
+    harness.drain()
+    harness.reconcile()
+    netpol = harness.writer.netpol
+    netpol.on_cni(*cni("ADD", "late", "c-late", "10.244.1.9"))  # the watch has not seen it
+    assert harness.drain() == 1
+    harness.reconcile()
+    assert "10.244.1.9 : jump pod_" in nft.scripts[-1]  # in both maps: denied both ways
+    assert nft.scripts[-1].count("10.244.1.9") == 2
+    # Its Pod object arrives with the address: no policy selects "web", it is let go.
+    source.cache.put(PODS, raw_pod("late", "web", "10.244.1.9"))
+    source.changed()
+    harness.drain()
+    harness.reconcile()
+    assert "delete element" in nft.scripts[-1] and "10.244.1.9" in nft.scripts[-1]
+    assert harness.writer.state.policy is not None
+    assert all("10.244.1.9" not in str(s.elements) for s in netpol.table.sets.values())
+
+
+def test_an_attached_pod_of_a_namespace_without_policies_is_left_open(agent: Any) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"))
+    harness.drain()
+    harness.reconcile()
+    written = len(nft.scripts)
+    env, stdin, fd, result = cni("ADD", "x", "c-x", "10.244.1.7")
+    env["CNI_ARGS"] = "K8S_POD_NAMESPACE=other;K8S_POD_NAME=x"
+    harness.writer.netpol.on_cni(env, stdin, fd, result)
+    harness.drain()
+    harness.reconcile()
+    assert len(nft.scripts) == written  # nothing to write: no policy in "other"
+    # And a DEL of an older sandbox of a pod keeps the newer one's addresses denied.
+    netpol = harness.writer.netpol
+    netpol.on_cni(*cni("ADD", "late", "c-new", "10.244.1.9"))
+    netpol.on_cni(*cni("DEL", "late", "c-old"))
+    harness.drain()
+    harness.reconcile()
+    assert "10.244.1.9" in nft.scripts[-1]
+    netpol.on_cni(*cni("DEL", "late", "c-new"))
+    harness.drain()
+    harness.reconcile()
+    assert nft.scripts[-1].startswith(f"delete element inet {TABLE} ")

@@ -45,18 +45,20 @@ def pod_side(tmp_path: Path) -> PodAttachments:
 
 def test_listeners_hear_each_answered_request_and_none_can_fail_one(tmp_path: Path) -> None:
     pods = pod_side(tmp_path)
-    heard: list[tuple[str, bytes, int | None]] = []
+    heard: list[tuple[str, bytes, int | None, bytes]] = []
 
-    def broken(env: Mapping[str, str], stdin: bytes, netns_fd: int | None) -> None:
+    def broken(env: Mapping[str, str], stdin: bytes, netns_fd: int | None, out: bytes) -> None:
         raise RuntimeError("a listener's own bug")
 
     pods.add_listener(broken)
-    pods.add_listener(lambda env, stdin, fd: heard.append((env["CNI_COMMAND"], stdin, fd)))
-    pods.handler = AnsweringHandler(0, b"{}")  # type: ignore[assignment]
-    assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 7) == (0, b"{}")
-    assert heard == [("ADD", b"config", 7)]  # told, though the first listener raised
+    pods.add_listener(
+        lambda env, stdin, fd, out: heard.append((env["CNI_COMMAND"], stdin, fd, out))
+    )
+    pods.handler = AnsweringHandler(0, b'{"ips": []}')  # type: ignore[assignment]
+    assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 7) == (0, b'{"ips": []}')
+    assert heard == [("ADD", b"config", 7, b'{"ips": []}')]  # told, though one raised
     # A request answered with an error attached nothing: no listener hears of it.
     error = b'{"cniVersion": "1.0.0", "code": 11, "msg": "try again later"}'
     pods.handler = AnsweringHandler(1, error)  # type: ignore[assignment]
     assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 8) == (1, error)
-    assert heard == [("ADD", b"config", 7)]
+    assert heard == [("ADD", b"config", 7, b'{"ips": []}')]
