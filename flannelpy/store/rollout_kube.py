@@ -185,8 +185,8 @@ class KubeRolloutStore:
         return ConfigDoc(text.encode(), rv_number(kn.resource_version(cm)), config)
 
     def read_nodes(self) -> NodesSnapshot:
-        snap = NodesSnapshot()
         nodes = self._nodes.objects()
+        snap = NodesSnapshot(present=frozenset(nodes))
         for name, node in nodes.items():
             raw = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
             if raw:

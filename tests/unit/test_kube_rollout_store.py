@@ -10,13 +10,15 @@ from typing import Any
 
 import pytest
 
+from flannelpy.control.policy import ALLOW
 from flannelpy.control.records import NodeOverride
 from flannelpy.rollout.cordon import is_cordoned
+from flannelpy.rollout.steps import Fail, RollBack, Wait, next_action, record_after
 from flannelpy.store.kube.node_status import STATUS_ANNOTATION, encode_summary
 from tests.support.kube_lists import FakeKind
 from tests.support.kube_standin import json_merge
 from tests.unit.test_kube_rollout import status
-from tests.unit.test_rollout import Env
+from tests.unit.test_rollout import MONDAY_1AM, Env, first_write
 
 
 class FakeCore:
@@ -237,7 +239,32 @@ def test_a_node_removed_during_a_step_leaves_the_snapshot_as_a_list_would(stores
     snap = store.read_nodes()
     # Its Lease outlives it: not a node to roll out, as a fresh list shows it.
     assert set(snap.statuses) == {"n1"} and "n2" not in snap.overrides
+    assert snap.present == {"n1"}
     assert core.node_kind.lists == 1
+
+
+def test_the_driver_writes_nothing_to_a_node_removed_during_its_step() -> None:
+    env = Env()
+    _, write, applying = first_write(env)
+    snap = env.rs.read_nodes()
+    others = frozenset(snap.statuses) - {"n1"}
+    statuses = {n: s for n, s in snap.statuses.items() if n != "n1"}
+
+    def decide(elapsed: float, present: frozenset[str]) -> Any:
+        return next_action(applying, statuses, ALLOW, MONDAY_1AM, elapsed, {}, 1.0, present)
+
+    # Not re-written (a 404) while its Node is gone, and not rolled back either.
+    waiting = decide(5.0, others)
+    assert isinstance(waiting, Wait) and "n1: its Node was removed" in waiting.what
+    assert decide(31.0, others) == Fail(
+        "n1 was removed from the cluster during its step and did not come back within 30 s; "
+        "start a new rollout for the other nodes"
+    )
+    # Registered again (its kubelet), without the override: the same generation again.
+    assert decide(5.0, others | {"n1"}) == write
+    rolling_back = record_after(applying, RollBack("n1", {"Type": "vxlan"}, 2, "x"), MONDAY_1AM)
+    gone = next_action(rolling_back, statuses, ALLOW, MONDAY_1AM, 5.0, {}, 1.0, others)
+    assert isinstance(gone, Wait) and "its Node was removed" in gone.what
 
 
 def test_a_bookmark_moves_the_watch_on_and_a_broken_watch_resumes_from_it(stores: Any) -> None:
