@@ -13,12 +13,14 @@ summed, the server's ``process_cpu_seconds_total``):
 
 * **idle**: ``--idle-seconds`` with no rollout (the agents' own requests);
 * **per driver**: ``flannelpy rollout start --backend host-gw``, then back to vxlan, as an
-  operator runs it (the admin kubeconfig, from the host), each window from the
-  driver's start until it exits. ``--before TREE`` names a source tree (a ``git worktree``
-  of the commit to compare with) whose ``flannelpy`` package drives the first pair of
-  rollouts; this tree drives the second, on the same lab and Nodes.
+  operator runs it (the admin kubeconfig, from the host): **rollouts**, each from the
+  driver's start until it exits, and **steps**, from the driver's "rollout ... started"
+  (its plan read) until it exits: what its looks cost while it waits for each node.
+  ``--before TREE`` names a source tree (a ``git worktree`` of the commit to compare
+  with) whose ``flannelpy`` package drives the first pair of rollouts; this tree drives
+  the second, on the same lab and Nodes.
 
-Requests per second are over the rollouts' wall time; watches count when they end (the
+Requests per second are over each window's wall time; watches count when they end (the
 server's metric), so a driver's own watches show once it exits. The fake Nodes' public
 IPs (from 172.16.0.1) are never sent to: lab nodes have no default route.
 """
@@ -26,12 +28,14 @@ IPs (from 172.16.0.1) are never sent to: lab nodes have no default route.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import resource
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,8 +133,12 @@ def plain_node(subnet: str, public_ip: str, name: str) -> dict[str, Any]:
     return doc
 
 
-def rollout(lab: Lab, tree: Path, backend: str) -> tuple[float, float]:
-    """Drive one rollout to ``backend`` with ``tree``'s flannelpy; (seconds, driver CPU)."""
+def rollout(
+    lab: Lab, tree: Path, backend: str, on_started: Callable[[], None]
+) -> tuple[float, float]:
+    """Drive one rollout to ``backend`` with ``tree``'s flannelpy, calling ``on_started``
+    when the driver says the rollout started (its plan read, the steps begin);
+    (seconds, the driver's CPU)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
     env.update(
         PYTHONPATH=str(tree),
@@ -139,20 +147,36 @@ def rollout(lab: Lab, tree: Path, backend: str) -> tuple[float, float]:
     )
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "flannelpy", "rollout", "start", "--backend", backend],
         cwd=tree,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=ROLLOUT_TIMEOUT,
     )
+    watchdog = threading.Timer(ROLLOUT_TIMEOUT, proc.kill)
+    watchdog.start()
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("rollout ") and line.rstrip().endswith(" started"):
+                on_started()
+        proc.wait()
+    finally:
+        watchdog.cancel()
     took = time.monotonic() - t0
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0 or "done" not in proc.stdout.splitlines()[-1]:
-        raise SystemExit(f"rollout to {backend} failed:\n{proc.stdout}{proc.stderr}")
+    if proc.returncode != 0 or not lines or "done" not in lines[-1]:
+        raise SystemExit(f"rollout to {backend} failed:\n{''.join(lines)}")
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     return took, cpu
+
+
+def take(metrics: Metrics, into: list[Scrape]) -> None:
+    into.append(metrics.scrape())
 
 
 def measure(
@@ -162,23 +186,27 @@ def measure(
     idle: float,
     say: Callable[[str], None],
 ) -> list[Window]:
+    """The idle window, then per driver its rollouts whole and their steps alone (from
+    the driver's "started" to its exit: what every look while waiting costs)."""
     windows = [Window("idle (agents only)")]
     say(f"idle for {idle:g} s")
     first = metrics.scrape()
     time.sleep(idle)
     windows[0].add(first, metrics.scrape())
     for label, tree in drivers:
-        window = Window(label)
+        whole, steps = Window(f"{label}: rollouts"), Window(f"{label}: steps")
         for backend in BACKENDS:
             say(f"{label}: rollout to {backend}")
-            before = metrics.scrape()
-            took, cpu = rollout(lab, tree, backend)
+            scrapes = [metrics.scrape()]
+            took, cpu = rollout(lab, tree, backend, functools.partial(take, metrics, scrapes))
             time.sleep(1.0)  # the driver's watches end with it: let the server count them
-            window.add(before, metrics.scrape())
-            window.rollouts.append(took)
-            window.driver_cpu += cpu
+            last = metrics.scrape()
+            whole.add(scrapes[0], last)
+            steps.add(scrapes[-1], last)
+            whole.rollouts.append(took)
+            whole.driver_cpu += cpu
             say(f"{label}: rollout to {backend} done in {took:.1f} s")
-        windows.append(window)
+        windows += [whole, steps]
     return windows
 
 
@@ -225,7 +253,11 @@ def report(windows: Sequence[Window], nodes: int, list_bytes: int) -> str:
     )
     rows.append(["API server CPU (s per s)", *(f"{w.server_cpu / w.seconds:.3f}" for w in windows)])
     rows.append(
-        ["driver CPU (s, both rollouts)", "", *(f"{w.driver_cpu:.1f}" for w in windows[1:])]
+        [
+            "driver CPU (s, both rollouts)",
+            "",
+            *(f"{w.driver_cpu:.1f}" if w.rollouts else "" for w in windows[1:]),
+        ]
     )
     rows.append(
         ["rollouts (s)", "", *(" + ".join(f"{s:.0f}" for s in w.rollouts) for w in windows[1:])]
