@@ -42,8 +42,6 @@ POLICY_RBAC_RULES: Rules = (
 )
 FORBIDDEN_HINT = "apply manifests/network-policy for its ClusterRole"
 
-__all__ = ["POLICY_RBAC_RULES", "KindWatch", "KubePolicySource", "Resource", "kube_resources"]
-
 
 def kube_resources(api_client: kclient.ApiClient) -> list[Resource]:
     """The three kinds over the real client, every namespace."""
