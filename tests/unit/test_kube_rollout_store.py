@@ -337,3 +337,23 @@ def test_a_look_after_a_write_reads_the_write_before_the_watch_brings_it(stores:
     core.node_kind.settled()
     node = store._nodes.objects()["n1"]
     assert is_cordoned(node) and node == core.nodes["n1"]
+
+
+def test_the_mirror_keeps_the_latest_version_of_each_object_and_nothing_nameless() -> None:
+    from flannelpy.store.kube.mirror import ObjectMirror
+
+    def obj(name: str, rv: str, mark: str = "") -> dict[str, Any]:
+        return {"metadata": {"name": name, "resourceVersion": rv, "labels": {"m": mark}}}
+
+    mirror = ObjectMirror()
+    mirror.replace_all("nodes", [obj("a", "5"), {"metadata": {}}, "junk", obj("b", "6")])
+    assert sorted(mirror.objects()) == ["a", "b"] and mirror.listed
+    held = mirror.objects()
+    assert mirror.put("nodes", obj("a", "9", "written"))  # a write's answer
+    assert not mirror.put("nodes", obj("a", "7", "older event"))  # the watch, behind it
+    assert mirror.objects()["a"]["metadata"]["labels"] == {"m": "written"}
+    assert held["a"]["metadata"]["resourceVersion"] == "5"  # a snapshot handed out stays
+    assert mirror.put("nodes", obj("a", "9", "the same version from the watch"))
+    assert mirror.delete("nodes", obj("b", "10")) and not mirror.delete("nodes", obj("b", "11"))
+    assert not mirror.put("nodes", {"metadata": {"resourceVersion": "12"}})
+    assert sorted(mirror.objects()) == ["a"]
