@@ -70,8 +70,7 @@ class Api:
             host, int(port), context=ssl.create_default_context(cafile=ca), timeout=30
         )
 
-    def send(self, method: str, path: str, doc: Any, content_type: str) -> None:
-        body = json.dumps(doc).encode()
+    def _request(self, method: str, path: str, body: bytes | None, content_type: str) -> bytes:
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": content_type}
         try:
             self.conn.request(method, path, body=body, headers=headers)
@@ -83,6 +82,14 @@ class Api:
         data = resp.read()
         if resp.status >= 300:
             raise SystemExit(f"{method} {path}: {resp.status} {data[:300]!r}")
+        return data
+
+    def send(self, method: str, path: str, doc: Any, content_type: str) -> None:
+        self._request(method, path, json.dumps(doc).encode(), content_type)
+
+    def get_text(self, path: str) -> str:
+        """GET ``path`` (``/metrics``, a list) as text."""
+        return self._request("GET", path, None, "application/json").decode()
 
     def create_node(self, peer: FakePeer, name: str) -> None:
         self.send("POST", "/api/v1/nodes", node_manifest(peer, name), "application/json")

@@ -173,6 +173,7 @@ class _Driver:
             self.monotonic() - self.step_since,
             nodes.overrides,
             self.poll,
+            nodes.present,
         )
         if _switches_more(record, action):
             # A flanneld node may have joined since the plan: none may be cut off.

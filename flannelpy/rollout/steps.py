@@ -4,7 +4,7 @@ nodes' statuses, and how the record changes when the driver performs it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from ipaddress import ip_network
@@ -139,10 +139,12 @@ def next_action(
     step_elapsed: float,
     overrides: Mapping[str, NodeOverride] | None = None,
     poll: float = POLL,
+    present: Collection[str] | None = None,
 ) -> Action:
     """The one next thing to do. ``step_elapsed``: monotonic seconds since the current step
     (the node and its state) began; ``overrides``: the nodes' overrides as read now, if
-    known (to re-write one a killed driver recorded but never wrote)."""
+    known (to re-write one a killed driver recorded but never wrote); ``present``: the
+    nodes that exist (Kubernetes: the Nodes), None when the store cannot tell."""
     state = record.state
     if state in TERMINAL or state == "paused":
         return Done(state)
@@ -151,6 +153,8 @@ def next_action(
         entry = next((e for e in record.nodes if e.state == "rolling-back"), None)
         if entry is None:
             return Fail(record.reason or "rolled back")
+        if present is not None and entry.node not in present:
+            return _node_gone(record, entry.node, step_elapsed, poll)
         return _rollback_step(record, entry, statuses, step_elapsed, overrides, poll)
     if state == "finalizing":
         if not record.config_written:
@@ -158,6 +162,8 @@ def next_action(
         return _vtep_step(record, statuses, step_elapsed, poll)
     entry = record.current()
     if entry is not None:  # a step in flight finishes before any request is honoured
+        if present is not None and entry.node not in present:
+            return _node_gone(record, entry.node, step_elapsed, poll)
         return _node_step(record, entry, statuses, step_elapsed, overrides, poll)
     if record.request == "abort":
         return Halt("aborted", "aborted on request")
@@ -207,6 +213,17 @@ def next_generation(
     if status is not None and status.applied_generation is not None:
         seen.append(status.applied_generation)
     return max(seen) + 1
+
+
+def _node_gone(record: RolloutRecord, node: str, elapsed: float, poll: float) -> Action:
+    """The node in flight was removed from the cluster: nothing can be written to it, not
+    even a rollback. A kubelet registers its Node again, so the step waits its time."""
+    if elapsed > record.step_timeout:
+        return Fail(
+            f"{node} was removed from the cluster during its step and did not come back "
+            f"within {record.step_timeout:g} s; start a new rollout for the other nodes"
+        )
+    return Wait(f"{node}: its Node was removed; waiting for it to be registered again", poll)
 
 
 def _missing_write(

@@ -28,6 +28,7 @@ class NodesSnapshot:
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     overrides: dict[str, NodeOverride] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # key -> why it cannot be read
+    present: frozenset[str] | None = None  # the nodes that exist; None: the store cannot tell
 
 
 class RolloutStorage(Protocol):

@@ -208,7 +208,12 @@ def open_rollout_store(
 
         client = build_api_client(settings)
         store = KubeRolloutStore(client, settings.kube_annotation_prefix, namespace, config_map)
-        return store, client.close
+
+        def close() -> None:
+            store.close()  # its watches first: they use the client
+            client.close()
+
+        return store, close
     from flannelpy.store.etcd.client import connect_etcd
     from flannelpy.store.rollout_etcd import RolloutStore
 

@@ -15,10 +15,16 @@ Where each thing lives (all bounded: one object per node, or one in all):
 
 The cordon (:mod:`flannelpy.rollout.cordon`) patches the Node. The driver runs with
 the operator's credentials (their kubeconfig), not the agents' ServiceAccount.
+
+The driver looks at every node about once a second while it waits for a step: the
+Nodes and the status Leases are each listed once, then watched (:mod:`.kube.mirror`),
+so a look costs the API server nothing and a step costs it the same at 5 nodes or
+5,000. The record and the config, one object each, are read afresh every look.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -34,9 +40,16 @@ from flannelpy.rollout.cordon import cordon_patch, uncordon_patch
 from flannelpy.rollout.record import RolloutRecord
 from flannelpy.rollout.storage import ConfigDoc, NodesSnapshot
 from flannelpy.store.kube import node as kn
-from flannelpy.store.kube.api import call, read_json, rv_number
+from flannelpy.store.kube.api import call, rv_number
+from flannelpy.store.kube.kind_watch import Resource, list_and_watch
 from flannelpy.store.kube.manager import OVERRIDE_ANNOTATION
-from flannelpy.store.kube.node_status import DEFAULT_NAMESPACE, NodeSummary, read_summaries
+from flannelpy.store.kube.mirror import Mirrored
+from flannelpy.store.kube.node_status import (
+    DEFAULT_NAMESPACE,
+    STATUS_LABEL,
+    NodeSummary,
+    parse_leases,
+)
 from flannelpy.subnet.lease import Lease
 
 CONFIG_MAP = "kube-flannelpy-cfg"  # the manifests' ConfigMap and key
@@ -47,6 +60,10 @@ MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT = (5.0, 15.0)
 CONFIG_PROPAGATION = 180.0  # seconds for every agent to read the new net-conf.json
 CAS_RETRIES = 5
+FORBIDDEN_HINT = (
+    "the driver's kubeconfig must allow list and watch on nodes, and on leases in the "
+    "agents' namespace"
+)
 
 
 def _fresh_backend(summary: NodeSummary, backend: Mapping[str, Any]) -> bool:
@@ -80,18 +97,37 @@ def _read_or_none(what: str, get: Callable[[], Any]) -> dict[str, Any] | None:
     return doc
 
 
-def _unless_conflict(send: Callable[[], Any]) -> bool:
-    """Send one write; False when the server answers 409 Conflict (the body named an
-    older resourceVersion), so the caller re-reads and tries again."""
+def _unless_conflict(send: Callable[[], Any]) -> dict[str, Any] | None:
+    """Send one write and return the object as written; None when the server answers 409
+    Conflict (the body named an older resourceVersion), so the caller re-reads and tries
+    again."""
     try:
         resp = send()
     except kclient.ApiException as e:
         if e.status == 409:
-            return False
+            return None
         raise
-    resp.read()
-    resp.release_conn()
-    return True
+    try:
+        doc = json.loads(resp.data)
+    except ValueError:
+        doc = None
+    finally:
+        resp.release_conn()
+    return doc if isinstance(doc, dict) else {}
+
+
+def kube_resources(api_client: kclient.ApiClient, namespace: str) -> tuple[Resource, Resource]:
+    """The Nodes, and the status Leases in ``namespace``, over the real client."""
+    nodes = kclient.CoreV1Api(api_client).list_node
+    leases = functools.partial(
+        kclient.CoordinationV1Api(api_client).list_namespaced_lease,
+        namespace,
+        label_selector=f"{STATUS_LABEL}=true",
+    )
+    return (
+        Resource("nodes", *list_and_watch("nodes", nodes)),
+        Resource("leases", *list_and_watch(f"leases in {namespace}", leases)),
+    )
 
 
 class KubeRolloutStore:
@@ -103,8 +139,10 @@ class KubeRolloutStore:
         config_map: str = CONFIG_MAP,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
+        resources: tuple[Resource, Resource] | None = None,
     ) -> None:
-        self._client = api_client
+        """``resources``: how the Nodes and the status Leases are listed and watched
+        (default: over ``api_client``)."""
         self._api = kclient.CoreV1Api(api_client)
         self._keys = kn.annotation_keys(annotation_prefix)
         self.namespace, self.config_map = namespace, config_map
@@ -112,6 +150,14 @@ class KubeRolloutStore:
         self.config_key = f"ConfigMap {namespace}/{config_map} ({NET_CONF_KEY})"
         self._sleep, self._monotonic = sleep, monotonic
         self.summaries: dict[str, NodeSummary] = {}  # as last read
+        nodes, leases = resources or kube_resources(api_client, namespace)
+        self._nodes = Mirrored(nodes, FORBIDDEN_HINT)
+        self._leases = Mirrored(leases, FORBIDDEN_HINT)
+
+    def close(self) -> None:
+        """Stop the watches."""
+        self._nodes.close()
+        self._leases.close()
 
     # -- reading ------------------------------------------------------------------
 
@@ -138,19 +184,9 @@ class KubeRolloutStore:
             raise ConfigError(f"{e} (in {self.config_key})") from e
         return ConfigDoc(text.encode(), rv_number(kn.resource_version(cm)), config)
 
-    def _nodes(self) -> list[dict[str, Any]]:
-        doc = read_json(
-            "list nodes",
-            lambda: self._api.list_node(_preload_content=False, _request_timeout=TIMEOUT),
-        )
-        return [n for n in doc.get("items") or [] if isinstance(n, dict)]
-
-    def read_node_objects(self) -> dict[str, dict[str, Any]]:
-        return {kn.node_name(n): n for n in self._nodes()}
-
     def read_nodes(self) -> NodesSnapshot:
-        snap = NodesSnapshot()
-        nodes = self.read_node_objects()
+        nodes = self._nodes.objects()
+        snap = NodesSnapshot(present=frozenset(nodes))
         for name, node in nodes.items():
             raw = kn.node_annotations(node).get(OVERRIDE_ANNOTATION)
             if raw:
@@ -158,7 +194,7 @@ class KubeRolloutStore:
                     snap.overrides[name] = NodeOverride.from_json(raw)
                 except ValueError as e:
                     snap.errors[f"node {name} annotation {OVERRIDE_ANNOTATION}"] = str(e)
-        summaries, errors = read_summaries(self._client, self.namespace)
+        summaries, errors = parse_leases({"items": list(self._leases.objects().values())})
         snap.errors.update(errors)
         self.summaries = {}
         for name, summary in summaries.items():
@@ -180,7 +216,7 @@ class KubeRolloutStore:
         """Every Node's lease as its annotations make it (flanneld's nodes included)."""
         config = self.read_config().config
         leases = []
-        for node in self._nodes():
+        for node in self._nodes.objects().values():
             try:
                 lease = kn.node_to_lease(node, self._keys, config)
             except ValueError:
@@ -256,9 +292,9 @@ class KubeRolloutStore:
 
     def _patch_node(self, name: str, patch: Mapping[str, Any]) -> bool:
         """Merge-patch a Node; False on a conflict (the patch named an older
-        resourceVersion)."""
+        resourceVersion). The next look reads the Node as written."""
         body: Any = dict(patch)
-        return call(
+        written = call(
             f"patch node {name}",
             lambda: _unless_conflict(
                 lambda: self._api.patch_node(
@@ -270,6 +306,10 @@ class KubeRolloutStore:
                 )
             ),
         )
+        if written is None:
+            return False
+        self._nodes.wrote(written)
+        return True
 
     def write_override(self, node: str, override: NodeOverride) -> None:
         self._patch_node(
@@ -334,7 +374,7 @@ class KubeRolloutStore:
             }
             body: Any = patch
 
-            def op(body: Any = body) -> bool:
+            def op(body: Any = body) -> dict[str, Any] | None:
                 return _unless_conflict(
                     lambda: self._api.patch_namespaced_config_map(
                         self.config_map,
@@ -346,7 +386,7 @@ class KubeRolloutStore:
                     )
                 )
 
-            if call(f"patch {self.config_key}", op):
+            if call(f"patch {self.config_key}", op) is not None:
                 return config
         raise StoreError(
             f"{self.config_key} kept changing while the rollout wrote its "

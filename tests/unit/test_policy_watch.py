@@ -14,7 +14,7 @@ import pytest
 from flannelpy.cli import build_parser
 from flannelpy.config.settings import settings_from_args
 from flannelpy.errors import ConfigError, StoreUnavailable
-from flannelpy.store.kube.policy_watch import KindWatch, Resource
+from flannelpy.store.kube.kind_watch import KindWatch, Resource
 from flannelpy.store.policy_inputs import NAMESPACES, PODS, POLICIES, PolicyCache
 
 

@@ -353,13 +353,19 @@ def _record(env: Env) -> RolloutRecord:
     return record
 
 
-def test_a_killed_driver_never_writes_a_second_generation_for_one_step() -> None:
-    env = Env()
+def first_write(env: Env) -> tuple[RolloutRecord, WriteOverride, RolloutRecord]:
+    """A rollout started, its first step (n1's override) and the record that step makes."""
     record = env.start()
     snap = env.rs.read_nodes()
     action = next_action(record, snap.statuses, ALLOW, MONDAY_1AM, 0.0, snap.overrides)
     assert action == WriteOverride("n1", record.target, 1)
-    recorded = record_after(record, action, MONDAY_1AM, None)
+    return record, action, record_after(record, action, MONDAY_1AM, None)
+
+
+def test_a_killed_driver_never_writes_a_second_generation_for_one_step() -> None:
+    env = Env()
+    record, _, recorded = first_write(env)
+    snap = env.rs.read_nodes()
     assert recorded.entry("n1").state == "applying"
     # Killed before the override was written: the same generation is written again.
     again = next_action(recorded, snap.statuses, ALLOW, MONDAY_1AM, 5.0, snap.overrides)

@@ -12,9 +12,9 @@ The API server is a budget the whole cluster shares: the record is fixed-size
 written at once on a change but never twice within :data:`MIN_WRITE_GAP` seconds, and
 otherwise at most every :data:`HEARTBEAT_SECONDS` (:class:`WriteLimiter`). The agent
 needs ``create`` and ``patch`` on leases in its own namespace only (a Role, not the
-ClusterRole; a merge patch needs no ``get``); readers ``list`` them. Refused (403), the
-agent says once which permission is missing, runs on without its record and tries
-again every :data:`FORBIDDEN_RETRY_SECONDS`.
+ClusterRole; a merge patch needs no ``get``); readers ``list`` and ``watch`` them.
+Refused (403), the agent says once which permission is missing, runs on without its
+record and tries again every :data:`FORBIDDEN_RETRY_SECONDS`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 from kubernetes import client as kclient
 
 from flannelpy.errors import StoreError
-from flannelpy.store.kube.api import Forbidden, call, read_json
+from flannelpy.store.kube.api import Forbidden, call
 
 log = logging.getLogger("flannelpy.kube.status")
 
@@ -363,20 +363,3 @@ def _drain(resp: Any) -> None:
     """Read and give back an urllib3 response (else its connection leaves the pool)."""
     resp.read()
     resp.release_conn()
-
-
-def read_summaries(
-    api_client: kclient.ApiClient, namespace: str
-) -> tuple[dict[str, NodeSummary], dict[str, str]]:
-    """Every node's Lease in ``namespace`` (one list call; the rollout and doctor)."""
-    api = kclient.CoordinationV1Api(api_client)
-    doc = read_json(
-        f"list leases in {namespace}",
-        lambda: api.list_namespaced_lease(
-            namespace,
-            label_selector=f"{STATUS_LABEL}=true",
-            _preload_content=False,
-            _request_timeout=(5.0, 15.0),
-        ),
-    )
-    return parse_leases(doc)
