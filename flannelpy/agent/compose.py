@@ -218,6 +218,7 @@ def _node_context(
         blackhole_own_subnets=settings.ip_blackhole_route,
         vtep_tx_checksum_off=settings.vxlan_tx_checksum_off,
         wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
+        wireguard_confirmed_v6=frozenset(),
     )
 
 
