@@ -25,6 +25,7 @@ from flannelpy.backend.wireguard import (
     unencrypted_peers,
 )
 from flannelpy.backend.wireguard_config import DEVICE as WG_DEVICE
+from flannelpy.backend.wireguard_config import DEVICE_V6 as WG_DEVICE_V6
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
@@ -206,7 +207,9 @@ class Planner:
         A lingering VTEP stays, with no address, route, neighbour or FDB entry, so that
         peers which have not seen our new lease yet still reach us through it: make before
         break, as when the last node of a rollout to wireguard drops its VTEP. A lingering
-        WireGuard device keeps its peers: those may still send to us encrypted."""
+        WireGuard device keeps its peers: those may still send to us encrypted. While
+        flannel-wg-v6 lingers, the pass that drops its route adds the IPv6 vxlan paths
+        that replace it, which need their gateways' routes as beside it in the plan."""
         now = self.monotonic()
         links = self._links.update({link.name: link for link in desired.links}, now)
         devices = self._wireguard.update({d.name: d for d in desired.wireguard}, now)
@@ -215,8 +218,14 @@ class Planner:
         if not links and not devices:
             return desired, stale
         kept = frozenset(links.values())
+        routes = desired.routes
+        if WG_DEVICE_V6 in devices:
+            routes |= ipv6_plan.gateway_routes(
+                desired, ipv6_plan.device_name_v6(self.state.config.backend.vni)
+            )
         return replace(
             desired,
+            routes=routes,
             links=desired.links | kept,
             owned_devices=desired.owned_devices | {link.name for link in kept},
             wireguard=desired.wireguard | frozenset(devices.values()),

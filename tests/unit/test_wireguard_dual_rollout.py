@@ -41,6 +41,11 @@ def node(backend: str, **changes: Any) -> NodeContext:
     return replace(dual_ctx(backend), wireguard_identity=IDENTITY, **changes)
 
 
+def gateway6(n: int) -> IPv6Network:
+    """The /128 of peer ``n``'s IPv6 vxlan gateway (its subnet's network address)."""
+    return IPv6Network(f"{subnet6(n).network_address}/128")
+
+
 def peer_node(n: int, backend: str, key: str | None = None) -> NodeContext:
     """The node of :func:`dual_peer` ``n``, planning for itself."""
     ctx = dual_ctx(backend)
@@ -103,7 +108,12 @@ def test_the_first_wireguard_node_keeps_flannel_v6_and_advertises_it_beside_its_
     assert attrs.backend_v6_data == {"PublicKey": KEY, "Port": 51821, "VNI": 1, "VtepMAC": OWN_MAC6}
     desired = backend.plan(ctx, [OWN_WG], [vxlan_peer], OWN_MAC)
     assert "flannel-v6.1" in {link.name for link in desired.links}
-    assert v6_routes(desired) == {subnet6(2): "flannel-v6.1", NET6: "flannel-wg-v6"}
+    # The /128 lets the kernel take the onlink route beside the IPv6Network's (gateway_routes).
+    assert v6_routes(desired) == {
+        subnet6(2): "flannel-v6.1",
+        gateway6(2): "flannel-v6.1",
+        NET6: "flannel-wg-v6",
+    }
     assert not desired.unreachable
     # ...and the vxlan peer, seeing our lease, reaches our IPv6 subnet through its VTEP.
     as_peer = replace(OWN_WG, attrs=attrs)
@@ -132,7 +142,11 @@ def test_a_wireguard_pairs_ipv6_half_waits_for_flannel_wg_v6s_own_handshake() ->
     # Once flannel-wg-v6 has, the IPv6 half moves to the tunnel too.
     ctx = replace(ctx, wireguard_confirmed_v6=frozenset({PEER_KEY}))
     desired = backend.plan(ctx, [OWN_WG], peers, OWN_MAC)
-    assert v6_routes(desired) == {subnet6(3): "flannel-v6.1", NET6: "flannel-wg-v6"}
+    assert v6_routes(desired) == {
+        subnet6(3): "flannel-v6.1",
+        gateway6(3): "flannel-v6.1",
+        NET6: "flannel-wg-v6",
+    }
     assert unencrypted_peers(ctx, [OWN_WG], peers, has_vtep=True) == 1
     # The last node to switch keeps its VTEPs while a pair's IPv6 half is held on them.
     held_v6 = replace(ctx, wireguard_confirmed_v6=frozenset())
@@ -153,7 +167,11 @@ def test_a_node_back_on_vxlan_keeps_flannel_wg_v6_and_its_key_in_backend_v6_data
         ctx, [OWN_VXLAN], peers, VxlanBackend().plan(ctx, [OWN_VXLAN], peers, OWN_MAC)
     )
     # The wireguard peer's IPv6 subnet only through the kept flannel-wg-v6, under the /48.
-    assert v6_routes(desired) == {subnet6(3): "flannel-v6.1", NET6: "flannel-wg-v6"}
+    assert v6_routes(desired) == {
+        subnet6(3): "flannel-v6.1",
+        gateway6(3): "flannel-v6.1",
+        NET6: "flannel-wg-v6",
+    }
     assert not desired.unreachable
     assert wg_device(desired, "flannel-wg-v6") == {PEER_KEY}
     (spec6,) = [d for d in desired.wireguard if d.name == "flannel-wg-v6"]
