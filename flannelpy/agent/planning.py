@@ -18,6 +18,7 @@ from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
+from flannelpy.backend.paths import is_flanneld_lease
 from flannelpy.backend.wireguard import (
     WireguardBackend,
     keeping_context,
@@ -25,7 +26,6 @@ from flannelpy.backend.wireguard import (
     unencrypted_peers,
 )
 from flannelpy.backend.wireguard_config import DEVICE as WG_DEVICE
-from flannelpy.backend.wireguard_config import DEVICE_V6 as WG_DEVICE_V6
 from flannelpy.dataplane.reconciler import Reconciler
 from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
@@ -52,12 +52,15 @@ T = TypeVar("T")
 
 
 def probe_target6(peer: Lease) -> IPv6Address | None:
-    """Where a peer answers over IPv6: its ``flannel-v6.<VNI>`` VTEP address when it
-    advertises an IPv6 VTEP (flannelpy and flanneld vxlan nodes alike; flanneld's
-    cni0 has no IPv6 gateway), else its cni0 IPv6 gateway (host-gw)."""
+    """Where a peer answers over IPv6: cni0's IPv6 gateway, as over IPv4 (ours carry it
+    from the start); a flanneld node advertising an IPv6 VTEP at that VTEP's address,
+    since its cni0 has no IPv6 gateway. Not our VTEP's: with cni0's /64 beside it, the
+    subnet's first address is its Subnet-Router anycast, and the kernel answers an echo
+    to it from whichever address routes back (the underlay's, on a direct path), which
+    the prober cannot match."""
     if peer.ipv6_subnet is None:
         return None
-    if ipv6_plan.peer_capabilities_v6(peer, False).vtep_mac is not None:
+    if is_flanneld_lease(peer) and ipv6_plan.peer_capabilities_v6(peer).vtep_mac is not None:
         return peer.vtep_ip6
     return peer.gateway6
 
@@ -207,9 +210,7 @@ class Planner:
         A lingering VTEP stays, with no address, route, neighbour or FDB entry, so that
         peers which have not seen our new lease yet still reach us through it: make before
         break, as when the last node of a rollout to wireguard drops its VTEP. A lingering
-        WireGuard device keeps its peers: those may still send to us encrypted. While
-        flannel-wg-v6 lingers, the pass that drops its route adds the IPv6 vxlan paths
-        that replace it, which need their gateways' routes as beside it in the plan."""
+        WireGuard device keeps its peers: those may still send to us encrypted."""
         now = self.monotonic()
         links = self._links.update({link.name: link for link in desired.links}, now)
         devices = self._wireguard.update({d.name: d for d in desired.wireguard}, now)
@@ -218,14 +219,8 @@ class Planner:
         if not links and not devices:
             return desired, stale
         kept = frozenset(links.values())
-        routes = desired.routes
-        if WG_DEVICE_V6 in devices:
-            routes |= ipv6_plan.gateway_routes(
-                desired, ipv6_plan.device_name_v6(self.state.config.backend.vni)
-            )
         return replace(
             desired,
-            routes=routes,
             links=desired.links | kept,
             owned_devices=desired.owned_devices | {link.name for link in kept},
             wireguard=desired.wireguard | frozenset(devices.values()),

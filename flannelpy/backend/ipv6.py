@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from ipaddress import IPv4Network, IPv6Address, IPv6Interface, IPv6Network
+from ipaddress import IPv4Network, IPv6Interface, IPv6Network
 
 from flannelpy.backend.base import (
     NO_ENTRIES,
@@ -188,19 +188,6 @@ def _peer_path6(
         routes=(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True),),
         neighbours=(Neighbour(link6.name, vtep6, peer_caps.vtep_mac),),
         fdb=(FdbEntry(link6.name, peer_caps.vtep_mac, ip6),),
-    )
-
-
-def gateway_routes(desired: DesiredState, link6: str) -> frozenset[Route]:
-    """A /128 route through ``link6`` for the gateway of each of its onlink routes, for a
-    plan that also routes the IPv6Network through ``flannel-wg-v6`` (a wireguard rollout).
-    The kernel accepts an IPv6 onlink route only when its gateway's own route, if any,
-    goes through the same device (IPv4 does not check), so without these a vxlan path
-    added while the IPv6Network goes through flannel-wg-v6 would be refused (EINVAL)."""
-    return frozenset(
-        Route(dst=IPv6Network(f"{r.gateway}/128"), gateway=IPv6Address(0), ifname=link6)
-        for r in desired.routes
-        if r.onlink and r.ifname == link6
     )
 
 

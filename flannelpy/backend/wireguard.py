@@ -297,22 +297,11 @@ def plan_kept(
     routes = set(desired.routes)
     if ctx.config.network is not None:
         routes.add(network_route(ctx.config.network))
-    routes6 = ipv6_network_routes(ctx, desired)
-    if routes6:
+    if ipv6.enabled(ctx) and ctx.config.ipv6_network is not None:
         mtu6 = kept_device_mtu(ctx, ipv6_device=True)
         devices.add(plan_device_v6(options, own, kept_peers, key, mtu6))
-    return replace(
-        desired, routes=frozenset(routes | routes6), wireguard=desired.wireguard | devices
-    )
-
-
-def ipv6_network_routes(ctx: NodeContext, desired: DesiredState) -> set[Route]:
-    """Dual stack: the IPv6Network through ``flannel-wg-v6`` and, for the vxlan paths of
-    ``desired`` beside it, their gateways' routes (:func:`.ipv6.gateway_routes`)."""
-    if not ipv6.enabled(ctx) or ctx.config.ipv6_network is None:
-        return set()
-    link6 = ipv6.device_name_v6(ctx.config.backend.vni)
-    return {network_route_v6(ctx.config.ipv6_network)} | ipv6.gateway_routes(desired, link6)
+        routes.add(network_route_v6(ctx.config.ipv6_network))
+    return replace(desired, routes=frozenset(routes), wireguard=desired.wireguard | devices)
 
 
 def own_public_key(ctx: NodeContext) -> str:
@@ -429,7 +418,8 @@ class WireguardBackend:
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
-        routes |= ipv6_network_routes(ctx, desired)
+        if ipv6.enabled(ctx) and ctx.config.ipv6_network is not None:
+            routes.add(network_route_v6(ctx.config.ipv6_network))
         return replace(desired, routes=frozenset(routes), wireguard=frozenset(devices))
 
 

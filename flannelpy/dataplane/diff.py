@@ -112,11 +112,8 @@ def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedStat
     )
 
 
-def _route_key(route: Route) -> tuple[bool, int, int]:
-    # Routes through a device alone first: an IPv6 onlink route added in the same pass
-    # may need one of them to resolve its gateway (backend.ipv6.gateway_routes).
-    has_gateway = route.blackhole or int(route.gateway) != 0
-    return (has_gateway, int(route.dst.network_address), route.dst.prefixlen)
+def _route_key(route: Route) -> tuple[int, int]:
+    return (int(route.dst.network_address), route.dst.prefixlen)
 
 
 def _neigh_key(neigh: Neighbour) -> tuple[str, int]:

@@ -115,16 +115,3 @@ def test_deleted_blackhole_route_is_set_again_and_kept_when_converged() -> None:
     assert diff(want, gone).routes_to_set == (hole,)
     # Without the flag, a blackhole of ours left from an earlier run is removed.
     assert diff(desired(), have).routes_to_delete == (hole,)
-
-
-def test_a_device_route_is_set_before_an_onlink_route_through_its_gateway() -> None:
-    """The kernel resolves an IPv6 onlink route's gateway when it takes the route: the
-    gateway's /128 (backend.ipv6.gateway_routes) must be in place first, in the same pass."""
-    from ipaddress import IPv6Address, IPv6Network
-
-    from flannelpy.dataplane.state import DesiredState
-
-    vxlan = Route(IPv6Network("fd10::/64"), IPv6Address("fd10::"), "flannel-v6.1", onlink=True)
-    gateway = Route(IPv6Network("fd10::/128"), IPv6Address(0), "flannel-v6.1")
-    changes = diff(DesiredState(routes=frozenset({vxlan, gateway})), ObservedState())
-    assert changes.routes_to_set == (gateway, vxlan)

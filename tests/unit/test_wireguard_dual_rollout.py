@@ -41,11 +41,6 @@ def node(backend: str, **changes: Any) -> NodeContext:
     return replace(dual_ctx(backend), wireguard_identity=IDENTITY, **changes)
 
 
-def gateway6(n: int) -> IPv6Network:
-    """The /128 of peer ``n``'s IPv6 vxlan gateway (its subnet's network address)."""
-    return IPv6Network(f"{subnet6(n).network_address}/128")
-
-
 def peer_node(n: int, backend: str, key: str | None = None) -> NodeContext:
     """The node of :func:`dual_peer` ``n``, planning for itself."""
     ctx = dual_ctx(backend)
@@ -108,10 +103,8 @@ def test_the_first_wireguard_node_keeps_flannel_v6_and_advertises_it_beside_its_
     assert attrs.backend_v6_data == {"PublicKey": KEY, "Port": 51821, "VNI": 1, "VtepMAC": OWN_MAC6}
     desired = backend.plan(ctx, [OWN_WG], [vxlan_peer], OWN_MAC)
     assert "flannel-v6.1" in {link.name for link in desired.links}
-    # The /128 lets the kernel take the onlink route beside the IPv6Network's (gateway_routes).
     assert v6_routes(desired) == {
         subnet6(2): "flannel-v6.1",
-        gateway6(2): "flannel-v6.1",
         NET6: "flannel-wg-v6",
     }
     assert not desired.unreachable
@@ -144,7 +137,6 @@ def test_a_wireguard_pairs_ipv6_half_waits_for_flannel_wg_v6s_own_handshake() ->
     desired = backend.plan(ctx, [OWN_WG], peers, OWN_MAC)
     assert v6_routes(desired) == {
         subnet6(3): "flannel-v6.1",
-        gateway6(3): "flannel-v6.1",
         NET6: "flannel-wg-v6",
     }
     assert unencrypted_peers(ctx, [OWN_WG], peers, has_vtep=True) == 1
@@ -169,7 +161,6 @@ def test_a_node_back_on_vxlan_keeps_flannel_wg_v6_and_its_key_in_backend_v6_data
     # The wireguard peer's IPv6 subnet only through the kept flannel-wg-v6, under the /48.
     assert v6_routes(desired) == {
         subnet6(3): "flannel-v6.1",
-        gateway6(3): "flannel-v6.1",
         NET6: "flannel-wg-v6",
     }
     assert not desired.unreachable
