@@ -154,8 +154,8 @@ def _log_start(ctx: NodeContext, backend: Backend) -> None:
     config = ctx.config
     if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
         log.info(
-            "dual stack: address pools beyond Network, the warm-capacity count, the "
-            "rollout's verification and wireguard stay IPv4-only for now"
+            "dual stack: address pools beyond Network and the warm-capacity count stay "
+            "IPv4-only for now"
         )
     log.info(
         "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",

@@ -27,7 +27,7 @@ from tests.e2e.test_rollout_lab import (
     pytestmark,
     summary_line,
 )
-from tests.support.lab_util import running_lab, wait_until
+from tests.support.lab_util import running_dual_stack_lab, wait_until
 
 __all__ = ["cluster", "pytestmark"]
 NODES = 3
@@ -35,17 +35,8 @@ NODES = 3
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    with running_lab(
-        NODES,
-        "vxlan",
-        name=f"d{secrets.randbelow(100_000)}",
-        start_agents=False,
-        net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:
-        lab.set_agent_args(AGENT_ARGS)
-        lab.start_agents()
-        for node in lab.nodes:
-            lab.add_pod(node.name)  # cni0 with both families' gateways: host-gw's targets
+    # A pod per node: as the IPv4 module's lab.
+    with running_dual_stack_lab(NODES, AGENT_ARGS, 1, name=f"d{secrets.randbelow(100_000)}") as lab:
         yield lab
 
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flannelpy_lab import Lab, plan
+from flannelpy_lab import Lab
 
 # pytestmark: the IPv4 module's marks (a lab, network namespaces, root).
 from tests.e2e.test_wireguard_rollout import pytestmark, roll_to_wireguard_and_back
-from tests.support.lab_util import running_lab
+from tests.support.lab_util import running_dual_stack_lab
 
 __all__ = ["pytestmark"]
 NODES, PODS_PER_NODE = 3, 2
@@ -30,18 +30,9 @@ NODES, PODS_PER_NODE = 3, 2
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    with running_lab(
-        NODES,
-        "vxlan",
-        name=f"d{secrets.randbelow(100_000)}",
-        start_agents=False,
-        net_conf_extra=plan.ip_family_net_conf("dual"),
-    ) as lab:
-        lab.set_agent_args(["--probe-interval", "1", "--status-publish-interval", "2"])
-        lab.start_agents()
-        for node in lab.nodes:
-            for _ in range(PODS_PER_NODE):
-                lab.add_pod(node.name)
+    args = ["--probe-interval", "1", "--status-publish-interval", "2"]
+    name = f"d{secrets.randbelow(100_000)}"
+    with running_dual_stack_lab(NODES, args, PODS_PER_NODE, name=name) as lab:
         yield lab
 
 
