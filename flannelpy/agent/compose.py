@@ -154,8 +154,8 @@ def _log_start(ctx: NodeContext, backend: Backend) -> None:
     config = ctx.config
     if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
         log.info(
-            "dual stack: address pools beyond Network, the warm-capacity count, the "
-            "rollout's verification and wireguard stay IPv4-only for now"
+            "dual stack: address pools beyond Network and the warm-capacity count stay "
+            "IPv4-only for now"
         )
     log.info(
         "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
@@ -218,6 +218,7 @@ def _node_context(
         blackhole_own_subnets=settings.ip_blackhole_route,
         vtep_tx_checksum_off=settings.vxlan_tx_checksum_off,
         wireguard_confirmed=frozenset(),  # pairs wait for their handshake (none yet)
+        wireguard_confirmed_v6=frozenset(),
     )
 
 

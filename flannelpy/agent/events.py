@@ -63,9 +63,11 @@ class CapacityLow:
 
 @dataclass(frozen=True)
 class WireguardConfirmed:
-    """flannel-wg has now completed a handshake with the peers of these public keys."""
+    """A WireGuard device has now completed a handshake with the peers of these public
+    keys: flannel-wg, or flannel-wg-v6 (``ipv6``), which holds the IPv6 half of a pair."""
 
     keys: frozenset[str]
+    ipv6: bool = False
 
 
 @dataclass(frozen=True)

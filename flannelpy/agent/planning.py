@@ -18,6 +18,7 @@ from flannelpy.agent.state import NodeState
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend import ipv6 as ipv6_plan
 from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
+from flannelpy.backend.paths import is_flanneld_lease
 from flannelpy.backend.wireguard import (
     WireguardBackend,
     keeping_context,
@@ -51,12 +52,15 @@ T = TypeVar("T")
 
 
 def probe_target6(peer: Lease) -> IPv6Address | None:
-    """Where a peer answers over IPv6: its ``flannel-v6.<VNI>`` VTEP address when it
-    advertises an IPv6 VTEP (flannelpy and flanneld vxlan nodes alike; flanneld's
-    cni0 has no IPv6 gateway), else its cni0 IPv6 gateway (host-gw)."""
+    """Where a peer answers over IPv6: cni0's IPv6 gateway, as over IPv4 (ours carry it
+    from the start); a flanneld node advertising an IPv6 VTEP at that VTEP's address,
+    since its cni0 has no IPv6 gateway. Not our VTEP's: with cni0's /64 beside it, the
+    subnet's first address is its Subnet-Router anycast, and the kernel answers an echo
+    to it from whichever address routes back (the underlay's, on a direct path), which
+    the prober cannot match."""
     if peer.ipv6_subnet is None:
         return None
-    if ipv6_plan.peer_capabilities_v6(peer, False).vtep_mac is not None:
+    if is_flanneld_lease(peer) and ipv6_plan.peer_capabilities_v6(peer).vtep_mac is not None:
         return peer.vtep_ip6
     return peer.gateway6
 

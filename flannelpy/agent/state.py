@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 
 from flannelpy.backend.base import Backend, NodeContext
-from flannelpy.backend.wireguard import kept_device_mtu
+from flannelpy.backend.wireguard import kept_devices_mtu
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.control.records import BlockedChange
 from flannelpy.dataplane.state import NftTableSpec, Unreachable
@@ -101,11 +101,11 @@ class NodeState:
     @property
     def probe_mtu(self) -> int:
         """The size of the prober's full-MTU probe: the overlay MTU, or the kept WireGuard
-        device's while pairs still run through it (switching back from wireguard), since a
+        devices' while pairs still run through them (switching back from wireguard), since a
         probe at the new MTU would not fit those paths and fail the node's verification.
         The plan says so first: at the switch, before the lease is rewritten."""
         if self.keeps_wireguard or self.kept_in_plan:
-            return min(self.mtu, kept_device_mtu(self.ctx))
+            return min(self.mtu, kept_devices_mtu(self.ctx))
         return self.mtu
 
     def peers(self) -> list[Lease]:

@@ -213,7 +213,8 @@ class StatusReporter:
             applied_generation=view.applied_generation,
             applied_at=view.applied_at,
             blocked=view.blocked,
-            subnets=tuple(str(x.subnet) for x in view.own),
+            # Both families' subnets: the rollout verifies the probes of each.
+            subnets=tuple(str(net) for x in view.own for net in x.subnets),
             probes=ProbeSummary.of(probes),
             public_ipv6=str(ctx.public_ipv6) if ctx.public_ipv6 is not None else None,
             heartbeat_seconds=self.settings.status_publish_interval,

@@ -49,6 +49,7 @@ from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
 from flannelpy.agent.vtep import VtepMac
 from flannelpy.backend.base import Backend, NodeContext
+from flannelpy.backend.wireguard_config import DEVICE_V6 as WG_DEVICE_V6
 from flannelpy.backend.wireguard_runtime import WireguardRuntime
 from flannelpy.cni.pods import PodSide
 from flannelpy.config.settings import AgentSettings
@@ -225,9 +226,9 @@ class Writer:
         """IPAM's warning, from a CNI request's thread: only enqueue."""
         self.queue.put(CapacityLow(free))
 
-    def on_wireguard_confirmed(self, keys: frozenset[str]) -> None:
-        """The WireGuard device's callback, on its thread: only enqueue."""
-        self.queue.put(WireguardConfirmed(keys))
+    def on_wireguard_confirmed(self, device: str, keys: frozenset[str]) -> None:
+        """A WireGuard device's callback, on its thread: only enqueue."""
+        self.queue.put(WireguardConfirmed(keys, ipv6=device == WG_DEVICE_V6))
 
     def on_reconciled(self, result: ReconcileResult) -> None:
         """The reconciler's callback, on its thread: metrics, status.json."""
@@ -265,8 +266,13 @@ class Writer:
         elif isinstance(event, CapacityLow):
             s.capacity_due = True
         elif isinstance(event, WireguardConfirmed):
-            if s.ctx.wireguard_confirmed != event.keys:
-                s.ctx = replace(s.ctx, wireguard_confirmed=event.keys)
+            ctx = (
+                replace(s.ctx, wireguard_confirmed_v6=event.keys)
+                if event.ipv6
+                else replace(s.ctx, wireguard_confirmed=event.keys)
+            )
+            if ctx != s.ctx:
+                s.ctx = ctx
                 self.planner.replan()  # held pairs move to the tunnel, the VTEP may go
         elif isinstance(event, PolicyInputsChanged):
             if self.netpol is not None and self.netpol.take():

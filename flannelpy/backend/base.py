@@ -20,6 +20,7 @@ from flannelpy.backend.paths import (
     needs_vtep,
     own_capabilities,
     peer_capabilities,
+    peer_capabilities_v6,
 )
 from flannelpy.backend.wireguard_config import WireguardIdentity
 from flannelpy.config.netconf import NetworkConfig
@@ -60,6 +61,8 @@ class NodeContext:
     # doctor), and no pair is held back. A wireguard pair whose handshake is still to come
     # stays on vxlan while both ends have a VTEP (:func:`held_on_vxlan`).
     wireguard_confirmed: frozenset[str] | None = None
+    # The same for flannel-wg-v6, which carries the IPv6 half of each pair (dual stack).
+    wireguard_confirmed_v6: frozenset[str] | None = None
     # Our WireGuard key and the options its device runs with, once the agent loaded the key
     # (it runs wireguard, or did and keeps the device); None before, and for the doctor.
     wireguard_identity: WireguardIdentity | None = None
@@ -107,24 +110,37 @@ def node_needs_vtep(ctx: NodeContext, peers: Sequence[Lease]) -> bool:
         return True
     if ctx.config.backend.type.lower() != "wireguard" or ctx.wireguard_confirmed is None:
         return False
-    flanneld_dr = ctx.config.flanneld_backend.direct_routing
-    return any(
-        held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), ctx.config.backend.vni)
-        for peer in others
-    )
+    return any(held_in_a_family(ctx, peer, ctx.config.backend.vni) for peer in others)
 
 
-def held_on_vxlan(ctx: NodeContext, peer: Lease, peer_caps: Capabilities, vni: int | None) -> bool:
+def held_on_vxlan(
+    ctx: NodeContext, peer: Lease, peer_caps: Capabilities, vni: int | None, ipv6: bool = False
+) -> bool:
     """Make before break, to wireguard: a pair the rule sends through WireGuard stays on
     vxlan until our device has completed a handshake with the peer, while both ends still
     have a VTEP of one VNI (``vni``: ours). Until then the peer may not know our key yet
-    (it has not seen our lease) and drops what we encrypt; the handshake proves it does."""
-    confirmed = ctx.wireguard_confirmed
+    (it has not seen our lease) and drops what we encrypt; the handshake proves it does.
+    Each family on its own (``ipv6``: flannel-wg-v6's handshake, BackendV6Data's key and
+    VTEP, as ``peer_caps`` must be)."""
+    confirmed = ctx.wireguard_confirmed_v6 if ipv6 else ctx.wireguard_confirmed
     if confirmed is None or not peer_caps.wireguard_key:
         return False
     if vni is None or peer_caps.vni != vni:
         return False
-    return (peer.attrs.backend_data or {}).get("PublicKey") not in confirmed
+    data = peer.attrs.backend_v6_data if ipv6 else peer.attrs.backend_data
+    return (data or {}).get("PublicKey") not in confirmed
+
+
+def held_in_a_family(ctx: NodeContext, peer: Lease, vni: int | None) -> bool:
+    """:func:`held_on_vxlan` in IPv4 or, on a dual-stack node, in IPv6."""
+    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    if held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), vni):
+        return True
+    return (
+        ctx.config.enable_ipv6
+        and ctx.underlay.ip6 is not None
+        and held_on_vxlan(ctx, peer, peer_capabilities_v6(peer, flanneld_dr), vni, ipv6=True)
+    )
 
 
 def is_own_address(ctx: NodeContext, lease: Lease) -> bool:

@@ -31,6 +31,7 @@ from flannelpy.backend.base import (
     NodeContext,
     PeerEntries,
     PlanMemo,
+    held_on_vxlan,
     is_routable,
     own_networks,
     peer_entries,
@@ -41,7 +42,7 @@ from flannelpy.backend.paths import (
     NoPath,
     choose_path,
     own_capabilities,
-    peer_capabilities,
+    peer_capabilities_v6,
 )
 from flannelpy.dataplane.state import (
     Address,
@@ -110,15 +111,8 @@ def backend_v6_data(ctx: NodeContext, vtep_mac: str | None) -> dict[str, object]
 
 def own_capabilities_v6(ctx: NodeContext) -> Capabilities:
     """Ours, as :func:`~flannelpy.backend.base.plan_peers` takes them (the VTEP is set
-    from the IPv6 device in :func:`plan_ipv6`)."""
-    return own_capabilities(ctx.config.backend, None)
-
-
-def peer_capabilities_v6(peer: Lease, flanneld_direct_routing: bool) -> Capabilities:
-    """A peer's IPv6 capabilities: its IPv4 ones with the VTEP from BackendV6Data."""
-    data = peer.attrs.backend_v6_data
-    as_v4 = replace(peer, attrs=replace(peer.attrs, backend_data=data))
-    return peer_capabilities(as_v4, flanneld_direct_routing)
+    from the IPv6 device in :func:`plan_ipv6`); a kept WireGuard device counts, as in IPv4."""
+    return own_capabilities(ctx.config.backend, None, ctx.keeps_wireguard)
 
 
 def plan_ipv6(
@@ -183,16 +177,18 @@ def _peer_path6(
             f"{ctx.underlay.name}: {path.reason}"
         )
         return PeerEntries(unreachable=(Unreachable(subnet=subnet6, public_ip=ip6, reason=reason),))
+    if path == "wireguard" and not held_on_vxlan(ctx, peer, peer_caps, caps6.vni, ipv6=True):
+        return NO_ENTRIES  # flannel-wg-v6's peer (backend.wireguard), under its one route
     if path == "direct":
         return PeerEntries(routes=(Route(dst=subnet6, gateway=ip6, ifname=ctx.underlay.name),))
-    if path == "vxlan":
-        assert link6 is not None and peer_caps.vtep_mac is not None
-        return PeerEntries(
-            routes=(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True),),
-            neighbours=(Neighbour(link6.name, vtep6, peer_caps.vtep_mac),),
-            fdb=(FdbEntry(link6.name, peer_caps.vtep_mac, ip6),),
-        )
-    return NO_ENTRIES  # wireguard: IPv4 only for now (its device carries no IPv6 peers yet)
+    # vxlan, or a wireguard pair held on vxlan until flannel-wg-v6's handshake: both ends
+    # then have an IPv6 VTEP of one VNI (its MAC is the peer's BackendV6Data's).
+    assert link6 is not None and peer_caps.vtep_mac is not None
+    return PeerEntries(
+        routes=(Route(dst=subnet6, gateway=vtep6, ifname=link6.name, onlink=True),),
+        neighbours=(Neighbour(link6.name, vtep6, peer_caps.vtep_mac),),
+        fdb=(FdbEntry(link6.name, peer_caps.vtep_mac, ip6),),
+    )
 
 
 def merge(a: DesiredState, b: DesiredState) -> DesiredState:

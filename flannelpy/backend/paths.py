@@ -48,7 +48,7 @@ which strict rp_filter would drop. Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any, Literal
 
@@ -152,6 +152,13 @@ def peer_capabilities(lease: Lease, flanneld_direct_routing: bool = False) -> Ca
         if backend_type in SPOKEN_BACKENDS
         else (backend_type or "udp (no BackendType)"),
     )
+
+
+def peer_capabilities_v6(peer: Lease, flanneld_direct_routing: bool = False) -> Capabilities:
+    """A peer's IPv6 capabilities: its IPv4 ones read from BackendV6Data (its IPv6 VTEP
+    and, under wireguard or while it keeps its devices, its key)."""
+    as_v4 = replace(peer, attrs=replace(peer.attrs, backend_data=peer.attrs.backend_v6_data))
+    return peer_capabilities(as_v4, flanneld_direct_routing)
 
 
 def _is_wg_key(value: Any) -> bool:

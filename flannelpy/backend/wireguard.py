@@ -12,11 +12,15 @@ that VTEP, as host-gw nodes do, so the pair talks vxlan until both ends run
 wireguard (the rule is in :mod:`flannelpy.backend.paths`). flanneld ignores the
 extra keys. A pair the rule sends through WireGuard still takes vxlan until our device has
 completed a handshake with the peer (:func:`~flannelpy.backend.base.held_on_vxlan`): the
-peer may not have seen our lease, and our key, yet. The way back mirrors it: a node
+peer may not have seen our lease, and our key, yet. Dual stack, each family does all this
+on its own: BackendV6Data carries the IPv6 VTEP's ``{"VNI", "VtepMAC"}`` beside the key,
+``flannel-v6.<VNI>`` is kept, and a pair's IPv6 half waits for ``flannel-wg-v6``'s own
+handshake. The way back mirrors it: a node
 that switched to vxlan or host-gw keeps its device, peers and key (in its lease's
 BackendData) while any peer still runs wireguard (:func:`keeping_context`,
 :func:`plan_kept`), so no pair is ever left without a path, and its device goes a few
-seconds after the last such peer switched.
+seconds after the last such peer switched; dual stack, ``flannel-wg-v6`` and the key in
+BackendV6Data are kept with it.
 
 IPv6-only (``EnableIPv4`` false): ``flannel-wg-v6`` alone, the key and ``ListenPortV6``
 in BackendV6Data only, as Flannel.
@@ -61,7 +65,7 @@ from flannelpy.backend import ipv6
 from flannelpy.backend.base import (
     NodeContext,
     PlanMemo,
-    held_on_vxlan,
+    held_in_a_family,
     node_needs_vtep,
     plan_peers,
     routable_peers,
@@ -81,7 +85,7 @@ from flannelpy.backend.wireguard_config import (
     overlay_mtu,
     parse_wireguard_config,
 )
-from flannelpy.dataplane.state import DesiredState, Route, blackhole_route
+from flannelpy.dataplane.state import DesiredState, Route
 from flannelpy.dataplane.uapi import WgPeer
 from flannelpy.dataplane.wgkeys import is_key
 from flannelpy.dataplane.wgspec import WgDeviceSpec
@@ -238,7 +242,7 @@ def keeping_context(
     has its WireGuard device (``device_up``: the last plan had it) and a peer still runs
     wireguard: the pair then stays encrypted until that peer switches too, so switching
     back from wireguard node by node never leaves a pair without a path (the peer has
-    dropped its VTEP). IPv4 only: the IPv6 device is not kept."""
+    dropped its VTEP). Dual stack, ``flannel-wg-v6`` is kept with it (:func:`plan_kept`)."""
     keeps = (
         backend_type != WireguardBackend.type_name
         and ctx.public_ip is not None
@@ -249,9 +253,15 @@ def keeping_context(
     return replace(ctx, keeps_wireguard=keeps) if keeps != ctx.keeps_wireguard else ctx
 
 
-def kept_device_mtu(ctx: NodeContext) -> int:
-    """The kept device's MTU: the largest packet that crosses a pair still encrypted."""
-    return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu)
+def kept_device_mtu(ctx: NodeContext, ipv6_device: bool = False) -> int:
+    """A kept device's MTU (``flannel-wg``, or ``flannel-wg-v6`` with ``ipv6_device``)."""
+    return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu, underlay_is_ipv6=ipv6_device)
+
+
+def kept_devices_mtu(ctx: NodeContext) -> int:
+    """The largest packet that crosses every pair still encrypted: the smallest kept
+    device's (dual stack, ``flannel-wg-v6``'s)."""
+    return min(kept_device_mtu(ctx), kept_device_mtu(ctx, ipv6_device=ipv6.enabled(ctx)))
 
 
 def with_kept_key(ctx: NodeContext, attrs: LeaseAttrs) -> LeaseAttrs:
@@ -262,7 +272,11 @@ def with_kept_key(ctx: NodeContext, attrs: LeaseAttrs) -> LeaseAttrs:
         return attrs
     data = dict(attrs.backend_data or {})
     data.update({"PublicKey": identity.public_key, "Port": identity.options.listen_port})
-    return replace(attrs, backend_data=data)
+    if not ipv6.enabled(ctx):
+        return replace(attrs, backend_data=data)
+    data6 = dict(attrs.backend_v6_data or {})
+    data6.update({"PublicKey": identity.public_key, "Port": identity.options.listen_port_v6})
+    return replace(attrs, backend_data=data, backend_v6_data=data6)
 
 
 def plan_kept(
@@ -272,22 +286,22 @@ def plan_kept(
     peers are the wireguard peers (with the options it ran with) and the Network is
     routed through it as under wireguard (the other peers' routes are more specific).
     Once it does not, the device leaves the plan (the planner keeps it a few seconds more,
-    so peers that have not seen our new lease yet still get through)."""
+    so peers that have not seen our new lease yet still get through). Dual stack, the
+    same for ``flannel-wg-v6`` and the IPv6Network."""
     identity = ctx.wireguard_identity
     if not ctx.keeps_wireguard or identity is None:
         return desired
-    device = plan_device(
-        ctx,
-        identity.options,
-        own,
-        device_peers(ctx, own, peers),
-        identity.public_key,
-        kept_device_mtu(ctx),
-    )
-    routes = desired.routes
+    kept_peers = device_peers(ctx, own, peers)
+    options, key = identity.options, identity.public_key
+    devices = {plan_device(ctx, options, own, kept_peers, key, kept_device_mtu(ctx))}
+    routes = set(desired.routes)
     if ctx.config.network is not None:
-        routes = routes | {network_route(ctx.config.network)}
-    return replace(desired, routes=routes, wireguard=desired.wireguard | {device})
+        routes.add(network_route(ctx.config.network))
+    if ipv6.enabled(ctx) and ctx.config.ipv6_network is not None:
+        mtu6 = kept_device_mtu(ctx, ipv6_device=True)
+        devices.add(plan_device_v6(options, own, kept_peers, key, mtu6))
+        routes.add(network_route_v6(ctx.config.ipv6_network))
+    return replace(desired, routes=frozenset(routes), wireguard=desired.wireguard | devices)
 
 
 def own_public_key(ctx: NodeContext) -> str:
@@ -318,8 +332,9 @@ class WireguardBackend:
         return overlay_mtu(ctx.config.backend.mtu or ctx.underlay.mtu, underlay_is_ipv6=True)
 
     def device_names(self, ctx: NodeContext) -> tuple[str, ...]:
-        # The transition VTEP is ours too (WireGuard devices are DesiredState.wireguard).
-        return (vxlan_device_name(ctx.config.backend.vni),)
+        # The transition VTEPs are ours too (WireGuard devices are DesiredState.wireguard).
+        vni = ctx.config.backend.vni
+        return (vxlan_device_name(vni), ipv6.device_name_v6(vni))
 
     def lease_attrs(self, ctx: NodeContext, vtep_mac: str | None) -> LeaseAttrs:
         config = self.config(ctx)
@@ -333,6 +348,10 @@ class WireguardBackend:
                 f'net-conf.json: Backend "Mode" "{config.mode}" carries IPv6 inside flannel-wg, '
                 'which flannelpy does not do yet; use "separate" (the default) for dual stack'
             )
+        # Flannel's BackendV6Data for wireguard: the same key, the IPv6 port; and the
+        # IPv6 VTEP while we keep one, as BackendData carries the IPv4 one.
+        data6: dict[str, Any] = {"PublicKey": key, "Port": config.listen_port_v6}
+        data6.update(ipv6.backend_v6_data(ctx, vtep_mac) or {})
         return LeaseAttrs(
             public_ip=ctx.public_ip,
             backend_type=self.type_name,
@@ -341,8 +360,7 @@ class WireguardBackend:
             node_name=ctx.node_name,
             mtu=self.mtu(ctx),
             public_ipv6=ctx.public_ipv6 if v6 else None,
-            # Flannel's BackendV6Data for wireguard: the same key, the IPv6 port.
-            backend_v6_data=({"PublicKey": key, "Port": config.listen_port_v6} if v6 else None),
+            backend_v6_data=data6 if v6 else None,
         )
 
     def device_spec(
@@ -375,7 +393,12 @@ class WireguardBackend:
     ) -> DesiredState:
         config = self.config(ctx)
         link = vtep_link(ctx, vtep_mac) if vtep_mac else None
-        desired = plan_peers(ctx, own, peers, link, memo)
+        link6 = ipv6.vtep6_link(ctx, vtep_mac) if vtep_mac else None
+        caps6 = ipv6.own_capabilities_v6(ctx)
+        desired = ipv6.merge(
+            plan_peers(ctx, own, peers, link, memo),
+            ipv6.plan_ipv6(ctx, own, peers, caps6, link6, memo),
+        )
         # Pure: the devices are values the reconciler applies. The doctor plans without
         # our key (it compares peers, which never include ourselves).
         key = ctx.wireguard_identity.public_key if ctx.wireguard_identity else None
@@ -395,36 +418,22 @@ class WireguardBackend:
         routes = set(desired.routes)
         if ctx.config.network is not None:
             routes.add(network_route(ctx.config.network))
-        routes |= plan_routes_v6(ctx, own)
+        if ipv6.enabled(ctx) and ctx.config.ipv6_network is not None:
+            routes.add(network_route_v6(ctx.config.ipv6_network))
         return replace(desired, routes=frozenset(routes), wireguard=frozenset(devices))
-
-
-def plan_routes_v6(ctx: NodeContext, own: Sequence[Lease]) -> set[Route]:
-    """Dual stack: the IPv6Network through flannel-wg-v6 and, with --ip-blackhole-route,
-    our own IPv6 subnets' blackholes (pure)."""
-    if not ipv6.enabled(ctx) or ctx.config.ipv6_network is None:
-        return set()
-    routes = {network_route_v6(ctx.config.ipv6_network)}
-    if ctx.blackhole_own_subnets:
-        routes |= {
-            blackhole_route(lease.ipv6_subnet) for lease in own if lease.ipv6_subnet is not None
-        }
-    return routes
 
 
 def unencrypted_peers(
     ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease], has_vtep: bool = False
 ) -> int:
     """Peer nodes this wireguard node still reaches in plaintext (vxlan during a rollout,
-    or held on vxlan until its handshake): zero once the switch is complete. Counted by
-    node, not by lease."""
-    flanneld_dr = ctx.config.flanneld_backend.direct_routing
+    or held on vxlan until its handshake, in either family): zero once the switch is
+    complete. Counted by node, not by lease."""
     vni = ctx.config.backend.vni if has_vtep else None
     plain = {
         peer.attrs.public_ip
         for peer, path in _paths(ctx, own, peers)
-        if path in ("vxlan", "direct")
-        or held_on_vxlan(ctx, peer, peer_capabilities(peer, flanneld_dr), vni)
+        if path in ("vxlan", "direct") or held_in_a_family(ctx, peer, vni)
     }
     return len(plain)
 
@@ -437,11 +446,11 @@ def wireguard_peers(ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Leas
 def wireguard_peers_v6(
     ctx: NodeContext, own: Sequence[Lease], peers: Sequence[Lease]
 ) -> list[Lease]:
-    """The IPv6 device's peers. Dual stack: the nodes the IPv4 pair rule sends through
-    WireGuard. IPv6-only: the rule applied to the IPv6 capabilities (BackendV6Data's key),
-    on the IPv6 underlay."""
+    """The IPv6 device's peers. Dual stack: the IPv4 device's (:func:`device_peers`; those
+    without a key in BackendV6Data are left out by :func:`plan_device_v6`). IPv6-only: the
+    rule applied to the IPv6 capabilities (BackendV6Data's key), on the IPv6 underlay."""
     if ctx.config.enable_ipv4:
-        return wireguard_peers(ctx, own, peers)
+        return device_peers(ctx, own, peers)
     caps = ipv6.own_capabilities_v6(replace(ctx, keeps_wireguard=False))
     flanneld_dr = ctx.config.flanneld_backend.direct_routing
     return [

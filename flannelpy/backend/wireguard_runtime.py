@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from flannelpy.backend.wireguard_config import DEVICE, WireguardConfig, WireguardIdentity
+from flannelpy.backend.wireguard_config import WireguardConfig, WireguardIdentity
 from flannelpy.dataplane.wgkeys import load_or_create_key
 from flannelpy.dataplane.wgkeys import public_key as public_key_of
 from flannelpy.dataplane.wgspec import WgDeviceSpec
@@ -86,9 +86,9 @@ class WireguardRuntime:
         self._private_key: str | None = None
         self._lock = threading.Lock()
         self.devices: dict[str, Device] = {}  # by name: flannel-wg, flannel-wg-v6
-        # Told the public keys flannel-wg has completed a handshake with, when they change
-        # (the agent's writer, which then routes those peers through the tunnel).
-        self.on_confirmed: Callable[[frozenset[str]], None] | None = None
+        # Told, per device, the public keys it has completed a handshake with, when they
+        # change (the agent's writer, which then routes those peers through the tunnel).
+        self.on_confirmed: Callable[[str, frozenset[str]], None] | None = None
 
     def prepare(self, config: WireguardConfig) -> WireguardIdentity:
         """Choose kernel or userspace (refusing what cannot run) and load the key: the
@@ -126,8 +126,7 @@ class WireguardRuntime:
         for name in [n for n in self.devices if n not in wanted]:
             log.info("wireguard no longer used; removing device=%s", name)
             self.devices.pop(name).stop()
-            if name == DEVICE:
-                self._confirmed(name, frozenset())  # a device made later starts over
+            self._confirmed(name, frozenset())  # a device made later starts over
         for name, spec in sorted(wanted.items()):
             device = self.devices.get(name)
             if device is None:
@@ -141,14 +140,14 @@ class WireguardRuntime:
                     self.implementation,
                     self.socket_dir,
                     self._on_repair,
-                    self._confirmed if name == DEVICE else None,
+                    self._confirmed,
                 )
                 self.devices[name] = device
             device.set_desired(spec)
 
-    def _confirmed(self, _device: str, keys: frozenset[str]) -> None:
+    def _confirmed(self, device: str, keys: frozenset[str]) -> None:
         if self.on_confirmed is not None:
-            self.on_confirmed(keys)
+            self.on_confirmed(device, keys)
 
     def stop(self) -> None:
         """The agent stops: the devices go too, as flanneld's do; the key stays."""

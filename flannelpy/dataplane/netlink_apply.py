@@ -15,6 +15,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from ipaddress import IPv6Address, IPv6Network
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -231,12 +232,45 @@ class _Batch:
         except OSError as e:
             self.failures.append(f"could not {verb} {len(sent)} {key.split('_')[0]}: {e}")
             return
+        refused: list[Route] = []
         for entry, reply in zip(sent, replies, strict=True):
             if reply.error == 0 or (delete and reply.error in _GONE_ON_DELETE):
                 self.applied[key] += 1
+            elif not delete and isinstance(entry, Route) and _gateway_elsewhere(entry, reply.error):
+                refused.append(entry)
             else:
                 why = _reason(reply.error, reply.message)
                 self.failures.append(f"could not {verb} {_describe(entry)}: {why}")
+        if refused:
+            self._onlink_via_gateway_route(key, refused)
+
+    def _onlink_via_gateway_route(self, key: str, routes: Sequence[Route]) -> None:
+        """Set IPv6 onlink ``routes`` the kernel refused because each one's gateway is
+        routed through another device: a pair moving from a direct path (``S6 via
+        PublicIPv6 dev eth0``) or from flannel-wg-v6's route for the IPv6Network to its
+        VTEP. The kernel checks an IPv6 onlink gateway against the routing table (IPv4
+        does not); a route for the gateway alone through the VTEP, put first and removed
+        after, lets the new route in while the old one still carries the traffic."""
+        bridges = [Route(IPv6Network(f"{r.gateway}/128"), IPv6Address(0), r.ifname) for r in routes]
+        requests = []
+        for bridge, route in zip(bridges, routes, strict=True):
+            ifindex = self.index[route.ifname]
+            requests += [
+                _request(bridge, False, ifindex, self.protocol),
+                _request(route, False, ifindex, self.protocol),
+            ]
+        try:
+            replies = self.sock.batch(requests)
+            self.sock.batch([_request(b, True, 0, self.protocol) for b in bridges])
+        except OSError as e:
+            self.failures.append(f"could not set {len(routes)} routes: {e}")
+            return
+        for route, reply in zip(routes, replies[1::2], strict=True):
+            if reply.error == 0:
+                self.applied[key] += 1
+            else:
+                why = _reason(reply.error, reply.message)
+                self.failures.append(f"could not set {_describe(route)}: {why}")
 
 
 def _event_loop_running() -> bool:
@@ -283,6 +317,12 @@ def _request(
     if isinstance(entry, Neighbour):
         return rtnl.neigh_request(delete, ifindex, entry.ip, entry.mac)
     return rtnl.fdb_request(delete, ifindex, entry.mac, entry.dst)
+
+
+def _gateway_elsewhere(route: Route, error: int) -> bool:
+    """The kernel's refusal of an IPv6 onlink route whose gateway is routed through
+    another device ("Nexthop has invalid gateway or device mismatch")."""
+    return route.onlink and route.dst.version == 6 and error == errno.EINVAL
 
 
 def _describe(entry: Route | Neighbour | FdbEntry) -> str:

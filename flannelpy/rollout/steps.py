@@ -381,6 +381,11 @@ def _subnet(text: str) -> str:
         return text
 
 
+def _family(subnet: str) -> str:
+    """What follows a peer's name in a failure: ' (IPv6)' for its IPv6 side."""
+    return " (IPv6)" if ":" in subnet else ""
+
+
 def verification_failures(
     node: str,
     generation: int,
@@ -392,7 +397,8 @@ def verification_failures(
 
     The node must still run the generation; every probe between it and each peer, in
     both directions, must have answered a small and a full-MTU echo in a round that
-    ended after the node applied the change. The records are fixed-size summaries, so
+    ended after the node applied the change, in each family (a dual-stack node lists a
+    subnet of each, and each is probed on its own). The records are fixed-size summaries, so
     this reads: the node fails no peer and passed a round to each after AppliedAt;
     every peer names none of the node's subnets among its failing peers and passed a
     round to each of its own peers (the node among them) after AppliedAt. Probe times
@@ -437,7 +443,7 @@ def _side(
         return [f"{name} -> {target}: probe results for {summary.peers} of {expected} peer subnets"]
     wanted = set(owners) if towards is None else towards[1]  # peers without a record
     shown = [  # (flanneld nodes) are not the rollout's to verify, as before
-        f"{name} -> {owners[_subnet(f.subnet)]}: {f.describe()}"
+        f"{name} -> {owners[_subnet(f.subnet)]}{_family(f.subnet)}: {f.describe()}"
         for f in summary.failing_peers
         if _subnet(f.subnet) in wanted
     ]

@@ -124,6 +124,12 @@ class EtcdNodeControl:
                         with self._lock:
                             self._values[name] = event.value if event.kind == "put" else None
                         changed = True
+                    if changed and name == "override":
+                        # Each key has a watch of its own, so the config's may lag: a
+                        # rollout writes its target config before it removes the
+                        # overrides, and the override's removal must never be seen with
+                        # the config it replaced (the node would run that a moment).
+                        self._read("config")
                     if changed:
                         with notify:
                             on_change(self.snapshot())

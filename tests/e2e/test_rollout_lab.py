@@ -128,13 +128,14 @@ def restore(c: Cluster) -> None:
     if record is not None and record.state not in ("done", "failed", "aborted"):
         # Its driver ended with the test; a new rollout could not start beside it.
         c.store.delete_if_mod_revision(rollout_key(c.prefix), revision)
-    for node in NAMES:
+    names = [node.name for node in c.lab.nodes]
+    for node in names:
         c.rs.delete_override(node)
     c.store.put(config_key(c.prefix), c.original_config)
 
     def settled() -> bool:
         st = c.statuses()
-        return len(st) == NODES and all(
+        return len(st) == len(names) and all(
             s.backend.type == "vxlan"
             and not s.backend.direct_routing
             and s.blocked is None
@@ -144,7 +145,7 @@ def restore(c: Cluster) -> None:
 
     wait_until(settled, 60, what="every node back on the config's vxlan")
     wait_until(
-        lambda: c.lease_types() == dict.fromkeys(NAMES, "vxlan"),
+        lambda: c.lease_types() == dict.fromkeys(names, "vxlan"),
         20,
         what="every lease back on vxlan",
     )

@@ -15,7 +15,8 @@ What makes it lossless (make before break, each side of each pair):
   away as receive-only peers, since they send to it encrypted until they see its lease;
 - the reconciler adds a pair's new route before it deletes the old one.
 
-This kernel has no WireGuard module: every node runs wireguard-go.
+This kernel has no WireGuard module: every node runs wireguard-go. The dual-stack run
+(``test_wireguard_rollout_dual.py``) goes through :func:`roll_to_wireguard_and_back` too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flannelpy_lab import Lab
+from flannelpy_lab import Lab, plan
 
 from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 from tests.support.traffic import PodTraffic, TrafficReport
@@ -46,6 +47,7 @@ PODS_PER_NODE = 2
 NAMES = tuple(f"n{i}" for i in range(1, NODES + 1))
 RATE = 20.0
 VXLAN_PORT = 8472
+WG_DEVICES = ("flannel-wg", "flannel-wg-v6")
 CLI_TIMEOUT = 300.0
 
 
@@ -71,7 +73,8 @@ def rollout(lab: Lab, backend: str) -> float:
     took = time.monotonic() - began
     print(f"--- rollout to {backend}: {took:.1f} s\n{proc.stdout}{proc.stderr}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f" done: {NODES} of {NODES} nodes switched to {backend} " in proc.stdout
+    nodes = len(lab.nodes)
+    assert f" done: {nodes} of {nodes} nodes switched to {backend} " in proc.stdout
     return took
 
 
@@ -92,6 +95,7 @@ def metric(lab: Lab, node: str, name: str) -> float | None:
 
 
 def wg_devices(lab: Lab, node: str) -> list[str]:
+    """The node's WireGuard devices (both families')."""
     out = lab.exec(node, ["ip", "-j", "link", "show"]).stdout
     return sorted(
         link["ifname"]
@@ -103,8 +107,8 @@ def wg_devices(lab: Lab, node: str) -> list[str]:
 def wireguard_go_pids(lab: Lab) -> list[int]:
     """wireguard-go processes of this lab's nodes (their pid files, or still running)."""
     pids = []
-    for node in NAMES:
-        path = os.path.join(lab.node(node).node_dir, "run", "wireguard", "flannel-wg.pid")
+    for node, device in ((n, d) for n in lab.nodes for d in WG_DEVICES):
+        path = os.path.join(node.node_dir, "run", "wireguard", f"{device}.pid")
         try:
             with open(path) as f:
                 pid = int(f.read())
@@ -115,14 +119,19 @@ def wireguard_go_pids(lab: Lab) -> list[int]:
     return pids
 
 
-def vxlan_between_nodes(lab: Lab, pcap: str) -> list[str]:
-    flows = subprocess.run(
-        ["tcpdump", "-nn", "-r", pcap, "udp", "port", str(VXLAN_PORT)],
+def udp_flows(pcap: str, port: int) -> str:
+    """tcpdump's lines for the capture's UDP packets from or to ``port``."""
+    return subprocess.run(
+        ["tcpdump", "-nn", "-r", pcap, "udp", "port", str(port)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    node_ips = {str(n.ip) for n in lab.nodes}
+
+
+def vxlan_between_nodes(lab: Lab, pcap: str) -> list[str]:
+    flows = udp_flows(pcap, VXLAN_PORT)
+    node_ips = {str(n.ip) for n in lab.nodes} | {plan.ipv6_underlay_ip(n) for n in lab.nodes}
     found = []
     for line in flows.splitlines():
         fields = line.split()
@@ -157,22 +166,30 @@ def lost_by_phase(report: TrafficReport, spans: list[tuple[str, float, float]]) 
 def lost_echoes(report: TrafficReport) -> list[str]:
     """Each lost echo as 'at s src->dst', by time: to match against the rollout's log."""
     found = sorted(
-        (seq / report.rate - report.warmup_s, p.src, p.dst)
+        (seq / report.rate - report.warmup_s, p.src, p.dst, ":" in p.dst_ip)
         for p in report.pairs
         for seq in p.lost_seqs
     )
-    return [f"{at:.2f} s {src}->{dst}" for at, src, dst in found]
+    return [f"{at:.2f} s {src}->{dst}{' (IPv6)' * v6}" for at, src, dst, v6 in found]
 
 
 def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> None:
+    roll_to_wireguard_and_back(lab, tmp_path)
+
+
+def roll_to_wireguard_and_back(lab: Lab, tmp_path: Path, ipv6: bool = False) -> None:
+    """vxlan -> wireguard -> vxlan with every pod pair echoing (``ipv6``: in both
+    families, a dual-stack lab), not one echo lost, no VXLAN between the nodes while
+    they all run wireguard, no WireGuard device or wireguard-go left after."""
+    names = [node.name for node in lab.nodes]
     seg = lab.state.segments[0]
     pcap = str(tmp_path / "wireguard-phase.pcap")
     spans: list[tuple[str, float, float]] = []
-    with PodTraffic(lab, rate=RATE, streams=0) as traffic:
+    with PodTraffic(lab, rate=RATE, streams=0, ipv6=ipv6) as traffic:
         t0 = time.monotonic()
         to_wg = rollout(lab, "wireguard")
         spans.append(("to wireguard", time.monotonic() - t0 - to_wg, time.monotonic() - t0))
-        for node in NAMES:
+        for node in names:
             wait_until(
                 lambda node=node: (
                     metric(  # type: ignore[misc]
@@ -188,7 +205,9 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
             handshakes = metric(lab, node, 'flannelpy_agent_events_total{kind="handshake"}')
             assert handshakes is not None and handshakes >= 1, (node, handshakes)
         doctor = flannelpy(lab, "doctor", node="n3")
-        assert f"with all {NODES - 1} peer(s) as the leases say" in doctor.stdout, doctor.stdout
+        assert f"with all {len(names) - 1} peer(s) as the leases say" in doctor.stdout, (
+            doctor.stdout
+        )
         assert "without encryption" not in doctor.stdout, doctor.stdout
         with underlay_capture(seg.switch_namespace, pcap, ["udp"]):
             time.sleep(3.0)  # pods keep echoing through the tunnels meanwhile
@@ -201,17 +220,13 @@ def test_vxlan_to_wireguard_and_back_under_traffic(lab: Lab, tmp_path: Path) -> 
         f"rollouts: wireguard {to_wg:.1f} s, vxlan {back:.1f} s; "
         f"longest gap {longest_gap_ms(report):.0f} ms"
     )
-    wg_lines = subprocess.run(
-        ["tcpdump", "-nn", "-r", pcap, "udp", "port", "51820"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert wg_lines.strip(), "the capture saw no WireGuard traffic"
+    for port in (51820, 51821) if ipv6 else (51820,):
+        assert udp_flows(pcap, port).strip(), f"the capture saw no WireGuard traffic on {port}"
     assert vxlan_between_nodes(lab, pcap) == []
-    for node in NAMES:
+    for node in names:
         assert wg_devices(lab, node) == [], node
-    assert len(report.pairs) == NODES * PODS_PER_NODE * (NODES * PODS_PER_NODE - 1)
+    pods = len(lab.pods)
+    assert len(report.pairs) == pods * (pods - 1) * (2 if ipv6 else 1)
     for p in report.pairs:
         assert p.sent == p.received + p.lost and p.send_errors == 0, p
     assert report.sent > 0

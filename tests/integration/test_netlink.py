@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Network
 
 import pytest
 
@@ -618,3 +618,22 @@ def test_blackhole_route_sits_beneath_cni0_drops_the_rest_and_is_repaired(
     assert node.call(kernel.apply, Changes(routes_to_delete=(hole,))).failures == ()
     assert "blackhole" not in node.ip("route show")
     assert "10.244.1.0/24 dev cni0 proto kernel" in node.ip("route show")
+
+
+def test_an_ipv6_pair_moves_from_a_direct_route_to_the_vtep(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    """The kernel refuses an IPv6 onlink route whose gateway it routes through another
+    device (IPv4 does not check): a pair moving from direct (host-gw) to vxlan, or from
+    flannel-wg-v6's route, gets its route through the VTEP all the same, and the route
+    for its gateway alone that lets it in is gone after."""
+    overlay.ip("-6 addr add fd00:50::2/64 dev u0 nodad")
+    subnet6 = IPv6Network("fc00:0:0:2::/64")
+    direct = Route(subnet6, IPv6Address("fd00:50::3"), "u0")
+    assert overlay.call(kernel.apply, Changes(routes_to_set=(direct,))).failures == ()
+    vxlan6 = Route(subnet6, subnet6.network_address, DEV, onlink=True)
+    result = overlay.call(kernel.apply, Changes(routes_to_set=(vxlan6,)))
+    assert (result.failures, result.applied) == ((), {"routes_to_set": 1})
+    routes = overlay.ip("-6 route show proto 75")
+    assert f"{subnet6} via fc00:0:0:2:: dev {DEV}" in routes, routes
+    assert not [r for r in routes.splitlines() if r.startswith("fc00:0:0:2:: ")], routes

@@ -215,6 +215,7 @@ class AgentHarness:
             public_ip=underlay(NODE_IP).ip,
             node_name=NODE,
             wireguard_confirmed=frozenset(),  # as the agent's composition
+            wireguard_confirmed_v6=frozenset(),
             vtep_tx_checksum_off=self.settings.vxlan_tx_checksum_off,
         )
         if wireguard is not None and netconf.backend.type == "wireguard":

@@ -15,7 +15,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -105,6 +105,24 @@ def running_lab(nodes: int = 3, backend: str = "vxlan", **kwargs: Any) -> Iterat
         yield lab
     finally:
         lab.down()
+
+
+@contextmanager
+def running_dual_stack_lab(
+    nodes: int, agent_args: Sequence[str], pods_per_node: int, **kwargs: Any
+) -> Iterator[Lab]:
+    """A dual-stack vxlan lab whose agents run with ``agent_args``, with ``pods_per_node``
+    pods on each node (``kwargs``: :func:`running_lab`'s)."""
+    from flannelpy_lab import plan
+
+    extra = plan.ip_family_net_conf("dual")
+    with running_lab(nodes, "vxlan", start_agents=False, net_conf_extra=extra, **kwargs) as lab:
+        lab.set_agent_args(list(agent_args))
+        lab.start_agents()
+        for node in lab.nodes:
+            for _ in range(pods_per_node):
+                lab.add_pod(node.name)
+        yield lab
 
 
 @contextmanager

@@ -277,6 +277,9 @@ class PodTraffic:
     ``with`` block without ``stop()`` stops and keeps the report in ``report``;
     leaving it on an exception kills every probe.
 
+    ``ipv6``: each pod also echoes every other pod's IPv6 address (a dual-stack lab), each
+    family a pair of its own in the report (its ``dst_ip`` tells which).
+
     ``streams`` is a count (pairs chosen by ``pick_streams``) or explicit
     (client pod, server pod) names. ``stream_timeout``: how long a stream may
     wait for an echo before it counts as broken.
@@ -294,6 +297,7 @@ class PodTraffic:
         grace: float = 2.0,
         warmup_timeout: float = 30.0,
         python: str = sys.executable,
+        ipv6: bool = False,
     ) -> None:
         self.lab = lab
         self.pods = list(pods if pods is not None else lab.pods)
@@ -307,7 +311,10 @@ class PodTraffic:
         self.grace = grace
         self.warmup_timeout = warmup_timeout
         self.python = python
+        if ipv6 and any(p.ip6 is None for p in self.pods):
+            raise TrafficError("IPv6 traffic needs an IPv6 address on every pod (dual stack)")
         self.names = {str(p.ip): p.name for p in self.pods}
+        self.names.update({str(p.ip6): p.name for p in self.pods if ipv6})
         if isinstance(streams, int):
             self.streams = pick_streams(self.pods, streams)
         else:
@@ -349,7 +356,7 @@ class PodTraffic:
                 )
             self._pump(self._servers, lambda p: p.seen("listening"), deadline, "listening")
             for pod in self.pods:
-                targets = ",".join(str(p.ip) for p in self.pods if p is not pod)
+                targets = ",".join(ip for ip, name in self.names.items() if name != pod.name)
                 argv = [
                     "icmp",
                     "--targets",

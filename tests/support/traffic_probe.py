@@ -47,6 +47,9 @@ ICMP_ECHO_REPLY = 0
 ICMP_ECHO_REQUEST = 8
 SOL_RAW = 255  # linux/socket.h
 ICMP_FILTER = 1  # linux/icmp.h: a bit mask of ICMP types the raw socket does NOT receive
+ICMP6_ECHO_REQUEST = 128
+ICMP6_ECHO_REPLY = 129
+ICMP6_FILTER = 1  # linux/icmpv6.h, at IPPROTO_ICMPV6: 256 bits, a set one is a type NOT received
 ICMP_MAGIC = b"FPTI"
 ICMP_PAYLOAD = struct.Struct("!4sQ")  # magic, 64-bit sequence number
 ICMP_HEADER = struct.Struct("!BBHHH")  # type, code, checksum, identifier, sequence
@@ -95,25 +98,28 @@ def checksum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
-def echo_request(ident: int, seq: int) -> bytes:
+def echo_request(ident: int, seq: int, ipv6: bool = False) -> bytes:
+    """An echo request; over IPv6 the kernel writes the checksum (it covers the addresses)."""
+    kind = ICMP6_ECHO_REQUEST if ipv6 else ICMP_ECHO_REQUEST
     payload = ICMP_PAYLOAD.pack(ICMP_MAGIC, seq)
-    header = ICMP_HEADER.pack(ICMP_ECHO_REQUEST, 0, 0, ident, seq & 0xFFFF)
-    return (
-        ICMP_HEADER.pack(ICMP_ECHO_REQUEST, 0, checksum(header + payload), ident, seq & 0xFFFF)
-        + payload
-    )
+    header = ICMP_HEADER.pack(kind, 0, 0, ident, seq & 0xFFFF)
+    total = 0 if ipv6 else checksum(header + payload)
+    return ICMP_HEADER.pack(kind, 0, total, ident, seq & 0xFFFF) + payload
 
 
-def parse_echo_reply(packet: bytes, ident: int) -> int | None:
-    """The 64-bit sequence number of one of our echo replies (IPv4 header included), else None."""
-    if len(packet) < 20:
+def parse_echo_reply(packet: bytes, ident: int, ipv6: bool = False) -> int | None:
+    """The 64-bit sequence number of one of our echo replies, else None: over IPv4 the
+    packet starts with the IP header, over IPv6 (a raw ICMPv6 socket) with the ICMP one."""
+    if ipv6:
+        body = packet
+    elif len(packet) < 20:
         return None
-    start = (packet[0] & 0x0F) * 4
-    body = packet[start:]
+    else:
+        body = packet[(packet[0] & 0x0F) * 4 :]
     if len(body) < ICMP_HEADER.size + ICMP_PAYLOAD.size:
         return None
     kind, _, _, their_ident, _ = ICMP_HEADER.unpack_from(body)
-    if kind != ICMP_ECHO_REPLY or their_ident != ident:
+    if kind != (ICMP6_ECHO_REPLY if ipv6 else ICMP_ECHO_REPLY) or their_ident != ident:
         return None
     magic, seq = ICMP_PAYLOAD.unpack_from(body, ICMP_HEADER.size)
     return seq if magic == ICMP_MAGIC else None
@@ -192,11 +198,18 @@ class PairTracker:
         }
 
 
-def icmp_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+def icmp_socket(ipv6: bool = False) -> socket.socket:
     # Only echo replies reach us: a raw socket otherwise gets a copy of every
     # incoming ICMP packet, including the peers' echo requests to this pod.
-    sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~(1 << ICMP_ECHO_REPLY) & 0xFFFFFFFF))
+    if ipv6:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+        blocked = [0xFFFFFFFF] * 8
+        blocked[ICMP6_ECHO_REPLY >> 5] &= ~(1 << (ICMP6_ECHO_REPLY & 31))
+        sock.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *blocked))
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+        mask = ~(1 << ICMP_ECHO_REPLY) & 0xFFFFFFFF
+        sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", mask))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     sock.setblocking(False)
@@ -214,8 +227,9 @@ def _arrival(ancdata: list[tuple[int, int, bytes]]) -> float:
 
 def run_icmp(targets: list[str], rate: float, grace: float, flags: Flags) -> dict[str, Any]:
     """Echo every target at ``rate``/s until stopped; counts on the wall clock, since the
-    kernel stamps each reply's arrival in it (so wake-up latency does not count)."""
-    sock = icmp_socket()
+    kernel stamps each reply's arrival in it (so wake-up latency does not count). IPv6
+    targets are echoed over ICMPv6, on a socket of their own."""
+    socks = {ipv6: icmp_socket(ipv6) for ipv6 in {":" in t for t in targets}}
     ident = os.getpid() & 0xFFFF
     trackers = {t: PairTracker(time.time()) for t in targets}
     order = list(trackers.items())
@@ -226,14 +240,15 @@ def run_icmp(targets: list[str], rate: float, grace: float, flags: Flags) -> dic
     waiting_first = set(targets)
     stopped_at = time.time()
 
-    def drain() -> None:
+    def drain(ipv6: bool, sock: socket.socket) -> None:
         while True:
             try:
-                packet, ancdata, _, (source, _) = sock.recvmsg(2048, ANCILLARY_SPACE)
+                packet, ancdata, _, address = sock.recvmsg(2048, ANCILLARY_SPACE)
             except BlockingIOError:
                 return
+            source = address[0]
             tracker = trackers.get(source)
-            seq = parse_echo_reply(packet, ident)
+            seq = parse_echo_reply(packet, ident, ipv6)
             if tracker is None or seq is None:
                 continue
             if tracker.on_reply(seq, _arrival(ancdata)) and source in waiting_first:
@@ -255,7 +270,8 @@ def run_icmp(targets: list[str], rate: float, grace: float, flags: Flags) -> dic
             turn = (turn + 1) % len(order)
             sent_at = time.time()  # before: on loopback the reply arrives inside sendto
             try:
-                sock.sendto(echo_request(ident, tracker.next_seq), (target, 0))
+                ipv6 = ":" in target
+                socks[ipv6].sendto(echo_request(ident, tracker.next_seq, ipv6), (target, 0))
                 ok = True
             except OSError:  # no route, full buffer, filtered: the echo did not leave
                 ok = False
@@ -268,16 +284,20 @@ def run_icmp(targets: list[str], rate: float, grace: float, flags: Flags) -> dic
         # Wake once per tick, not per packet: sends due meanwhile go out together and
         # replies wait in the socket (stamped on arrival). Halves the probe's CPU.
         time.sleep(max(0.0, max(next_send, mono + TICK_S) - time.monotonic()))
-        drain()
+        for ipv6, sock in socks.items():
+            drain(ipv6, sock)
 
     deadline = time.monotonic() + grace
     while any(t.waiting() for t in trackers.values()):
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        if select.select([sock], [], [], min(left, TICK_S))[0]:
-            drain()
-    sock.close()
+        ready = select.select(list(socks.values()), [], [], min(left, TICK_S))[0]
+        for ipv6, sock in socks.items():
+            if sock in ready:
+                drain(ipv6, sock)
+    for sock in socks.values():
+        sock.close()
     return {
         "mode": "icmp",
         "rate": rate,
@@ -502,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     modes = parser.add_subparsers(dest="mode", required=True)
     icmp = modes.add_parser("icmp")
-    icmp.add_argument("--targets", required=True, help="comma-separated IPv4 addresses")
+    icmp.add_argument("--targets", required=True, help="comma-separated IPv4 or IPv6 addresses")
     icmp.add_argument("--rate", type=float, default=20.0, help="echoes per second per target")
     icmp.add_argument("--grace", type=float, default=2.0, help="seconds to wait for late replies")
     server = modes.add_parser("tcp-server")

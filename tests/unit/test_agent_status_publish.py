@@ -9,7 +9,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import replace
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Network
 from itertools import pairwise
 from pathlib import Path
 
@@ -164,3 +164,10 @@ def test_the_record_stays_small_with_a_thousand_peers(harness) -> None:  # type:
     record = NodeStatus.from_json(store.get(status_key(PREFIX, NODE)).value)  # type: ignore[union-attr]
     assert (record.probes.peers, record.probes.failing) == (1000, 334)
     assert len(record.probes.failing_peers) == 5
+
+
+def test_a_dual_stack_node_lists_both_families_subnets_for_the_rollout(harness) -> None:  # type: ignore[no-untyped-def]
+    h, _, _ = harness
+    own = h.writer.state.own[0]
+    h.writer.state.own[0] = replace(own, ipv6_subnet=IPv6Network("fc00:0:0:5::/64"))
+    assert h.writer.status.node_status().subnets == (str(own.subnet), "fc00:0:0:5::/64")

@@ -4,6 +4,7 @@ read, and a rollout's verification from the summaries alone."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -128,3 +129,39 @@ def test_a_failing_peer_without_a_record_is_not_the_rollouts_to_verify() -> None
     many = {subnet(2): GOOD, **{subnet(10 + i): DOWN for i in range(6)}}
     sts["n1"] = status("n1", subnet(1), many, generation=1)
     assert verification_failures("n1", 1, 100.0, target, sts) == ["n1 reports 6 failing peers"]
+
+
+def test_a_dual_stack_step_is_verified_only_when_both_families_pass() -> None:
+    target = BackendConfig(type="host-gw")
+    subnets = {n: (subnet(i), f"fc00:0:0:{i:x}::/64") for i, n in enumerate(("n1", "n2", "n3"))}
+
+    def cluster(fault: tuple[str, str] | None = None) -> dict[str, NodeStatus]:
+        """Every node probing both families of every peer; ``fault``: (prober, peer)
+        whose IPv6 side is unreachable."""
+        sts = {}
+        for n, own in subnets.items():
+            probes = {
+                net: DOWN if (n, p) == fault and ":" in net else GOOD
+                for p, nets in subnets.items()
+                if p != n
+                for net in nets
+            }
+            sts[n] = replace(status(n, own[0], probes, generation=1), subnets=own)
+        return sts
+
+    assert verification_failures("n1", 1, 100.0, target, cluster()) == []
+    # IPv4 passes everywhere: the IPv6 side alone holds the step back, and is named.
+    assert verification_failures("n1", 1, 100.0, target, cluster(("n3", "n1"))) == [
+        "n3 -> n1 (IPv6): unreachable"
+    ]
+    assert verification_failures("n1", 1, 100.0, target, cluster(("n1", "n2"))) == [
+        "n1 -> n2 (IPv6): unreachable"
+    ]
+    # A node whose prober has not probed the peers' IPv6 sides is not verified yet.
+    only_v4 = cluster()
+    only_v4["n2"] = replace(
+        only_v4["n2"], probes=ProbeSummary.of({subnets["n1"][0]: GOOD, subnets["n3"][0]: GOOD})
+    )
+    assert verification_failures("n1", 1, 100.0, target, only_v4) == [
+        "n2 -> n1: probe results for 2 of 4 peer subnets"
+    ]

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 import pytest
@@ -842,6 +842,10 @@ def test_probe_peers_add_the_ipv6_side_where_the_peer_answers() -> None:
         "10.244.4.0/24": (IPv4Address("10.244.4.1"), "n4"),
     }
     assert set(probe_peers([vxlan, hostgw], ipv6=False)) == {"10.244.2.0/24", "10.244.3.0/24"}
+    # One of ours (it advertises its MTU) at cni0's gateway, VTEP or not: its VTEP's
+    # address is the Subnet-Router anycast of cni0's /64, answered from another address.
+    ours = replace(vxlan, attrs=replace(vxlan.attrs, mtu=1430))
+    assert probe_peers([ours], ipv6=True)["fd10:244:0:2::/64"][0] == IPv6Address("fd10:244:0:2::1")
     own = _dual_peer(1)
     assert probe_source6(_dual_ctx("vxlan"), own) == IPv6Address("fd10:244:0:1::")
     assert probe_source6(_dual_ctx("host-gw"), own) == IPv6Address("fd10:244:0:1::1")

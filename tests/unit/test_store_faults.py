@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.control.node_control import ControlSnapshot
@@ -13,7 +14,7 @@ from flannelpy.retry import Backoff
 from flannelpy.store.etcd.kv import FakeStore, WatchBatch, WatchStream
 from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.store.node_control import EtcdNodeControl
-from flannelpy.subnet.keys import config_key
+from flannelpy.subnet.keys import config_key, override_key
 from flannelpy.subnet.lease import Lease
 from tests.support.waiting import wait_until
 
@@ -92,19 +93,53 @@ class FailingOnceStore(FakeStore):
         return super().watch_prefix(prefix, start_revision, stop)
 
 
-def test_control_watch_outlives_an_error_that_is_not_an_outage() -> None:
-    key = config_key(PREFIX)
-    store = FailingOnceStore(key)
+@contextmanager
+def watching(store: FakeStore) -> Iterator[list[ControlSnapshot]]:
+    """node-a's control watch on ``store`` while the block runs: the snapshots it gave."""
     control = EtcdNodeControl(store, PREFIX, "node-a")
     stop = threading.Event()
     seen: list[ControlSnapshot] = []
     thread = threading.Thread(target=control.watch, args=(seen.append, stop), daemon=True)
     thread.start()
     try:
-        wait_until(lambda: store.failed and len(seen) >= 1, timeout=5)
-        store.put(key, b'{"Network": "10.244.0.0/16"}')
-        wait_until(lambda: bool(seen) and seen[-1].config is not None, timeout=5)
+        yield seen
     finally:
         stop.set()
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_control_watch_outlives_an_error_that_is_not_an_outage() -> None:
+    key = config_key(PREFIX)
+    store = FailingOnceStore(key)
+    with watching(store) as seen:
+        wait_until(lambda: store.failed and len(seen) >= 1, timeout=5)
+        store.put(key, b'{"Network": "10.244.0.0/16"}')
+        wait_until(lambda: bool(seen) and seen[-1].config is not None, timeout=5)
+
+
+class LaggingConfigStore(FakeStore):
+    """The config key's watch delivers nothing: its events are late, as a stream's may be."""
+
+    def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> WatchStream:  # type: ignore[override]
+        if prefix == config_key(PREFIX):
+            stop.wait()
+            return iter(())
+        return super().watch_prefix(prefix, start_revision, stop)
+
+
+def test_a_removed_override_is_never_seen_with_the_config_it_replaced() -> None:
+    """A rollout's end: the target config is written, then the override removed. Seen
+    through the override's watch first, the node would run the old config a moment."""
+    store = LaggingConfigStore()
+    store.put(config_key(PREFIX), b'{"Network": "10.244.0.0/16", "Backend": {"Type": "wireguard"}}')
+    store.put(override_key(PREFIX, "node-a"), b'{"Generation": 1, "Backend": {"Type": "vxlan"}}')
+    final = b'{"Network": "10.244.0.0/16", "Backend": {"Type": "vxlan"}}'
+    with watching(store) as seen:
+        wait_until(lambda: bool(seen) and seen[-1].override is not None, timeout=5)
+        store.put(config_key(PREFIX), final)
+        kv = store.get(override_key(PREFIX, "node-a"))
+        assert kv is not None
+        assert store.delete_if_mod_revision(kv.key, kv.mod_revision)
+        wait_until(lambda: seen[-1].override is None, timeout=5)
+    assert [s.config for s in seen if s.override is None] == [final]

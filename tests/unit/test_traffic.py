@@ -37,6 +37,17 @@ def test_echo_request_checksums_to_zero_and_its_reply_gives_back_the_64_bit_seq(
     assert tp.parse_echo_reply(_reply_of(request, ident ^ 1), ident) is None
 
 
+def test_an_icmpv6_echo_reply_is_read_from_the_icmp_header_on() -> None:
+    """A raw ICMPv6 socket hands over no IP header; the kernel checksums the request."""
+    request = tp.echo_request(7, 2**40 + 3, ipv6=True)
+    kind, _, _, ident, _ = tp.ICMP_HEADER.unpack_from(request)
+    assert (kind, ident) == (tp.ICMP6_ECHO_REQUEST, 7)
+    reply = tp.ICMP_HEADER.pack(tp.ICMP6_ECHO_REPLY, 0, 0, 7, 3) + request[tp.ICMP_HEADER.size :]
+    assert tp.parse_echo_reply(reply, 7, ipv6=True) == 2**40 + 3
+    assert tp.parse_echo_reply(reply, 7) is None  # not an IPv4 packet
+    assert tp.parse_echo_reply(request, 7, ipv6=True) is None  # a request, not a reply
+
+
 @pytest.mark.parametrize(
     "packet",
     [

@@ -207,13 +207,21 @@ def test_the_writer_moves_a_pair_to_the_tunnel_when_the_device_confirms_it(
         assert route in agent.kernel.state.routes
         assert "VtepMAC" in (own_lease(agent).backend_data or {})
 
-        assert rt.on_confirmed is not None  # the agent listens to its device
-        rt.on_confirmed(frozenset({PUB_B}))  # what the device's loop says after a handshake
+        assert rt.on_confirmed is not None  # the agent listens to its devices
+        # flannel-wg-v6's handshake confirms the IPv6 half only: IPv4 stays on vxlan.
+        rt.on_confirmed("flannel-wg-v6", frozenset({PUB_B}))
+        assert agent.drain() == 1
+        ctx = agent.writer.state.ctx
+        assert (ctx.wireguard_confirmed, ctx.wireguard_confirmed_v6) == (set(), {PUB_B})
+        agent.reconcile()
+        assert route in agent.kernel.state.routes
+        # what flannel-wg's loop says after a handshake
+        rt.on_confirmed("flannel-wg", frozenset({PUB_B}))
         assert agent.drain() == 1
         agent.reconcile()
         assert not [r for r in agent.kernel.state.routes if r.dst == peer.subnet]
         assert "VtepMAC" not in (own_lease(agent).backend_data or {})  # the VTEP may go
-        assert agent.writer.counts.events()["handshake"] == 1
+        assert agent.writer.counts.events()["handshake"] == 2
     finally:
         agent.stop()
 

@@ -58,7 +58,7 @@ def fake_runtime(tmp_path: Path) -> tuple[WireguardRuntime, list[FakeDevice]]:
 def test_the_runtime_runs_exactly_the_planned_devices(tmp_path: Path) -> None:
     rt, made = fake_runtime(tmp_path)
     told: list[frozenset[str]] = []
-    rt.on_confirmed = told.append
+    rt.on_confirmed = lambda _device, keys: told.append(keys)
     rt.apply([SPEC])
     rt.apply([SPEC])
     (device,) = made  # one device, handed each pass's spec
