@@ -141,10 +141,10 @@ class Capacity:
             return
         self.leases.add(lease)
         log.info(
-            "lease added subnet=%s ipv6_subnet=%s reason=%r",
+            "lease added subnet=%s reason=%r ipv6_subnet=%s",
             lease.subnet,
-            lease.ipv6_subnet,
             reason,
+            lease.ipv6_subnet,
         )
         self.sync_ipam()
         self.state.replan_due = True  # routes and the firewall's ranges
@@ -168,10 +168,7 @@ class Capacity:
         self.state.capacity_due = self.state.replan_due = True
         self.sync_ipam()
         log.info(
-            "lease released subnet=%s ipv6_subnet=%s reason=%r",
-            lease.subnet,
-            lease.ipv6_subnet,
-            reason,
+            "lease released subnet=%s reason=%r ipv6_subnet=%s", key, reason, lease.ipv6_subnet
         )
 
     def _remove_gateway(self, subnet: IPNetwork, lease: Lease) -> None:
