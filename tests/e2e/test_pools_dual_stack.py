@@ -92,6 +92,11 @@ def lease_in(lab: Lab, store: EtcdStore, node: str, pool: IPv6Network) -> Lease 
     return found[0] if found else None
 
 
+def masq_rules_cover(lab: Lab, node: str, pool: IPv6Network) -> bool:
+    argv = ["ip6tables", "-w", "-t", "nat", "-S", "FLANNEL-POSTRTG"]
+    return f"-d {pool} " in lab.exec(node, argv).stdout
+
+
 def said(node: NodeInfo, text: str) -> bool:
     return text in agent_log(node)
 
@@ -119,15 +124,19 @@ def test_warm_capacity_and_a_drain_are_judged_per_family_in_dual_stack() -> None
 
         # 1. The burst: IPv6 runs low first, and a second lease comes before any failure.
         fleet = pu.PodFleet(lab, "n1", burst_names, pu.plugin_config(n1), "b")
+        began = time.monotonic()
         calls = fleet.burst(BURST, workers=16)
+        took = time.monotonic() - began
         failed = [c for c in calls if c.returncode != 0]
         assert not failed, failed[:3]
         held = leases_of(lab, store, "n1")
         assert len(held) == 2, held
         second6 = held[1][1]
         assert second6 is not None and second6.subnet_of(IPV6_PRIMARY)
-        log = agent_log(n1)
-        assert "free IPv6 addresses < MinFreeAddresses 32: acquire lease 2" in log, log[-2000:]
+        added = [line for line in agent_log(n1).splitlines() if "lease added" in line]
+        assert len(added) == 1, added
+        assert "free IPv6 addresses < MinFreeAddresses 32: acquire lease 2" in added[0], added
+        print(f"\nburst: {BURST} ADDs in {took:.1f} s, 0 failed; {added[0].split('reason=')[1]}")
         got = [addresses(c) for c in calls]
         # IPv4 kept room: every pod's IPv4 address is from the first lease (oldest first).
         assert {v4 for v4, _ in got} == {first4}
@@ -165,6 +174,17 @@ def test_warm_capacity_and_a_drain_are_judged_per_family_in_dual_stack() -> None
         }
         for name, (v4, _) in fresh.items():
             assert v4 is not None and v4.subnet_of(IPv4Network(lab.state.network)), name
+        # The operator's view, and the masquerade rules: pod-to-pod traffic into the new
+        # IPv6 pool keeps its source address.
+        doc = json.loads(pools(lab, "list", "--json"))
+        row = {p["network"]: p for p in doc["pools"]}[str(IPV6_NEW)]
+        assert (row["leases"], row["create_leases"], row["subnet_len"]) == (2, True, 122), row
+        assert {p["network"]: p for p in doc["pools"]}[str(IPV6_PRIMARY)]["create_leases"] is False
+        wait_until(
+            partial(masq_rules_cover, lab, "n2", IPV6_NEW),
+            15,
+            what=f"n2's IPv6 masquerade rules to cover {IPV6_NEW}",
+        )
         new_pod = late.add()
         v4, v6 = addresses(new_pod)
         assert (v4, v6.network) == fresh["n2"], new_pod
