@@ -13,6 +13,9 @@ that runs low: 61 pod addresses against IPv4's 253), ``MinFreeAddresses`` 32:
    subnet from the new pool; new pods land there, old pods keep their addresses and
    reach the new ones; n2's drained lease is released once its pod is gone and its
    addresses have cooled down.
+
+And beside 2 real flanneld nodes (v0.28.9), our lease with its IPv6 half in an IPv6
+pool is a Flannel dual key they read and route: every pod pair reaches over IPv6.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ipaddress import IPv4Network, IPv6Interface, IPv6Network, ip_interface
 from typing import Any
 
 import pytest
-from flannelpy_lab import Lab
+from flannelpy_lab import Lab, pods, status
 from flannelpy_lab import plan as lab_plan
 from flannelpy_lab.state import NodeInfo
 
@@ -35,7 +38,7 @@ from flannelpy.store.etcd.client import EtcdStore
 from flannelpy.subnet.keys import key_to_subnet
 from tests.support import pod_util as pu
 from tests.support.agent_events import agent_log
-from tests.support.lab_util import lab_run_argv, running_lab, wait_until
+from tests.support.lab_util import lab_run_argv, running_lab, running_mixed_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 
@@ -78,8 +81,15 @@ def dual_lab() -> Iterator[tuple[Lab, EtcdStore]]:
 def leases_of(lab: Lab, store: EtcdStore, node: str) -> list[Lease]:
     """``node``'s leases in etcd (by NodeName), oldest first."""
     items, _ = store.get_prefix(f"{lab.state.etcd_prefix}/subnets/")
-    mine = [kv for kv in items if json.loads(kv.value)["Flannelpy"]["NodeName"] == node]
+    mine = [kv for kv in items if _node_name(kv.value) == node]
     return [key_to_subnet(kv.key.rsplit("/", 1)[1]) for kv in sorted(mine, key=_created)]
+
+
+def _node_name(value: bytes) -> str | None:
+    """A lease's NodeName (a flanneld node's lease has none)."""
+    ours = json.loads(value).get("Flannelpy") or {}
+    name = ours.get("NodeName")
+    return name if isinstance(name, str) else None
 
 
 def _created(kv: Any) -> int:
@@ -212,3 +222,37 @@ def test_warm_capacity_and_a_drain_are_judged_per_family_in_dual_stack() -> None
         # n1 still holds its two drained leases (their pods live) and the new one.
         assert len(leases_of(lab, store, "n1")) == 3
         assert pu.ping(fleet.live[-1].netns.rsplit("/", 1)[1], str(v6.ip))
+
+
+def test_flanneld_peers_route_to_our_lease_whose_ipv6_half_is_in_an_ipv6_pool() -> None:
+    extra = lab_plan.ip_family_net_conf("dual")
+    with running_mixed_lab(
+        "vxlan", overlay_bridge=True, pods_per_node=1, net_conf_extra=extra
+    ) as lab:
+        store = EtcdStore([lab.etcd_endpoint])
+        try:
+            pools(lab, "add", str(IPV6_NEW))
+            pools(lab, "tag", str(IPV6_NEW), f"{ROLE}=1")
+            pools(lab, "tag", str(IPV6_PRIMARY), f"{ROLE}=0")
+            fresh = wait_until(
+                partial(lease_in, lab, store, "n1", IPV6_NEW), 15, what=f"n1 to lease in {IPV6_NEW}"
+            )
+        finally:
+            store.close()
+        new_pod = lab.add_pod("n1")
+        assert new_pod.address6 is not None
+        assert IPv6Interface(new_pod.address6).network == fresh[1], (new_pod, fresh)
+        # flanneld on n3 and n4 reads the dual key and routes its IPv6 half.
+        for theirs in ("n3", "n4"):
+            wait_until(
+                partial(routes_to, lab, theirs, fresh[1]),
+                15,
+                what=f"flanneld on {theirs} to route to {fresh[1]}",
+            )
+        matrix = pods.pod_matrix(lab.state.pods, family=6)
+        assert len(matrix) == 5 and status.all_reach(matrix), matrix
+
+
+def routes_to(lab: Lab, node: str, subnet: IPv6Network) -> bool:
+    out = lab.exec(node, ["ip", "-6", "route", "show", "exact", str(subnet)]).stdout
+    return bool(out.strip())
