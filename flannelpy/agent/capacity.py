@@ -1,7 +1,8 @@
 """Several leases per node: pools, which leases serve, IPAM in step, warm capacity.
 
-A lease serves (gets new pod addresses) per its pool's tags; IPAM and the pod
-bridge always know the current leases. Warm capacity adds a lease before the
+A lease serves (gets new pod addresses) per its pools' tags (a dual-stack lease
+only while both its pools let it); IPAM and the pod bridge always know the current
+leases. Warm capacity adds a lease before the
 node runs dry and releases a drained or surplus one once IPAM holds nothing
 in it (IPAM first, so no ADD can land on a lease being released).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
 
 from flannelpy.agent.events import EventCounts
@@ -17,9 +19,9 @@ from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.state import Clocks, NodeState, SayOnce
 from flannelpy.cni.pods import PodSide
 from flannelpy.errors import ConfigError, PoolExhausted, StoreError
-from flannelpy.ipam.capacity import plan_capacity, update_empty_since
+from flannelpy.ipam.capacity import IPNetwork, LeaseUsage, plan_capacity, update_empty_since
 from flannelpy.observe.metrics import AgentMetrics
-from flannelpy.subnet.choose import lease_fits_pools
+from flannelpy.subnet.choose import lease_pools
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import capacity as pool_capacity
@@ -57,17 +59,18 @@ class Capacity:
         self.several_leases_per_node = several_leases_per_node
         self.on_low_free = on_low_free  # runs in a CNI request's thread: only enqueues
         self.clocks = clocks
-        self._empty_since: dict[IPv4Network, float] = {}
+        self._empty_since: dict[IPNetwork, float] = {}
         self._low_free_watched: int | None = None  # the MinFreeAddresses IPAM watches for
         self._ipam_view: tuple[tuple[IPv4Network | IPv6Network, ...], ...] = ()
         self._v6_view: tuple[IPv6Network | None, ...] = ()
 
     def serves(self, lease: Lease) -> bool:
-        """May new pods get addresses here? Per the lease's pool tags (field notes §3);
-        a lease in no known pool keeps serving (reconciliation fails open)."""
+        """May new pods get addresses here? Per the tags of the lease's pools, one per
+        family (field notes §3): a drain of either drains the lease; a lease in no
+        known pool keeps serving (reconciliation fails open)."""
         s = self.state
-        pool = lease_fits_pools(s.config, s.pools, lease.subnet, lease.ipv6_subnet)
-        return pool is None or eligibility(pool, self.cluster).allocate_addresses
+        pools = lease_pools(s.config, s.pools, lease.subnet, lease.ipv6_subnet) or ()
+        return all(eligibility(pool, self.cluster).allocate_addresses for pool in pools)
 
     def sync_ipam(self, again: bool = False) -> None:
         """Hand IPAM and the bridge the current leases and which of them serve
@@ -107,11 +110,9 @@ class Capacity:
         self.state.capacity_due = False
         self.sync_ipam()
         self.watch_low_free()  # settings that changed live apply here
-        if not self.several_leases_per_node or self.state.config.network is None:
-            # The controller-manager owns pod CIDRs: one lease, its podCIDR; IPv6-only,
-            # warm capacity is off (it is IPv4-only).
-            return
-        usage = self.pods.ipam.usage()
+        if not self.several_leases_per_node:
+            return  # the controller-manager owns pod CIDRs: one lease, its podCIDR
+        usage = self._usage()
         now = self.clocks.wall()
         self._empty_since = update_empty_since(usage, self._empty_since, now)
         plan = plan_capacity(usage, self.state.capacity, now, self._empty_since)
@@ -120,6 +121,12 @@ class Capacity:
         for subnet in plan.release:
             self._release_lease(subnet, plan.reason)
         self._pool_metrics()
+
+    def _usage(self) -> list[LeaseUsage]:
+        """IPAM's usage per subnet, each marked with its lease (by its first subnet), so
+        a dual-stack lease is planned as one."""
+        owner = {net: lease.primary_subnet for lease in self.state.own for net in lease.subnets}
+        return [replace(u, lease=owner.get(u.subnet)) for u in self.pods.ipam.usage()]
 
     def _add_lease(self, reason: str) -> None:
         attrs = self.leases.attrs()
@@ -133,35 +140,45 @@ class Capacity:
             self.state.capacity_due = True
             return
         self.leases.add(lease)
-        log.info("lease added subnet=%s reason=%r", lease.subnet, reason)
+        log.info(
+            "lease added subnet=%s reason=%r ipv6_subnet=%s",
+            lease.subnet,
+            reason,
+            lease.ipv6_subnet,
+        )
         self.sync_ipam()
         self.state.replan_due = True  # routes and the firewall's ranges
 
-    def _release_lease(self, subnet: IPv4Network, reason: str) -> None:
-        lease = next((x for x in self.state.own if x.subnet == subnet), None)
-        if lease is None or not self.pods.ipam.remove_lease_if_empty(subnet):
+    def _release_lease(self, key: IPNetwork, reason: str) -> None:
+        lease = next((x for x in self.state.own if x.primary_subnet == key), None)
+        if lease is None or not self.pods.ipam.remove_lease_if_empty(key):
             return  # a pod landed meanwhile: it stays
         # IPAM first (no ADD can land now), then the bridge, then peers learn it is gone.
-        self.pods.remove_gateway(IPv4Interface(f"{lease.gateway}/{subnet.prefixlen}"))
-        v6 = lease.ipv6_subnet
-        if v6 is not None and self.pods.ipam.remove_lease_if_empty(v6):
-            self.pods.remove_gateway(IPv6Interface(f"{lease.gateway6}/{v6.prefixlen}"))
+        self._remove_gateway(key, lease)
+        for other in lease.subnets:
+            if other != key and self.pods.ipam.remove_lease_if_empty(other):
+                self._remove_gateway(other, lease)
         try:
             self.manager.release_lease(lease)
         except StoreError as e:
-            log.warning(
-                "releasing a lease failed; it expires by itself subnet=%s error=%s", subnet, e
-            )
-        self._empty_since.pop(subnet, None)
+            log.warning("releasing a lease failed; it expires by itself subnet=%s error=%s", key, e)
+        for net in lease.subnets:
+            self._empty_since.pop(net, None)
         self.leases.forget(lease)
         self.state.capacity_due = self.state.replan_due = True
         self.sync_ipam()
-        log.info("lease released subnet=%s reason=%r", subnet, reason)
+        log.info(
+            "lease released subnet=%s reason=%r ipv6_subnet=%s", key, reason, lease.ipv6_subnet
+        )
+
+    def _remove_gateway(self, subnet: IPNetwork, lease: Lease) -> None:
+        if isinstance(subnet, IPv4Network):
+            self.pods.remove_gateway(IPv4Interface(f"{lease.gateway}/{subnet.prefixlen}"))
+        else:
+            self.pods.remove_gateway(IPv6Interface(f"{lease.gateway6}/{subnet.prefixlen}"))
 
     def _pool_metrics(self) -> None:
         s = self.state
-        if s.config.network is None:
-            return  # IPv6-only: no pools
         self.metrics.pool_utilisation(
             {
                 c.pool.network: c.utilisation

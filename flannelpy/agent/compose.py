@@ -151,12 +151,6 @@ def _network_policy(
 
 
 def _log_start(ctx: NodeContext, backend: Backend) -> None:
-    config = ctx.config
-    if config.enable_ipv6 and config.enable_ipv4 and config.network is not None:
-        log.info(
-            "dual stack: address pools beyond Network and the warm-capacity count stay "
-            "IPv4-only for now"
-        )
     log.info(
         "starting node=%s backend=%s iface=%s public_ip=%s public_ipv6=%s mtu=%s",
         ctx.node_name,
@@ -241,12 +235,8 @@ def _take_over_flannel_routes(settings: AgentSettings, kernel: Kernel, ctx: Node
 def _capacity_and_pools(
     config: NetworkConfig, store: ClusterStore
 ) -> tuple[CapacitySettings, list[Pool] | None]:
-    """Warm capacity and the address pools (a store with several leases per node;
-    IPv4 only)."""
+    """Warm capacity and the address pools (a store with several leases per node)."""
     capacity = parse_capacity(config.raw)
-    if _is_ipv6_only(config):
-        # _check_ipv6_only refused the IPv4-only features: no pools, no warm capacity
-        return capacity, None
     if store.traits.several_leases_per_node:
         return capacity, store.list_pools(config)
     if capacity.max_leases_per_node > 1:
@@ -263,23 +253,13 @@ IPV6_ONLY_BACKENDS = ("vxlan", "host-gw", "wireguard")
 
 def _check_ipv6_only(config: NetworkConfig) -> None:
     """IPv6-only mode (EnableIPv4 false) runs vxlan, host-gw and wireguard, in etcd and
-    Kubernetes mode, without the features that stay IPv4-only: refuse the rest with one
-    sentence each."""
+    Kubernetes mode: refuse the rest with one sentence."""
     if config.backend.type not in IPV6_ONLY_BACKENDS:
         raise ConfigError(
             f"net-conf.json: IPv6-only (EnableIPv4 false) runs the vxlan, host-gw and "
             f"wireguard backends, not {config.backend.type}; choose one of them or enable IPv4"
         )
-    capacity = parse_capacity(config.raw)
-    if capacity.max_leases_per_node > 1 or capacity.min_free_addresses:
-        raise ConfigError(
-            "net-conf.json: MaxLeasesPerNode and MinFreeAddresses (warm capacity) are "
-            "IPv4-only; remove them for IPv6-only (EnableIPv4 false)"
-        )
-    log.info(
-        "IPv6-only: address pools, warm capacity and the rollout's verification "
-        "are IPv4-only and stay off"
-    )
+    log.info("IPv6-only: the rollout's verification is IPv4-only and stays off")
 
 
 def _public_ipv6(

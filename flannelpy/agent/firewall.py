@@ -20,11 +20,13 @@ def pod_ranges(state: NodeState) -> PodRanges | None:
     """The ranges for the current pools and leases; None before we hold a lease."""
     if not state.own:
         return None
-    networks: list[PodNet] = [pool.network for pool in state.pools]
-    if state.config.network is not None and state.config.network not in networks:
-        networks.insert(0, state.config.network)
+    config = state.config
+    networks: list[PodNet] = [config.network] if config.network is not None else []
+    networks += [pool.network for pool in state.pools]
     subnets: list[PodNet] = list(state.own_subnets())
-    if state.config.ipv6_network is not None:
-        networks.append(state.config.ipv6_network)
+    if config.ipv6_network is not None:
+        networks.append(config.ipv6_network)
         subnets += [x.ipv6_subnet for x in state.own if x.ipv6_subnet is not None]
-    return PodRanges(tuple(networks), tuple(subnets))
+    # IPv4 first, each range once (the pools hold the config's networks too).
+    ordered = sorted(dict.fromkeys(networks), key=lambda n: n.version)
+    return PodRanges(tuple(ordered), tuple(subnets))

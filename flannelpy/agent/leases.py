@@ -65,10 +65,10 @@ class OwnLeases:
         return with_kept_key(ctx, s.backend.lease_attrs(ctx, mac))
 
     def pools_for_leasing(self) -> list[Pool] | None:
-        """The pools to lease from; None (the config's Network alone, Flannel's way)
-        while no pool beyond the primary exists and the primary is untagged."""
+        """The pools to lease from; None (the config's networks alone, Flannel's way)
+        while no pool beyond the primary ones exists and they are untagged."""
         pools = self.state.pools
-        if not pools or (len(pools) == 1 and pools[0].primary and not pools[0].tags):
+        if all(pool.primary and not pool.tags for pool in pools):
             return None
         return pools
 

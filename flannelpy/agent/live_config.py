@@ -168,8 +168,8 @@ class LiveConfig:
 
     def _take_pools(self, snap: ControlSnapshot) -> None:
         """Pool records and warm-capacity settings apply at once (never disruptive)."""
-        if not self.store_traits.several_leases_per_node or self.state.config.network is None:
-            return  # IPv6-only: pools and warm capacity are IPv4-only
+        if not self.store_traits.several_leases_per_node:
+            return  # Kubernetes mode: one podCIDR per node, no pools
         s = self.state
         pools, ignored = records_to_pools(s.config, snap.pools, self.settings.etcd_prefix)
         for problem in ignored:

@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from ipaddress import IPv4Network
 from typing import TYPE_CHECKING, Protocol
 
 from flannelpy.agent.capacity import Capacity
@@ -65,7 +64,7 @@ from flannelpy.store.open_store import StoreTraits
 from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
-from flannelpy.subnet.pools import Pool
+from flannelpy.subnet.pools import Pool, primary_pools
 from flannelpy.subnet.subnet_env import read_previous_subnets
 
 if TYPE_CHECKING:
@@ -114,11 +113,6 @@ class AgentParts:
     policy_table: PolicyRules | None = None
 
 
-def _primary_pool(network: IPv4Network | None) -> list[Pool]:
-    """The config's Network as the one pool; none IPv6-only (pools are IPv4-only)."""
-    return [Pool(network, primary=True)] if network is not None else []
-
-
 class Writer:
     def __init__(self, parts: AgentParts, beats: Heartbeats) -> None:
         settings, metrics, clocks = parts.settings, parts.metrics, parts.clocks
@@ -132,7 +126,7 @@ class Writer:
         self.state = s = NodeState(
             backend=parts.backend,
             ctx=parts.ctx,
-            pools=list(parts.pools or _primary_pool(parts.ctx.config.network)),
+            pools=list(parts.pools or primary_pools(parts.ctx.config)),
             capacity=parts.capacity or CapacitySettings(),
             known_devices=set(parts.backend.device_names(parts.ctx)),
             applied_generation=parts.applied_generation,

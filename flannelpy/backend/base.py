@@ -174,20 +174,25 @@ def vxlan_link(
 
 
 def node_bounds(
-    ctx: NodeContext, own: Sequence[Lease], extra_networks: Sequence[IPv4Network] = ()
+    ctx: NodeContext,
+    own: Sequence[Lease],
+    extra_networks: Sequence[IPv4Network | IPv6Network] = (),
 ) -> Bounds:
-    """What a peer lease must not contradict on this node: the Network (and address
-    pools beyond it), our leases of each family, our connected subnets and addresses."""
+    """What a peer lease must not contradict on this node: the Network and IPv6Network
+    (and address pools beyond them), our leases of each family, our connected subnets
+    and addresses."""
     networks = [ctx.config.network] if ctx.config.network is not None else []
-    ipv6_network = ctx.config.ipv6_network
+    networks += [n for n in extra_networks if isinstance(n, IPv4Network)]
+    networks6 = [ctx.config.ipv6_network] if ctx.config.ipv6_network is not None else []
+    networks6 += [n for n in extra_networks if isinstance(n, IPv6Network)]
     underlay = ctx.underlay
     return Bounds(
-        networks=tuple(dict.fromkeys([*networks, *extra_networks])),
+        networks=tuple(dict.fromkeys(networks)),
         own=tuple(lease.subnet for lease in own if lease.subnet is not None),
         host=tuple(underlay.networks),
         public_ip=ctx.public_ip,
         host_ips=(underlay.ip,) if underlay.ip is not None else (),
-        ipv6_networks=(ipv6_network,) if ipv6_network is not None else (),
+        ipv6_networks=tuple(dict.fromkeys(networks6)),
         own6=tuple(lease.ipv6_subnet for lease in own if lease.ipv6_subnet is not None),
         host6=tuple(underlay.networks6),
         host_ips6=tuple(ip for ip in (underlay.ip6, ctx.public_ipv6) if ip is not None),

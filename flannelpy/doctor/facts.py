@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Literal
 
 from flannelpy.config.netconf import NetworkConfig
@@ -101,7 +101,8 @@ class NodeFacts:
     # the store
     config: NetworkConfig | None = None
     leases: tuple[Lease, ...] = ()
-    pool_networks: tuple[IPv4Network, ...] = ()  # address pools beyond Network (etcd mode)
+    # address pools beyond Network and IPv6Network (etcd mode)
+    pool_networks: tuple[IPv4Network | IPv6Network, ...] = ()
     store_error: str | None = None
     own_lease_ttl: float | None = None  # seconds left on our lease; None: unknown / reservation
     # the kernel

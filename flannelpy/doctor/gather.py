@@ -112,8 +112,7 @@ class _Store:
             self.store = store = self.open_store(self.settings)
             config = store.manager.get_network_config()
             leases = store.all_leases(STORE_SNAPSHOT_TIMEOUT)
-            # Pools are IPv4 ranges: none IPv6-only (the agent turns them off too).
-            pools = store.list_pools(config) if config.network is not None else []
+            pools = store.list_pools(config)
         except FlannelpyError as e:
             return {"store_error": str(e)}
         return {

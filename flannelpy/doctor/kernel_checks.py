@@ -240,7 +240,7 @@ def _entry_findings(plan: Plan, changes: Changes) -> list[Finding]:
 def firewall_rules(facts: NodeFacts, plan: Plan) -> list[Rule]:
     """The rules the agent keeps, for what this node runs with."""
     assert facts.config is not None and facts.config.network is not None and plan.own
-    networks = [facts.config.network, *facts.pool_networks]
+    networks = [facts.config.network, *_ipv4_pools(facts)]
     status = facts.status or {}
     chains = facts.chains or {}
     # The agent's flags are not always known here: its status says, else our flags do,
@@ -331,7 +331,7 @@ def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
     status = facts.status or {}
     masq = status.get("ip_masq")
     forward = status.get("iptables_forward_rules")
-    networks = [facts.config.network, *facts.pool_networks]
+    networks = [facts.config.network, *_ipv4_pools(facts)]
     expected: list[str] = []
     if masq if isinstance(masq, bool) else facts.settings.ip_masq:
         subnets = [x.subnet for x in plan.own_all if x.subnet is not None]
@@ -354,3 +354,8 @@ def check_nft_tables(facts: NodeFacts, plan: Plan) -> list[Finding]:
             "start it; if it runs, find what else changes them (nft list ruleset)",
         )
     ]
+
+
+def _ipv4_pools(facts: NodeFacts) -> list[IPv4Network]:
+    """The IPv4 pools beyond Network: the firewall checks here read the IPv4 table."""
+    return [n for n in facts.pool_networks if isinstance(n, IPv4Network)]

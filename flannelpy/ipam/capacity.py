@@ -21,6 +21,14 @@ against a burst. So here:
 exception: a node without any serving lease (its only pool drained) always asks
 for one, or it could never move its pods off a drained pool (§3: "a node can
 hold more than one lease while it drains").
+
+Both families: free addresses are counted per family, and the node asks for
+another lease when *either* family falls below ``MinFreeAddresses`` (a node low
+on IPv6 addresses takes a lease though IPv4 has room, and the other way round).
+A dual-stack lease is one key holding a subnet of each family (Flannel's format),
+so it is counted, kept and released as one: released only when every subnet of it
+is empty, and a surplus one only if every family keeps ``MinFreeAddresses``
+without it.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from flannelpy.errors import ConfigError
@@ -106,22 +114,27 @@ def parse_capacity(doc: Mapping[str, Any]) -> CapacitySettings:
     return CapacitySettings(**values)
 
 
+IPNetwork = IPv4Network | IPv6Network
+
+
 @dataclass(frozen=True)
 class LeaseUsage:
-    """One lease of this node at one instant; ``free`` never includes cooling addresses."""
+    """One subnet of a lease of this node at one instant; ``free`` never includes
+    cooling addresses."""
 
-    subnet: IPv4Network
+    subnet: IPNetwork
     total: int
     assigned: int
     cooling: int
     free: int
     allocatable: bool  # False: draining, it receives no new pod address
+    # The lease this subnet belongs to, by its first subnet (a dual-stack lease's IPv4
+    # one); None: the subnet is a lease of its own.
+    lease: IPNetwork | None = None
 
     @classmethod
     def of(cls, accounting: Accounting, allocatable: bool) -> LeaseUsage:
         a = accounting
-        if not isinstance(a.subnet, IPv4Network):  # NodeIpam.usage() lists IPv4 leases only
-            raise ValueError(f"warm capacity is IPv4-only, got the lease {a.subnet}")
         return cls(a.subnet, a.total, a.assigned, a.cooling, a.free, allocatable)
 
     @property
@@ -133,87 +146,163 @@ class LeaseUsage:
     def state(self) -> str:
         return "serving" if self.allocatable else "draining"
 
+    @property
+    def lease_key(self) -> IPNetwork:
+        return self.subnet if self.lease is None else self.lease
+
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    acquire: bool  # ask the store for one more lease from an eligible pool
-    release: tuple[IPv4Network, ...]  # empty leases to remove from IPAM, then release
+    acquire: bool  # ask the store for one more lease from eligible pools
+    release: tuple[IPNetwork, ...]  # empty leases (by first subnet) to remove, then release
     reason: str  # one sentence for the log
 
 
-def free_addresses(leases: Iterable[LeaseUsage]) -> int:
-    """Addresses a new pod can get now: serving leases only, cooling never counted."""
-    return sum(lease.free for lease in leases if lease.allocatable)
+def free_addresses(leases: Iterable[LeaseUsage], family: int | None = None) -> int:
+    """Addresses a new pod can get now (in ``family``, None: every one given): serving
+    subnets only, cooling never counted."""
+    return sum(
+        lease.free
+        for lease in leases
+        if lease.allocatable and (family is None or lease.subnet.version == family)
+    )
+
+
+@dataclass(frozen=True)
+class _Lease:
+    """One lease: its subnets' usage, one per family."""
+
+    key: IPNetwork
+    parts: tuple[LeaseUsage, ...]
+
+    @property
+    def allocatable(self) -> bool:
+        return all(p.allocatable for p in self.parts)
+
+    @property
+    def empty(self) -> bool:
+        return all(p.empty for p in self.parts)
+
+    def free(self, family: int) -> int:
+        return free_addresses(self.parts, family)
+
+
+def _by_lease(usage: Sequence[LeaseUsage]) -> list[_Lease]:
+    grouped: dict[IPNetwork, list[LeaseUsage]] = {}
+    for part in usage:
+        grouped.setdefault(part.lease_key, []).append(part)
+    return [_Lease(key, tuple(parts)) for key, parts in grouped.items()]
 
 
 def plan_capacity(
     leases: Sequence[LeaseUsage],
     settings: CapacitySettings,
     now: float,
-    empty_since: Mapping[IPv4Network, float],
+    empty_since: Mapping[IPNetwork, float],
 ) -> CapacityPlan:
-    """What the node should do about its leases (``leases`` oldest first, as IPAM
-    walks them); ``empty_since`` is when each empty lease was first seen empty
-    (see ``update_empty_since``)."""
-    release: list[IPv4Network] = []
+    """What the node should do about its leases (``leases``: their subnets, oldest
+    lease first, as IPAM walks them); ``empty_since`` is when each empty subnet was
+    first seen empty (see ``update_empty_since``)."""
+    release: list[IPNetwork] = []
     clauses: list[str] = []
+    grouped = _by_lease(leases)
+    families: list[int] = sorted({part.subnet.version for part in leases})
 
-    drained = [lease for lease in leases if not lease.allocatable and lease.empty]
+    drained = [lease for lease in grouped if not lease.allocatable and lease.empty]
     for lease in drained:
-        release.append(lease.subnet)
-        clauses.append(f"{lease.subnet} is draining and empty: release it")
-    held = len(leases) - len(drained)
-    serving = [lease for lease in leases if lease.allocatable]
-    free = free_addresses(serving)
-    minimum = settings.min_free_addresses
-
-    acquire = False
-    if not serving:
-        acquire = True
-        clauses.append("no serving lease: acquire one")
-    elif free < minimum:
-        if held < settings.max_leases_per_node:
-            acquire = True
-            clauses.append(
-                f"{free} free addresses < {MIN_FREE_KEY} {minimum}: acquire lease "
-                f"{held + 1} of at most {settings.max_leases_per_node}"
-            )
-        else:
-            clauses.append(
-                f"{free} free addresses < {MIN_FREE_KEY} {minimum} but the node holds "
-                f"{held} leases, the {MAX_LEASES_KEY} limit"
-            )
-
+        release.append(lease.key)
+        clauses.append(f"{lease.key} is draining and empty: release it")
+    held = len(grouped) - len(drained)
+    serving = [lease for lease in grouped if lease.allocatable]
+    free = {f: sum(lease.free(f) for lease in serving) for f in families}
+    acquire = _plan_acquire(serving, free, held, settings, clauses)
     if not acquire:
-        first = leases[0].subnet if leases else None
-        remaining = len(serving)
-        # Newest first: the oldest leases are the ones peers and logs know the node by.
-        for lease in reversed(serving):
-            if lease.subnet == first or not lease.empty or remaining <= 1:
-                continue
-            since = empty_since.get(lease.subnet)
-            if since is None or now - since < settings.hold_down_seconds:
-                continue
-            if free - lease.free < minimum:
-                continue
-            release.append(lease.subnet)
-            remaining -= 1
-            free -= lease.free
-            clauses.append(
-                f"{lease.subnet} has been empty for {now - since:.0f} s and the node keeps "
-                f"{free} free addresses without it: release it"
-            )
-
+        release += _surplus(grouped, serving, free, settings, now, empty_since, clauses)
     if not clauses:
-        clauses.append(f"{free} free addresses on {len(serving)} serving leases: nothing to do")
+        clauses.append(f"{_free_text(free)} on {len(serving)} serving leases: nothing to do")
     return CapacityPlan(acquire, tuple(release), "; ".join(clauses))
 
 
+def _free_text(free: Mapping[int, int]) -> str:
+    """``53 free addresses``; with two families ``53 free IPv4 and 12 free IPv6 addresses``."""
+    if len(free) == 1:
+        return f"{next(iter(free.values()))} free addresses"
+    return " and ".join(f"{n} free IPv{f}" for f, n in free.items()) + " addresses"
+
+
+def _plan_acquire(
+    serving: Sequence[_Lease],
+    free: Mapping[int, int],
+    held: int,
+    settings: CapacitySettings,
+    clauses: list[str],
+) -> bool:
+    """Acquire when no lease serves, or a family is short and the limit allows."""
+    if not serving:
+        clauses.append("no serving lease: acquire one")
+        return True
+    minimum = settings.min_free_addresses
+    short = [f for f, n in free.items() if n < minimum]
+    if not short:
+        return False
+    what = " and ".join(
+        f"{free[f]} free {'' if len(free) == 1 else f'IPv{f} '}addresses" for f in short
+    )
+    if held < settings.max_leases_per_node:
+        clauses.append(
+            f"{what} < {MIN_FREE_KEY} {minimum}: acquire lease {held + 1} of at most "
+            f"{settings.max_leases_per_node}"
+        )
+        return True
+    clauses.append(
+        f"{what} < {MIN_FREE_KEY} {minimum} but the node holds {held} leases, the "
+        f"{MAX_LEASES_KEY} limit"
+    )
+    return False
+
+
+def _surplus(
+    grouped: Sequence[_Lease],
+    serving: Sequence[_Lease],
+    free: Mapping[int, int],
+    settings: CapacitySettings,
+    now: float,
+    empty_since: Mapping[IPNetwork, float],
+    clauses: list[str],
+) -> list[IPNetwork]:
+    """Serving leases empty for the hold-down that every family can spare."""
+    first = grouped[0].key if grouped else None
+    remaining = len(serving)
+    left = dict(free)
+    release: list[IPNetwork] = []
+    # Newest first: the oldest leases are the ones peers and logs know the node by.
+    for lease in reversed(serving):
+        if lease.key == first or not lease.empty or remaining <= 1:
+            continue
+        seen = [empty_since.get(part.subnet) for part in lease.parts]
+        if any(t is None for t in seen):
+            continue
+        since = max(t for t in seen if t is not None)  # empty as a whole since then
+        if now - since < settings.hold_down_seconds:
+            continue
+        after = {f: n - lease.free(f) for f, n in left.items()}
+        if any(n < settings.min_free_addresses for n in after.values()):
+            continue
+        release.append(lease.key)
+        remaining -= 1
+        left = after
+        clauses.append(
+            f"{lease.key} has been empty for {now - since:.0f} s and the node keeps "
+            f"{_free_text(left)} without it: release it"
+        )
+    return release
+
+
 def update_empty_since(
-    leases: Iterable[LeaseUsage], empty_since: Mapping[IPv4Network, float], now: float
-) -> dict[IPv4Network, float]:
-    """The next ``empty_since``: empty leases keep their first time seen empty (or
-    get ``now``); a lease that is no longer empty, or no longer held, drops out."""
+    leases: Iterable[LeaseUsage], empty_since: Mapping[IPNetwork, float], now: float
+) -> dict[IPNetwork, float]:
+    """The next ``empty_since``: empty subnets keep their first time seen empty (or
+    get ``now``); a subnet that is no longer empty, or no longer held, drops out."""
     return {lease.subnet: empty_since.get(lease.subnet, now) for lease in leases if lease.empty}
 
 

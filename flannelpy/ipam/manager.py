@@ -21,8 +21,9 @@ Both families: leases of either family may be given to ``set_leases``; a pod get
 one address per family that has a lease (``allocate_all``), each in its family's
 pool file, so crash-safety is the same for both (an address without a CNI record,
 from an ADD that died between the two, is released by the start-up GC). Warm
-capacity stays IPv4-only: ``usage()`` and the low-free watch see IPv4 leases only,
-since a node's IPv6 subnet (a /64) cannot run dry.
+capacity is judged per family: ``usage()`` lists the subnets of both, and the low-free
+watch counts the free addresses of the family an allocation was made in (an
+IPv6SubnetLen of /120 runs dry as a /24 does).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from flannelpy.ipam.store import IpamStore
 
 log = logging.getLogger("flannelpy.ipam")
 
-# Called with the free addresses left on serving leases (cooling ones not counted).
+# Called with the free addresses left on serving leases of the family an allocation was
+# made in (cooling ones not counted).
 LowFreeCallback = Callable[[int], None]
 
 # Lower bound of one wait step, so a clock that rounds cannot spin the loop.
@@ -205,7 +207,6 @@ class NodeIpam:
                     self._pools[s].accounting(now, self.cooldown_seconds), s in self._allocatable
                 )
                 for s in self._leases
-                if s.version == 4  # warm capacity is IPv4-only (module doc)
             ]
 
     def is_empty(self, subnet: IPNetwork) -> bool:
@@ -258,8 +259,8 @@ class NodeIpam:
         deadline = self._clock() + wait
         ticket = object()  # our place among waiting requests, once we wait
         threshold, on_low = self._low_free
-        watching = threshold > 0 and on_low is not None and family == 4
-        left: int | None = None  # free addresses after this request, when watched
+        watching = threshold > 0 and on_low is not None
+        left: int | None = None  # free addresses of the family after this request, if watched
         allocation: Allocation | None = None
         exhausted: IpamExhausted | None = None
         try:
@@ -288,7 +289,7 @@ class NodeIpam:
                         ahead -= free
                     if allocation is not None:
                         if watching:
-                            left = self._free(now, cooldown)
+                            left = self._free(now, cooldown, family)
                         break
                     accounting = [self._pools[s].accounting(now, cooldown) for s in serving]
                     step = _next_free_in(accounting)
@@ -441,8 +442,8 @@ class NodeIpam:
 
     # --- internals (called with both locks held, unless said otherwise) -----------
 
-    def _free(self, now: float, cooldown: float) -> int:
-        serving = [s for s in self._allocatable if s.version == 4]  # warm capacity: IPv4
+    def _free(self, now: float, cooldown: float, family: int) -> int:
+        serving = [s for s in self._allocatable if s.version == family]
         return sum(self._pools[s].accounting(now, cooldown).free for s in serving)
 
     def _is_empty(self, subnet: IPNetwork, now: float) -> bool:

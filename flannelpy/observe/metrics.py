@@ -222,7 +222,7 @@ class AgentMetrics:
         """MaxLeasesPerNode as configured now."""
         self._lease.held_max.set(maximum)
 
-    def pool_utilisation(self, ratios: Mapping[IPv4Network | str, float]) -> None:
+    def pool_utilisation(self, ratios: Mapping[IPv4Network | IPv6Network | str, float]) -> None:
         """Every known pool's utilisation by CIDR (``PoolCapacity.utilisation`` of
         ``subnet.pools.capacity``); pools not in ``ratios`` any more lose their series.
         Values are clamped to 0..1."""

@@ -24,10 +24,12 @@ random) never make a paired walk collide.
 
 With address pools (field-notes §3, :mod:`flannelpy.subnet.pools`) passed as
 ``pools=``, steps 1 and 1b accept a lease in any pool, whatever its tags (fail
-open: a drained or untagged pool keeps serving what it has); step 2 only takes
-the previous subnet if its pool may receive new leases; step 3 is
-:func:`choose_new_subnet`: the primary pool first, then the others in CIDR
-order, each walked as Flannel walks Network.
+open: a drained or untagged pool keeps serving what it has); steps 2 and 3 are
+:func:`choose_new_subnet`, once per family the config runs: the previous subnet
+if its pool may receive new leases, else the family's primary pool first, then
+its other pools in CIDR order, each walked as Flannel walks Network. A
+dual-stack lease takes its IPv4 subnet from an IPv4 pool and its IPv6 subnet
+from an IPv6 pool, each chosen on its own as Flannel chooses them.
 
 The etcd manager does the I/O; this module only decides.
 """
@@ -40,15 +42,18 @@ from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from flannelpy.config.netconf import NetworkConfig
-from flannelpy.errors import ConfigError, PoolExhausted
+from flannelpy.errors import PoolExhausted
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.pools import (
     ROLE_EXCLUDED,
     ROLE_KEY,
     ROLE_OPT_IN,
     Pool,
+    PoolNetwork,
     eligibility,
     leasable_range,
+    network_order,
+    primary_pools,
 )
 
 FREE_CANDIDATES = 100  # Flannel collects this many free subnets, then picks one at random
@@ -70,11 +75,13 @@ class LeaseChoice:
 
 @dataclass(frozen=True)
 class PoolChoice:
-    """Where a new lease goes: ``subnet`` (and its IPv6 pair) in ``pool``."""
+    """Where a new lease goes: ``subnet`` in ``pool``, ``ipv6_subnet`` in ``ipv6_pool``
+    (IPv6-only: ``subnet`` None and ``pool`` the IPv6 one, as in ``ipv6_pool``)."""
 
-    subnet: IPv4Network
+    subnet: IPv4Network | None
     ipv6_subnet: IPv6Network | None
     pool: Pool
+    ipv6_pool: Pool | None = None
 
 
 def lease_fits(
@@ -135,28 +142,45 @@ def lease_fits_pools(
     subnet: IPv4Network | None,
     ipv6_subnet: IPv6Network | None = None,
 ) -> Pool | None:
-    """The pool a lease on ``subnet`` belongs to, or None if no pool could have leased it.
+    """The pool a lease on ``subnet`` belongs to (IPv6-only: its IPv6 subnet's), or None
+    if the pools could not have leased it (see :func:`lease_pools`)."""
+    found = lease_pools(config, pools, subnet, ipv6_subnet)
+    return found[0] if found else None
+
+
+def lease_pools(
+    config: NetworkConfig,
+    pools: Sequence[Pool],
+    subnet: IPv4Network | None,
+    ipv6_subnet: IPv6Network | None = None,
+) -> tuple[Pool, ...] | None:
+    """The pool of each subnet of a lease (IPv4's first), or None if the lease does not
+    hold one subnet per family the config runs, each leasable from a pool of its family.
 
     Tags do not matter here: a lease in a drained or untagged pool still fits (it keeps
-    serving until its pods end). Pools other than the primary are IPv4 only (IPv6-only:
-    no pools, None).
+    serving until its pods end).
     """
-    if config.network is None:
-        return None
-    for pool in _creation_order(config, pools):
-        if pool.primary:
-            if lease_fits(config, subnet, ipv6_subnet):
-                return pool
+    found = []
+    for version, net in ((4, subnet), (6, ipv6_subnet)):
+        order = _creation_order(config, pools, version)
+        if not order:
+            if net is not None:
+                return None  # a family the config does not run (Flannel drops such leases)
             continue
-        if subnet is None or ipv6_subnet is not None or config.enable_ipv6:
-            continue
-        rng = leasable_range(pool, config)
-        if subnet.prefixlen != rng.length or not subnet.subnet_of(pool.network):
-            continue
-        index = (int(subnet.network_address) - int(rng.first)) // rng.step
-        if int(subnet.network_address) >= int(rng.first) and index < rng.count:
-            return pool
-    return None
+        pool = None if net is None else next((p for p in order if _leasable(p, config, net)), None)
+        if pool is None:
+            return None
+        found.append(pool)
+    return tuple(found) or None
+
+
+def _leasable(pool: Pool, config: NetworkConfig, net: PoolNetwork) -> bool:
+    """Is ``net`` one of the subnets ``pool`` leases?"""
+    if net.version != pool.network.version or not net.subnet_of(pool.network):  # type: ignore[arg-type]
+        return False
+    span = leasable_range(pool, config)
+    offset = int(net.network_address) - int(span.first)
+    return net.prefixlen == span.length and offset >= 0 and offset // span.step < span.count
 
 
 def choose_lease(
@@ -177,12 +201,6 @@ def choose_lease(
     store's pools (see the module docstring) as seen by ``cluster`` (None: an agent
     without a cluster name).
     """
-    ipv6_only = not config.enable_ipv4 or config.network is None
-    if ipv6_only and pools is not None:
-        raise ConfigError(
-            "net-conf.json: address pools are IPv4-only; IPv6-only (EnableIPv4 false) "
-            "leases from IPv6Network alone"
-        )
     if pools is not None:
         return _choose_lease_in_pools(
             config,
@@ -319,23 +337,18 @@ def _choose_fresh_in_pools(
     rng: random.Random,
     previous_ipv6_subnet: IPv6Network | None = None,
 ) -> LeaseChoice:
-    """Steps 2 and 3 over several pools: the previous subnet if its pool takes new
-    leases, else a new subnet."""
+    """Steps 2 and 3 over several pools: per family, the previous subnet if its pool
+    takes new leases, else a new subnet."""
     others = [lease for lease in leases if all(lease is not d for d in delete)]
-    if previous_subnet is not None:
-        # The previous subnet would be a new key: its pool must accept new leases.
-        held = _Held(others)
-        v6 = choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng)
-        pool = lease_fits_pools(config, pools, previous_subnet, v6)
-        if (
-            pool is not None
-            and eligibility(pool, cluster).create_leases
-            and held.is_free(previous_subnet, None)
-        ):
-            return LeaseChoice(previous_subnet, v6, "previous", None, tuple(delete), pool)
-
-    new = choose_new_subnet(config, pools, cluster, others, rng, previous_ipv6_subnet)
-    return LeaseChoice(new.subnet, new.ipv6_subnet, "free", None, tuple(delete), new.pool)
+    new = choose_new_subnet(
+        config, pools, cluster, others, rng, previous_ipv6_subnet, previous_subnet=previous_subnet
+    )
+    first: PoolNetwork | None = new.subnet
+    previous: PoolNetwork | None = previous_subnet
+    if first is None:  # IPv6-only: the lease is known by its IPv6 subnet
+        first, previous = new.ipv6_subnet, previous_ipv6_subnet
+    reason = "previous" if previous is not None and first == previous else "free"
+    return LeaseChoice(new.subnet, new.ipv6_subnet, reason, None, tuple(delete), new.pool)
 
 
 def choose_new_subnet(
@@ -345,40 +358,64 @@ def choose_new_subnet(
     leases: Sequence[Lease],
     rng: random.Random,
     previous_ipv6_subnet: IPv6Network | None = None,
+    *,
+    previous_subnet: IPv4Network | None = None,
 ) -> PoolChoice:
-    """The subnet for a NEW lease (field-notes §3), chosen among ``pools``.
+    """The subnets of a NEW lease (field-notes §3): one per family the config runs,
+    each chosen among that family's ``pools``.
 
-    Only pools where :func:`~flannelpy.subnet.pools.eligibility` allows creating
-    leases are walked: the primary pool first (added from the config if ``pools``
-    lacks it), then the others in CIDR order. Within the first pool with room,
+    Per family, the previous subnet if it is free and its pool takes new leases; else
+    only pools where :func:`~flannelpy.subnet.pools.eligibility` allows creating
+    leases are walked: the family's primary pool first (from the config if ``pools``
+    lacks it), then its others in CIDR order. Within the first pool with room,
     Flannel's rule: collect up to 100 free subnets from its start, pick one at
     random. ``leases`` is every lease in the store; each blocks what it overlaps.
-    Raises PoolExhausted naming every pool and why it could not be used.
+    Raises PoolExhausted naming every pool of the family and why it could not be used.
     """
-    if not config.enable_ipv4 or config.network is None:
-        raise ConfigError(
-            "net-conf.json: EnableIPv4 is false, but etcd leases are keyed by an IPv4 "
-            "subnet; enable IPv4 (dual stack is supported)"
-        )
     held = _Held(leases)
+    picked: dict[int, tuple[PoolNetwork, Pool]] = {}
+    for version, previous in ((4, previous_subnet), (6, previous_ipv6_subnet)):
+        order = _creation_order(config, pools, version)
+        if order:
+            picked[version] = _pick_in_pools(order, config, cluster, held, rng, previous)
+    v6 = picked.get(6)
+    first = picked.get(4) or v6
+    assert first is not None  # netconf enables a family
+    subnet = picked[4][0] if 4 in picked else None
+    ipv6_subnet = v6[0] if v6 is not None else None
+    assert subnet is None or isinstance(subnet, IPv4Network)
+    assert ipv6_subnet is None or isinstance(ipv6_subnet, IPv6Network)
+    return PoolChoice(subnet, ipv6_subnet, first[1], v6[1] if v6 is not None else None)
+
+
+def _pick_in_pools(
+    order: Sequence[Pool],
+    config: NetworkConfig,
+    cluster: str | None,
+    held: _Held,
+    rng: random.Random,
+    previous: PoolNetwork | None,
+) -> tuple[PoolNetwork, Pool]:
+    """One family's subnet of a new lease, walked over ``order`` (its pools)."""
+    if previous is not None and _is_free(held, previous):
+        pool = next((p for p in order if _leasable(p, config, previous)), None)
+        if pool is not None and eligibility(pool, cluster).create_leases:
+            return previous, pool
     refusals = []
-    for pool in _creation_order(config, pools):
+    for pool in order:
         if not eligibility(pool, cluster).create_leases:
             refusals.append(_not_eligible(pool, cluster))
             continue
-        if not pool.primary and config.enable_ipv6:
-            refusals.append(f"{pool.network} is IPv4 only, but the network config enables IPv6")
-            continue
+        span = leasable_range(pool, config)
         free = []
-        for v4 in _pool_candidates(config, pool):
-            if held.is_free(v4, None):
-                free.append(v4)
+        for index in range(span.count):
+            candidate = span.subnet(index)
+            if _is_free(held, candidate):
+                free.append(candidate)
                 if len(free) >= FREE_CANDIDATES:
                     break
         if free:
-            v4 = rng.choice(free)
-            return PoolChoice(v4, choose_ipv6_subnet(config, held, previous_ipv6_subnet, rng), pool)
-        span = leasable_range(pool, config)
+            return rng.choice(free), pool
         if span.count:
             refusals.append(
                 f"{pool.network} is full (all {span.count} /{span.length} subnets leased)"
@@ -388,33 +425,31 @@ def choose_new_subnet(
     # Say only what helps: freeing leases matters only if some usable pool is full.
     full = any(" is full " in r for r in refusals)
     remedy = "free some leases, or add" if full else "add"
+    family = "IPv6 " if order[0].network.version == 6 else ""
     raise PoolExhausted(
-        "no pool can take a new lease: " + "; ".join(refusals) + f"; {remedy} a pool "
-        f"(flannelpy pools add CIDR) and tag it {ROLE_KEY}={ROLE_OPT_IN}"
+        f"no {family}pool can take a new lease: " + "; ".join(refusals) + f"; {remedy} a "
+        f"{family}pool (flannelpy pools add CIDR) and tag it {ROLE_KEY}={ROLE_OPT_IN}"
     )
 
 
-def _creation_order(config: NetworkConfig, pools: Sequence[Pool]) -> list[Pool]:
-    """The primary pool (from ``pools``, else the config's Network untagged), then the
-    others in CIDR order."""
-    assert config.network is not None
-    primary = next((p for p in pools if p.primary), None)
+def _is_free(held: _Held, net: PoolNetwork) -> bool:
+    if isinstance(net, IPv4Network):
+        return held.is_free(net, None)
+    return held.is_free(None, net)
+
+
+def _creation_order(config: NetworkConfig, pools: Sequence[Pool], version: int) -> list[Pool]:
+    """The family's primary pool (from ``pools``, else the config's untagged), then its
+    others in CIDR order; empty when the config does not run the family."""
+    primary = next((p for p in primary_pools(config) if p.network.version == version), None)
     if primary is None:
-        primary = Pool(config.network, {}, primary=True, subnet_len=config.subnet_len)
+        return []
+    primary = next((p for p in pools if p.primary and p.network == primary.network), primary)
     others = sorted(
-        (p for p in pools if not p.primary),
-        key=lambda p: (int(p.network.network_address), p.network.prefixlen),
+        (p for p in pools if not p.primary and p.network.version == version),
+        key=lambda p: network_order(p.network),
     )
     return [primary, *others]
-
-
-def _pool_candidates(config: NetworkConfig, pool: Pool) -> Iterator[IPv4Network]:
-    if pool.primary:
-        yield from candidate_subnets(config)  # SubnetMin..SubnetMax
-        return
-    span = leasable_range(pool, config)
-    for index in range(span.count):
-        yield span.subnet(index)
 
 
 def _not_eligible(pool: Pool, cluster: str | None) -> str:

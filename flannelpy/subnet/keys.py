@@ -8,7 +8,7 @@ Flannel's keys, shared with flanneld so both can run in one cluster::
 
 flannelpy's own, under ``<prefix>/flannelpy/`` (Flannel never reads them)::
 
-    <prefix>/flannelpy/pools/10.250.0.0-16       an address pool
+    <prefix>/flannelpy/pools/10.250.0.0-16       an address pool (IPv6: fd00:250::-48)
     <prefix>/flannelpy/nodes/<node>/override     a node's wanted Backend
     <prefix>/flannelpy/nodes/<node>/status       what the node's agent runs and sees
     <prefix>/flannelpy/rollout                   the backend rollout's record
@@ -111,9 +111,22 @@ def pools_prefix(prefix: str) -> str:
     return _root(prefix) + "pools/"
 
 
-def pool_key(prefix: str, network: IPv4Network) -> str:
-    """``<prefix>/flannelpy/pools/10.250.0.0-16``."""
-    return pools_prefix(prefix) + subnet_to_key(network)
+def pool_key(prefix: str, network: IPv4Network | IPv6Network) -> str:
+    """``<prefix>/flannelpy/pools/10.250.0.0-16`` (an IPv6 pool: ``.../fd00:250::-48``)."""
+    return pools_prefix(prefix) + f"{network.network_address}-{network.prefixlen}"
+
+
+def pool_key_network(suffix: str) -> IPv4Network | IPv6Network:
+    """Inverse of :func:`pool_key` for the part after the pools prefix; ValueError for a
+    key that is not in canonical ADDRESS-PREFIXLEN form."""
+    addr, sep, plen = suffix.rpartition("-")
+    try:
+        network = ipaddress.ip_network(f"{addr}/{plen}", strict=True)
+    except ValueError:
+        network = None
+    if not sep or network is None or f"{network.network_address}-{network.prefixlen}" != suffix:
+        raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
+    return network
 
 
 def nodes_prefix(prefix: str) -> str:

@@ -13,19 +13,27 @@ happen there:
 ``flannelpy.io/cluster/<name>`` restricts a pool to the named cluster(s); a pool
 without one is shared by every cluster using the store. A lease with assigned
 pod addresses is never released, whatever the tags say.
+
+Both families: a pool is an IPv4 or an IPv6 range; ``IPv6Network`` is the IPv6
+primary pool, as ``Network`` is the IPv4 one. Tags apply to the pool, so per family.
+A dual-stack lease stays one Flannel key holding an IPv4 subnet from an IPv4 pool and
+an IPv6 subnet from an IPv6 pool (so flanneld reads it unchanged): it may be created
+only where both pools take new leases, and it serves new pods only while both pools
+let it. Draining either family's pool drains the whole lease, so the drained range
+empties and the lease can be released (its other half could never let go otherwise).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network
+from dataclasses import dataclass, field, replace
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 from typing import TYPE_CHECKING, Any
 
 from flannelpy.config.settings import check_cluster_name
 from flannelpy.errors import ConfigError
-from flannelpy.subnet.keys import KeyValue, key_to_subnet, pools_prefix, subnet_to_key
+from flannelpy.subnet.keys import KeyValue, pool_key_network, pools_prefix
 
 if TYPE_CHECKING:
     from flannelpy.config.netconf import NetworkConfig
@@ -36,14 +44,16 @@ CLUSTER_KEY_PREFIX = "flannelpy.io/cluster/"
 ROLE_OPT_IN = "1"
 ROLE_EXCLUDED = "0"
 
+PoolNetwork = IPv4Network | IPv6Network
+
 
 @dataclass(frozen=True)
 class Pool:
-    network: IPv4Network
+    network: PoolNetwork
     tags: Mapping[str, str] = field(default_factory=dict)
-    primary: bool = False  # the network config's Network
+    primary: bool = False  # the network config's Network (or IPv6Network)
     # Prefix length of the leases cut from this pool; None: the config's SubnetLen
-    # (always so for the primary pool, whose SubnetLen follows the config).
+    # (IPv6SubnetLen for an IPv6 pool; always so for a primary pool).
     subnet_len: int | None = None
 
     @property
@@ -136,25 +146,25 @@ def parse_tag(text: str) -> tuple[str, str]:
     return key, value
 
 
-def parse_pool_cidr(text: str) -> IPv4Network:
-    """A pool's CIDR as the user typed it; raises ConfigError naming the fix."""
+def parse_pool_cidr(text: str) -> PoolNetwork:
+    """A pool's CIDR as the user typed it (IPv4 or IPv6); raises ConfigError naming the fix."""
     text = text.strip()
     if "/" not in text:
         raise ConfigError(f"{text!r} is not a CIDR; write it as address/prefix, like 10.250.0.0/16")
     try:
-        return IPv4Network(text, strict=True)
+        return ip_network(text, strict=True)
     except ValueError as e:
         try:
-            network = IPv4Network(text, strict=False)
+            network = ip_network(text, strict=False)
         except ValueError:
             raise ConfigError(
-                f"{text!r} is not an IPv4 CIDR; pools are IPv4 ranges like 10.250.0.0/16"
+                f"{text!r} is not a CIDR; pools are ranges like 10.250.0.0/16 or fd00:250::/48"
             ) from e
         raise ConfigError(f"{text} has host bits set; write the network address, {network}") from e
 
 
 # ---------------------------------------------------------------------------
-# Records: <prefix>/flannelpy/pools/<10.250.0.0-16> holds
+# Records: <prefix>/flannelpy/pools/<10.250.0.0-16> (or <fd00:250::-48>) holds
 #   {"Network": "10.250.0.0/16", "SubnetLen": 24, "Tags": {"flannelpy.io/role": "1"}}
 # ---------------------------------------------------------------------------
 
@@ -178,12 +188,14 @@ def parse_pool_record(value: bytes | str) -> Pool:
     if not isinstance(doc, dict):
         raise ValueError("pool record is not a JSON object")
     try:
-        network = IPv4Network(str(doc.get("Network")), strict=True)
+        network = ip_network(str(doc.get("Network")), strict=True)
     except ValueError as e:
         raise ValueError(f"pool record has no valid Network: {doc.get('Network')!r}") from e
     length = doc.get("SubnetLen")
     if length is not None and (
-        not isinstance(length, int) or isinstance(length, bool) or not 0 < length <= 32
+        not isinstance(length, int)
+        or isinstance(length, bool)
+        or not 0 < length <= network.max_prefixlen
     ):
         raise ValueError(f"pool record has an invalid SubnetLen: {length!r}")
     tags = doc.get("Tags") or {}
@@ -194,83 +206,128 @@ def parse_pool_record(value: bytes | str) -> Pool:
     return Pool(network, dict(tags), primary=False, subnet_len=length)
 
 
-def assemble_pools(config: NetworkConfig, records: Iterable[Pool]) -> list[Pool]:
-    """The pools of a store: the config's Network first (carrying the tags of its
-    record, if it has one), then every other record in CIDR order.
+def primary_pools(config: NetworkConfig) -> list[Pool]:
+    """The config's own pools, untagged: Network, then IPv6Network (each if enabled)."""
+    pools = []
+    if config.enable_ipv4 and config.network is not None:
+        pools.append(Pool(config.network, {}, primary=True, subnet_len=config.subnet_len))
+    if config.enable_ipv6 and config.ipv6_network is not None:
+        pools.append(Pool(config.ipv6_network, {}, True, config.ipv6_subnet_len))
+    return pools
 
-    A record for the primary network keeps only its tags: its SubnetLen follows the
+
+def assemble_pools(config: NetworkConfig, records: Iterable[Pool]) -> list[Pool]:
+    """The pools of a store: the config's Network and IPv6Network first (carrying the
+    tags of their records, if they have one), then every other record, IPv4 before
+    IPv6, in CIDR order.
+
+    A record for a primary network keeps only its tags: its SubnetLen follows the
     config. A record left from an older Network is an ordinary pool, so leases there
     keep serving and a drain is one ``tag`` away.
     """
-    if config.network is None:
-        raise ConfigError("net-conf.json has no IPv4 Network; pools are IPv4 ranges")
-    primary = Pool(config.network, {}, primary=True, subnet_len=config.subnet_len)
+    primaries = primary_pools(config)
+    if not primaries:
+        raise ConfigError("net-conf.json has neither Network nor IPv6Network; set one of them")
     others = []
     for record in records:
-        if record.network == config.network:
-            primary = Pool(config.network, dict(record.tags), True, config.subnet_len)
-        else:
+        index = next((i for i, p in enumerate(primaries) if p.network == record.network), None)
+        if index is None:
             others.append(record)
-    return [primary, *sorted(others, key=lambda p: _network_order(p.network))]
+        else:
+            primaries[index] = replace(primaries[index], tags=dict(record.tags))
+    return [*primaries, *sorted(others, key=lambda p: network_order(p.network))]
 
 
-def _network_order(network: IPv4Network) -> tuple[int, int]:
-    return int(network.network_address), network.prefixlen
+def network_order(network: PoolNetwork) -> tuple[int, int, int]:
+    """IPv4 before IPv6, then by address and prefix length."""
+    return network.version, int(network.network_address), network.prefixlen
 
 
 def effective_subnet_len(pool: Pool, config: NetworkConfig) -> int:
+    """The prefix length of the leases cut from ``pool``."""
+    if pool.network.version == 6:
+        configured = config.ipv6_subnet_len
+        if pool.primary or pool.subnet_len is None:
+            return configured if configured is not None else _DEFAULT_SUBNET_LEN[6]
+        return pool.subnet_len
     if pool.primary or pool.subnet_len is None:
-        return config.subnet_len
+        return config.subnet_len or _DEFAULT_SUBNET_LEN[4]
     return pool.subnet_len
+
+
+# A record without SubnetLen in a config without its family: Flannel's defaults.
+_DEFAULT_SUBNET_LEN = {4: 24, 6: 64}
 
 
 @dataclass(frozen=True)
 class LeasableRange:
     """The subnets a pool can lease: ``count`` subnets of ``/length`` from ``first``."""
 
-    first: IPv4Address
+    first: IPv4Address | IPv6Address
     length: int
     count: int
 
     @property
     def step(self) -> int:
-        return 1 << (32 - self.length)
+        return 1 << (self.first.max_prefixlen - self.length)
 
-    def subnet(self, index: int) -> IPv4Network:
-        return IPv4Network((int(self.first) + index * self.step, self.length))
+    def subnet(self, index: int) -> PoolNetwork:
+        return ip_network((int(self.first) + index * self.step, self.length))
 
 
 def leasable_range(pool: Pool, config: NetworkConfig) -> LeasableRange:
-    """The primary pool leases SubnetMin..SubnetMax; another pool every subnet but the
-    first (Flannel's default SubnetMin rule: the first's address is the pool's own)."""
+    """A primary pool leases SubnetMin..SubnetMax (IPv6SubnetMin..Max); another pool
+    every subnet but the first (Flannel's default SubnetMin rule: the first's address
+    is the pool's own)."""
     length = effective_subnet_len(pool, config)
-    if pool.primary:
-        step = 1 << (32 - length)
-        count = (int(config.subnet_max) - int(config.subnet_min)) // step + 1
-        return LeasableRange(config.subnet_min, length, count)
+    step = 1 << (pool.network.max_prefixlen - length)
+    bounds = _primary_bounds(pool, config)
+    if bounds is not None:
+        low, high = bounds
+        return LeasableRange(low, length, (int(high) - int(low)) // step + 1)
     if length < pool.network.prefixlen:
         return LeasableRange(pool.network.network_address, length, 0)
-    step = 1 << (32 - length)
     subnets = 1 << (length - pool.network.prefixlen)
     return LeasableRange(pool.network.network_address + step, length, subnets - 1)
 
 
-def check_new_pool(network: IPv4Network, config: NetworkConfig, pools: Sequence[Pool]) -> None:
-    """Refuse a pool that overlaps another (the primary included) or cannot hold one
-    leasable subnet. ``pools``: what :func:`assemble_pools` returned."""
-    length = config.subnet_len
-    if network.prefixlen >= length:
+def _primary_bounds(
+    pool: Pool, config: NetworkConfig
+) -> tuple[IPv4Address, IPv4Address] | tuple[IPv6Address, IPv6Address] | None:
+    if not pool.primary:
+        return None
+    if pool.network.version == 4:
+        return config.subnet_min, config.subnet_max
+    if config.ipv6_subnet_min is None or config.ipv6_subnet_max is None:
+        return None
+    return config.ipv6_subnet_min, config.ipv6_subnet_max
+
+
+def check_new_pool(network: PoolNetwork, config: NetworkConfig, pools: Sequence[Pool]) -> None:
+    """Refuse a pool of a family the config does not run, one that overlaps another
+    (a primary included) or cannot hold one leasable subnet. ``pools``: what
+    :func:`assemble_pools` returned."""
+    if not any(p.primary and p.network.version == network.version for p in pools):
+        keys = "EnableIPv4 and Network" if network.version == 4 else "EnableIPv6 and IPv6Network"
         raise ConfigError(
-            f"{network} is too small for SubnetLen {length}: a pool needs at least two "
+            f"{network} is an IPv{network.version} range, but net-conf.json runs no "
+            f"IPv{network.version}; set {keys} there first"
+        )
+    length = effective_subnet_len(Pool(network), config)
+    if network.prefixlen >= length:
+        name = "SubnetLen" if network.version == 4 else "IPv6SubnetLen"
+        raise ConfigError(
+            f"{network} is too small for {name} {length}: a pool needs at least two "
             f"/{length} subnets (the first is skipped, as in Flannel); use a "
             f"/{length - 1} or larger"
         )
+    own = "the config's Network" if network.version == 4 else "the config's IPv6Network"
     for pool in pools:
         if pool.network == network:
-            what = "the primary pool (the config's Network)" if pool.primary else "a pool already"
+            what = f"the primary pool ({own})" if pool.primary else "a pool already"
             raise ConfigError(f"{network} is {what}; see the pools with `flannelpy pools list`")
-        if pool.network.overlaps(network):
-            what = "the primary pool (the config's Network)" if pool.primary else "pool"
+        if pool.network.version == network.version and pool.network.overlaps(network):
+            what = f"the primary pool ({own})" if pool.primary else "pool"
             raise ConfigError(
                 f"{network} overlaps {what} {pool.network}; choose a range that overlaps no pool"
             )
@@ -329,10 +386,10 @@ def _pool_capacity(pool: Pool, config: NetworkConfig, leases: Sequence[Lease]) -
     spans = []
     inside = 0
     for lease in leases:
-        net = lease.subnet
+        net = lease.subnet if pool.network.version == 4 else lease.ipv6_subnet
         if net is None:
-            continue  # an IPv6-only lease: pools are IPv4-only
-        if net.overlaps(pool.network):
+            continue  # no subnet of the pool's family
+        if net.overlaps(pool.network):  # type: ignore[arg-type]
             inside += 1
         low, high = int(net.network_address), int(net.broadcast_address)
         if rng.count and low <= end and high >= start:
@@ -364,10 +421,7 @@ def records_to_pools(
 
 def parse_pool_key_value(kv: KeyValue, base: str) -> Pool:
     """One record under ``base`` (the pools prefix) as a Pool; ValueError says why not."""
-    suffix = kv.key[len(base) :]
-    network, ipv6 = key_to_subnet(suffix)
-    if ipv6 is not None or subnet_to_key(network) != suffix:
-        raise ValueError("the key is not in canonical ADDRESS-PREFIXLEN form")
+    network = pool_key_network(kv.key[len(base) :])
     pool = parse_pool_record(kv.value)
     if pool.network != network:
         raise ValueError(f"the record's Network {pool.network} does not match its key")

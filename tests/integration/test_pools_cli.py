@@ -187,7 +187,7 @@ def test_the_primary_pool_gets_a_record_only_while_tagged(cluster: Cluster) -> N
         (("add", "10.250.0.0/15"), 2, "overlaps pool 10.250.0.0/16"),
         (("add", "10.251.0.0/24"), 2, "too small for SubnetLen 24"),
         (("add", "10.251.0.1/16"), 2, "host bits set"),
-        (("add", "fd00::/48"), 2, "pools are IPv4 ranges"),
+        (("add", "fd00::/48"), 2, "net-conf.json runs no IPv6; set EnableIPv6 and IPv6Network"),
         (("tag", "10.250.0.0/16", f"{ROLE}=2"), 2, "is not a role"),
         (("tag", "10.250.0.0/16", "team=net"), 2, "is not a pool tag"),
         (("tag", "10.250.0.0/16", "flannelpy.io/cluster/=x"), 2, "is not a cluster name"),

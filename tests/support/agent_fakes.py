@@ -12,7 +12,7 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from ipaddress import IPv4Interface, IPv4Network
+from ipaddress import IPv4Interface, IPv4Network, IPv6Address, IPv6Interface, ip_interface
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from tests.support.fakes import FakeKernel, underlay
 PREFIX = "/coreos.com/network"
 NODE = "node-a"
 NODE_IP = "192.168.1.10"
+NODE_IPV6 = "fd00:64::10"  # advertised when the config enables IPv6
 
 
 class FakeClock:
@@ -124,7 +125,7 @@ class FakePods:
     state_dir: str
     mtu: Callable[[], int]
     ready: Callable[[], bool]
-    gateways: set[IPv4Interface] = field(default_factory=set)
+    gateways: set[IPv4Interface | IPv6Interface] = field(default_factory=set)
     bridge_mtus: list[int] = field(default_factory=list)
     listeners: list[Callable[[Any, bytes, int | None, bytes], None]] = field(default_factory=list)
     started: bool = False
@@ -140,10 +141,10 @@ class FakePods:
         self, subnets: Sequence[IPv4Network], serving: Sequence[IPv4Network] | None = None
     ) -> None:
         self._ipam.set_leases(subnets, serving)
-        self.gateways |= {IPv4Interface(f"{n.network_address + 1}/{n.prefixlen}") for n in subnets}
+        self.gateways |= {ip_interface(f"{n.network_address + 1}/{n.prefixlen}") for n in subnets}
         self.bridge_mtus.append(self.mtu())
 
-    def remove_gateway(self, gateway: IPv4Interface) -> None:
+    def remove_gateway(self, gateway: IPv4Interface | IPv6Interface) -> None:
         self.gateways.discard(gateway)
 
     def add_listener(self, listener: Callable[[Any, bytes, int | None, bytes], None]) -> None:
@@ -209,10 +210,14 @@ class AgentHarness:
         self.kernel = kernel or FakeKernel()
         self.manager = ListOnceManager(self.store, self.settings, clock=self.clock)
         self.control = ReadOnceControl(self.store, PREFIX, NODE)
+        link = underlay(NODE_IP)
+        if netconf.enable_ipv6:
+            link = replace(link, ip6=IPv6Address(NODE_IPV6))
         ctx = NodeContext(
             config=netconf,
-            underlay=underlay(NODE_IP),
-            public_ip=underlay(NODE_IP).ip,
+            underlay=link,
+            public_ip=underlay(NODE_IP).ip if netconf.enable_ipv4 else None,
+            public_ipv6=IPv6Address(NODE_IPV6) if netconf.enable_ipv6 else None,
             node_name=NODE,
             wireguard_confirmed=frozenset(),  # as the agent's composition
             wireguard_confirmed_v6=frozenset(),

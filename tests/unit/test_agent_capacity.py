@@ -83,3 +83,49 @@ def test_an_emptied_surplus_lease_is_released_after_its_hold_down(agent: AgentHa
     assert len(store_subnets(agent)) == 1
     agent.tick(TICK_STATUS)
     assert agent.status()["leases"] == [str(s) for s in agent.own_subnets()]
+
+
+# --- both families (issue 31) ----------------------------------------------------------
+
+# IPv6 /124 leases: 13 pod addresses, so IPv6 runs low long before IPv4's /24.
+WARM6: dict[str, object] = {
+    "EnableIPv6": True,
+    "IPv6Network": "fd00:10::/56",
+    "IPv6SubnetLen": 124,
+    "MinFreeAddresses": 4,
+    "MaxLeasesPerNode": 2,
+    "LeaseHoldDownSeconds": 60,
+}
+DUAL = net_conf(**WARM6)
+IPV6_ONLY = net_conf(EnableIPv4=False, **WARM6)
+
+
+@pytest.mark.parametrize("config", [DUAL, IPV6_ONLY], ids=["dual-stack", "ipv6-only"])
+def test_a_node_low_on_ipv6_addresses_adds_a_lease(tmp_path: Path, config: str) -> None:
+    h = AgentHarness(tmp_path, config=config)
+    h.start()
+    h.drain()
+    try:
+        assert h.pods is not None
+        (first,) = h.writer.state.own
+        assert first.ipv6_subnet is not None
+        for i in range(13 - 3):  # leaves 3 free IPv6 addresses; IPv4 keeps 243
+            h.pods.ipam.allocate(f"pod-{i}", "eth0", family=6)
+        h.drain()
+        own = h.writer.state.own
+        assert len(own) == 2 and own[0] == first
+        second = own[1]
+        assert second.ipv6_subnet is not None and second.ipv6_subnet.prefixlen == 124
+        assert (second.subnet is None) == (config == IPV6_ONLY)
+        usage = {u.subnet: u.free for u in h.pods.ipam.usage()}
+        assert usage[second.ipv6_subnet] == 13 and usage[first.ipv6_subnet] == 3
+        # Released as a whole: once its pods are gone and the hold-down has passed.
+        for i in range(13 - 3):
+            h.pods.ipam.release(f"pod-{i}", "eth0")
+        h.tick(TICK_CAPACITY, advance=CAPACITY_TICK)
+        h.tick(TICK_CAPACITY, advance=61)
+        assert h.writer.state.own == [first]
+        leases, _ = h.manager.list_leases()
+        assert [x.ipv6_subnet for x in leases.values()] == [first.ipv6_subnet]
+    finally:
+        h.stop()

@@ -34,17 +34,6 @@ def opened(store: FakeStore, tmp: Path) -> ClusterStore:
 @pytest.mark.parametrize(
     ("doc", "says", "reads"),
     [
-        # IPv6-only runs without the IPv4-only features: warm capacity is refused.
-        (
-            {
-                "EnableIPv4": False,
-                "EnableIPv6": True,
-                "IPv6Network": "fd00::/56",
-                "MaxLeasesPerNode": 2,
-            },
-            "warm capacity. are IPv4-only",
-            [],
-        ),
         # IPv6-only needs an interface with a global IPv6 address.
         (
             {"EnableIPv4": False, "EnableIPv6": True, "IPv6Network": "fd00::/56"},

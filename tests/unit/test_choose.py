@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
-from flannelpy.errors import ConfigError, PoolExhausted
+from flannelpy.errors import PoolExhausted
 from flannelpy.subnet.choose import (
     LeaseChoice,
     PoolChoice,
@@ -319,7 +319,7 @@ def test_reused_dual_lease_without_ipv6_is_replaced() -> None:
     assert choice.ipv6_subnet is not None
 
 
-def test_ipv6_only_config_leases_an_ipv6_subnet_alone_and_refuses_pools() -> None:
+def test_ipv6_only_config_leases_an_ipv6_subnet_alone() -> None:
     cfg = config(EnableIPv4=False, EnableIPv6=True, IPv6Network="fd00:10:244::/56")
     me = LeaseAttrs(public_ip=None, backend_type="vxlan", public_ipv6=IPv6Address("fd00:64::5"))
     other = LeaseAttrs(public_ip=None, backend_type="vxlan", public_ipv6=IPv6Address("fd00:64::6"))
@@ -333,8 +333,10 @@ def test_ipv6_only_config_leases_an_ipv6_subnet_alone_and_refuses_pools() -> Non
     mine = Lease(None, me, ipv6_subnet=IPv6Network("fd00:10:244:7::/64"))
     again = choose(cfg, [held, mine], me)
     assert (again.reason, again.ipv6_subnet) == ("public-ip", mine.ipv6_subnet)
-    with pytest.raises(ConfigError, match="address pools are IPv4-only"):
-        choose_lease(cfg, [], me, None, random.Random(1), pools=[])
+    # With pools: the IPv6 primary alone leases as without them.
+    pooled = choose_lease(cfg, [held], me, None, random.Random(1), pools=[])
+    assert pooled.subnet is None and pooled.ipv6_subnet is not None
+    assert pooled.pool is not None and pooled.pool.network == cfg.ipv6_network
 
 
 # --- property: whatever the store holds, the choice is valid -----------------
@@ -559,7 +561,7 @@ def test_exhaustion_reasons_for_the_primary_and_empty_pools(
     )
 
 
-def test_dual_stack_gives_the_primary_an_ipv6_subnet_and_skips_ipv4_only_pools() -> None:
+def test_dual_stack_takes_each_family_from_a_pool_of_that_family() -> None:
     cfg = config(Network="10.244.0.0/22", EnableIPv6=True, IPv6Network="fd00:10:244::/56")
     pools = [pool("10.244.0.0/22", primary=True), pool("10.250.0.0/22", role="1")]
     choice = new_subnet(pools, [], cfg=cfg, seed=3)
@@ -567,9 +569,13 @@ def test_dual_stack_gives_the_primary_an_ipv6_subnet_and_skips_ipv4_only_pools()
     assert choice.ipv6_subnet is not None and choice.ipv6_subnet.prefixlen == 64
     assert choice.ipv6_subnet.subnet_of(IPv6Network("fd00:10:244::/56"))
     assert choice.ipv6_subnet != IPv6Network("fd00:10:244::/64")  # the first one is skipped
-    with pytest.raises(PoolExhausted) as err:
-        new_subnet(pools, fill("10.244.0.0/22"), cfg=cfg)
-    assert "10.250.0.0/22 is IPv4 only, but the network config enables IPv6" in str(err.value)
+    # The IPv4 primary is full: the IPv4 half comes from the opted-in IPv4 pool, the
+    # IPv6 half still from IPv6Network (no IPv6 pool besides it).
+    spill = new_subnet(pools, fill("10.244.0.0/22"), cfg=cfg)
+    assert spill.subnet is not None and spill.subnet.subnet_of(net("10.250.0.0/22"))
+    assert spill.pool == pools[1]
+    assert spill.ipv6_subnet is not None and spill.ipv6_pool is not None
+    assert spill.ipv6_pool.network == cfg.ipv6_network and spill.ipv6_pool.primary
 
 
 # --- choose_lease with pools ---------------------------------------------------------------

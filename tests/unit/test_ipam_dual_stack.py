@@ -197,19 +197,26 @@ def test_a_family_without_a_free_address_undoes_the_other(tmp_path: Path) -> Non
         assert acc[V4] == (5, 1)  # into cooldown, as any release
 
 
-def test_ipv6_only_and_warm_capacity_sees_ipv4_only(tmp_path: Path) -> None:
+def test_warm_capacity_sees_each_family_and_the_low_free_watch_follows_the_family(
+    tmp_path: Path,
+) -> None:
+    small6 = IPv6Network("fc00:0:0:9::/124")  # ::2 .. ::e: 13 addresses
     with NodeIpam(str(tmp_path), fsync=False) as node:
         node.set_leases([V6])
         assert node.families() == [6]
         (only,) = node.allocate_all("c1", "eth0")
         assert only.ip == IPv6Address("fc00:0:0:1::2")
-        assert node.usage() == []  # warm capacity: IPv4 leases only
+        assert [(u.subnet, u.assigned) for u in node.usage()] == [(V6, 1)]
+        node.set_leases([V4, small6])
         calls: list[int] = []
         node.set_low_free_watch(10, calls.append)
-        node.allocate_all("c2", "eth0")
+        for i in range(3):
+            node.allocate_all(f"p{i}", "eth0")
+        # IPv4 keeps 250 free; IPv6 falls to 12, 11, 10: not below 10 yet
         assert calls == []
-        node.set_leases([V4, V6])
-        assert [u.subnet for u in node.usage()] == [V4]
+        node.allocate_all("p3", "eth0")
+        assert calls == [9]  # the IPv6 count, though IPv4 has room
+        assert [(u.subnet, u.free) for u in node.usage()] == [(V4, 249), (small6, 9)]
 
 
 TINY4 = IPv4Network("10.244.9.0/29")  # .2 .. .6 are allocatable (.1 is the gateway)

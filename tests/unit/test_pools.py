@@ -2,7 +2,7 @@
 
 import json
 import re
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 
 import pytest
 from hypothesis import given, settings
@@ -146,14 +146,15 @@ def test_check_tag_without_a_value_checks_the_key_only() -> None:
     [
         ("10.250.0.1/16", "has host bits set; write the network address, 10.250.0.0/16"),
         ("10.250.0.0", "is not a CIDR"),
-        ("fd00::/64", "pools are IPv4 ranges"),
-        ("banana/8", "pools are IPv4 ranges"),
+        ("fd00::1/48", "has host bits set; write the network address, fd00::/48"),
+        ("banana/8", "pools are ranges like 10.250.0.0/16 or fd00:250::/48"),
     ],
 )
 def test_parse_pool_cidr_names_the_fix(text: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         parse_pool_cidr(text)
     assert parse_pool_cidr(" 10.250.0.0/16 ") == IPv4Network("10.250.0.0/16")
+    assert parse_pool_cidr("fd00:250::/48") == IPv6Network("fd00:250::/48")
 
 
 def test_pool_record_round_trips_and_has_the_documented_shape() -> None:

@@ -2,14 +2,16 @@
 
 Layout, beside Flannel's keys (flanneld never reads it)::
 
-    <prefix>/config                          net-conf.json; its Network is the primary pool
+    <prefix>/config                          net-conf.json; its Network (and IPv6Network)
+                                             are the primary pools
     <prefix>/subnets/10.244.1.0-24           leases (Flannel's)
     <prefix>/flannelpy/pools/10.250.0.0-16   {"Network": "10.250.0.0/16", "SubnetLen": 24,
                                               "Tags": {"flannelpy.io/role": "1"}}
+    <prefix>/flannelpy/pools/fd00:250::-48   an IPv6 pool, the same record
 
-The key is Flannel's lease-key form of the CIDR. The primary pool has no record
-until it is tagged; its record then only carries tags (its SubnetLen follows the
-config). Every edit is a compare-and-swap on the record's mod revision, retried
+The key is the CIDR with ``-`` for ``/``, as in Flannel's lease keys. A primary pool
+has no record until it is tagged; its record then only carries tags (its SubnetLen
+follows the config). Every edit is a compare-and-swap on the record's mod revision, retried
 on a conflict, so two people tagging one pool at once never lose an edit.
 
 Pools are an etcd-mode feature: in Kubernetes mode the controller-manager
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import IPv4Network
 
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
@@ -38,8 +39,10 @@ from flannelpy.subnet.pools import (
     ROLE_KEY,
     ROLE_OPT_IN,
     Pool,
+    PoolNetwork,
     check_new_pool,
     check_tag,
+    effective_subnet_len,
     parse_pool_key_value,
     pool_record,
     records_to_pools,
@@ -98,22 +101,18 @@ class PoolStore:
 
     # -- editing -------------------------------------------------------------
 
-    def add(self, config: NetworkConfig, network: IPv4Network) -> Pool:
+    def add(self, config: NetworkConfig, network: PoolNetwork) -> Pool:
         """Create the record of a new, untagged pool (so: no new leases there yet)."""
-        if config.enable_ipv6:
-            raise PoolRefused(
-                f"cannot add {network}: the network config enables IPv6, and pools other than "
-                "Network are IPv4 only, so dual-stack leases could not be cut from it"
-            )
         check_new_pool(network, config, self.list_pools(config))
-        pool = Pool(network, {}, primary=False, subnet_len=config.subnet_len)
+        length = effective_subnet_len(Pool(network), config)
+        pool = Pool(network, {}, primary=False, subnet_len=length)
         try:
-            self._store.create(self._key(network), pool_record(pool, config.subnet_len))
+            self._store.create(self._key(network), pool_record(pool, length))
         except KeyExists as e:
             raise PoolRefused(f"{network} is a pool already (someone added it just now)") from e
         return pool
 
-    def tag(self, config: NetworkConfig, network: IPv4Network, key: str, value: str) -> PoolEdit:
+    def tag(self, config: NetworkConfig, network: PoolNetwork, key: str, value: str) -> PoolEdit:
         """Set one tag (§3 keys only), keeping every other tag, even one set concurrently."""
         check_tag(key, value)
 
@@ -125,7 +124,7 @@ class PoolStore:
 
         return self._edit(config, network, edit)
 
-    def untag(self, config: NetworkConfig, network: IPv4Network, key: str) -> PoolEdit:
+    def untag(self, config: NetworkConfig, network: PoolNetwork, key: str) -> PoolEdit:
         """Drop one tag; a tag that is not there is success with nothing written."""
 
         def edit(tags: dict[str, str]) -> bool:
@@ -137,11 +136,11 @@ class PoolStore:
 
         return self._edit(config, network, edit)
 
-    def remove(self, config: NetworkConfig, network: IPv4Network) -> Pool:
+    def remove(self, config: NetworkConfig, network: PoolNetwork) -> Pool:
         """Delete a pool's record: never the primary, one in service, or one with leases."""
-        if network == config.network:
+        if network in (config.network, config.ipv6_network):
             raise PoolRefused(
-                f"{network} is the primary pool (the config's Network) and cannot be removed; "
+                f"{network} is a primary pool (from the network config) and cannot be removed; "
                 f"to drain it, tag it {ROLE_KEY}={ROLE_EXCLUDED}"
             )
         for _ in range(WRITE_RETRIES):
@@ -159,9 +158,10 @@ class PoolStore:
             leases, _ = self._manager.list_leases()
             inside = sorted(
                 (
-                    lease.subnet
+                    net
                     for lease in leases.values()
-                    if lease.subnet is not None and lease.subnet.overlaps(network)
+                    for net in lease.subnets
+                    if net.version == network.version and net.overlaps(network)  # type: ignore[arg-type]
                 ),
                 key=lambda s: int(s.network_address),
             )
@@ -180,7 +180,7 @@ class PoolStore:
 
     # -- helpers -------------------------------------------------------------
 
-    def _key(self, network: IPv4Network) -> str:
+    def _key(self, network: PoolNetwork) -> str:
         return pool_key(self._prefix, network)
 
     def _read(self, kv: KeyValue) -> Pool:
@@ -192,8 +192,8 @@ class PoolStore:
                 f"(etcdctl del {kv.key})"
             ) from e
 
-    def _edit(self, config: NetworkConfig, network: IPv4Network, edit: _TagEdit) -> PoolEdit:
-        primary = network == config.network
+    def _edit(self, config: NetworkConfig, network: PoolNetwork, edit: _TagEdit) -> PoolEdit:
+        primary = network in (config.network, config.ipv6_network)
         key = self._key(network)
         for _ in range(WRITE_RETRIES):
             kv = self._store.get(key)
@@ -203,13 +203,13 @@ class PoolStore:
             tags = dict(stored.tags) if stored is not None else {}
             changed = edit(tags)
             if primary:
-                pool = Pool(network, tags, True, config.subnet_len)
+                pool = Pool(network, tags, True, effective_subnet_len(Pool(network), config))
             else:
                 assert stored is not None
                 pool = Pool(network, tags, False, stored.subnet_len)
             if not changed:
                 return PoolEdit(pool, False)
-            value = pool_record(pool, config.subnet_len)
+            value = pool_record(pool, effective_subnet_len(pool, config))
             if kv is None:
                 try:
                     self._store.create(key, value)
@@ -226,14 +226,14 @@ class PoolStore:
         raise self._kept_changing(network)
 
     @staticmethod
-    def _no_such_pool(network: IPv4Network) -> PoolRefused:
+    def _no_such_pool(network: PoolNetwork) -> PoolRefused:
         return PoolRefused(
             f"there is no pool {network}; see the pools with `flannelpy pools list`, or add it "
             f"with `flannelpy pools add {network}`"
         )
 
     @staticmethod
-    def _kept_changing(network: IPv4Network) -> StoreError:
+    def _kept_changing(network: PoolNetwork) -> StoreError:
         return StoreError(
             f"the record of pool {network} kept changing during {WRITE_RETRIES} attempts; "
             "retry once the other edits are done"
