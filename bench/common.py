@@ -7,8 +7,10 @@ timestamps, tables) are unit-tested; the rest does I/O against a lab's etcd.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -209,3 +211,22 @@ def _cell(value: object) -> str:
             return "-"  # not measured (e.g. no log line for it)
         return "inf" if math.isinf(value) else f"{value:.3f}"
     return str(value)
+
+
+def say(line: str) -> None:
+    """Progress, on stderr: stdout carries the results."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages, as a report line gives them."""
+    with open("/proc/loadavg") as f:
+        return " / ".join(f.read().split()[:3])
+
+
+def lacks_root(prog: str) -> bool:
+    """True, having said so, when not root: the labs need network namespaces."""
+    if os.geteuid() == 0:
+        return False
+    print(f"{prog} needs root (network namespaces)", file=sys.stderr)
+    return True

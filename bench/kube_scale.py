@@ -44,7 +44,7 @@ from typing import Any
 from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 
-from bench.common import FakePeer, fake_peers, ratio, table
+from bench.common import FakePeer, fake_peers, lacks_root, load_average, ratio, say, table
 from bench.propagation import LAB_TIMEOUT, RouteWatch, node_sockets
 from bench.versus_flanneld import cpu_seconds, rss_mib
 
@@ -302,18 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--changes", type=int, default=1000, help="Nodes whose MAC changes")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench.kube_scale needs root (network namespaces)", file=sys.stderr)
+    if lacks_root("bench.kube_scale"):
         return 2
     if not 1 <= args.nodes <= 8000:
         print("--nodes must be between 1 and 8000", file=sys.stderr)
         return 2
 
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    with open("/proc/loadavg") as f:
-        load = " / ".join(f.read().split()[:3])
+    load = load_average()
     try:
         sides = run(args.nodes, args.idle_seconds, args.changes, say)
     except KeyboardInterrupt:  # the lab is gone already

@@ -2,15 +2,20 @@
 
 The result (:class:`NodePolicy`) holds two kinds of values:
 
-* **address sets**, one per (policy, direction, rule index, kind, family), named
-  ``np_<hash of namespace/name>_<i|e><rule>_<kind><4|6>``: ``p`` the IPs of the pods
-  the rule's selectors match (anywhere in the cluster), ``c`` its ipBlocks minus
-  their excepts (disjoint CIDRs), ``n`` for an egress rule with named ports the
+* **address sets**. ``np_<hash of the peer>_p<4|6>``: the IPs of the pods one peer
+  (its namespace selector, or the policy's namespace, and its pod selector) matches
+  anywhere in the cluster, **shared by every rule of every policy with that peer**: a
+  cluster's policies repeat a few selectors ("every pod of the team's namespaces"), and
+  a set per rule would hold the same thousands of addresses once per policy. Per
+  (policy, direction, rule index, kind, family), named
+  ``np_<hash of namespace/name>_<i|e><rule>_<kind><4|6>``: ``c`` the rule's ipBlocks
+  minus their excepts (disjoint CIDRs), ``n`` for an egress rule with named ports the
   triples ``IP . protocol . port`` of every destination pod (selected by the rule's
   selectors, inside one of its ipBlocks, or any pod when it names no peer) whose
-  container port of that name resolves. A set's name depends only on the policy, so a pod that
-  changes labels, appears or goes changes only the elements of the sets it
-  enters or leaves; a set exists while its policy selects a pod of this node;
+  container port of that name resolves. A set's name depends only on what it stands
+  for, never on its members, so a pod that changes labels, appears or goes changes only
+  the elements of the sets it enters or leaves; a set exists while a rule that applies
+  to a pod of this node uses it;
 * **per local pod and direction**, ``None`` when no policy selects the pod for
   it (not isolated: everything passes) or the tuple of :class:`Allow` that
   together are the union of every selecting policy's rules (empty: isolated,
@@ -40,6 +45,7 @@ from flannelpy.netpol.model import (
     EGRESS,
     INGRESS,
     Addr,
+    LabelSelector,
     Namespace,
     Net,
     Peer,
@@ -173,6 +179,32 @@ def _unread(
     return found
 
 
+def peer_set_name(peer: Peer, policy_namespace: str, family: int) -> str:
+    """The stable name of the set of pods a peer selects: it depends on the selectors
+    (and, without a namespace selector, the policy's namespace) alone."""
+    key = repr(_peer_key(peer, policy_namespace))
+    return f"np_{hashlib.sha256(key.encode()).hexdigest()[:12]}_{PODS}{family}"
+
+
+def _peer_key(peer: Peer, policy_namespace: str) -> tuple[object, ...]:
+    ns_sel, pod_sel = peer.namespace_selector, peer.pod_selector
+    return (ns_sel, pod_sel, policy_namespace if ns_sel is None else None)
+
+
+def describe_peer(peer: Peer, policy_namespace: str) -> str:
+    """What a peer selects, for a set's comment: "pods app=db of namespace shop"."""
+    pods = _selector_text(peer.pod_selector) if peer.pod_selector is not None else "all"
+    if peer.namespace_selector is None:
+        return f"pods {pods} of namespace {policy_namespace}"
+    return f"pods {pods} of namespaces {_selector_text(peer.namespace_selector)}"
+
+
+def _selector_text(selector: LabelSelector) -> str:
+    parts = [f"{k}={v}" for k, v in selector.match_labels]
+    parts += [f"{r.key} {r.operator} {','.join(r.values)}".strip() for r in selector.expressions]
+    return " ".join(parts) or "all"
+
+
 def set_name(policy: str, direction: str, rule: int, kind: str, family: int) -> str:
     """The stable name of a rule's set: it depends on the policy's identity, nothing else."""
     digest = hashlib.sha256(policy.encode()).hexdigest()[:12]
@@ -186,23 +218,28 @@ class _Cluster:
     def __init__(self, pods: Iterable[Pod], namespaces: Iterable[Namespace]) -> None:
         self.live = sorted((p for p in pods if p.ips and not p.host_network), key=lambda p: p.key)
         self.ns_labels = {ns.name: dict(ns.labels) for ns in namespaces}
+        self.by_namespace: dict[str, list[Pod]] = {}
+        for p in self.live:
+            self.by_namespace.setdefault(p.namespace, []).append(p)
         self._found: dict[tuple[object, ...], list[Pod]] = {}
 
     def peer_pods(self, peer: Peer, policy_namespace: str) -> list[Pod]:
+        """The live pods ``peer`` selects, looked at namespace by namespace (a selector's
+        namespaces first: most peers name few of a cluster's pods)."""
         ns_sel, pod_sel = peer.namespace_selector, peer.pod_selector
-        key = (ns_sel, pod_sel, policy_namespace if ns_sel is None else None)
+        key = _peer_key(peer, policy_namespace)
         if key not in self._found:
+            if ns_sel is None:
+                namespaces = [policy_namespace]
+            else:
+                # A pod of a namespace not read yet matches no namespace selector: its
+                # labels are unknown, and NotIn or DoesNotExist would let it in.
+                namespaces = [n for n, labels in self.ns_labels.items() if ns_sel.matches(labels)]
             self._found[key] = [
                 p
-                for p in self.live
-                if (
-                    # A pod of a namespace not read yet matches no namespace selector: its
-                    # labels are unknown, and NotIn or DoesNotExist would let it in.
-                    p.namespace in self.ns_labels and ns_sel.matches(self.ns_labels[p.namespace])
-                    if ns_sel is not None
-                    else p.namespace == policy_namespace
-                )
-                and (pod_sel is None or pod_sel.matches(p.label_map))
+                for n in sorted(namespaces)
+                for p in self.by_namespace.get(n, ())
+                if pod_sel is None or pod_sel.matches(p.label_map)
             ]
         return self._found[key]
 
@@ -229,7 +266,7 @@ class _RuleContext:
         )
         self.named = sorted({(p.port, p.protocol) for p in rule.ports if isinstance(p.port, str)})
         pod_peers = [p for p in rule.peers if p.ip_block is None]
-        dests = [pod for peer in pod_peers for pod in cluster.peer_pods(peer, policy.namespace)]
+        self.cluster = cluster
         self.peer_sets: list[tuple[int, str, str]] = []  # (family, name, kind)
         # Address sets serve every rule but an egress rule of named ports only.
         addressed = direction == INGRESS or not rule.ports or bool(self.numeric)
@@ -238,9 +275,10 @@ class _RuleContext:
             for net in peer.ip_block.networks() if peer.ip_block is not None else ():
                 blocks[net.version].append(net)
         for family in (4, 6) if addressed else ():
-            if pod_peers:
-                members = [((n,), t) for p in dests for v, n, t in p.addresses if v == family]
-                self.peer_sets.append((family, self._set(PODS, family, members), PODS))
+            for peer in pod_peers:
+                name = self._peer_set(peer, family)
+                if (family, name, PODS) not in self.peer_sets:  # one peer written twice
+                    self.peer_sets.append((family, name, PODS))
             if blocks[family]:
                 merged = collapse_addresses(blocks[family])  # type: ignore[type-var]
                 elements = [((int(n.network_address), n.prefixlen), str(n)) for n in merged]
@@ -249,7 +287,9 @@ class _RuleContext:
         if direction == EGRESS and self.named:
             # A named port resolves on the destination pod: one selected by the rule's
             # selectors, or any pod (with no peers), or one whose address is in an ipBlock.
-            chosen = {p.key for p in dests}
+            chosen = {
+                p.key for peer in pod_peers for p in cluster.peer_pods(peer, policy.namespace)
+            }
             for family in (4, 6):
                 triples = [
                     ((int(ip), number, len(proto)), f"{ip} . {proto.lower()} . {number}")
@@ -280,6 +320,17 @@ class _RuleContext:
             found += [Allow(key, index, f, name, kind, numeric) for f, name, kind in self.peer_sets]
         found += [Allow(key, index, f, name, ADDR_PORTS) for f, name in self.port_sets]
         return found
+
+    def _peer_set(self, peer: Peer, family: int) -> str:
+        """The shared set of the pods ``peer`` selects, made by its first user."""
+        namespace = self.policy.namespace
+        name = peer_set_name(peer, namespace, family)
+        if name not in self.sets:
+            found = self.cluster.peer_pods(peer, namespace)
+            members = sorted({(n, t) for p in found for v, n, t in p.addresses if v == family})
+            comment = describe_peer(peer, namespace)
+            self.sets[name] = AddressSet(name, family, PODS, comment, tuple(t for _, t in members))
+        return name
 
     def _set(self, kind: str, family: int, elements: Sequence[tuple[tuple[int, ...], str]]) -> str:
         """Record the rule's set; ``elements`` are (sort key, text): sorted by address."""

@@ -123,7 +123,7 @@ def render(policy: NodePolicy) -> Ruleset:
             s.name,
             _set_type(s.family, s.kind),
             "interval" if s.kind == CIDRS else "",
-            _comment(s.comment),
+            _comment(s.comment, "=,"),
             tuple((e, "") for e in s.elements),
         )
         for s in policy.sets

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.netpol.compile import CIDRS, PODS, compile_node, set_name
+from flannelpy.netpol.compile import CIDRS, compile_node, peer_set_name, set_name
 from flannelpy.netpol.model import INGRESS
 from flannelpy.netpol.nft import (
     PREFIX,
@@ -31,8 +31,9 @@ from tests.support.netpol_cases import (
 CLUSTER = [pod("db", "db", "10.244.1.3"), pod("api", "api", "10.244.2.2", node="n2")]
 
 
-P4 = set_name("shop/db", INGRESS, 0, PODS, 4)
-P6 = set_name("shop/db", INGRESS, 0, PODS, 6)
+API_PEER = DB_POLICY.ingress[0].peers[0]  # podSelector app=api
+P4 = peer_set_name(API_PEER, "shop", 4)
+P6 = peer_set_name(API_PEER, "shop", 6)
 C4 = set_name("shop/db", INGRESS, 0, CIDRS, 4)
 RETURN = 'counter return comment "shop/db ingress 0"'
 SET = f"add set {PREFIX}"
@@ -51,16 +52,16 @@ def test_the_first_load_creates_the_whole_table_in_one_script() -> None:
         f"add map {PREFIX} egress6 {{ type ipv6_addr : verdict ; }}",
         f"add map {PREFIX} ingress4 {{ type ipv4_addr : verdict ; }}",
         f"add map {PREFIX} ingress6 {{ type ipv6_addr : verdict ; }}",
+        f'{SET} {P4} {{ type ipv4_addr ; comment "pods app=api of namespace shop" ; }}',
+        f'{SET} {P6} {{ type ipv6_addr ; comment "pods app=api of namespace shop" ; }}',
         f'{SET} {C4} {{ type ipv4_addr ; flags interval ; comment "shop/db ingress rule 0" ; }}',
-        f'{SET} {P4} {{ type ipv4_addr ; comment "shop/db ingress rule 0" ; }}',
-        f'{SET} {P6} {{ type ipv6_addr ; comment "shop/db ingress rule 0" ; }}',
         f"add chain {PREFIX} forward {{ type filter hook forward priority filter ; "
         "policy accept ; }",
         f"add chain {PREFIX} input {{ type filter hook input priority filter ; policy accept ; }}",
         f"add chain {PREFIX} {DB_IN}",
+        f"add element {PREFIX} {P4} {{ 10.244.2.2 }}",
         f"add element {PREFIX} {C4} {{ 192.168.0.0/24, 192.168.2.0/23, 192.168.4.0/22, "
         "192.168.8.0/21, 192.168.16.0/20, 192.168.32.0/19, 192.168.64.0/18, 192.168.128.0/17 }",
-        f"add element {PREFIX} {P4} {{ 10.244.2.2 }}",
         f"add rule {PREFIX} forward ct state established,related accept",
         f"add rule {PREFIX} forward ip saddr vmap @egress4",
         f"add rule {PREFIX} forward ip6 saddr vmap @egress6",
@@ -135,9 +136,9 @@ def test_a_deleted_policy_goes_in_order_without_touching_the_table() -> None:
         f"delete element {PREFIX} ingress4 {{ 10.244.1.3 }}",  # nothing jumps to it any more
         f"flush chain {PREFIX} {DB_IN}",  # nothing refers to the sets any more
         f"delete chain {PREFIX} {DB_IN}",
-        f"delete set {PREFIX} {C4}",
         f"delete set {PREFIX} {P4}",
         f"delete set {PREFIX} {P6}",
+        f"delete set {PREFIX} {C4}",
         f"delete counter {PREFIX} {DB_DENY}",  # after the rule that counted into it
     ]
     assert not any("table" in line for line in lines)
