@@ -25,7 +25,7 @@ case "$peer" in
     package=$module/plugins/meta/flannel
     binary=flannel  # the conflist's "type"
     version_var=$module/pkg/utils/buildversion.BuildVersion
-    about="about 5 seconds"
+    about="about half a minute"
     ;;
   *) echo "build-peers: unknown peer '$peer': use flanneld or flannel-cni" >&2; exit 2 ;;
 esac
