@@ -1,12 +1,35 @@
 #!/usr/bin/env bash
-# Build the real flanneld, pinned by the wrapper module in tests/peers/flanneld, into a
-# cache outside git. The lab runs it beside our agents (mixed clusters, benchmarks); the
-# product never needs Go. Rebuilds only when the pin, the wrapper or the Go toolchain
-# changes (a stamp holds their hash). Prints the binary's path.
+# Build a real Flannel peer, pinned by its wrapper module in tests/peers/, into a cache outside
+# git. The lab runs them beside our agents (mixed clusters, benchmarks); the product never
+# needs Go. Rebuilds only when the pin, the wrapper or the Go toolchain changes (a stamp holds
+# their hash). Prints the binary's path.
+#   scripts/build-peers.sh               flanneld (tests/peers/flanneld)
+#   scripts/build-peers.sh flannel-cni   Flannel's CNI plugin, plugins/meta/flannel of
+#                                        containernetworking/plugins (tests/peers/flannel-cni)
 #   FLANNELPY_PEERS_DIR   cache directory (default /var/cache/flannelpy/peers)
 set -euo pipefail
+self=$(realpath "${BASH_SOURCE[0]}")  # hashed below, after the cd
 cd "$(dirname "$0")/.."
-wrapper=tests/peers/flanneld
+
+peer=${1:-flanneld}
+case "$peer" in
+  flanneld)
+    module=github.com/flannel-io/flannel
+    package=$module
+    binary=flanneld
+    version_var=$module/pkg/version.Version
+    about="about 2-4 minutes"
+    ;;
+  flannel-cni)
+    module=github.com/containernetworking/plugins
+    package=$module/plugins/meta/flannel
+    binary=flannel  # the conflist's "type"
+    version_var=$module/pkg/utils/buildversion.BuildVersion
+    about="about half a minute"
+    ;;
+  *) echo "build-peers: unknown peer '$peer': use flanneld or flannel-cni" >&2; exit 2 ;;
+esac
+wrapper=tests/peers/$peer
 
 if ! command -v go >/dev/null; then
   PATH=$PATH:/usr/local/go/bin
@@ -16,19 +39,19 @@ if ! command -v go >/dev/null; then
   exit 1
 fi
 
-pin=$(awk '$1 == "require" && $2 == "github.com/flannel-io/flannel" {print $3}' "$wrapper/go.mod")
+pin=$(awk -v m="$module" '$1 == "require" && $2 == m {print $3}' "$wrapper/go.mod")
 if [[ -z $pin ]]; then
-  echo "build-peers: $wrapper/go.mod has no 'require github.com/flannel-io/flannel vX' line: restore it" >&2
+  echo "build-peers: $wrapper/go.mod has no 'require $module vX' line: restore it" >&2
   exit 1
 fi
-out_dir=$(realpath -m "${FLANNELPY_PEERS_DIR:-/var/cache/flannelpy/peers}/flanneld-$pin")
-out=$out_dir/flanneld
+out_dir=$(realpath -m "${FLANNELPY_PEERS_DIR:-/var/cache/flannelpy/peers}/$peer-$pin")
+out=$out_dir/$binary
 stamp=$out_dir/.stamp
 
 # Everything the binary depends on: the wrapper's files, this script and the toolchain.
 inputs_hash=$( {
   find "$wrapper" -type f ! -name README.md -print0 | sort -z | xargs -0 sha256sum
-  sha256sum "${BASH_SOURCE[0]}"
+  sha256sum "$self"
   go version
 } | sha256sum | cut -c1-16)
 
@@ -37,17 +60,17 @@ if [[ -x $out && -f $stamp && $(cat "$stamp") == "$inputs_hash" ]]; then
   exit 0
 fi
 
-echo "build-peers: building flanneld $pin (the first build downloads its modules: about 2-4 minutes)" >&2
+echo "build-peers: building $peer $pin (the first build downloads its modules: $about)" >&2
 mkdir -p "$out_dir"
-tmp=$(mktemp "$out_dir/.flanneld.XXXXXX")
+tmp=$(mktemp "$out_dir/.$binary.XXXXXX")
 trap 'rm -f "$tmp"' EXIT
 # -mod=readonly: a go.sum out of date with go.mod fails loudly instead of rewriting git files.
 (cd "$wrapper" && go build -mod=readonly -trimpath -buildvcs=false \
-  -ldflags "-s -w -X github.com/flannel-io/flannel/pkg/version.Version=$pin" \
-  -o "$tmp" github.com/flannel-io/flannel)
+  -ldflags "-s -w -X $version_var=$pin" -o "$tmp" "$package")
 chmod 0755 "$tmp"
-if [[ $("$tmp" --version 2>&1) != "$pin" ]]; then
-  echo "build-peers: the built flanneld does not report version $pin; see the output above" >&2
+# flanneld prints its version; a CNI plugin run without CNI_COMMAND prints its "about" line.
+if [[ $("$tmp" --version 2>&1) != *"$pin" ]]; then
+  echo "build-peers: the built $peer does not report version $pin; see the output above" >&2
   exit 1
 fi
 mv -f "$tmp" "$out"  # atomic: a running lab never sees half a binary

@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="run the real upstream flanneld (built by scripts/build-peers.sh) on the last K "
-        "nodes instead of our agent (default 0); with --kube it runs with --kube-subnet-mgr",
+        help="run the real upstream flanneld and Flannel's CNI plugin (built by "
+        "scripts/build-peers.sh) on the last K nodes instead of our agent (default 0); with "
+        "--kube it runs with --kube-subnet-mgr",
     )
     up.add_argument(
         "--etcd-members",

@@ -9,14 +9,16 @@ own ClusterRole is a subset of ours: pods get, nodes get/list/watch, nodes/statu
 patch), the net-conf.json the agents read, NODE_NAME and POD_NAMESPACE from the
 downward API, and the DaemonSet's EVENT_QUEUE_DEPTH and CONT_WHEN_CACHE_NOT_READY.
 
-Pods on a flanneld node are NOT made by the upstream flannel CNI plugin: its Go
-module is not available to the build here. They are made by the real reference
-``bridge`` + ``host-local`` plugins, configured from that node's subnet.env exactly
-as the flannel plugin builds its delegate config (``delegate_conf``) at every ADD.
+Pods on a flanneld node are made by Flannel's own CNI plugin (``plugins/meta/flannel`` of
+containernetworking/plugins v0.9.1, built by ``scripts/build-peers.sh flannel-cni``), with
+the conflist of Flannel's kube-flannel.yml and the node's own paths: at each ADD it renders
+its delegate config from subnet.env (``delegate_conf``), saves it in its ``dataDir`` under
+the container ID for the DEL, and runs the reference ``bridge`` + ``host-local``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -31,8 +33,12 @@ if TYPE_CHECKING:
     from flannelpy_lab.agents import SubnetEnv
 
 BINARY_ENV = "FLANNELPY_FLANNELD"  # an explicit flanneld binary, instead of the pinned build
+CNI_PLUGIN_ENV = "FLANNELPY_FLANNEL_CNI"  # an explicit flannel CNI plugin, likewise
 BUILD_SCRIPT = "scripts/build-peers.sh"
-CNI_VERSION = "1.0.0"
+CNI_PLUGIN_PEER = "flannel-cni"  # build-peers.sh's argument for the flannel CNI plugin
+CNI_PLUGIN_TYPE = "flannel"  # the conflist "type", i.e. the file name in CNI_PATH
+# kube-flannel.yml's cniVersion; the v0.9.1 plugin speaks up to 0.4.0, so never 1.0.0 here.
+CNI_VERSION = "0.3.1"
 KUBE_NAMESPACE = "kube-flannelpy"  # the manifests' namespace, as POD_NAMESPACE
 _PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
@@ -43,26 +49,35 @@ def repo_root() -> str:
 
 def binary() -> str:
     """The flanneld to run: ``$FLANNELPY_FLANNELD``, else the pinned build (built if missing)."""
-    explicit = os.environ.get(BINARY_ENV)
+    return _peer_binary(BINARY_ENV, "flanneld", [])
+
+
+def cni_plugin_binary() -> str:
+    """The flannel CNI plugin: ``$FLANNELPY_FLANNEL_CNI``, else the pinned build (built if
+    missing)."""
+    return _peer_binary(CNI_PLUGIN_ENV, "the flannel CNI plugin", [CNI_PLUGIN_PEER])
+
+
+def _peer_binary(env_var: str, what: str, build_args: list[str]) -> str:
+    explicit = os.environ.get(env_var)
+    build = " ".join([BUILD_SCRIPT, *build_args])
     if explicit:
         if not os.access(explicit, os.X_OK):
-            raise LabError(
-                f"{BINARY_ENV}={explicit} is not an executable; unset it or run {BUILD_SCRIPT}"
-            )
+            raise LabError(f"{env_var}={explicit} is not an executable; unset it or run {build}")
         return explicit
     script = os.path.join(repo_root(), BUILD_SCRIPT)
     if not os.path.isfile(script):
         raise LabError(
-            f"flanneld is not available: {BUILD_SCRIPT} is missing from "
-            f"{repo_root()}; set {BINARY_ENV} to a flanneld binary"
+            f"{what} is not available: {BUILD_SCRIPT} is missing from "
+            f"{repo_root()}; set {env_var} to its binary"
         )
     # The script's own lines (what it builds, about how long) reach the user on stderr.
-    proc = subprocess.run(["bash", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(["bash", script, *build_args], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not os.access(lines[-1], os.X_OK):
         raise LabError(
-            f"flanneld is not built and {BUILD_SCRIPT} failed (exit {proc.returncode}, its "
-            f"output above); run {BUILD_SCRIPT}"
+            f"{what} is not built and {build} failed (exit {proc.returncode}, its "
+            f"output above); run {build}"
         )
     return lines[-1]
 
@@ -140,14 +155,14 @@ def host_local_network_dir(node: NodeInfo, network: str = "cbr0") -> str:
 
 
 def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
-    """The ``bridge`` config the flannel CNI plugin hands on, from subnet.env and the upstream
-    conflist's delegate (``hairpinMode``, ``isDefaultGateway``): bridge cni0 (the plugin's
-    default name), isGateway, mtu = FLANNEL_MTU, ipMasq = not FLANNEL_IPMASQ, host-local over
-    the subnet's network with a route to FLANNEL_NETWORK. Dual stack (FLANNEL_IPV6_SUBNET
-    set), as the plugin's getDelegateIPAM: a second range, the IPv6 subnet's network, and a
-    route to FLANNEL_IPV6_NETWORK; the pods' default routes of both families come from the
-    bridge plugin's isDefaultGateway. ``ipam.dataDir`` is the lab's addition, passed through
-    as a user's ``ipam`` in the flannel conflist would be."""
+    """The ``bridge`` config the flannel CNI plugin hands on (and saves for its DEL), from
+    subnet.env and the conflist's delegate (``hairpinMode``, ``isDefaultGateway``): bridge
+    cni0 (the plugin's default name), isGateway, mtu = FLANNEL_MTU, ipMasq = not
+    FLANNEL_IPMASQ, host-local over the subnet's network with a route to FLANNEL_NETWORK.
+    Dual stack (FLANNEL_IPV6_SUBNET set), as the plugin's getDelegateIPAM: a second range,
+    the IPv6 subnet's network, and a route to FLANNEL_IPV6_NETWORK; the pods' default routes
+    of both families come from the bridge plugin's isDefaultGateway. ``ipam.dataDir`` is
+    the conflist's ``ipam``, which the plugin passes through."""
     # The plugin parses FLANNEL_SUBNET with net.ParseCIDR: the network, not .1. IPv6-only
     # subnet.env has neither FLANNEL_SUBNET nor FLANNEL_NETWORK: the IPv6 range alone.
     ranges = [[{"subnet": str(IPv4Interface(env.subnet).network)}]] if env.subnet else []
@@ -174,15 +189,49 @@ def delegate_conf(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
     }
 
 
-def conflist_doc(node: NodeInfo, env: SubnetEnv, name: str) -> dict[str, Any]:
-    """The conflist a runtime on a flanneld node would run: the flannel plugin's delegate
-    (rendered from the node's current subnet.env, as the plugin does at each ADD), then
-    portmap."""
+def flannel_data_dir(node: NodeInfo) -> str:
+    """The flannel plugin's dataDir for the node (its default /var/lib/cni/flannel is
+    host-wide): one file per container, the delegate config its DEL replays."""
+    return os.path.join(node.node_dir, "cni", "flannel")
+
+
+def conflist_doc(node: NodeInfo, name: str) -> dict[str, Any]:
+    """The conflist a runtime on a flanneld node runs: kube-flannel.yml's cni-conf.json
+    (the flannel plugin with its delegate's hairpinMode and isDefaultGateway, then
+    portmap), with the node's subnet.env, dataDir and host-local dataDir (a user's
+    ``ipam``, which the plugin completes with the ranges and routes)."""
     return {
         "cniVersion": CNI_VERSION,
         "name": name,
         "plugins": [
-            delegate_conf(node, env, name),
+            {
+                "type": CNI_PLUGIN_TYPE,
+                "subnetFile": node.subnet_env,
+                "dataDir": flannel_data_dir(node),
+                "ipam": {"dataDir": host_local_dir(node)},
+                "delegate": {"hairpinMode": True, "isDefaultGateway": True},
+            },
             {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
+
+
+def write_delegate_confs(node: NodeInfo, env: SubnetEnv, name: str, container_ids: set[str]) -> int:
+    """Save the delegate config in the flannel plugin's dataDir for each container it has
+    none for (pods another plugin added), as its ADD would have, so its DEL of them
+    releases their addresses through host-local instead of doing nothing; returns the
+    files written."""
+    data_dir = flannel_data_dir(node)
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    conf = json.dumps(delegate_conf(node, env, name)).encode()
+    written = 0
+    for container_id in sorted(container_ids):
+        path = os.path.join(data_dir, container_id)
+        if os.path.exists(path):
+            continue  # the plugin's own ADD saved it: it knows that pod already
+        with open(path + ".tmp", "wb") as f:
+            f.write(conf)
+        os.chmod(path + ".tmp", 0o600)
+        os.replace(path + ".tmp", path)
+        written += 1
+    return written

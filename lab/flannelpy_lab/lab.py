@@ -196,6 +196,7 @@ class Lab:
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
+        flannel_cni_binary = flanneld.cni_plugin_binary() if flanneld_nodes else None
         if kube:
             control_plane.bin_dir(build=True)
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
@@ -214,6 +215,7 @@ class Lab:
         )
         if flanneld_binary:
             state.extra["flanneld_binary"] = flanneld_binary
+            state.extra["flannel_cni_binary"] = flannel_cni_binary
         if net_conf_extra:
             state.extra["net_conf_extra"] = dict(net_conf_extra)
         if kube:
@@ -312,6 +314,8 @@ class Lab:
     def install_cni(self, form: str = "auto") -> str:
         """Install the CNI executable and every node's conflist; returns the form installed."""
         installed = pods.install_executable(self.state, form)
+        if any(node.runs_flanneld for node in self.state.nodes):
+            pods.install_flannel_plugin(self.state)
         for node in self.state.nodes:
             pods.write_conflist(node)
         self.state.extra["cni_exec"] = installed

@@ -12,13 +12,15 @@ to flannelpy (from flanneld)
 to flanneld (from ours)
     stop our agent (it leaves the data plane and the lease); write our IPAM's
     live allocations into host-local's data dir, so host-local never hands one
-    out again; replace the conflist by the flannel delegate one; start flanneld.
+    out again, and for each of our pods the delegate config the flannel plugin's
+    ADD would have saved in its dataDir, so its DEL releases the address; replace
+    the conflist by Flannel's; start flanneld.
 
 The lab state records the node's new kind, so ``status``, ``pod add`` and ``down``
 follow it. Pods made before keep their addresses; a later DEL of such a pod goes
 through whichever conflist the node has then (as with a runtime that reads the
 current config), and both sides release it: ours from its IPAM or its holds,
-host-local from its file.
+the flannel plugin through bridge + host-local from the config saved for it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from dataclasses import dataclass
 from flannelpy.ipam import hostlocal
 from flannelpy.ipam.manager import NodeIpam
 from flannelpy_lab import agents, flanneld, pods
+from flannelpy_lab.agents import SubnetEnv
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
-from flannelpy_lab.state import KIND_FLANNELD, KIND_FLANNELPY
+from flannelpy_lab.state import KIND_FLANNELD, KIND_FLANNELPY, NodeInfo
 
 KINDS = (KIND_FLANNELPY, KIND_FLANNELD)
 
@@ -78,7 +81,8 @@ def migrate(
         while_stopped()
     exported = 0
     if to == KIND_FLANNELD:
-        exported = export_allocations(node.node_dir, flanneld.host_local_network_dir(node))
+        pods.install_flannel_plugin(lab.state)
+        exported = export_allocations(node, before)
     old_conflist = node.conflist
     node.agent_kind = to
     lab.state.extra.setdefault("migrations", []).append(
@@ -101,12 +105,16 @@ def migrate(
     )
 
 
-def export_allocations(node_dir: str, host_local_network_dir: str) -> int:
+def export_allocations(node: NodeInfo, env: SubnetEnv) -> int:
     """Write our IPAM's allocations (and the addresses it holds for host-local's pods)
-    into host-local's data dir, with our agent stopped; returns the files written."""
-    state_dir = os.path.join(node_dir, "state", "ipam")
+    into host-local's data dir, and for each of our pods the delegate config the flannel
+    plugin's DEL replays (it does nothing for a container it has none for), with our
+    agent stopped; returns the host-local files written."""
+    state_dir = os.path.join(node.node_dir, "state", "ipam")
     if not os.path.isdir(state_dir):
         return 0
     with NodeIpam(state_dir, fsync=False) as ipam:
         entries = ipam.host_local_entries()
-    return hostlocal.write_allocations(host_local_network_dir, entries)
+    containers = {entry.container_id for entry in entries}
+    flanneld.write_delegate_confs(node, env, pods.NETWORK_NAME, containers)
+    return hostlocal.write_allocations(flanneld.host_local_network_dir(node), entries)

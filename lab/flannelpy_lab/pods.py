@@ -6,10 +6,9 @@ share one filesystem. The executable is installed once per lab; it is the
 static build (no Python needed on the "host") when it can be built here, else
 the Python launcher.
 
-On a flanneld node the conflist is the flannel CNI plugin's delegate config,
-rendered by the lab from that node's subnet.env before every ADD (as the plugin
-does), run by the reference ``bridge`` and ``host-local`` plugins: a stand-in for
-the flannel plugin, which is not built here (see ``flannelpy_lab.flanneld``).
+On a flanneld node the conflist is Flannel's own (kube-flannel.yml's): the real
+flannel CNI plugin, installed beside ours, delegating to the reference ``bridge``
+and ``host-local`` plugins (see ``flannelpy_lab.flanneld``).
 """
 
 from __future__ import annotations
@@ -57,10 +56,7 @@ def install_executable(state: LabState, form: str = "auto") -> str:
     dest = os.path.join(state.cni_bin_dir, PLUGIN_NAME)
     binary = static_build() if form in ("auto", "static") else None
     if binary is not None:
-        tmp = dest + ".tmp"
-        shutil.copyfile(binary, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dest)
+        _install_file(binary, dest)
         return "static"
     if form == "static":
         raise LabError("the static CNI executable could not be built; run scripts/build-cni.sh")
@@ -68,6 +64,20 @@ def install_executable(state: LabState, form: str = "auto") -> str:
 
     write_launcher(dest)
     return "python"
+
+
+def install_flannel_plugin(state: LabState) -> None:
+    """Put the flannel CNI plugin into the lab's CNI bin dir, for its flanneld nodes."""
+    binary = state.extra.get("flannel_cni_binary") or flanneld.cni_plugin_binary()
+    os.makedirs(state.cni_bin_dir, exist_ok=True)
+    _install_file(binary, os.path.join(state.cni_bin_dir, flanneld.CNI_PLUGIN_TYPE))
+
+
+def _install_file(binary: str, dest: str) -> None:
+    tmp = dest + ".tmp"
+    shutil.copyfile(binary, tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)  # a plugin being run meanwhile is never half written
 
 
 def conflist_doc(node: NodeInfo) -> dict[str, Any]:
@@ -89,10 +99,9 @@ def conflist_doc(node: NodeInfo) -> dict[str, Any]:
 def write_conflist(node: NodeInfo) -> None:
     """The node's conflist; on a flanneld node only once its subnet.env exists."""
     if node.runs_flanneld:
-        env = agents.read_subnet_env(node)
-        if env is None:
+        if agents.read_subnet_env(node) is None:
             return
-        doc = flanneld.conflist_doc(node, env, NETWORK_NAME)
+        doc = flanneld.conflist_doc(node, NETWORK_NAME)
     else:
         doc = conflist_doc(node)
     os.makedirs(os.path.dirname(node.conflist), exist_ok=True)
@@ -103,8 +112,8 @@ def write_conflist(node: NodeInfo) -> None:
 
 
 def prepare_flanneld_node(node: NodeInfo) -> None:
-    """Render the delegate conflist from the node's subnet.env now, as the flannel plugin
-    does at each ADD; fail if flanneld has written none."""
+    """Write the node's flannel conflist; fail if flanneld has written no subnet.env yet
+    (the plugin's ADD would fail on it)."""
     if agents.read_subnet_env(node) is None:
         raise LabError(
             f"node {node.name} has no subnet.env at {node.subnet_env}: its "

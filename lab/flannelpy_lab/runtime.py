@@ -2,9 +2,10 @@
 
 ADD runs the plugins in order, each getting the previous one's result as
 ``prevResult``; the final result is cached. DEL runs them in reverse with the
-cached result; CHECK in order with it. Plugins are executed inside the lab
-node's network namespace (as a runtime on that node would run them), with
-the ``CNI_*`` variables and the plugin's config on stdin.
+cached result (converted to the conflist's version, as libcni does); CHECK in
+order with it. Plugins are executed inside the lab node's network namespace (as
+a runtime on that node would run them), with the ``CNI_*`` variables and the
+plugin's config on stdin.
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ class CniRuntime:
         return self.cache_dir / f"{conflist['name']}-{att.container_id}-{att.ifname}.json"
 
     def _cached(self, conflist: dict[str, Any], att: Attachment) -> dict[str, Any] | None:
+        """The cached result in the conflist's version, as libcni converts it: a node's
+        conflist may have changed version since the ADD (a migrated node), and a plugin
+        refuses a prevResult of a version its config does not have."""
         path = self._cache_path(conflist, att)
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        return convert_result(json.loads(path.read_text()), conflist["cniVersion"])
 
     def _exec(
         self,
@@ -120,3 +126,21 @@ class CniRuntime:
             if os.access(candidate, os.X_OK):
                 return candidate
         raise LabError(f"CNI plugin {plugin_type!r} not found in CNI_PATH {self.cni_path}")
+
+
+def convert_result(result: dict[str, Any], version: str) -> dict[str, Any]:
+    """A 0.3.x/0.4.0 or 1.x result in ``version``: before 1.0.0 each IP carries its family
+    as ``version`` ("4" or "6"), from 1.0.0 on it carries none."""
+    converted = dict(result, cniVersion=version)
+    if "ips" in result:
+        legacy = version.startswith("0.")
+        converted["ips"] = [_convert_ip(dict(ip), legacy) for ip in result["ips"]]
+    return converted
+
+
+def _convert_ip(ip: dict[str, Any], legacy: bool) -> dict[str, Any]:
+    if legacy:
+        ip.setdefault("version", "6" if ":" in str(ip.get("address", "")) else "4")
+    else:
+        ip.pop("version", None)
+    return ip

@@ -1,7 +1,8 @@
 """Migration between the real flanneld and our agent, node by node, with pods running.
 
-A 4-node lab (n1, n2 ours; n3, n4 the pinned upstream flanneld), one pod per node,
-continuous ICMP between every ordered pod pair and TCP streams (tests/support/traffic).
+A 4-node lab (n1, n2 ours; n3, n4 the pinned upstream flanneld and flannel CNI plugin),
+one pod per node, continuous ICMP between every ordered pod pair and TCP streams
+(tests/support/traffic).
 Then, as an operator would: n3 from flanneld to ours, n2 from ours to flanneld
 (``flannelpy_lab.migrate``), each under its own traffic session so each direction
 reports its echoes sent and lost. Asserted, for vxlan and host-gw:
@@ -246,8 +247,8 @@ def test_migration_both_ways_under_traffic(lab: Lab) -> None:
     lab.delete_pod(old_on_n3.name)
     held = f"{flanneld.host_local_network_dir(lab.node('n3'))}/{old_on_n3.ip}"
     assert not os.path.exists(held), held
-    # One of ours, deleted through bridge + host-local now: host-local finds the file we
-    # wrote for it and releases it.
+    # One of ours, deleted through the flannel plugin now: its DEL replays the delegate
+    # config the hand-back saved for it, and host-local releases the file we wrote.
     old_on_n2 = next(p for p in before_pods if p.node == "n2")
     exported = f"{flanneld.host_local_network_dir(lab.node('n2'))}/{old_on_n2.ip}"
     assert os.path.exists(exported), exported

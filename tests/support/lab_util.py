@@ -127,17 +127,19 @@ def running_dual_stack_lab(
 
 @contextmanager
 def running_mixed_lab(backend: str = "vxlan", **kwargs: Any) -> Iterator[Lab]:
-    """A 4-node lab whose last two nodes run the real flanneld (n1, n2 ours; n3, n4 theirs).
+    """A 4-node lab whose last two nodes run the real flanneld and flannel CNI plugin (n1, n2
+    ours; n3, n4 theirs).
 
-    Fails, never skips, when flanneld was not built: the bootstrap builds it.
+    Fails, never skips, when either was not built: the bootstrap builds them.
     """
     from flannelpy_lab import flanneld
     from flannelpy_lab.errors import LabError
 
     try:
         flanneld.binary()
+        flanneld.cni_plugin_binary()
     except LabError as e:
-        pytest.fail(f"the real flanneld is needed and missing: {e}")
+        pytest.fail(f"the real flanneld and flannel CNI plugin are needed: {e}")
     with running_lab(4, backend, flanneld_nodes=2, **kwargs) as lab:
         assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"] * 2
         yield lab

@@ -1,5 +1,7 @@
-"""The delegate config the lab renders on flanneld nodes, as the flannel CNI plugin does
-from subnet.env: one host-local range per family, a route to each family's network."""
+"""The conflist of the lab's flanneld nodes (kube-flannel.yml's, with the node's paths), and
+the delegate config the lab renders for the flannel CNI plugin's DEL of pods it did not add,
+as the plugin does from subnet.env: one host-local range per family, a route to each
+family's network."""
 
 from __future__ import annotations
 
@@ -43,3 +45,17 @@ def test_dual_stack_adds_the_ipv6_range_and_route() -> None:
     assert conf["ipam"]["routes"] == [{"dst": "10.244.0.0/16"}, {"dst": "fd10:244::/56"}]
     # The pods' default routes of both families come from the bridge plugin.
     assert conf["isDefaultGateway"] is True and conf["isGateway"] is True
+
+
+def test_the_conflist_is_kube_flannels_with_the_nodes_paths() -> None:
+    conflist = flanneld.conflist_doc(NODE, "cbr0")
+    assert conflist["cniVersion"] == "0.3.1"  # the v0.9.1 plugin refuses 1.0.0
+    flannel, portmap = conflist["plugins"]
+    assert flannel == {
+        "type": "flannel",
+        "subnetFile": "/tmp/n3/subnet.env",
+        "dataDir": "/tmp/n3/cni/flannel",
+        "ipam": {"dataDir": "/tmp/n3/cni/networks"},
+        "delegate": {"hairpinMode": True, "isDefaultGateway": True},
+    }
+    assert portmap["type"] == "portmap"

@@ -1,15 +1,19 @@
 """``flannelpy-lab migrate``: its command line, what it refuses before touching a node, and
-the hand-over of our allocations to host-local (the packets are in tests/e2e)."""
+the hand-over of our allocations to host-local and the flannel CNI plugin (the packets are
+in tests/e2e)."""
 
 from __future__ import annotations
 
+import json
+import os
 from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
 from flannelpy_lab import cli as lab_cli
-from flannelpy_lab import plan
+from flannelpy_lab import flanneld, plan
 from flannelpy_lab import state as state_io
+from flannelpy_lab.agents import parse_subnet_env
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
 from flannelpy_lab.migrate import export_allocations, migrate
@@ -61,17 +65,33 @@ def test_refusals_name_what_to_fix(tmp_path: Path) -> None:
     assert [n.agent_kind for n in lab.nodes] == ["flannelpy"] * 2 + ["flanneld"] * 2
 
 
-def test_our_allocations_are_written_for_host_local(tmp_path: Path) -> None:
-    node_dir = tmp_path / "n2"
-    with NodeIpam(str(node_dir / "state" / "ipam"), fsync=False) as ipam:
+def test_our_allocations_are_written_for_host_local_and_the_flannel_plugin(
+    tmp_path: Path,
+) -> None:
+    node = make_lab(tmp_path).node("n2")
+    with NodeIpam(os.path.join(node.node_dir, "state", "ipam"), fsync=False) as ipam:
         ipam.set_leases([IPv4Network("10.244.55.0/24")])
         ipam.allocate("lab-n2-p1", "eth0")
         ipam.allocate("lab-n2-p2", "eth0")
-    target = tmp_path / "cni" / "networks" / "cbr0"
-    assert export_allocations(str(node_dir), str(target)) == 2
+    # A pod the flannel plugin added itself keeps the config its ADD saved.
+    data_dir = Path(flanneld.flannel_data_dir(node))
+    data_dir.mkdir(parents=True)
+    (data_dir / "lab-n2-p2").write_text("saved by ADD")
+    env = parse_subnet_env(
+        "FLANNEL_NETWORK=10.244.0.0/16\nFLANNEL_SUBNET=10.244.55.1/24\n"
+        "FLANNEL_MTU=1450\nFLANNEL_IPMASQ=true\n"
+    )
+    assert export_allocations(node, env) == 2
+    target = Path(flanneld.host_local_network_dir(node))
     assert (target / "10.244.55.2").read_bytes() == b"lab-n2-p1\r\neth0"
     assert sorted(e.container_id for e in hostlocal.read_dir(str(target))) == [
         "lab-n2-p1",
         "lab-n2-p2",
     ]
-    assert export_allocations(str(tmp_path / "never-ran"), str(target)) == 0
+    # What the plugin's DEL hands to bridge: host-local over this node's store and subnet.
+    saved = json.loads((data_dir / "lab-n2-p1").read_text())
+    assert (saved["type"], saved["name"], saved["cniVersion"]) == ("bridge", "cbr0", "0.3.1")
+    assert saved["ipam"]["dataDir"] == flanneld.host_local_dir(node)
+    assert saved["ipam"]["ranges"] == [[{"subnet": "10.244.55.0/24"}]]
+    assert (data_dir / "lab-n2-p2").read_text() == "saved by ADD"
+    assert export_allocations(make_lab(tmp_path / "never-ran").node("n2"), env) == 0
