@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flannelpy_lab import Lab
+from flannelpy_lab import kube as control_plane
 
 from bench.common import lacks_root, load_average, say, table
 from bench.kube_scale import Api
@@ -46,22 +47,9 @@ POLL = 0.05
 NFT_POLL = 0.2  # between two listings of the table: each costs CPU the agent competes for
 
 
-def pod_doc(i: int, namespaces: int, node: str, app: int | None = None) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"p{i}",
-            "namespace": f"ns{i % namespaces}",
-            "labels": {"app": f"app{i % APPS if app is None else app}", "tier": str(i % 3)},
-        },
-        "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": False,
-            "containers": [{"name": "c", "image": "none",
-                            "ports": [{"name": "http", "containerPort": 8080}]}],
-        },
-    }  # fmt: skip
+def pod_doc(i: int, namespaces: int, node: str) -> dict[str, Any]:
+    labels = {"app": f"app{i % APPS}", "tier": str(i % 3)}
+    return control_plane.pod_manifest(f"ns{i % namespaces}", f"p{i}", node, labels, {"http": 8080})
 
 
 def pod_ip(i: int) -> str:
@@ -128,7 +116,7 @@ def populate(lab: Lab, api: Api, args: argparse.Namespace, say: Callable[[str], 
         doc = pod_doc(i, args.namespaces, node)
         ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
         api.send("POST", f"/api/v1/namespaces/{ns}/pods", doc, "application/json")
-        status = {"status": {"phase": "Running", "podIP": pod_ip(i), "podIPs": [{"ip": pod_ip(i)}]}}
+        status = control_plane.pod_running_status(pod_ip(i))
         api.send("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", status,
                  "application/merge-patch+json")  # fmt: skip
     for j in range(args.policies):

@@ -894,3 +894,33 @@ def recreate_node(state: LabState, node: NodeInfo, pod_cidr: str) -> None:
     kubectl(
         state, "taint", "nodes", node.name, "node.kubernetes.io/not-ready:NoSchedule-", check=False
     )
+
+
+def pod_manifest(
+    namespace: str,
+    name: str,
+    node: str,
+    labels: dict[str, str],
+    ports: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A Pod bound to ``node`` as the lab's NetworkPolicy tests and benches write it: no
+    kubelet runs it (the lab's pods are made through the CNI executable), so its status is
+    written apart (:func:`pod_running_status`); ``ports``: container port names -> numbers."""
+    container: dict[str, Any] = {"name": "c", "image": "none"}
+    if ports:
+        container["ports"] = [{"name": n, "containerPort": p} for n, p in ports.items()]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": False,
+            "containers": [container],
+        },
+    }
+
+
+def pod_running_status(ip: str) -> dict[str, Any]:
+    """The status patch a kubelet writes once a pod runs with one address."""
+    return {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
+from flannelpy_lab.tcp_probe import Client, connect_loop, serve, stop_process
 
 from tests.e2e.test_observability import scrape
 from tests.support.lab_util import lab_run_argv, running_real_kube_lab, wait_until
@@ -38,63 +39,11 @@ pytestmark = [pytest.mark.lab, pytest.mark.netns]
 
 NS = "shop"
 PORT = 8080
-INTERVAL = 0.01  # a new connection every 10 ms
 ENFORCE = 30.0  # seconds allowed for a change to reach the kernel on a loaded machine
-
-SERVER = f"""
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", {PORT}))
-s.listen(4096)
-print("ready", flush=True)
-while True:
-    c, _ = s.accept()
-    c.close()
-"""
-
-# Non-blocking connects started every INTERVAL whatever happens to the earlier ones: a
-# dropped SYN waits 0.9 s (before the kernel's first retransmission) and is logged as lost.
-CLIENT = f"""
-import os, selectors, socket, sys, time
-host, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
-sel = selectors.DefaultSelector()
-log = open(out, "w", buffering=1)
-due = time.time()
-while not os.path.exists(stop):
-    now = time.time()
-    if now >= due:
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex((host, {PORT}))
-        sel.register(s, selectors.EVENT_WRITE, now)
-        due += {INTERVAL}
-    for key, _ in sel.select(timeout=max(0.0, min(due - time.time(), {INTERVAL}))):
-        err = key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        log.write(f"{{key.data:.4f}} {{'ok' if err == 0 else 'refused'}}\\n")
-        sel.unregister(key.fileobj)
-        key.fileobj.close()
-    for key in list(sel.get_map().values()):
-        if time.time() - key.data > 0.9:
-            log.write(f"{{key.data:.4f}} lost\\n")
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
-"""
 
 
 def pod_object(name: str, node: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": {"app": name}},
-        "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {"name": "c", "image": "none", "ports": [{"name": "http", "containerPort": PORT}]}
-            ],
-        },
-    }
+    return control_plane.pod_manifest(NS, name, node, {"app": name}, {"http": PORT})
 
 
 def policy(ingress: list[dict[str, Any]]) -> dict[str, Any]:
@@ -113,40 +62,6 @@ def policy(ingress: list[dict[str, Any]]) -> dict[str, Any]:
 ALLOW_WEB = policy([{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}],
                      "ports": [{"port": "http"}]}])  # fmt: skip
 DENY = policy([])
-
-
-class Client:
-    """The client's log: (start time, outcome) of every connection."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def attempts(self) -> list[tuple[float, str]]:
-        out = []
-        for line in self.path.read_text().splitlines():
-            t, _, outcome = line.partition(" ")
-            if outcome:
-                out.append((float(t), outcome))
-        return sorted(out)
-
-    def since(self, t0: float) -> list[tuple[float, str]]:
-        return [a for a in self.attempts() if a[0] >= t0]
-
-
-def serve(netns: str) -> subprocess.Popen[str]:
-    """The TCP server in a pod's namespace, once it listens."""
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", netns, "python3", "-c", SERVER], stdout=subprocess.PIPE, text=True
-    )
-    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-    return server
-
-
-def stop_server(server: subprocess.Popen[str]) -> None:
-    server.kill()
-    server.wait(timeout=10)
-    if server.stdout is not None:
-        server.stdout.close()
 
 
 def connects(lab: Lab, src: str, ip: str) -> bool:
@@ -191,27 +106,18 @@ def client(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clien
     for pod, name in ((db, "db"), (web, "web")):
         lab.kubectl("apply", "-f", "-", stdin=json.dumps(pod_object(name, pod.node)))
         ip = ips[pod.name]
-        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+        status = control_plane.pod_running_status(ip)
         lab.kubectl("patch", "pod", name, "-n", NS, "--subresource=status", "--type=merge",
                     "-p", json.dumps(status))  # fmt: skip
-    workdir = tmp_path_factory.mktemp("netpol")
-    log, stop = workdir / "client.log", workdir / "stop"
-    log.touch()
-    server = serve(db.namespace)
-    conn = subprocess.Popen(
-        ["ip", "netns", "exec", web.namespace, "python3", "-c", CLIENT,
-         ips[db.name], str(log), str(stop)]
-    )  # fmt: skip
+    server = serve(db.namespace, PORT)
     try:
-        yield Client(log)
-    finally:
-        stop.touch()
+        conn = connect_loop(web.namespace, ips[db.name], PORT, tmp_path_factory.mktemp("netpol"))
         try:
-            conn.wait(timeout=5)  # it stops at the stop file
-        except subprocess.TimeoutExpired:
-            conn.kill()
-            conn.wait(timeout=10)
-        stop_server(server)
+            yield conn
+        finally:
+            conn.stop()
+    finally:
+        stop_process(server)
 
 
 def test_an_allowing_policy_lets_every_connection_through_and_explain_names_its_rule(
@@ -271,7 +177,7 @@ def test_a_pod_attached_before_its_pod_object_is_read_is_denied_until_it_is(
     web = next(p for p in lab.pods if p.node == "n2")
     web_ip = (web.address or "").split("/")[0]
     late = lab.add_pod("n1", "late", kube_pod=f"{NS}/late")  # CNI_ARGS name it shop/late
-    servers = [serve(late.namespace), serve(web.namespace)]
+    servers = [serve(late.namespace, PORT), serve(web.namespace, PORT)]
     try:
         ip = (late.address or "").split("/")[0]
         assert connects(lab, late.name, "127.0.0.1")  # its server listens
@@ -279,7 +185,7 @@ def test_a_pod_attached_before_its_pod_object_is_read_is_denied_until_it_is(
         assert not any(connects(lab, web.name, ip) for _ in range(3))
         assert not any(connects(lab, late.name, web_ip) for _ in range(3))
         lab.kubectl("apply", "-f", "-", stdin=json.dumps(pod_object("late", "n1")))
-        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+        status = control_plane.pod_running_status(ip)
         lab.kubectl("patch", "pod", "late", "-n", NS, "--subresource=status", "--type=merge",
                     "-p", json.dumps(status))  # fmt: skip
         # Read: app=late, which no policy selects, so open both ways.
@@ -287,7 +193,7 @@ def test_a_pod_attached_before_its_pod_object_is_read_is_denied_until_it_is(
         assert connects(lab, late.name, web_ip)
     finally:
         for server in servers:
-            stop_server(server)
+            stop_process(server)
         lab.kubectl("delete", "pod", "late", "-n", NS, "--grace-period=0", "--force", check=False)
         lab.delete_pod(late.name)
 
