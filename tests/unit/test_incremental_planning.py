@@ -316,9 +316,12 @@ def test_a_peer_without_an_mtu_is_said_once_whatever_else_changes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = AgentHarness(tmp_path)
+    agent.writer.acquire_first()
+    # Ten peers on subnets the agent did not take (it picks its own at random).
+    own = {str(subnet) for subnet in agent.own_subnets()}
+    octets = [n for n in range(2, 30) if f"10.244.{n}.0/24" not in own][:10]
     flanneld = [
-        lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n], mtu=None)
-        for n in range(2, 12)
+        lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n], mtu=None) for n in octets
     ]
 
     def put(*peers: Lease) -> None:
@@ -339,13 +342,16 @@ def test_a_peer_without_an_mtu_is_said_once_whatever_else_changes(
         return lines
 
     try:
-        agent.writer.acquire_first()
         caplog.set_level("INFO", "flannelpy.agent.planning")
         put(*flanneld[:6])
         (line,) = said()
-        assert line.startswith("MTU unknown for 6 peers (10.244.2.0/24, 10.244.3.0/24, ")
+        first, second = flanneld[0].subnet, flanneld[1].subnet
+        assert line.startswith(f"MTU unknown for 6 peers ({first}, {second}, ")
         put(flanneld[6])
-        assert said() == [f"MTU unknown: peer 10.244.8.0/24 (192.168.1.28) {ADVERTISES}"]
+        seventh = flanneld[6]
+        assert said() == [
+            f"MTU unknown: peer {seventh.subnet} ({seventh.attrs.public_ip}) {ADVERTISES}"
+        ]
         moved = replace(
             flanneld[0],
             attrs=replace(flanneld[0].attrs, backend_data={"VNI": 1, "VtepMAC": MACS[30]}),
