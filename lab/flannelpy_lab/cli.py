@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kubelet: the mode of the kube-proxy every node runs (default iptables)",
     )
     up.add_argument(
+        "--image-archive",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with --kubelet: also import the images of this `podman save` archive into every "
+        "node's containerd (repeatable; scripts/conformance.sh passes the e2e images)",
+    )
+    up.add_argument(
         "--ip-family",
         choices=("ipv4", "dual", "ipv6"),
         default="ipv4",
@@ -237,6 +245,7 @@ def _up(args: argparse.Namespace) -> int:
         kube=args.kube,
         kubelets=args.kubelet,
         proxy_mode=args.proxy_mode,
+        image_archives=args.image_archive,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))

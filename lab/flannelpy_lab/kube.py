@@ -110,18 +110,22 @@ def _build(directory: str) -> None:
         subprocess.run(["bash", script], stdout=subprocess.DEVNULL, check=False)
 
 
+def _required_version(line: str) -> str | None:
+    """The version in "require k8s.io/kubernetes vX", alone or as a line of a require
+    block; None for any other line (an indirect one has a comment after it)."""
+    words = line.split()
+    if words[:1] == ["require"]:
+        words = words[1:]
+    if len(words) == 2 and words[0] == "k8s.io/kubernetes" and words[1].startswith("v"):
+        return words[1]
+    return None
+
+
 def _pinned_dir() -> str:
     path = os.path.join(repo_root(), PIN_FILE)
     try:
         with open(path, encoding="utf-8") as f:
-            pin = next(
-                (
-                    p[2]
-                    for p in (line.split() for line in f)
-                    if p[:2] == ["require", "k8s.io/kubernetes"] and len(p) > 2
-                ),
-                None,
-            )
+            pin = next(filter(None, (_required_version(line) for line in f)), None)
     except OSError as e:
         raise LabError(
             f"cannot read the Kubernetes pin {path} ({e.strerror}); "
@@ -515,9 +519,10 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--kubelet-client-certificate", p("apiserver-kubelet-client.crt"),
         "--kubelet-client-key", p("apiserver-kubelet-client.key"),
         "--kubelet-preferred-address-types", "InternalIP",
-        # No pod reaches the API server through the "kubernetes" Service here (the agents
-        # are given its address): that Service's endpoints need no upkeep.
-        "--endpoint-reconciler-type", "none",
+        # With kubelets, pods reach the API server through the "kubernetes" Service (kube-proxy
+        # forwards it to this address), as the e2e specs check; without, no pod runs.
+        "--endpoint-reconciler-type",
+        "lease" if record(state).get(KUBELETS_KEY) else "none",
         "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
         "--service-account-key-file", p("sa.pub"),
         "--service-account-signing-key-file", p("sa.key"),

@@ -43,7 +43,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,6 +84,14 @@ def record(state: LabState) -> dict[str, Any]:
 
 def enabled(state: LabState) -> bool:
     return STATE_KEY in state.extra
+
+
+def validate_image_archives(paths: Sequence[str], kubelets: bool) -> None:
+    """Before anything is built: one sentence for an archive the lab cannot import."""
+    if paths and not kubelets:
+        raise LabError("--image-archive needs --kubelet: only the kubelet lab runs containerd")
+    for path in paths:
+        images.archive_image(path)  # a LabError naming what the file lacks
 
 
 # -- paths ----------------------------------------------------------------------------------
@@ -315,7 +323,11 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     rec["image"] = flannelpy_image.ref
     image_dir = os.path.join(state.lab_dir, "images")
     os.makedirs(image_dir, exist_ok=True)
-    to_import = [*images.busybox_images(image_dir), flannelpy_image]
+    to_import = [
+        *images.busybox_images(image_dir),
+        flannelpy_image,
+        *(images.archive_image(path) for path in rec.get("image_archives", ())),
+    ]
     save()
     for p in HOST_PATHS:
         os.makedirs(p, exist_ok=True)  # a mount point for the node's bind mount

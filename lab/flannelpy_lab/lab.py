@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
@@ -153,6 +153,7 @@ class Lab:
         with_prometheus: bool = False,
         kubelets: bool = False,
         proxy_mode: str = kube_proxy.DEFAULT_MODE,
+        image_archives: Sequence[str] = (),
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -170,7 +171,8 @@ class Lab:
 
         ``kubelets`` (implies ``kube``): a real kubelet, containerd and kube-proxy (in
         ``proxy_mode``, iptables or nftables) per node, the agents run by the manifests'
-        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``)."""
+        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``); every ``image_archives``
+        (``podman save`` archives) is imported into every node's containerd beside them."""
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
@@ -184,6 +186,7 @@ class Lab:
             etcd_members,
         )
         kube_proxy.validate_mode(proxy_mode, kubelets)
+        real_nodes.validate_image_archives(image_archives, kubelets)
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
@@ -211,7 +214,9 @@ class Lab:
             control_plane.record(state)
         if kubelets:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
-            real_nodes.record(state)["proxy_mode"] = proxy_mode
+            nodes_record = real_nodes.record(state)
+            nodes_record["proxy_mode"] = proxy_mode
+            nodes_record["image_archives"] = [os.path.abspath(p) for p in image_archives]
         if with_prometheus:
             prometheus.record(state)
         lab = cls(state)
