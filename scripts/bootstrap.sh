@@ -97,13 +97,14 @@ go_peers() {
   scripts/build-peers.sh && scripts/build-kube.sh
 }
 
-# e2e_suite: the upstream e2e suite from the Kubernetes pin, then its images (the first
-# build takes 7-8 minutes once the control plane's build cache is warm, then 2 for the images;
-# cached by the pin like the peers).
+# e2e_suite: the upstream e2e suite from the Kubernetes pin, then its images, and CoreDNS,
+# the cluster DNS of its lab (the first build takes 7-8 minutes once the control plane's
+# build cache is warm, 2 for the images, 4 for CoreDNS; cached by the pins like the peers).
 e2e_suite() {
   local dir
   dir=$(scripts/build-kube.sh --e2e)
   scripts/build-images.sh --e2e "$dir"
+  scripts/build-peers.sh --coredns
 }
 
 export -f apt_packages venv go_peers e2e_suite

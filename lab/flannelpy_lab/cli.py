@@ -100,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kubelet: the mode of the kube-proxy every node runs (default iptables)",
     )
     up.add_argument(
+        "--cluster-dns",
+        action="store_true",
+        help="with --kubelet: run CoreDNS (built by scripts/build-peers.sh --coredns) as the "
+        "cluster DNS, every kubelet giving pods its Service address",
+    )
+    up.add_argument(
+        "--host-pod-routes",
+        action="store_true",
+        help="with --kubelet: route each node's podCIDR from the host through the node, as a "
+        "control-plane node in the overlay has (kube-apiserver's pods/proxy); give a --network "
+        "no other lab on this host uses",
+    )
+    up.add_argument(
         "--image-archive",
         action="append",
         default=[],
@@ -246,6 +259,8 @@ def _up(args: argparse.Namespace) -> int:
         kubelets=args.kubelet,
         proxy_mode=args.proxy_mode,
         image_archives=args.image_archive,
+        cluster_dns=args.cluster_dns,
+        host_pod_routes=args.host_pod_routes,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))

@@ -50,19 +50,25 @@ def binary() -> str:
                 f"{BINARY_ENV}={explicit} is not an executable; unset it or run {BUILD_SCRIPT}"
             )
         return explicit
+    return built_peer("flanneld", (), f"; set {BINARY_ENV} to a flanneld binary")
+
+
+def built_peer(what: str, args: tuple[str, ...], alternative: str = "") -> str:
+    """The path ``scripts/build-peers.sh ARGS`` prints: the pinned build of a Go peer,
+    built now if missing; a LabError naming the script when it cannot be."""
+    command = " ".join((BUILD_SCRIPT, *args))
     script = os.path.join(repo_root(), BUILD_SCRIPT)
     if not os.path.isfile(script):
         raise LabError(
-            f"flanneld is not available: {BUILD_SCRIPT} is missing from "
-            f"{repo_root()}; set {BINARY_ENV} to a flanneld binary"
+            f"{what} is not available: {BUILD_SCRIPT} is missing from {repo_root()}{alternative}"
         )
     # The script's own lines (what it builds, about how long) reach the user on stderr.
-    proc = subprocess.run(["bash", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(["bash", script, *args], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not os.access(lines[-1], os.X_OK):
         raise LabError(
-            f"flanneld is not built and {BUILD_SCRIPT} failed (exit {proc.returncode}, its "
-            f"output above); run {BUILD_SCRIPT}"
+            f"{what} is not built and {command} failed (exit {proc.returncode}, its "
+            f"output above); run {command}"
         )
     return lines[-1]
 

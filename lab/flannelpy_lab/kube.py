@@ -50,6 +50,14 @@ PEERS_DIR_ENV = "FLANNELPY_PEERS_DIR"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "kube-proxy")
 STATE_KEY = "kube"  # in LabState.extra: the control plane's record
 API_PORT = 6443
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"  # the "kubernetes" Service's ClusterIP: the range's first address
+SERVICE_NAMES = (
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
 NAMESPACE = "kube-flannelpy"  # the manifests' names
 SERVICE_ACCOUNT = "flannelpy"
 CLUSTER_ROLE = "flannelpy"
@@ -319,7 +327,13 @@ def _make_pki(state: LabState) -> None:
         p("apiserver.csr"),
     )
     with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
-        f.write(f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,DNS:localhost\n")
+        # As a cluster's: also the "kubernetes" Service's address and names, which pods
+        # (CoreDNS, the e2e specs' clients) reach it by through kube-proxy.
+        names = ",".join(f"DNS:{n}" for n in SERVICE_NAMES)
+        f.write(
+            f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,IP:{SERVICE_IP},"
+            f"DNS:localhost,{names}\n"
+        )
     _openssl(
         "x509",
         "-req",
@@ -526,7 +540,7 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
         "--service-account-key-file", p("sa.pub"),
         "--service-account-signing-key-file", p("sa.key"),
-        "--service-cluster-ip-range", "10.96.0.0/16",
+        "--service-cluster-ip-range", SERVICE_CIDR,
     ], save)  # fmt: skip
     token = _admin_token(state)
     _wait(
@@ -567,7 +581,7 @@ def _start_controller_manager(state: LabState, save: Save) -> None:
         "--service-account-private-key-file", _path(state, "pki", "sa.key"),
         "--root-ca-file", _path(state, "pki", "ca.crt"),
         "--allocate-node-cidrs", *_cluster_cidr_args(state),
-        "--service-cluster-ip-range", "10.96.0.0/16",
+        "--service-cluster-ip-range", SERVICE_CIDR,
     ], save)  # fmt: skip
 
 

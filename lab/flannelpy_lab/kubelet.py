@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import images, plan, procs, proxy, topology
+from flannelpy_lab import dns, images, plan, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
@@ -328,6 +328,10 @@ def start(state: LabState, save: Save, say: Progress) -> None:
         flannelpy_image,
         *(images.archive_image(path) for path in rec.get("image_archives", ())),
     ]
+    if rec.get("coredns_binary"):
+        coredns_image = dns.image(image_dir, rec["coredns_binary"])
+        rec["coredns_image"] = coredns_image.ref
+        to_import.append(coredns_image)
     save()
     for p in HOST_PATHS:
         os.makedirs(p, exist_ok=True)  # a mount point for the node's bind mount
@@ -361,6 +365,8 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     )
     wait_nodes_registered(state)
     control_plane.wait_pod_cidrs(state)
+    if rec.get("host_pod_routes"):
+        route_host_to_pods(state)
     rec["nodes_registered_seconds"] = round(time.monotonic() - t0, 1)
     say(f"      starting kube-proxy ({rec.get('proxy_mode', proxy.DEFAULT_MODE)} mode)")
     proxy.start(state, rec.setdefault("processes", {}), node_base, save)
@@ -370,6 +376,9 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     wait_ready(state)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
     control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(workload(len(state.nodes))))
+    if rec.get("coredns_image"):
+        say("      starting CoreDNS as the cluster DNS")
+        start_cluster_dns(state, rec["coredns_image"])
     wait_workload(state, len(state.nodes))
     rec["workload_seconds"] = round(time.monotonic() - t0, 1)
     save()
@@ -481,7 +490,12 @@ def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
     control_plane.write_file(
         config,
         json.dumps(
-            kubelet_config(str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node))
+            {
+                **kubelet_config(
+                    str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node)
+                ),
+                **(dns.kubelet_settings() if record(state).get("coredns_binary") else {}),
+            }
         ),
     )
     containerd_pid = record(state)["processes"][f"containerd/{node.name}"][0]
@@ -620,6 +634,38 @@ def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
         return f"Nodes not Ready: {not_ready}; no Ready agent pod on: {pending}"
 
     _poll("the cluster was not ready", check, timeout, _kubelet_logs(state))
+
+
+def route_host_to_pods(state: LabState) -> None:
+    """Routes on the host to each node's podCIDR through that node, as a control-plane
+    node in the overlay has: kube-apiserver, on the host, connects to pod addresses for
+    ``pods/proxy`` and ``services/proxy``. Kept in ``host_routes``: ``down`` removes them.
+    Opt-in: labs side by side share the default pod network, and the host one route each."""
+    for name, cidr in control_plane.pod_cidrs(state).items():
+        node = next((n for n in state.nodes if n.name == name and n.segment == 1), None)
+        if node is None or cidr is None:
+            continue  # a node behind the router is not on the host's link
+        state.host_routes.append({"dst": cidr, "via": str(node.ip)})
+        topology.ip("route", "add", cidr, "via", str(node.ip), "dev", state.host_link)
+
+
+def start_cluster_dns(state: LabState, image_ref: str, timeout: float = READY_TIMEOUT) -> None:
+    """CoreDNS's objects applied, then wait until its pod is Ready (it has read the
+    Services and Endpoints through the API server)."""
+    control_plane.kubectl(
+        state,
+        "apply",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns.manifests(image_ref)}),
+    )
+    selector = ",".join(f"{k}={v}" for k, v in dns.LABELS.items())
+
+    def check() -> str | None:
+        pods = _pods(state, dns.NAMESPACE, selector)
+        return None if any(pod_ready(p) for p in pods) else "no Ready CoreDNS pod"
+
+    _poll("CoreDNS did not start", check, timeout, _kubelet_logs(state))
 
 
 def wait_workload(state: LabState, replicas: int, timeout: float = READY_TIMEOUT) -> None:
