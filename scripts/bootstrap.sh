@@ -124,8 +124,9 @@ fi
 step venv venv "$scope" &
 pids+=($!)
 step cni-executable scripts/build-cni.sh
-if $full; then
-  step image scripts/build-images.sh &  # the flannelpy image the lab's kubelets run
+# The flannelpy image the lab's kubelets run, unless they are given one of one's own.
+if $full && [[ -z ${FLANNELPY_IMAGE_ARCHIVE:-} ]]; then
+  step image scripts/build-images.sh &
   pids+=($!)
 fi
 if [[ $scope == conformance ]]; then

@@ -95,9 +95,13 @@ lab_seconds=$((SECONDS - started))
 echo "conformance: running e2e.test on $cni ($proxy_mode), $procs processes; ginkgo's" \
   "output goes to $out/e2e.log" >&2
 rc=0
+# ginkgo runs e2e.test in the binary's directory: every path it is given is absolute.
+# --num-nodes as upstream's hack/ginkgo-e2e.sh passes it: only the first parallel process
+# counts the Nodes itself, and the others would skip every spec that needs two.
 "$e2e_dir/ginkgo" --procs="$procs" --focus="$focus" --skip="$skip" --no-color --timeout=3h \
-  "$e2e_dir/e2e.test" -- --kubeconfig="$kubeconfig" --provider=skeleton \
-  --kubectl-path="$e2e_dir/kubectl" --report-dir="$out" >"$out/e2e.log" 2>&1 || rc=$?
+  "$e2e_dir/e2e.test" -- --kubeconfig="$kubeconfig" --provider=skeleton --num-nodes=3 \
+  --kubectl-path="$e2e_dir/kubectl" --report-dir="$(realpath "$out")" >"$out/e2e.log" 2>&1 \
+  || rc=$?
 e2e_seconds=$((SECONDS - started - lab_seconds))
 
 .venv/bin/python scripts/conformance_report.py "$out/junit_01.xml" --focus "$focus" \

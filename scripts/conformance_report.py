@@ -46,7 +46,7 @@ def first_line(text: str) -> str:
 
 
 def spec_of(case: ET.Element, not_here: list[tuple[re.Pattern[str], str]]) -> Spec:
-    name = case.get("name", "?")
+    name = case.get("name", "?").removeprefix("[It] ")  # ginkgo names the node kind first
     problem = case.find("failure")
     if problem is None:
         problem = case.find("error")

@@ -29,9 +29,13 @@ every containerd. The manifests are applied through a kustomization of the lab's
 only sets the image and, on the agent's container, ``KUBERNETES_SERVICE_HOST`` and
 ``KUBERNETES_SERVICE_PORT`` (the API server's address, as Flannel's docs describe for
 clusters without kube-proxy: the agent must reach the API server before any Service
-carries traffic, and the API server keeps no endpoints for the ``kubernetes`` Service
-here) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the interface
-from).
+carries traffic; other pods reach it through the ``kubernetes`` Service, whose endpoint
+the API server keeps) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the
+interface from).
+
+Opt-in, for the upstream e2e specs (``scripts/conformance.sh``): more images imported
+(``image_archives``), CoreDNS as the cluster DNS (``flannelpy_lab.dns``), and routes on
+the host to every podCIDR (``route_host_to_pods``).
 """
 
 from __future__ import annotations
@@ -368,6 +372,7 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     if rec.get("host_pod_routes"):
         route_host_to_pods(state)
     rec["nodes_registered_seconds"] = round(time.monotonic() - t0, 1)
+    route_services(state)
     say(f"      starting kube-proxy ({rec.get('proxy_mode', proxy.DEFAULT_MODE)} mode)")
     proxy.start(state, rec.setdefault("processes", {}), node_base, save)
     rec["proxy_seconds"] = round(time.monotonic() - t0, 1)
@@ -634,6 +639,17 @@ def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
         return f"Nodes not Ready: {not_ready}; no Ready agent pod on: {pending}"
 
     _poll("the cluster was not ready", check, timeout, _kubelet_logs(state))
+
+
+def route_services(state: LabState) -> None:
+    """A route on every node for the Service range, out of its underlay link. A node's
+    own connection to a ClusterIP (a hostNetwork pod's, the kubelet's) is routed before
+    kube-proxy's DNAT in OUTPUT re-routes it to a pod; lab nodes have no default route,
+    so without one it failed with "network unreachable". On-link, not via the host: a
+    ClusterIP without endpoints stays on the lab's switch."""
+    for node in state.nodes:
+        route = ("route", "add", control_plane.SERVICE_CIDR, "dev", node.underlay_iface)
+        topology.ip(*route, ns=node.namespace)
 
 
 def route_host_to_pods(state: LabState) -> None:

@@ -20,22 +20,23 @@ FAILED = (
 FILTERED = "[sig-network] Networking Granular Checks: Services sctp [Feature:SCTPConnectivity]"
 SELF_SKIPPED = "[sig-network] Services should have session affinity for LoadBalancer"
 OUT_OF_FOCUS = "[sig-apps] Deployment should not be listed"
-# As ginkgo v2 writes it: one testcase per spec, the suite nodes among them.
+# As ginkgo v2 writes it: one testcase per spec, named after its node kind ([It]), the
+# suite nodes among them.
 JUNIT = f"""<?xml version="1.0" encoding="UTF-8"?>
 <testsuites tests="6" disabled="0" errors="0" failures="1" time="120.5">
   <testsuite name="Kubernetes e2e suite" tests="6" skipped="3" failures="1">
     <testcase name="[SynchronizedBeforeSuite]" status="passed" time="2.1"></testcase>
-    <testcase name="{PASSED}" status="passed" time="14.25"></testcase>
-    <testcase name="{FAILED}" status="failed" time="301.0">
+    <testcase name="[It] {PASSED}" status="passed" time="14.25"></testcase>
+    <testcase name="[It] {FAILED}" status="failed" time="301.0">
       <failure message="[FAILED] failed to reach 10.244.2.5:8081 over udp&#xA;more"
         type="failed">[FAILED] failed to reach 10.244.2.5:8081 over udp</failure>
     </testcase>
-    <testcase name="{FILTERED}" status="skipped" time="0">
+    <testcase name="[It] {FILTERED}" status="skipped" time="0">
       <skipped message="skipped"></skipped></testcase>
-    <testcase name="{SELF_SKIPPED}" status="skipped" time="0.3">
+    <testcase name="[It] {SELF_SKIPPED}" status="skipped" time="0.3">
       <skipped message="skipped - Only supported for providers [gce] (not skeleton)">
       </skipped></testcase>
-    <testcase name="{OUT_OF_FOCUS}" status="skipped" time="0">
+    <testcase name="[It] {OUT_OF_FOCUS}" status="skipped" time="0">
       <skipped message="skipped"></skipped></testcase>
   </testsuite>
 </testsuites>
