@@ -39,6 +39,26 @@ E2E_IMAGES=(
   "shell registry.k8s.io/e2e-test-images/busybox:1.37.0-2 registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
 )
 mkdir -p "$IMAGES_DIR/podman"
+
+# base_ref PACKAGES: the reference base() gives a Debian 12 base with PACKAGES.
+base_ref() {
+  echo "localhost/flannelpy-base:$(printf '%s\n' "bookworm" "$1" | sha256sum | cut -c1-12)"
+}
+
+# e2e_key: the e2e images' cache key, from their base, tags, Containerfile and agnhost.
+e2e_key() {
+  { echo "$(base_ref "$E2E_PACKAGES") ${E2E_IMAGES[*]}"; cat tests/conformance/images.Containerfile
+    cat "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key"; } \
+    | sha256sum | cut -c1-12
+}
+
+# The e2e archive, when cached, needs no podman: no wait on another build's lock.
+if [[ -n $e2e_dir && -f $e2e_dir/agnhost && -f $IMAGES_DIR/e2e-$(e2e_key).tar ]]; then
+  read -r _ first_ref _ <<<"${E2E_IMAGES[0]}"
+  echo "$first_ref $IMAGES_DIR/e2e-$(e2e_key).tar"
+  exit 0
+fi
+
 # One build at a time: labs starting side by side would otherwise build the same image
 # into the same archive at once (podman refuses to modify an archive another build writes).
 # The ones that wait find it cached.
@@ -71,8 +91,8 @@ export CONTAINERS_REGISTRIES_CONF=$IMAGES_DIR/podman/registries.conf
 # base PACKAGES: prints the reference of a debootstrapped Debian 12 with PACKAGES.
 base() {
   local key ref tar root
-  key=$(printf '%s\n' "bookworm" "$1" | sha256sum | cut -c1-12)
-  ref=localhost/flannelpy-base:$key
+  ref=$(base_ref "$1")
+  key=${ref##*:}
   tar=$IMAGES_DIR/base-$key.tar
   if [ ! -f "$tar" ]; then
     echo "build-images: debootstrap of Debian 12 with $1" >&2
@@ -96,9 +116,7 @@ e2e_images() {
     [ -f "$e2e_dir/$f" ] || { echo "build-images: no $f in $e2e_dir: run scripts/build-kube.sh --e2e" >&2; return 1; }
   done
   e2e_base=$(base "$E2E_PACKAGES")
-  key=$( { echo "$e2e_base ${E2E_IMAGES[*]}"; cat tests/conformance/images.Containerfile
-           cat "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key"; } \
-           | sha256sum | cut -c1-12)
+  key=$(e2e_key)
   archive=$IMAGES_DIR/e2e-$key.tar
   for entry in "${E2E_IMAGES[@]}"; do
     read -r stage refs <<<"$entry"

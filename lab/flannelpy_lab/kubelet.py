@@ -648,8 +648,8 @@ def route_services(state: LabState) -> None:
     so without one it failed with "network unreachable". On-link, not via the host: a
     ClusterIP without endpoints stays on the lab's switch."""
     for node in state.nodes:
-        route = ("route", "add", control_plane.SERVICE_CIDR, "dev", node.underlay_iface)
-        topology.ip(*route, ns=node.namespace)
+        service_range = control_plane.SERVICE_CIDR
+        topology.ip("route", "add", service_range, "dev", node.underlay_iface, ns=node.namespace)
 
 
 def route_host_to_pods(state: LabState) -> None:
