@@ -7,6 +7,8 @@
 #   scripts/bootstrap.sh --dev   the same with the test tools in .venv (scripts/test.sh --fast)
 #   scripts/bootstrap.sh         everything the tests need: also the test tools, the Go-built
 #                                peers (flanneld, Kubernetes) and the flannelpy image
+#   scripts/bootstrap.sh --conformance   the same and the upstream e2e suite (e2e.test, ginkgo,
+#                                agnhost and its images) that scripts/conformance.sh runs
 #
 # Independent steps run at once: the Go builds need only Go and the module proxy, so they
 # start first and overlap the Debian packages, the venv and the image. Each step prints one
@@ -18,8 +20,9 @@ scope=all
 case "${1:-}" in
   --lab) scope=lab ;;
   --dev) scope=dev ;;
+  --conformance) scope=conformance ;;
   "") ;;
-  *) echo "bootstrap: unknown argument '$1': use --lab, --dev or nothing" >&2; exit 2 ;;
+  *) echo "bootstrap: unknown argument '$1': use --lab, --dev, --conformance or nothing" >&2; exit 2 ;;
 esac
 
 # What the etcd lab runs: etcd, ip, iptables (masquerade), ping (the matrices), the
@@ -95,14 +98,26 @@ go_peers() {
   scripts/build-peers.sh && scripts/build-peers.sh flannel-cni && scripts/build-kube.sh
 }
 
-export -f apt_packages venv go_peers
+# e2e_suite: the upstream e2e suite from the Kubernetes pin, then its images, and CoreDNS,
+# the cluster DNS of its lab (the first build takes 7-8 minutes once the control plane's
+# build cache is warm, 2 for the images, 4 for CoreDNS; cached by the pins like the peers).
+e2e_suite() {
+  local dir
+  dir=$(scripts/build-kube.sh --e2e)
+  scripts/build-images.sh --e2e "$dir"
+  scripts/build-peers.sh --coredns
+}
 
+export -f apt_packages venv go_peers e2e_suite
+
+full=false
+[[ $scope == all || $scope == conformance ]] && full=true
 pids=()
-if [[ $scope == all ]]; then
+if $full; then
   step go-peers go_peers &
   pids+=($!)
 fi
-if [[ $scope == all ]]; then
+if $full; then
   step apt apt_packages "${LAB_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
 else
   step apt apt_packages "${LAB_PACKAGES[@]}"
@@ -110,8 +125,13 @@ fi
 step venv venv "$scope" &
 pids+=($!)
 step cni-executable scripts/build-cni.sh
-if [[ $scope == all ]]; then
-  step image scripts/build-images.sh &  # the flannelpy image the lab's kubelets run
+# The flannelpy image the lab's kubelets run, unless they are given one of one's own.
+if $full && [[ -z ${FLANNELPY_IMAGE_ARCHIVE:-} ]]; then
+  step image scripts/build-images.sh &
+  pids+=($!)
+fi
+if [[ $scope == conformance ]]; then
+  step e2e-suite e2e_suite &  # after apt: its images need podman and debootstrap
   pids+=($!)
 fi
 failed=0

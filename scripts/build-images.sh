@@ -2,22 +2,63 @@
 # Build the flannelpy image from manifests/Dockerfile without a registry, for the lab's
 # real kubelets (flannelpy-lab up --kubelet), and save it as an archive `ctr images import`
 # reads. Prints "<image reference> <archive path>".
+#   scripts/build-images.sh --e2e DIR   instead the images of the upstream e2e network specs
+#     (tests/conformance/images.Containerfile) around the agnhost in DIR (the directory
+#     scripts/build-kube.sh --e2e prints), every one tagged as `e2e.test --list-images` names
+#     it, in one archive: prints "<first reference> <archive path>"
 #
 # The bases are Debian 12 made here by debootstrap and imported into podman: one with
 # gcc for the CNI executable's stage (CNI_BASE), one with python3, pip, iproute2 and
-# iptables for the agent's (BASE). Every step is cached outside git, under
-# $FLANNELPY_IMAGES_DIR (default /var/cache/flannelpy/images): a base by its package list,
-# the image by a hash of everything the Dockerfile copies and of its bases.
+# iptables for the agent's (BASE), one with the e2e specs' programs. Every step is cached
+# outside git, under $FLANNELPY_IMAGES_DIR (default /var/cache/flannelpy/images): a base by
+# its package list, an image by a hash of everything it copies and of its bases.
 # The build runs with the host's network (apt and pip inside reach what the host reaches)
 # and trusts the host's CA bundle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+e2e_dir=""
+case "${1:-}" in
+  "") ;;
+  --e2e) e2e_dir=${2:?build-images: --e2e needs the directory scripts/build-kube.sh --e2e prints} ;;
+  *) echo "build-images: unknown argument '$1': use --e2e DIR or nothing" >&2; exit 2 ;;
+esac
+
 IMAGES_DIR=${FLANNELPY_IMAGES_DIR:-/var/cache/flannelpy/images}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 AGENT_PACKAGES=python3,python3-pip,ca-certificates,iproute2,iptables
 CNI_PACKAGES=gcc,libc6-dev
+# What the e2e specs exec in their pods (upstream's agnhost image has the same from Alpine).
+E2E_PACKAGES=bash,curl,netcat-openbsd,iproute2,bind9-dnsutils,iputils-ping,procps,ca-certificates
+# The e2e images: a Containerfile stage and the references it is tagged with (v1.37.2's
+# test/utils/image/manifest.go; scripts/conformance.sh checks them against --list-images).
+E2E_IMAGES=(
+  "agnhost registry.k8s.io/e2e-test-images/agnhost:2.66.1 registry.k8s.io/e2e-test-images/agnhost:2.55"
+  "pause registry.k8s.io/pause:3.10.2"
+  "nginx registry.k8s.io/e2e-test-images/nginx:1.27.0-2"
+  "shell registry.k8s.io/e2e-test-images/busybox:1.37.0-2 registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
+)
 mkdir -p "$IMAGES_DIR/podman"
+
+# base_ref PACKAGES: the reference base() gives a Debian 12 base with PACKAGES.
+base_ref() {
+  echo "localhost/flannelpy-base:$(printf '%s\n' "bookworm" "$1" | sha256sum | cut -c1-12)"
+}
+
+# e2e_key: the e2e images' cache key, from their base, tags, Containerfile and agnhost.
+e2e_key() {
+  { echo "$(base_ref "$E2E_PACKAGES") ${E2E_IMAGES[*]}"; cat tests/conformance/images.Containerfile
+    cat "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key"; } \
+    | sha256sum | cut -c1-12
+}
+
+# The e2e archive, when cached, needs no podman: no wait on another build's lock.
+if [[ -n $e2e_dir && -f $e2e_dir/agnhost && -f $IMAGES_DIR/e2e-$(e2e_key).tar ]]; then
+  read -r _ first_ref _ <<<"${E2E_IMAGES[0]}"
+  echo "$first_ref $IMAGES_DIR/e2e-$(e2e_key).tar"
+  exit 0
+fi
+
 # One build at a time: labs starting side by side would otherwise build the same image
 # into the same archive at once (podman refuses to modify an archive another build writes).
 # The ones that wait find it cached.
@@ -50,8 +91,8 @@ export CONTAINERS_REGISTRIES_CONF=$IMAGES_DIR/podman/registries.conf
 # base PACKAGES: prints the reference of a debootstrapped Debian 12 with PACKAGES.
 base() {
   local key ref tar root
-  key=$(printf '%s\n' "bookworm" "$1" | sha256sum | cut -c1-12)
-  ref=localhost/flannelpy-base:$key
+  ref=$(base_ref "$1")
+  key=${ref##*:}
   tar=$IMAGES_DIR/base-$key.tar
   if [ ! -f "$tar" ]; then
     echo "build-images: debootstrap of Debian 12 with $1" >&2
@@ -68,6 +109,44 @@ base() {
   podman image exists "$ref" || podman import "$tar" "$ref" >/dev/null
   echo "$ref"
 }
+# e2e_images: prints the reference of the first e2e image and the archive holding them all.
+e2e_images() {
+  local e2e_base key archive context stage refs tags=() all=() entry ref
+  for f in agnhost localhost.crt localhost.key; do
+    [ -f "$e2e_dir/$f" ] || { echo "build-images: no $f in $e2e_dir: run scripts/build-kube.sh --e2e" >&2; return 1; }
+  done
+  e2e_base=$(base "$E2E_PACKAGES")
+  key=$(e2e_key)
+  archive=$IMAGES_DIR/e2e-$key.tar
+  for entry in "${E2E_IMAGES[@]}"; do
+    read -r stage refs <<<"$entry"
+    all+=($refs)
+  done
+  if [ ! -f "$archive" ]; then
+    context=$(mktemp -d "$IMAGES_DIR/e2e-context.XXXXXX")
+    cp "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key" "$context/"
+    for entry in "${E2E_IMAGES[@]}"; do
+      read -r stage refs <<<"$entry"
+      tags=()
+      for ref in $refs; do tags+=(-t "$ref"); done
+      echo "build-images: podman build of $refs" >&2
+      podman build --network=host --pull=never --build-arg "BASE=$e2e_base" --target "$stage" \
+        -f tests/conformance/images.Containerfile "${tags[@]}" "$context" >&2 \
+        || { rm -rf "$context"; return 1; }
+    done
+    rm -rf "$context"
+    podman save -m --format docker-archive -o "$archive.tmp" "${all[@]}" >/dev/null
+    mv "$archive.tmp" "$archive"
+    find "$IMAGES_DIR" -maxdepth 1 -name 'e2e-*.tar' ! -name "e2e-$key.tar" -delete
+  fi
+  echo "${all[0]} $archive"
+}
+
+if [[ -n $e2e_dir ]]; then
+  e2e_images
+  exit 0
+fi
+
 agent_base=$(base "$AGENT_PACKAGES")
 cni_base=$(base "$CNI_PACKAGES")
 

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Build a real Flannel peer, pinned by its wrapper module in tests/peers/, into a cache outside
-# git. The lab runs them beside our agents (mixed clusters, benchmarks); the product never
-# needs Go. Rebuilds only when the pin, the wrapper or the Go toolchain changes (a stamp holds
-# their hash). Prints the binary's path.
+# Build a real peer, pinned by its wrapper module in tests/peers/, into a cache outside git.
+# The lab runs them beside our agents (mixed clusters, benchmarks, the cluster DNS); the
+# product never needs Go. Rebuilds only when the pin, the wrapper or the Go toolchain
+# changes (a stamp holds their hash). Prints the binary's path.
 #   scripts/build-peers.sh               flanneld (tests/peers/flanneld)
 #   scripts/build-peers.sh flannel-cni   Flannel's CNI plugin, plugins/meta/flannel of
 #                                        containernetworking/plugins (tests/peers/flannel-cni)
+#   scripts/build-peers.sh --coredns     CoreDNS (tests/peers/coredns: its own main with the
+#                                        plugins the lab's cluster DNS uses), static
 #   FLANNELPY_PEERS_DIR   cache directory (default /var/cache/flannelpy/peers)
 set -euo pipefail
 self=$(realpath "${BASH_SOURCE[0]}")  # hashed below, after the cd
 cd "$(dirname "$0")/.."
 
 peer=${1:-flanneld}
+cgo=${CGO_ENABLED:-1}
 case "$peer" in
   flanneld)
     module=github.com/flannel-io/flannel
@@ -27,7 +30,12 @@ case "$peer" in
     version_var=$module/pkg/utils/buildversion.BuildVersion
     about="about half a minute"
     ;;
-  *) echo "build-peers: unknown peer '$peer': use flanneld or flannel-cni" >&2; exit 2 ;;
+  coredns | --coredns)
+    # CoreDNS runs in an image holding nothing but itself: static.
+    peer=coredns module=github.com/coredns/coredns package=. binary=coredns version_var=""
+    about="about 4 minutes" cgo=0
+    ;;
+  *) echo "build-peers: unknown peer '$peer': use flanneld, flannel-cni or --coredns" >&2; exit 2 ;;
 esac
 wrapper=tests/peers/$peer
 
@@ -65,12 +73,19 @@ mkdir -p "$out_dir"
 tmp=$(mktemp "$out_dir/.$binary.XXXXXX")
 trap 'rm -f "$tmp"' EXIT
 # -mod=readonly: a go.sum out of date with go.mod fails loudly instead of rewriting git files.
-(cd "$wrapper" && go build -mod=readonly -trimpath -buildvcs=false \
-  -ldflags "-s -w -X $version_var=$pin" -o "$tmp" "$package")
+(cd "$wrapper" && CGO_ENABLED=$cgo go build -mod=readonly -trimpath -buildvcs=false \
+  -ldflags "-s -w${version_var:+ -X $version_var=$pin}" -o "$tmp" "$package")
 chmod 0755 "$tmp"
-# flanneld prints its version; a CNI plugin run without CNI_COMMAND prints its "about" line.
-if [[ $("$tmp" --version 2>&1) != *"$pin" ]]; then
-  echo "build-peers: the built $peer does not report version $pin; see the output above" >&2
+# flanneld prints its version; a CNI plugin run without CNI_COMMAND prints its "about" line;
+# CoreDNS says CoreDNS-<version> first.
+if [[ $peer == coredns ]]; then
+  reported=$("$tmp" -version 2>&1 | sed -n 1p) expected="CoreDNS-${pin#v}"
+else
+  reported=$("$tmp" --version 2>&1) expected="*$pin"
+fi
+# shellcheck disable=SC2053  # expected is a pattern for the flannel peers
+if [[ $reported != $expected ]]; then
+  echo "build-peers: the built $peer reports '$reported', not '$expected'; see the output above" >&2
   exit 1
 fi
 mv -f "$tmp" "$out"  # atomic: a running lab never sees half a binary

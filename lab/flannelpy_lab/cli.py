@@ -107,6 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
         "(--enable-network-policy and the manifests' network-policy component)",
     )
     up.add_argument(
+        "--cluster-dns",
+        action="store_true",
+        help="with --kubelet: run CoreDNS (built by scripts/build-peers.sh --coredns) as the "
+        "cluster DNS, every kubelet giving pods its Service address",
+    )
+    up.add_argument(
+        "--host-pod-routes",
+        action="store_true",
+        help="with --kubelet: route each node's podCIDR from the host through the node, as a "
+        "control-plane node in the overlay has (kube-apiserver's pods/proxy); give a --network "
+        "no other lab on this host uses",
+    )
+    up.add_argument(
+        "--image-archive",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with --kubelet: also import the images of this `podman save` archive into every "
+        "node's containerd (repeatable; scripts/conformance.sh passes the e2e images)",
+    )
+    up.add_argument(
         "--ip-family",
         choices=("ipv4", "dual", "ipv6"),
         default="ipv4",
@@ -245,6 +266,9 @@ def _up(args: argparse.Namespace) -> int:
         kubelets=args.kubelet,
         proxy_mode=args.proxy_mode,
         network_policy=args.enable_network_policy,
+        image_archives=args.image_archive,
+        cluster_dns=args.cluster_dns,
+        host_pod_routes=args.host_pod_routes,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))

@@ -49,35 +49,41 @@ def repo_root() -> str:
 
 def binary() -> str:
     """The flanneld to run: ``$FLANNELPY_FLANNELD``, else the pinned build (built if missing)."""
-    return _peer_binary(BINARY_ENV, "flanneld", [])
+    return _explicit_or_built(BINARY_ENV, "flanneld", ())
 
 
 def cni_plugin_binary() -> str:
     """The flannel CNI plugin: ``$FLANNELPY_FLANNEL_CNI``, else the pinned build (built if
     missing)."""
-    return _peer_binary(CNI_PLUGIN_ENV, "the flannel CNI plugin", [CNI_PLUGIN_PEER])
+    return _explicit_or_built(CNI_PLUGIN_ENV, "the flannel CNI plugin", (CNI_PLUGIN_PEER,))
 
 
-def _peer_binary(env_var: str, what: str, build_args: list[str]) -> str:
+def _explicit_or_built(env_var: str, what: str, build_args: tuple[str, ...]) -> str:
     explicit = os.environ.get(env_var)
-    build = " ".join([BUILD_SCRIPT, *build_args])
     if explicit:
         if not os.access(explicit, os.X_OK):
+            build = " ".join((BUILD_SCRIPT, *build_args))
             raise LabError(f"{env_var}={explicit} is not an executable; unset it or run {build}")
         return explicit
+    return built_peer(what, build_args, f"; set {env_var} to its binary")
+
+
+def built_peer(what: str, args: tuple[str, ...], alternative: str = "") -> str:
+    """The path ``scripts/build-peers.sh ARGS`` prints: the pinned build of a Go peer,
+    built now if missing; a LabError naming the script when it cannot be."""
+    command = " ".join((BUILD_SCRIPT, *args))
     script = os.path.join(repo_root(), BUILD_SCRIPT)
     if not os.path.isfile(script):
         raise LabError(
-            f"{what} is not available: {BUILD_SCRIPT} is missing from "
-            f"{repo_root()}; set {env_var} to its binary"
+            f"{what} is not available: {BUILD_SCRIPT} is missing from {repo_root()}{alternative}"
         )
     # The script's own lines (what it builds, about how long) reach the user on stderr.
-    proc = subprocess.run(["bash", script, *build_args], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(["bash", script, *args], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not os.access(lines[-1], os.X_OK):
         raise LabError(
-            f"{what} is not built and {build} failed (exit {proc.returncode}, its "
-            f"output above); run {build}"
+            f"{what} is not built and {command} failed (exit {proc.returncode}, its "
+            f"output above); run {command}"
         )
     return lines[-1]
 

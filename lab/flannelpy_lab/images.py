@@ -93,21 +93,26 @@ def busybox_layer() -> bytes:
     return buf.getvalue()
 
 
+def layer_digest(layer: bytes) -> str:
+    """A layer's content digest (hex), which also keys what is built from it."""
+    return hashlib.sha256(layer).hexdigest()
+
+
 def image_archive(tag: str, layer: bytes, entrypoint: Sequence[str]) -> bytes:
     """A ``docker save`` archive: one uncompressed layer, its config, manifest.json."""
-    layer_digest = "sha256:" + hashlib.sha256(layer).hexdigest()
+    digest = "sha256:" + layer_digest(layer)
     config = json.dumps(
         {
             "architecture": "amd64",
             "os": "linux",
             "config": {"Entrypoint": list(entrypoint), "WorkingDir": "/", "Env": ["PATH=/bin"]},
-            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+            "rootfs": {"type": "layers", "diff_ids": [digest]},
             "history": [{"created_by": "flannelpy lab (lab/flannelpy_lab/images.py)"}],
         },
         sort_keys=True,
     ).encode()
     config_name = hashlib.sha256(config).hexdigest() + ".json"
-    layer_name = f"{layer_digest.removeprefix('sha256:')}/layer.tar"
+    layer_name = f"{digest.removeprefix('sha256:')}/layer.tar"
     manifest = json.dumps(
         [{"Config": config_name, "RepoTags": [tag], "Layers": [layer_name]}]
     ).encode()

@@ -50,6 +50,14 @@ PEERS_DIR_ENV = "FLANNELPY_PEERS_DIR"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "kube-proxy")
 STATE_KEY = "kube"  # in LabState.extra: the control plane's record
 API_PORT = 6443
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"  # the "kubernetes" Service's ClusterIP: the range's first address
+SERVICE_NAMES = (
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
 NAMESPACE = "kube-flannelpy"  # the manifests' names
 SERVICE_ACCOUNT = "flannelpy"
 CLUSTER_ROLE = "flannelpy"
@@ -110,18 +118,22 @@ def _build(directory: str) -> None:
         subprocess.run(["bash", script], stdout=subprocess.DEVNULL, check=False)
 
 
+def _required_version(line: str) -> str | None:
+    """The version in "require k8s.io/kubernetes vX", alone or as a line of a require
+    block; None for any other line (an indirect one has a comment after it)."""
+    words = line.split()
+    if words[:1] == ["require"]:
+        words = words[1:]
+    if len(words) == 2 and words[0] == "k8s.io/kubernetes" and words[1].startswith("v"):
+        return words[1]
+    return None
+
+
 def _pinned_dir() -> str:
     path = os.path.join(repo_root(), PIN_FILE)
     try:
         with open(path, encoding="utf-8") as f:
-            pin = next(
-                (
-                    p[2]
-                    for p in (line.split() for line in f)
-                    if p[:2] == ["require", "k8s.io/kubernetes"] and len(p) > 2
-                ),
-                None,
-            )
+            pin = next(filter(None, (_required_version(line) for line in f)), None)
     except OSError as e:
         raise LabError(
             f"cannot read the Kubernetes pin {path} ({e.strerror}); "
@@ -315,7 +327,13 @@ def _make_pki(state: LabState) -> None:
         p("apiserver.csr"),
     )
     with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
-        f.write(f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,DNS:localhost\n")
+        # As a cluster's: also the "kubernetes" Service's address and names, which pods
+        # (CoreDNS, the e2e specs' clients) reach it by through kube-proxy.
+        names = ",".join(f"DNS:{n}" for n in SERVICE_NAMES)
+        f.write(
+            f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,IP:{SERVICE_IP},"
+            f"DNS:localhost,{names}\n"
+        )
     _openssl(
         "x509",
         "-req",
@@ -515,13 +533,14 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         "--kubelet-client-certificate", p("apiserver-kubelet-client.crt"),
         "--kubelet-client-key", p("apiserver-kubelet-client.key"),
         "--kubelet-preferred-address-types", "InternalIP",
-        # No pod reaches the API server through the "kubernetes" Service here (the agents
-        # are given its address): that Service's endpoints need no upkeep.
-        "--endpoint-reconciler-type", "none",
+        # With kubelets, pods reach the API server through the "kubernetes" Service (kube-proxy
+        # forwards it to this address), as the e2e specs check; without, no pod runs.
+        "--endpoint-reconciler-type",
+        "lease" if record(state).get(KUBELETS_KEY) else "none",
         "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
         "--service-account-key-file", p("sa.pub"),
         "--service-account-signing-key-file", p("sa.key"),
-        "--service-cluster-ip-range", "10.96.0.0/16",
+        "--service-cluster-ip-range", SERVICE_CIDR,
     ], save)  # fmt: skip
     token = _admin_token(state)
     _wait(
@@ -562,7 +581,7 @@ def _start_controller_manager(state: LabState, save: Save) -> None:
         "--service-account-private-key-file", _path(state, "pki", "sa.key"),
         "--root-ca-file", _path(state, "pki", "ca.crt"),
         "--allocate-node-cidrs", *_cluster_cidr_args(state),
-        "--service-cluster-ip-range", "10.96.0.0/16",
+        "--service-cluster-ip-range", SERVICE_CIDR,
     ], save)  # fmt: skip
 
 

@@ -29,9 +29,13 @@ every containerd. The manifests are applied through a kustomization of the lab's
 only sets the image and, on the agent's container, ``KUBERNETES_SERVICE_HOST`` and
 ``KUBERNETES_SERVICE_PORT`` (the API server's address, as Flannel's docs describe for
 clusters without kube-proxy: the agent must reach the API server before any Service
-carries traffic, and the API server keeps no endpoints for the ``kubernetes`` Service
-here) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the interface
-from).
+carries traffic; other pods reach it through the ``kubernetes`` Service, whose endpoint
+the API server keeps) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the
+interface from).
+
+Opt-in, for the upstream e2e specs (``scripts/conformance.sh``): more images imported
+(``image_archives``), CoreDNS as the cluster DNS (``flannelpy_lab.dns``), and routes on
+the host to every podCIDR (``route_host_to_pods``).
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import images, plan, procs, proxy, topology
+from flannelpy_lab import dns, images, plan, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
@@ -84,6 +88,14 @@ def record(state: LabState) -> dict[str, Any]:
 
 def enabled(state: LabState) -> bool:
     return STATE_KEY in state.extra
+
+
+def validate_image_archives(paths: Sequence[str], kubelets: bool) -> None:
+    """Before anything is built: one sentence for an archive the lab cannot import."""
+    if paths and not kubelets:
+        raise LabError("--image-archive needs --kubelet: only the kubelet lab runs containerd")
+    for path in paths:
+        images.archive_image(path)  # a LabError naming what the file lacks
 
 
 # -- paths ----------------------------------------------------------------------------------
@@ -323,7 +335,15 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     rec["image"] = flannelpy_image.ref
     image_dir = os.path.join(state.lab_dir, "images")
     os.makedirs(image_dir, exist_ok=True)
-    to_import = [*images.busybox_images(image_dir), flannelpy_image]
+    to_import = [
+        *images.busybox_images(image_dir),
+        flannelpy_image,
+        *(images.archive_image(path) for path in rec.get("image_archives", ())),
+    ]
+    if rec.get("coredns_binary"):
+        coredns_image = dns.image(image_dir, rec["coredns_binary"])
+        rec["coredns_image"] = coredns_image.ref
+        to_import.append(coredns_image)
     save()
     for p in HOST_PATHS:
         os.makedirs(p, exist_ok=True)  # a mount point for the node's bind mount
@@ -357,7 +377,10 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     )
     wait_nodes_registered(state)
     control_plane.wait_pod_cidrs(state)
+    if rec.get("host_pod_routes"):
+        route_host_to_pods(state)
     rec["nodes_registered_seconds"] = round(time.monotonic() - t0, 1)
+    route_services(state)
     say(f"      starting kube-proxy ({rec.get('proxy_mode', proxy.DEFAULT_MODE)} mode)")
     proxy.start(state, rec.setdefault("processes", {}), node_base, save)
     rec["proxy_seconds"] = round(time.monotonic() - t0, 1)
@@ -366,6 +389,9 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     wait_ready(state)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
     control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(workload(len(state.nodes))))
+    if rec.get("coredns_image"):
+        say("      starting CoreDNS as the cluster DNS")
+        start_cluster_dns(state, rec["coredns_image"])
     wait_workload(state, len(state.nodes))
     rec["workload_seconds"] = round(time.monotonic() - t0, 1)
     save()
@@ -477,7 +503,12 @@ def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
     control_plane.write_file(
         config,
         json.dumps(
-            kubelet_config(str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node))
+            {
+                **kubelet_config(
+                    str(node.ip), containerd_socket(node), ca, cgroup_parent(state, node)
+                ),
+                **(dns.kubelet_settings() if record(state).get("coredns_binary") else {}),
+            }
         ),
     )
     containerd_pid = record(state)["processes"][f"containerd/{node.name}"][0]
@@ -617,6 +648,49 @@ def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
         return f"Nodes not Ready: {not_ready}; no Ready agent pod on: {pending}"
 
     _poll("the cluster was not ready", check, timeout, _kubelet_logs(state))
+
+
+def route_services(state: LabState) -> None:
+    """A route on every node for the Service range, out of its underlay link. A node's
+    own connection to a ClusterIP (a hostNetwork pod's, the kubelet's) is routed before
+    kube-proxy's DNAT in OUTPUT re-routes it to a pod; lab nodes have no default route,
+    so without one it failed with "network unreachable". On-link, not via the host: a
+    ClusterIP without endpoints stays on the lab's switch."""
+    for node in state.nodes:
+        service_range = control_plane.SERVICE_CIDR
+        topology.ip("route", "add", service_range, "dev", node.underlay_iface, ns=node.namespace)
+
+
+def route_host_to_pods(state: LabState) -> None:
+    """Routes on the host to each node's podCIDR through that node, as a control-plane
+    node in the overlay has: kube-apiserver, on the host, connects to pod addresses for
+    ``pods/proxy`` and ``services/proxy``. Kept in ``host_routes``: ``down`` removes them.
+    Opt-in: labs side by side share the default pod network, and the host one route each."""
+    for name, cidr in control_plane.pod_cidrs(state).items():
+        node = next((n for n in state.nodes if n.name == name and n.segment == 1), None)
+        if node is None or cidr is None:
+            continue  # a node behind the router is not on the host's link
+        state.host_routes.append({"dst": cidr, "via": str(node.ip)})
+        topology.ip("route", "add", cidr, "via", str(node.ip), "dev", state.host_link)
+
+
+def start_cluster_dns(state: LabState, image_ref: str, timeout: float = READY_TIMEOUT) -> None:
+    """CoreDNS's objects applied, then wait until its pod is Ready (it has read the
+    Services and Endpoints through the API server)."""
+    control_plane.kubectl(
+        state,
+        "apply",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns.manifests(image_ref)}),
+    )
+    selector = ",".join(f"{k}={v}" for k, v in dns.LABELS.items())
+
+    def check() -> str | None:
+        pods = _pods(state, dns.NAMESPACE, selector)
+        return None if any(pod_ready(p) for p in pods) else "no Ready CoreDNS pod"
+
+    _poll("CoreDNS did not start", check, timeout, _kubelet_logs(state))
 
 
 def wait_workload(state: LabState, replicas: int, timeout: float = READY_TIMEOUT) -> None:

@@ -15,13 +15,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
 from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, prometheus, status, topology
+from flannelpy_lab import dns as cluster_dns_peer
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab import kubelet as real_nodes
 from flannelpy_lab import proxy as kube_proxy
@@ -154,6 +155,9 @@ class Lab:
         kubelets: bool = False,
         proxy_mode: str = kube_proxy.DEFAULT_MODE,
         network_policy: bool = False,
+        image_archives: Sequence[str] = (),
+        cluster_dns: bool = False,
+        host_pod_routes: bool = False,
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -171,7 +175,11 @@ class Lab:
 
         ``kubelets`` (implies ``kube``): a real kubelet, containerd and kube-proxy (in
         ``proxy_mode``, iptables or nftables) per node, the agents run by the manifests'
-        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``).
+        DaemonSet, a test Deployment (``flannelpy_lab.kubelet``); every ``image_archives``
+        (``podman save`` archives) is imported into every node's containerd beside them;
+        ``cluster_dns``: CoreDNS as the cluster DNS (``flannelpy_lab.dns``);
+        ``host_pod_routes``: the host routes each podCIDR to its node, so kube-apiserver
+        reaches pods (``network`` must then be one no other lab on the host uses).
 
         ``network_policy`` (needs ``kube``): the agents enforce NetworkPolicy
         (``--enable-network-policy``, the manifests' ``network-policy`` component)."""
@@ -193,12 +201,19 @@ class Lab:
                 "--enable-network-policy needs --kube or --kubelet: etcd mode has no Pods or "
                 "NetworkPolicies"
             )
+        real_nodes.validate_image_archives(image_archives, kubelets)
+        if (cluster_dns or host_pod_routes) and not kubelets:
+            raise LabError(
+                "--cluster-dns and --host-pod-routes need --kubelet: the other labs run no "
+                "Deployment and no API server proxy"
+            )
         # Before anything is set up: a Go peer not built yet is built now (first use, saying
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
         flannel_cni_binary = flanneld.cni_plugin_binary() if flanneld_nodes else None
         if kube:
             control_plane.bin_dir(build=True)
+        coredns_binary = cluster_dns_peer.binary() if cluster_dns else None
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
         state = _claim(
             name,
@@ -224,7 +239,12 @@ class Lab:
             state.extra[control_plane.NETWORK_POLICY_KEY] = True
         if kubelets:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
-            real_nodes.record(state)["proxy_mode"] = proxy_mode
+            nodes_record = real_nodes.record(state)
+            nodes_record["proxy_mode"] = proxy_mode
+            nodes_record["image_archives"] = [os.path.abspath(p) for p in image_archives]
+            if coredns_binary:
+                nodes_record["coredns_binary"] = coredns_binary
+            nodes_record["host_pod_routes"] = host_pod_routes
         if with_prometheus:
             prometheus.record(state)
         lab = cls(state)

@@ -101,3 +101,22 @@ def test_down_without_a_state_file_stops_the_control_plane_it_started(tmp_path: 
         for proc in [*started.values(), other, reader]:
             proc.kill()
             proc.wait()
+
+
+def test_the_pin_is_read_alone_or_in_a_require_block() -> None:
+    # go mod tidy writes a block once the wrapper requires a second module directly.
+    assert control_plane._required_version("require k8s.io/kubernetes v1.37.2\n") == "v1.37.2"
+    assert control_plane._required_version("\tk8s.io/kubernetes v1.37.2\n") == "v1.37.2"
+    assert control_plane._required_version("\tk8s.io/kubernetes v1.37.2 // indirect\n") is None
+    assert control_plane._required_version("\tk8s.io/kubectl => k8s.io/kubectl v0.37.2\n") is None
+    assert control_plane._required_version("\tk8s.io/kubelet v0.37.2\n") is None
+
+
+def test_an_image_archive_needs_kubelets_and_a_tagged_archive(tmp_path: Path) -> None:
+    with pytest.raises(LabError, match="--image-archive needs --kubelet"):
+        Lab.up("unit", 2, image_archives=["x.tar"], lab_root=str(tmp_path / "labs"))
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"not a tar")
+    with pytest.raises(LabError, match="is not an image archive"):
+        Lab.up("unit", 2, kubelets=True, image_archives=[str(broken)], lab_root=str(tmp_path))
+    assert not (tmp_path / "labs").exists()

@@ -1,0 +1,32 @@
+// Command coredns is CoreDNS built with only the plugins the kubelet lab's cluster DNS
+// configures (lab/flannelpy_lab/dns.py), as CoreDNS documents for a build of one's own: its
+// own main, the plugins imported, their order set in dnsserver.Directives.
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/loadbalance"
+	_ "github.com/coredns/coredns/plugin/metrics"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/reload"
+)
+
+// The order of CoreDNS's plugin.cfg (core/dnsserver/zdirectives.go), which is the order a
+// query passes through them.
+var directives = []string{
+	"reload", "ready", "health", "prometheus", "errors", "loadbalance", "cache", "kubernetes",
+}
+
+func init() {
+	dnsserver.Directives = directives
+}
+
+func main() {
+	coremain.Run()
+}
