@@ -72,7 +72,7 @@ agent_base=$(base "$AGENT_PACKAGES")
 cni_base=$(base "$CNI_PACKAGES")
 
 # Everything the Dockerfile copies, and the base it builds on.
-key=$( { echo "$agent_base $cni_base"; cat manifests/Dockerfile pyproject.toml README.md scripts/build-cni.sh;
+key=$( { echo "$agent_base $cni_base"; cat manifests/Dockerfile pyproject.toml requirements.lock README.md scripts/build-cni.sh;
          find flannelpy cni_plugin -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
            | sort -z | xargs -0 cat; } | sha256sum | cut -c1-12)
 ref=localhost/flannelpy:$key

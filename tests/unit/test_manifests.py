@@ -390,9 +390,10 @@ def test_dockerfile_builds_what_the_manifests_use() -> None:
     assert "scripts/build-cni.sh" in text
     assert re.search(r"COPY --from=\S+ \S*build/flannelpy-cni /opt/flannelpy/flannelpy-cni", text)
     assert "build/flannelpy-cni" in (ROOT / "scripts" / "build-cni.sh").read_text()
-    # What the agent shells out to, and the package with its Kubernetes client.
+    # What the agent shells out to, and the package with its Kubernetes client: the lock's
+    # runtime section holds the kube extra (tests/unit/test_dependency_lock.py).
     assert re.search(r"apt-get install[^\n]*\biproute2\b[^\n]*\biptables\b", text)
-    assert "pip install --no-cache-dir '.[kube]'" in text
+    assert re.search(r"pip install [^\n]*--require-hashes -r runtime\.lock", text)
     assert "kube" in _pyproject()["project"]["optional-dependencies"]
     # Every path the image copies from exists in the repo.
     for src in re.findall(r"^COPY (?!--from)(\S+)", text, flags=re.M):
