@@ -73,20 +73,26 @@ apt_packages() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
-# venv SCOPE: the product and the lab in .venv; with "dev" or "all" also the test tools and
-# the Kubernetes client. A stamp per extent ("full" serves every scope) skips it next time.
+# venv SCOPE: the product and the lab in .venv, their dependencies from requirements.lock
+# (pinned with hashes, as the image installs them); with "dev" or "all" also the lock's dev
+# section, the test tools. A stamp per extent ("full" serves every scope) skips it next time.
 venv() {
-  local python=${PYTHON:-python3} key extras
+  local python=${PYTHON:-python3} key
   [ -x .venv/bin/python ] || "$python" -m venv .venv
-  key=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml | sha1sum | cut -c1-12)
+  key=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml requirements.lock | sha1sum | cut -c1-12)
   [ -f "$key-full" ] && return 0
   [[ $1 == lab && -f "$key-lab" ]] && return 0
-  extras="" extent=lab
-  [[ $1 != lab ]] && extras="[test,kube]" extent=full
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".$extras"
+  extent=full
+  if [[ $1 == lab ]]; then
+    extent=lab
+    .venv/bin/pip install -q --require-hashes -r <(sed '/^# --- dev:/,$d' requirements.lock)
+  else
+    .venv/bin/pip install -q --require-hashes -r requirements.lock
+  fi
+  # The lock's build section holds the build backend: nothing is fetched unpinned.
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
   # The lab is a package of its own (lab/), outside the wheel the DaemonSet image installs.
-  .venv/bin/pip install -q --no-deps -e lab
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e lab
   rm -f .venv/.installed-*
   touch "$key-$extent"
 }

@@ -7,11 +7,12 @@
 #     scripts/build-kube.sh --e2e prints), every one tagged as `e2e.test --list-images` names
 #     it, in one archive: prints "<first reference> <archive path>"
 #
-# The bases are Debian 12 made here by debootstrap and imported into podman: one with
-# gcc for the CNI executable's stage (CNI_BASE), one with python3, pip, iproute2 and
-# iptables for the agent's (BASE), one with the e2e specs' programs. Every step is cached
-# outside git, under $FLANNELPY_IMAGES_DIR (default /var/cache/flannelpy/images): a base by
-# its package list, an image by a hash of everything it copies and of its bases.
+# The base of every stage (BASE) is Debian 12 made here by debootstrap and imported into
+# podman, with every package a stage would install (gcc for the CNI executable, python3-venv
+# and binutils for the virtualenv, the image's own programs), so no stage runs apt. Every
+# step is cached outside git, under $FLANNELPY_IMAGES_DIR (default
+# /var/cache/flannelpy/images): the base by its package list, the image by a hash of
+# everything the Dockerfile copies and of its base.
 # The build runs with the host's network (apt and pip inside reach what the host reaches)
 # and trusts the host's CA bundle.
 set -euo pipefail
@@ -26,8 +27,7 @@ esac
 
 IMAGES_DIR=${FLANNELPY_IMAGES_DIR:-/var/cache/flannelpy/images}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-AGENT_PACKAGES=python3,python3-pip,ca-certificates,iproute2,iptables
-CNI_PACKAGES=gcc,libc6-dev
+BASE_PACKAGES=gcc,libc6-dev,python3-venv,binutils,python3,iproute2,iptables,nftables,wireguard-go,ca-certificates,busybox
 # What the e2e specs exec in their pods (upstream's agnhost image has the same from Alpine).
 E2E_PACKAGES=bash,curl,netcat-openbsd,iproute2,bind9-dnsutils,iputils-ping,procps,ca-certificates
 # The e2e images: a Containerfile stage and the references it is tagged with (v1.37.2's
@@ -91,16 +91,14 @@ export CONTAINERS_REGISTRIES_CONF=$IMAGES_DIR/podman/registries.conf
 # base PACKAGES: prints the reference of a debootstrapped Debian 12 with PACKAGES.
 base() {
   local key ref tar root
-  ref=$(base_ref "$1")
-  key=${ref##*:}
+  key=$(printf '%s\n' "bookworm" "$1" | sha256sum | cut -c1-12)
+  ref=localhost/flannelpy-base:$key
   tar=$IMAGES_DIR/base-$key.tar
   if [ ! -f "$tar" ]; then
     echo "build-images: debootstrap of Debian 12 with $1" >&2
     root=$(mktemp -d "$IMAGES_DIR/rootfs.XXXXXX")
     debootstrap --variant=minbase --include="$1" bookworm "$root" "$MIRROR" >&2 \
       || { rm -rf "$root"; return 1; }
-    # The image's own Python is the agent's: pip may install into it.
-    rm -f "$root"/usr/lib/python3*/EXTERNALLY-MANAGED
     cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
     rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/archives/*.deb
     tar -C "$root" --numeric-owner -cf "$tar.tmp" . && mv "$tar.tmp" "$tar"
@@ -147,19 +145,19 @@ if [[ -n $e2e_dir ]]; then
   exit 0
 fi
 
-agent_base=$(base "$AGENT_PACKAGES")
-cni_base=$(base "$CNI_PACKAGES")
+build_base=$(base "$BASE_PACKAGES")
 
 # Everything the Dockerfile copies, and the base it builds on.
-key=$( { echo "$agent_base $cni_base"; cat manifests/Dockerfile pyproject.toml README.md scripts/build-cni.sh;
+key=$( { echo "$build_base"; cat manifests/Dockerfile pyproject.toml requirements.lock \
+           scripts/build-cni.sh scripts/image-venv.sh scripts/image-rootfs.sh scripts/image-check.py;
          find flannelpy cni_plugin -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
            | sort -z | xargs -0 cat; } | sha256sum | cut -c1-12)
 ref=localhost/flannelpy:$key
 archive=$IMAGES_DIR/flannelpy-$key.tar
 if [ ! -f "$archive" ]; then
   echo "build-images: podman build of $ref" >&2
-  podman build --network=host --pull=never --build-arg "CNI_BASE=$cni_base" \
-    --build-arg "BASE=$agent_base" -f manifests/Dockerfile -t "$ref" . >&2
+  podman build --network=host --pull=never --build-arg "BASE=$build_base" \
+    -f manifests/Dockerfile -t "$ref" . >&2
   podman save --format docker-archive -o "$archive.tmp" "$ref" >/dev/null
   mv "$archive.tmp" "$archive"
   # Only the newest image is kept: older archives and images are removed.

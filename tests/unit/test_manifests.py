@@ -388,11 +388,15 @@ def test_dockerfile_builds_what_the_manifests_use() -> None:
     text = (MANIFESTS / "Dockerfile").read_text()
     # The CNI executable: built by scripts/build-cni.sh, copied where the init container looks.
     assert "scripts/build-cni.sh" in text
-    assert re.search(r"COPY --from=\S+ \S*build/flannelpy-cni /opt/flannelpy/flannelpy-cni", text)
+    assert re.search(
+        r"COPY --from=\S+ \S*build/flannelpy-cni \S*/opt/flannelpy/flannelpy-cni", text
+    )
     assert "build/flannelpy-cni" in (ROOT / "scripts" / "build-cni.sh").read_text()
-    # What the agent shells out to, and the package with its Kubernetes client.
-    assert re.search(r"apt-get install[^\n]*\biproute2\b[^\n]*\biptables\b", text)
-    assert "pip install --no-cache-dir '.[kube]'" in text
+    # What the agent shells out to (tests/unit/test_image.py has the whole list), and the
+    # package with its Kubernetes client: the lock's runtime section holds the kube extra
+    # (tests/unit/test_dependency_lock.py).
+    assert re.search(r'ARG PACKAGES="[^"]*\biproute2\b[^"]*\biptables\b[^"]*\bnftables\b', text)
+    assert re.search(r"pip install [^\n]*--require-hashes -r runtime\.lock", text)
     assert "kube" in _pyproject()["project"]["optional-dependencies"]
     # Every path the image copies from exists in the repo.
     for src in re.findall(r"^COPY (?!--from)(\S+)", text, flags=re.M):
