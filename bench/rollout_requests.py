@@ -45,7 +45,7 @@ from typing import Any
 from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 
-from bench.common import fake_peers, table
+from bench.common import fake_peers, lacks_root, say, table
 from bench.kube_scale import NETWORK, Api, fake_name, free_subnets
 from bench.propagation import LAB_TIMEOUT
 
@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, help="a source tree whose driver runs first")
     parser.add_argument("--name", default="rq" + secrets.token_hex(2), help="the lab's name")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench.rollout_requests needs root (network namespaces)", file=sys.stderr)
+    if lacks_root("bench.rollout_requests"):
         return 2
     if not 1 <= args.nodes <= 8000:
         print("--nodes must be between 1 and 8000", file=sys.stderr)
@@ -292,10 +291,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--before {args.before}: no flannelpy source tree there", file=sys.stderr)
             return 2
         drivers.insert(0, (f"before ({args.before.name})", args.before.resolve()))
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     try:
         windows, list_bytes = run(args.name, args.nodes, args.idle_seconds, drivers, say)
     except KeyboardInterrupt:  # the lab is gone already

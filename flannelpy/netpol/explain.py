@@ -18,7 +18,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 
-from flannelpy.netpol.compile import ADDR_PORTS, CIDRS, AddressSet, Allow, PodRules, compile_node
+from flannelpy.netpol.compile import (
+    ADDR_PORTS,
+    CIDRS,
+    AddressSet,
+    Allow,
+    NodePolicy,
+    PodRules,
+    compile_node,
+)
 from flannelpy.netpol.model import Namespace, Pod, Policy
 
 Addr = IPv4Address | IPv6Address
@@ -107,12 +115,21 @@ def explain(
     if isinstance(source, Addr) and isinstance(destination, Addr):
         raise ExplainError("name at least one end as namespace/pod")
     src_ip, dst_ip = _addresses(source, destination)
+    nodes: dict[str, NodePolicy] = {}  # each end's node compiled once, both ends on one once
+
+    def compiled_for(pod: Pod) -> _Compiled:
+        if pod.node not in nodes:
+            nodes[pod.node] = compile_node(policies, pods, namespaces, pod.node)
+        node = nodes[pod.node]
+        found = next((r for r in node.pods if r.key == pod.key), None)
+        return _Compiled(found, {s.name: s for s in node.sets})
+
     judgements = []
     if isinstance(source, Pod):
-        compiled = _compile(policies, pods, namespaces, source)
+        compiled = compiled_for(source)
         judgements.append(_judge("egress", source, compiled, src_ip, dst_ip, port, protocol))
     if isinstance(destination, Pod):
-        compiled = _compile(policies, pods, namespaces, destination)
+        compiled = compiled_for(destination)
         judgements.append(_judge("ingress", destination, compiled, src_ip, dst_ip, port, protocol))
     return Explanation(
         source.key if isinstance(source, Pod) else str(source),
@@ -143,14 +160,6 @@ class _Compiled:
 
     rules: PodRules | None
     sets: dict[str, AddressSet]
-
-
-def _compile(
-    policies: Sequence[Policy], pods: Sequence[Pod], namespaces: Sequence[Namespace], pod: Pod
-) -> _Compiled:
-    node = compile_node(policies, pods, namespaces, pod.node)
-    found = next((r for r in node.pods if r.key == pod.key), None)
-    return _Compiled(found, {s.name: s for s in node.sets})
 
 
 def _judge(
