@@ -101,8 +101,9 @@ def test_deleted_rule_chain_and_table_are_back_at_the_next_tick(lab: Lab) -> Non
     ]
     node = lab.node("n1")
     for argv in damage:
-        in_ns(ns, ["nft", *argv])
-        assert not restored(), argv
+        in_ns(ns, ["nft", *argv])  # raises unless nft did it
+        if restored():
+            continue  # a tick that began between the damage and this look put it back already
         # The first resync the agent begins after the damage puts it back: wait for it by
         # the agent's count, not by the clock (a loaded machine delays a tick, not a count).
         mark = processed_mark(node, FIREWALL_RESYNCS)
