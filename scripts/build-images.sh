@@ -27,6 +27,7 @@ esac
 
 IMAGES_DIR=${FLANNELPY_IMAGES_DIR:-/var/cache/flannelpy/images}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+KEEP_IMAGES=4  # flannelpy archives kept, newest first
 BASE_PACKAGES=gcc,libc6-dev,python3-venv,binutils,python3,iproute2,iptables,nftables,wireguard-go,ca-certificates,busybox
 # What the e2e specs exec in their pods (upstream's agnhost image has the same from Alpine).
 E2E_PACKAGES=bash,curl,netcat-openbsd,iproute2,bind9-dnsutils,iputils-ping,procps,ca-certificates
@@ -160,10 +161,14 @@ if [ ! -f "$archive" ]; then
     -f manifests/Dockerfile -t "$ref" . >&2
   podman save --format docker-archive -o "$archive.tmp" "$ref" >/dev/null
   mv "$archive.tmp" "$archive"
-  # Only the newest image is kept: older archives and images are removed.
-  find "$IMAGES_DIR" -maxdepth 1 -name 'flannelpy-*.tar' ! -name "flannelpy-$key.tar" -delete
-  podman images --format '{{.Repository}}:{{.Tag}}' | grep '^localhost/flannelpy:' \
-    | grep -vx "$ref" | xargs -r podman rmi >/dev/null 2>&1 || true
+  # The newest KEEP_IMAGES archives are kept (checkouts of other commits on this machine,
+  # a bench's before and after, use theirs); older archives and their images are removed.
+  mapfile -t old < <(ls -t "$IMAGES_DIR"/flannelpy-*.tar | tail -n +$((KEEP_IMAGES + 1)))
+  for tar in "${old[@]}"; do
+    rm -f "$tar"
+    old_key=${tar##*/flannelpy-}
+    podman rmi "localhost/flannelpy:${old_key%.tar}" >/dev/null 2>&1 || true
+  done
   podman image prune -f >/dev/null 2>&1 || true
 fi
 echo "$ref $archive"

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +29,7 @@ from flannelpy.store.kube.node_status import (
     MIN_WRITE_GAP,
     STATUS_ANNOTATION,
 )
+from tests.support.kube_rollout import rollout
 from tests.support.lab_util import running_lab
 from tests.support.traffic import PodTraffic
 
@@ -63,23 +61,6 @@ def admin_client(lab: Lab) -> kclient.ApiClient:
         persist_config=False,
     )
     return kclient.ApiClient(cfg)
-
-
-def rollout(lab: Lab, *args: str) -> subprocess.CompletedProcess[str]:
-    """``flannelpy rollout`` as an operator runs it: Kubernetes mode, their kubeconfig."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
-    env.update(
-        FLANNELD_KUBE_SUBNET_MGR="true",
-        FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "flannelpy", "rollout", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @dataclass

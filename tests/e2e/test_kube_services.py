@@ -36,6 +36,7 @@ from flannelpy_lab import Lab, cli, kubelet
 from flannelpy_lab import kube as control_plane
 
 from tests.support import kube_services as ks
+from tests.support.kube_rollout import rollout
 from tests.support.lab_util import unique_lab_name, wait_until
 
 pytestmark = [pytest.mark.lab]
@@ -203,6 +204,38 @@ def test_services_with_ip_masq(lab: Lab, request: pytest.FixtureRequest) -> None
     check_kube_proxy_mode(lab, c, getattr(request.module, "PROXY_MODE", PROXY_MODE))
     assert all(masq_rules(lab, n) for n in ks.NODES), "the agents' masquerade rules are missing"
     run_checks(lab, "with --ip-masq", masq=True)
+
+
+def test_a_service_answers_every_request_through_a_backend_rollout(lab: Lab) -> None:
+    """A client pod on every node calls the ClusterIP Service ``web`` (a backend on every
+    node) back to back while ``flannelpy rollout`` moves the nodes vxlan -> host-gw ->
+    vxlan one by one: every request answered, by every backend, on every data path."""
+    c = ks.cluster(lab)
+    load = ks.ServiceLoad(
+        lab, [c.clients[n]["name"] for n in ks.NODES], f"http://{c.cluster_ips['web']}{ks.PATH}"
+    )
+    load.start()
+    try:
+        for backend, route_dev in (("host-gw", "eth0"), ("vxlan", "flannel.1")):
+            proc = rollout(lab, "start", "--backend", backend)
+            print(f"--- rollout to {backend}\n{proc.stdout}{proc.stderr}")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            last = [ln for ln in proc.stdout.splitlines() if ln.startswith("rollout ")][-1]
+            n = len(ks.NODES)
+            assert f" done: {n} of {n} nodes switched to {backend} " in last, last
+            for node in ks.NODES:  # the data path did change under the Service
+                out = lab.exec(node, ["ip", "-j", "route", "show", "proto", "75"]).stdout
+                assert {r.get("dev") for r in json.loads(out or "[]")} == {route_dev}, node
+    finally:
+        answers = load.stop()
+    lines = [f"{pod}: {a.summary()}" for pod, a in sorted(answers.items())]
+    print("--- ClusterIP web through vxlan -> host-gw -> vxlan\n" + "\n".join(lines))
+    for node, line in zip(ks.NODES, lines, strict=True):
+        a = answers[c.clients[node]["name"]]
+        # About 10 requests a second for the two rollouts (tens of seconds each).
+        assert a.sent >= 200 and a.answered == a.sent, line
+        assert a.backends == set(c.backends), line
+        assert a.sources == {c.clients[node]["ip"]}, line
 
 
 def drop_ip_masq(lab: Lab) -> None:

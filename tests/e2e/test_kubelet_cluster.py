@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from flannelpy_lab import Lab, images, kubelet, procs
 from flannelpy_lab import kube as control_plane
 
 from flannelpy.rollout import cordon
+from tests.support.kube_rollout import start_rollout
 from tests.support.lab_util import unique_lab_name, wait_until
 
 pytestmark = [pytest.mark.lab]
@@ -235,23 +235,6 @@ def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms")
-
-
-def start_rollout(lab: Lab, *args: str) -> subprocess.Popen[str]:
-    """``flannelpy rollout`` as an operator runs it: Kubernetes mode, their kubeconfig."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLANNELD_")}
-    env.update(
-        FLANNELD_KUBE_SUBNET_MGR="true",
-        FLANNELD_KUBECONFIG_FILE=control_plane.admin_kubeconfig(lab.state),
-    )
-    return subprocess.Popen(
-        [sys.executable, "-m", "flannelpy", "rollout", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]) -> None:

@@ -233,3 +233,57 @@ def gateway(c: Cluster, node: str) -> str:
 
 def in_pod_network(lab: Lab, address: str) -> bool:
     return IPv4Address(address) in IPv4Network(lab.state.network)
+
+
+# A client pod's request loop that runs until told to stop: one line per request, as
+# ``loop`` prints, into LOAD_OUT; the stop file ends it after the request in flight, and
+# the done file says the output is whole.
+LOAD_OUT, LOAD_STOP, LOAD_DONE = "/tmp/load.out", "/tmp/load.stop", "/tmp/load.done"
+LOAD_GAP = 0.05  # seconds between two requests of one client
+
+
+def load_loop(url: str) -> str:
+    request = f"timeout {REQUEST_TIMEOUT} wget -q -O - {shlex.quote(url)}"
+    return (
+        f"rm -f {LOAD_OUT} {LOAD_STOP} {LOAD_DONE}; "
+        f"while [ ! -e {LOAD_STOP} ]; do {request} || echo FAIL; sleep {LOAD_GAP}; done "
+        f">{LOAD_OUT} 2>/dev/null; : >{LOAD_DONE}"
+    )
+
+
+@dataclass
+class ServiceLoad:
+    """Requests to ``url`` from each of ``pods``, back to back, for as long as the change
+    under test takes: ``start()`` puts the loops in the background of the pods,
+    ``stop()`` ends them and returns each pod's ``Answers`` (every line a request)."""
+
+    lab: Lab
+    pods: list[str]
+    url: str
+
+    def start(self) -> None:
+        for pod in self.pods:
+            script = f"sh -c {shlex.quote(load_loop(self.url))} </dev/null >/dev/null 2>&1 &"
+            self.lab.kubectl("exec", pod, "--", "/bin/sh", "-c", script)
+        for pod in self.pods:  # each loop has answered once before the change starts
+
+            def answering(pod: str = pod) -> bool:
+                out = self.lab.kubectl("exec", pod, "--", "cat", LOAD_OUT, check=False).stdout
+                return bool(parse(out, 0).answered)
+
+            wait_until(answering, timeout=30, interval=0.5, what=f"{pod}'s requests answered")
+
+    def stop(self) -> dict[str, Answers]:
+        for pod in self.pods:
+            self.lab.kubectl("exec", pod, "--", "/bin/sh", "-c", f": >{LOAD_STOP}")
+        found = {}
+        for pod in self.pods:
+
+            def done(pod: str = pod) -> bool:
+                argv = ("exec", pod, "--", "/bin/sh", "-c", f"test -e {LOAD_DONE}")
+                return self.lab.kubectl(*argv, check=False).returncode == 0
+
+            wait_until(done, timeout=REQUEST_TIMEOUT + 20, interval=0.5, what=f"{pod}'s loop")
+            out = self.lab.kubectl("exec", pod, "--", "cat", LOAD_OUT).stdout
+            found[pod] = parse(out, len(out.splitlines()))
+        return found
