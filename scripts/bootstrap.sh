@@ -6,9 +6,10 @@
 #                                the .venv and the static CNI executable; nothing built with Go
 #   scripts/bootstrap.sh --dev   the same with the test tools in .venv (scripts/test.sh --fast)
 #   scripts/bootstrap.sh         everything the tests need: also the test tools, the Go-built
-#                                peers (flanneld, Kubernetes) and the flannelpy image
-#   scripts/bootstrap.sh --conformance   the same and the upstream e2e suite (e2e.test, ginkgo,
-#                                agnhost and its images) that scripts/conformance.sh runs
+#                                peers (flanneld, Kubernetes), the flannelpy image and the
+#                                upstream e2e suite (e2e.test, ginkgo, agnhost and its images,
+#                                CoreDNS) that scripts/conformance.sh and the suite's subset run
+#   scripts/bootstrap.sh --conformance   the same (the name older instructions use)
 #
 # Independent steps run at once: the Go builds need only Go and the module proxy, so they
 # start first and overlap the Debian packages, the venv and the image. Each step prints one
@@ -136,7 +137,7 @@ if $full && [[ -z ${FLANNELPY_IMAGE_ARCHIVE:-} ]]; then
   step image scripts/build-images.sh &
   pids+=($!)
 fi
-if [[ $scope == conformance ]]; then
+if $full; then
   step e2e-suite e2e_suite &  # after apt: its images need podman and debootstrap
   pids+=($!)
 fi

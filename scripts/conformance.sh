@@ -7,6 +7,7 @@
 #
 #   scripts/conformance.sh --cni flannelpy [--proxy-mode iptables|nftables] [--focus REGEX]
 #                          [--skip REGEX] [--procs N] [--name LAB] [--network CIDR] [--keep]
+#                          [--out DIR]
 #
 #   --cni         the network under test: flannelpy (the manifests' DaemonSet); flanneld
 #                 (Flannel's DaemonSet and CNI plugin) is not run by the lab yet
@@ -16,6 +17,7 @@
 #                 (default: the ones this machine cannot run, and [Disruptive]/[Flaky])
 #   --procs       ginkgo's parallel processes (default 4: the specs mostly wait for pods)
 #   --name        the lab's name (default conf); --keep leaves it up afterwards
+#   --out         where the results go (default build/conformance/<cni>-<proxy mode>)
 #   --network     the pod network (default 10.160.0.0/16): the host routes it to the nodes,
 #                 as a control-plane node in the overlay would (kube-apiserver's proxy to
 #                 pods), so no other lab on the host may use it
@@ -23,13 +25,13 @@
 # The cluster is a real one's: CoreDNS as its DNS (--cluster-dns), the "kubernetes"
 # Service with the API server's endpoint, the host routing to pods (--host-pod-routes).
 #
-# Writes build/conformance/<cni>-<proxy mode>/: junit_01.xml, e2e.log (ginkgo's output) and
+# Writes to --out: junit_01.xml, e2e.log (ginkgo's output) and
 # summary.txt (one line per spec: passed, failed with the first line of the failure, or
 # skipped with the reason), which it prints. Exits 1 when a spec failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16
+cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16 out=""
 focus='\[sig-network\].*\[Conformance\]|Networking Granular Checks'
 skip=""
 while (($#)); do
@@ -42,6 +44,7 @@ while (($#)); do
     --name) name=${2:?--name needs a lab name}; shift 2 ;;
     --network) network=${2:?--network needs a CIDR}; shift 2 ;;
     --keep) keep=true; shift ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
     *) echo "conformance: unknown argument '$1'; see the head of $0" >&2; exit 2 ;;
   esac
 done
@@ -63,10 +66,10 @@ if [[ -z $skip ]]; then
   skip=$(sed -n 's/^\([^#].*\) -- .*/\1/p' "$not_here" | paste -sd'|')
 fi
 
-bash scripts/bootstrap.sh --conformance >&2  # the suite and its images, built once per pin
+bash scripts/bootstrap.sh >&2  # the suite and its images too, built once per pin
 e2e_dir=$(bash scripts/build-kube.sh --e2e)
 read -r _ e2e_archive < <(bash scripts/build-images.sh --e2e "$e2e_dir")
-out=build/conformance/$cni-$proxy_mode
+out=${out:-build/conformance/$cni-$proxy_mode}
 rm -rf "$out"
 mkdir -p "$out"
 
