@@ -111,29 +111,31 @@ class PolicyCache:
             self._listed.add(kind)
 
     def put(self, kind: str, obj: Any) -> bool:
-        """An added or modified object; whether what is enforced may change."""
+        """An added or modified object; whether what is enforced, or what the agent
+        reports refused, may change (a new snapshot is then due)."""
         key, value, reason = self._parse(kind, obj)
         if key is None:
             return False
         with self._lock:
-            if reason is not None:
+            if reason is not None:  # the last accepted version stays
+                said_before = self._refused[kind].get(key)
                 self._refused[kind][key] = reason
-                return False  # the last accepted version stays
-            self._refused[kind].pop(key, None)
+                return said_before != reason
+            was_refused = self._refused[kind].pop(key, None) is not None
             before = self._objects[kind].get(key)
             if value is None:  # a pod that holds no address any more
                 self._objects[kind].pop(key, None)
             else:
                 self._objects[kind][key] = value
-            return before != value
+            return before != value or was_refused
 
     def delete(self, kind: str, obj: Any) -> bool:
         key = object_key(kind, obj)
         if key is None:
             return False
         with self._lock:
-            self._refused[kind].pop(key, None)
-            return self._objects[kind].pop(key, None) is not None
+            was_refused = self._refused[kind].pop(key, None) is not None
+            return self._objects[kind].pop(key, None) is not None or was_refused
 
     def snapshot(self) -> PolicySnapshot:
         with self._lock:

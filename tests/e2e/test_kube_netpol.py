@@ -14,7 +14,10 @@ tests, in file order, read that log:
    says which policy isolates db;
 3. a pod attached on n1 before its Pod object shows its address is denied (its namespace
    has a policy, its labels are unknown) and let go once the object is read;
-4. db's agent restarted: no connection is accepted while it is down or starting.
+4. db's agent restarted: no connection is accepted while it is down or starting;
+5. the policy edited to one the agent cannot represent (an allowing rule with more ports
+   than a rule may hold): the edit is refused and counted, the doctor names it, and the
+   kernel keeps the denying table it had, byte for byte, with no connection accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.tcp_probe import Client, connect_loop, serve, stop_process
 
+from flannelpy.netpol.model import MAX_ITEMS
 from tests.e2e.test_observability import scrape
 from tests.support.lab_util import lab_run_argv, running_real_kube_lab, wait_until
 
@@ -211,6 +215,58 @@ def test_no_connection_is_accepted_while_the_enforcing_agent_restarts(
     during = client.since(t0)
     assert len(during) > 100  # a new connection every 10 ms went on the whole time
     assert all(o != "ok" for _, o in during), [a for a in during if a[1] == "ok"][:5]
+
+
+# web allowed again, on more ports than the agent represents in one rule (the API server
+# sets no limit): the agent refuses the edit and keeps the version before it, DENY.
+TOO_MANY_PORTS = policy([{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}],
+                          "ports": [{"port": PORT}] + [{"port": 20000 + i}
+                                                       for i in range(MAX_ITEMS)]}])  # fmt: skip
+
+
+def policy_table(lab: Lab, node: str) -> str:
+    """The policy table as nft lists it, without counter values (``-s``)."""
+    return lab.exec(node, ["nft", "-s", "list", "table", "inet", "flannelpy-policy"]).stdout
+
+
+def refusals(lab: Lab, node: str) -> float:
+    _, samples = scrape(lab, node)
+    return sum(v for (name, _), v in samples.items()
+               if name == "flannelpy_policy_refused_objects_total")  # fmt: skip
+
+
+def test_a_policy_edit_the_agent_refuses_leaves_the_enforced_table_intact(
+    lab: Lab, client: Client
+) -> None:
+    before, refused_before = policy_table(lab, "n1"), refusals(lab, "n1")
+    assert "db-from-web" in before  # the denying version of the last test is enforced
+    t_change = apply(lab, TOO_MANY_PORTS)
+    wait_until(lambda: refusals(lab, "n1") > refused_before, ENFORCE, "the edit refused")
+    assert policy_table(lab, "n1") == before
+    wait_until(lambda: len(client.since(t_change)) >= 20, ENFORCE, "20 connections tried")
+    after = client.since(t_change)
+    assert all(o != "ok" for _, o in after), [a for a in after if a[1] == "ok"][:5]
+    assert policy_table(lab, "n1") == before
+    log = agent_log(lab, "n1")
+    assert f"NetworkPolicy {NS}/db-from-web is refused" in log, log[-2000:]
+    doctor = subprocess.run(
+        lab_run_argv(lab.name, "doctor", "--json", node="n1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    findings = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "netpol"]
+    warned = [f for f in findings if f["severity"] == "warning"]
+    assert any(f"{NS}/db-from-web" in f["message"] for f in warned), findings
+    apply(lab, DENY)  # accepted again: the refusal is gone from the doctor's findings
+
+    def refusal_cleared() -> bool:
+        out = subprocess.run(lab_run_argv(lab.name, "doctor", "--json", node="n1"),
+                             capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        found = [f for f in json.loads(out)["findings"] if f["check"] == "netpol"]
+        return not any(f["severity"] == "warning" for f in found)
+
+    wait_until(refusal_cleared, ENFORCE, "the refusal cleared once DENY is back")
 
 
 def agent_log(lab: Lab, node: str) -> str:

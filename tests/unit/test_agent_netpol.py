@@ -142,8 +142,9 @@ def test_a_refused_edit_is_counted_once_and_keeps_the_enforced_version(agent: An
     harness.drain()
     harness.reconcile()
     broken = {**DB_ONLY_FROM_API, "spec": {**DB_ONLY_FROM_API["spec"], "podSelector": None}}
-    for _ in range(3):  # the same refusal again: said and counted once
-        assert not source.cache.put(POLICIES, broken)
+    # The first refusal makes a new snapshot due (the refusals are reported); the same
+    # refusal again does not, and is said and counted once.
+    assert [source.cache.put(POLICIES, broken) for _ in range(3)] == [True, False, False]
     source.changed()
     harness.drain()
     harness.reconcile()

@@ -103,6 +103,25 @@ def test_invalid_objects_are_refused_once_counted_and_the_watch_goes_on() -> Non
     )
 
 
+def test_a_refused_edit_and_its_repair_each_make_a_new_snapshot_due() -> None:
+    """The snapshot carries the refusals the agent reports: an edit refused, and the
+    same object accepted again with the version already enforced, both change it."""
+    cache = PolicyCache()
+    good = {"metadata": {"namespace": "shop", "name": "p"}, "spec": {"podSelector": {}}}
+    bad = {"metadata": {"namespace": "shop", "name": "p"},
+           "spec": {"podSelector": {}, "policyTypes": ["Sideways"]}}  # fmt: skip
+    assert cache.put(POLICIES, good)
+    assert cache.put(POLICIES, bad)  # refused: the enforced version stays, the report changes
+    assert [p.name for p in cache.snapshot().policies] == ["p"]
+    assert len(cache.snapshot().refused) == 1
+    assert not cache.put(POLICIES, bad)  # the same refusal again: nothing new
+    assert cache.put(POLICIES, good)  # accepted, unchanged from the enforced: refusal gone
+    assert cache.snapshot().refused == ()
+    assert not cache.put(POLICIES, good)
+    assert cache.put(POLICIES, bad)
+    assert cache.delete(POLICIES, bad) and cache.snapshot().refused == ()
+
+
 def test_synced_only_once_every_kind_is_listed_and_pods_without_an_address_are_not_kept() -> None:
     cache = PolicyCache()
     cache.replace_all(POLICIES, [])
