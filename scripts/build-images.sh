@@ -27,10 +27,10 @@ esac
 
 IMAGES_DIR=${FLANNELPY_IMAGES_DIR:-/var/cache/flannelpy/images}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-KEEP_IMAGES=4  # flannelpy archives kept, newest first
+KEEP_IMAGES=4  # flannelpy archives and e2e archives kept, newest first
 BASE_PACKAGES=gcc,libc6-dev,python3-venv,binutils,python3,iproute2,iptables,nftables,wireguard-go,ca-certificates,busybox
 # What the e2e specs exec in their pods (upstream's agnhost image has the same from Alpine).
-E2E_PACKAGES=bash,curl,netcat-openbsd,iproute2,bind9-dnsutils,iputils-ping,procps,ca-certificates
+E2E_PACKAGES=bash,curl,wget,netcat-openbsd,iproute2,bind9-dnsutils,iputils-ping,procps,ca-certificates
 # The e2e images: a Containerfile stage and the references it is tagged with (v1.37.2's
 # test/utils/image/manifest.go; scripts/conformance.sh checks them against --list-images).
 E2E_IMAGES=(
@@ -38,6 +38,7 @@ E2E_IMAGES=(
   "pause registry.k8s.io/pause:3.10.2"
   "nginx registry.k8s.io/e2e-test-images/nginx:1.27.0-2"
   "shell registry.k8s.io/e2e-test-images/busybox:1.37.0-2 registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
+  "regression registry.k8s.io/e2e-test-images/regression-issue-74839:1.5"
 )
 mkdir -p "$IMAGES_DIR/podman"
 
@@ -49,12 +50,14 @@ base_ref() {
 # e2e_key: the e2e images' cache key, from their base, tags, Containerfile and agnhost.
 e2e_key() {
   { echo "$(base_ref "$E2E_PACKAGES") ${E2E_IMAGES[*]}"; cat tests/conformance/images.Containerfile
-    cat "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key"; } \
+    cat "$e2e_dir/agnhost" "$e2e_dir/regression-issue-74839" "$e2e_dir/localhost.crt" \
+      "$e2e_dir/localhost.key"; } \
     | sha256sum | cut -c1-12
 }
 
 # The e2e archive, when cached, needs no podman: no wait on another build's lock.
-if [[ -n $e2e_dir && -f $e2e_dir/agnhost && -f $IMAGES_DIR/e2e-$(e2e_key).tar ]]; then
+if [[ -n $e2e_dir && -f $e2e_dir/agnhost && -f $e2e_dir/regression-issue-74839 &&
+      -f $IMAGES_DIR/e2e-$(e2e_key).tar ]]; then
   read -r _ first_ref _ <<<"${E2E_IMAGES[0]}"
   echo "$first_ref $IMAGES_DIR/e2e-$(e2e_key).tar"
   exit 0
@@ -111,7 +114,7 @@ base() {
 # e2e_images: prints the reference of the first e2e image and the archive holding them all.
 e2e_images() {
   local e2e_base key archive context stage refs tags=() all=() entry ref
-  for f in agnhost localhost.crt localhost.key; do
+  for f in agnhost regression-issue-74839 localhost.crt localhost.key; do
     [ -f "$e2e_dir/$f" ] || { echo "build-images: no $f in $e2e_dir: run scripts/build-kube.sh --e2e" >&2; return 1; }
   done
   e2e_base=$(base "$E2E_PACKAGES")
@@ -123,7 +126,8 @@ e2e_images() {
   done
   if [ ! -f "$archive" ]; then
     context=$(mktemp -d "$IMAGES_DIR/e2e-context.XXXXXX")
-    cp "$e2e_dir/agnhost" "$e2e_dir/localhost.crt" "$e2e_dir/localhost.key" "$context/"
+    cp "$e2e_dir/agnhost" "$e2e_dir/regression-issue-74839" "$e2e_dir/localhost.crt" \
+      "$e2e_dir/localhost.key" "$context/"
     for entry in "${E2E_IMAGES[@]}"; do
       read -r stage refs <<<"$entry"
       tags=()
@@ -136,7 +140,7 @@ e2e_images() {
     rm -rf "$context"
     podman save -m --format docker-archive -o "$archive.tmp" "${all[@]}" >/dev/null
     mv "$archive.tmp" "$archive"
-    find "$IMAGES_DIR" -maxdepth 1 -name 'e2e-*.tar' ! -name "e2e-$key.tar" -delete
+    ls -t "$IMAGES_DIR"/e2e-*.tar | tail -n +$((KEEP_IMAGES + 1)) | xargs -r rm -f
   fi
   echo "${all[0]} $archive"
 }

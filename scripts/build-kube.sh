@@ -17,7 +17,8 @@ case "${1:-}" in
       files=()
       stamp_name=.stamp ;;
   # The porter's TLS certificate goes into the agnhost image beside it (the proxy specs).
-  --e2e) binaries=(e2e.test ginkgo agnhost)
+  # regression-issue-74839: the server of the Conntrack spec on invalid conntrack state.
+  --e2e) binaries=(e2e.test ginkgo agnhost regression-issue-74839)
          files=(localhost.crt localhost.key)
          stamp_name=.stamp-e2e ;;
   *) echo "build-kube: unknown argument '$1': use --e2e or nothing" >&2; exit 2 ;;
@@ -104,6 +105,8 @@ else
   (cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build "${go_flags[@]}" \
     -ldflags "-s -w -X main.Version=$(cat "$agnhost_dir/VERSION")" -o "$tmp_dir/agnhost" \
     k8s.io/kubernetes/test/images/agnhost)
+  (cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build "${go_flags[@]}" -ldflags "-s -w" \
+    -o "$tmp_dir/regression-issue-74839" k8s.io/kubernetes/test/images/regression-issue-74839)
   # The runner must be the version of the library in e2e.test: the module's own.
   (cd "$wrapper" && CGO_ENABLED=0 nice -n 19 go build "${go_flags[@]}" -ldflags "-s -w" \
     -o "$tmp_dir/ginkgo" github.com/onsi/ginkgo/v2/ginkgo)
@@ -123,6 +126,10 @@ for bin in "${binaries[@]}"; do
   elif [[ $bin == ginkgo ]]; then
     reported=$("$tmp_dir/$bin" version 2>&1)
     expected="Ginkgo Version ${ginkgo_version#v}"
+  elif [[ $bin == regression-issue-74839 ]]; then
+    # No version flag: it must at least be a static executable of this machine's kind.
+    reported=$(od -An -c -N4 "$tmp_dir/$bin" | tr -d ' ')
+    expected=177ELF
   elif [[ $bin == agnhost ]]; then
     reported=$("$tmp_dir/$bin" --version 2>&1)
     expected="app version $(cat "$agnhost_dir/VERSION")"

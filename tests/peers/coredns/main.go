@@ -9,6 +9,7 @@ import (
 
 	_ "github.com/coredns/coredns/plugin/cache"
 	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
 	_ "github.com/coredns/coredns/plugin/health"
 	_ "github.com/coredns/coredns/plugin/kubernetes"
 	_ "github.com/coredns/coredns/plugin/loadbalance"
@@ -21,6 +22,7 @@ import (
 // query passes through them.
 var directives = []string{
 	"reload", "ready", "health", "prometheus", "errors", "loadbalance", "cache", "kubernetes",
+	"forward",
 }
 
 func init() {
