@@ -95,6 +95,10 @@ def validate(network_agent: str, kubelets: bool, flanneld_nodes: int, network_po
         )
 
 
+def _core_rule(resource: str, *verbs: str) -> dict[str, Any]:
+    return {"apiGroups": [""], "resources": [resource], "verbs": list(verbs)}
+
+
 def manifests(net_conf: str) -> list[dict[str, Any]]:
     """kube-flannel.yml's objects but its DaemonSet, its ConfigMap with ``net_conf``."""
     meta = {"labels": dict(LABELS)}
@@ -112,9 +116,9 @@ def manifests(net_conf: str) -> list[dict[str, Any]]:
             "kind": "ClusterRole",
             "metadata": {"name": "flannel", **meta},
             "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
-                {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+                _core_rule("pods", "get"),
+                _core_rule("nodes", "get", "list", "watch"),
+                _core_rule("nodes/status", "patch"),
             ],
         },
         {
