@@ -9,8 +9,9 @@
 #                          [--skip REGEX] [--procs N] [--name LAB] [--network CIDR] [--keep]
 #                          [--out DIR]
 #
-#   --cni         the network under test: flannelpy (the manifests' DaemonSet); flanneld
-#                 (Flannel's DaemonSet and CNI plugin) is not run by the lab yet
+#   --cni         the network under test: flannelpy (the manifests' DaemonSet) or flanneld
+#                 (the reference: flanneld --kube-subnet-mgr on every node and Flannel's CNI
+#                 plugin, as kube-flannel.yml deploys them; flannelpy-lab up --network-agent)
 #   --focus       the specs (default: every [sig-network] [Conformance] spec and the
 #                 Networking Granular Checks)
 #   --skip        specs left out; tests/conformance/not-here.txt names them with the reason
@@ -49,11 +50,7 @@ while (($#)); do
   esac
 done
 case $cni in
-  flannelpy) lab_args=() ;;
-  flanneld)
-    echo "conformance: --cni flanneld needs a kubelet lab running flanneld and Flannel's CNI" \
-      "plugin, which flannelpy-lab does not start yet; run --cni flannelpy" >&2
-    exit 2 ;;
+  flannelpy | flanneld) ;;
   *) echo "conformance: --cni ${cni:-(none)}: pick flannelpy or flanneld" >&2; exit 2 ;;
 esac
 case $proxy_mode in
@@ -87,7 +84,7 @@ take_down() {
 }
 trap take_down EXIT
 $lab up --name "$name" --nodes 3 --kubelet --proxy-mode "$proxy_mode" --network "$network" \
-  --cluster-dns --host-pod-routes --image-archive "$e2e_archive" "${lab_args[@]}" >&2
+  --cluster-dns --host-pod-routes --image-archive "$e2e_archive" --network-agent "$cni" >&2
 kubeconfig=$(.venv/bin/python -c '
 import sys
 from flannelpy_lab import kube

@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and a test Deployment spreads one busybox pod per node",
     )
     up.add_argument(
+        "--network-agent",
+        choices=plan.NETWORK_AGENTS,
+        default=plan.NETWORK_AGENTS[0],
+        help="with --kubelet: the network, the manifests' DaemonSet (flannelpy, the default) or "
+        "Flannel as kube-flannel.yml deploys it: flanneld --kube-subnet-mgr on every node and "
+        "Flannel's CNI plugin (built by scripts/build-peers.sh)",
+    )
+    up.add_argument(
         "--proxy-mode",
         choices=("iptables", "nftables"),
         default="iptables",
@@ -269,6 +277,7 @@ def _up(args: argparse.Namespace) -> int:
         image_archives=args.image_archive,
         cluster_dns=args.cluster_dns,
         host_pod_routes=args.host_pod_routes,
+        network_agent=args.network_agent,
         with_prometheus=args.prometheus,
     )
     print(summary(lab.state))
@@ -300,6 +309,8 @@ def summary(state: LabState) -> str:
     if kubelet.enabled(state):
         mode = kubelet.record(state).get("proxy_mode", "iptables")
         lines[-1:-1] = [f"kubelet, containerd and kube-proxy ({mode} mode) on every node"]
+        if not kubelet.runs_daemonset(state):
+            lines[-1:-1] = ["the network: flanneld --kube-subnet-mgr and Flannel's CNI plugin"]
     rows = [["NODE", "NAMESPACE", "UNDERLAY", "OVERLAY", "RUNS", "AGENT LOG"]]
     for n in state.nodes:
         rows.append(

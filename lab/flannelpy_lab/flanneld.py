@@ -124,7 +124,7 @@ def argv(state: LabState, node: NodeInfo) -> list[str]:
 def environ(state: LabState) -> dict[str, str]:
     """flanneld's environment: ours without proxy variables (the API server is on the
     lab's address), plus what Flannel's DaemonSet gives it in Kubernetes mode."""
-    env = {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
+    env = environ_without_proxies()
     if state.extra.get("kube_kubeconfig"):
         env.update(
             POD_NAMESPACE=KUBE_NAMESPACE,
@@ -132,6 +132,11 @@ def environ(state: LabState) -> dict[str, str]:
             CONT_WHEN_CACHE_NOT_READY="false",
         )
     return env
+
+
+def environ_without_proxies() -> dict[str, str]:
+    """Our environment without proxy variables: the API server is on a lab address."""
+    return {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
 
 
 def has_lease(state: LabState, node: NodeInfo) -> bool:

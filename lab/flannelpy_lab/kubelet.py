@@ -33,6 +33,11 @@ carries traffic; other pods reach it through the ``kubernetes`` Service, whose e
 the API server keeps) and ``FLANNELD_IFACE`` (lab nodes have no default route to pick the
 interface from).
 
+With ``network_agent`` "flanneld" (``lab up --kubelet --network-agent flanneld``) the
+network is Flannel's instead of the DaemonSet's: flanneld and Flannel's CNI plugin as
+kube-flannel.yml deploys them (``flannelpy_lab.kubeflannel``), the reference cluster of
+``scripts/conformance.sh --cni flanneld``.
+
 Opt-in, for the upstream e2e specs (``scripts/conformance.sh``): more images imported
 (``image_archives``), CoreDNS as the cluster DNS (``flannelpy_lab.dns``), and routes on
 the host to every podCIDR (``route_host_to_pods``).
@@ -52,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import dns, images, plan, procs, proxy, topology
+from flannelpy_lab import dns, images, kubeflannel, plan, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
@@ -88,6 +93,18 @@ def record(state: LabState) -> dict[str, Any]:
 
 def enabled(state: LabState) -> bool:
     return STATE_KEY in state.extra
+
+
+def network_agent(state: LabState) -> str:
+    """What runs the network of a kubelet lab: "flannelpy" (the manifests' DaemonSet) or
+    "flanneld" (Flannel's processes, ``flannelpy_lab.kubeflannel``)."""
+    agent: str = record(state).get("network_agent", "flannelpy")
+    return agent
+
+
+def runs_daemonset(state: LabState) -> bool:
+    """Is the network the manifests' DaemonSet (its pods are the nodes' agents)?"""
+    return enabled(state) and network_agent(state) == "flannelpy"
 
 
 def validate_image_archives(paths: Sequence[str], kubelets: bool) -> None:
@@ -331,15 +348,16 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     t0 = time.monotonic()
     _start_scheduler(state, save)
     say(f"      building the images (cached: {images.images_dir()})")
-    flannelpy_image = images.flannelpy_image()
-    rec["image"] = flannelpy_image.ref
     image_dir = os.path.join(state.lab_dir, "images")
     os.makedirs(image_dir, exist_ok=True)
     to_import = [
         *images.busybox_images(image_dir),
-        flannelpy_image,
         *(images.archive_image(path) for path in rec.get("image_archives", ())),
     ]
+    if runs_daemonset(state):  # Flannel's processes need no image
+        flannelpy_image = images.flannelpy_image()
+        rec["image"] = flannelpy_image.ref
+        to_import.append(flannelpy_image)
     if rec.get("coredns_binary"):
         coredns_image = dns.image(image_dir, rec["coredns_binary"])
         rec["coredns_image"] = coredns_image.ref
@@ -384,8 +402,12 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     say(f"      starting kube-proxy ({rec.get('proxy_mode', proxy.DEFAULT_MODE)} mode)")
     proxy.start(state, rec.setdefault("processes", {}), node_base, save)
     rec["proxy_seconds"] = round(time.monotonic() - t0, 1)
-    say("      applying manifests/ with the DaemonSet")
-    apply_with_daemonset(state)
+    if runs_daemonset(state):
+        say("      applying manifests/ with the DaemonSet")
+        apply_with_daemonset(state)
+    else:
+        say("      starting flanneld on every node, as kube-flannel.yml deploys it")
+        start_flannel(state, save)
     wait_ready(state)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
     control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(workload(len(state.nodes))))
@@ -398,7 +420,7 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     say(
         f"      images in {rec['images_seconds']} s, Nodes registered at "
         f"{rec['nodes_registered_seconds']} s, kube-proxy healthy at {rec['proxy_seconds']} s, "
-        f"Ready with every agent pod at "
+        f"Ready with every {'agent pod' if runs_daemonset(state) else 'flanneld'} at "
         f"{rec['ready_seconds']} s, test pods Running at {rec['workload_seconds']} s"
     )
 
@@ -619,6 +641,40 @@ def apply_with_daemonset(state: LabState) -> None:
     )
 
 
+def start_flannel(state: LabState, save: Save) -> None:
+    """Flannel as the network (``flannelpy_lab.kubeflannel``): its objects applied, on
+    every node its CNI plugins installed and flanneld started; each node's conflist
+    installed once its flanneld has published the node's lease."""
+    processes = record(state).setdefault("processes", {})
+    kubeflannel.apply(
+        state,
+        plan.net_conf_json(
+            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
+        ),
+    )
+    for node in state.nodes:
+        kubeflannel.install_plugins(state, host_source(node, "/opt/cni/bin"), REFERENCE_DIR)
+        runtime_pid = processes[f"containerd/{node.name}"][0]
+        kubeflannel.start(state, node, runtime_pid, processes, save)
+    pending = {n.name for n in state.nodes}
+
+    def check() -> str | None:
+        for node in state.nodes:
+            if node.name not in pending:
+                continue
+            subnet_env = os.path.join(host_source(node, "/run/flannel"), "subnet.env")
+            env = kubeflannel.check_ready(state, node, subnet_env)
+            if env is not None:
+                kubeflannel.install_conflist(host_source(node, "/etc/cni/net.d"))
+                node.overlay_address = env.subnet
+                pending.discard(node.name)
+        return f"no lease published by the flanneld of {sorted(pending)}" if pending else None
+
+    logs = [n.agent_log for n in state.nodes]
+    _poll("flanneld did not start", check, kubeflannel.READY_TIMEOUT, logs)
+    save()
+
+
 def _pods(state: LabState, namespace: str, selector: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = control_plane.kubectl_json(
         state, "get", "pods", "-n", namespace, "-l", selector
@@ -634,15 +690,18 @@ def pod_ready(pod: dict[str, Any]) -> bool:
 
 
 def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
-    """Every Node Ready and every agent pod Ready."""
+    """Every Node Ready and, when the DaemonSet is the network, every agent pod Ready."""
     names = {n.name for n in state.nodes}
+    daemonset = runs_daemonset(state)
 
     def check() -> str | None:
         nodes = _nodes(state)
         not_ready = sorted(n for n in names if not node_ready(nodes.get(n, {})))
-        pods = _pods(state, control_plane.NAMESPACE, "app.kubernetes.io/component=agent")
-        ready = {p["spec"].get("nodeName") for p in pods if pod_ready(p)}
-        pending = sorted(names - ready)
+        pending: list[str] = []
+        if daemonset:
+            pods = _pods(state, control_plane.NAMESPACE, "app.kubernetes.io/component=agent")
+            ready = {p["spec"].get("nodeName") for p in pods if pod_ready(p)}
+            pending = sorted(names - ready)
         if not not_ready and not pending:
             return None
         return f"Nodes not Ready: {not_ready}; no Ready agent pod on: {pending}"
@@ -717,7 +776,7 @@ def stop(state: LabState | None, name: str) -> None:
     when there is no state."""
     rec = state.extra.get(STATE_KEY, {}) if state else {}
     started = rec.get("processes", {})
-    for prefix in (proxy.PROCESS_PREFIX, "kubelet/", "containerd/"):
+    for prefix in (kubeflannel.PROCESS_PREFIX, proxy.PROCESS_PREFIX, "kubelet/", "containerd/"):
         refs = [procs.ref_of(*v) for k, v in started.items() if k.startswith(prefix)]
         procs.stop([r for r in refs if r])
     if state is None:  # no record: first whatever runs in the nodes' network namespaces
@@ -743,6 +802,7 @@ def stop_node(state: LabState, node: NodeInfo) -> None:
     agent's too); its network namespace stays. Its Node object is left to the caller."""
     started = record(state).get("processes", {})
     for key in (
+        kubeflannel.PROCESS_PREFIX + node.name,
         proxy.PROCESS_PREFIX + node.name,
         f"kubelet/{node.name}",
         f"containerd/{node.name}",

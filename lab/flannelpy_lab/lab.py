@@ -21,7 +21,18 @@ from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
-from flannelpy_lab import agents, etcd, flanneld, plan, pods, procs, prometheus, status, topology
+from flannelpy_lab import (
+    agents,
+    etcd,
+    flanneld,
+    kubeflannel,
+    plan,
+    pods,
+    procs,
+    prometheus,
+    status,
+    topology,
+)
 from flannelpy_lab import dns as cluster_dns_peer
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab import kubelet as real_nodes
@@ -158,6 +169,7 @@ class Lab:
         image_archives: Sequence[str] = (),
         cluster_dns: bool = False,
         host_pod_routes: bool = False,
+        network_agent: str = "flannelpy",
     ) -> Lab:
         """Build a lab and wait until every agent is ready; on any failure remove it all.
 
@@ -179,7 +191,9 @@ class Lab:
         (``podman save`` archives) is imported into every node's containerd beside them;
         ``cluster_dns``: CoreDNS as the cluster DNS (``flannelpy_lab.dns``);
         ``host_pod_routes``: the host routes each podCIDR to its node, so kube-apiserver
-        reaches pods (``network`` must then be one no other lab on the host uses).
+        reaches pods (``network`` must then be one no other lab on the host uses);
+        ``network_agent`` "flanneld": Flannel's flanneld and CNI plugin are the network
+        instead of the DaemonSet (``flannelpy_lab.kubeflannel``).
 
         ``network_policy`` (needs ``kube``): the agents enforce NetworkPolicy
         (``--enable-network-policy``, the manifests' ``network-policy`` component)."""
@@ -196,6 +210,9 @@ class Lab:
             etcd_members,
         )
         kube_proxy.validate_mode(proxy_mode, kubelets)
+        kubeflannel.validate(network_agent, kubelets, flanneld_nodes, network_policy)
+        if network_agent == "flanneld":
+            flanneld_nodes = nodes  # every node runs flanneld (its agent_kind says so)
         if network_policy and not kube:
             raise LabError(
                 "--enable-network-policy needs --kube or --kubelet: etcd mode has no Pods or "
@@ -241,6 +258,7 @@ class Lab:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
             nodes_record = real_nodes.record(state)
             nodes_record["proxy_mode"] = proxy_mode
+            nodes_record["network_agent"] = network_agent
             nodes_record["image_archives"] = [os.path.abspath(p) for p in image_archives]
             if coredns_binary:
                 nodes_record["coredns_binary"] = coredns_binary

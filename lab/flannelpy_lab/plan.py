@@ -42,6 +42,8 @@ ETCD_MEMBER_COUNTS = (1, 3, 5)  # odd: a majority survives any one partition
 MAX_NODES = 99
 IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
 BACKENDS = ("vxlan", "host-gw", "wireguard")
+# A kubelet lab's network (--network-agent): the manifests' DaemonSet, or Flannel itself.
+NETWORK_AGENTS = ("flannelpy", "flanneld")
 DEFAULT_NETWORK = "10.244.0.0/16"
 DEFAULT_ETCD_PREFIX = "/coreos.com/network"
 LAB_ROOT = "/run/flannelpy-lab"

@@ -149,7 +149,7 @@ def collect(state: LabState) -> dict[str, Any]:
     """The status document (see module doc); never raises for an unreachable store."""
     leases, store_error = _leases(state)
     agent_pods, agent_error = None, None
-    if kubelet.enabled(state):
+    if kubelet.runs_daemonset(state):  # else the agents are processes (flanneld's)
         agent_pods, agent_error = kubestatus.agent_pods(state)
     env_paths = {n.name: kubestatus.subnet_env_path(state, n) for n in state.nodes}
     overlay = {n.name: overlay_address(n, env_paths[n.name]) for n in state.nodes}
@@ -185,7 +185,7 @@ def collect(state: LabState) -> dict[str, Any]:
         "etcd_members": etcd.cluster_status(state),  # empty: one etcd on the host
         "nodes": nodes,
         **matrices,
-        "cni_exec": "DaemonSet" if kubelet.enabled(state) else state.extra.get("cni_exec"),
+        "cni_exec": _cni_exec(state),
         "leases": leases,
         "prometheus": prometheus_status(state),
         "ok": all(
@@ -193,6 +193,17 @@ def collect(state: LabState) -> dict[str, Any]:
             for k in ("matrix", "pod_matrix", "matrix_ipv6", "pod_matrix_ipv6")
         ),
     }
+
+
+# What makes a kubelet lab's pods: the DaemonSet's CNI executable, or Flannel's plugin.
+KUBELET_CNI = ("DaemonSet", "flannel")
+
+
+def _cni_exec(state: LabState) -> str | None:
+    if kubelet.enabled(state):
+        return KUBELET_CNI[0] if kubelet.runs_daemonset(state) else KUBELET_CNI[1]
+    cni_exec: str | None = state.extra.get("cni_exec")
+    return cni_exec
 
 
 def _matrices(
@@ -353,7 +364,7 @@ def render_text(doc: dict[str, Any]) -> str:
                 rows.append([p["name"], n["name"], p["address"] or "-", p["namespace"]])
         made = (
             "the test Deployment's, pinged through kubectl exec"
-            if doc.get("cni_exec") == "DaemonSet"
+            if doc.get("cni_exec") in KUBELET_CNI
             else f"{doc.get('cni_exec') or '?'} CNI executable"
         )
         lines += ["", f"pods ({made}):", *_table(rows)]
