@@ -111,8 +111,8 @@ go_peers() {
 e2e_suite() {
   local dir
   dir=$(scripts/build-kube.sh --e2e)
+  scripts/build-peers.sh --coredns  # before the images: agnhost's carries it
   scripts/build-images.sh --e2e "$dir"
-  scripts/build-peers.sh --coredns
 }
 
 export -f apt_packages venv go_peers e2e_suite

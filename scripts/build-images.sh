@@ -51,10 +51,12 @@ base_ref() {
 e2e_key() {
   { echo "$(base_ref "$E2E_PACKAGES") ${E2E_IMAGES[*]}"; cat tests/conformance/images.Containerfile
     cat "$e2e_dir/agnhost" "$e2e_dir/regression-issue-74839" "$e2e_dir/localhost.crt" \
-      "$e2e_dir/localhost.key"; } \
+      "$e2e_dir/localhost.key" "$coredns"; } \
     | sha256sum | cut -c1-12
 }
 
+# agnhost's image carries CoreDNS as /coredns (the DNS specs' test server runs it): ours.
+[[ -n $e2e_dir ]] && coredns=$(scripts/build-peers.sh --coredns)
 # The e2e archive, when cached, needs no podman: no wait on another build's lock.
 if [[ -n $e2e_dir && -f $e2e_dir/agnhost && -f $e2e_dir/regression-issue-74839 &&
       -f $IMAGES_DIR/e2e-$(e2e_key).tar ]]; then
@@ -127,7 +129,7 @@ e2e_images() {
   if [ ! -f "$archive" ]; then
     context=$(mktemp -d "$IMAGES_DIR/e2e-context.XXXXXX")
     cp "$e2e_dir/agnhost" "$e2e_dir/regression-issue-74839" "$e2e_dir/localhost.crt" \
-      "$e2e_dir/localhost.key" "$context/"
+      "$e2e_dir/localhost.key" "$coredns" "$context/"
     for entry in "${E2E_IMAGES[@]}"; do
       read -r stage refs <<<"$entry"
       tags=()

@@ -232,8 +232,10 @@ def kubelet_config(
         "failSwapOn": False,
         # Root here lacks CAP_SYS_RESOURCE: the kubelet cannot lower its own score.
         "oomScoreAdj": 0,
-        # No disk accounting (the lab's nodes share one filesystem) nor disk eviction.
-        "localStorageCapacityIsolation": False,
+        # A pod's own ephemeral-storage limit is enforced (its writable layer and logs are
+        # measured, as the Services spec on evicted pods needs), but no node-level disk
+        # eviction: the lab's nodes share the host's one filesystem.
+        "localStorageCapacityIsolation": True,
         "evictionHard": {"memory.available": "100Mi"},
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,

@@ -1,6 +1,8 @@
 // Command coredns is CoreDNS built with only the plugins the kubelet lab's cluster DNS
-// configures (lab/flannelpy_lab/dns.py), as CoreDNS documents for a build of one's own: its
-// own main, the plugins imported, their order set in dnsserver.Directives.
+// configures (lab/flannelpy_lab/dns.py) and the upstream e2e DNS specs write into their
+// Corefiles (forward; hosts and log for the test server agnhost's image carries as
+// /coredns), as CoreDNS documents for a build of one's own: its own main, the plugins
+// imported, their order set in dnsserver.Directives.
 package main
 
 import (
@@ -11,8 +13,10 @@ import (
 	_ "github.com/coredns/coredns/plugin/errors"
 	_ "github.com/coredns/coredns/plugin/forward"
 	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/hosts"
 	_ "github.com/coredns/coredns/plugin/kubernetes"
 	_ "github.com/coredns/coredns/plugin/loadbalance"
+	_ "github.com/coredns/coredns/plugin/log"
 	_ "github.com/coredns/coredns/plugin/metrics"
 	_ "github.com/coredns/coredns/plugin/ready"
 	_ "github.com/coredns/coredns/plugin/reload"
@@ -21,8 +25,8 @@ import (
 // The order of CoreDNS's plugin.cfg (core/dnsserver/zdirectives.go), which is the order a
 // query passes through them.
 var directives = []string{
-	"reload", "ready", "health", "prometheus", "errors", "loadbalance", "cache", "kubernetes",
-	"forward",
+	"reload", "ready", "health", "prometheus", "errors", "log", "loadbalance", "cache", "hosts",
+	"kubernetes", "forward",
 }
 
 func init() {
