@@ -17,7 +17,7 @@ import logging
 import queue
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -213,8 +213,9 @@ class Writer:
     def on_control(self, snapshot: ControlSnapshot) -> None:
         self.queue.put(ControlChanged(snapshot))
 
-    def on_probe(self, key: str, result: ProbeResult) -> None:
-        self.queue.put(ProbeReported(key, result))
+    def on_probes(self, results: Sequence[tuple[str, ProbeResult]]) -> None:
+        """The rounds one prober tick finished: one event for all of them."""
+        self.queue.put(ProbeReported(tuple(results)))
 
     def on_low_free(self, free: int) -> None:
         """IPAM's warning, from a CNI request's thread: only enqueue."""
@@ -241,7 +242,7 @@ class Writer:
     def handle(self, event: Event, settle: bool = True) -> None:
         """Act on one event, then (``settle``) on whatever it made due."""
         s = self.state
-        # A probe result changes nothing readers see; one arrives per peer per round, so
+        # Probe results change nothing readers see; they arrive every prober tick, so
         # the view (which walks every lease) is rebuilt for it only if follow-ups ran.
         refresh = not isinstance(event, ProbeReported) or (settle and self.pending())
         if isinstance(event, LeasesChanged):
@@ -254,9 +255,9 @@ class Writer:
         elif isinstance(event, ControlChanged):
             self.live.take(event.snapshot)
         elif isinstance(event, ProbeReported):
-            r = event.result
-            self.status.probe_seen(event.key)
-            self.metrics.probe(event.key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
+            for key, r in event.results:
+                self.status.probe_seen(key)
+                self.metrics.probe(key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
         elif isinstance(event, CapacityLow):
             s.capacity_due = True
         elif isinstance(event, WireguardConfirmed):

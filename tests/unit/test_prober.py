@@ -156,7 +156,7 @@ def make(
         clock,
         mtu_provider=lambda: mtu,
         own_address_provider=lambda: own,
-        on_result=lambda key, result: seen.append((key, result)),
+        on_results=seen.extend,
         **options,
     )
     prober.set_peers({f"p{i}": (peer_ip(i), f"node{i}") for i in range(n_peers)})
