@@ -42,7 +42,6 @@ from flannelpy.agent.events import (
 from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.live_config import ConfigSwitch, LiveConfig
-from flannelpy.agent.netpol import NetworkPolicySync
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
@@ -61,14 +60,16 @@ from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.observe.probe_rounds import Transport
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.store.open_store import StoreTraits
-from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool, primary_pools
 from flannelpy.subnet.subnet_env import read_previous_subnets
 
 if TYPE_CHECKING:
+    # NetworkPolicy (off by default, Kubernetes mode): its compiler loads when it is on.
+    from flannelpy.agent.netpol import NetworkPolicySync
     from flannelpy.control.node_control import ControlSnapshot, NodeControl
+    from flannelpy.store.policy_inputs import PolicySource
 
 log = logging.getLogger("flannelpy.agent.writer")
 
@@ -147,6 +148,8 @@ class Writer:
         )
         self.netpol: NetworkPolicySync | None = None
         if parts.policy_source is not None:
+            from flannelpy.agent.netpol import NetworkPolicySync
+
             self.netpol = NetworkPolicySync(s, parts.policy_source, self.queue.put)
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)

@@ -82,7 +82,7 @@ TICK_SECONDS = 0.25
 DEFAULT_PEERS_PER_INTERVAL = 100
 
 
-@dataclass
+@dataclass(slots=True)
 class _Peer:
     key: str
     target: IPv4Address | IPv6Address
