@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from bench.common import (
     ETCD_TXN_OPS,
     FakePeer,
     fake_peers,
+    lab_name,
     median,
     parse_route_events,
     percentile,
@@ -512,7 +512,7 @@ class Propagation:
 def part_two(
     nodes: int, flanneld_nodes: int, leases: int, say: Callable[[str], None]
 ) -> list[Propagation]:
-    name = "bg" + secrets.token_hex(2)
+    name = lab_name("bg")
     say(f"bringing up lab {name}: {nodes} nodes, the last {flanneld_nodes} flanneld")
     lab = Lab.up(
         name, nodes, "vxlan", timeout=LAB_TIMEOUT, progress=say, flanneld_nodes=flanneld_nodes
