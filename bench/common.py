@@ -219,6 +219,18 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def compile_agent() -> None:
+    """Write the agent's bytecode, as ``pip install`` does for an installed package. A
+    checkout run with ``PYTHONDONTWRITEBYTECODE`` set (or from a read-only tree) would
+    otherwise compile every module from source at each start: about 0.4 s of CPU and
+    2 MiB here that no installed agent pays."""
+    import compileall
+
+    import flannelpy
+
+    compileall.compile_dir(os.path.dirname(flannelpy.__file__), quiet=1)
+
+
 def lab_name(prefix: str) -> str:
     """A bench's lab name: ``$FLANNELPY_LAB_PREFIX`` (when set: people sharing a machine
     tell their labs apart by it) or ``prefix``, then random hex, 6 characters in all."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from bench.agent_start import _peer_subnets, reference_netns
-from bench.common import fake_peers, lacks_root, load_average, put_peers, say, table
+from bench.common import compile_agent, fake_peers, lacks_root, load_average, put_peers, say, table
 from bench.versus_flanneld import (
     CLK_TCK,
     IMPLS,
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacks_root("bench.idle_profile"):
         return 2
     load = load_average()
+    compile_agent()
     with reference_netns() as ns:
         child = [
             sys.executable, "-m", "bench.idle_profile", "--inside-netns",

@@ -43,7 +43,17 @@ from typing import Any
 from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 
-from bench.common import FakePeer, fake_peers, lab_name, lacks_root, load_average, ratio, say, table
+from bench.common import (
+    FakePeer,
+    compile_agent,
+    fake_peers,
+    lab_name,
+    lacks_root,
+    load_average,
+    ratio,
+    say,
+    table,
+)
 from bench.propagation import LAB_TIMEOUT, RouteWatch, node_sockets
 from bench.versus_flanneld import cpu_seconds, rss_mib
 
@@ -216,6 +226,7 @@ def change_macs(lab: Lab, api: Api, peers: Sequence[FakePeer], sides: Sequence[S
 
 
 def run(nodes: int, idle: float, changes: int, say: Callable[[str], None]) -> list[Side]:
+    compile_agent()
     name = lab_name("ks")
     say(f"bringing up lab {name}: 2 nodes (n2 flanneld), Kubernetes mode, {NETWORK}")
     lab = Lab.up(

@@ -58,6 +58,7 @@ from bench.agent_start import NET_CONF, _peer_subnets, reference_netns
 from bench.common import (
     ETCD_TXN_OPS,
     FakePeer,
+    compile_agent,
     fake_peers,
     lab_name,
     median,
@@ -632,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--flanneld-nodes must leave at least one node of ours", file=sys.stderr)
         return 2
     flanneld.binary()  # fails now, naming the build script, rather than mid-run
+    compile_agent()
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
