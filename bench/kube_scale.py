@@ -31,7 +31,6 @@ import argparse
 import http.client
 import json
 import os
-import secrets
 import ssl
 import subprocess
 import sys
@@ -44,7 +43,17 @@ from typing import Any
 from flannelpy_lab import Lab
 from flannelpy_lab import kube as control_plane
 
-from bench.common import FakePeer, fake_peers, lacks_root, load_average, ratio, say, table
+from bench.common import (
+    FakePeer,
+    compile_agent,
+    fake_peers,
+    lab_name,
+    lacks_root,
+    load_average,
+    ratio,
+    say,
+    table,
+)
 from bench.propagation import LAB_TIMEOUT, RouteWatch, node_sockets
 from bench.versus_flanneld import cpu_seconds, rss_mib
 
@@ -217,7 +226,8 @@ def change_macs(lab: Lab, api: Api, peers: Sequence[FakePeer], sides: Sequence[S
 
 
 def run(nodes: int, idle: float, changes: int, say: Callable[[str], None]) -> list[Side]:
-    name = "ks" + secrets.token_hex(2)
+    compile_agent()
+    name = lab_name("ks")
     say(f"bringing up lab {name}: 2 nodes (n2 flanneld), Kubernetes mode, {NETWORK}")
     lab = Lab.up(
         name, 2, "vxlan", network=NETWORK, kube=True, flanneld_nodes=1,

@@ -38,16 +38,16 @@ Ratios are ours / flanneld. Part 2's lab uses the shared lab underlay (one lab a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Network
 
@@ -58,7 +58,9 @@ from bench.agent_start import NET_CONF, _peer_subnets, reference_netns
 from bench.common import (
     ETCD_TXN_OPS,
     FakePeer,
+    compile_agent,
     fake_peers,
+    lab_name,
     median,
     parse_route_events,
     percentile,
@@ -410,6 +412,21 @@ def measure_steady(
     return Steady(run.impl, len(peers), done, change_cpu, idle_cpu, idle_wall)
 
 
+@contextlib.contextmanager
+def bench_node(agent_args: Sequence[str]) -> Iterator[BenchNode]:
+    """The node of part 1 in this namespace: a temporary directory and an etcd on
+    loopback holding the network config (no peers yet)."""
+    from tests.support.etcd_server import running_etcd
+
+    with tempfile.TemporaryDirectory(prefix="fpbench") as tmp, running_etcd() as etcd:
+        store = EtcdStore([etcd.endpoint], timeout=10.0)
+        try:
+            put_network_config(store, PREFIX, NET_CONF)
+        finally:
+            store.close()
+        yield BenchNode(tmp, etcd.endpoint, tuple(agent_args))
+
+
 def part_one_inside(
     counts: Sequence[int],
     repeat: int,
@@ -419,21 +436,13 @@ def part_one_inside(
     say: Callable[[str], None],
 ) -> tuple[list[Start], list[Steady]]:
     """Part 1, in the namespace this process runs in (see :func:`part_one`)."""
-    from tests.support.etcd_server import running_etcd
-
     starts: list[Start] = []
     steady: list[Steady] = []
     all_peers = fake_peers(max(counts), _peer_subnets())
-    with tempfile.TemporaryDirectory(prefix="fpbench") as tmp, running_etcd() as etcd:
-        node = BenchNode(tmp, etcd.endpoint, tuple(agent_args))
-        store = EtcdStore([etcd.endpoint], timeout=10.0)
-        try:
-            put_network_config(store, PREFIX, NET_CONF)
-        finally:
-            store.close()
+    with bench_node(agent_args) as node:
         written = 0
         for n in sorted(counts):
-            put_peers(etcd.endpoint, PREFIX, all_peers[written:n])
+            put_peers(node.endpoint, PREFIX, all_peers[written:n])
             written = n
             peers = all_peers[:n]
             fake_keys = {p.key for p in peers}
@@ -504,7 +513,7 @@ class Propagation:
 def part_two(
     nodes: int, flanneld_nodes: int, leases: int, say: Callable[[str], None]
 ) -> list[Propagation]:
-    name = "bg" + secrets.token_hex(2)
+    name = lab_name("bg")
     say(f"bringing up lab {name}: {nodes} nodes, the last {flanneld_nodes} flanneld")
     lab = Lab.up(
         name, nodes, "vxlan", timeout=LAB_TIMEOUT, progress=say, flanneld_nodes=flanneld_nodes
@@ -624,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--flanneld-nodes must leave at least one node of ours", file=sys.stderr)
         return 2
     flanneld.binary()  # fails now, naming the build script, rather than mid-run
+    compile_agent()
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv6Address
+from typing import TYPE_CHECKING
 
 from flannelpy.agent.firewall_sync import firewall_factory
 from flannelpy.agent.live_config import load_applied
@@ -41,9 +42,11 @@ from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreU
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.store.open_store import ClusterStore, NodeIdentity, open_store
-from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.survey import check_no_overlap
+
+if TYPE_CHECKING:
+    from flannelpy.store.policy_inputs import PolicySource
 
 log = logging.getLogger("flannelpy.agent.compose")
 CONFIG_WAIT = 1.0  # seconds between two looks for a network config not written yet (flanneld's)

@@ -50,8 +50,9 @@ class ControlChanged:
 
 @dataclass(frozen=True)
 class ProbeReported:
-    key: str
-    result: ProbeResult
+    """The rounds one prober tick finished: (peer key, its new result) each."""
+
+    results: tuple[tuple[str, ProbeResult], ...]
 
 
 @dataclass(frozen=True)

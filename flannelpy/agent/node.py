@@ -217,7 +217,7 @@ class NodeAgent:
             interval_seconds=self.settings.probe_interval,
             timeout_seconds=min(1.0, self.settings.probe_interval / 2),
             peers_per_interval=self.settings.probe_peers_per_interval,
-            on_result=w.on_probe,
+            on_results=w.on_probes,
         )
         w.planner.prober = w.status.prober = prober
         w.planner.follow_peers()  # the peers known so far; no replan: the plan is current

@@ -17,7 +17,7 @@ import logging
 import queue
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,7 +42,6 @@ from flannelpy.agent.events import (
 from flannelpy.agent.firewall_sync import FirewallSync
 from flannelpy.agent.leases import OwnLeases
 from flannelpy.agent.live_config import ConfigSwitch, LiveConfig
-from flannelpy.agent.netpol import NetworkPolicySync
 from flannelpy.agent.planning import Planner
 from flannelpy.agent.state import AgentView, Clocks, NodeState, SayOnce
 from flannelpy.agent.status import StatusReporter, write_node_subnet_env
@@ -61,14 +60,16 @@ from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.observe.probe_rounds import Transport
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.store.open_store import StoreTraits
-from flannelpy.store.policy_inputs import PolicySource
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
 from flannelpy.subnet.pools import Pool, primary_pools
 from flannelpy.subnet.subnet_env import read_previous_subnets
 
 if TYPE_CHECKING:
+    # NetworkPolicy (off by default, Kubernetes mode): its compiler loads when it is on.
+    from flannelpy.agent.netpol import NetworkPolicySync
     from flannelpy.control.node_control import ControlSnapshot, NodeControl
+    from flannelpy.store.policy_inputs import PolicySource
 
 log = logging.getLogger("flannelpy.agent.writer")
 
@@ -147,6 +148,8 @@ class Writer:
         )
         self.netpol: NetworkPolicySync | None = None
         if parts.policy_source is not None:
+            from flannelpy.agent.netpol import NetworkPolicySync
+
             self.netpol = NetworkPolicySync(s, parts.policy_source, self.queue.put)
         self.kernel = parts.kernel
         vtep = VtepMac(parts.kernel, settings.state_dir, parts.vtep_mac)
@@ -213,8 +216,9 @@ class Writer:
     def on_control(self, snapshot: ControlSnapshot) -> None:
         self.queue.put(ControlChanged(snapshot))
 
-    def on_probe(self, key: str, result: ProbeResult) -> None:
-        self.queue.put(ProbeReported(key, result))
+    def on_probes(self, results: Sequence[tuple[str, ProbeResult]]) -> None:
+        """The rounds one prober tick finished: one event for all of them."""
+        self.queue.put(ProbeReported(tuple(results)))
 
     def on_low_free(self, free: int) -> None:
         """IPAM's warning, from a CNI request's thread: only enqueue."""
@@ -241,7 +245,7 @@ class Writer:
     def handle(self, event: Event, settle: bool = True) -> None:
         """Act on one event, then (``settle``) on whatever it made due."""
         s = self.state
-        # A probe result changes nothing readers see; one arrives per peer per round, so
+        # Probe results change nothing readers see; they arrive every prober tick, so
         # the view (which walks every lease) is rebuilt for it only if follow-ups ran.
         refresh = not isinstance(event, ProbeReported) or (settle and self.pending())
         if isinstance(event, LeasesChanged):
@@ -254,9 +258,9 @@ class Writer:
         elif isinstance(event, ControlChanged):
             self.live.take(event.snapshot)
         elif isinstance(event, ProbeReported):
-            r = event.result
-            self.status.probe_seen(event.key)
-            self.metrics.probe(event.key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
+            for key, r in event.results:
+                self.status.probe_seen(key)
+                self.metrics.probe(key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
         elif isinstance(event, CapacityLow):
             s.capacity_due = True
         elif isinstance(event, WireguardConfirmed):

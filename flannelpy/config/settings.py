@@ -68,7 +68,9 @@ class AgentSettings:
     # on this node before ours took over are held, never handed out again ("" = off).
     host_local_dir: str = "/var/lib/cni/networks/cbr0"
     allow_overlap: bool = False
-    resync_interval: float = 10.0  # seconds between full reconciles (events trigger sooner)
+    # seconds between periodic reconciles (events trigger sooner); the kernel is read back
+    # at most once a minute by them (reconciler.FULL_DUMP_SECONDS)
+    resync_interval: float = 10.0
     startup_timeout: float = 30.0  # seconds to keep retrying an unreachable store at start
     subnet_lease_ttl: int = 24 * 3600  # seconds; Flannel's is fixed at 24 h
     log_format: str = "text"  # text | json

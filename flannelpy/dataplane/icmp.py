@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import secrets
 import select
 import socket
@@ -130,6 +131,9 @@ class IcmpTransport:
         self._pending: dict[int, tuple[IPv4Address | IPv6Address, float]] = {}
         self._replies: list[Reply] = []
         self._closed = threading.Event()
+        # close() writes here: the receive thread sleeps in select() until a packet or
+        # this arrives, instead of waking every 0.2 s to look at ``_closed``.
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._receive, name="prober-icmp-rx", daemon=True)
         self._thread.start()
 
@@ -148,9 +152,14 @@ class IcmpTransport:
         self.close()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0)
         self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def send(
         self, source: IPv4Address | IPv6Address, target: IPv4Address | IPv6Address, size: int
@@ -209,9 +218,9 @@ class IcmpTransport:
     def _receive(self) -> None:
         while not self._closed.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
-                if not ready:
-                    continue
+                ready, _, _ = select.select([self._sock.fileno(), self._wake_r], [], [])
+                if self._wake_r in ready:
+                    continue  # close() woke us: the loop ends
                 data, addr = self._sock.recvfrom(65535)
             except (OSError, ValueError):
                 if self._closed.is_set():

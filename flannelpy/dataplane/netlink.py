@@ -4,9 +4,10 @@
 to adopt) and leaves the work to one module per concept:
 
 * :mod:`~flannelpy.dataplane.netlink_observe`: what the kernel holds of ours;
-* :mod:`~flannelpy.dataplane.netlink_apply`: writing changes (pyroute2 for the few links
-  and addresses, :mod:`flannelpy.dataplane.nlbatch` for the thousands of neighbours, FDB
-  entries and routes of a big cluster);
+* :mod:`~flannelpy.dataplane.netlink_apply`: writing changes (through
+  :mod:`flannelpy.dataplane.nlbatch`: one request at a time for the few links and
+  addresses, batched for the thousands of neighbours, FDB entries and routes of a big
+  cluster);
 * :mod:`~flannelpy.dataplane.netlink_events`: the notifications that call for a pass;
 * :mod:`~flannelpy.dataplane.netlink_host`: the underlay, the routes not ours, sysctls.
 

@@ -1,30 +1,27 @@
 """Writing :class:`~flannelpy.dataplane.state.Changes` to the kernel, in their order.
 
-Links and addresses (a handful per node) go through pyroute2, which knows how to
-encode a vxlan device; neighbours, FDB entries and routes (three per peer) go through
-:mod:`flannelpy.dataplane.nlbatch`, many messages per syscall. Per-entry failures are
+Everything goes through :mod:`flannelpy.dataplane.nlbatch`: links and addresses (a
+handful per node) one request at a time (the VTEP's from :mod:`.rtnl_vxlan`),
+neighbours, FDB entries and routes (three per peer) many messages per syscall. Per-entry
+failures are
 collected, never raised mid-batch; a vxlan device that cannot be created raises, as
 nothing works without it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
-import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from ipaddress import IPv6Address, IPv6Network
-
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
 
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ApplyResult
 from flannelpy.dataplane.netlink_observe import adoptable, vxlan_link
+from flannelpy.dataplane.rtnl_vxlan import link_mac_request, vxlan_request
 from flannelpy.dataplane.state import (
     BLACKHOLE_METRIC,
     Address,
@@ -36,8 +33,6 @@ from flannelpy.dataplane.state import (
 )
 from flannelpy.errors import DataplaneError
 
-IFA_F_NODAD = 0x02  # linux/if_addr.h
-
 # Errors that mean "already gone" for each kind of delete.
 _GONE_ON_DELETE = {errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EADDRNOTAVAIL}
 
@@ -45,15 +40,8 @@ _GONE_ON_DELETE = {errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EADDRNOTAVAIL}
 def apply(changes: Changes, protocol: int, adopt: FlannelRouteShape | None) -> ApplyResult:
     """:meth:`~flannelpy.dataplane.kernel.Kernel.apply`: routes are written with
     ``protocol``; those ``adopt`` matches are taken over, never refused as foreign."""
-    if _event_loop_running():
-        # pyroute2's synchronous API runs its own event loop, which cannot nest
-        # in a running one; a helper thread inherits this thread's namespace.
-        return _in_helper_thread(lambda c: _apply(c, protocol, adopt), changes)
-    return _apply(changes, protocol, adopt)
-
-
-def _apply(changes: Changes, protocol: int, adopt: FlannelRouteShape | None) -> ApplyResult:
-    with nl.NetlinkSocket() as sock, _Batch(sock, protocol, adopt) as run:
+    with nl.NetlinkSocket() as sock:
+        run = _Batch(sock, protocol, adopt)
         run.links(changes)
         run.addresses("addresses_to_add", changes.addresses_to_add)
         run.addresses("addresses_to_delete", changes.addresses_to_delete)
@@ -92,34 +80,19 @@ class _Batch:
         self.index = {r.name: r.index for r in nl.dump_links(sock)}
         self.applied: Counter[str] = Counter()
         self.failures: list[str] = []
-        self._ipr: IPRoute | None = None
-
-    def __enter__(self) -> _Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ipr is not None:
-            self._ipr.close()
-
-    @property
-    def ipr(self) -> IPRoute:
-        """pyroute2, opened only when links or addresses change (most passes do not)."""
-        if self._ipr is None:
-            self._ipr = IPRoute()
-        return self._ipr
 
     def links(self, changes: Changes) -> None:
         for name in changes.links_to_delete:
             try:
                 if name in self.index:
-                    self.ipr.link("del", index=self.index[name])
-            except NetlinkError as e:
-                if e.code not in _GONE_ON_DELETE:
-                    self.failures.append(f"could not delete link {name}: {_reason(e.code)}")
+                    _call(self.sock, rtnl.link_delete_index_request(self.index[name]))
+            except nl.KernelRefused as e:
+                if e.errno not in _GONE_ON_DELETE:
+                    self.failures.append(f"could not delete link {name}: {_refusal(e)}")
                     continue
             self.applied["links_to_delete"] += 1
         for link in changes.links_to_create:
-            _create_vxlan(self.ipr, self.sock, link)  # raises: nothing works without it
+            _create_vxlan(self.sock, link)  # raises: nothing works without it
             self.applied["links_to_create"] += 1
         for link in changes.links_to_update:
             self._update(link)
@@ -133,9 +106,9 @@ class _Batch:
             return
         mac = link.mac if link.mac and link.mac.lower() != row.mac else None
         try:
-            _update_link(self.ipr, row.index, link.mtu, mac)
-        except NetlinkError as e:
-            self.failures.append(f"could not update link {link.name}: {_reason(e.code)}")
+            _update_link(self.sock, row.index, link.mtu, mac)
+        except nl.KernelRefused as e:
+            self.failures.append(f"could not update link {link.name}: {_refusal(e)}")
             return
         self.applied["links_to_update"] += 1
 
@@ -180,21 +153,14 @@ class _Batch:
                 self._no_device(key, delete, why)
                 continue
             try:
-                # IPv6 (flannel-v6.<VNI>): no duplicate address detection, which would
-                # leave the VTEP address tentative (unusable) for a second or more; the
-                # address is the node's own lease's, unique by construction.
-                nodad = {"flags": IFA_F_NODAD} if a.address.version == 6 else {}
-                self.ipr.addr(
-                    "del" if delete else "replace",
-                    index=self.index[a.ifname],
-                    address=str(a.address.ip),
-                    prefixlen=a.address.network.prefixlen,
-                    **nodad,
-                )
-            except NetlinkError as e:
-                if not (delete and e.code in _GONE_ON_DELETE):
+                # IPv6 (flannel-v6.<VNI>): no duplicate address detection (IFA_F_NODAD),
+                # which would leave the VTEP address tentative (unusable) for a second or
+                # more; the address is the node's own lease's, unique by construction.
+                _call(self.sock, rtnl.address_request(self.index[a.ifname], a.address, delete))
+            except nl.KernelRefused as e:
+                if not (delete and e.errno in _GONE_ON_DELETE):
                     self.failures.append(
-                        f"could not {verb} address {a.address} on {a.ifname}: {_reason(e.code)}"
+                        f"could not {verb} address {a.address} on {a.ifname}: {_refusal(e)}"
                     )
                     continue
             self.applied[key] += 1
@@ -273,33 +239,6 @@ class _Batch:
                 self.failures.append(f"could not set {_describe(route)}: {why}")
 
 
-def _event_loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _in_helper_thread(fn: Callable[[Changes], ApplyResult], arg: Changes) -> ApplyResult:
-    """Run ``fn(arg)`` in a new thread (same network namespace) and wait for it."""
-    result: list[ApplyResult] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(arg))
-        except BaseException as e:  # re-raised in the caller's thread
-            error.append(e)
-
-    thread = threading.Thread(target=target, name="netlink-apply")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
 def _request(
     entry: Route | Neighbour | FdbEntry, delete: bool, ifindex: int, protocol: int
 ) -> rtnl.Request:
@@ -351,7 +290,18 @@ def _vxlan_matches(row: rtnl.LinkRow, link: VxlanLink, names: dict[int, str]) ->
     )
 
 
-def _create_vxlan(ipr: IPRoute, sock: nl.NetlinkSocket, link: VxlanLink) -> None:
+def _call(sock: nl.NetlinkSocket, request: rtnl.Request) -> None:
+    """Send one request and wait for its answer; KernelRefused on an error."""
+    reply, _ = sock.request(request)
+    if reply.error:
+        raise nl.KernelRefused(reply)
+
+
+def _refusal(e: nl.KernelRefused) -> str:
+    return _reason(e.reply.error, e.reply.message)
+
+
+def _create_vxlan(sock: nl.NetlinkSocket, link: VxlanLink) -> None:
     """Create (or adopt a matching) vxlan device and bring it up; DataplaneError if impossible."""
     rows = nl.dump_links(sock)
     names = {r.index: r.name for r in rows}
@@ -365,47 +315,33 @@ def _create_vxlan(ipr: IPRoute, sock: nl.NetlinkSocket, link: VxlanLink) -> None
     try:
         if existing is not None and _vxlan_matches(existing, link, names):
             mac = link.mac if link.mac and link.mac != existing.mac else None
-            _update_link(ipr, existing.index, link.mtu, mac)
+            _update_link(sock, existing.index, link.mtu, mac)
             return
         if existing is not None:
-            ipr.link("del", index=existing.index)
-        spec: dict[str, object] = {
-            "ifname": link.name,
-            "kind": "vxlan",
-            "vxlan_id": link.vni,
-            # flannel-v6.<VNI>: an IPv6 underlay (VXLAN over IPv6 costs 70 bytes, not 50).
-            ("vxlan_local6" if link.local_ip.version == 6 else "vxlan_local"): str(link.local_ip),
-            "vxlan_link": underlay.index,
-            "vxlan_port": link.port,
-            "vxlan_learning": int(link.learning),
-            "mtu": link.mtu,
-        }
-        if link.gbp:
-            spec["vxlan_gbp"] = True
-        if link.mac:
-            spec["address"] = link.mac
-        ipr.link("add", **spec)
+            _call(sock, rtnl.link_delete_index_request(existing.index))
+        # flannel-v6.<VNI>: an IPv6 underlay (VXLAN over IPv6 costs 70 bytes, not 50).
+        _call(sock, vxlan_request(link, underlay.index))
         created = nl.get_link(sock, link.name)
         if created is None:
             raise DataplaneError(f"cannot create {link.name}: it vanished right after creation")
-        ipr.link("set", index=created.index, state="up")
-    except NetlinkError as e:
+        _call(sock, rtnl.link_set_request(created.index, up=True))
+    except nl.KernelRefused as e:
         raise DataplaneError(
             f"cannot create vxlan device {link.name} (VNI {link.vni}, local {link.local_ip},"
-            f" dev {link.underlay}, port {link.port}): {_reason(e.code)}"
+            f" dev {link.underlay}, port {link.port}): {_refusal(e)}"
         ) from e
 
 
-def _update_link(ipr: IPRoute, index: int, mtu: int, mac: str | None) -> None:
+def _update_link(sock: nl.NetlinkSocket, index: int, mtu: int, mac: str | None) -> None:
     """Set MTU (and MAC) in place and bring the link up."""
-    ipr.link("set", index=index, mtu=mtu)
+    _call(sock, rtnl.link_set_request(index, mtu=mtu))
     if mac is not None:
         try:
-            ipr.link("set", index=index, address=mac)
-        except NetlinkError as e:
-            if e.code != errno.EBUSY:
+            _call(sock, link_mac_request(index, mac))
+        except nl.KernelRefused as e:
+            if e.errno != errno.EBUSY:
                 raise
             # Some drivers refuse a MAC change while up.
-            ipr.link("set", index=index, state="down")
-            ipr.link("set", index=index, address=mac)
-    ipr.link("set", index=index, state="up")
+            _call(sock, rtnl.link_set_request(index, up=False))
+            _call(sock, link_mac_request(index, mac))
+    _call(sock, rtnl.link_set_request(index, up=True))

@@ -19,6 +19,7 @@ log = logging.getLogger("flannelpy.dataplane.netlink")
 
 WATCH_POLL_SECONDS = 0.5  # how often watch() looks at its stop event
 OWN_LINK_PREFIX = "flannel"  # flannel.<VNI> and flannel-v6.<VNI>: the devices we own
+RTPROT_KERNEL = 2  # the kernel's own routes (an address's subnet, fe80::/64 of a link)
 
 _GROUPS = (
     rtnl.RTMGRP_LINK
@@ -33,10 +34,14 @@ _GROUPS = (
 def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
     """What a datagram of rtnetlink notifications means to the reconciler (pure).
 
-    Deletions of our kinds of entries, and our vxlan devices appearing, changing or
-    going. Route deletions of other protocols, IPv6, ARP-cache churn and other links
-    (every pod's veth, the cni0 bridge) are dropped: the reconciler would find nothing to
-    do, and on a busy node pod churn would keep it dumping for nothing."""
+    Deletions of our kinds of entries, our vxlan devices appearing, changing or going,
+    and a route of another tool appearing in the main table (``ip route replace`` over
+    one of ours reports only the new route, of its own protocol). Route deletions of
+    other protocols, the kernel's own routes, ARP-cache churn and other links (every
+    pod's veth, the cni0 bridge) are dropped: the reconciler would find nothing to do,
+    and on a busy node pod churn would keep it dumping for nothing. What no notification
+    tells apart from our own writes (a neighbour or FDB entry rewritten in place) is left
+    to the periodic resync."""
     kinds: list[str] = []
     for offset, length, msg_type, _flags, _seq in nl.messages(buf):
         kind = _event_kind(buf, offset, length, msg_type, protocol)
@@ -52,10 +57,13 @@ def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: i
     if msg_type == rtnl.RTM_DELADDR:
         family = buf[offset + rtnl.HDR.size]
         return "address" if family in (rtnl.AF_INET, rtnl.AF_INET6) else None
-    if msg_type == rtnl.RTM_DELROUTE:
+    if msg_type in (rtnl.RTM_DELROUTE, rtnl.RTM_NEWROUTE):
         row = rtnl.decode_route(buf, offset, length)
-        ours = row is not None and row.protocol == protocol and row.table == rtnl.RT_TABLE_MAIN
-        return "route" if ours else None
+        if row is None or row.table != rtnl.RT_TABLE_MAIN:
+            return None
+        if msg_type == rtnl.RTM_DELROUTE:
+            return "route" if row.protocol == protocol else None
+        return "route" if row.protocol not in (protocol, RTPROT_KERNEL) else None
     if msg_type == rtnl.RTM_DELNEIGH:
         row_n = rtnl.decode_neigh(buf, offset, length)
         if row_n.family == rtnl.AF_BRIDGE:

@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flannelpy.reconciler")
 PLAN_CHANGED = "desired state changed"  # the pass's reason when only the plan changed
+PERIODIC = "periodic resync"  # the reason of a pass the timer made (nothing triggered it)
+# A periodic pass reads the kernel back at most this often (seconds) while the kernel's
+# notifications reported nothing of ours: every deletion, device change and route of
+# another tool wakes a pass that dumps at once (``netlink_events``), so what is left for
+# the timer to find is a neighbour or FDB entry rewritten in place by another tool.
+# The other periodic checks (the policy table, wireguard devices) keep the interval.
+FULL_DUMP_SECONDS = 60.0
 Scope = tuple[frozenset[str], frozenset[str]]  # what a pass reads: links, owned devices
 KERNEL_EVENTS_WAIT = 0.02  # seconds a pass for kernel events waits for the rest of a burst
 
@@ -122,8 +129,11 @@ class Reconciler:
         wireguard: WireguardDevices | None = None,
         firewall: Firewall | None = None,
         policy: PolicyRules | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._kernel = kernel
+        self._monotonic = monotonic
+        self._dumped_at = float("-inf")  # when a pass last read the kernel
         self._policy = policy
         self._bridge_nf_on = False
         self._policy_failure: str | None = None
@@ -192,6 +202,7 @@ class Reconciler:
         if observed is None:
             observed = self._kernel.observe(*scope)
             self.dumps += 1
+            self._dumped_at = self._monotonic()
         changes = diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
@@ -216,12 +227,16 @@ class Reconciler:
 
     def _known(self, reason: str, scope: Scope) -> ObservedState | None:
         """What the kernel holds of ours without a dump, when a pass is only for a new
-        plan: the state the last pass left, if it left the kernel exactly as planned and
-        nothing was reported since (another tool's change, lost notifications, the timer
-        and every other reason dump the kernel again)."""
-        if reason != PLAN_CHANGED or self._view is None or self._view[0] != scope:
+        plan, or is the timer's within FULL_DUMP_SECONDS of the last dump: the state the
+        last pass left, if it left the kernel exactly as planned and nothing was reported
+        since (another tool's change, lost notifications and every other reason dump the
+        kernel again)."""
+        if self._view is None or self._view[0] != scope:
             return None
-        return self._view[1]
+        recent = self._monotonic() - self._dumped_at < FULL_DUMP_SECONDS
+        if reason == PLAN_CHANGED or (reason == PERIODIC and recent):
+            return self._view[1]
+        return None
 
     def _apply_firewall(self, desired: DesiredState) -> tuple[str, ...]:
         """The rules for new ranges (after the routes). Unchanged ranges are left to
@@ -330,7 +345,7 @@ class Reconciler:
                 stop.wait(KERNEL_EVENTS_WAIT)
             self._wake.clear()
             with self._lock:
-                reasons = sorted(self._reasons) or ["periodic resync"]
+                reasons = sorted(self._reasons) or [PERIODIC]
                 self._reasons.clear()
             try:
                 self.reconcile_once(", ".join(reasons))

@@ -56,13 +56,13 @@ class VxlanLink:
     tx_checksum_off: bool = field(default=False, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Address:
     ifname: str
     address: IPv4Interface | IPv6Interface  # 10.244.1.0/32 on flannel.1, fd00:1::/128 on -v6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Route:
     """A route in the main table with protocol :data:`ROUTE_PROTOCOL` (or one being taken
     over, see ``protocol``). Keyed by ``dst``."""
@@ -86,7 +86,7 @@ def blackhole_route(dst: IPv4Network | IPv6Network) -> Route:
     return Route(dst=dst, gateway=none, ifname="", blackhole=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Neighbour:
     """A permanent ARP (or IPv6 neighbour) entry. Keyed by ``(ifname, ip)``."""
 
@@ -95,7 +95,7 @@ class Neighbour:
     mac: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FdbEntry:
     """A permanent bridge FDB entry on a vxlan device: send frames for ``mac`` to ``dst``."""
 
@@ -104,7 +104,7 @@ class FdbEntry:
     dst: IPv4Address | IPv6Address
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unreachable:
     """A peer the backend cannot reach (host-gw to a peer that is not on our L2 segment)."""
 

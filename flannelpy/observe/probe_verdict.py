@@ -24,7 +24,7 @@ from ipaddress import IPv4Address, IPv6Address
 from typing import Any, Literal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProbeResult:
     """What the prober knows about one peer, after its latest completed round."""
 
@@ -58,7 +58,7 @@ class ProbeResult:
 BigOutcome = Literal["not-sent", "answered", "lost", "refused"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RoundOutcome:
     """One completed round to one peer."""
 

@@ -21,7 +21,7 @@ EXTENSION_KEY = "Flannelpy"
 _NO_IPV4 = "0.0.0.0"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LeaseAttrs:
     """What a node advertises with its lease (Flannel's LeaseAttrs plus extensions)."""
 
@@ -126,7 +126,7 @@ def _object_or_none(value: Any) -> Mapping[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Lease:
     """A subnet held by a node. ``expiration`` is a unix time, None for a reservation.
 

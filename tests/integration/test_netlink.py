@@ -334,6 +334,30 @@ def test_route_deleted_by_hand_is_observed_and_watched(
     assert not watcher.is_alive() and time.monotonic() - stopped < 1.5
 
 
+def test_a_route_replaced_by_another_tool_is_watched(overlay: Netns, kernel: NetlinkKernel) -> None:
+    """``ip route replace`` over one of ours reports only the new route (no deletion): the
+    watch asks for a pass then, not at the next periodic resync. Our own writes, the
+    kernel's own routes and other tables stay silent."""
+    peers = [peer(i) for i in range(2)]
+    events: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    watcher = overlay.start(kernel.watch, events.put, stop)
+    try:
+        wait_subscribed(overlay)
+        overlay.call(kernel.apply, add_peers(peers))
+        overlay.ip("addr add 10.99.0.1/24 dev u0")  # a proto kernel route appears
+        overlay.ip("route add 10.98.0.0/24 via 192.168.50.1 table 100 proto static")
+        # Notifications keep their order: the address's deletion, reported after
+        # everything above, proves none of it was.
+        overlay.ip(f"addr del {VTEP.address} dev {DEV}")
+        assert _next_event(events, {"route", "address"}) == "address", list(events.queue)
+        overlay.ip("route replace 10.100.1.0/24 via 192.168.50.1 dev u0 proto static")
+        assert _next_event(events, {"route"}) == "route"
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+
+
 def wait_subscribed(ns: Netns) -> None:
     """Wait until a watcher's netlink socket in ``ns`` listens to rtnetlink groups: only
     changes made after that reach it (a fresh namespace has no other listener)."""

@@ -87,9 +87,11 @@ def segment_ip(lab: Lab, host: int, segment: int = 1) -> str:
     return str(subnet.network_address + host)
 
 
-def unique_lab_name(prefix: str = "t") -> str:
-    """A lab name (``[a-z0-9]{1,6}``) unlikely to clash with a parallel run."""
-    return (prefix + secrets.token_hex(3))[:6]
+def unique_lab_name(prefix: str | None = None) -> str:
+    """A lab name (``[a-z0-9]{1,6}``) unlikely to clash with a parallel run: ``prefix``,
+    else ``$FLANNELPY_LAB_PREFIX`` (people sharing a machine tell their labs apart by it),
+    else "t"; then random hex."""
+    return ((prefix or os.environ.get("FLANNELPY_LAB_PREFIX", "t")) + secrets.token_hex(3))[:6]
 
 
 @contextmanager

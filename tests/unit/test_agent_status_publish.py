@@ -64,7 +64,7 @@ class FakeProber:
     def round(self, h: AgentHarness, **change: object) -> None:
         for key, r in self.current.items():
             self.current[key] = replace(r, probes=r.probes + 1, **change)  # type: ignore[arg-type]
-            h.writer.on_probe(key, self.current[key])
+            h.writer.on_probes([(key, self.current[key])])
 
 
 # The heartbeat's spread: none (300 s), the most (240 s), and a seeded mix of both.
@@ -120,11 +120,11 @@ def test_a_failing_peer_is_written_at_once_and_noise_is_not(harness) -> None:  #
     # One lost echo is loss, not a failing peer: nothing an operator acts on.
     key = next(iter(prober.current))
     prober.current[key] = replace(prober.current[key], last_error="one echo lost")
-    h.writer.on_probe(key, prober.current[key])
+    h.writer.on_probes([(key, prober.current[key])])
     h.tick(TICK_STATUS, advance=TICK)
     assert len(store.writes) == before
     prober.current[key] = replace(prober.current[key], reachable=False)
-    h.writer.on_probe(key, prober.current[key])
+    h.writer.on_probes([(key, prober.current[key])])
     h.tick(TICK_STATUS, advance=TICK)
     assert len(store.writes) == before + 1
     record = NodeStatus.from_json(store.get(status_key(PREFIX, NODE)).value)  # type: ignore[union-attr]

@@ -51,7 +51,7 @@ def test_every_kind_is_counted_in_metrics_and_status(agent: AgentHarness) -> Non
     assert {k: sample(agent, k) for k in EVENT_KINDS} == before
 
     agent.put(CapacityLow(free=0))
-    agent.put(ProbeReported("10.244.9.0/24", PROBE))
+    agent.put(ProbeReported((("10.244.9.0/24", PROBE),)))
     agent.put(Tick(TICK_STATUS))
     assert agent.drain() == 3
 

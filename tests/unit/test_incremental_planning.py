@@ -29,7 +29,7 @@ from flannelpy.agent.status import ProbesJson
 from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
 from flannelpy.backend.registry import get_backend
 from flannelpy.dataplane.diff import diff
-from flannelpy.dataplane.reconciler import PLAN_CHANGED, Reconciler
+from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
 from flannelpy.observe.mtu import mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -270,6 +270,35 @@ def test_a_change_by_another_tool_or_a_failed_pass_is_read_back_from_the_kernel(
     reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers[:6], MACS[0]))
     reconciler.reconcile_once(PLAN_CHANGED)
     assert reconciler.dumps == 4 and len(kernel.state.routes) == 6
+
+
+def test_the_timer_reads_the_kernel_back_once_per_full_dump_interval() -> None:
+    """A periodic pass within FULL_DUMP_SECONDS of a dump trusts the view the last pass
+    left (notifications report the rest); a later one reads the kernel and repairs what
+    no notification reports: a neighbour rewritten in place. A kernel event always dumps."""
+    clock = [1000.0]
+    ctx = context("vxlan")
+    own = [own_lease(1, False, ctx)]
+    peers = [lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n]) for n in range(2, 5)]
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10.0, monotonic=lambda: clock[0])
+    reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers, MACS[0]))
+    reconciler.reconcile_once(PERIODIC)  # makes the device: no view kept
+    reconciler.reconcile_once(PERIODIC)  # reads it back
+    assert reconciler.dumps == 2
+    wanted = kernel.state.neighbours
+    first = sorted(wanted, key=str)[0]
+    kernel.state = replace(
+        kernel.state, neighbours=wanted - {first} | {replace(first, mac=MACS[7])}
+    )
+    clock[0] += FULL_DUMP_SECONDS / 2
+    reconciler.reconcile_once(PERIODIC)
+    assert reconciler.dumps == 2 and kernel.state.neighbours != wanted  # not seen yet
+    clock[0] += FULL_DUMP_SECONDS / 2
+    reconciler.reconcile_once(PERIODIC)
+    assert reconciler.dumps == 3 and kernel.state.neighbours == wanted  # repaired
+    reconciler.reconcile_once("neighbour")
+    assert reconciler.dumps == 4
 
 
 # --- status.json: each probe result is rendered once -----------------------------------------

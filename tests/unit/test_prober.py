@@ -156,7 +156,7 @@ def make(
         clock,
         mtu_provider=lambda: mtu,
         own_address_provider=lambda: own,
-        on_result=lambda key, result: seen.append((key, result)),
+        on_results=seen.extend,
         **options,
     )
     prober.set_peers({f"p{i}": (peer_ip(i), f"node{i}") for i in range(n_peers)})
@@ -417,6 +417,32 @@ def test_a_peer_kept_waiting_for_capacity_is_not_caught_up_in_a_burst() -> None:
     per_peer = Counter(s.target for s in net.small_sends())
     # never more than one round per interval for any peer
     assert max(per_peer.values()) <= 12
+
+
+def test_the_loop_sleeps_at_least_a_quantum_between_ticks() -> None:
+    """Slots and deadlines spread over the interval ask for ticks tens of milliseconds
+    apart: the loop still wakes at most once a quantum, starting and reporting whatever
+    fell due in it together."""
+    prober, net, clock, _ = make(n_peers=4, max_in_flight=2)
+    net.down.update(peer_ip(i) for i in range(4))
+    clock.t += 60.0  # every peer due now; the fake clock stands still from here
+    ticks: list[float] = []
+    tick = prober.tick
+
+    def counted() -> float:
+        wake = tick()
+        ticks.append(wake - clock())
+        return wake
+
+    prober.tick = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    loop = threading.Thread(target=prober.run, args=(stop, 0.2))
+    loop.start()
+    time.sleep(0.5)
+    stop.set()
+    loop.join(5)
+    assert max(ticks) < 0.1  # the prober asked for a look within 0.1 s each time...
+    assert 1 <= len(ticks) <= 4  # ...and got one per 0.2 s
 
 
 def test_clock_jumping_back_does_not_stall() -> None:

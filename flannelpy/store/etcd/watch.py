@@ -24,7 +24,11 @@ from flannelpy.store.etcd.rpc_errors import rpc_details
 # The client's logger: these lines are the etcd adapter's, as before the split.
 log = logging.getLogger("flannelpy.store.etcd.client")
 
-WATCH_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
+# Seconds: how often a blocked watch looks at its stop event. Each open watch (the
+# leases, each control key) wakes this often while nothing happens, so it is kept well
+# above a watch's own latency (a response wakes it at once) and well below the agent's
+# shutdown grace (THREAD_GRACE_SECONDS).
+WATCH_POLL = 1.0
 
 
 class EtcdWatch:
