@@ -7,6 +7,7 @@
 #
 #   scripts/conformance.sh --cni flannelpy [--proxy-mode iptables|nftables] [--focus REGEX]
 #                          [--skip REGEX] [--procs N] [--name LAB] [--network CIDR] [--keep]
+#                          [--enable-network-policy]
 #
 #   --cni         the network under test: flannelpy (the manifests' DaemonSet); flanneld
 #                 (Flannel's DaemonSet and CNI plugin) is not run by the lab yet
@@ -19,17 +20,20 @@
 #   --network     the pod network (default 10.160.0.0/16): the host routes it to the nodes,
 #                 as a control-plane node in the overlay would (kube-apiserver's proxy to
 #                 pods), so no other lab on the host may use it
+#   --enable-network-policy
+#                 the agents enforce NetworkPolicy (the manifests' network-policy
+#                 component); with --focus Netpol this runs upstream's NetworkPolicy specs
 #
 # The cluster is a real one's: CoreDNS as its DNS (--cluster-dns), the "kubernetes"
 # Service with the API server's endpoint, the host routing to pods (--host-pod-routes).
 #
-# Writes build/conformance/<cni>-<proxy mode>/: junit_01.xml, e2e.log (ginkgo's output) and
+# Writes build/conformance/<cni>-<proxy mode>[-netpol]/: junit_01.xml, e2e.log (ginkgo's output) and
 # summary.txt (one line per spec: passed, failed with the first line of the failure, or
 # skipped with the reason), which it prints. Exits 1 when a spec failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16
+cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16 policy=false
 focus='\[sig-network\].*\[Conformance\]|Networking Granular Checks'
 skip=""
 while (($#)); do
@@ -42,6 +46,7 @@ while (($#)); do
     --name) name=${2:?--name needs a lab name}; shift 2 ;;
     --network) network=${2:?--network needs a CIDR}; shift 2 ;;
     --keep) keep=true; shift ;;
+    --enable-network-policy) policy=true; shift ;;
     *) echo "conformance: unknown argument '$1'; see the head of $0" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +62,9 @@ case $proxy_mode in
   iptables | nftables) ;;
   *) echo "conformance: --proxy-mode $proxy_mode: pick iptables or nftables" >&2; exit 2 ;;
 esac
+if $policy; then
+  lab_args+=(--enable-network-policy)
+fi
 not_here=tests/conformance/not-here.txt
 if [[ -z $skip ]]; then
   # Every pattern of not-here.txt (the text before " -- " on each line), joined.
@@ -66,7 +74,7 @@ fi
 bash scripts/bootstrap.sh --conformance >&2  # the suite and its images, built once per pin
 e2e_dir=$(bash scripts/build-kube.sh --e2e)
 read -r _ e2e_archive < <(bash scripts/build-images.sh --e2e "$e2e_dir")
-out=build/conformance/$cni-$proxy_mode
+out=build/conformance/$cni-$proxy_mode$($policy && echo -netpol)
 rm -rf "$out"
 mkdir -p "$out"
 
