@@ -27,9 +27,10 @@
 # The cluster is a real one's: CoreDNS as its DNS (--cluster-dns), the "kubernetes"
 # Service with the API server's endpoint, the host routing to pods (--host-pod-routes).
 #
-# Writes build/conformance/<cni>-<proxy mode>[-netpol]/: junit_01.xml, e2e.log (ginkgo's output) and
-# summary.txt (one line per spec: passed, failed with the first line of the failure, or
-# skipped with the reason), which it prints. Exits 1 when a spec failed.
+# Writes build/conformance/<cni>-<proxy mode>/ (-netpol appended with NetworkPolicy on):
+# junit_01.xml, e2e.log (ginkgo's output) and summary.txt (one line per spec: passed, failed
+# with the first line of the failure, or skipped with the reason), which it prints. Exits 1
+# when a spec failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,7 +75,10 @@ fi
 bash scripts/bootstrap.sh --conformance >&2  # the suite and its images, built once per pin
 e2e_dir=$(bash scripts/build-kube.sh --e2e)
 read -r _ e2e_archive < <(bash scripts/build-images.sh --e2e "$e2e_dir")
-out=build/conformance/$cni-$proxy_mode$($policy && echo -netpol)
+out=build/conformance/$cni-$proxy_mode title="$cni, kube-proxy $proxy_mode mode"
+if $policy; then
+  out+=-netpol title="$cni with NetworkPolicy, kube-proxy $proxy_mode mode"
+fi
 rm -rf "$out"
 mkdir -p "$out"
 
@@ -114,7 +118,7 @@ e2e_seconds=$((SECONDS - started - lab_seconds))
 
 .venv/bin/python scripts/conformance_report.py "$out/junit_01.xml" --focus "$focus" \
   --not-here "$not_here" \
-  --title "$cni, kube-proxy $proxy_mode mode: lab up in $lab_seconds s, specs in $e2e_seconds s" \
+  --title "$title: lab up in $lab_seconds s, specs in $e2e_seconds s" \
   >"$out/summary.txt" || rc=$((rc ? rc : 1))
 cat "$out/summary.txt"
 exit $((rc ? 1 : 0))
