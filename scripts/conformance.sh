@@ -7,7 +7,7 @@
 #
 #   scripts/conformance.sh --cni flannelpy [--proxy-mode iptables|nftables] [--focus REGEX]
 #                          [--skip REGEX] [--procs N] [--name LAB] [--network CIDR] [--keep]
-#                          [--out DIR]
+#                          [--enable-network-policy] [--out DIR]
 #
 #   --cni         the network under test: flannelpy (the manifests' DaemonSet) or flanneld
 #                 (the reference: flanneld --kube-subnet-mgr on every node and Flannel's CNI
@@ -22,17 +22,21 @@
 #   --network     the pod network (default 10.160.0.0/16): the host routes it to the nodes,
 #                 as a control-plane node in the overlay would (kube-apiserver's proxy to
 #                 pods), so no other lab on the host may use it
+#   --enable-network-policy
+#                 the agents enforce NetworkPolicy (the manifests' network-policy
+#                 component); with --focus Netpol this runs upstream's NetworkPolicy specs
 #
 # The cluster is a real one's: CoreDNS as its DNS (--cluster-dns), the "kubernetes"
 # Service with the API server's endpoint, the host routing to pods (--host-pod-routes).
 #
-# Writes to --out: junit_01.xml, e2e.log (ginkgo's output) and
-# summary.txt (one line per spec: passed, failed with the first line of the failure, or
-# skipped with the reason), which it prints. Exits 1 when a spec failed.
+# Writes to --out (default build/conformance/<cni>-<proxy mode>, -netpol appended with
+# NetworkPolicy on): junit_01.xml, e2e.log (ginkgo's output) and summary.txt (one line per
+# spec: passed, failed with the first line of the failure, or skipped with the reason),
+# which it prints. Exits 1 when a spec failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16 out=""
+cni="" proxy_mode=iptables procs=4 name=conf keep=false network=10.160.0.0/16 policy=false out=""
 focus='\[sig-network\].*\[Conformance\]|Networking Granular Checks'
 skip=""
 while (($#)); do
@@ -46,6 +50,7 @@ while (($#)); do
     --network) network=${2:?--network needs a CIDR}; shift 2 ;;
     --keep) keep=true; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --enable-network-policy) policy=true; shift ;;
     *) echo "conformance: unknown argument '$1'; see the head of $0" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +62,10 @@ case $proxy_mode in
   iptables | nftables) ;;
   *) echo "conformance: --proxy-mode $proxy_mode: pick iptables or nftables" >&2; exit 2 ;;
 esac
+lab_args=(--network-agent "$cni")
+if $policy; then
+  lab_args+=(--enable-network-policy)
+fi
 not_here=tests/conformance/not-here.txt
 if [[ -z $skip ]]; then
   # Every pattern of not-here.txt (the text before " -- " on each line), joined.
@@ -66,7 +75,11 @@ fi
 bash scripts/bootstrap.sh >&2  # the suite and its images too, built once per pin
 e2e_dir=$(bash scripts/build-kube.sh --e2e)
 read -r _ e2e_archive < <(bash scripts/build-images.sh --e2e "$e2e_dir")
-out=${out:-build/conformance/$cni-$proxy_mode}
+default_out=build/conformance/$cni-$proxy_mode title="$cni, kube-proxy $proxy_mode mode"
+if $policy; then
+  default_out+=-netpol title="$cni with NetworkPolicy, kube-proxy $proxy_mode mode"
+fi
+out=${out:-$default_out}
 rm -rf "$out"
 mkdir -p "$out"
 
@@ -84,7 +97,7 @@ take_down() {
 }
 trap take_down EXIT
 $lab up --name "$name" --nodes 3 --kubelet --proxy-mode "$proxy_mode" --network "$network" \
-  --cluster-dns --host-pod-routes --image-archive "$e2e_archive" --network-agent "$cni" >&2
+  --cluster-dns --host-pod-routes --image-archive "$e2e_archive" "${lab_args[@]}" >&2
 kubeconfig=$(.venv/bin/python -c '
 import sys
 from flannelpy_lab import kube
@@ -106,7 +119,7 @@ e2e_seconds=$((SECONDS - started - lab_seconds))
 
 .venv/bin/python scripts/conformance_report.py "$out/junit_01.xml" --focus "$focus" \
   --not-here "$not_here" \
-  --title "$cni, kube-proxy $proxy_mode mode: lab up in $lab_seconds s, specs in $e2e_seconds s" \
+  --title "$title: lab up in $lab_seconds s, specs in $e2e_seconds s" \
   >"$out/summary.txt" || rc=$((rc ? rc : 1))
 cat "$out/summary.txt"
 exit $((rc ? 1 : 0))

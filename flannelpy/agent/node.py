@@ -244,16 +244,9 @@ class NodeAgent:
 
 
 def ensure_ip_forwarding(kernel: Kernel, ipv6: bool = False) -> None:
-    """Pods' traffic is routed through the node. Write the sysctl only when needed: in an
-    unprivileged container /proc/sys is read-only, and kubeadm requires it on anyway."""
+    """Pods' traffic is routed through the node. The kernel writes the sysctl only when it
+    is off: in an unprivileged container /proc/sys is read-only, and kubeadm requires it on."""
     name = "net.ipv6.conf.all.forwarding" if ipv6 else "net.ipv4.ip_forward"
-    path = "/proc/sys/" + name.replace(".", "/")
-    try:
-        with open(path) as f:
-            if f.read().strip() == "1":
-                return
-    except OSError:
-        pass
     try:
         kernel.set_sysctl(name, "1")
     except DataplaneError as e:

@@ -112,7 +112,15 @@ def sysctl_path(name: str) -> str:
 
 
 def set_sysctl(name: str, value: str) -> None:
+    """Write the sysctl only when it differs: in an unprivileged container (the DaemonSet's)
+    /proc/sys is read-only, and a node set up for Kubernetes has most of ours on already."""
     path = sysctl_path(name)
+    try:
+        with open(path) as f:
+            if f.read().strip() == value:
+                return
+    except OSError:
+        pass  # unreadable or missing: the write below says why
     try:
         with open(path, "w") as f:
             f.write(value)

@@ -269,8 +269,9 @@ class Reconciler:
                 self._bridge_nf_on = True
             except DataplaneError as e:
                 failures.append(
-                    f"{name} cannot be set ({e}); load br_netfilter (modprobe br_netfilter) "
-                    "so that policy judges traffic between pods of this node"
+                    f"{name} cannot be set ({e}); set {name}=1 on the node (with the "
+                    "br_netfilter module loaded) so that policy judges traffic between pods "
+                    "of this node"
                 )
         try:
             if self._policy.apply(desired.policy) is not None:

@@ -92,4 +92,17 @@ def test_a_missing_report_says_the_run_stopped(report: ModuleType, tmp_path: Pat
 def test_the_default_reasons_file_parses_and_names_sctp(report: ModuleType) -> None:
     reasons = report.not_here_reasons(REPO / "tests" / "conformance" / "not-here.txt")
     assert reasons and all(why for _, why in reasons)
-    assert any(p.search("[sig-network] SCTP [LinuxOnly] should allow creating") for p, _ in reasons)
+    opens_sctp = (
+        "[sig-network] Networking Granular Checks: Pods should function for intra-pod "
+        "communication: sctp [LinuxOnly] [Feature:SCTPConnectivity]",
+        "[sig-network] Networking should allow creating a Pod with an SCTP HostPort [LinuxOnly]",
+        "[sig-network] Services should allow creating a basic SCTP service with pod and endpoints",
+    )
+    for name in opens_sctp:
+        assert any(p.search(name) for p, _ in reasons), name
+    # A policy naming SCTP, judged on TCP: no SCTP socket, so it runs here.
+    policy_only = (
+        "[sig-network] Netpol NetworkPolicy between server and client should not mistakenly "
+        "treat 'protocol: SCTP' as 'protocol: TCP', even if the plugin doesn't support SCTP"
+    )
+    assert not any(p.search(policy_only) for p, _ in reasons)
