@@ -6,8 +6,9 @@ a release and tabled in the README; it takes tens of minutes. This module runs t
 script, unchanged, on the same kind of cluster (a 3-node kubelet lab with kube-proxy,
 CoreDNS and our DaemonSet) with a focus of one upstream spec for each path a user's
 traffic takes: pod to pod across nodes, node to pod, pod to Service, NodePort, HostPort
-and cluster DNS. It asserts that each of them ran and passed: a focus that matched
-nothing, or a spec that skipped itself, fails the test as a failed spec does.
+and cluster DNS, and of five Netpol specs (the agents enforce NetworkPolicy, as with
+``--enable-network-policy``). It asserts that each of them ran and passed: a focus that
+matched nothing, or a spec that skipped itself, fails the test as a failed spec does.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ SPECS = {
     "NodePort": "Services should be able to create a functioning NodePort service",
     "HostPort": "HostPort validates that there is no conflict between pods with same hostPort",
     "DNS": "DNS should provide DNS for services",
+    # NetworkPolicy, which the lab's agents enforce (--enable-network-policy): ingress
+    # isolation, egress by pod selector, a namespace selector, a named port, ipBlock/except.
+    "policy: default deny": "should support a 'default-deny-ingress' policy",
+    "policy: egress": "should deny egress from pods based on PodSelector",
+    "policy: namespaces": "should enforce policy to allow traffic only from a different "
+    "namespace, based on NamespaceSelector",
+    "policy: named port": "should allow ingress access on one named port",
+    "policy: ipBlock": "should enforce except clause while egress access to server in CIDR block",
 }
 # The summary's line for one spec: "passed   [sig-network] <name>: 12.3 s".
 SUMMARY_LINE = re.compile(r"^(passed|failed|skipped)\s+(\[sig-network\] .*)$")
@@ -46,6 +55,7 @@ def test_the_upstream_specs_of_every_traffic_path_pass(tmp_path: Path) -> None:
         "scripts/conformance.sh",
         "--cni",
         "flannelpy",
+        "--enable-network-policy",
         "--focus",
         focus,
         "--name",
