@@ -6,7 +6,8 @@
 #                                the .venv and the static CNI executable; nothing built with Go
 #   scripts/bootstrap.sh --dev   the same with the test tools in .venv (scripts/test.sh --fast)
 #   scripts/bootstrap.sh         everything the tests need: also the test tools, the Go-built
-#                                peers (flanneld, Kubernetes) and the flannelpy image
+#                                peers (flanneld, kube-network-policies, Kubernetes) and the
+#                                flannelpy image
 #   scripts/bootstrap.sh --conformance   the same and the upstream e2e suite (e2e.test, ginkgo,
 #                                agnhost and its images) that scripts/conformance.sh runs
 #
@@ -40,7 +41,8 @@ TEST_PACKAGES=(podman runc busybox-static ethtool
                prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
                wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
                tcpdump  # the wireguard test captures the underlay to see it carries no plaintext
-               iperf3)  # bench/throughput.py measures pod-to-pod TCP throughput with it
+               iperf3  # bench/throughput.py measures pod-to-pod TCP throughput with it
+               patch)  # scripts/build-peers.sh patches kube-network-policies before building it
 
 LOG_DIR=build/bootstrap
 mkdir -p "$LOG_DIR"
@@ -130,6 +132,12 @@ else
 fi
 step venv venv "$scope" &
 pids+=($!)
+# kube-network-policies, Flannel's NetworkPolicy sidecar: the reference of the policy benches
+# and its e2e test. After apt (its build applies a patch); about 2.5 minutes on a fresh machine.
+if $full; then
+  step netpol-peer scripts/build-peers.sh kube-network-policies &
+  pids+=($!)
+fi
 step cni-executable scripts/build-cni.sh
 # The flannelpy image the lab's kubelets run, unless they are given one of one's own.
 if $full && [[ -z ${FLANNELPY_IMAGE_ARCHIVE:-} ]]; then
