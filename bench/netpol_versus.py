@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[tuple[str, int],
 
 
 def ms(values: list[float], q: float) -> float:
-    return round(percentile(values, q), 2) if values else float("nan")
+    return round(percentile(values, q), 3) if values else float("nan")
 
 
 def latency_report(latencies: dict[str, dict[str, list[float]]]) -> str:

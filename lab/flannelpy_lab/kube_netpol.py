@@ -32,6 +32,7 @@ import json
 import os
 import re
 import time
+from typing import Any
 
 from flannelpy_lab import flanneld, procs, topology
 from flannelpy_lab import kube as control_plane
@@ -74,7 +75,7 @@ def enabled(state: LabState) -> bool:
     return bool(state.extra.get("kube_kubeconfig")) and control_plane.network_policy(state)
 
 
-def rbac_objects() -> list[dict[str, object]]:
+def rbac_objects() -> list[dict[str, Any]]:
     """The chart's Namespace, ServiceAccount, ClusterRole (netpol.enabled) and binding."""
     rules = [
         {"apiGroups": [""], "resources": ["pods", "nodes", "namespaces"],

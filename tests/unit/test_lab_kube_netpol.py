@@ -47,7 +47,7 @@ def test_environment_is_a_pods_in_cluster_one(tmp_path: Path) -> None:
 
 def test_cluster_role_lets_it_watch_what_it_reads() -> None:
     role = next(o for o in kube_netpol.rbac_objects() if o["kind"] == "ClusterRole")
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]  # type: ignore[index]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
                for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
     for group, resource in (("", "pods"), ("", "namespaces"),
                             ("networking.k8s.io", "networkpolicies")):  # fmt: skip
