@@ -250,14 +250,15 @@ def in_pod(pod: PodInfo, code: str, *args: str, timeout: float = 120.0) -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
-def set_condition(api: Api, roles: dict[str, dict[str, PodInfo]], policies: int) -> None:
-    """Create ``policies`` policies in ``perf`` (0: delete them all) and wait until both
-    sides enforce the condition."""
-    if policies:
+def set_condition(
+    api: Api, roles: dict[str, dict[str, PodInfo]], policies: int, current: int
+) -> None:
+    """Go from ``current`` to ``policies`` policies in ``perf`` (0: none) and wait until
+    both sides enforce the condition."""
+    if policies != current:
+        api.send("DELETE", PERF_POLICY_PATH, DELETE, "application/json")
         for index in range(policies):
             api.send("POST", PERF_POLICY_PATH, perf_policy(index), "application/json")
-    else:
-        api.send("DELETE", PERF_POLICY_PATH, DELETE, "application/json")
     expected = "lost" if policies else "refused"
     deadline = time.monotonic() + REFLECT_TIMEOUT
     for side in SIDES:
@@ -283,12 +284,14 @@ def run_packet_path(
         (s, c): {"connect": [], "failed": [], "gbit": []} for s in SIDES for c in (0, policies)
     }
     servers = [serve(roles[side]["srv"].namespace, PORT) for side in SIDES]
+    current = 0
     try:
         for r in range(repeat):
             conditions = (0, policies) if r % 2 == 0 else (policies, 0)
             sides = SIDES if r % 2 == 0 else SIDES[::-1]
             for condition in conditions:
-                set_condition(api, roles, condition)
+                set_condition(api, roles, condition, current)
+                current = condition
                 say(f"      repeat {r + 1}/{repeat}: {condition} policies in force")
                 for side in sides:
                     times, failed = connect_times(roles[side], connects)
@@ -308,7 +311,8 @@ def run_packet_path(
 # -- the run and its report ----------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[tuple[str, int], Any]]:
+def run(args: argparse.Namespace) -> None:
+    """Both parts in one lab; each report is printed as soon as its part is done."""
     name = "kn" + secrets.token_hex(2)
     say(f"bringing up lab {name}: 4 nodes, Kubernetes mode, NetworkPolicy on; n1, n2 ours; "
         "n3, n4 flanneld + kube-network-policies")  # fmt: skip
@@ -319,16 +323,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[tuple[str, int],
         try:
             roles = setup(lab, api)
             say(f"latency: {args.changes} changes, a new connection every 5 ms per side")
-            latencies = run_latency(roles, api, args.changes)
+            print(latency_report(run_latency(roles, api, args.changes)), flush=True)
             api.send("DELETE", f"{POLICY_PATH}/db", DELETE, "application/json")
             say(f"packet path: {args.policies} policies vs none, {args.repeat} repeats")
             path = run_packet_path(roles, api, args.policies, args.connects, args.seconds,
                                    args.repeat)  # fmt: skip
+            print(path_report(path, args.policies), flush=True)
         finally:
             api.close()
     finally:
         lab.down()
-    return latencies, path
 
 
 def ms(values: list[float], q: float) -> float:
@@ -394,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacks_root("bench.netpol_versus"):
         return 2
     load_start = load_average()
-    latencies, path = run(args)
-    print(latency_report(latencies))
-    print(path_report(path, args.policies))
+    run(args)
     print(json.dumps({"load_average_at_start": load_start, "load_average_at_end": load_average()}))
     return 0
 
