@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flannelpy_lab import Lab
+from flannelpy_lab import Lab, kube_netpol, procs
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.state import PodInfo
 from flannelpy_lab.tcp_probe import Client, connect_loop, serve, stop_process
@@ -160,9 +160,9 @@ def setup(lab: Lab, api: Api) -> dict[str, dict[str, PodInfo]]:
 
 
 def wait_allowed(clients: dict[str, Client]) -> None:
-    deadline = time.monotonic() + REFLECT_TIMEOUT
+    deadline, since = time.monotonic() + REFLECT_TIMEOUT, time.time()
     for side, client in clients.items():
-        while reflected(client, time.time(), True) is None:
+        while reflected(client, since, True) is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{side}: web never reached db under the allowing policy")
             time.sleep(0.1)
@@ -322,17 +322,33 @@ def run(args: argparse.Namespace) -> None:
         api = Api(lab)
         try:
             roles = setup(lab, api)
-            say(f"latency: {args.changes} changes, a new connection every 5 ms per side")
-            print(latency_report(run_latency(roles, api, args.changes)), flush=True)
+            if "latency" in args.parts:
+                say(f"latency: {args.changes} changes, a new connection every 5 ms per side")
+                print(latency_report(run_latency(roles, api, args.changes)), flush=True)
             api.send("DELETE", f"{POLICY_PATH}/db", DELETE, "application/json")
-            say(f"packet path: {args.policies} policies vs none, {args.repeat} repeats")
-            path = run_packet_path(roles, api, args.policies, args.connects, args.seconds,
-                                   args.repeat)  # fmt: skip
-            print(path_report(path, args.policies), flush=True)
+            if "path" in args.parts:
+                say(f"packet path: {args.policies} policies vs none, {args.repeat} repeats")
+                path = run_packet_path(roles, api, args.policies, args.connects, args.seconds,
+                                       args.repeat)  # fmt: skip
+                print(path_report(path, args.policies), flush=True)
+        except BaseException:
+            diagnose(lab)
+            raise
         finally:
             api.close()
     finally:
         lab.down()
+
+
+def diagnose(lab: Lab) -> None:
+    """On a failure, before the lab goes: what kube-network-policies logged and holds."""
+    for node in lab.nodes:
+        if node.runs_flanneld:
+            say(f"--- {node.name}: the end of {kube_netpol.log_path(node)}")
+            say(procs.log_tail(kube_netpol.log_path(node), 15))
+            table = lab.exec(node.name, ["nft", "list", "table", "inet", kube_netpol.TABLE],
+                             check=False)  # fmt: skip
+            say(table.stdout[-1500:] + table.stderr)
 
 
 def ms(values: list[float], q: float) -> float:
@@ -394,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="connects per condition, side and repeat (default 2000)")  # fmt: skip
     parser.add_argument("--seconds", type=int, default=5, help="per iperf3 run (default 5)")
     parser.add_argument("--repeat", type=int, default=3, help="packet-path repeats (default 3)")
+    parser.add_argument("--parts", nargs="+", choices=("latency", "path"),
+                        default=["latency", "path"], help="what to run (default both)")  # fmt: skip
     args = parser.parse_args(argv)
     if lacks_root("bench.netpol_versus"):
         return 2
