@@ -133,7 +133,8 @@ fi
 step venv venv "$scope" &
 pids+=($!)
 # kube-network-policies, Flannel's NetworkPolicy sidecar: the reference of the policy benches
-# and its e2e test. After apt (its build applies a patch); about 2.5 minutes on a fresh machine.
+# and its e2e test. After apt (its build applies a patch); its first build takes about 3
+# minutes of CPU (9 minutes of wall time here under a load of 13-41 from other work).
 if $full; then
   step netpol-peer scripts/build-peers.sh kube-network-policies &
   pids+=($!)
