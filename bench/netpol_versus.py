@@ -190,20 +190,34 @@ def send_change(api: Api, i: int, kind: str, arg: str) -> dict[str, float]:
     return dict.fromkeys(SIDES, t0)
 
 
+State = tuple[str | None, str]  # the policy ("allow" app=web, "deny", None: none), web's label
+START: State = ("allow", "web")
+
+
+def after(state: State, kind: str, arg: str) -> State:
+    """The state a change of CYCLE leaves."""
+    policy, label = state
+    if kind == "label change":
+        return policy, arg
+    return (None if kind == "policy delete" else arg), label
+
+
+def may_connect(state: State) -> bool:
+    """May web connect to db: db is not isolated, or its policy allows web's label."""
+    policy, label = state
+    return policy is None or (policy == "allow" and label == "web")
+
+
 def measure_latency(
     api: Api, clients: dict[str, Client], changes: int
 ) -> dict[str, dict[str, list[float]]]:
     latencies: dict[str, dict[str, list[float]]] = {s: {k: [] for k in KINDS} for s in SIDES}
-    policy: str | None = "allow"  # "allow" (app=web), "deny" (nothing) or None (no policy)
-    label = "web"
+    state = START
     for i in range(changes):
         kind, arg = CYCLE[i % len(CYCLE)]
         sent = send_change(api, i, kind, arg)
-        if kind == "label change":
-            label = arg
-        else:
-            policy = None if kind == "policy delete" else arg
-        allowed = policy is None or (policy == "allow" and label == "web")
+        state = after(state, kind, arg)
+        allowed = may_connect(state)
         deadline = time.monotonic() + REFLECT_TIMEOUT
         for side, client in clients.items():
             while (seen := reflected(client, sent[side], allowed)) is None:
