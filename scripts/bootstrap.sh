@@ -6,9 +6,10 @@
 #                                the .venv and the static CNI executable; nothing built with Go
 #   scripts/bootstrap.sh --dev   the same with the test tools in .venv (scripts/test.sh --fast)
 #   scripts/bootstrap.sh         everything the tests need: also the test tools, the Go-built
-#                                peers (flanneld, Kubernetes), the flannelpy image and the
-#                                upstream e2e suite (e2e.test, ginkgo, agnhost and its images,
-#                                CoreDNS) that scripts/conformance.sh and the suite's subset run
+#                                peers (flanneld, kube-network-policies, Kubernetes), the
+#                                flannelpy image and the upstream e2e suite (e2e.test, ginkgo,
+#                                agnhost and its images, CoreDNS) that scripts/conformance.sh
+#                                and the suite's subset run
 #   scripts/bootstrap.sh --conformance   the same (the name older instructions use)
 #
 # Independent steps run at once: the Go builds need only Go and the module proxy, so they
@@ -41,7 +42,8 @@ TEST_PACKAGES=(podman runc busybox-static ethtool
                prometheus  # prometheus: promtool validates manifests/prometheusrule.yaml
                wireguard-go wireguard-tools  # the wireguard backend's userspace device, and wg
                tcpdump  # the wireguard test captures the underlay to see it carries no plaintext
-               iperf3)  # bench/throughput.py measures pod-to-pod TCP throughput with it
+               iperf3  # bench/throughput.py measures pod-to-pod TCP throughput with it
+               patch)  # scripts/build-peers.sh patches kube-network-policies before building it
 
 LOG_DIR=build/bootstrap
 mkdir -p "$LOG_DIR"
@@ -131,6 +133,13 @@ else
 fi
 step venv venv "$scope" &
 pids+=($!)
+# kube-network-policies, Flannel's NetworkPolicy sidecar: the reference of the policy benches
+# and its e2e test. After apt (its build applies a patch); its first build takes about 3
+# minutes of CPU (9 minutes of wall time here under a load of 13-41 from other work).
+if $full; then
+  step netpol-peer scripts/build-peers.sh kube-network-policies &
+  pids+=($!)
+fi
 step cni-executable scripts/build-cni.sh
 # The flannelpy image the lab's kubelets run, unless they are given one of one's own.
 if $full && [[ -z ${FLANNELPY_IMAGE_ARCHIVE:-} ]]; then

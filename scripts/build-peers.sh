@@ -6,6 +6,10 @@
 #   scripts/build-peers.sh               flanneld (tests/peers/flanneld)
 #   scripts/build-peers.sh flannel-cni   Flannel's CNI plugin, plugins/meta/flannel of
 #                                        containernetworking/plugins (tests/peers/flannel-cni)
+#   scripts/build-peers.sh kube-network-policies
+#                                        the NetworkPolicy sidecar of Flannel's chart (netpol:
+#                                        nftables + NFQUEUE), the policy benches' reference,
+#                                        with patches/ applied (tests/peers/kube-network-policies)
 #   scripts/build-peers.sh --coredns     CoreDNS (tests/peers/coredns: its own main with the
 #                                        plugins the lab's cluster DNS uses), static
 #   FLANNELPY_PEERS_DIR   cache directory (default /var/cache/flannelpy/peers)
@@ -30,12 +34,20 @@ case "$peer" in
     version_var=$module/pkg/utils/buildversion.BuildVersion
     about="about half a minute"
     ;;
+  kube-network-policies)
+    module=sigs.k8s.io/kube-network-policies
+    package=$module/cmd
+    binary=kube-network-policies
+    version_var=""  # it has no version flag: the check below reads the build info instead
+    about="about 1-2 minutes"
+    ;;
   coredns | --coredns)
     # CoreDNS runs in an image holding nothing but itself: static.
     peer=coredns module=github.com/coredns/coredns package=. binary=coredns version_var=""
     about="about 4 minutes" cgo=0
     ;;
-  *) echo "build-peers: unknown peer '$peer': use flanneld, flannel-cni or --coredns" >&2; exit 2 ;;
+  *) echo "build-peers: unknown peer '$peer': use flanneld, flannel-cni,\
+ kube-network-policies or --coredns" >&2; exit 2 ;;
 esac
 wrapper=tests/peers/$peer
 
@@ -58,7 +70,8 @@ stamp=$out_dir/.stamp
 
 # Everything the binary depends on: the wrapper's files, this script and the toolchain.
 inputs_hash=$( {
-  find "$wrapper" -type f ! -name README.md -print0 | sort -z | xargs -0 sha256sum
+  find "$wrapper" -path "$wrapper/patched" -prune -o -type f ! -name README.md -print0 |
+    sort -z | xargs -0 sha256sum
   sha256sum "$self"
   go version
 } | sha256sum | cut -c1-16)
@@ -69,6 +82,25 @@ if [[ -x $out && -f $stamp && $(cat "$stamp") == "$inputs_hash" ]]; then
 fi
 
 echo "build-peers: building $peer $pin (the first build downloads its modules: $about)" >&2
+# A wrapper with patches/ builds the pinned module's source with them applied: its go.mod
+# replaces the module by ./patched, made here afresh from the module cache (not in git).
+if [[ -d $wrapper/patches ]]; then
+  if ! command -v patch >/dev/null; then
+    echo "build-peers: patch not found: apt-get install patch (scripts/bootstrap.sh does)" >&2
+    exit 1
+  fi
+  dir=$(cd / && go mod download -json "$module@$pin" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+  if [[ -z $dir || ! -d $dir ]]; then
+    echo "build-peers: go mod download $module@$pin failed; see the output above" >&2
+    exit 1
+  fi
+  rm -rf "$wrapper/patched"
+  cp -r "$dir" "$wrapper/patched"
+  chmod -R u+w "$wrapper/patched"
+  for p in "$wrapper"/patches/*.patch; do
+    patch --quiet -d "$wrapper/patched" -p1 <"$p"
+  done
+fi
 mkdir -p "$out_dir"
 tmp=$(mktemp "$out_dir/.$binary.XXXXXX")
 trap 'rm -f "$tmp"' EXIT
@@ -77,9 +109,13 @@ trap 'rm -f "$tmp"' EXIT
   -ldflags "-s -w${version_var:+ -X $version_var=$pin}" -o "$tmp" "$package")
 chmod 0755 "$tmp"
 # flanneld prints its version; a CNI plugin run without CNI_COMMAND prints its "about" line;
-# CoreDNS says CoreDNS-<version> first.
+# CoreDNS says CoreDNS-<version> first; kube-network-policies has no version flag, so the
+# module version recorded in the binary's build info stands for it.
 if [[ $peer == coredns ]]; then
   reported=$("$tmp" -version 2>&1 | sed -n 1p) expected="CoreDNS-${pin#v}"
+elif [[ $peer == kube-network-policies ]]; then
+  reported=$(go version -m "$tmp" | awk -v m="$module" '($1 == "mod" || $1 == "dep") && $2 == m {print $3}')
+  expected=$pin
 else
   reported=$("$tmp" --version 2>&1) expected="*$pin"
 fi

@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-network-policy",
         action="store_true",
         help="with --kube or --kubelet: the agents enforce NetworkPolicy "
-        "(--enable-network-policy and the manifests' network-policy component)",
+        "(--enable-network-policy and the manifests' network-policy component); with --kube, "
+        "flanneld nodes run kube-network-policies beside flanneld, as Flannel's chart does",
     )
     up.add_argument(
         "--cluster-dns",

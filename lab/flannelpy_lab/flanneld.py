@@ -49,16 +49,16 @@ def repo_root() -> str:
 
 def binary() -> str:
     """The flanneld to run: ``$FLANNELPY_FLANNELD``, else the pinned build (built if missing)."""
-    return _explicit_or_built(BINARY_ENV, "flanneld", ())
+    return explicit_or_built(BINARY_ENV, "flanneld", ())
 
 
 def cni_plugin_binary() -> str:
     """The flannel CNI plugin: ``$FLANNELPY_FLANNEL_CNI``, else the pinned build (built if
     missing)."""
-    return _explicit_or_built(CNI_PLUGIN_ENV, "the flannel CNI plugin", (CNI_PLUGIN_PEER,))
+    return explicit_or_built(CNI_PLUGIN_ENV, "the flannel CNI plugin", (CNI_PLUGIN_PEER,))
 
 
-def _explicit_or_built(env_var: str, what: str, build_args: tuple[str, ...]) -> str:
+def explicit_or_built(env_var: str, what: str, build_args: tuple[str, ...]) -> str:
     explicit = os.environ.get(env_var)
     if explicit:
         if not os.access(explicit, os.X_OK):

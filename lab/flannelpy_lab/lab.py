@@ -25,6 +25,7 @@ from flannelpy_lab import (
     agents,
     etcd,
     flanneld,
+    kube_netpol,
     kubeflannel,
     plan,
     pods,
@@ -89,6 +90,7 @@ def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
     # still answers (an agent may talk to it on its way out); then etcd, whose
     # members may have namespaces of their own.
     refs = [r for r in (agents.agent_ref(n) for n in state.nodes) if r] if state else []
+    refs += kube_netpol.refs(state) if state else []
     member_namespaces = {m.namespace for m in state.etcd_members} if state else set()
     member_namespaces.update(
         ns for ns in topology.lab_namespaces(name) if plan.is_etcd_member_namespace(name, ns)
@@ -196,7 +198,9 @@ class Lab:
         instead of the DaemonSet (``flannelpy_lab.kubeflannel``).
 
         ``network_policy`` (needs ``kube``): the agents enforce NetworkPolicy
-        (``--enable-network-policy``, the manifests' ``network-policy`` component)."""
+        (``--enable-network-policy``, the manifests' ``network-policy`` component); with
+        ``kube``, flanneld nodes run kube-network-policies beside flanneld, as Flannel's chart
+        does (``flannelpy_lab.kube_netpol``)."""
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
@@ -228,6 +232,8 @@ class Lab:
         # so), and one that cannot be built fails fast, naming its build script.
         flanneld_binary = flanneld.binary() if flanneld_nodes else None
         flannel_cni_binary = flanneld.cni_plugin_binary() if flanneld_nodes else None
+        # Flannel's chart runs kube-network-policies beside flanneld when netpol is on.
+        netpol_binary = kube_netpol.binary() if flanneld_nodes and network_policy else None
         if kube:
             control_plane.bin_dir(build=True)
         coredns_binary = cluster_dns_peer.binary() if cluster_dns else None
@@ -254,6 +260,8 @@ class Lab:
             control_plane.record(state)
         if network_policy:
             state.extra[control_plane.NETWORK_POLICY_KEY] = True
+        if netpol_binary:
+            state.extra[kube_netpol.BINARY_KEY] = netpol_binary
         if kubelets:
             control_plane.record(state)[control_plane.KUBELETS_KEY] = True
             nodes_record = real_nodes.record(state)
@@ -336,6 +344,9 @@ class Lab:
             agents.start(s, node)
         self._save()
         self._wait_all_ready(s.nodes, timeout, say)
+        if kube_netpol.enabled(s) and any(n.runs_flanneld for n in s.nodes):
+            say(f"[6/{UP_STEPS}] starting kube-network-policies beside flanneld")
+            kube_netpol.start_all(s, self._save)
         if prometheus.STATE_KEY in s.extra:
             say(f"[6/{UP_STEPS}] starting Prometheus at {prometheus.url(s)}")
             prometheus.start(s)

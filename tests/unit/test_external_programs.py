@@ -64,6 +64,7 @@ PROGRAMS = {
     "ip6tables": "iptables",
     "nft": "nftables",
     "openssl": "openssl",
+    "patch": "patch",  # scripts/build-peers.sh patches kube-network-policies
     "ping": "iputils-ping",
     "podman": "podman",
     "prometheus": "prometheus",
@@ -113,6 +114,7 @@ NOT_RUN = {
     ("patch", "tests/unit/test_manifests.py"): "an RBAC verb",
     ("patch", "tests/e2e/test_kube_real.py"): "an RBAC verb",
     ("patch", "flannelpy/store/kube/node_status.py"): "an RBAC verb",
+    ("patch", "lab/flannelpy_lab/kube_netpol.py"): "an RBAC verb",
     ("patch", "tests/unit/test_kube_event_series.py"): "an Event series action",
     ("node", "flannelpy/observe/kernel_counters.py"): "a label value",
     ("node", "tests/unit/test_exposition.py"): "a label value",
