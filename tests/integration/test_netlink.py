@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import re
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6
 
 import pytest
 
+from flannelpy.dataplane import netlink_events
+from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.netlink import NetlinkKernel
 from flannelpy.dataplane.netlink_events import event_kinds
@@ -182,6 +185,37 @@ def test_event_kinds_and_sysctl_path() -> None:
     assert sysctl_path("net/ipv4/conf/flannel.1/rp_filter") == (
         "/proc/sys/net/ipv4/conf/flannel.1/rp_filter"
     )
+
+
+def kinds_while(node: Netns, change: str) -> list[str]:
+    """The reconciler's event kinds for what the kernel reports while ``node`` runs the
+    ``ip`` command ``change`` (notifications read until 0.3 s pass without one)."""
+
+    def listen() -> list[str]:
+        with nl.NetlinkSocket(groups=netlink_events._GROUPS) as sock:
+            node.ip(change)
+            kinds: list[str] = []
+            while select.select([sock], [], [], 0.3)[0]:
+                kinds += [k for k in event_kinds(sock.recv()) if k not in kinds]
+            return kinds
+
+    return node.call(listen)
+
+
+def test_a_pod_veth_going_wakes_no_pass_and_a_global_address_going_does(node: Netns) -> None:
+    """A DEL deletes a veth whose IPv6 link-local address and multicast neighbours go with
+    it: none of that is the reconciler's, so it must not cost a pass (it cost one per DEL)."""
+    with temp_netns("pod") as pod:
+        node.ip("link add cnb0 type bridge")
+        node.ip("link set cnb0 up")
+        node.ip(f"link add cnv0 type veth peer name eth0 netns {pod.name}")
+        node.ip("link set cnv0 master cnb0 up")
+        pod.ip("link set eth0 up")
+        wait_until(lambda: "fe80::" in node.ip("-6 addr show dev cnv0"), 10, "a link-local")
+        wait_until(lambda: "ff02::" in node.ip("-6 neigh show dev cnv0 nud all"), 10, "ff02::")
+        assert kinds_while(node, "link del cnv0") == []
+    node.ip("addr add 10.251.0.1/24 dev cnb0")
+    assert kinds_while(node, "addr del 10.251.0.1/24 dev cnb0") == ["address"]
 
 
 # --- namespaces --------------------------------------------------------------------------
