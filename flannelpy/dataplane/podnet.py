@@ -244,14 +244,15 @@ class PodNetwork:
         hairpin: bool = True,
         owner: str | None = None,
         netns_fd: int | None = None,
+        host_mac: str | None = None,
     ) -> PodLink:
         """Create and configure the pod's veth pair: ``addresses`` (one per family, the
         first names the MAC), ``routes`` (destination, gateway) in the pod, hairpin mode
         on the host port when ``hairpin``. ``owner`` (``veth_owner``) becomes the host
-        end's alias. Returns once every IPv6 address of the pod interface and every IPv6
-        gateway on the bridge is usable (not tentative). All or nothing: on failure
-        nothing is left."""
-        link = PodLink(host_veth, random_mac(), ifname, pod_mac(addresses[0].ip))
+        end's alias; ``host_mac`` (default: a random one) the host end's MAC. Returns once
+        every IPv6 address of the pod interface and every IPv6 gateway on the bridge is
+        usable (not tentative). All or nothing: on failure nothing is left."""
+        link = PodLink(host_veth, host_mac or random_mac(), ifname, pod_mac(addresses[0].ip))
         owner = owner or veth_owner(netns, "", ifname)
         self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
         try:
