@@ -3,9 +3,10 @@ and the result the runtime gets.
 
 ADD acquires in this order, each step registering its undo: the address (IPAM), the
 record, the bridge (shared, never undone), the veth pair. The record is known before the
-veth exists (its MACs are chosen first), so it is written (fsync'd) in a thread of its
-own while the pod is plumbed, and the result is returned only once it is durable: the
-record's disk time and the netlink work overlap instead of adding up. A record whose
+veth exists (its MACs are chosen first), so a thread of its own makes IPAM's change
+durable (its directory's fsync) and then writes the record (fsync'd) while the pod is
+plumbed, and the result is returned only once both are durable: the disk's time and the
+netlink work overlap instead of adding up. A record whose
 veth was never made (a crash in between) is what the start-up GC removes, as one whose
 pod is gone. A failure anywhere runs the undos in reverse, so nothing of a failed ADD
 remains. An ADD repeated for a live attachment returns the recorded result.
@@ -140,7 +141,9 @@ class AddCommand(CommandContext):
         if existing is not None:  # its veth is gone or it was for another namespace
             self.pods.delete_host_veth(existing.host_veth, record_owner(existing))
         had = self.ipam.find_all(cid, ifname)
-        allocs = self.ipam.allocate_all(cid, ifname, cooldown=cooldown, wait=wait)
+        allocs, commit_ipam = self.ipam.allocate_all_deferred(
+            cid, ifname, cooldown=cooldown, wait=wait
+        )
         if not had:
             undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
         host = host_veth_name(req.netns, cid, ifname)
@@ -170,7 +173,8 @@ class AddCommand(CommandContext):
             gateways=tuple(a.gateway for a in allocs),
             result=stored,
         )
-        writing = Background(self.records.write, record)
+        # IPAM's directory fsync, then the record: durable in that order, beside the plumbing.
+        writing = Background(_commit_then_write, commit_ipam, self.records, record)
         undo.push("delete record", lambda: _forget_record(writing, self.records, record))
         index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
         self.pods.add_pod(
@@ -238,6 +242,13 @@ class Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _commit_then_write(
+    commit_ipam: Callable[[], None], records: RecordStore, record: Record
+) -> None:
+    commit_ipam()
+    records.write(record)
 
 
 def _forget_record(writing: Background, records: RecordStore, record: Record) -> None:

@@ -83,6 +83,7 @@ class NodeIpam:
         self._sleep = sleep
         self._lock = threading.Lock()
         self._waiters: list[object] = []  # tickets of allocate() calls waiting, oldest first
+        self._deferred = threading.local()  # .tickets: commits allocate_all_deferred left
         self._store = IpamStore(state_dir, fsync=fsync)
         self._pools: dict[IPNetwork, PoolAllocator] = {}
         self._leases: list[IPNetwork] = []
@@ -115,7 +116,12 @@ class NodeIpam:
                     yield
             finally:
                 ticket = self._store.take_ticket()
-        if ticket is not None:
+        if ticket is None:
+            return
+        deferred: list[int] | None = getattr(self._deferred, "tickets", None)
+        if deferred is not None:  # allocate_all_deferred's caller commits
+            deferred.append(ticket)
+        else:
             self._store.commit(ticket)
 
     def close(self) -> None:
@@ -356,6 +362,31 @@ class NodeIpam:
             raise
         return made
 
+    def allocate_all_deferred(
+        self,
+        container_id: str,
+        ifname: str,
+        cooldown: float | None = None,
+        wait: float | None = None,
+    ) -> tuple[list[Allocation], Callable[[], None]]:
+        """``allocate_all``, and the commit of the state directory's fsync, left to the
+        caller: it must call it before it answers anyone, and may run it beside other
+        work meanwhile (ADD runs it in the thread that then writes the record, while the
+        pod is plumbed). The pool file itself is written (and fsync'd) when this returns."""
+        self._deferred.tickets = []
+        try:
+            allocations = self.allocate_all(container_id, ifname, cooldown, wait)
+        except BaseException:
+            tickets, self._deferred.tickets = self._deferred.tickets, None
+            if tickets:
+                self._store.commit(max(tickets))
+            raise
+        tickets, self._deferred.tickets = self._deferred.tickets, None
+        if not tickets:
+            return allocations, lambda: None
+        last = max(tickets)
+        return allocations, lambda: self._store.commit(last)
+
     def _release_one(self, alloc: Allocation) -> None:
         with self._locked():
             self._refresh()
@@ -366,27 +397,39 @@ class NodeIpam:
 
     def release(self, container_id: str, ifname: str) -> Allocation | None:
         """Put (container_id, ifname)'s addresses (every family) into cooldown; returns
-        the first family's, None when it has none."""
+        the first family's, None when it has none. The pool file is replaced (and
+        fsync'd) before this returns, but its directory is not fsync'd for it: a release
+        lost to a power cut comes back as an assignment, which hands out nothing twice,
+        and the start-up GC releases it again (no record explains it, or its record's
+        veth is gone), its cooldown starting then. CNI records' deletions are not
+        fsync'd for the same reason, so a DEL does not wait for the disk's journal."""
         with self._locked():
-            self._refresh()
-            first: Allocation | None = None
-            for subnet, pool in sorted(self._pools.items(), key=_by_family):
-                released = pool.release(container_id, ifname, self._clock())
-                if released is not None:
-                    self._save(subnet)
-                    self._forget_host_local(released.ip, container_id, ifname)
-                    first = first or released
-            if first is not None:
-                return first
-            # A pod host-local gave its addresses (one per family).
-            for subnet, pool in sorted(self._pools.items(), key=_by_family):
-                ip = pool.release_held(container_id, ifname, self._clock())
-                if ip is not None:
-                    self._save(subnet)
-                    self._foreign = [e for e in self._foreign if e.ip != ip]
-                    self._forget_host_local(ip, container_id, ifname)
-                    first = first or Allocation(ip, subnet, container_id, ifname, self._clock())
+            try:
+                return self._release(container_id, ifname)
+            finally:
+                self._store.take_ticket()  # nothing for _locked to commit
+
+    def _release(self, container_id: str, ifname: str) -> Allocation | None:
+        """release's work, under both locks."""
+        self._refresh()
+        first: Allocation | None = None
+        for subnet, pool in sorted(self._pools.items(), key=_by_family):
+            released = pool.release(container_id, ifname, self._clock())
+            if released is not None:
+                self._save(subnet)
+                self._forget_host_local(released.ip, container_id, ifname)
+                first = first or released
+        if first is not None:
             return first
+        # A pod host-local gave its addresses (one per family).
+        for subnet, pool in sorted(self._pools.items(), key=_by_family):
+            ip = pool.release_held(container_id, ifname, self._clock())
+            if ip is not None:
+                self._save(subnet)
+                self._foreign = [e for e in self._foreign if e.ip != ip]
+                self._forget_host_local(ip, container_id, ifname)
+                first = first or Allocation(ip, subnet, container_id, ifname, self._clock())
+        return first
 
     def _forget_host_local(self, ip: IPAddress, container_id: str, ifname: str) -> None:
         # Else a restart would hold the released address for a pod that is gone.

@@ -54,7 +54,8 @@ def pool_file_name(subnet: IPNetwork) -> str:
 
 
 class IpamStore:
-    """The IPAM state directory; use every method inside ``with store.locked():``."""
+    """The IPAM state directory; use every method inside ``with store.locked():``, and
+    after leaving it, ``commit`` what ``take_ticket`` returned (the directory's fsync)."""
 
     def __init__(self, directory: str | os.PathLike[str], fsync: bool = True) -> None:
         self.directory = os.fspath(directory)
