@@ -372,7 +372,7 @@ def bench_setup(pod_count: int, burst_size: int, say: Say) -> Iterator[Bench]:
         namespaces: list[str] = []
         stack.callback(delete_netns, namespaces)  # sees every name appended later
         say("bringing up a 1-node vxlan lab")
-        lab = Lab.up("bc" + secrets.token_hex(2), 1, "vxlan")
+        lab = Lab.up("cn" + secrets.token_hex(2), 1, "vxlan")
         stack.callback(lab.down)
         node = lab.nodes[0]
         mtu = lab_mtu(node.subnet_env)

@@ -5,6 +5,8 @@
 # does. Needs root. A benchmark that misses its own goal exits non-zero; that is
 # reported and the run goes on.
 #   bash bench/compare_commits.sh BEFORE [AFTER]     (AFTER defaults to the work tree itself)
+# BENCHES (one benchmark command a line) replaces the default list, e.g. to bisect one figure:
+#   BENCHES="bench.cni_latency --pods 100 --repeat 1" bash bench/compare_commits.sh BEFORE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?usage: bench/compare_commits.sh BEFORE [AFTER]}
@@ -48,6 +50,9 @@ benches=(
   # idle CPU over 60 s at 1,000 peers (flanneld beside each side, as a yardstick)
   "bench.versus_flanneld --peers 1000 --repeat 1 --changes 200 --idle-seconds 60 --nodes 0"
 )
+if [[ -n ${BENCHES:-} ]]; then
+  mapfile -t benches <<<"$BENCHES"
+fi
 for bench in "${benches[@]}"; do
   for ((round = 1; round <= rounds; round++)); do
     for i in "${!trees[@]}"; do

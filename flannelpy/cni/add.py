@@ -2,10 +2,14 @@
 and the result the runtime gets.
 
 ADD acquires in this order, each step registering its undo: the address (IPAM), the
-bridge (shared, never undone), the veth pair; then the record is written (fsync'd)
-before the result is returned. A failure anywhere runs the undos in reverse, so nothing
-of a failed ADD remains. An ADD repeated for a live attachment returns the recorded
-result.
+record, the bridge (shared, never undone), the veth pair. The record is known before the
+veth exists (its MACs are chosen first), so a thread of its own makes IPAM's change
+durable (its directory's fsync) and then writes the record (fsync'd) while the pod is
+plumbed, and the result is returned only once both are durable: the disk's time and the
+netlink work overlap instead of adding up. A record whose
+veth was never made (a crash in between) is what the start-up GC removes, as one whose
+pod is gone. A failure anywhere runs the undos in reverse, so nothing of a failed ADD
+remains. An ADD repeated for a live attachment returns the recorded result.
 
 Dual stack: a pod gets one address per family the node has a pod subnet in (IPAM's
 families), IPv4 first; the result lists one ``ips`` entry per family (both on the pod
@@ -20,8 +24,10 @@ and such a conflict fails the ADD with a sentence naming the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +35,7 @@ from typing import Any
 from flannelpy.cni import netconf
 from flannelpy.cni.context import CommandContext
 from flannelpy.cni.failures import cni_errors
-from flannelpy.cni.records import Record
+from flannelpy.cni.records import Record, RecordStore
 from flannelpy.cni.spec import (
     CniError,
     Code,
@@ -48,8 +54,11 @@ from flannelpy.dataplane.podnames import (
     PodRoute,
     gateway_of,
     host_veth_name,
+    pod_mac,
+    random_mac,
     veth_owner,
 )
+from flannelpy.dataplane.podnet import PodLink
 from flannelpy.ipam import Allocation
 
 # The handler's logger: these lines are the CNI handler's, as before the split.
@@ -132,26 +141,15 @@ class AddCommand(CommandContext):
         if existing is not None:  # its veth is gone or it was for another namespace
             self.pods.delete_host_veth(existing.host_veth, record_owner(existing))
         had = self.ipam.find_all(cid, ifname)
-        allocs = self.ipam.allocate_all(cid, ifname, cooldown=cooldown, wait=wait)
+        allocs, commit_ipam = self.ipam.allocate_all_deferred(
+            cid, ifname, cooldown=cooldown, wait=wait
+        )
         if not had:
             undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
-        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
         host = host_veth_name(req.netns, cid, ifname)
         owner = veth_owner(req.netns, cid, ifname)
         routes = pod_routes(allocs, plumb.destinations)
-        link = self.pods.add_pod(
-            req.netns,
-            ifname,
-            host,
-            index,
-            [a.interface for a in allocs],
-            routes,
-            mtu,
-            plumb.hairpin,
-            owner=owner,
-            netns_fd=netns_fd,
-        )
-        undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
+        link = PodLink(host, random_mac(), ifname, pod_mac(allocs[0].interface.ip))
         result = build_result(
             req.cni_version,
             link.host_veth,
@@ -164,19 +162,36 @@ class AddCommand(CommandContext):
             netconf.dns(req.config),
         )
         stored = json.loads(render_result(result, STORED_VERSION))
-        self.records.write(
-            Record(
-                network=req.network_name,
-                container_id=cid,
-                ifname=ifname,
-                netns=req.netns,
-                host_veth=host,
-                bridge=bridge,
-                addresses=tuple(a.interface for a in allocs),
-                gateways=tuple(a.gateway for a in allocs),
-                result=stored,
-            )
+        record = Record(
+            network=req.network_name,
+            container_id=cid,
+            ifname=ifname,
+            netns=req.netns,
+            host_veth=host,
+            bridge=bridge,
+            addresses=tuple(a.interface for a in allocs),
+            gateways=tuple(a.gateway for a in allocs),
+            result=stored,
         )
+        # IPAM's directory fsync, then the record: durable in that order, beside the plumbing.
+        writing = Background(_commit_then_write, commit_ipam, self.records, record)
+        undo.push("delete record", lambda: _forget_record(writing, self.records, record))
+        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
+        self.pods.add_pod(
+            req.netns,
+            ifname,
+            host,
+            index,
+            [a.interface for a in allocs],
+            routes,
+            mtu,
+            plumb.hairpin,
+            owner=owner,
+            netns_fd=netns_fd,
+            host_mac=link.host_mac,
+        )
+        undo.push("delete veth", lambda: self.pods.delete_host_veth(host, owner))
+        writing.result()  # durable before the runtime hears of the pod
         return result
 
     def _still_there(self, record: Record, req: Request) -> bool:
@@ -206,6 +221,42 @@ class AddCommand(CommandContext):
                 "the flannelpy agent does not know the overlay MTU yet; try again later",
             )
         return mtu
+
+
+class Background:
+    """``fn(*args)`` in a thread of its own; ``result()`` waits for it and raises what it
+    raised. A plain thread, not a pool: a burst of ADDs writes all its records at once."""
+
+    def __init__(self, fn: Callable[..., object], *args: object) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _commit_then_write(
+    commit_ipam: Callable[[], None], records: RecordStore, record: Record
+) -> None:
+    commit_ipam()
+    records.write(record)
+
+
+def _forget_record(writing: Background, records: RecordStore, record: Record) -> None:
+    """Undo of the record: once its write is over (a delete before it would be undone
+    by the rename), whether or not the write succeeded."""
+    with contextlib.suppress(Exception):
+        writing.result()
+    records.delete(*record.key)
 
 
 def pod_routes(allocs: Sequence[Allocation], destinations: Sequence[IPNetwork]) -> list[PodRoute]:

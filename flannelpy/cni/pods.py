@@ -24,8 +24,9 @@ log = logging.getLogger("flannelpy.cni.pods")
 # The node's pod subnets are given in one sequence, both families mixed; pods get
 # one address per family present (no IPv4 subnet: IPv6-only pods).
 PodSubnet = IPv4Network | IPv6Network
-# Told of each CNI request answered with success: its CNI_* environment, its stdin, the
-# pod namespace's descriptor if the executable passed one (valid during the call only)
+# Told of each CNI request answered with success, once the answer is sent: its CNI_*
+# environment, its stdin, the pod namespace's descriptor if the executable passed one
+# (valid during the call only)
 # and the answer (ADD: the result, with the pod's addresses).
 PodListener = Callable[[Mapping[str, str], bytes, "int | None", bytes], None]
 
@@ -103,7 +104,7 @@ class PodAttachments:
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
         self._metrics = metrics
         self._listeners: list[PodListener] = []
-        self.server = CniServer(self.socket_path, self._handle)
+        self.server = CniServer(self.socket_path, self._handle, after_reply=self._after_reply)
         self._started = False
 
     @property
@@ -122,16 +123,30 @@ class PodAttachments:
             except (ValueError, AttributeError):
                 code = 999
         self._metrics.cni_request(env.get("CNI_COMMAND", "?"), code, time.monotonic() - started)
-        if exit_code == 0:
-            for listener in self._listeners:
-                try:
-                    listener(env, stdin, netns_fd, out)
-                except Exception as e:  # a CNI request never fails on a listener
-                    log.warning("a pod listener failed on a CNI request error=%s", e)
         return exit_code, out
 
+    def _after_reply(
+        self,
+        env: Mapping[str, str],
+        stdin: bytes,
+        netns_fd: int | None,
+        exit_code: int,
+        out: bytes,
+    ) -> None:
+        """The server runs this once the runtime has its answer, the namespace's descriptor
+        still open: the listeners' work (the counters enter the pod's namespace) is not
+        part of the ADD's latency."""
+        if exit_code != 0:
+            return
+        for listener in self._listeners:
+            try:
+                listener(env, stdin, netns_fd, out)
+            except Exception as e:  # a CNI request never fails on a listener
+                log.warning("a pod listener failed on a CNI request error=%s", e)
+
     def add_listener(self, listener: PodListener) -> None:
-        """Tell ``listener`` of every CNI request answered with success from now on."""
+        """Tell ``listener`` of every CNI request answered with success from now on, once
+        its answer is sent."""
         self._listeners.append(listener)
 
     def use_leases(

@@ -7,7 +7,9 @@ and ``ifname`` are validated the same way before they get here, and checked
 again below so no name can leave the directory.
 
 Writes are atomic (temp file, fsync, ``os.replace``, fsync of the directory):
-ADD returns only once its record is durable. A record that cannot be read (bad
+ADD returns only once its record is durable. The directory's fsync is shared by the
+ADDs that wrote into it meanwhile (``fsutil.GroupSync``): a burst pays a few, not one
+per pod. A record that cannot be read (bad
 JSON, a disk error) is not absent: its pod may be alive, so ``present`` still
 says True, the start-up GC keeps the address and reports the file
 (``unreadable``); only a DEL for that key releases it. Deletes are not fsync'd: a record
@@ -21,13 +23,14 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface, ip_interface
 from typing import Any
 
-from flannelpy.fsutil import atomic_write
+from flannelpy.fsutil import GroupSync, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,8 @@ class RecordStore:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._groups: dict[str, GroupSync] = {}  # network -> its folder's directory fsync
+        self._groups_lock = threading.Lock()
 
     def path(self, network: str, container_id: str, ifname: str) -> str:
         _check_names(network, container_id, ifname)
@@ -147,7 +152,12 @@ class RecordStore:
         """Durably store ``record`` (replacing any earlier one for its key)."""
         final = self.path(*record.key)
         data = json.dumps(record.to_doc(), sort_keys=True).encode()
-        atomic_write(final, data, mode=0o600, dir_mode=0o700)
+        atomic_write(final, data, mode=0o600, dir_mode=0o700, sync_dir=False)
+        with self._groups_lock:
+            group = self._groups.get(record.network)
+            if group is None:
+                group = self._groups[record.network] = GroupSync(os.path.dirname(final))
+        group.sync()
 
     def read(self, network: str, container_id: str, ifname: str) -> Record | None:
         """The record, or None when there is none or it is unreadable (logged): use

@@ -28,6 +28,10 @@ first bytes), opened by the executable where CNI_NETNS means something; the
 server hands it to the handler, which verifies it is a network namespace, and
 closes every descriptor received once the reply is sent, whatever happened.
 
+``after_reply`` (optional) hears each request once its reply has been sent, still with
+its descriptor: what the agent does only for itself (opening a pod's counters through
+its namespace) costs the runtime's call nothing.
+
 Each connection has two bounded phases: the whole request must arrive within
 ``read_timeout`` (a total, so a client trickling a byte at a time is dropped
 too), and the reply must be taken within SEND_TIMEOUT_SECONDS. The handler's
@@ -43,6 +47,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from flannelpy.cni import wire
@@ -63,6 +68,9 @@ class Handler(Protocol):
     ) -> tuple[int, bytes]: ...
 
 
+# After the reply: (CNI_* environment, stdin, the namespace's fd or None, exit code, stdout).
+AfterReply = Callable[[dict[str, str], bytes, "int | None", int, bytes], None]
+
 ACCEPT_POLL_SECONDS = 0.2  # how often the accept loop looks at its stop flag
 ACCEPT_STALE_SECONDS = 30.0  # an accept loop silent this long is stuck (it turns every 0.2 s)
 # The whole request, from accept to the client's shutdown: the executables send
@@ -82,9 +90,11 @@ class CniServer:
         handler: Handler,
         netns: str | None = None,
         read_timeout: float = READ_TIMEOUT_SECONDS,
+        after_reply: AfterReply | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.handler = handler
+        self.after_reply = after_reply
         self.netns = netns
         self.read_timeout = read_timeout
         self._listener: socket.socket | None = None
@@ -194,38 +204,45 @@ class CniServer:
     # -- one connection
 
     def _serve(self, conn: socket.socket, inline: bool = False) -> None:
+        fds: list[int] = []
         try:
             with conn:
-                reply = self._reply(conn)
+                reply, after = self._reply(conn, fds)
+                if after is None:  # nothing needs them past the answer: closed before it
+                    _close_all(fds)
                 try:
                     conn.settimeout(SEND_TIMEOUT_SECONDS)  # sendall's total, not per send
                     conn.sendall(reply)
                 except OSError as e:
                     log.warning("could not send the CNI reply: %s", e)
+            if after is not None:
+                after()
         finally:
+            _close_all(fds)
             if not inline:
                 with self._lock:
                     self._workers.discard(threading.current_thread())
 
-    def _reply(self, conn: socket.socket) -> bytes:
+    def _reply(
+        self, conn: socket.socket, fds: list[int]
+    ) -> tuple[bytes, Callable[[], None] | None]:
+        """The reply, and what to run once it is sent; ``fds`` gets the descriptors
+        received, for the caller to close."""
         try:
-            data, fds = read_request(conn, timeout=self.read_timeout)
+            data, received = read_request(conn, timeout=self.read_timeout)
         except (wire.WireError, OSError) as e:
             log.warning("CNI request dropped reason=%s", e)
             err = CniError(Code.IO_FAILURE, f"could not read the request from the CNI plugin: {e}")
-            return wire.encode_reply(1, err.to_json(ERROR_VERSION))
-        try:
-            return self._answer(data, fds[0] if fds else None)
-        finally:
-            for fd in fds:
-                os.close(fd)
+            return wire.encode_reply(1, err.to_json(ERROR_VERSION)), None
+        fds.extend(received)
+        return self._answer(data, received[0] if received else None)
 
-    def _answer(self, data: bytes, netns_fd: int | None) -> bytes:
+    def _answer(self, data: bytes, netns_fd: int | None) -> tuple[bytes, Callable[[], None] | None]:
         try:
             env, stdin = wire.decode_request(data)
         except wire.WireError as e:
             err = CniError(Code.IO_FAILURE, f"could not read the request from the CNI plugin: {e}")
-            return wire.encode_reply(1, err.to_json(ERROR_VERSION))
+            return wire.encode_reply(1, err.to_json(ERROR_VERSION)), None
         try:
             if netns_fd is None:
                 code, out = self.handler(env, stdin)
@@ -234,8 +251,23 @@ class CniServer:
         except Exception as e:  # the handler should not raise; never leave the client hanging
             log.exception("CNI handler failed command=%s", env.get("CNI_COMMAND"))
             err = CniError(Code.INTERNAL, f"the flannelpy agent failed unexpectedly: {e}")
-            return wire.encode_reply(1, err.to_json(ERROR_VERSION))
-        return wire.encode_reply(code, out)
+            return wire.encode_reply(1, err.to_json(ERROR_VERSION)), None
+        hook = self.after_reply
+        if hook is None:
+            return wire.encode_reply(code, out), None
+
+        def after() -> None:
+            try:
+                hook(env, stdin, netns_fd, code, out)
+            except Exception:  # the reply is out; nothing may end the worker badly
+                log.exception("CNI after-reply hook failed command=%s", env.get("CNI_COMMAND"))
+
+        return wire.encode_reply(code, out), after
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 _FD_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)

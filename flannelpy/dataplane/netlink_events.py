@@ -39,9 +39,13 @@ def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
     one of ours reports only the new route, of its own protocol). Route deletions of
     other protocols, the kernel's own routes, ARP-cache churn and other links (every
     pod's veth, the cni0 bridge) are dropped: the reconciler would find nothing to do,
-    and on a busy node pod churn would keep it dumping for nothing. What no notification
-    tells apart from our own writes (a neighbour or FDB entry rewritten in place) is left
-    to the periodic resync."""
+    and on a busy node pod churn would keep it dumping for nothing. So are what a veth
+    takes with it when a pod goes: its IPv6 link-local address (the reconciler's
+    addresses are all of global scope) and its multicast neighbours (ff02::16 and the
+    like; the reconciler's neighbours are peers' VTEP addresses, never multicast); before
+    these two were dropped, every CNI DEL cost a full reconcile pass. What no
+    notification tells apart from our own writes (a neighbour or FDB entry rewritten in
+    place) is left to the periodic resync."""
     kinds: list[str] = []
     for offset, length, msg_type, _flags, _seq in nl.messages(buf):
         kind = _event_kind(buf, offset, length, msg_type, protocol)
@@ -52,11 +56,16 @@ def event_kinds(buf: bytes, protocol: int = ROUTE_PROTOCOL) -> list[str]:
 
 def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: int) -> str | None:
     if msg_type in (rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK):
-        name = rtnl.decode_link(buf, offset, length).name
+        # The scrape's in-place scan, not decode_link's dict of ~40 attributes: a pod brings
+        # about 20 link notifications, and only the name matters here.
+        name = rtnl.decode_link_stats(buf, offset, length).name
         return "link" if name.startswith(OWN_LINK_PREFIX) else None
     if msg_type == rtnl.RTM_DELADDR:
-        family = buf[offset + rtnl.HDR.size]
-        return "address" if family in (rtnl.AF_INET, rtnl.AF_INET6) else None
+        family, _prefixlen, _flags, scope, _index = rtnl.IFADDR.unpack_from(
+            buf, offset + rtnl.HDR.size
+        )
+        ours = family in (rtnl.AF_INET, rtnl.AF_INET6) and scope != rtnl.RT_SCOPE_LINK
+        return "address" if ours else None
     if msg_type in (rtnl.RTM_DELROUTE, rtnl.RTM_NEWROUTE):
         row = rtnl.decode_route(buf, offset, length)
         if row is None or row.table != rtnl.RT_TABLE_MAIN:
@@ -70,6 +79,8 @@ def _event_kind(buf: bytes, offset: int, length: int, msg_type: int, protocol: i
             return "fdb" if row_n.dst is not None else None
         # An administrative delete reports NUD_FAILED whatever the entry was, so
         # only deletions of live dynamic entries (ARP cache expiry) are dropped.
+        if row_n.dst is not None and row_n.dst.is_multicast:
+            return None
         if row_n.family in (rtnl.AF_INET, rtnl.AF_INET6) and not row_n.state & rtnl.NUD_DYNAMIC:
             return "neighbour"
     return None

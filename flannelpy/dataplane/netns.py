@@ -21,7 +21,8 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from flannelpy.errors import DataplaneError
@@ -47,6 +48,10 @@ _libc: ctypes.CDLL | None = None
 
 class NotANetns(DataplaneError):
     """A file descriptor that is not a network namespace (a file, another kind of namespace)."""
+
+
+class CannotEnterNetns(DataplaneError):
+    """setns() into a namespace failed (it is gone, or not a network namespace)."""
 
 
 def require_netns_fd(fd: int) -> None:
@@ -96,7 +101,7 @@ def enter_netns(name_or_path: str | int) -> None:
         try:
             _setns(name_or_path)
         except OSError as e:
-            raise DataplaneError(
+            raise CannotEnterNetns(
                 f"cannot enter the network namespace of fd {name_or_path}: {e.strerror}"
             ) from e
         return
@@ -110,7 +115,7 @@ def enter_netns(name_or_path: str | int) -> None:
     try:
         _setns(fd)
     except OSError as e:
-        raise DataplaneError(f"cannot enter network namespace {path}: {e.strerror}") from e
+        raise CannotEnterNetns(f"cannot enter network namespace {path}: {e.strerror}") from e
     finally:
         os.close(fd)
 
@@ -136,6 +141,33 @@ def run_in_netns(name_or_path: str | int, fn: Callable[..., T], *args: Any, **kw
     if error:
         raise error[0]
     return result[0]
+
+
+class StrandedInNetns(BaseException):
+    """The calling thread could not return to its own network namespace. A BaseException:
+    no handler on the way up catches it, and the thread ends rather than open its next
+    netlink socket in a pod's namespace."""
+
+
+@contextmanager
+def visiting_netns(target: int) -> Iterator[None]:
+    """The *calling thread* inside the namespace of the descriptor ``target`` for the
+    block, then back in its own: :func:`run_in_netns` without a thread to start and join,
+    each a wait for the scheduler when the machine is busy. Only for short blocks that
+    touch nothing of the thread's own namespace. Entering fails with
+    :class:`CannotEnterNetns`; not getting back raises :class:`StrandedInNetns`."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        enter_netns(target)
+        try:
+            yield
+        finally:
+            try:
+                _setns(home)
+            except OSError as e:
+                raise StrandedInNetns(f"cannot return to the thread's namespace: {e}") from e
+    finally:
+        os.close(home)
 
 
 def start_in_netns(

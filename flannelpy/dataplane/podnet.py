@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import podipv6, rtnl
-from flannelpy.dataplane.netns import run_in_netns
+from flannelpy.dataplane.netns import CannotEnterNetns, run_in_netns, visiting_netns
 from flannelpy.dataplane.podnames import (
     IPAddress,
     IPInterface,
@@ -244,14 +244,15 @@ class PodNetwork:
         hairpin: bool = True,
         owner: str | None = None,
         netns_fd: int | None = None,
+        host_mac: str | None = None,
     ) -> PodLink:
         """Create and configure the pod's veth pair: ``addresses`` (one per family, the
         first names the MAC), ``routes`` (destination, gateway) in the pod, hairpin mode
         on the host port when ``hairpin``. ``owner`` (``veth_owner``) becomes the host
-        end's alias. Returns once every IPv6 address of the pod interface and every IPv6
-        gateway on the bridge is usable (not tentative). All or nothing: on failure
-        nothing is left."""
-        link = PodLink(host_veth, random_mac(), ifname, pod_mac(addresses[0].ip))
+        end's alias; ``host_mac`` (default: a random one) the host end's MAC. Returns once
+        every IPv6 address of the pod interface and every IPv6 gateway on the bridge is
+        usable (not tentative). All or nothing: on failure nothing is left."""
+        link = PodLink(host_veth, host_mac or random_mac(), ifname, pod_mac(addresses[0].ip))
         owner = owner or veth_owner(netns, "", ifname)
         self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
         try:
@@ -371,7 +372,7 @@ class PodNetwork:
                 if v6:
                     podipv6.settle(sock, link.index, f"{ifname} in {netns}")
 
-        _in_netns(netns, netns_fd, inside)
+        _visiting(netns, netns_fd, inside)
 
     def delete_host_veth(self, host_veth: str, owner: str | None = None) -> bool:
         """Delete a pod's veth pair by its host end; already gone is success. With
@@ -477,6 +478,25 @@ def _pod_problems(
                 what = "default route" if dst.prefixlen == 0 else f"route to {dst}"
                 problems.append(f"{netns} has no {what} via {gateway} on {ifname}")
         return problems
+
+
+def _visiting(netns: str, netns_fd: int | None, fn: Callable[[], None]) -> None:
+    """Run ``fn`` with the calling thread inside the namespace (``netns_fd`` if given, else
+    the path ``netns``) and back (:func:`.netns.visiting_netns`): ADD's pod side, where a
+    thread started and joined per pod cost two scheduler waits under load; a namespace
+    we cannot enter raises NetnsMissing."""
+    fd = _open_netns(netns) if netns_fd is None else netns_fd
+    try:
+        with visiting_netns(fd):
+            fn()
+    except CannotEnterNetns as e:
+        raise NetnsMissing(
+            f"network namespace {netns} cannot be entered ({e}); the container is gone"
+            " or CNI_NETNS is wrong"
+        ) from e
+    finally:
+        if netns_fd is None:
+            os.close(fd)
 
 
 def _in_netns(netns: str, netns_fd: int | None, fn: Callable[..., T], *args: Any) -> T:

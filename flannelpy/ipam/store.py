@@ -13,7 +13,11 @@ A write goes to a uniquely named temp file, which is renamed over the real one
 (``flannelpy.fsutil.atomic_write``): a reader (or an agent restarted after
 SIGKILL) sees the old or the new version, never a mix. That is all a process crash needs. ``fsync``
 (the file, then the directory) additionally makes the rename survive a power
-loss; it costs about 0.5 ms per write on this kind of disk.
+loss; it costs about 0.5 ms per write on this kind of disk. The file's fsync runs under
+the lock, before the rename; the directory's does not: every change takes a ticket
+of the directory's ``GroupSync`` and ``commit`` waits for it once the caller has left
+the lock, so concurrent requests share directory fsyncs (group commit) and each
+answer still waits until its own change is durable.
 
 Every read and write happens under the lock, and the store remembers the bytes
 it last read or wrote per file, so a caller can tell cheaply whether another
@@ -33,7 +37,7 @@ from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 
 from flannelpy.errors import StoreError
-from flannelpy.fsutil import atomic_write, fsync_dir
+from flannelpy.fsutil import GroupSync, atomic_write
 
 log = logging.getLogger("flannelpy.ipam")
 
@@ -50,7 +54,8 @@ def pool_file_name(subnet: IPNetwork) -> str:
 
 
 class IpamStore:
-    """The IPAM state directory; use every method inside ``with store.locked():``."""
+    """The IPAM state directory; use every method inside ``with store.locked():``, and
+    after leaving it, ``commit`` what ``take_ticket`` returned (the directory's fsync)."""
 
     def __init__(self, directory: str | os.PathLike[str], fsync: bool = True) -> None:
         self.directory = os.fspath(directory)
@@ -68,6 +73,8 @@ class IpamStore:
                 "check that it is a writable directory"
             ) from e
         self._held = False
+        self._group = GroupSync(self.directory)
+        self._ticket: int | None = None  # the newest change not yet committed
         # Bytes last read or written per file (None: the file was absent).
         # A subnet missing here is unknown, so changed() reports True.
         self._seen: dict[IPNetwork, bytes | None] = {}
@@ -138,7 +145,7 @@ class IpamStore:
         self._require_lock()
         path = self.path(subnet)
         try:
-            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700)
+            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700, sync_dir=False)
         except OSError as e:
             # Whether the rename happened is unknown: force a re-read next time.
             self._seen.pop(subnet, None)
@@ -146,6 +153,7 @@ class IpamStore:
                 f"cannot write IPAM state file {path}: {e.strerror}; "
                 "check free space and permissions of the state directory"
             ) from e
+        self._changed()
         self._seen[subnet] = data
 
     def delete(self, subnet: IPNetwork) -> None:
@@ -154,8 +162,7 @@ class IpamStore:
         path = self.path(subnet)
         try:
             os.unlink(path)
-            if self.fsync:
-                fsync_dir(self.directory)
+            self._changed()
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -189,11 +196,35 @@ class IpamStore:
         path = os.path.join(self.directory, COOLDOWN_NAME)
         data = json.dumps({"longest_cooldown_seconds": seconds}).encode()
         try:
-            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700)
+            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700, sync_dir=False)
         except OSError as e:
             raise StoreError(
                 f"cannot write IPAM state file {path}: {e.strerror}; "
                 "check free space and permissions of the state directory"
+            ) from e
+        self._changed()
+
+    def _changed(self) -> None:
+        """A rename or unlink just happened: ``commit`` must make it durable."""
+        if self.fsync:
+            self._ticket = self._group.ticket()
+
+    def take_ticket(self) -> int | None:
+        """Under the lock, at the end of an operation: what ``commit`` must wait for (None:
+        nothing to make durable)."""
+        ticket, self._ticket = self._ticket, None
+        return ticket
+
+    def commit(self, ticket: int) -> None:
+        """After leaving the lock: return once the directory's renames and unlinks up to
+        ``ticket`` are durable (one fsync of the directory, shared with concurrent
+        callers)."""
+        try:
+            self._group.wait(ticket)
+        except OSError as e:
+            raise StoreError(
+                f"cannot make the IPAM state directory {self.directory} durable: "
+                f"{e.strerror}; check the disk"
             ) from e
 
     def corrupt(self, subnet: IPNetwork, why: str) -> StoreError:

@@ -9,6 +9,7 @@ namespace per pod. Requests go through the thin executable's own ``forward``
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -35,6 +36,7 @@ from flannelpy.dataplane.podnames import host_veth_name
 from flannelpy.errors import DataplaneError
 from flannelpy.ipam import NodeIpam
 from tests.support.netns_util import Netns, add_netns, is_root, sh, temp_netns, unique_name
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.netns,
@@ -495,6 +497,39 @@ def test_a_handler_that_raises_still_answers_999() -> None:
         finally:
             server.stop()
         assert code == 1 and json.loads(out)["code"] == 999 and "boom" in json.loads(out)["msg"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_after_reply_runs_once_the_client_has_its_answer_with_the_fd_still_open() -> None:
+    """The hook (the agent's pod listeners) costs the runtime's call nothing: the client
+    has read its reply before the hook ends, and the hook still sees the namespace."""
+    folder = tempfile.mkdtemp(prefix="fpcnis")
+    answered = threading.Event()
+    heard: list[tuple[str, int, bytes, bool, bool]] = []
+
+    def hook(env: dict[str, str], stdin: bytes, fd: int | None, code: int, out: bytes) -> None:
+        client_had_it = answered.wait(10)
+        assert fd is not None
+        ns_type = fcntl.ioctl(fd, 0xB703)  # NS_GET_NSTYPE: still an open namespace
+        heard.append((env["CNI_COMMAND"], code, out, client_had_it, ns_type == 0x40000000))
+
+    try:
+        path = os.path.join(folder, "cni.sock")
+        server = CniServer(path, lambda env, stdin, fd=None: (0, b"ok"), after_reply=hook)
+        server.start()
+        try:
+            fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                request = wire.encode_request({"CNI_COMMAND": "ADD"}, b"{}")
+                assert client.forward(path, request, fd) == (0, b"ok")
+            finally:
+                os.close(fd)
+            answered.set()
+            wait_until(lambda: heard, 10, "the after-reply hook")
+        finally:
+            server.stop()
+        assert heard == [("ADD", 0, b"ok", True, True)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

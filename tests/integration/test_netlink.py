@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import re
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -13,11 +15,19 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6
 
 import pytest
 
+from flannelpy.dataplane import netlink_events
+from flannelpy.dataplane import netns as netns_module
+from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
 from flannelpy.dataplane.netlink import NetlinkKernel
 from flannelpy.dataplane.netlink_events import event_kinds
 from flannelpy.dataplane.netlink_host import sysctl_path
-from flannelpy.dataplane.netns import run_in_netns
+from flannelpy.dataplane.netns import (
+    CannotEnterNetns,
+    StrandedInNetns,
+    run_in_netns,
+    visiting_netns,
+)
 from flannelpy.dataplane.state import (
     Address,
     Changes,
@@ -184,6 +194,37 @@ def test_event_kinds_and_sysctl_path() -> None:
     )
 
 
+def kinds_while(node: Netns, change: str) -> list[str]:
+    """The reconciler's event kinds for what the kernel reports while ``node`` runs the
+    ``ip`` command ``change`` (notifications read until 0.3 s pass without one)."""
+
+    def listen() -> list[str]:
+        with nl.NetlinkSocket(groups=netlink_events._GROUPS) as sock:
+            node.ip(change)
+            kinds: list[str] = []
+            while select.select([sock], [], [], 0.3)[0]:
+                kinds += [k for k in event_kinds(sock.recv()) if k not in kinds]
+            return kinds
+
+    return node.call(listen)
+
+
+def test_a_pod_veth_going_wakes_no_pass_and_a_global_address_going_does(node: Netns) -> None:
+    """A DEL deletes a veth whose IPv6 link-local address and multicast neighbours go with
+    it: none of that is the reconciler's, so it must not cost a pass (it cost one per DEL)."""
+    with temp_netns("pod") as pod:
+        node.ip("link add cnb0 type bridge")
+        node.ip("link set cnb0 up")
+        node.ip(f"link add cnv0 type veth peer name eth0 netns {pod.name}")
+        node.ip("link set cnv0 master cnb0 up")
+        pod.ip("link set eth0 up")
+        wait_until(lambda: "fe80::" in node.ip("-6 addr show dev cnv0"), 10, "a link-local")
+        wait_until(lambda: "ff02::" in node.ip("-6 neigh show dev cnv0 nud all"), 10, "ff02::")
+        assert kinds_while(node, "link del cnv0") == []
+    node.ip("addr add 10.251.0.1/24 dev cnb0")
+    assert kinds_while(node, "addr del 10.251.0.1/24 dev cnb0") == ["address"]
+
+
 # --- namespaces --------------------------------------------------------------------------
 
 
@@ -197,6 +238,56 @@ def test_run_in_netns_returns_and_raises(node: Netns) -> None:
         node.call(boom)
     with pytest.raises(DataplaneError, match="cannot be opened"):
         run_in_netns("fp-no-such-netns", lambda: None)
+
+
+def test_visiting_a_namespace_returns_the_thread_to_its_own(node: Netns) -> None:
+    """ADD's pod side runs in the request's thread: inside for the block (a netlink socket
+    opened there sees the pod's links), back in its own afterwards, also when the block
+    raises; a thread that cannot get back ends with StrandedInNetns."""
+
+    def here() -> int:
+        return os.stat("/proc/thread-self/ns/net").st_ino
+
+    home = here()
+    fd = os.open(f"/run/netns/{node.name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with visiting_netns(fd):
+            assert here() == os.fstat(fd).st_ino
+            with nl.NetlinkSocket() as sock:
+                assert nl.get_link(sock, "u0") is not None  # the node namespace's link
+        assert here() == home
+        with pytest.raises(ValueError, match="inside"), visiting_netns(fd):
+            raise ValueError("inside")
+        assert here() == home
+        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with pytest.raises(CannotEnterNetns, match="cannot enter"), visiting_netns(null):
+                pass
+        finally:
+            os.close(null)
+        assert here() == home
+
+        def stranded() -> None:
+            real = netns_module._setns
+            calls: list[int] = []
+
+            def fails_on_the_way_back(target: int) -> None:
+                calls.append(target)
+                if len(calls) == 2:
+                    raise OSError(12, "Cannot allocate memory")
+                real(target)
+
+            netns_module._setns = fails_on_the_way_back  # type: ignore[assignment]
+            try:
+                with visiting_netns(fd):
+                    pass
+            finally:
+                netns_module._setns = real  # type: ignore[assignment]
+
+        with pytest.raises(StrandedInNetns):
+            run_in_netns(f"/run/netns/{node.name}", stranded)  # a thread that then ends
+    finally:
+        os.close(fd)
 
 
 def test_find_underlay(node: Netns, kernel: NetlinkKernel) -> None:

@@ -47,6 +47,7 @@ class FakePods:
     fail: dict[str, BaseException] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     options: list[tuple[bool, str | None, list[str]]] = field(default_factory=list)
+    host_macs: dict[str, str] = field(default_factory=dict)  # host veth -> the MAC it got
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -69,6 +70,7 @@ class FakePods:
         hairpin: bool = True,
         owner: str | None = None,
         netns_fd: int | None = None,
+        host_mac: str | None = None,
     ) -> PodLink:
         # Addresses and the gateways routes use, comma-joined: one family reads as before.
         gateways = ",".join(dict.fromkeys(str(gw) for _, gw in routes))
@@ -77,7 +79,8 @@ class FakePods:
         self.options.append((hairpin, owner, [str(dst) for dst, _ in routes]))
         self._maybe_fail("add_pod")
         self.veths[host_veth] = netns
-        return PodLink(host_veth, "02:00:00:00:00:01", ifname, "0a:58:0a:f4:01:02")
+        self.host_macs[host_veth] = host_mac or "02:00:00:00:00:01"
+        return PodLink(host_veth, self.host_macs[host_veth], ifname, "0a:58:0a:f4:01:02")
 
     def delete_host_veth(self, host_veth: str, owner: str | None = None) -> None:
         self.calls.append(("delete_host_veth", host_veth))
@@ -176,10 +179,14 @@ def test_add_allocates_plumbs_and_records(env: Env) -> None:
     code, result = env.call("ADD")
     assert code == 0
     host = host_veth_name(POD_NS, "c1", "eth0")
+    # The MAC ADD chose before the veth existed (its record was on its way to disk) is
+    # the one the host end got: a unicast, locally administered one.
+    host_mac = env.pods.host_macs[host]
+    assert int(host_mac[:2], 16) & 0b11 == 0b10
     assert result == {
         "cniVersion": "1.1.0",
         "interfaces": [
-            {"name": host, "mac": "02:00:00:00:00:01"},
+            {"name": host, "mac": host_mac},
             {"name": "eth0", "mac": "0a:58:0a:f4:01:02", "sandbox": POD_NS},
         ],
         "ips": [{"interface": 1, "address": "10.244.1.2/24", "gateway": "10.244.1.1"}],

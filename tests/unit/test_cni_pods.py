@@ -56,9 +56,13 @@ def test_listeners_hear_each_answered_request_and_none_can_fail_one(tmp_path: Pa
     )
     pods.handler = AnsweringHandler(0, b'{"ips": []}')  # type: ignore[assignment]
     assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 7) == (0, b'{"ips": []}')
+    assert heard == []  # not before the answer is sent: the server tells them after
+    assert pods.server.after_reply is not None
+    pods.server.after_reply({"CNI_COMMAND": "ADD"}, b"config", 7, 0, b'{"ips": []}')
     assert heard == [("ADD", b"config", 7, b'{"ips": []}')]  # told, though one raised
     # A request answered with an error attached nothing: no listener hears of it.
     error = b'{"cniVersion": "1.0.0", "code": 11, "msg": "try again later"}'
     pods.handler = AnsweringHandler(1, error)  # type: ignore[assignment]
     assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 8) == (1, error)
+    pods.server.after_reply({"CNI_COMMAND": "ADD"}, b"config", 8, 1, error)
     assert heard == [("ADD", b"config", 7, b'{"ips": []}')]

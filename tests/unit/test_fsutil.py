@@ -122,3 +122,70 @@ def test_fsync_dir_tolerates_a_filesystem_that_cannot_sync_directories(
     monkeypatch.setattr(fsutil.os, "fsync", failing)
     with pytest.raises(OSError, match="Input/output"):
         fsync_dir(tmp_path)
+
+
+def test_group_sync_makes_each_change_durable_before_returning_with_few_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 writers rename at once and each waits for the directory's fsync: each returns
+    only after an fsync that began once its file was there has ended, and the fsyncs
+    are shared (group commit), not one per writer."""
+    durable: list[set[str]] = []  # what each finished fsync covered, in order
+    lock = threading.Lock()
+
+    def slow_fsync_dir(directory: str | os.PathLike[str]) -> None:
+        seen = set(os.listdir(directory))  # what this fsync makes durable
+        threading.Event().wait(0.02)
+        with lock:
+            durable.append(seen)
+
+    monkeypatch.setattr(fsutil, "fsync_dir", slow_fsync_dir)
+    group = fsutil.GroupSync(tmp_path)
+    start = threading.Barrier(20)
+    late: list[str] = []
+
+    def writer(n: int) -> None:
+        start.wait()
+        atomic_write(tmp_path / f"f{n}", b"x", sync_dir=False)
+        group.sync()
+        with lock:
+            if not any(f"f{n}" in seen for seen in durable):
+                late.append(f"f{n}")
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert late == []
+    assert 1 <= group.fsyncs == len(durable) <= 10
+
+
+def test_a_failed_group_fsync_raises_and_the_next_waiter_runs_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+
+    def failing_once(directory: str | os.PathLike[str]) -> None:
+        calls.append("fsync")
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fsutil, "fsync_dir", failing_once)
+    group = fsutil.GroupSync(tmp_path)
+    first = group.ticket()
+    with pytest.raises(OSError, match="Input/output"):
+        group.wait(first)
+    group.wait(first)  # not covered by the failed one: runs its own
+    assert calls == ["fsync", "fsync"] and group.fsyncs == 1
+    group.wait(first)  # covered now: no fsync
+    assert calls == ["fsync", "fsync"]
+
+
+def test_sync_dir_false_leaves_the_directory_to_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", calls.append)
+    atomic_write(tmp_path / "a", b"x", sync_dir=False)
+    assert len(calls) == 1  # the file only

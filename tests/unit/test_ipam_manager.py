@@ -496,6 +496,72 @@ def test_threads_get_distinct_addresses(ipam: NodeIpam) -> None:
     assert len(ipam.allocations()) == 200
 
 
+def test_concurrent_allocations_share_directory_fsyncs_and_each_waits_for_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit: 30 ADDs at once each return only after a directory fsync that began
+    once their allocation was in the pool file, and those fsyncs run outside IPAM's
+    locks, shared, instead of 30 in a row under them."""
+    from flannelpy import fsutil
+
+    durable: list[str] = []  # the pool file's content as each finished fsync covered it
+    lock = threading.Lock()
+
+    def slow_fsync_dir(directory: str | os.PathLike[str]) -> None:
+        seen = (tmp_path / pool_file_name(A)).read_text()
+        threading.Event().wait(0.01)
+        with lock:
+            durable.append(seen)
+
+    with NodeIpam(str(tmp_path)) as node:
+        node.set_leases([A])
+        monkeypatch.setattr(fsutil, "fsync_dir", slow_fsync_dir)
+        start = threading.Barrier(30)
+        late: list[str] = []
+
+        def add(n: int) -> None:
+            start.wait()
+            ip = f'"{node.allocate(f"c{n}", "eth0").ip}"'
+            with lock:
+                if not any(ip in seen for seen in durable):
+                    late.append(ip)
+
+        threads = [threading.Thread(target=add, args=(n,)) for n in range(30)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert late == []
+        assert len(node.allocations()) == 30
+        assert 1 <= len(durable) < 30
+
+
+def test_a_deferred_allocation_is_on_disk_and_durable_once_its_commit_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADD's form: the pool file is written when allocate_all_deferred returns, and the
+    directory's fsync (which makes the rename survive a power cut) runs when the caller
+    commits, beside its other work. A release never waits for the directory at all."""
+    from flannelpy import fsutil
+
+    fsyncs: list[str] = []
+    with NodeIpam(str(tmp_path)) as node:
+        node.set_leases([A])
+        monkeypatch.setattr(fsutil, "fsync_dir", lambda d: fsyncs.append(str(d)))
+        allocations, commit = node.allocate_all_deferred("c1", "eth0")
+        assert '"c1"' in (tmp_path / pool_file_name(A)).read_text()
+        assert fsyncs == []
+        commit()
+        assert fsyncs == [str(tmp_path)]
+        assert [a.container_id for a in allocations] == ["c1"]
+        assert node.allocate_all_deferred("c1", "eth0")[0] == allocations  # nothing new
+        assert node.release("c1", "eth0") == allocations[0]
+        assert '"c1"' not in (tmp_path / pool_file_name(A)).read_text().split('"released"')[0]
+        assert fsyncs == [str(tmp_path)]  # the release is on disk, its directory unsynced
+        node.allocate("c2", "eth0")  # the next change's commit covers it too
+        assert fsyncs == [str(tmp_path)] * 2
+
+
 def test_two_instances_on_one_directory_never_interleave(tmp_path: Path, clock: FakeClock) -> None:
     # Two agents sharing a state directory (as during an overlapping restart):
     # each operation re-reads what the other wrote under the file lock.

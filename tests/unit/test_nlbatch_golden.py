@@ -22,6 +22,7 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 from flannelpy.dataplane import nlbatch, podnames, rtnl
+from flannelpy.dataplane.netlink_events import event_kinds
 from flannelpy.dataplane.rtnl import Request
 
 MAC = "aa:bb:cc:dd:ee:01"
@@ -387,6 +388,50 @@ def test_a_link_row_names_its_bridge_and_its_alias() -> None:
     )
     row = rtnl.decode_link(lo, 0, len(lo))
     assert (row.master, row.alias) == (0, None)
+
+
+@pytest.mark.parametrize("name", ["veth0a1b2c3d", "flannel.1", "cni0"])
+def test_the_event_filter_reads_a_links_name_as_decode_link_does(name: str) -> None:
+    """The event filter reads a link's name with the scrape's in-place scan (about 20 link
+    notifications per pod): wherever the name sits, it reads what decode_link reads."""
+    attrs = [("IFLA_MTU", 1450), ("IFLA_MASTER", 5), ("IFLA_IFNAME", name), ("IFLA_TXQLEN", 0)]
+    for msg_type in (rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK):
+        msg = whole(ifinfmsg(), {"family": 0, "index": 12}, attrs, msg_type, 0, 0)
+        assert rtnl.decode_link_stats(msg, 0, len(msg)).name == name
+        assert rtnl.decode_link(msg, 0, len(msg)).name == name
+        assert event_kinds(msg) == (["link"] if name.startswith("flannel") else [])
+
+
+@pytest.mark.parametrize(
+    ("scope", "address", "kinds"),
+    [(253, "fe80::1", []), (0, "fd00:10:244:1::", ["address"]), (0, "10.244.1.0", ["address"])],
+)
+def test_only_deleted_addresses_of_global_scope_wake_the_reconciler(
+    scope: int, address: str, kinds: list[str]
+) -> None:
+    """A pod veth's link-local address goes with the veth at every DEL; the reconciler's
+    own addresses (a VTEP's) are of global scope."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    fields = {"family": family, "prefixlen": 64, "scope": scope, "index": 4}
+    msg = whole(ifaddrmsg(), fields, [("IFA_ADDRESS", address)], rtnl.RTM_DELADDR, 0, 0)
+    assert event_kinds(msg) == kinds
+
+
+@pytest.mark.parametrize(
+    ("family", "state", "dst", "kinds"),
+    [
+        (socket.AF_INET6, 0x40, "ff02::16", []),  # a veth's multicast neighbour (NOARP)
+        (socket.AF_INET, 0x20, "224.0.0.251", []),
+        (socket.AF_INET, 0x20, "10.244.2.0", ["neighbour"]),  # a VTEP's, deleted by hand
+        (socket.AF_INET, 0x02, "10.244.1.7", []),  # the ARP cache's own churn
+    ],
+)
+def test_deleted_neighbours_that_are_never_the_reconcilers_are_dropped(
+    family: int, state: int, dst: str, kinds: list[str]
+) -> None:
+    fields = {"family": family, "ifindex": 4, "state": state}
+    msg = whole(ndmsg(), fields, [("NDA_DST", dst)], rtnl.RTM_DELNEIGH, 0, 0)
+    assert event_kinds(msg) == kinds
 
 
 @pytest.mark.parametrize(
