@@ -37,7 +37,8 @@ SPECS = {
     "DNS": "DNS should provide DNS for services",
     # NetworkPolicy, which the lab's agents enforce (--enable-network-policy): ingress
     # isolation, egress by pod selector, a namespace selector, a named port, ipBlock/except.
-    "policy: default deny": "should support a 'default-deny-ingress' policy",
+    "policy: default deny": "NetworkPolicy between server and client should support a "
+    "'default-deny-ingress' policy",
     "policy: egress": "should deny egress from pods based on PodSelector",
     "policy: namespaces": "should enforce policy to allow traffic only from a different "
     "namespace, based on NamespaceSelector",
