@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --kube or --kubelet: the agents enforce NetworkPolicy "
         "(--enable-network-policy and the manifests' network-policy component); with --kube, "
-        "flanneld nodes run kube-network-policies beside flanneld, as Flannel's chart does",
+        "flanneld nodes run kube-network-policies beside flanneld, as Flannel's chart does, "
+        "and so does every node with --kubelet --network-agent flanneld",
     )
     up.add_argument(
         "--cluster-dns",

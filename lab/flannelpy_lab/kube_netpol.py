@@ -14,6 +14,10 @@ adds networkpolicies and the admin network policies (list, watch) to pods, nodes
 namespaces (get, list, watch): the lab creates that ServiceAccount and ClusterRole as the
 chart renders them.
 
+On a kubelet lab whose network is Flannel (``lab up --kubelet --network-agent flanneld
+--enable-network-policy``) every node runs it the same way, once every flanneld has
+published its lease: the node's namespace is the one its kubelet and flanneld run in.
+
 Its main knows only ``rest.InClusterConfig()``: ``KUBERNETES_SERVICE_HOST``/``PORT`` (here
 the API server on the host's lab address) and the token and CA at
 ``/var/run/secrets/kubernetes.io/serviceaccount``. It runs in the node's namespace, in a
@@ -72,7 +76,13 @@ def binary() -> str:
 
 
 def enabled(state: LabState) -> bool:
-    return bool(state.extra.get("kube_kubeconfig")) and control_plane.network_policy(state)
+    """NetworkPolicy is on and the lab has Nodes: a --kube lab once its control plane has
+    registered them, or a kubelet lab (its kubelets register them)."""
+    kube = control_plane.STATE_KEY in state.extra
+    has_nodes = bool(state.extra.get("kube_kubeconfig")) or (
+        kube and bool(control_plane.record(state).get(control_plane.KUBELETS_KEY))
+    )
+    return has_nodes and control_plane.network_policy(state)
 
 
 def rbac_objects() -> list[dict[str, Any]]:
@@ -109,10 +119,12 @@ def log_path(node: NodeInfo) -> str:
     return os.path.join(node.node_dir, f"{PEER}.log")
 
 
-def prepare(state: LabState) -> None:
-    """Apply the RBAC and give every flanneld node the in-cluster files: a token of the
-    ServiceAccount, the API server's CA and the namespace."""
-    doc = {"apiVersion": "v1", "kind": "List", "items": rbac_objects()}
+def prepare(state: LabState, objects: list[dict[str, Any]] | None = None) -> None:
+    """Apply the RBAC (``objects``, default all of ``rbac_objects()``) and give every
+    flanneld node the in-cluster files: a token of the ServiceAccount, the API server's CA
+    and the namespace."""
+    items = rbac_objects() if objects is None else objects
+    doc = {"apiVersion": "v1", "kind": "List", "items": items}
     control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(doc))
     token = control_plane.kubectl(
         state, "create", "token", SERVICE_ACCOUNT, "-n", NAMESPACE,
@@ -196,13 +208,23 @@ def wait_ready(state: LabState, nodes: list[NodeInfo], timeout: float = READY_TI
             time.sleep(0.3)
 
 
-def start_all(state: LabState, save: control_plane.Save) -> list[NodeInfo]:
-    """Start it beside flanneld on every flanneld node (recording each process with
-    ``save``) and wait until each enforces."""
+def cluster_role_objects() -> list[dict[str, Any]]:
+    """The ClusterRole and its binding alone: for a lab that applied kube-flannel.yml's
+    Namespace and ServiceAccount already (``flannelpy_lab.kubeflannel``), which applying
+    the Namespace again without its labels would strip of them."""
+    return [o for o in rbac_objects() if o["kind"] not in ("Namespace", "ServiceAccount")]
+
+
+def start_all(
+    state: LabState, save: control_plane.Save, objects: list[dict[str, Any]] | None = None
+) -> list[NodeInfo]:
+    """Start it beside flanneld on every flanneld node (applying ``objects`` as
+    ``prepare`` does, recording each process with ``save``) and wait until each
+    enforces."""
     nodes = [n for n in state.nodes if n.runs_flanneld]
     if not nodes:
         return []
-    prepare(state)
+    prepare(state, objects)
     for node in nodes:
         start(state, node)
         save()

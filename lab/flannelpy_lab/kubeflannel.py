@@ -26,6 +26,12 @@ DaemonSet played by processes:
 
 The conflist is installed once flanneld has written ``subnet.env`` and its lease is on
 its Node, so a Node turns Ready (its runtime sees a network config) when its network is.
+
+With ``--enable-network-policy`` every node also runs kube-network-policies, the second
+container Flannel's chart adds to the flanneld pod with ``netpol.enabled``, started by
+``flannelpy_lab.kube_netpol`` once every flanneld has published its lease: in the node's
+network namespace (the kubelet's: ``/run/netns/<node namespace>``), in a private mount
+namespace of its own holding the in-cluster files.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ PROCESS_PREFIX = "flanneld/"  # in the kubelet record's "processes": flanneld/<n
 Save = Callable[[], None]
 
 
-def validate(network_agent: str, kubelets: bool, flanneld_nodes: int, network_policy: bool) -> None:
+def validate(network_agent: str, kubelets: bool, flanneld_nodes: int) -> None:
     """Before anything is built: one sentence for a combination the lab cannot run."""
     if network_agent not in plan.NETWORK_AGENTS:
         raise LabError(
@@ -87,11 +93,6 @@ def validate(network_agent: str, kubelets: bool, flanneld_nodes: int, network_po
         raise LabError(
             "--network-agent flanneld needs --kubelet; on an etcd or --kube lab run flanneld "
             "with --flanneld-nodes K"
-        )
-    if network_policy:
-        raise LabError(
-            "--enable-network-policy needs --network-agent flannelpy: flanneld enforces no "
-            "NetworkPolicy"
         )
 
 

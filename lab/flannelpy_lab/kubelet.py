@@ -36,7 +36,9 @@ interface from).
 With ``network_agent`` "flanneld" (``lab up --kubelet --network-agent flanneld``) the
 network is Flannel's instead of the DaemonSet's: flanneld and Flannel's CNI plugin as
 kube-flannel.yml deploys them (``flannelpy_lab.kubeflannel``), the reference cluster of
-``scripts/conformance.sh --cni flanneld``.
+``scripts/conformance.sh --cni flanneld``; with ``network_policy``, kube-network-policies
+beside flanneld on every node, as Flannel's chart runs it (``flannelpy_lab.kube_netpol``),
+stopped with the node's processes (``stop_node``) and by ``down``.
 
 Opt-in, for the upstream e2e specs (``scripts/conformance.sh``): more images imported
 (``image_archives``), CoreDNS as the cluster DNS (``flannelpy_lab.dns``), and routes on
@@ -57,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import dns, images, kubeflannel, plan, procs, proxy, topology
+from flannelpy_lab import dns, images, kube_netpol, kubeflannel, plan, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
@@ -410,6 +412,9 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     else:
         say("      starting flanneld on every node, as kube-flannel.yml deploys it")
         start_flannel(state, save)
+        if kube_netpol.enabled(state):
+            say("      starting kube-network-policies beside flanneld, as Flannel's chart does")
+            kube_netpol.start_all(state, save, kube_netpol.cluster_role_objects())
     wait_ready(state)
     rec["ready_seconds"] = round(time.monotonic() - t0, 1)
     control_plane.kubectl(state, "apply", "-f", "-", stdin=json.dumps(workload(len(state.nodes))))
@@ -803,6 +808,7 @@ def stop_node(state: LabState, node: NodeInfo) -> None:
     """Take one node's machine away: its kubelet, containerd and every pod on it (the
     agent's too); its network namespace stays. Its Node object is left to the caller."""
     started = record(state).get("processes", {})
+    procs.stop([r for r in [kube_netpol.ref(state, node)] if r])  # the flanneld pod's sidecar
     for key in (
         kubeflannel.PROCESS_PREFIX + node.name,
         proxy.PROCESS_PREFIX + node.name,

@@ -200,7 +200,7 @@ class Lab:
         ``network_policy`` (needs ``kube``): the agents enforce NetworkPolicy
         (``--enable-network-policy``, the manifests' ``network-policy`` component); with
         ``kube``, flanneld nodes run kube-network-policies beside flanneld, as Flannel's chart
-        does (``flannelpy_lab.kube_netpol``)."""
+        does (``flannelpy_lab.kube_netpol``): every node with ``network_agent`` "flanneld"."""
         say = progress or _quiet
         kube = kube or kubelets
         plan.validate_request(
@@ -214,7 +214,7 @@ class Lab:
             etcd_members,
         )
         kube_proxy.validate_mode(proxy_mode, kubelets)
-        kubeflannel.validate(network_agent, kubelets, flanneld_nodes, network_policy)
+        kubeflannel.validate(network_agent, kubelets, flanneld_nodes)
         if network_agent == "flanneld":
             flanneld_nodes = nodes  # every node runs flanneld (its agent_kind says so)
         if network_policy and not kube:

@@ -8,7 +8,8 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
-from flannelpy_lab import kubeflannel, plan
+from flannelpy_lab import kube as control_plane
+from flannelpy_lab import kube_netpol, kubeflannel, plan
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
 from flannelpy_lab.state import LabState
@@ -128,10 +129,6 @@ def test_flanneld_runs_as_the_daemonset_container_in_the_kubelets_namespaces() -
     [
         ({"network_agent": "flanneld"}, "--network-agent flanneld needs --kubelet"),
         ({"network_agent": "calico", "kubelets": True}, "--network-agent 'calico' is unknown"),
-        (
-            {"network_agent": "flanneld", "kubelets": True, "network_policy": True},
-            "flanneld enforces no NetworkPolicy",
-        ),
         ({"kubelets": True, "flanneld_nodes": 1}, "use --network-agent flanneld"),
     ],
 )
@@ -142,3 +139,30 @@ def test_a_lab_flannel_cannot_run_is_refused_before_anything_is_built(
         Lab.up("unit", 2, lab_root=str(tmp_path / "labs"), **options)  # type: ignore[arg-type]
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "labs").exists()
+
+
+def test_network_policy_on_flannel_is_kube_network_policies_beside_flanneld() -> None:
+    # Accepted: every node runs kube-network-policies as Flannel's chart adds it.
+    kubeflannel.validate("flanneld", True, 0)
+    objects = kube_netpol.cluster_role_objects()
+    # kube-flannel.yml's Namespace and ServiceAccount are the lab's already: applied again
+    # without their labels, the Namespace would lose pod-security's "privileged".
+    assert [o["kind"] for o in objects] == ["ClusterRole", "ClusterRoleBinding"]
+    binding = objects[1]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": kubeflannel.SERVICE_ACCOUNT,
+            "namespace": kubeflannel.NAMESPACE,
+        }
+    ]
+    state = lab_state()
+    state.extra[kube_netpol.BINARY_KEY] = "/peers/kube-network-policies"
+    control_plane.record(state)[control_plane.KUBELETS_KEY] = True
+    assert not kube_netpol.enabled(state)
+    state.extra[control_plane.NETWORK_POLICY_KEY] = True
+    # On from the start: a kubelet lab's control plane registers no Nodes itself.
+    assert kube_netpol.enabled(state)
+    n1 = state.node("n1")
+    # In the namespace the node's kubelet and flanneld run in (/run/netns/<namespace>).
+    assert kube_netpol.argv(state, n1)[:4] == ["ip", "netns", "exec", n1.namespace]
