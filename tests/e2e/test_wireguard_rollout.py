@@ -35,9 +35,14 @@ from tests.support.lab_util import lab_run_argv, running_lab, wait_until
 from tests.support.traffic import PodTraffic, TrafficReport
 from tests.support.underlay_capture import underlay_capture
 
+# alone: every echo is counted through wireguard-go, userspace crypto on the machine's
+# cores. Beside three other lab modules (load average near 20) a switch back lost 23
+# echoes within 100 ms once, on one node's pairs; the README's rollout figures show one
+# run of 17 with losses on a quieter machine too, cause not found yet.
 pytestmark = [
     pytest.mark.lab,
     pytest.mark.netns,
+    pytest.mark.alone,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to build the netns lab"),
 ]
 
