@@ -10,8 +10,8 @@ import pytest
 # (seconds of tests with 3 workers, 2026-12-06). The others follow in file order.
 LONGEST_FIRST = (
     "test_kubelet_cluster.py",  # 314 s
-    "test_kube_services.py",  # 270-300 s (with the rollout under Service traffic)
-    "test_upstream_subset.py",  # 177 s
+    "test_kube_services.py",  # 245-261 s (with the rollout under Service traffic)
+    "test_upstream_subset.py",  # 207-217 s
     "test_kube_services_nftables.py",  # 171 s
     "test_prometheus_alerts.py",  # 170 s
     "test_etcd_cluster.py",  # 144 s
