@@ -265,6 +265,7 @@ class PodFleet:
         self.addresses: dict[str, IPv4Interface] = {}  # container ID -> address it got
         self.in_flight = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # live or in_flight changed
         self._next = 0
 
     def _new_id(self) -> str:
@@ -291,6 +292,7 @@ class PodFleet:
             if call.returncode == 0:
                 self.live.append(LivePod(call.container_id, netns, call.address))
                 self.addresses[call.container_id] = call.address
+                self._changed.notify_all()
             else:
                 self.spare.append(netns)
         return call
@@ -305,7 +307,11 @@ class PodFleet:
     def replace_oldest(self, target: int) -> list[CniCall]:
         """One churn step, as a deployment's rollout does: DEL the oldest pod (unless
         failures left fewer than ``target`` pods), then ADD a new one in its namespace."""
-        with self._lock:
+        with self._changed:
+            # When every pod is mid-replacement (slow calls pile up), wait for one to be
+            # live rather than surge past the target; failed ADDs shrink the count.
+            while not self.live and self.in_flight >= target:
+                self._changed.wait()
             victim = self.live.popleft() if len(self.live) + self.in_flight >= target else None
             self.in_flight += 1
         try:
@@ -317,8 +323,9 @@ class PodFleet:
             calls.append(self.add(netns))
             return calls
         finally:
-            with self._lock:
+            with self._changed:
                 self.in_flight -= 1
+                self._changed.notify_all()
 
     def churn(self, target: int, steps: int, seconds: float, workers: int = 128) -> None:
         """``steps`` churn steps started at an even pace over ``seconds`` (open loop:
