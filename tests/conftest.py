@@ -6,6 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# Property tests check what the code computes, not how fast: under a loaded CI machine
+# hypothesis's default 200 ms deadline per example fails correct code.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

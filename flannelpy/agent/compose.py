@@ -147,10 +147,11 @@ def _network_policy(
     if source is None:
         store.close()
         raise ConfigError(f"--enable-network-policy {NETWORK_POLICY_NEEDS_KUBE}")
+    from flannelpy.dataplane.nfgen import ruleset_generation
     from flannelpy.dataplane.policy_table import PolicyTable
 
     log.info("network policy on: table inet flannelpy-policy, kept as it is until synced")
-    return source, PolicyTable()
+    return source, PolicyTable(generation=ruleset_generation)
 
 
 def _log_start(ctx: NodeContext, backend: Backend) -> None:

@@ -6,7 +6,11 @@ and compares it with the listing taken right after our last write, counters asid
 
 * unchanged since our last write: the one transaction from what we last applied to
   the new value, which touches only the elements, sets and chains that differ
-  (nothing at all when the value is the same);
+  (nothing at all when the value is the same). When the namespace's nftables
+  generation (:mod:`.nfgen`) still reads what it read right after that write, no one
+  has written any nftables since and the read-back is skipped: a change then costs one
+  ``nft -f`` on its way to the kernel, and the listing taken after it (the reference
+  for the next comparison) runs once the change is in force;
 * missing, or changed by someone else, or not written by this process yet (a
   restart): the whole table is replaced by one transaction that deletes and re-creates
   it, so no packet ever sees it half-built or absent.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flannelpy.dataplane.nftables import Runner, first_line, run_nft
@@ -43,38 +47,66 @@ class PolicyTable:
         run: Runner = subprocess.run,
         command_prefix: Sequence[str] = (),
         timeout: float = 30.0,
+        generation: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._run = run
         self._prefix = tuple(command_prefix)
         self._timeout = timeout
+        self._generation = generation  # the namespace's nftables generation; None: unknown
         self._applied: NftTableSpec | None = None  # what our last write made the table
         self._listing: Any = None  # its listing right after that write, counters aside
+        self._known_gen: int | None = None  # a generation at which it read as _listing
         self.transactions = 0  # nft -f runs that changed the table (tests read it)
+        self.listings = 0  # whole-table read-backs (tests read it)
 
     def apply(self, desired: NftTableSpec) -> str | None:
         """Make the table ``desired``. Returns why it was rebuilt whole (MISSING, CHANGED,
         AT_START), or None for an incremental change or none. Raises DataplaneError."""
-        listing = self.listing(desired.table)
-        if self._applied is not None and listing is not None and listing == self._listing:
+        reason = self._drift(desired.table)
+        if reason is None:
+            assert self._applied is not None
             script = desired.script_from(self._applied)
-            reason = None
         else:
             script = f"add table {desired.table}\ndelete table {desired.table}\n"
             script += desired.script_from(None)
-            reason = MISSING if listing is None else CHANGED if self._applied else AT_START
         if script:
-            self._applied = None  # unknown until the write is read back
+            self._applied, self._known_gen = None, None  # unknown until read back
             self._nft(["-f", "-"], script, f"write the table {desired.table}")
             self.transactions += 1
-            self._listing = self.listing(desired.table)
+            self._remember(desired.table)
         self._applied = desired
         if reason is not None:
             log.info("policy table rebuilt table=%r reason=%s", desired.table, reason)
         return reason
 
+    def _drift(self, table: str) -> str | None:
+        """None when the table is as our last write left it, else why it must be rebuilt."""
+        before = self._generation()
+        if self._applied is not None and before is not None and before == self._known_gen:
+            return None  # no nftables write at all in this namespace since
+        listing = self.listing(table)
+        if listing is None:
+            return MISSING
+        if self._applied is None:
+            return AT_START
+        if listing != self._listing:
+            return CHANGED
+        if before is not None and self._generation() == before:
+            self._known_gen = before  # someone else's write, elsewhere: verified at this one
+        return None
+
+    def _remember(self, table: str) -> None:
+        """Read the table back after our write: the reference for the next comparison,
+        tied to the generation only when nothing else was written while it was read."""
+        before = self._generation()
+        self._listing = self.listing(table)
+        after = self._generation()
+        self._known_gen = before if before is not None and before == after else None
+
     def listing(self, table: str) -> Any:
         """``nft -j list table`` with counter values dropped; None when it is absent."""
         argv = [*self._prefix, "nft", "-j", "list", "table", *table.split()]
+        self.listings += 1
         proc = run_nft(self._run, argv, None, self._timeout)
         if proc.returncode != 0:
             if "No such file or directory" in proc.stderr:

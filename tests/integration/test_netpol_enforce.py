@@ -19,6 +19,8 @@ from contextlib import ExitStack
 import pytest
 
 from flannelpy.dataplane.netlink_host import set_sysctl
+from flannelpy.dataplane.netns import netns_path, run_in_netns
+from flannelpy.dataplane.nfgen import ruleset_generation
 from flannelpy.dataplane.policy_table import PolicyTable
 from flannelpy.dataplane.reconciler import BRIDGE_NF_SYSCTLS, Reconciler
 from flannelpy.dataplane.state import DesiredState
@@ -145,4 +147,47 @@ def test_real_connections_follow_the_policy_and_a_deleted_table_comes_back(
     reconciler.reconcile_once("periodic resync")
     assert reconciler.policy_rebuilds == 2  # replaced whole, in one transaction
     assert adapter.apply(table("web")) is None  # and as desired: nothing more to write
+    assert not connects(web)
+
+
+def test_with_the_kernels_generation_a_change_skips_the_read_back_but_not_a_hand_edit(
+    cluster: tuple[Netns, Netns, Netns],
+) -> None:
+    node, web, _ = cluster
+
+    def generation() -> int | None:
+        return run_in_netns(netns_path(node.name), ruleset_generation)
+
+    first = generation()
+    assert first is not None
+    adapter = PolicyTable(command_prefix=("ip", "netns", "exec", node.name), generation=generation)
+    reconciler = Reconciler(NodeKernel(node), 10.0, policy=adapter)
+    reconciler.set_desired(DesiredState(policy=table("web")))
+    reconciler.reconcile_once("test")
+    assert generation() == first + 1  # our one transaction
+    assert not connects(web)
+
+    read = adapter.listings
+    reconciler.set_desired(DesiredState(policy=table("api")))  # web relabelled
+    reconciler.reconcile_once("test")
+    assert adapter.listings == read + 1  # the reference after the write, no read before
+    assert connects(web)
+    reconciler.set_desired(DesiredState(policy=table("web")))  # and back
+    reconciler.reconcile_once("test")
+    assert not connects(web)
+
+    # kube-proxy's kind of write, to another table: one read, found intact, no rebuild.
+    sh(["ip", "netns", "exec", node.name, "nft", "add", "table", "ip", "elsewhere"])
+    read = adapter.listings
+    reconciler.reconcile_once("periodic resync")
+    reconciler.reconcile_once("periodic resync")
+    assert adapter.listings == read + 1
+    assert (adapter.transactions, reconciler.policy_rebuilds) == (3, 1)
+
+    # A rule slipped into our table by hand moves the generation: found and replaced.
+    hand = ["nft", "insert", "rule", "inet", TABLE, "forward", "accept"]
+    sh(["ip", "netns", "exec", node.name, *hand])
+    assert connects(web)  # opened by the hand-made rule
+    reconciler.reconcile_once("periodic resync")
+    assert reconciler.policy_rebuilds == 2
     assert not connects(web)

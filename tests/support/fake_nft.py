@@ -15,6 +15,7 @@ class FakeNft:
         self.table: list[str] | None = None  # the scripts that made the table; None: absent
         self.scripts: list[str] = []
         self.packets: dict[str, int] = {}  # what each named counter counted
+        self.generation = 1  # bumped by every committed write, as the kernel's ruleset one
 
     def counters(self) -> list[str]:
         """The named counters the table's scripts declared."""
@@ -47,16 +48,23 @@ class FakeNft:
             return self._done(argv, 1, err="Error: No such file or directory")
         else:
             self.table = self.table + lines
+        self.generation += 1
         return self._done(argv, 0)
 
     def delete_table(self) -> None:
         """What ``nft delete table`` by hand does."""
         self.table = None
+        self.generation += 1
 
     def alter(self) -> None:
         """What a rule added by hand does to the listing."""
         assert self.table is not None
         self.table = [*self.table, "add rule by hand"]
+        self.generation += 1
+
+    def elsewhere(self) -> None:
+        """Someone else's write to another table (kube-proxy's, say): a new generation."""
+        self.generation += 1
 
     @staticmethod
     def _done(argv: list[str], rc: int, out: str = "", err: str = "") -> Any:

@@ -71,3 +71,48 @@ def test_a_failed_write_raises_and_the_next_pass_replaces_the_table_whole() -> N
         adapter.apply(FIRST)
     assert adapter.apply(FIRST) == AT_START  # what the kernel holds is unknown: whole
     assert nft.table is not None and nft.table[0] == f"add table inet {TABLE}"
+
+
+def test_with_the_generation_unmoved_a_change_is_written_without_reading_the_table_back() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: nft.generation)
+    assert adapter.apply(FIRST) == MISSING
+    read = adapter.listings
+    assert adapter.apply(SECOND) is None
+    assert nft.scripts[1] == SECOND.script_from(FIRST)
+    assert adapter.listings == read + 1  # only the reference read after the write
+    assert adapter.apply(SECOND) is None  # a pass with nothing to do reads nothing
+    assert adapter.listings == read + 1 and len(nft.scripts) == 2
+
+
+def test_someone_elses_write_elsewhere_costs_one_read_and_is_then_trusted() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: nft.generation)
+    adapter.apply(FIRST)
+    nft.elsewhere()
+    read = adapter.listings
+    assert adapter.apply(FIRST) is None  # read back, found as we left it
+    assert adapter.apply(FIRST) is None  # and trusted at that generation
+    assert adapter.listings == read + 1 and len(nft.scripts) == 1
+
+
+@pytest.mark.parametrize(("damage", "reason"), [("delete_table", MISSING), ("alter", CHANGED)])
+def test_a_change_by_hand_moves_the_generation_and_is_still_replaced_whole(
+    damage: str, reason: str
+) -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: nft.generation)
+    adapter.apply(FIRST)
+    getattr(nft, damage)()
+    assert adapter.apply(SECOND) == reason
+    assert nft.table == SECOND.script_from(None).splitlines()
+
+
+def test_an_unknown_generation_reads_the_table_back_every_time() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: None)
+    adapter.apply(FIRST)
+    read = adapter.listings
+    adapter.apply(FIRST)
+    adapter.apply(FIRST)
+    assert adapter.listings == read + 2
