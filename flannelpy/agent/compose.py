@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -147,11 +148,13 @@ def _network_policy(
     if source is None:
         store.close()
         raise ConfigError(f"--enable-network-policy {NETWORK_POLICY_NEEDS_KUBE}")
+    from flannelpy.dataplane.libnft import LibNftables
     from flannelpy.dataplane.nfgen import ruleset_generation
     from flannelpy.dataplane.policy_table import PolicyTable
 
     log.info("network policy on: table inet flannelpy-policy, kept as it is until synced")
-    return source, PolicyTable(generation=ruleset_generation)
+    run = LibNftables.load() or subprocess.run
+    return source, PolicyTable(run=run, generation=ruleset_generation)
 
 
 def _log_start(ctx: NodeContext, backend: Backend) -> None:

@@ -18,6 +18,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from flannelpy.dataplane.libnft import LibNftables
 from flannelpy.dataplane.netlink_host import set_sysctl
 from flannelpy.dataplane.netns import netns_path, run_in_netns
 from flannelpy.dataplane.nfgen import ruleset_generation
@@ -150,7 +151,7 @@ def test_real_connections_follow_the_policy_and_a_deleted_table_comes_back(
     assert not connects(web)
 
 
-def test_with_the_kernels_generation_a_change_skips_the_read_back_but_not_a_hand_edit(
+def test_in_process_with_the_generation_a_change_skips_the_read_back_but_not_a_hand_edit(
     cluster: tuple[Netns, Netns, Netns],
 ) -> None:
     node, web, _ = cluster
@@ -160,7 +161,10 @@ def test_with_the_kernels_generation_a_change_skips_the_read_back_but_not_a_hand
 
     first = generation()
     assert first is not None
-    adapter = PolicyTable(command_prefix=("ip", "netns", "exec", node.name), generation=generation)
+    # The agent's way: libnftables in-process, its context made in the node's namespace.
+    nft = run_in_netns(netns_path(node.name), LibNftables.load)
+    assert nft is not None
+    adapter = PolicyTable(run=nft, generation=generation)
     reconciler = Reconciler(NodeKernel(node), 10.0, policy=adapter)
     reconciler.set_desired(DesiredState(policy=table("web")))
     reconciler.reconcile_once("test")
