@@ -1,7 +1,7 @@
 """NetworkPolicy, ours beside Flannel's own answer (kube-network-policies) in one lab and one
 run: enforcement latency, and the cost on the packet path.
 
-    python -m bench.netpol_versus [--changes 102] [--connects 2000] [--repeat 3]
+    python -m bench.netpol_versus [--changes 104] [--connects 2000] [--repeat 3]
 
 One 4-node ``--kube --enable-network-policy --flanneld-nodes 2`` lab: n1 and n2 run our
 agent (policy in nftables, in the kernel), n3 and n4 run the real flanneld with
@@ -13,12 +13,15 @@ objects and the same changes, under the same load.
 
 Latency (namespace ``bench``): a server "db" on n1 and on n3, a client "web" on n2 and on
 n4 opening a new connection to its side's db every 5 ms (``flannelpy_lab.tcp_probe``).
-One policy ``db`` selects both dbs. A cycle of six changes, each flipping whether web may
+One policy ``db`` selects both dbs. A cycle of eight changes, each flipping whether web may
 connect: the policy edited to allow nothing, edited back to allow ``app=web``, web's
 label changed to ``other``, the policy deleted (db not isolated), created again allowing
-``app=web`` (db isolated, web's label not allowed), web's label back to ``web``. A policy
-change is one API write both sides see; a label change is one write per web pod (sent back
-to back, the order alternating), each timed from its own write. Per change and side: the
+``app=web`` (db isolated, web's label not allowed), web's label back to ``web``, web's Pod
+object deleted (its address no longer a pod's), and web as a new pod: its Pod object
+created again, then given its address as a kubelet does after the CNI ADD. A policy
+change is one API write both sides see; a pod change is one write per web pod (sent back
+to back, the order alternating), each timed from its own write (a new pod from the write
+of its address, before which no implementation can know it). Per change and side: the
 start of the first connection after the write whose outcome is the new one (a completed
 handshake, or a SYN dropped: no answer in 0.5 s). Resolution 5 ms.
 
@@ -70,8 +73,12 @@ CYCLE = (
     ("policy delete", ""),
     ("policy create", "allow"),
     ("label change", "web"),
+    ("pod delete", ""),
+    ("new pod", "web"),
 )
-KINDS = ("policy edit", "label change", "policy create", "policy delete")
+KINDS = ("policy edit", "label change", "policy create", "policy delete", "pod delete", "new pod")
+POD_KINDS = ("label change", "pod delete", "new pod")  # one write per side's web pod
+FORCE_DELETE = {**DELETE, "gracePeriodSeconds": 0}  # no kubelet here to confirm a graceful one
 
 CONNECTS = """
 import json, socket, sys, time
@@ -125,16 +132,19 @@ def perf_policy(index: int) -> dict[str, Any]:
     }
 
 
-def write_pod(api: Api, ns: str, name: str, pod: PodInfo, labels: dict[str, str]) -> None:
+def write_pod(api: Api, ns: str, name: str, pod: PodInfo, labels: dict[str, str]) -> float:
+    """Create the Pod object, then give it its address; returns when that second write began."""
     api.send(
         "POST",
         f"/api/v1/namespaces/{ns}/pods",
         control_plane.pod_manifest(ns, name, pod.node, labels),
         "application/json",
     )
+    addressed = time.time()
     api.send("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status",
              control_plane.pod_running_status(ip_of(pod)),
              "application/merge-patch+json")  # fmt: skip
+    return addressed
 
 
 def setup(lab: Lab, api: Api) -> dict[str, dict[str, PodInfo]]:
@@ -168,17 +178,25 @@ def wait_allowed(clients: dict[str, Client]) -> None:
             time.sleep(0.1)
 
 
-def send_change(api: Api, i: int, kind: str, arg: str) -> dict[str, float]:
+def send_change(
+    api: Api, roles: dict[str, dict[str, PodInfo]], i: int, kind: str, arg: str
+) -> dict[str, float]:
     """Send change ``i``; the time of the write each side's outcome is timed from."""
-    if kind == "label change":
+    if kind in POD_KINDS:
         order = SIDES if i % 2 == 0 else SIDES[::-1]
         sent = {}
         for side in order:
             name = "web-o" if side == "ours" else "web-k"
+            path = f"/api/v1/namespaces/{NS}/pods/{name}"
+            if kind == "new pod":
+                sent[side] = write_pod(api, NS, name, roles[side]["web"], {"app": arg})
+                continue
             sent[side] = time.time()
-            api.send("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}",
-                     {"metadata": {"labels": {"app": arg}}},
-                     "application/merge-patch+json")  # fmt: skip
+            if kind == "pod delete":
+                api.send("DELETE", path, FORCE_DELETE, "application/json")
+            else:
+                api.send("PATCH", path, {"metadata": {"labels": {"app": arg}}},
+                         "application/merge-patch+json")  # fmt: skip
         return sent
     t0 = time.time()
     if kind == "policy edit":
@@ -190,32 +208,36 @@ def send_change(api: Api, i: int, kind: str, arg: str) -> dict[str, float]:
     return dict.fromkeys(SIDES, t0)
 
 
-State = tuple[str | None, str]  # the policy ("allow" app=web, "deny", None: none), web's label
-START: State = ("allow", "web")
+# The policy ("allow" app=web, "deny", None: none), web's label, whether web's Pod exists.
+State = tuple[str | None, str, bool]
+START: State = ("allow", "web", True)
 
 
 def after(state: State, kind: str, arg: str) -> State:
     """The state a change of CYCLE leaves."""
-    policy, label = state
+    policy, label, exists = state
     if kind == "label change":
-        return policy, arg
-    return (None if kind == "policy delete" else arg), label
+        return policy, arg, exists
+    if kind in ("pod delete", "new pod"):
+        return policy, label, kind == "new pod"
+    return (None if kind == "policy delete" else arg), label, exists
 
 
 def may_connect(state: State) -> bool:
-    """May web connect to db: db is not isolated, or its policy allows web's label."""
-    policy, label = state
-    return policy is None or (policy == "allow" and label == "web")
+    """May web connect to db: db is not isolated, or its policy allows web's label (and
+    web's address is a pod's: an address no Pod object holds matches no selector)."""
+    policy, label, exists = state
+    return policy is None or (policy == "allow" and label == "web" and exists)
 
 
 def measure_latency(
-    api: Api, clients: dict[str, Client], changes: int
+    api: Api, roles: dict[str, dict[str, PodInfo]], clients: dict[str, Client], changes: int
 ) -> dict[str, dict[str, list[float]]]:
     latencies: dict[str, dict[str, list[float]]] = {s: {k: [] for k in KINDS} for s in SIDES}
     state = START
     for i in range(changes):
         kind, arg = CYCLE[i % len(CYCLE)]
-        sent = send_change(api, i, kind, arg)
+        sent = send_change(api, roles, i, kind, arg)
         state = after(state, kind, arg)
         allowed = may_connect(state)
         deadline = time.monotonic() + REFLECT_TIMEOUT
@@ -246,7 +268,7 @@ def run_latency(
                     clients[side] = connect_loop(web.namespace, ip_of(db), PORT, workdir,
                                                  INTERVAL, GIVE_UP)  # fmt: skip
                 wait_allowed(clients)
-                return measure_latency(api, clients, changes)
+                return measure_latency(api, roles, clients, changes)
             finally:
                 for client in clients.values():
                     client.stop()
@@ -418,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--changes", type=int, default=102, help="changes (default 102)")
+    parser.add_argument("--changes", type=int, default=104, help="changes (default 104)")
     parser.add_argument("--policies", type=int, default=100, help="policies (default 100)")
     parser.add_argument("--connects", type=int, default=2000,
                         help="connects per condition, side and repeat (default 2000)")  # fmt: skip
