@@ -148,6 +148,8 @@ class Planner:
         # Devices that left the plan, kept a few seconds in their last planned form.
         self._links: Lingering[VxlanLink] = Lingering(LINGER_SECONDS)
         self._wireguard: Lingering[WgDeviceSpec] = Lingering(LINGER_SECONDS)
+        # The last plan handed over, for a new policy table alone (replan_policy).
+        self._last: tuple[DesiredState, frozenset[str]] | None = None
         # Per peer lease, what the last plan found (verdict, paths, MTU, probe targets):
         # the next plan recomputes only the leases that changed (subnet.memo).
         self.forget()
@@ -202,6 +204,19 @@ class Planner:
                 log.warning("peer unreachable subnet=%s reason=%s", peer.subnet, peer.reason)
             s.unreachable = desired.unreachable
             self.metrics.peers_without_path(len(desired.unreachable))
+        self._last = (desired, stale_links)
+        self.reconciler.set_desired(desired, stale_links)
+
+    def replan_policy(self) -> None:
+        """Hand over the last plan with the new policy table: nothing else changed since
+        (any other change asks for :meth:`replan`), so re-planning every peer would give
+        the same routes, and a policy change's latency must not grow with the cluster."""
+        if self._last is None:
+            self.replan()
+            return
+        desired, stale_links = self._last
+        desired = replace(desired, policy=self.state.policy)
+        self._last = (desired, stale_links)
         self.reconciler.set_desired(desired, stale_links)
 
     def _with_lingering(self, desired: DesiredState) -> tuple[DesiredState, frozenset[str]]:

@@ -82,6 +82,7 @@ class NodeState:
     capacity_due: bool = True
     # ... and what those asked of the others (Writer._follow_up runs them in one order).
     replan_due: bool = False
+    policy_due: bool = False  # a new policy table alone: the last plan carries it
     subnet_env_due: bool = False
     status_due: bool = False  # status.json and the store record, now (not at the next tick)
     # The last plan had flannel-wg (wireguard, a kept device, or one lingering after it).

@@ -274,7 +274,7 @@ class Writer:
                 self.planner.replan()  # held pairs move to the tunnel, the VTEP may go
         elif isinstance(event, PolicyInputsChanged):
             if self.netpol is not None and self.netpol.take():
-                s.replan_due = True  # the new table reaches the reconciler with the plan
+                s.policy_due = True  # the new table reaches the reconciler with the plan
         elif isinstance(event, Tick):
             self._on_tick(event.name)
         if settle:
@@ -310,6 +310,7 @@ class Writer:
             or self.live.due()
             or self.planner.linger_over()
             or s.replan_due
+            or s.policy_due
             or s.subnet_env_due
             or s.status_due
         )
@@ -376,8 +377,11 @@ class Writer:
         the firewall's ranges), then subnet.env, then the status record."""
         s = self.state
         if s.replan_due:
-            s.replan_due = False
-            self.planner.replan()
+            s.replan_due = s.policy_due = False
+            self.planner.replan()  # with the policy table too
+        elif s.policy_due:
+            s.policy_due = False
+            self.planner.replan_policy()
         if s.subnet_env_due:
             s.subnet_env_due = False
             self.write_subnet_env()

@@ -126,6 +126,33 @@ def test_a_policy_event_leads_to_exactly_one_nft_transaction(agent: Any) -> None
     assert harness.writer.counts.events()["policy"] == 2
 
 
+def test_a_policy_change_hands_over_the_last_plan_without_planning_the_peers_again(
+    agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness, source, nft = agent
+    sync(source, raw_pod("db", "db", "10.244.1.3"))
+    harness.drain()
+    harness.reconcile()
+    planner = harness.writer.planner
+    before = harness.writer.reconciler.desired
+    plans: list[object] = []
+    monkeypatch.setattr(planner, "check_peers", lambda: plans.append("peers"))
+    assert source.cache.put(PODS, raw_pod("api", "api", "10.244.2.2", "n2"))
+    source.changed()
+    assert harness.drain() == 1
+    harness.reconcile()
+    assert plans == []  # no lease was looked at again
+    after = harness.writer.reconciler.desired
+    assert after is not None and before is not None
+    assert after.policy is harness.writer.state.policy and after.policy != before.policy
+    assert (after.routes, after.neighbours, after.fdb) == (
+        before.routes,
+        before.neighbours,
+        before.fdb,
+    )
+    assert "10.244.2.2" in nft.scripts[-1]
+
+
 def test_a_burst_of_changes_is_one_event(agent: Any) -> None:
     harness, source, _ = agent
     sync(source, raw_pod("db", "db", "10.244.1.3"))
