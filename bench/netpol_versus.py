@@ -31,7 +31,12 @@ all four pods for ingress and egress (each allows ``app=perf`` on the bench's po
 port of its own). A condition is in force on both sides once a connection to a port no
 policy allows is dropped (with policies) or refused (without). Per condition, side and
 repeat: ``--connects`` sequential TCP connects from client to server (``connect()`` to
-its return, a new connection each), then one ``iperf3`` TCP stream for ``--seconds``.
+its return, a new connection each), then one ``iperf3`` TCP stream for ``--seconds``, then
+that stream again at the same time as one between a second pair of pods on the same
+nodes that no policy selects (namespace ``perf0``): both share the same cores at the
+same moment, so the ratio of the two is the policies' cost to throughput without the
+drift between runs that a shared machine gives a sequential comparison (with no policy
+it shows what the method's own bias is).
 Conditions and sides alternate their order between repeats.
 """
 
@@ -43,6 +48,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +66,7 @@ from bench.propagation import LAB_TIMEOUT
 
 SIDES = ("ours", "kube-network-policies")
 NODES = {"ours": ("n1", "n2"), "kube-network-policies": ("n3", "n4")}  # (server, client)
-NS, PERF_NS = "bench", "perf"
+NS, PERF_NS, PERF0_NS = "bench", "perf", "perf0"
 POLICY_PATH = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
 PERF_POLICY_PATH = f"/apis/networking.k8s.io/v1/namespaces/{PERF_NS}/networkpolicies"
 DELETE = {"apiVersion": "v1", "kind": "DeleteOptions"}
@@ -150,18 +156,21 @@ def write_pod(api: Api, ns: str, name: str, pod: PodInfo, labels: dict[str, str]
 def setup(lab: Lab, api: Api) -> dict[str, dict[str, PodInfo]]:
     """Both namespaces with their Pod objects; the pods by side and role."""
     roles: dict[str, dict[str, PodInfo]] = {}
-    for ns in (NS, PERF_NS):
+    for ns in (NS, PERF_NS, PERF0_NS):
         api.send("POST", "/api/v1/namespaces", {"metadata": {"name": ns}}, "application/json")
         api.send("POST", f"/api/v1/namespaces/{ns}/serviceaccounts",
                  {"metadata": {"name": "default"}}, "application/json")  # fmt: skip
     for side in SIDES:
         server, client = ([p for p in lab.pods if p.node == n] for n in NODES[side])
-        roles[side] = {"db": server[0], "web": client[0], "srv": server[1], "cli": client[1]}
+        roles[side] = {"db": server[0], "web": client[0], "srv": server[1], "cli": client[1],
+                       "srv0": server[2], "cli0": client[2]}  # fmt: skip
         suffix = "o" if side == "ours" else "k"
         write_pod(api, NS, f"db-{suffix}", server[0], {"app": "db"})
         write_pod(api, NS, f"web-{suffix}", client[0], {"app": "web"})
         write_pod(api, PERF_NS, f"srv-{suffix}", server[1], {"app": "perf"})
         write_pod(api, PERF_NS, f"cli-{suffix}", client[1], {"app": "perf"})
+        write_pod(api, PERF0_NS, f"srv-{suffix}", server[2], {"app": "perf"})
+        write_pod(api, PERF0_NS, f"cli-{suffix}", client[2], {"app": "perf"})
     api.send("POST", POLICY_PATH, policy_doc(True), "application/json")
     return roles
 
@@ -312,12 +321,35 @@ def connect_times(roles: dict[str, PodInfo], connects: int) -> tuple[list[float]
     return [t * 1000 for t in doc["times"]], int(doc["failed"])
 
 
+def paired_ratio(roles: dict[str, PodInfo], seconds: int) -> float:
+    """Gbit/s of the perf pair over that of the perf0 pair, both streams at once."""
+    samples: dict[str, float] = {}
+
+    def stream(server: str, client: str) -> None:
+        srv, cli = roles[server], roles[client]
+        sample = throughput.iperf3_once(server, srv.namespace, cli.namespace, ip_of(srv),
+                                        seconds, [])  # fmt: skip
+        samples[server] = sample.gbit_per_s
+
+    pairs = (("srv", "cli"), ("srv0", "cli0"))
+    threads = [threading.Thread(target=stream, args=pair) for pair in pairs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(samples) != 2:
+        raise SystemExit("a paired iperf3 stream failed")
+    return samples["srv"] / samples["srv0"]
+
+
 def run_packet_path(
     roles: dict[str, dict[str, PodInfo]], api: Api, policies: int, connects: int,
     seconds: int, repeat: int,
 ) -> dict[tuple[str, int], dict[str, list[float]]]:  # fmt: skip
     results: dict[tuple[str, int], dict[str, list[float]]] = {
-        (s, c): {"connect": [], "failed": [], "gbit": []} for s in SIDES for c in (0, policies)
+        (s, c): {"connect": [], "failed": [], "gbit": [], "paired": []}
+        for s in SIDES
+        for c in (0, policies)
     }
     servers = [serve(roles[side]["srv"].namespace, PORT) for side in SIDES]
     current = 0
@@ -338,6 +370,8 @@ def run_packet_path(
                     sample = throughput.iperf3_once(side, srv.namespace, cli.namespace,
                                                     ip_of(srv), seconds, [])  # fmt: skip
                     results[side, condition]["gbit"].append(sample.gbit_per_s)
+                for side in sides:
+                    results[side, condition]["paired"].append(paired_ratio(roles[side], seconds))
     finally:
         for server in servers:
             stop_process(server)
@@ -353,7 +387,7 @@ def run(args: argparse.Namespace) -> None:
     say(f"bringing up lab {name}: 4 nodes, Kubernetes mode, NetworkPolicy on; n1, n2 ours; "
         "n3, n4 flanneld + kube-network-policies")  # fmt: skip
     lab = Lab.up(name, 4, "vxlan", kube=True, network_policy=True, flanneld_nodes=2,
-                 pods_per_node=2, timeout=LAB_TIMEOUT, progress=say)  # fmt: skip
+                 pods_per_node=3, timeout=LAB_TIMEOUT, progress=say)  # fmt: skip
     try:
         api = Api(lab)
         try:
@@ -419,9 +453,9 @@ def path_report(path: dict[tuple[str, int], dict[str, list[float]]], policies: i
             b = base[side]
             rows.append([side, condition, len(r["connect"]), int(sum(r["failed"])), p50, p99,
                          round(gbit, 2), round(p50 / b[0], 3), round(p99 / b[1], 3),
-                         round(gbit / b[2], 3)])  # fmt: skip
+                         round(gbit / b[2], 3), round(median(r["paired"]), 3)])  # fmt: skip
     header = ["side", "policies", "connects", "failed", "connect p50 ms", "p99 ms", "Gbit/s",
-              "p50 / none", "p99 / none", "Gbit/s / none"]  # fmt: skip
+              "p50 / none", "p99 / none", "Gbit/s / none", "Gbit/s / perf0 at once"]  # fmt: skip
     o, k = path["ours", policies], path["kube-network-policies", policies]
     cross = (
         f"with {policies} policies, ours / kube-network-policies: connect p50 "
@@ -430,7 +464,9 @@ def path_report(path: dict[tuple[str, int], dict[str, list[float]]], policies: i
         f"{median(o['gbit']) / median(k['gbit']):.3f}"
     )
     gbits = {f"{s} {c}": [round(g, 2) for g in path[s, c]["gbit"]] for s, c in path}
-    lines = ["packet path", table(header, rows), cross, f"Gbit/s per repeat: {json.dumps(gbits)}"]
+    paired = {f"{s} {c}": [round(g, 3) for g in path[s, c]["paired"]] for s, c in path}
+    lines = ["packet path", table(header, rows), cross, f"Gbit/s per repeat: {json.dumps(gbits)}",
+             f"perf / perf0 at once per repeat: {json.dumps(paired)}"]  # fmt: skip
     return "\n".join(lines)
 
 
