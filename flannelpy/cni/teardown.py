@@ -46,8 +46,13 @@ class TeardownCommands(CommandContext):
         try:
             record = self.records.read(req.network_name, *key)
             with cni_errors():
-                pod_ns = (req.netns, netns_fd) if netns_fd is not None else None
-                self._remove_veth(record, pod_ns, req.ifname)
+                if record is not None:  # answered once the pair has left both namespaces
+                    owner = record_owner(record)
+                    veth_answer = self.pods.start_delete_host_veth(record.host_veth, owner)
+                else:
+                    pod_ns = (req.netns, netns_fd) if netns_fd is not None else None
+                    self._remove_veth(None, pod_ns, req.ifname)
+                    veth_answer = _nothing
         except BaseException:
             release_lock()
             raise
@@ -55,6 +60,7 @@ class TeardownCommands(CommandContext):
         def finish() -> None:
             try:
                 with cni_errors():
+                    veth_answer()  # the kernel's answer: the address outlives the veth
                     self.ipam.release(*key)
                     self.records.delete(req.network_name, *key)
             finally:
@@ -154,6 +160,10 @@ class TeardownCommands(CommandContext):
             if any(self.records.present(n, *key) for n in self.records.networks()):
                 return False
             return self.ipam.release(*key) is not None
+
+
+def _nothing() -> None:
+    """No kernel answer to wait for."""
 
 
 def record_owner(record: Record) -> str:

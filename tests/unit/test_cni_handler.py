@@ -88,6 +88,18 @@ class FakePods:
         self._maybe_fail("delete_host_veth")
         self.veths.pop(host_veth, None)
 
+    def start_delete_host_veth(self, host_veth: str, owner: str | None = None) -> Any:
+        """The veth leaves at once; the kernel's answer comes when the caller waits."""
+        self.calls.append(("delete_host_veth", host_veth))
+        self._maybe_fail("delete_host_veth")
+        self.veths.pop(host_veth, None)
+
+        def answer() -> None:
+            self.calls.append(("veth answer", host_veth))
+            self._maybe_fail("veth answer")
+
+        return answer
+
     def delete_in_netns(self, netns: str, ifname: str, netns_fd: int | None = None) -> None:
         self.calls.append(("delete_in_netns", netns, ifname))
         for name, ns in list(self.veths.items()):
@@ -342,7 +354,8 @@ def test_del_uses_the_record_and_is_idempotent(env: Env) -> None:
     env.namespaces.clear()  # DEL works without the namespace
     assert env.call("DEL", ifname="eth0", bridge="other") == (0, None)
     assert attachments(env) == ([], [], {})
-    assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+    veth = host_veth_name(POD_NS, "c1", "eth0")
+    assert env.pods.calls[-2:] == [("delete_host_veth", veth), ("veth answer", veth)]
     assert env.call("DEL") == (0, None)
     assert env.call("DEL", netns="") == (0, None)
 
@@ -386,8 +399,12 @@ def test_a_deferred_del_answers_once_the_veth_is_gone_and_releases_after_under_t
     assert [str(a.ip) for a in env.ipam.allocations()] == [added["ips"][0]["address"][:-3]]
     assert [r.container_id for r in env.records.list()] == ["c1"]
     assert env.handler.locks.held(("c1", "eth0"))
+    veth = host_veth_name(POD_NS, "c1", "eth0")
+    assert env.pods.calls[-1] == ("delete_host_veth", veth)
     assert len(deferred) == 1
     deferred[0]()
+    # The kernel's answer to the deletion is awaited before the address is released.
+    assert env.pods.calls[-1] == ("veth answer", veth)
     assert attachments(env) == ([], [], {})
     assert not env.handler.locks.held(("c1", "eth0"))
     # Nothing else waits: a DEL that finds nothing defers only the (idempotent) rest.
@@ -417,6 +434,17 @@ def test_an_add_for_the_same_attachment_waits_for_the_deferred_release(env: Env)
     assert again["ips"][0]["address"] != first["ips"][0]["address"]
     assert [a.container_id for a in env.ipam.allocations()] == ["c1"]
     assert list(env.pods.veths) == [host_veth_name(POD_NS, "c1", "eth0")]
+
+
+def test_a_veth_deletion_the_kernel_fails_late_keeps_the_address(env: Env) -> None:
+    env.call("ADD")
+    deferred: Deferred = []
+    assert env.call("DEL", defer=deferred) == (0, None)
+    env.pods.fail["veth answer"] = DataplaneError("cannot delete veth: busy")
+    with pytest.raises(CniError):
+        deferred[0]()
+    assert len(env.ipam.allocations()) == 1 and len(env.records.list()) == 1
+    assert not env.handler.locks.held(("c1", "eth0"))
 
 
 def test_an_agent_killed_before_the_deferred_release_releases_at_start(tmp_path: Any) -> None:
