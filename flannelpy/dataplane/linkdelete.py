@@ -7,13 +7,13 @@ it has unlisted the device (and a veth's peer, in the same batch), run every not
 device's last references) before the sender's ``send`` returns. On this kind of machine
 the broadcast comes 0.6 ms after the request and the answer about 16 ms after it.
 
-:func:`delete_link` sends the request from a helper thread and returns as soon as the
+:func:`delete_link` sends the request from a thread of its own and returns as soon as the
 broadcast for the link has arrived on a socket subscribed beforehand: from then on no
 name, index, address or route of either end can be found in any namespace. The kernel's
 answer is still awaited, by the :class:`PendingDelete` it returns (a CNI DEL answers
 the runtime first and waits for it before releasing the pod's address).
 
-Everything runs in the calling thread's network namespace (the helper thread inherits
+Everything runs in the calling thread's network namespace (the deleting thread inherits
 it).
 """
 
@@ -35,8 +35,8 @@ class PendingDelete:
         self._done = threading.Event()
         self._reply: nl.Reply | None = None
         self._error: OSError | None = None
-        # The eventfd the helper wakes the waiter with, closed by whichever of the two is
-        # last done with it.
+        # The eventfd the deleting thread wakes the waiter with, closed by whichever of
+        # the two is last done with it.
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._wake_lock = threading.Lock()
         self._wake_users = 2
@@ -76,10 +76,15 @@ def delete_link(index: int) -> tuple[bool, PendingDelete]:
     when True, it waits for the answer still to come."""
     pending = PendingDelete(index)
     try:
-        with nl.NetlinkSocket(groups=rtnl.RTMGRP_LINK) as monitor:
-            helper = threading.Thread(target=pending._run, name="link-delete", daemon=True)
+        try:
+            monitor = nl.NetlinkSocket(groups=rtnl.RTMGRP_LINK)
+        except OSError:  # nothing to watch with (out of descriptors): wait for the answer
+            pending._run()
+            return False, pending
+        with monitor:
+            deleter = threading.Thread(target=pending._run, name="link-delete", daemon=True)
             try:
-                helper.start()
+                deleter.start()
             except RuntimeError:  # no thread to spare: delete from this one
                 pending._run()
                 return False, pending
@@ -89,8 +94,9 @@ def delete_link(index: int) -> tuple[bool, PendingDelete]:
 
 
 def _wait_gone(monitor: nl.NetlinkSocket, pending: PendingDelete) -> bool:
-    """True once the broadcast of the link's deletion has arrived; False once the helper
-    has finished without it having been seen (or broadcasts were dropped)."""
+    """True once the broadcast of the link's deletion has arrived; False once the
+    deleting thread has finished without it having been seen (or broadcasts were
+    dropped)."""
     unpack = rtnl.IFINFO.unpack_from
     poller = select.poll()
     poller.register(monitor.fileno(), select.POLLIN)
@@ -98,7 +104,7 @@ def _wait_gone(monitor: nl.NetlinkSocket, pending: PendingDelete) -> bool:
     while not pending._done.is_set():
         ready = {fd for fd, _ in poller.poll()}
         if monitor.fileno() not in ready:
-            continue  # the helper woke us: it is done
+            continue  # the deleting thread woke us: it is done
         try:
             buf = monitor.recv()
         except OSError:  # ENOBUFS: broadcasts were dropped; the answer will tell
