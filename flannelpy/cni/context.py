@@ -20,6 +20,9 @@ from flannelpy.dataplane.podnet import PodNetwork
 from flannelpy.ipam import NodeIpam
 
 Key = tuple[str, str]  # (container_id, ifname): what IPAM and the runtime key on
+# Work a command leaves for after its reply (DEL's release); whoever passed the list
+# must run every item once the reply is sent, whatever happened to the reply.
+Deferred = list[Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,33 @@ class KeyLocks:
 
     @contextmanager
     def hold(self, key: Hashable) -> Iterator[None]:
+        release = self.acquire(key)
+        try:
+            yield
+        finally:
+            release()
+
+    def acquire(self, key: Hashable) -> Callable[[], None]:
+        """Take ``key``'s lock; returns what releases it, from any thread, once (a DEL
+        hands its lock to the work it finishes after the reply)."""
         with self._guard:
             entry = self._locks.setdefault(key, [threading.Lock(), 0])
             entry[1] += 1
         entry[0].acquire()
-        try:
-            yield
-        finally:
+
+        def release() -> None:
             entry[0].release()
             with self._guard:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self._locks[key]
+
+        return release
+
+    def held(self, key: Hashable) -> bool:
+        """Whether anyone holds or waits for ``key``'s lock."""
+        with self._guard:
+            return key in self._locks
 
 
 class CommandContext:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 from flannelpy.cni.add import AddCommand
 from flannelpy.cni.check import CheckCommand
-from flannelpy.cni.context import CniSettings, KeyLocks
+from flannelpy.cni.context import CniSettings, Deferred, KeyLocks
 from flannelpy.cni.records import RecordStore
 from flannelpy.cni.spec import CniError, Code, Request, parse_request, reply_version, version_reply
 from flannelpy.cni.teardown import TeardownCommands
@@ -69,15 +69,21 @@ class CniHandler(AddCommand, TeardownCommands, CheckCommand):
     # -- entry point
 
     def handle(
-        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None = None
+        self,
+        env: Mapping[str, str],
+        stdin: bytes,
+        netns_fd: int | None = None,
+        defer: Deferred | None = None,
     ) -> tuple[int, bytes]:
         """One request. ``netns_fd``: CNI_NETNS as the executable opened it, or None;
-        the caller keeps it and closes it afterwards."""
+        the caller keeps it and closes it afterwards. ``defer``: a list that gets what
+        a successful DEL leaves for after the reply (its release, holding the
+        attachment's lock), which the caller must then run; None: DEL does it all."""
         version = reply_version(stdin)
         try:
             req = parse_request(env, stdin)
             version = req.cni_version
-            return 0, self._dispatch(req, netns_fd)
+            return 0, self._dispatch(req, netns_fd, defer)
         except CniError as e:
             log.info(
                 "CNI request refused command=%s code=%s msg=%s",
@@ -91,14 +97,16 @@ class CniHandler(AddCommand, TeardownCommands, CheckCommand):
             err = CniError(Code.INTERNAL, f"the flannelpy agent failed unexpectedly: {e}")
             return 1, err.to_json(version)
 
-    def _dispatch(self, req: Request, netns_fd: int | None = None) -> bytes:
+    def _dispatch(
+        self, req: Request, netns_fd: int | None = None, defer: Deferred | None = None
+    ) -> bytes:
         command = req.command
         if command == "ADD":
             with self._pod_netns(req, netns_fd) as fd:
                 return self.add(req, fd)
         if command == "DEL":
             with self._pod_netns(req, netns_fd, required=False) as maybe_fd:
-                self.delete(req, maybe_fd)
+                self.delete(req, maybe_fd, defer)
             return b""
         if command == "CHECK":
             with self._pod_netns(req, netns_fd) as fd:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from ipaddress import IPv4Interface, IPv4Network, IPv6Interface, IPv6Network
@@ -17,6 +18,7 @@ from flannelpy.errors import StoreError
 from flannelpy.observe.metrics import AgentMetrics
 
 if TYPE_CHECKING:
+    from flannelpy.cni.context import Deferred
     from flannelpy.ipam.manager import NodeIpam
 
 log = logging.getLogger("flannelpy.cni.pods")
@@ -104,6 +106,9 @@ class PodAttachments:
         self.socket_path = os.path.join(settings.run_dir, "cni.sock")
         self._metrics = metrics
         self._listeners: list[PodListener] = []
+        # What a request's handling left for after its reply (a DEL's release), kept per
+        # thread: the server runs the handler and then ``_after_reply`` on one thread.
+        self._deferred = threading.local()
         self.server = CniServer(self.socket_path, self._handle, after_reply=self._after_reply)
         self._started = False
 
@@ -115,14 +120,21 @@ class PodAttachments:
         self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None = None
     ) -> tuple[int, bytes]:
         started = time.monotonic()
-        exit_code, out = self.handler.handle(env, stdin, netns_fd)
-        code = 0
-        if exit_code:
-            try:
-                code = int(json.loads(out).get("code", 999))
-            except (ValueError, AttributeError):
-                code = 999
-        self._metrics.cni_request(env.get("CNI_COMMAND", "?"), code, time.monotonic() - started)
+        deferred: Deferred = []
+        try:
+            exit_code, out = self.handler.handle(env, stdin, netns_fd, deferred)
+            code = 0
+            if exit_code:
+                try:
+                    code = int(json.loads(out).get("code", 999))
+                except (ValueError, AttributeError):
+                    code = 999
+            command = env.get("CNI_COMMAND", "?")
+            self._metrics.cni_request(command, code, time.monotonic() - started)
+        except BaseException:
+            _run_deferred(deferred)  # no reply will follow: finish it now
+            raise
+        self._deferred.work = deferred
         return exit_code, out
 
     def _after_reply(
@@ -133,9 +145,12 @@ class PodAttachments:
         exit_code: int,
         out: bytes,
     ) -> None:
-        """The server runs this once the runtime has its answer, the namespace's descriptor
-        still open: the listeners' work (the counters enter the pod's namespace) is not
-        part of the ADD's latency."""
+        """The server runs this once the runtime has its answer (or its sending failed),
+        the namespace's descriptor still open: what the handler left (a DEL's release)
+        and the listeners' work (the counters enter the pod's namespace) are not part of
+        the request's latency."""
+        deferred: Deferred = self._deferred.__dict__.pop("work", [])
+        _run_deferred(deferred)
         if exit_code != 0:
             return
         for listener in self._listeners:
@@ -205,3 +220,18 @@ class PodAttachments:
         if self._started:
             self.server.stop()
             self._started = False
+
+
+def _run_deferred(deferred: Deferred) -> None:
+    """Run what a request left for after its reply; a failure is logged (the runtime has
+    its answer): a release that failed keeps its address, and the record that explains it,
+    until the runtime's GC or the agent's start-up GC releases it."""
+    for work in deferred:
+        try:
+            work()
+        except Exception as e:
+            log.error(
+                "a CNI request's work after its reply failed; the address stays assigned"
+                " until a GC releases it error=%s",
+                e,
+            )

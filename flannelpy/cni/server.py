@@ -28,9 +28,10 @@ first bytes), opened by the executable where CNI_NETNS means something; the
 server hands it to the handler, which verifies it is a network namespace, and
 closes every descriptor received once the reply is sent, whatever happened.
 
-``after_reply`` (optional) hears each request once its reply has been sent, still with
-its descriptor: what the agent does only for itself (opening a pod's counters through
-its namespace) costs the runtime's call nothing.
+``after_reply`` (optional) hears each request once its reply has been sent and the
+connection closed (or the sending failed), still with its descriptor, on the request's
+thread: what the agent does only for itself (opening a pod's counters through its
+namespace) or may finish later (a DEL's release) costs the runtime's call nothing.
 
 Each connection has two bounded phases: the whole request must arrive within
 ``read_timeout`` (a total, so a client trickling a byte at a time is dropped
@@ -205,6 +206,7 @@ class CniServer:
 
     def _serve(self, conn: socket.socket, inline: bool = False) -> None:
         fds: list[int] = []
+        after: Callable[[], None] | None = None
         try:
             with conn:
                 reply, after = self._reply(conn, fds)
@@ -215,10 +217,12 @@ class CniServer:
                     conn.sendall(reply)
                 except OSError as e:
                     log.warning("could not send the CNI reply: %s", e)
-            if after is not None:
-                after()
         finally:
-            _close_all(fds)
+            try:
+                if after is not None:  # once the connection is closed, whatever happened
+                    after()
+            finally:
+                _close_all(fds)
             if not inline:
                 with self._lock:
                     self._workers.discard(threading.current_thread())

@@ -3,7 +3,8 @@
 DEL is best effort and idempotent, and reads the record, not the current config: veth
 (by its host end), address (into cooldown), record. A missing namespace, link, address
 or record is success. DEL never needs the pod's namespace when there is a record: it
-deletes the veth by its host end.
+deletes the veth by its host end. In the agent the address and the record go after the
+reply, under the attachment's lock (``defer``); the start-up GC covers a crash between.
 
 GC (the runtime's, and :meth:`TeardownCommands.gc_dead` at start) forgets attachments
 the runtime no longer lists or whose pod is gone, and releases addresses no record
@@ -16,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from flannelpy.cni import netconf
-from flannelpy.cni.context import CommandContext, Key
+from flannelpy.cni.context import CommandContext, Deferred, Key
 from flannelpy.cni.failures import cni_errors
 from flannelpy.cni.records import Record
 from flannelpy.cni.spec import Request
@@ -28,16 +29,47 @@ log = logging.getLogger("flannelpy.cni.handler")
 
 
 class TeardownCommands(CommandContext):
-    def delete(self, req: Request, netns_fd: int | None = None) -> None:
+    def delete(
+        self, req: Request, netns_fd: int | None = None, defer: Deferred | None = None
+    ) -> None:
         """DEL; ``netns_fd`` (the pod's namespace, if it could be opened) is only needed
-        when there is no record to find the veth by."""
+        when there is no record to find the veth by.
+
+        With ``defer``, DEL returns once the veth is gone and appends the rest (the
+        address into cooldown, the record removed) to ``defer``, still holding the
+        attachment's lock: the caller runs it after the reply, so the runtime does not
+        wait for IPAM's pool file, and no request for the same attachment can run in
+        between. A crash before it runs leaves the record and the allocation, the veth
+        gone: the start-up GC (``gc_dead``) releases them."""
         key = (req.container_id, req.ifname)
-        with self.locks.hold(key):
+        release_lock = self.locks.acquire(key)
+        try:
             record = self.records.read(req.network_name, *key)
             with cni_errors():
-                pod_ns = (req.netns, netns_fd) if netns_fd is not None else None
-                self._teardown(record, pod_ns, *key)
-                self.records.delete(req.network_name, *key)
+                if record is not None:  # answered once the pair has left both namespaces
+                    owner = record_owner(record)
+                    veth_answer = self.pods.start_delete_host_veth(record.host_veth, owner)
+                else:
+                    pod_ns = (req.netns, netns_fd) if netns_fd is not None else None
+                    self._remove_veth(None, pod_ns, req.ifname)
+                    veth_answer = _nothing
+        except BaseException:
+            release_lock()
+            raise
+
+        def finish() -> None:
+            try:
+                with cni_errors():
+                    veth_answer()  # the kernel's answer: the address outlives the veth
+                    self.ipam.release(*key)
+                    self.records.delete(req.network_name, *key)
+            finally:
+                release_lock()
+
+        if defer is None:
+            finish()
+        else:
+            defer.append(finish)
 
     def _teardown(
         self,
@@ -48,11 +80,16 @@ class TeardownCommands(CommandContext):
     ) -> None:
         """Veth first, then the address: an address is never free while a veth holds it.
         ``pod_ns``: (CNI_NETNS, its fd), to look inside when there is no record."""
+        self._remove_veth(record, pod_ns, ifname)
+        self.ipam.release(container_id, ifname)
+
+    def _remove_veth(
+        self, record: Record | None, pod_ns: tuple[str, int] | None, ifname: str
+    ) -> None:
         if record is not None:
             self.pods.delete_host_veth(record.host_veth, record_owner(record))
         elif pod_ns is not None:
             self.pods.delete_in_netns(pod_ns[0], ifname, netns_fd=pod_ns[1])
-        self.ipam.release(container_id, ifname)
 
     def gc(self, req: Request) -> None:
         """CNI GC: drop every attachment of this network the runtime no longer lists."""
@@ -123,6 +160,10 @@ class TeardownCommands(CommandContext):
             if any(self.records.present(n, *key) for n in self.records.networks()):
                 return False
             return self.ipam.release(*key) is not None
+
+
+def _nothing() -> None:
+    """No kernel answer to wait for."""
 
 
 def record_owner(record: Record) -> str:

@@ -30,7 +30,7 @@ from flannelpy_lab import etcd as lab_etcd
 from flannelpy_lab.state import NodeInfo, PodInfo
 
 from flannelpy.ipam.store import pool_file_name
-from tests.support.lab_util import print_agent_logs_if_failed, running_lab
+from tests.support.lab_util import print_agent_logs_if_failed, running_lab, wait_until
 
 pytestmark = [pytest.mark.lab]
 
@@ -173,8 +173,10 @@ def test_a_deleted_pods_addresses_cool_down_per_family_across_a_restart(lab: Lab
     assert gone.address and gone.address6
     gone_ips = {str(ip_interface(gone.address).ip), str(ip_interface(gone.address6).ip)}
     lab.delete_pod(gone.name)
+    # The agent releases both families just after the DEL's answer: wait for the file.
     for address in (gone.address, gone.address6):
-        assert str(ip_interface(address).ip) in released_ips(node, address)
+        ip = str(ip_interface(address).ip)
+        wait_until(lambda a=address, ip=ip: ip in released_ips(node, a), 10, what=f"{ip} released")
 
     restart(lab, NODE)  # the cooldown is on disk: a restart does not end it
     new = lab.add_pod(NODE)

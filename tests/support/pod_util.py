@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ from typing import Any
 from flannelpy_lab import Lab
 from flannelpy_lab.pods import NETWORK_NAME, PLUGIN_NAME
 from flannelpy_lab.state import NodeInfo
+
+from tests.support.waiting import wait_until
 
 CNI_VERSION = "1.0.0"
 EXHAUSTED = re.compile(
@@ -213,6 +215,18 @@ def ipam_state(node: NodeInfo) -> dict[IPv4Network, dict[str, Any]]:
                 doc = json.load(f)
             out[IPv4Network(doc["subnet"])] = doc
     return out
+
+
+def wait_released(node: NodeInfo, container_ids: Collection[str]) -> None:
+    """Wait until none of ``container_ids`` holds an address in the IPAM state on disk.
+    The agent answers a DEL once the pod's veth is gone and releases the address right
+    after, under the attachment's lock: the state file follows within milliseconds."""
+    wanted = set(container_ids)
+    wait_until(
+        lambda: not wanted & set(assigned_addresses(node)),
+        10,
+        what=f"the addresses of {sorted(wanted)} released after their DEL",
+    )
 
 
 def assigned_addresses(node: NodeInfo) -> dict[str, IPv4Address]:

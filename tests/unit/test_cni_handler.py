@@ -22,12 +22,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flannelpy.cni.context import CniSettings, KeyLocks
+from flannelpy.cni.context import CniSettings, Deferred, KeyLocks
 from flannelpy.cni.handler import CniHandler
 from flannelpy.cni.records import Record, RecordStore
+from flannelpy.cni.spec import CniError, Code
 from flannelpy.dataplane.podnames import IPInterface, PodRoute, gateway_of, host_veth_name
 from flannelpy.dataplane.podnet import LinkInfo, NetnsMissing, PodLink
-from flannelpy.errors import DataplaneError
+from flannelpy.errors import DataplaneError, StoreError
 from flannelpy.ipam import NodeIpam
 from flannelpy.ipam.hostlocal import HostLocalEntry
 from tests.support.waiting import wait_until
@@ -87,6 +88,18 @@ class FakePods:
         self._maybe_fail("delete_host_veth")
         self.veths.pop(host_veth, None)
 
+    def start_delete_host_veth(self, host_veth: str, owner: str | None = None) -> Any:
+        """The veth leaves at once; the kernel's answer comes when the caller waits."""
+        self.calls.append(("delete_host_veth", host_veth))
+        self._maybe_fail("delete_host_veth")
+        self.veths.pop(host_veth, None)
+
+        def answer() -> None:
+            self.calls.append(("veth answer", host_veth))
+            self._maybe_fail("veth answer")
+
+        return answer
+
     def delete_in_netns(self, netns: str, ifname: str, netns_fd: int | None = None) -> None:
         self.calls.append(("delete_in_netns", netns, ifname))
         for name, ns in list(self.veths.items()):
@@ -119,6 +132,7 @@ class Env:
         cid: str = "c1",
         netns: str = POD_NS,
         ifname: str = "eth0",
+        defer: Deferred | None = None,
         **config: Any,
     ) -> tuple[int, Any]:
         env = {
@@ -129,7 +143,7 @@ class Env:
             "CNI_PATH": "/opt/cni/bin",
         }
         doc = {"cniVersion": "1.1.0", "name": NETWORK, "type": "flannelpy", **config}
-        code, out = self.handler.handle(env, json.dumps(doc).encode())
+        code, out = self.handler.handle(env, json.dumps(doc).encode(), defer=defer)
         return code, (json.loads(out) if out else None)
 
 
@@ -340,7 +354,8 @@ def test_del_uses_the_record_and_is_idempotent(env: Env) -> None:
     env.namespaces.clear()  # DEL works without the namespace
     assert env.call("DEL", ifname="eth0", bridge="other") == (0, None)
     assert attachments(env) == ([], [], {})
-    assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+    veth = host_veth_name(POD_NS, "c1", "eth0")
+    assert env.pods.calls[-2:] == [("delete_host_veth", veth), ("veth answer", veth)]
     assert env.call("DEL") == (0, None)
     assert env.call("DEL", netns="") == (0, None)
 
@@ -370,6 +385,104 @@ def test_del_that_cannot_remove_the_veth_keeps_the_address_for_a_retry(env: Env)
     assert len(env.ipam.allocations()) == 1 and len(env.records.list()) == 1
     del env.pods.fail["delete_host_veth"]
     assert env.call("DEL") == (0, None)
+    assert attachments(env) == ([], [], {})
+
+
+def test_a_deferred_del_answers_once_the_veth_is_gone_and_releases_after_under_the_lock(
+    env: Env,
+) -> None:
+    _, added = env.call("ADD")
+    deferred: Deferred = []
+    assert env.call("DEL", defer=deferred) == (0, None)
+    # Answered: the veth is gone; the address and the record wait, the key locked.
+    assert env.pods.veths == {}
+    assert [str(a.ip) for a in env.ipam.allocations()] == [added["ips"][0]["address"][:-3]]
+    assert [r.container_id for r in env.records.list()] == ["c1"]
+    assert env.handler.locks.held(("c1", "eth0"))
+    veth = host_veth_name(POD_NS, "c1", "eth0")
+    assert env.pods.calls[-1] == ("delete_host_veth", veth)
+    assert len(deferred) == 1
+    deferred[0]()
+    # The kernel's answer to the deletion is awaited before the address is released.
+    assert env.pods.calls[-1] == ("veth answer", veth)
+    assert attachments(env) == ([], [], {})
+    assert not env.handler.locks.held(("c1", "eth0"))
+    # Nothing else waits: a DEL that finds nothing defers only the (idempotent) rest.
+    again: Deferred = []
+    assert env.call("DEL", defer=again) == (0, None)
+    for work in again:
+        work()
+    assert attachments(env) == ([], [], {})
+
+
+def test_an_add_for_the_same_attachment_waits_for_the_deferred_release(env: Env) -> None:
+    _, first = env.call("ADD")
+    deferred: Deferred = []
+    assert env.call("DEL", defer=deferred) == (0, None)
+    result: list[tuple[int, Any]] = []
+    adder = threading.Thread(target=lambda: result.append(env.call("ADD")))
+    adder.start()
+    # The ADD has counted itself a user of the key: it waits on the lock DEL still holds.
+    locks = env.handler.locks._locks
+    wait_until(lambda: locks[("c1", "eth0")][1] == 2, 5.0, "the ADD at the lock")
+    assert result == [] and env.pods.veths == {}
+    deferred[0]()
+    adder.join(5)
+    ((code, again),) = result
+    assert code == 0
+    # A new attachment, not the old record's answer, and the old address in cooldown.
+    assert again["ips"][0]["address"] != first["ips"][0]["address"]
+    assert [a.container_id for a in env.ipam.allocations()] == ["c1"]
+    assert list(env.pods.veths) == [host_veth_name(POD_NS, "c1", "eth0")]
+
+
+def test_a_veth_deletion_the_kernel_fails_late_keeps_the_address(env: Env) -> None:
+    env.call("ADD")
+    deferred: Deferred = []
+    assert env.call("DEL", defer=deferred) == (0, None)
+    env.pods.fail["veth answer"] = DataplaneError("cannot delete veth: busy")
+    with pytest.raises(CniError):
+        deferred[0]()
+    assert len(env.ipam.allocations()) == 1 and len(env.records.list()) == 1
+    assert not env.handler.locks.held(("c1", "eth0"))
+
+
+def test_an_agent_killed_before_the_deferred_release_releases_at_start(tmp_path: Any) -> None:
+    before = make_env(str(tmp_path))
+    _, added = before.call("ADD")
+    assert before.call("DEL", defer=[]) == (0, None)  # the work is never run: killed
+    before.ipam.close()
+    after = make_env(str(tmp_path))  # the restart: the same state, the veth gone
+    try:
+        assert [a.container_id for a in after.ipam.allocations()] == ["c1"]
+        assert after.handler.gc_dead() == [("c1", "eth0")]
+        assert attachments(after) == ([], [], {})
+        # In cooldown, not handed out again.
+        _, fresh = after.call("ADD", cid="c2")
+        assert fresh["ips"][0]["address"] != added["ips"][0]["address"]
+    finally:
+        after.ipam.close()
+
+
+def test_a_deferred_release_that_fails_still_unlocks_and_keeps_the_address(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.call("ADD")
+    deferred: Deferred = []
+    assert env.call("DEL", defer=deferred) == (0, None)
+
+    def broken(container_id: str, ifname: str) -> None:
+        raise StoreError("cannot write IPAM state file: No space left on device")
+
+    monkeypatch.setattr(env.ipam, "release", broken)
+    with pytest.raises(CniError) as raised:
+        deferred[0]()
+    assert raised.value.code == Code.IO_FAILURE and "No space left" in raised.value.msg
+    assert not env.handler.locks.held(("c1", "eth0"))
+    # The record still explains the address: a GC releases both, nothing is lost.
+    assert [r.container_id for r in env.records.list()] == ["c1"]
+    monkeypatch.undo()
+    assert env.handler.gc_dead() == [("c1", "eth0")]
     assert attachments(env) == ([], [], {})
 
 

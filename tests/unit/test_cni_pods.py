@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from ipaddress import IPv4Network
 from pathlib import Path
 
+import pytest
+
+from flannelpy.cni.context import Deferred
 from flannelpy.cni.pods import PodAttachments
 from flannelpy.config.settings import AgentSettings
 from flannelpy.observe.metrics import AgentMetrics
@@ -29,8 +32,31 @@ class AnsweringHandler:
         self.exit_code, self.out = exit_code, out
 
     def handle(
-        self, env: Mapping[str, str], stdin: bytes, netns_fd: int | None
+        self,
+        env: Mapping[str, str],
+        stdin: bytes,
+        netns_fd: int | None,
+        defer: Deferred | None = None,
     ) -> tuple[int, bytes]:
+        return self.exit_code, self.out
+
+
+class DeferringHandler(AnsweringHandler):
+    """Answers with success and leaves ``work`` for after the reply, as a DEL does."""
+
+    def __init__(self, *work: Callable[[], None]) -> None:
+        super().__init__(0, b"")
+        self.work = work
+
+    def handle(
+        self,
+        env: Mapping[str, str],
+        stdin: bytes,
+        netns_fd: int | None,
+        defer: Deferred | None = None,
+    ) -> tuple[int, bytes]:
+        assert defer is not None
+        defer.extend(self.work)
         return self.exit_code, self.out
 
 
@@ -66,3 +92,43 @@ def test_listeners_hear_each_answered_request_and_none_can_fail_one(tmp_path: Pa
     assert pods._handle({"CNI_COMMAND": "ADD"}, b"config", 8) == (1, error)
     pods.server.after_reply({"CNI_COMMAND": "ADD"}, b"config", 8, 1, error)
     assert heard == [("ADD", b"config", 7, b'{"ips": []}')]
+
+
+def test_what_a_request_defers_runs_after_the_reply_and_a_failure_only_logs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pods = pod_side(tmp_path)
+    ran: list[str] = []
+    heard: list[str] = []
+
+    def broken() -> None:
+        ran.append("broken")
+        raise OSError(28, "No space left on device")
+
+    pods.add_listener(lambda env, stdin, fd, out: heard.append(env["CNI_COMMAND"]))
+    pods.handler = DeferringHandler(broken, lambda: ran.append("second"))  # type: ignore[assignment]
+    assert pods._handle({"CNI_COMMAND": "DEL"}, b"config", None) == (0, b"")
+    assert ran == []  # the reply goes first
+    assert pods.server.after_reply is not None
+    pods.server.after_reply({"CNI_COMMAND": "DEL"}, b"config", None, 0, b"")
+    assert ran == ["broken", "second"] and heard == ["DEL"]
+    assert "the address stays assigned until a GC releases it" in caplog.text
+    # Run once: the next request on this thread finds nothing left over.
+    pods.handler = AnsweringHandler(0, b"")  # type: ignore[assignment]
+    pods._handle({"CNI_COMMAND": "DEL"}, b"config", None)
+    pods.server.after_reply({"CNI_COMMAND": "DEL"}, b"config", None, 0, b"")
+    assert ran == ["broken", "second"]
+
+
+def test_what_a_request_deferred_runs_at_once_when_its_handling_fails(tmp_path: Path) -> None:
+    pods = pod_side(tmp_path)
+    ran: list[str] = []
+    pods.handler = DeferringHandler(lambda: ran.append("release"))  # type: ignore[assignment]
+
+    def failing_metrics(*args: object) -> None:
+        raise RuntimeError("a metrics bug")
+
+    pods._metrics.cni_request = failing_metrics  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        pods._handle({"CNI_COMMAND": "DEL"}, b"config", None)
+    assert ran == ["release"]  # the server sends no reply to wait for
