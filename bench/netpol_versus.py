@@ -321,6 +321,25 @@ def connect_times(roles: dict[str, PodInfo], connects: int) -> tuple[list[float]
     return [t * 1000 for t in doc["times"]], int(doc["failed"])
 
 
+def paired_connects(roles: dict[str, PodInfo], connects: int) -> tuple[float, float]:
+    """Connect p50 and p99 of the perf pair over those of the perf0 pair, both loops at once."""
+    times: dict[str, list[float]] = {}
+
+    def loop(client: str, server: str) -> None:
+        times[client] = connect_times({"cli": roles[client], "srv": roles[server]}, connects)[0]
+
+    pairs = (("cli", "srv"), ("cli0", "srv0"))
+    threads = [threading.Thread(target=loop, args=pair) for pair in pairs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(times) != 2 or not all(times.values()):
+        raise SystemExit("a paired connect loop failed")
+    a, b = times["cli"], times["cli0"]
+    return percentile(a, 50) / percentile(b, 50), percentile(a, 99) / percentile(b, 99)
+
+
 def paired_ratio(roles: dict[str, PodInfo], seconds: int) -> float:
     """Gbit/s of the perf pair over that of the perf0 pair, both streams at once."""
     samples: dict[str, float] = {}
@@ -347,11 +366,11 @@ def run_packet_path(
     seconds: int, repeat: int,
 ) -> dict[tuple[str, int], dict[str, list[float]]]:  # fmt: skip
     results: dict[tuple[str, int], dict[str, list[float]]] = {
-        (s, c): {"connect": [], "failed": [], "gbit": [], "paired": []}
+        (s, c): {"connect": [], "failed": [], "gbit": [], "paired": [], "p50s": [], "p99s": []}
         for s in SIDES
         for c in (0, policies)
     }
-    servers = [serve(roles[side]["srv"].namespace, PORT) for side in SIDES]
+    servers = [serve(roles[side][srv].namespace, PORT) for side in SIDES for srv in ("srv", "srv0")]
     current = 0
     try:
         for r in range(repeat):
@@ -372,6 +391,9 @@ def run_packet_path(
                     results[side, condition]["gbit"].append(sample.gbit_per_s)
                 for side in sides:
                     results[side, condition]["paired"].append(paired_ratio(roles[side], seconds))
+                    p50, p99 = paired_connects(roles[side], connects)
+                    results[side, condition]["p50s"].append(p50)
+                    results[side, condition]["p99s"].append(p99)
     finally:
         for server in servers:
             stop_process(server)
@@ -453,9 +475,11 @@ def path_report(path: dict[tuple[str, int], dict[str, list[float]]], policies: i
             b = base[side]
             rows.append([side, condition, len(r["connect"]), int(sum(r["failed"])), p50, p99,
                          round(gbit, 2), round(p50 / b[0], 3), round(p99 / b[1], 3),
-                         round(gbit / b[2], 3), round(median(r["paired"]), 3)])  # fmt: skip
+                         round(gbit / b[2], 3), round(median(r["p50s"]), 3),
+                         round(median(r["p99s"]), 3), round(median(r["paired"]), 3)])  # fmt: skip
     header = ["side", "policies", "connects", "failed", "connect p50 ms", "p99 ms", "Gbit/s",
-              "p50 / none", "p99 / none", "Gbit/s / none", "Gbit/s / perf0 at once"]  # fmt: skip
+              "p50 / none", "p99 / none", "Gbit/s / none", "at once with perf0: p50",
+              "p99", "Gbit/s"]  # fmt: skip
     o, k = path["ours", policies], path["kube-network-policies", policies]
     cross = (
         f"with {policies} policies, ours / kube-network-policies: connect p50 "
@@ -464,7 +488,9 @@ def path_report(path: dict[tuple[str, int], dict[str, list[float]]], policies: i
         f"{median(o['gbit']) / median(k['gbit']):.3f}"
     )
     gbits = {f"{s} {c}": [round(g, 2) for g in path[s, c]["gbit"]] for s, c in path}
-    paired = {f"{s} {c}": [round(g, 3) for g in path[s, c]["paired"]] for s, c in path}
+    kinds = ("p50s", "p99s", "paired")
+    paired = {f"{s} {c}": {k: [round(g, 3) for g in path[s, c][k]] for k in kinds}
+              for s, c in path}  # fmt: skip
     lines = ["packet path", table(header, rows), cross, f"Gbit/s per repeat: {json.dumps(gbits)}",
              f"perf / perf0 at once per repeat: {json.dumps(paired)}"]  # fmt: skip
     return "\n".join(lines)
