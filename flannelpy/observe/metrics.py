@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ipaddress import IPv4Network, IPv6Network
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from flannelpy.dataplane.linkstats import RoleStats
 from flannelpy.dataplane.reconciler import ReconcileResult
@@ -143,9 +143,7 @@ class AgentMetrics:
         self._overlay_mtu: int | None = None
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
-        # Probed peers -> their four series (reachable, rtt, loss, mtu_ok): looked up once
-        # per peer, not at each of the prober's rounds (20 a second at the default budget).
-        self._probed: dict[str, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
+        self._probed: set[str] = set()
         # Per peer lease, kept between calls of peers() (the writer's only).
         self._names_of: LeaseMemo[tuple[str, ...]] = LeaseMemo()
         self._leases: set[str] = set()
@@ -349,27 +347,21 @@ class AgentMetrics:
         None means "not known yet" and is exported as NaN."""
         peer = str(peer_subnet)
         with self._lock:
-            series = self._probed.get(peer)
-            if series is None:
-                family = _family(peer)
-                series = self._probed[peer] = (
-                    self._probe.reachable.labels(peer, family),
-                    self._probe.rtt.labels(peer, family),
-                    self._probe.loss.labels(peer, family),
-                    self._probe.mtu_ok.labels(peer, family),
-                )
-        series[0].set(1 if reachable else 0)
-        series[1].set(_gauge_value(rtt_seconds))
-        series[2].set(_gauge_value(loss_ratio))
-        series[3].set(_gauge_value(mtu_ok))
+            self._probed.add(peer)
+        values = (
+            1.0 if reachable else 0.0,
+            _gauge_value(rtt_seconds),
+            _gauge_value(loss_ratio),
+            _gauge_value(mtu_ok),
+        )
+        self._probe.set(peer, _family(peer), values)
 
     def forget_probe(self, peer_subnet: IPv4Network | IPv6Network | str) -> None:
         """Remove a peer's probe series of that subnet's family (it left the cluster)."""
         peer = str(peer_subnet)
         with self._lock:
-            self._probed.pop(peer, None)
-        for gauge in self._probe.gauges():
-            gauge.remove(peer, _family(peer))
+            self._probed.discard(peer)
+        self._probe.remove(peer, _family(peer))
 
     def agent_event(self, kind: str) -> None:
         """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""
