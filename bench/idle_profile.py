@@ -51,8 +51,9 @@ IMPORT_GROUPS: tuple[tuple[str, str], ...] = (
 )
 
 
-def threads(pid: int) -> dict[int, tuple[str, float, int]]:
-    """tid -> (kernel name, CPU seconds, voluntary context switches)."""
+def threads(pid: int) -> dict[int, tuple[str, float, int, float]]:
+    """tid -> (kernel name, CPU seconds, voluntary context switches, of the CPU: in the
+    kernel, stime)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -66,7 +67,8 @@ def threads(pid: int) -> dict[int, tuple[str, float, int]]:
             continue
         fields = text[text.rindex(")") + 2 :].split()
         name = text[text.index("(") + 1 : text.rindex(")")]
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK, switches)
+        utime, stime = int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+        out[int(tid)] = (name, utime + stime, switches, stime)
     return out
 
 
@@ -101,9 +103,10 @@ def idle_by_thread(counts: int, idle: float, agent_args: Sequence[str]) -> dict[
                 after, cpu1, wall = threads(pid), cpu_seconds(pid), time.monotonic() - t0
                 names = python_names(pid) if impl == "ours" else {}
                 rows = []
-                for tid, (kname, cpu, switches) in after.items():
-                    _, cpu_before, sw_before = before.get(tid, (kname, 0.0, 0))
-                    rows.append((names.get(tid, kname), cpu - cpu_before, switches - sw_before))
+                for tid, (kname, cpu, switches, kernel) in after.items():
+                    _, cpu_before, sw_before, k_before = before.get(tid, (kname, 0.0, 0, 0.0))
+                    name = names.get(tid, kname)
+                    rows.append((name, cpu - cpu_before, switches - sw_before, kernel - k_before))
                 result[impl] = {
                     "ready": start.seconds,
                     "rss": start.rss,
@@ -178,15 +181,20 @@ def report(idle: dict[str, dict], floors: list[tuple[str, float, float, float]],
         data = idle[impl]
         lines.append(f"{impl}: CPU and wake-ups per thread over {data['wall']:.0f} s")
         shown = [r for r in data["threads"] if r[1] >= 0.005 or r[2] >= 10]
+        total = data["threads"]
         lines.append(
             table(
-                ["thread", "CPU (s)", "wake-ups"],
-                [[name, f"{cpu:.2f}", switches] for name, cpu, switches in shown]
+                ["thread", "CPU (s)", "of it in the kernel (s)", "wake-ups"],
+                [
+                    [name, f"{cpu:.2f}", f"{kernel:.2f}", switches]
+                    for name, cpu, switches, kernel in shown
+                ]
                 + [
                     [
                         "(all threads)",
-                        f"{sum(r[1] for r in data['threads']):.2f}",
-                        sum(r[2] for r in data["threads"]),
+                        f"{sum(r[1] for r in total):.2f}",
+                        f"{sum(r[3] for r in total):.2f}",
+                        sum(r[2] for r in total),
                     ]
                 ],
             )

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flannelpy.agent.events import EventCounts
+from flannelpy.agent.probe_tally import ProbeTally
 from flannelpy.agent.state import AgentView, Clocks, NodeState
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.config.settings import AgentSettings
@@ -34,8 +35,6 @@ from flannelpy.control.records import (
     BackendSummary,
     NodeStatus,
     PeerProbe,
-    ProbeSummary,
-    failing_peers,
 )
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.errors import StoreError
@@ -87,10 +86,17 @@ class StatusReporter:
         self._jitter = jitter  # 0.0 .. 1.0
         self._probe_at: dict[str, float] = {}  # peer key -> its latest round (wall clock)
         self._passed_at: dict[str, float] = {}  # peer key -> its latest passing round
-        self._failing: dict[str, str] = {}  # every failing peer of the latest node_status()
-        # peer key -> (its result, when seen, its PeerProbe) of the latest node_status()
-        self._peer_probe_memo: dict[str, tuple[ProbeResult, float | None, PeerProbe]] = {}
-        self._written = ("", "")  # the last record written: what counts as a change, all
+        self._seen: set[str] = set()  # peers with a round seen since the last node_status()
+        # peer key -> (its result, when seen) behind its entry in the tally
+        self._peer_probe_memo: dict[str, tuple[ProbeResult, float | None]] = {}
+        self._tally = ProbeTally()  # every peer's PeerProbe and the summary of them
+        self._failing_copy: tuple[int, frozenset[tuple[str, str]]] = (-1, frozenset())
+        # the last record written: (what counts as a change: the record less its time and
+        # probe summary, and the whole failing set), the whole record less its time
+        self._written: tuple[tuple[str, frozenset[tuple[str, str]]], str] = (
+            ("", frozenset()),
+            "",
+        )
         self._written_at = float("-inf")  # monotonic
         self._heartbeat_due = float("-inf")  # monotonic
 
@@ -163,26 +169,34 @@ class StatusReporter:
 
     def probe_seen(self, key: str) -> None:
         self._probe_at[key] = self._clocks.wall()
+        self._seen.add(key)
 
-    def _peer_probes(self) -> dict[str, PeerProbe]:
-        """The prober's latest results with the times the writer saw them; remembers each
-        peer's latest passing round (both echoes answered) for ``passed_at``. A peer with
-        no round since the last call keeps its entry (the same result, seen at the same
-        time), so a call costs the rounds that came in, not every peer."""
+    def _peer_probes(self) -> ProbeTally:
+        """The prober's latest results with the times the writer saw them, in the tally;
+        remembers each peer's latest passing round (both echoes answered) for
+        ``passed_at``. A result changes only with a round the writer is told of
+        (``probe_seen``), so while the prober's peer set stays the same, only the peers
+        seen since the last call are looked at: a call costs the rounds that came in,
+        not every peer. A peer that joined or left has every entry looked at."""
         results = self.prober.results() if self.prober is not None else {}
-        old, kept = self._peer_probe_memo, {}
-        probes = {}
-        for key, r in results.items():
-            at = self._probe_at.get(key)
-            hit = old.get(key)
+        tally, memo = self._tally, self._peer_probe_memo
+        if results.keys() == tally.probes.keys():
+            keys: set[str] | Mapping[str, ProbeResult] = self._seen & results.keys()
+        else:
+            for gone in tally.probes.keys() - results.keys():
+                tally.drop(gone)
+                del memo[gone]
+                self._passed_at.pop(gone, None)
+                self._probe_at.pop(gone, None)
+            keys = results
+        self._seen = set()
+        for key in keys:
+            r, at = results[key], self._probe_at.get(key)
+            hit = memo.get(key)
             if hit is None or hit[0] is not r or hit[1] != at:
-                hit = (r, at, self._peer_probe(key, r, at))
-            kept[key] = hit
-            probes[key] = hit[2]
-        self._peer_probe_memo = kept
-        for gone in set(self._passed_at) - set(results):
-            del self._passed_at[gone]
-        return probes
+                memo[key] = (r, at)
+                tally.set(key, self._peer_probe(key, r, at))
+        return tally
 
     def _peer_probe(self, key: str, r: ProbeResult, at: float | None) -> PeerProbe:
         ok = r.reachable and r.last_error is None and r.mtu_ok is not False
@@ -200,8 +214,7 @@ class StatusReporter:
     def node_status(self) -> NodeStatus:
         view = self._state.view()
         ctx = view.ctx
-        probes = self._peer_probes()
-        self._failing = failing_peers(probes)
+        tally = self._peer_probes()
         return NodeStatus(
             node=ctx.node_name,
             at=self._clocks.wall(),
@@ -215,18 +228,24 @@ class StatusReporter:
             blocked=view.blocked,
             # Both families' subnets: the rollout verifies the probes of each.
             subnets=tuple(str(net) for x in view.own for net in x.subnets),
-            probes=ProbeSummary.of(probes),
+            probes=tally.summary(),
             public_ipv6=str(ctx.public_ipv6) if ctx.public_ipv6 is not None else None,
             heartbeat_seconds=self.settings.status_publish_interval,
         )
 
-    def _fingerprints(self, status: NodeStatus) -> tuple[str, str]:
-        """(what an operator acts on, the whole record), both without the write time."""
+    def _fingerprints(
+        self, status: NodeStatus
+    ) -> tuple[tuple[str, frozenset[tuple[str, str]]], str]:
+        """(what an operator acts on: the record less its time and probe summary, and the
+        whole failing set; the whole record less its time)."""
         doc = json.loads(status.to_json())
         doc.pop("At")
         whole = json.dumps(doc, sort_keys=True)
-        doc["ProbeSummary"] = sorted(self._failing.items())  # the whole failing set
-        return json.dumps(doc, sort_keys=True), whole
+        doc.pop("ProbeSummary")
+        tally = self._tally
+        if self._failing_copy[0] != tally.failing_version:  # copied once per change
+            self._failing_copy = (tally.failing_version, frozenset(tally.failing.items()))
+        return (json.dumps(doc, sort_keys=True), self._failing_copy[1]), whole
 
     def _following_rounds(self) -> bool:
         """A change settles or a rollout verifies its steps: the record follows probe rounds."""
@@ -266,19 +285,23 @@ class ProbesJson:
 
     def __init__(self) -> None:
         self._texts: dict[str, tuple[ProbeResult, str]] = {}
+        # the results last rendered (the prober's mapping, the same until one changes)
+        self._results: Mapping[str, ProbeResult] | None = None
+        self._probes = ""  # their rendering
 
     def splice(self, doc_json: str, prober: Prober | None) -> str:
         """``doc_json`` (a JSON object) with ``"probes": {peer: result}`` as its last member."""
         results = prober.results() if prober is not None else {}
-        old, texts = self._texts, {}
-        for key, result in results.items():
-            hit = old.get(key)
-            if hit is None or hit[0] is not result:
-                hit = (result, f"{json.dumps(key)}:{json.dumps(result.as_status())}")
-            texts[key] = hit
-        self._texts = texts
-        probes = ",".join(text for _, text in texts.values())
-        return f'{doc_json[:-1]},"probes":{{{probes}}}}}\n'
+        if results is not self._results:
+            old, texts = self._texts, {}
+            for key, result in results.items():
+                hit = old.get(key)
+                if hit is None or hit[0] is not result:
+                    hit = (result, f"{json.dumps(key)}:{json.dumps(result.as_status())}")
+                texts[key] = hit
+            self._texts, self._results = texts, results
+            self._probes = ",".join(text for _, text in texts.values())
+        return f'{doc_json[:-1]},"probes":{{{self._probes}}}}}\n'
 
 
 def write_node_subnet_env(

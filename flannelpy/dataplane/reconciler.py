@@ -156,6 +156,9 @@ class Reconciler:
         # The kernel's state of ours as the last pass left it (and what it was read for),
         # or None when that pass failed somewhere or changed a device.
         self._view: tuple[Scope, ObservedState] | None = None
+        # The last diff and its inputs: a timer's pass between dumps, with the plan and the
+        # view of the pass before, would compare a thousand entries to find nothing again.
+        self._last_diff: tuple[DesiredState, ObservedState, Changes] | None = None
         self.dumps = 0  # passes that read the kernel (the others knew it from the last)
 
     @property
@@ -197,13 +200,13 @@ class Reconciler:
             frozenset({link.name for link in desired.links} | stale),
             desired.owned_devices | stale,
         )
-        observed = self._known(reason, scope)
+        known = observed = self._known(reason, scope)
         self._view = None  # until this pass has applied all it found to do
         if observed is None:
             observed = self._kernel.observe(*scope)
             self.dumps += 1
             self._dumped_at = self._monotonic()
-        changes = diff(desired, observed)
+        changes = self._diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
             failures += result.failures + self._configure_new_links(changes.links_to_create)
@@ -215,7 +218,12 @@ class Reconciler:
             )
             for failure in failures[:10]:
                 log.warning("reconcile failure: %s", failure)
-        view = after_apply(desired, observed, changes, scope[1]) if not failures else None
+        if failures:
+            view = None
+        elif known is not None and changes.empty:
+            view = known  # the kernel as the pass before left it: the same view
+        else:
+            view = after_apply(desired, observed, changes, scope[1])
         self._view = (scope, view) if view is not None else None
         failures += self._apply_firewall(desired)  # after the routes, as at start
         failures += self._apply_policy(desired, reason)
@@ -224,6 +232,17 @@ class Reconciler:
         if self._on_result is not None:
             self._on_result(outcome)
         return outcome
+
+    def _diff(self, desired: DesiredState, observed: ObservedState) -> Changes:
+        """``diff(desired, observed)``; the last one again for the same two objects (it is
+        a pure function of them). Only a kept view meets its plan twice: a dump or an
+        applied change gives a new observed state."""
+        last = self._last_diff
+        if last is not None and last[0] is desired and last[1] is observed:
+            return last[2]
+        changes = diff(desired, observed)
+        self._last_diff = (desired, observed, changes)
+        return changes
 
     def _known(self, reason: str, scope: Scope) -> ObservedState | None:
         """What the kernel holds of ours without a dump, when a pass is only for a new

@@ -346,21 +346,22 @@ class AgentMetrics:
         of that family and the family ("ipv4", "ipv6": at most two series per peer).
         None means "not known yet" and is exported as NaN."""
         peer = str(peer_subnet)
-        family = _family(peer)
         with self._lock:
             self._probed.add(peer)
-        self._probe.reachable.labels(peer, family).set(1 if reachable else 0)
-        self._probe.rtt.labels(peer, family).set(_gauge_value(rtt_seconds))
-        self._probe.loss.labels(peer, family).set(_gauge_value(loss_ratio))
-        self._probe.mtu_ok.labels(peer, family).set(_gauge_value(mtu_ok))
+        values = (
+            1.0 if reachable else 0.0,
+            _gauge_value(rtt_seconds),
+            _gauge_value(loss_ratio),
+            _gauge_value(mtu_ok),
+        )
+        self._probe.set(peer, _family(peer), values)
 
     def forget_probe(self, peer_subnet: IPv4Network | IPv6Network | str) -> None:
         """Remove a peer's probe series of that subnet's family (it left the cluster)."""
         peer = str(peer_subnet)
         with self._lock:
             self._probed.discard(peer)
-        for gauge in self._probe.gauges():
-            gauge.remove(peer, _family(peer))
+        self._probe.remove(peer, _family(peer))
 
     def agent_event(self, kind: str) -> None:
         """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""

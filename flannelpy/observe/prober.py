@@ -149,6 +149,7 @@ class Prober:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._results: dict[str, ProbeResult] = {}
+        self._snapshot: Mapping[str, ProbeResult] | None = None  # results(); None: changed
         self._tickets: dict[int, Echo] = {}  # outstanding echoes by transport ticket
         self._phase_owner: str | None = None  # the own address phases were computed for
         self.peers_per_interval = peers_per_interval
@@ -194,10 +195,14 @@ class Prober:
                     self._set_hurry(peer, joining)
                     self._schedule(peer, owner, now)
 
-    def results(self) -> dict[str, ProbeResult]:
-        """Latest result per peer key; a peer appears after its first completed round."""
+    def results(self) -> Mapping[str, ProbeResult]:
+        """Latest result per peer key; a peer appears after its first completed round.
+        The same (read-only) mapping until a result changes, so a caller can tell that
+        nothing changed since its last look by its identity."""
         with self._lock:
-            return dict(self._results)
+            if self._snapshot is None:
+                self._snapshot = dict(self._results)
+            return self._snapshot
 
     def run(self, stop: threading.Event, quantum: float = TICK_SECONDS) -> None:
         """Probe until ``stop`` is set, sleeping at least ``quantum`` between ticks. Never
@@ -268,7 +273,8 @@ class Prober:
 
     def _drop(self, key: str) -> None:
         peer = self._peers.pop(key)  # its heap entries go stale: skipped when popped
-        self._results.pop(key, None)
+        if self._results.pop(key, None) is not None:
+            self._snapshot = None
         self._in_flight.pop(key, None)
         self._hurried.discard(key)
         if peer.current is not None:
@@ -324,6 +330,7 @@ class Prober:
                 self._push(peer)
             self._log_change(peer, self._results.get(peer.key), result)
             self._results[peer.key] = result
+            self._snapshot = None
             finished.append((peer.key, result))
         return finished
 

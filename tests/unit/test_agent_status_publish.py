@@ -171,3 +171,30 @@ def test_a_dual_stack_node_lists_both_families_subnets_for_the_rollout(harness) 
     own = h.writer.state.own[0]
     h.writer.state.own[0] = replace(own, ipv6_subnet=IPv6Network("fc00:0:0:5::/64"))
     assert h.writer.status.node_status().subnets == (str(own.subnet), "fc00:0:0:5::/64")
+
+
+def test_the_summary_follows_new_rounds_and_peers_that_leave(harness) -> None:  # type: ignore[no-untyped-def]
+    h, _, prober = harness
+    run(h, prober, 10.0)
+    status = h.writer.status
+    first = status.node_status().probes
+    assert (first.peers, first.ok, first.failing) == (20, 20, 0)
+    assert status.node_status().probes is first  # no new round: the summary is not redone
+    down, gone = list(prober.current)[:2]
+    first_result = prober.current[gone]
+    prober.current[down] = replace(prober.current[down], reachable=False)
+    h.writer.on_probes([(down, prober.current[down])])
+    h.drain()
+    summary = status.node_status().probes
+    assert (summary.peers, summary.ok, summary.failing) == (20, 19, 1)
+    assert [f.subnet for f in summary.failing_peers] == [down]
+    del prober.current[gone]  # the peer left: the prober has no result for it any more
+    del prober.current[down]
+    summary = status.node_status().probes
+    assert (summary.peers, summary.ok, summary.failing, summary.failing_peers) == (18, 18, 0, ())
+    back = replace(first_result, probes=first_result.probes + 1)
+    prober.current[gone] = back  # it came back, with a new round
+    h.writer.on_probes([(gone, back)])
+    h.drain()
+    summary = status.node_status().probes
+    assert (summary.peers, summary.ok, summary.failing) == (19, 19, 0)

@@ -28,8 +28,10 @@ from flannelpy.agent.events import Event, LeasesChanged, Tick
 from flannelpy.agent.status import ProbesJson
 from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
 from flannelpy.backend.registry import get_backend
+from flannelpy.dataplane import reconciler as reconciler_module
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
+from flannelpy.dataplane.state import Changes, DesiredState, ObservedState
 from flannelpy.observe.mtu import mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -299,6 +301,44 @@ def test_the_timer_reads_the_kernel_back_once_per_full_dump_interval() -> None:
     assert reconciler.dumps == 3 and kernel.state.neighbours == wanted  # repaired
     reconciler.reconcile_once("neighbour")
     assert reconciler.dumps == 4
+
+
+def test_a_timers_pass_between_dumps_does_not_compare_the_same_plan_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between dumps, a timer's pass with the plan and the view of the pass before has
+    nothing new to compare (the diff is a function of those two); a new plan, a dump or a
+    kernel event is compared, and repaired, as before."""
+    clock = [1000.0]
+    ctx = context("vxlan")
+    own = [own_lease(1, False, ctx)]
+    peers = [lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n]) for n in range(2, 6)]
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10.0, monotonic=lambda: clock[0])
+    reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers[:3], MACS[0]))
+    reconciler.reconcile_once(PERIODIC)  # makes the device
+    reconciler.reconcile_once(PERIODIC)  # reads it back
+    compared: list[int] = []
+    real_diff = reconciler_module.diff
+
+    def counting(desired: DesiredState, observed: ObservedState) -> Changes:
+        compared.append(len(desired.routes))
+        return real_diff(desired, observed)
+
+    monkeypatch.setattr(reconciler_module, "diff", counting)
+    for _ in range(5):
+        clock[0] += 10.0
+        assert reconciler.reconcile_once(PERIODIC).changes.empty  # type: ignore[union-attr]
+    assert compared == [3] and reconciler.dumps == 2  # the first of them only
+    reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers, MACS[0]))
+    reconciler.reconcile_once(PLAN_CHANGED)
+    assert compared == [3, 4] and len(kernel.state.routes) == 4
+    kernel.state = replace(kernel.state, routes=frozenset(list(kernel.state.routes)[1:]))
+    reconciler.reconcile_once("route")  # another tool deleted one: read back, repaired
+    assert compared == [3, 4, 4] and len(kernel.state.routes) == 4
+    clock[0] += FULL_DUMP_SECONDS
+    reconciler.reconcile_once(PERIODIC)  # the minute's dump is compared again
+    assert compared == [3, 4, 4, 4] and reconciler.dumps == 4
 
 
 # --- status.json: each probe result is rendered once -----------------------------------------

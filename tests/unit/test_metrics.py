@@ -543,6 +543,10 @@ def test_probe_series_of_departed_peers_are_removed(metrics: AgentMetrics) -> No
     assert peers == {"10.244.3.0/24"}
     metrics.forget_probe("10.244.3.0/24")
     assert not [n for (n, _) in scrape(metrics) if n.startswith("flannelpy_peer_")]
+    # A peer that comes back has its series again (none kept from before it left).
+    metrics.probe("10.244.3.0/24", False, None, 1.0, None)
+    s = scrape(metrics)
+    assert value(s, "flannelpy_peer_reachable", peer="10.244.3.0/24", family="ipv4") == 0
 
 
 def test_probe_series_per_family_and_departed_ipv6_sides_removed(metrics: AgentMetrics) -> None:

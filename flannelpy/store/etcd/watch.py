@@ -30,6 +30,25 @@ log = logging.getLogger("flannelpy.store.etcd.client")
 # shutdown grace (THREAD_GRACE_SECONDS).
 WATCH_POLL = 1.0
 
+# gRPC's blocking stream iterators (pyetcd's watch thread reads one) wait on their call's
+# condition in slices of ``grpc._common.MAXIMUM_WAIT_TIMEOUT``, 0.1 s, only so that a
+# *main* thread blocked in one runs its signal handlers soon (grpc issue 19464). A
+# response, an error or a cancel notifies the condition, so the slice changes nothing
+# but how often an idle stream's thread wakes: 10 times a second. Our streams are read on
+# threads of their own, so 1 s, as WATCH_POLL. (A private constant: left alone when a
+# gRPC version lacks it.)
+GRPC_WAIT_SLICE = 1.0
+
+
+def _longer_grpc_wait_slice() -> None:
+    common = getattr(grpc, "_common", None)
+    current = getattr(common, "MAXIMUM_WAIT_TIMEOUT", None)
+    if isinstance(current, float) and current < GRPC_WAIT_SLICE:
+        common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE  # type: ignore[union-attr]
+
+
+_longer_grpc_wait_slice()
+
 
 class EtcdWatch:
     """An open etcd watch; pyetcd's callback thread feeds ``responses``."""
