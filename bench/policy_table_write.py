@@ -95,10 +95,10 @@ def measure(rules: int, changes: int) -> dict[str, list[float]]:
             subprocess.run(["ip", "netns", "exec", ns, "true"], check=True)
 
         return {
-            "write, nft process": time_changes(command, changes),
-            "write, libnftables": time_changes(in_process, changes),
-            "list, nft process": time_changes(list_by_command, changes // 4),
-            "list, libnftables": time_changes(list_in_process, changes // 4),
+            "write one element, nft process": time_changes(command, changes),
+            "write one element, libnftables": time_changes(in_process, changes),
+            "read the table back, nft process": time_changes(list_by_command, changes // 4),
+            "read the table back, libnftables": time_changes(list_in_process, changes // 4),
             "ip netns exec true": time_changes(enter_only, changes),
         }
     finally:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{rules} foreign rules: {args.changes} changes each way")
         got = measure(rules, args.changes)
         base = percentile(got["ip netns exec true"], 50)
-        for what in ("write", "list"):
+        for what in ("write one element", "read the table back"):
             ref, ours = got[f"{what}, nft process"], got[f"{what}, libnftables"]
             ref50 = percentile(ref, 50) - base
             rows.append((rules, what, ref50, percentile(ref, 99) - base, percentile(ours, 50),
