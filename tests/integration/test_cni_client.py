@@ -740,6 +740,8 @@ def test_start_time_of_version(exes: Exes, record_property: Callable[[str, objec
     record_property("version_start_ms_python", round(python_ms, 2))
     record_property("version_start_ms_c", round(c_ms, 2))
     print(f"VERSION start, median of 50: python launcher {python_ms:.1f} ms, C {c_ms:.1f} ms")
-    # Generous bounds (a loaded CI machine); measured here ~9 ms and ~1 ms.
-    assert python_ms < 60
-    assert c_ms < 15
+    # Measured here ~9 ms and ~1 ms. Relative, so that a loaded CI machine (which slows
+    # both alike) does not fail it; the absolute bound only catches an import gone wrong
+    # (the agent's modules loaded by the launcher: hundreds of ms).
+    assert c_ms * 2 < python_ms, (c_ms, python_ms)
+    assert python_ms < 300
