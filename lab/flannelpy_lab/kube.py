@@ -24,40 +24,91 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import secrets
 import shutil
 import ssl
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from ipaddress import IPv4Interface
-from typing import Any
 
 from flannelpy_lab import agents, plan, procs
 from flannelpy_lab import etcd as lab_etcd
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.flanneld import repo_root
+from flannelpy_lab.kube_api import (
+    api_json as api_json,
+)
+from flannelpy_lab.kube_api import (
+    kubectl as kubectl,
+)
+from flannelpy_lab.kube_api import (
+    kubectl_json as kubectl_json,
+)
+from flannelpy_lab.kube_api import (
+    node_has_lease as node_has_lease,
+)
+from flannelpy_lab.kube_api import (
+    node_lease as node_lease,
+)
+from flannelpy_lab.kube_api import (
+    node_leases as node_leases,
+)
+from flannelpy_lab.kube_api import (
+    node_manifest as node_manifest,
+)
+from flannelpy_lab.kube_api import (
+    pod_manifest as pod_manifest,
+)
+from flannelpy_lab.kube_api import (
+    pod_running_status as pod_running_status,
+)
+from flannelpy_lab.kube_api import proxyless_env as _env
+from flannelpy_lab.kube_build import BIN_DIR_ENV as BIN_DIR_ENV
+from flannelpy_lab.kube_build import PEERS_DIR_ENV as PEERS_DIR_ENV
+from flannelpy_lab.kube_build import bin_dir as bin_dir
+from flannelpy_lab.kube_files import (
+    API_PORT as API_PORT,
+)
+from flannelpy_lab.kube_files import (
+    SERVICE_CIDR as SERVICE_CIDR,
+)
+from flannelpy_lab.kube_files import (
+    STATE_KEY as STATE_KEY,
+)
+from flannelpy_lab.kube_files import (
+    admin_kubeconfig as admin_kubeconfig,
+)
+from flannelpy_lab.kube_files import admin_token as _admin_token
+from flannelpy_lab.kube_files import (
+    agent_kubeconfig as agent_kubeconfig,
+)
+from flannelpy_lab.kube_files import (
+    api_url as api_url,
+)
+from flannelpy_lab.kube_files import (
+    cert_kubeconfig as cert_kubeconfig,
+)
+from flannelpy_lab.kube_files import (
+    client_cert as client_cert,
+)
+from flannelpy_lab.kube_files import (
+    host_ip as host_ip,
+)
+from flannelpy_lab.kube_files import (
+    kube_dir as kube_dir,
+)
+from flannelpy_lab.kube_files import kube_path as _path
+from flannelpy_lab.kube_files import make_pki as _make_pki
+from flannelpy_lab.kube_files import (
+    record as record,
+)
+from flannelpy_lab.kube_files import (
+    write_file as write_file,
+)
+from flannelpy_lab.kube_files import write_token_kubeconfig as _write_kubeconfig
 from flannelpy_lab.state import LabState, NodeInfo
 
-BUILD_SCRIPT = "scripts/build-kube.sh"
-PIN_FILE = "tests/peers/kubernetes/go.mod"
-BIN_DIR_ENV = "FLANNELPY_KUBE_BIN_DIR"
-PEERS_DIR_ENV = "FLANNELPY_PEERS_DIR"
-BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "kube-proxy")
-STATE_KEY = "kube"  # in LabState.extra: the control plane's record
-API_PORT = 6443
-SERVICE_CIDR = "10.96.0.0/16"
-SERVICE_IP = "10.96.0.1"  # the "kubernetes" Service's ClusterIP: the range's first address
-SERVICE_NAMES = (
-    "kubernetes",
-    "kubernetes.default",
-    "kubernetes.default.svc",
-    "kubernetes.default.svc.cluster.local",
-)
 NAMESPACE = "kube-flannelpy"  # the manifests' names
 SERVICE_ACCOUNT = "flannelpy"
 CLUSTER_ROLE = "flannelpy"
@@ -85,99 +136,12 @@ KUBELET_CONTROLLERS = (
     "endpointslice-controller",
     "endpointslice-mirroring-controller",
 )
-_PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 
 Save = Callable[[], None]
 Progress = Callable[[str], None]
 
 
-def bin_dir(build: bool = False) -> str:
-    """The directory holding the built control plane; LabError naming the build script.
-    With ``build`` (a lab coming up), a missing pinned build is made first."""
-    explicit = os.environ.get(BIN_DIR_ENV)
-    directory = explicit or _pinned_dir()
-    missing = [b for b in BINARIES if not os.access(os.path.join(directory, b), os.X_OK)]
-    if missing and build and not explicit:
-        _build(directory)
-        missing = [b for b in BINARIES if not os.access(os.path.join(directory, b), os.X_OK)]
-    if missing:
-        raise LabError(
-            f"the Kubernetes control plane is not built in {directory} (no "
-            f"{', '.join(missing)}); run {BUILD_SCRIPT}"
-            + (f" or unset {BIN_DIR_ENV}" if explicit else "")
-        )
-    return directory
-
-
-def _build(directory: str) -> None:
-    """First use: build the pinned control plane; the script says what and how long."""
-    script = os.path.join(repo_root(), BUILD_SCRIPT)
-    if os.path.isfile(script):
-        say = f"flannelpy-lab: Kubernetes is not built in {directory}; building it now with "
-        print(say + f"{BUILD_SCRIPT} (the first build takes about 10 minutes)", file=sys.stderr)
-        subprocess.run(["bash", script], stdout=subprocess.DEVNULL, check=False)
-
-
-def _required_version(line: str) -> str | None:
-    """The version in "require k8s.io/kubernetes vX", alone or as a line of a require
-    block; None for any other line (an indirect one has a comment after it)."""
-    words = line.split()
-    if words[:1] == ["require"]:
-        words = words[1:]
-    if len(words) == 2 and words[0] == "k8s.io/kubernetes" and words[1].startswith("v"):
-        return words[1]
-    return None
-
-
-def _pinned_dir() -> str:
-    path = os.path.join(repo_root(), PIN_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            pin = next(filter(None, (_required_version(line) for line in f)), None)
-    except OSError as e:
-        raise LabError(
-            f"cannot read the Kubernetes pin {path} ({e.strerror}); "
-            f"restore it and run {BUILD_SCRIPT}"
-        ) from e
-    if pin is None:
-        raise LabError(
-            f"{path} pins no k8s.io/kubernetes release; restore it and run {BUILD_SCRIPT}"
-        )
-    peers = os.environ.get(PEERS_DIR_ENV, "/var/cache/flannelpy/peers")
-    return os.path.join(peers, f"kubernetes-{pin}")
-
-
 # -- paths and the record in the state ------------------------------------------------------
-
-
-def kube_dir(state: LabState) -> str:
-    return os.path.join(state.lab_dir, "kube")
-
-
-def _path(state: LabState, *parts: str) -> str:
-    return os.path.join(kube_dir(state), *parts)
-
-
-def admin_kubeconfig(state: LabState) -> str:
-    return _path(state, "admin.kubeconfig")
-
-
-def agent_kubeconfig(state: LabState) -> str:
-    """The kubeconfig every agent gets: the flannelpy ServiceAccount's token."""
-    return _path(state, "flannelpy.kubeconfig")
-
-
-def host_ip(state: LabState) -> str:
-    return str(IPv4Interface(state.host_address).ip)
-
-
-def api_url(state: LabState) -> str:
-    return f"https://{host_ip(state)}:{API_PORT}"
-
-
-def record(state: LabState) -> dict[str, Any]:
-    doc: dict[str, Any] = state.extra.setdefault(STATE_KEY, {})
-    return doc
 
 
 def process_refs(state: LabState) -> list[procs.ProcessRef]:
@@ -205,45 +169,6 @@ def stop(state: LabState | None, lab_dir: str) -> None:
     for program in order:
         refs = [procs.current_ref(pid) for name, pid in found if name == program]
         procs.stop([r for r in refs if r])
-
-
-# -- kubectl --------------------------------------------------------------------------------
-
-
-def _env() -> dict[str, str]:
-    # The API server is on the lab's address: a proxy from the environment would not reach it.
-    return {k: v for k, v in os.environ.items() if not _PROXY_VARS.match(k)}
-
-
-def kubectl(
-    state: LabState,
-    *args: str,
-    stdin: str | None = None,
-    check: bool = True,
-    timeout: float = 30.0,
-) -> subprocess.CompletedProcess[str]:
-    """The real kubectl as cluster admin; with ``check``, a failure is a LabError."""
-    binary = os.path.join(record(state).get("bin_dir") or bin_dir(), "kubectl")
-    argv = [binary, "--kubeconfig", admin_kubeconfig(state), *args]
-    try:
-        proc = subprocess.run(
-            argv,
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=_env(),
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise LabError(f"`kubectl {' '.join(args)}` did not finish within {timeout:g} s") from e
-    if check and proc.returncode != 0:
-        raise LabError(f"`kubectl {' '.join(args)}` failed: {proc.stderr.strip()[-400:]}")
-    return proc
-
-
-def kubectl_json(state: LabState, *args: str) -> Any:
-    return json.loads(kubectl(state, *args, "-o", "json").stdout)
 
 
 # -- start ----------------------------------------------------------------------------------
@@ -285,164 +210,6 @@ def start(state: LabState, save: Save, say: Progress) -> None:
     state.extra["kube_api_url"] = api_url(state)
     state.extra["kube_kubeconfig"] = agent_kubeconfig(state)
     save()
-
-
-def _openssl(*args: str) -> None:
-    proc = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise LabError(f"`openssl {args[0]}` failed: {proc.stderr.strip()[-300:]}")
-
-
-def _make_pki(state: LabState) -> None:
-    """A CA, kube-apiserver's serving certificate, the ServiceAccount signing key and
-    static tokens for the admin and the controller-manager."""
-    pki = _path(state, "pki")
-    os.makedirs(pki, exist_ok=True)
-    p = lambda name: os.path.join(pki, name)  # noqa: E731
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        f"/CN=fpl-{state.name}-ca",
-        "-keyout",
-        p("ca.key"),
-        "-out",
-        p("ca.crt"),
-    )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=kube-apiserver",
-        "-keyout",
-        p("apiserver.key"),
-        "-out",
-        p("apiserver.csr"),
-    )
-    with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
-        # As a cluster's: also the "kubernetes" Service's address and names, which pods
-        # (CoreDNS, the e2e specs' clients) reach it by through kube-proxy.
-        names = ",".join(f"DNS:{n}" for n in SERVICE_NAMES)
-        f.write(
-            f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,IP:{SERVICE_IP},"
-            f"DNS:localhost,{names}\n"
-        )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        p("apiserver.csr"),
-        "-CA",
-        p("ca.crt"),
-        "-CAkey",
-        p("ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        p("apiserver.ext"),
-        "-out",
-        p("apiserver.crt"),
-    )
-    _openssl("genrsa", "-out", p("sa.key"), "2048")
-    _openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
-    admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
-    with open(p("tokens.csv"), "w", encoding="utf-8") as f:
-        f.write(
-            f"{admin},fpl-admin,uid-admin,system:masters\n"
-            f"{kcm},system:kube-controller-manager,uid-kcm\n"
-        )
-    os.chmod(p("tokens.csv"), 0o600)
-    _write_kubeconfig(state, admin_kubeconfig(state), api_url(state), admin)
-    _write_kubeconfig(state, _path(state, "kcm.kubeconfig"), api_url(state), kcm)
-    # kube-apiserver's client certificate to the kubelets (exec, logs, port-forward).
-    client_cert(state, "apiserver-kubelet-client", "kube-apiserver-kubelet-client")
-
-
-def client_cert(state: LabState, name: str, cn: str, org: str | None = None) -> tuple[str, str]:
-    """A client certificate signed by the lab's CA (user ``cn``, group ``org``); returns
-    the certificate's and the key's paths."""
-    p = lambda ext: _path(state, "pki", f"{name}.{ext}")  # noqa: E731
-    subject = f"/CN={cn}" + (f"/O={org}" if org else "")
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        subject,
-        "-keyout",
-        p("key"),
-        "-out",
-        p("csr"),
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        p("csr"),
-        "-CA",
-        _path(state, "pki", "ca.crt"),
-        "-CAkey",
-        _path(state, "pki", "ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        p("crt"),
-    )
-    return p("crt"), p("key")
-
-
-def _write_kubeconfig(state: LabState, path: str, server: str, token: str) -> None:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "lab",
-        "clusters": [
-            {
-                "name": "lab",
-                "cluster": {
-                    "server": server,
-                    "certificate-authority": _path(state, "pki", "ca.crt"),
-                },
-            }
-        ],
-        "users": [{"name": "lab", "user": {"token": token}}],
-        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
-    }
-    tmp = path + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
-
-
-def cert_kubeconfig(server: str, ca: str, cert: str, key: str) -> dict[str, Any]:
-    """A kubeconfig authenticating with a client certificate (kubelets, the scheduler,
-    kube-proxy)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "lab",
-        "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": ca}}],
-        "users": [{"name": "lab", "user": {"client-certificate": cert, "client-key": key}}],
-        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "lab"}}],
-    }
-
-
-def write_file(path: str, text: str, mode: int = 0o644) -> None:
-    """``text`` into ``path`` atomically, its directory made, with ``mode``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 # The control plane's other listeners, on the lab's own host address like the API server:
@@ -549,12 +316,6 @@ def _start_apiserver(state: LabState, save: Save) -> None:
         ref,
         lambda: _http_ok(api_url(state) + "/readyz", p("ca.crt"), token),
     )
-
-
-def _admin_token(state: LabState) -> str:
-    with open(admin_kubeconfig(state), encoding="utf-8") as f:
-        token: str = json.load(f)["users"][0]["user"]["token"]
-        return token
 
 
 def _subnet_len(state: LabState) -> int:
@@ -723,42 +484,6 @@ def sync_net_conf(state: LabState, timeout: float = 10.0) -> str:
         time.sleep(0.1)
 
 
-def node_manifest(name: str, internal_ip: str) -> dict[str, Any]:
-    """A Node as a kubelet registers it (status included: create keeps it for Nodes)."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-            },
-            # A kubelet always sets this one. flanneld v0.28.9 needs some annotation: on a
-            # Node with none it panics writing its own (a nil map in AcquireLease).
-            "annotations": {"volumes.kubernetes.io/controller-managed-attach-detach": "true"},
-        },
-        "status": {
-            "addresses": [
-                {"type": "InternalIP", "address": internal_ip},
-                {"type": "Hostname", "address": name},
-            ],
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "KubeletReady",
-                    "message": "registered by the lab",
-                    "lastHeartbeatTime": now,
-                    "lastTransitionTime": now,
-                }
-            ],
-        },
-    }
-
-
 def register_nodes(state: LabState) -> None:
     items = [node_manifest(n.name, str(n.ip)) for n in state.nodes]
     kubectl(
@@ -803,71 +528,7 @@ def write_agent_kubeconfig(state: LabState) -> None:
     _write_kubeconfig(state, agent_kubeconfig(state), api_url(state), token)
 
 
-# -- reading Nodes, and the faults of a real server (restarts, a re-created Node) -----------
-
-ANNOTATION_PREFIX = "flannel.alpha.coreos.com/"
-
-
-def api_json(state: LabState, path: str, timeout: float = 5.0) -> Any:
-    """GET ``path`` from kube-apiserver as cluster admin (no kubectl process: cheap enough
-    to poll); LabError when it does not answer."""
-    opener = urllib.request.build_opener(
-        urllib.request.ProxyHandler({}),
-        urllib.request.HTTPSHandler(
-            context=ssl.create_default_context(cafile=_path(state, "pki", "ca.crt"))
-        ),
-    )
-    request = urllib.request.Request(api_url(state) + path)
-    request.add_header("Authorization", f"Bearer {_admin_token(state)}")
-    try:
-        with opener.open(request, timeout=timeout) as resp:
-            return json.load(resp)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise LabError(
-            f"kube-apiserver GET {path} failed ({e}); is the control plane "
-            "running (`flannelpy-lab status`)?"
-        ) from e
-
-
-def node_lease(node: dict[str, Any]) -> dict[str, Any] | None:
-    """A Node as the lab's lease record (``status`` lists these): its podCIDR and Flannel's
-    annotations, whoever wrote them; None until it has both."""
-    annotations = (node.get("metadata") or {}).get("annotations") or {}
-    cidr = (node.get("spec") or {}).get("podCIDR")
-    public_ip = annotations.get(ANNOTATION_PREFIX + "public-ip")
-    # IPv6-only, Flannel writes the IPv6 annotations alone (and the podCIDR is IPv6).
-    public_ipv6 = annotations.get(ANNOTATION_PREFIX + "public-ipv6")
-    if not cidr or not (public_ip or public_ipv6):
-        return None
-    name = (node.get("metadata") or {}).get("name")
-    return {
-        "key": name,
-        "subnet": cidr,
-        "public_ip": public_ip,
-        "public_ipv6": public_ipv6,
-        "backend": annotations.get(ANNOTATION_PREFIX + "backend-type"),
-        "node_name": name,
-        "error": None,
-    }
-
-
-def node_leases(state: LabState) -> list[dict[str, Any]]:
-    items = api_json(state, "/api/v1/nodes").get("items") or []
-    return [lease for lease in map(node_lease, items) if lease]
-
-
-def node_has_lease(state: LabState, node: NodeInfo) -> bool:
-    """Has ``node``'s agent published its lease on its Node (a flanneld node's readiness)?"""
-    try:
-        doc = api_json(state, f"/api/v1/nodes/{node.name}", timeout=2.0)
-    except LabError:  # the API briefly unreachable: not ready yet
-        return False
-    lease = node_lease(doc)
-    if lease is None:
-        return False
-    if plan.ipv6_only(state):
-        return lease["public_ipv6"] == plan.ipv6_underlay_ip(node)
-    return lease["public_ip"] == str(node.ip)
+# -- the faults of a real server (restarts, a re-created Node) -----------------------------
 
 
 def _ref(state: LabState, name: str) -> procs.ProcessRef | None:
@@ -913,33 +574,3 @@ def recreate_node(state: LabState, node: NodeInfo, pod_cidr: str) -> None:
     kubectl(
         state, "taint", "nodes", node.name, "node.kubernetes.io/not-ready:NoSchedule-", check=False
     )
-
-
-def pod_manifest(
-    namespace: str,
-    name: str,
-    node: str,
-    labels: dict[str, str],
-    ports: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """A Pod bound to ``node`` as the lab's NetworkPolicy tests and benches write it: no
-    kubelet runs it (the lab's pods are made through the CNI executable), so its status is
-    written apart (:func:`pod_running_status`); ``ports``: container port names -> numbers."""
-    container: dict[str, Any] = {"name": "c", "image": "none"}
-    if ports:
-        container["ports"] = [{"name": n, "containerPort": p} for n, p in ports.items()]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
-        "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": False,
-            "containers": [container],
-        },
-    }
-
-
-def pod_running_status(ip: str) -> dict[str, Any]:
-    """The status patch a kubelet writes once a pod runs with one address."""
-    return {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}

@@ -8,7 +8,7 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
-from flannelpy_lab import agents, plan
+from flannelpy_lab import agents, kube_build, plan
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.errors import LabError
 from flannelpy_lab.lab import Lab
@@ -105,11 +105,11 @@ def test_down_without_a_state_file_stops_the_control_plane_it_started(tmp_path: 
 
 def test_the_pin_is_read_alone_or_in_a_require_block() -> None:
     # go mod tidy writes a block once the wrapper requires a second module directly.
-    assert control_plane._required_version("require k8s.io/kubernetes v1.37.2\n") == "v1.37.2"
-    assert control_plane._required_version("\tk8s.io/kubernetes v1.37.2\n") == "v1.37.2"
-    assert control_plane._required_version("\tk8s.io/kubernetes v1.37.2 // indirect\n") is None
-    assert control_plane._required_version("\tk8s.io/kubectl => k8s.io/kubectl v0.37.2\n") is None
-    assert control_plane._required_version("\tk8s.io/kubelet v0.37.2\n") is None
+    assert kube_build.required_version("require k8s.io/kubernetes v1.37.2\n") == "v1.37.2"
+    assert kube_build.required_version("\tk8s.io/kubernetes v1.37.2\n") == "v1.37.2"
+    assert kube_build.required_version("\tk8s.io/kubernetes v1.37.2 // indirect\n") is None
+    assert kube_build.required_version("\tk8s.io/kubectl => k8s.io/kubectl v0.37.2\n") is None
+    assert kube_build.required_version("\tk8s.io/kubelet v0.37.2\n") is None
 
 
 def test_an_image_archive_needs_kubelets_and_a_tagged_archive(tmp_path: Path) -> None:
