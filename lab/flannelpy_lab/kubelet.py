@@ -43,70 +43,102 @@ stopped with the node's processes (``stop_node``) and by ``down``.
 Opt-in, for the upstream e2e specs (``scripts/conformance.sh``): more images imported
 (``image_archives``), CoreDNS as the cluster DNS (``flannelpy_lab.dns``), and routes on
 the host to every podCIDR (``route_host_to_pods``).
+
+The module holds the start and stop of the nodes' processes; the record and paths are in
+``flannelpy_lab.kubelet_state``, the configuration documents in
+``flannelpy_lab.kubelet_config``, the cgroups in ``flannelpy_lab.cgroups`` and the cluster
+objects and waits in ``flannelpy_lab.kubelet_cluster``, all re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from flannelpy.dataplane.netns import netns_path
-from flannelpy_lab import dns, images, kube_netpol, kubeflannel, plan, procs, proxy, topology
+from flannelpy_lab import cgroups, dns, images, kube_netpol, kubeflannel, procs, proxy, topology
 from flannelpy_lab import kube as control_plane
+from flannelpy_lab.cgroups import CGROUP_ROOT
 from flannelpy_lab.errors import LabError
+from flannelpy_lab.kubelet_cluster import (
+    apply_with_daemonset,
+    node_ready,
+    pod_ready,
+    route_host_to_pods,
+    route_services,
+    start_cluster_dns,
+    start_flannel,
+    wait_nodes_registered,
+    wait_ready,
+    wait_workload,
+)
+from flannelpy_lab.kubelet_config import containerd_config, kubelet_config, kustomization, workload
+from flannelpy_lab.kubelet_state import (
+    DAEMONSET,
+    HOST_PATHS,
+    READY_TIMEOUT,
+    REFERENCE_DIR,
+    REFERENCE_PLUGINS,
+    STATE_KEY,
+    WORKLOAD,
+    Progress,
+    Save,
+    cgroup_parent,
+    containerd_socket,
+    enabled,
+    host_source,
+    network_agent,
+    node_base,
+    record,
+    runs_daemonset,
+)
 from flannelpy_lab.state import LabState, NodeInfo
 
-STATE_KEY = "kubelet"  # in LabState.extra: {"nodes": {node: {...}}, "image": ref, ...}
-CGROUP_ROOT = "/sys/fs/cgroup"
-# The node's host paths, each a bind mount of <node dir>/k8s/host/<path with dashes>.
-HOST_PATHS = (
-    "/opt/cni/bin",
-    "/etc/cni/net.d",
-    "/run/flannel",
-    "/run/flannelpy",
-    "/var/lib/flannelpy",
-    "/var/log/pods",
-    "/var/log/containers",
-    "/run/containerd",
-    "/var/lib/cni",
-)
-REFERENCE_PLUGINS = ("loopback", "portmap")  # what a node's CNI package leaves in /opt/cni/bin
-REFERENCE_DIR = "/usr/lib/cni"
-READY_TIMEOUT = 120.0  # seconds for containerd, then the Nodes, then the DaemonSet
-WORKLOAD = "pinger"  # the test Deployment, in namespace default
-DAEMONSET = "kube-flannelpy-ds"
-
-Save = Callable[[], None]
-Progress = Callable[[str], None]
-
-
-def record(state: LabState) -> dict[str, Any]:
-    doc: dict[str, Any] = state.extra.setdefault(STATE_KEY, {})
-    return doc
-
-
-def enabled(state: LabState) -> bool:
-    return STATE_KEY in state.extra
-
-
-def network_agent(state: LabState) -> str:
-    """What runs the network of a kubelet lab: "flannelpy" (the manifests' DaemonSet) or
-    "flanneld" (Flannel's processes, ``flannelpy_lab.kubeflannel``)."""
-    agent: str = record(state).get("network_agent", "flannelpy")
-    return agent
-
-
-def runs_daemonset(state: LabState) -> bool:
-    """Is the network the manifests' DaemonSet (its pods are the nodes' agents)?"""
-    return enabled(state) and network_agent(state) == "flannelpy"
+__all__ = [
+    "CGROUP_ROOT",
+    "DAEMONSET",
+    "HOST_PATHS",
+    "READY_TIMEOUT",
+    "REFERENCE_DIR",
+    "REFERENCE_PLUGINS",
+    "STATE_KEY",
+    "WORKLOAD",
+    "Progress",
+    "Save",
+    "apply_with_daemonset",
+    "cgroup_parent",
+    "component_rss",
+    "containerd_config",
+    "containerd_socket",
+    "enabled",
+    "host_source",
+    "kubelet_config",
+    "kustomization",
+    "network_agent",
+    "node_base",
+    "node_ready",
+    "pod_ready",
+    "record",
+    "route_host_to_pods",
+    "route_services",
+    "rss_kib",
+    "runs_daemonset",
+    "start",
+    "start_cluster_dns",
+    "start_flannel",
+    "stop",
+    "stop_node",
+    "validate_image_archives",
+    "wait_nodes_registered",
+    "wait_ready",
+    "wait_workload",
+    "workload",
+]
 
 
 def validate_image_archives(paths: Sequence[str], kubelets: bool) -> None:
@@ -115,223 +147,6 @@ def validate_image_archives(paths: Sequence[str], kubelets: bool) -> None:
         raise LabError("--image-archive needs --kubelet: only the kubelet lab runs containerd")
     for path in paths:
         images.archive_image(path)  # a LabError naming what the file lacks
-
-
-# -- paths ----------------------------------------------------------------------------------
-
-
-def node_base(node: NodeInfo) -> str:
-    return os.path.join(node.node_dir, "k8s")
-
-
-def _p(node: NodeInfo, *parts: str) -> str:
-    return os.path.join(node_base(node), *parts)
-
-
-def containerd_socket(node: NodeInfo) -> str:
-    return _p(node, "containerd.sock")
-
-
-def host_source(node: NodeInfo, path: str) -> str:
-    """The directory of ``node`` that is ``path`` in the node's mount namespace."""
-    return _p(node, "host", path.strip("/").replace("/", "-"))
-
-
-def cgroup_parent(state: LabState, node: NodeInfo) -> str:
-    return f"/fpl-{state.name}-{node.name}"
-
-
-def _hierarchies() -> list[str]:
-    """The cgroup v1 hierarchies (directories under /sys/fs/cgroup that are mounts)."""
-    out = []
-    for name in sorted(os.listdir(CGROUP_ROOT)):
-        path = os.path.join(CGROUP_ROOT, name)
-        if name != "unified" and not os.path.islink(path) and os.path.ismount(path):
-            out.append(path)
-    return out
-
-
-# -- configuration (pure) -------------------------------------------------------------------
-
-
-def containerd_config(
-    base: str, cni_bin_dir: str = "/opt/cni/bin", cni_conf_dir: str = "/etc/cni/net.d"
-) -> str:
-    """containerd's config.toml with all its state under ``base``. The CNI directories
-    are paths in the node's mount namespace (the defaults are what the DaemonSet
-    installs into); the CRI tests, which run without one, point them at theirs."""
-
-    def path(*parts: str) -> str:
-        return json.dumps(os.path.join(base, *parts))  # a JSON string is a TOML basic string
-
-    cri = '[plugins."io.containerd.grpc.v1.cri"'
-    return f"""\
-version = 2
-root = {path("root")}
-state = {path("state")}
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
-                    "io.containerd.tracing.processor.v1.otlp"]
-
-[grpc]
-  address = {path("containerd.sock")}
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = {path("opt")}
-
-{cri}]
-  sandbox_image = {json.dumps(images.PAUSE_IMAGE)}
-  netns_mounts_under_state_dir = true
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  enable_selinux = false
-  disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-
-{cri}.containerd]
-  snapshotter = "overlayfs"
-  default_runtime_name = "runc"
-
-{cri}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-{cri}.containerd.runtimes.runc.options]
-  SystemdCgroup = false
-
-{cri}.cni]
-  bin_dir = {json.dumps(cni_bin_dir)}
-  conf_dir = {json.dumps(cni_conf_dir)}
-  max_conf_num = 1
-"""
-
-
-def kubelet_config(
-    node_ip: str,
-    socket_path: str,
-    ca_file: str,
-    cgroup_root: str,
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "kubelet.config.k8s.io/v1beta1",
-        "kind": "KubeletConfiguration",
-        "address": node_ip,
-        "port": 10250,
-        "readOnlyPort": 0,
-        "healthzBindAddress": "127.0.0.1",
-        "healthzPort": 10248,
-        "authentication": {
-            "anonymous": {"enabled": False},
-            "webhook": {"enabled": True},
-            "x509": {"clientCAFile": ca_file},
-        },
-        "authorization": {"mode": "Webhook"},
-        "containerRuntimeEndpoint": f"unix://{socket_path}",
-        "cgroupDriver": "cgroupfs",
-        "cgroupRoot": cgroup_root,
-        "cgroupsPerQOS": True,
-        "failCgroupV1": False,
-        "failSwapOn": False,
-        # Root here lacks CAP_SYS_RESOURCE: the kubelet cannot lower its own score.
-        "oomScoreAdj": 0,
-        # A pod's own ephemeral-storage limit is enforced (its writable layer and logs are
-        # measured, as the Services spec on evicted pods needs), but no node-level disk
-        # eviction: the lab's nodes share the host's one filesystem.
-        "localStorageCapacityIsolation": True,
-        "evictionHard": {"memory.available": "100Mi"},
-        "imageGCHighThresholdPercent": 100,
-        "imageGCLowThresholdPercent": 99,
-        "serializeImagePulls": False,
-        "registerNode": True,
-        "rotateCertificates": False,
-        "resolvConf": "/etc/resolv.conf",
-        "staticPodPath": "",
-        "podLogsDir": "/var/log/pods",
-        "maxPods": 110,
-        "nodeStatusUpdateFrequency": "4s",
-        "syncFrequency": "10s",
-    }
-
-
-def kustomization(
-    manifests: str,
-    image_ref: str,
-    api_host: str,
-    api_port: int,
-    iface: str,
-    components: list[str] | None = None,
-) -> str:
-    """The lab's overlay of ``manifests/``: the image, and the agent's way to the API
-    server without kube-proxy; nothing else changes but the ``components`` added."""
-    name, _, tag = image_ref.rpartition(":")
-    patch = {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": {"name": DAEMONSET, "namespace": control_plane.NAMESPACE},
-        "spec": {
-            "template": {
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "kube-flannelpy",
-                            "env": [
-                                {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
-                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
-                                {"name": "FLANNELD_IFACE", "value": iface},
-                            ],
-                        }
-                    ]
-                }
-            }
-        },
-    }
-    doc = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": [manifests],
-        "images": [{"name": "flannelpy", "newName": name, "newTag": tag}],
-        "patches": [{"patch": json.dumps(patch)}],
-        **({"components": components} if components else {}),
-    }
-    return json.dumps(doc, indent=1)
-
-
-def workload(replicas: int) -> dict[str, Any]:
-    """The test Deployment: busybox pods spread one per node by the scheduler."""
-    labels = {"app": WORKLOAD}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": WORKLOAD, "namespace": "default"},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "topologySpreadConstraints": [
-                        {
-                            "maxSkew": 1,
-                            "topologyKey": "kubernetes.io/hostname",
-                            "whenUnsatisfiable": "DoNotSchedule",
-                            # A cordoned or tainted node is no domain to spread over.
-                            "nodeTaintsPolicy": "Honor",
-                            "labelSelector": {"matchLabels": labels},
-                        }
-                    ],
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": images.BUSYBOX_IMAGE,
-                            "imagePullPolicy": "Never",
-                            "command": ["/bin/sleep", "2147483647"],
-                        }
-                    ],
-                },
-            },
-        },
-    }
 
 
 # -- start ----------------------------------------------------------------------------------
@@ -466,7 +281,7 @@ def _start_containerd(state: LabState, node: NodeInfo, save: Save) -> None:
     for plugin in REFERENCE_PLUGINS:
         shutil.copy(os.path.join(REFERENCE_DIR, plugin), host_source(node, "/opt/cni/bin"))
     control_plane.write_file(os.path.join(base, "config.toml"), containerd_config(base))
-    _make_cgroups(cgroup_parent(state, node))
+    cgroups.make_cgroups(cgroup_parent(state, node))
     binds = " && ".join(f"mount --bind {host_source(node, p)} {p}" for p in HOST_PATHS)
     script = f"{binds} && exec containerd --config {os.path.join(base, 'config.toml')}"
     log = os.path.join(base, "containerd.log")
@@ -500,20 +315,6 @@ def _ctr_ok(node: NodeInfo) -> bool:
         check=False,
     )
     return proc.returncode == 0
-
-
-def _make_cgroups(parent: str) -> None:
-    """The node's cgroup root in every v1 hierarchy (cpuset's with the root's cpus and
-    mems, which a new cpuset cgroup lacks)."""
-    for hierarchy in _hierarchies():
-        path = os.path.join(hierarchy, parent.lstrip("/"))
-        os.makedirs(path, exist_ok=True)
-        if os.path.basename(hierarchy) == "cpuset":
-            for knob in ("cpuset.cpus", "cpuset.mems"):
-                with open(os.path.join(hierarchy, knob), encoding="utf-8") as f:
-                    value = f.read().strip()
-                with open(os.path.join(path, knob), "w", encoding="utf-8") as f:
-                    f.write(value)
 
 
 def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
@@ -572,208 +373,6 @@ def _start_kubelet(state: LabState, node: NodeInfo, save: Save) -> None:
     )
 
 
-def _nodes(state: LabState) -> dict[str, Any]:
-    return {
-        n["metadata"]["name"]: n for n in control_plane.kubectl_json(state, "get", "nodes")["items"]
-    }
-
-
-def node_ready(node: dict[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in node.get("status", {}).get("conditions", [])
-    )
-
-
-def _poll(what: str, check: Callable[[], str | None], timeout: float, logs: list[str]) -> None:
-    """Poll ``check`` (None: done, else what is missing) until done or ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while (missing := check()) is not None:
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"{log}:\n{procs.log_tail(log)}" for log in logs)
-            raise LabError(f"{what} within {timeout:g} s: {missing}\n{tails}")
-        time.sleep(0.5)
-
-
-def _kubelet_logs(state: LabState) -> list[str]:
-    return [os.path.join(node_base(n), "kubelet.log") for n in state.nodes]
-
-
-def wait_nodes_registered(state: LabState, timeout: float = READY_TIMEOUT) -> None:
-    def check() -> str | None:
-        missing = sorted(set(n.name for n in state.nodes) - set(_nodes(state)))
-        return f"not registered: {', '.join(missing)}" if missing else None
-
-    _poll("the kubelets did not register their Nodes", check, timeout, _kubelet_logs(state))
-
-
-def apply_with_daemonset(state: LabState) -> None:
-    """``manifests/`` through the lab's kustomization: the ConfigMap is given the lab's
-    net-conf.json before the DaemonSet exists, so its pods read the lab's from the start."""
-    overlay = os.path.join(control_plane.kube_dir(state), "kustomize")
-    os.makedirs(overlay, exist_ok=True)
-    iface = state.nodes[0].underlay_iface
-    text = kustomization(
-        os.path.relpath(control_plane.manifests_dir(), overlay),
-        record(state)["image"],
-        control_plane.host_ip(state),
-        control_plane.API_PORT,
-        iface,
-        control_plane.components(state, overlay),
-    )
-    control_plane.write_file(os.path.join(overlay, "kustomization.yaml"), text)
-    rendered = control_plane.kubectl_json(state, "apply", "-k", overlay, "--dry-run=client")
-    items = rendered.get("items", [rendered])
-    rest = [o for o in items if o.get("kind") != "DaemonSet"]
-    ds = [o for o in items if o.get("kind") == "DaemonSet"]
-    control_plane.kubectl(
-        state,
-        "apply",
-        "-f",
-        "-",
-        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}),
-    )
-    control_plane.set_net_conf(
-        state,
-        plan.net_conf_json(
-            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
-        ),
-    )
-    control_plane.kubectl(
-        state,
-        "apply",
-        "-f",
-        "-",
-        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": ds}),
-    )
-
-
-def start_flannel(state: LabState, save: Save) -> None:
-    """Flannel as the network (``flannelpy_lab.kubeflannel``): its objects applied, on
-    every node its CNI plugins installed and flanneld started; each node's conflist
-    installed once its flanneld has published the node's lease."""
-    processes = record(state).setdefault("processes", {})
-    kubeflannel.apply(
-        state,
-        plan.net_conf_json(
-            state.network, state.backend, state.direct_routing, state.extra.get("net_conf_extra")
-        ),
-    )
-    for node in state.nodes:
-        kubeflannel.install_plugins(state, host_source(node, "/opt/cni/bin"), REFERENCE_DIR)
-        runtime_pid = processes[f"containerd/{node.name}"][0]
-        kubeflannel.start(state, node, runtime_pid, processes, save)
-    pending = {n.name for n in state.nodes}
-
-    def check() -> str | None:
-        for node in state.nodes:
-            if node.name not in pending:
-                continue
-            subnet_env = os.path.join(host_source(node, "/run/flannel"), "subnet.env")
-            env = kubeflannel.check_ready(state, node, subnet_env)
-            if env is not None:
-                kubeflannel.install_conflist(host_source(node, "/etc/cni/net.d"))
-                node.overlay_address = env.subnet
-                pending.discard(node.name)
-        return f"no lease published by the flanneld of {sorted(pending)}" if pending else None
-
-    logs = [n.agent_log for n in state.nodes]
-    _poll("flanneld did not start", check, kubeflannel.READY_TIMEOUT, logs)
-    save()
-
-
-def _pods(state: LabState, namespace: str, selector: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = control_plane.kubectl_json(
-        state, "get", "pods", "-n", namespace, "-l", selector
-    )["items"]
-    return items
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in pod.get("status", {}).get("conditions", [])
-    )
-
-
-def wait_ready(state: LabState, timeout: float = READY_TIMEOUT) -> None:
-    """Every Node Ready and, when the DaemonSet is the network, every agent pod Ready."""
-    names = {n.name for n in state.nodes}
-    daemonset = runs_daemonset(state)
-
-    def check() -> str | None:
-        nodes = _nodes(state)
-        not_ready = sorted(n for n in names if not node_ready(nodes.get(n, {})))
-        pending: list[str] = []
-        if daemonset:
-            pods = _pods(state, control_plane.NAMESPACE, "app.kubernetes.io/component=agent")
-            ready = {p["spec"].get("nodeName") for p in pods if pod_ready(p)}
-            pending = sorted(names - ready)
-        if not not_ready and not pending:
-            return None
-        return f"Nodes not Ready: {not_ready}; no Ready agent pod on: {pending}"
-
-    _poll("the cluster was not ready", check, timeout, _kubelet_logs(state))
-
-
-def route_services(state: LabState) -> None:
-    """A route on every node for the Service range, out of its underlay link. A node's
-    own connection to a ClusterIP (a hostNetwork pod's, the kubelet's) is routed before
-    kube-proxy's DNAT in OUTPUT re-routes it to a pod; lab nodes have no default route,
-    so without one it failed with "network unreachable". On-link, not via the host: a
-    ClusterIP without endpoints stays on the lab's switch."""
-    for node in state.nodes:
-        service_range = control_plane.SERVICE_CIDR
-        topology.ip("route", "add", service_range, "dev", node.underlay_iface, ns=node.namespace)
-
-
-def route_host_to_pods(state: LabState) -> None:
-    """Routes on the host to each node's podCIDR through that node, as a control-plane
-    node in the overlay has: kube-apiserver, on the host, connects to pod addresses for
-    ``pods/proxy`` and ``services/proxy``. Kept in ``host_routes``: ``down`` removes them.
-    Opt-in: labs side by side share the default pod network, and the host one route each."""
-    for name, cidr in control_plane.pod_cidrs(state).items():
-        node = next((n for n in state.nodes if n.name == name and n.segment == 1), None)
-        if node is None or cidr is None:
-            continue  # a node behind the router is not on the host's link
-        state.host_routes.append({"dst": cidr, "via": str(node.ip)})
-        topology.ip("route", "add", cidr, "via", str(node.ip), "dev", state.host_link)
-
-
-def start_cluster_dns(state: LabState, image_ref: str, timeout: float = READY_TIMEOUT) -> None:
-    """CoreDNS's objects applied, then wait until its pod is Ready (it has read the
-    Services and Endpoints through the API server)."""
-    control_plane.kubectl(
-        state,
-        "apply",
-        "-f",
-        "-",
-        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns.manifests(image_ref)}),
-    )
-    selector = ",".join(f"{k}={v}" for k, v in dns.LABELS.items())
-
-    def check() -> str | None:
-        pods = _pods(state, dns.NAMESPACE, selector)
-        return None if any(pod_ready(p) for p in pods) else "no Ready CoreDNS pod"
-
-    _poll("CoreDNS did not start", check, timeout, _kubelet_logs(state))
-
-
-def wait_workload(state: LabState, replicas: int, timeout: float = READY_TIMEOUT) -> None:
-    def check() -> str | None:
-        pods = _pods(state, "default", f"app={WORKLOAD}")
-        running = [
-            p
-            for p in pods
-            if p.get("status", {}).get("phase") == "Running" and p["status"].get("podIP")
-        ]
-        if len(running) >= replicas:
-            return None
-        return f"{len(running)} of {replicas} test pods Running"
-
-    _poll("the test Deployment was not running", check, timeout, _kubelet_logs(state))
-
-
 # -- stop -----------------------------------------------------------------------------------
 
 
@@ -792,14 +391,17 @@ def stop(state: LabState | None, name: str) -> None:
         ]
         procs.stop([r for r in map(procs.current_ref, pids) if r])
     parents = {
-        f"/{d}" for h in _hierarchies() for d in os.listdir(h) if d.startswith(f"fpl-{name}-")
+        f"/{d}"
+        for h in cgroups.hierarchies()
+        for d in os.listdir(h)
+        if d.startswith(f"fpl-{name}-")
     }
     for parent in parents:
-        _kill_cgroup(parent)
+        cgroups.kill_cgroup(parent)
     bases = [node_base(n) for n in state.nodes] if state else []
     procs.stop([r for r in map(procs.current_ref, _pids_naming(bases)) if r], grace=2.0)
     for parent in parents:
-        _remove_cgroups(parent)
+        cgroups.remove_cgroups(parent)
     # The host paths made as mount points stay (empty): removing one would detach the bind
     # mounts another kubelet lab's nodes hold on it.
 
@@ -819,9 +421,9 @@ def stop_node(state: LabState, node: NodeInfo) -> None:
         if ref:
             procs.stop([ref])
     parent = cgroup_parent(state, node)
-    _kill_cgroup(parent)
+    cgroups.kill_cgroup(parent)
     procs.stop([r for r in map(procs.current_ref, _pids_naming([node_base(node)])) if r], grace=2.0)
-    _remove_cgroups(parent)
+    cgroups.remove_cgroups(parent)
 
 
 def _pids_naming(bases: list[str]) -> list[int]:
@@ -838,50 +440,6 @@ def _pids_naming(bases: list[str]) -> list[int]:
     return found
 
 
-def _cgroup_pids(parent: str) -> set[int]:
-    found: set[int] = set()
-    for hierarchy in _hierarchies():
-        for dirpath, _, files in os.walk(os.path.join(hierarchy, parent.lstrip("/"))):
-            if "cgroup.procs" in files:
-                with contextlib.suppress(OSError), open(os.path.join(dirpath, "cgroup.procs")) as f:
-                    found.update(int(line) for line in f if line.strip())
-    return found
-
-
-def _kill_cgroup(parent: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (pids := _cgroup_pids(parent)) and time.monotonic() < deadline:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-
-
-def _remove_cgroups(parent: str, timeout: float = 10.0) -> None:
-    """Remove ``parent`` and every cgroup below it, bottom up (a cgroup stays busy for a
-    moment after its last process is killed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for hierarchy in _hierarchies():
-            top = os.path.join(hierarchy, parent.lstrip("/"))
-            if not os.path.isdir(top):
-                continue
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count(os.sep)):
-                try:
-                    os.rmdir(dirpath)
-                except OSError:
-                    left.append(dirpath)
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            raise LabError(
-                f"cannot remove the cgroups {', '.join(left[:3])}: processes "
-                "still run in them; kill them and run down again"
-            )
-        time.sleep(0.2)
-
-
 # -- inspection -----------------------------------------------------------------------------
 
 
@@ -892,7 +450,7 @@ def component_rss(state: LabState) -> dict[str, int]:
     started.update(record(state).get("processes", {}))
     out = {name: rss_kib(pid) for name, (pid, _) in started.items()}
     for node in state.nodes:
-        for pid in _cgroup_pids(cgroup_parent(state, node)):
+        for pid in cgroups.cgroup_pids(cgroup_parent(state, node)):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"flannelpy\0agent" in f.read():

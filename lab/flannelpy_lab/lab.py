@@ -5,21 +5,21 @@
 process it starts. Any failure, Ctrl-C included, tears down whatever was built;
 ``down`` works from the recorded state and also sweeps anything left with the
 lab's names, so it succeeds on a half-built lab and a second time.
+
+The build steps are in ``flannelpy_lab.build``; finding, claiming and removing labs on
+the host (``down``, ``list_labs``, ...) in ``flannelpy_lab.registry``, re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
-from flannelpy.dataplane.netns import netns_path
 from flannelpy.errors import ConfigError
 from flannelpy_lab import (
     agents,
@@ -39,99 +39,17 @@ from flannelpy_lab import kube as control_plane
 from flannelpy_lab import kubelet as real_nodes
 from flannelpy_lab import proxy as kube_proxy
 from flannelpy_lab import state as state_io
-from flannelpy_lab.agents import SubnetEnv
+from flannelpy_lab.build import UP_STEPS, Progress, on_ready, wait_all_ready
+from flannelpy_lab.build import build as build_lab
 from flannelpy_lab.errors import LabError
+from flannelpy_lab.registry import claim, down, down_all, lab_dir, list_labs, used_networks
 from flannelpy_lab.state import EtcdMemberInfo, LabState, NodeInfo, PodInfo
 
-Progress = Callable[[str], None]
-UP_STEPS = 7  # the 7th, creating pods, only with --pods-per-node above 0
+__all__ = ["UP_STEPS", "Lab", "down", "down_all", "lab_dir", "list_labs", "used_networks"]
 
 
 def _quiet(_: str) -> None:
     pass
-
-
-def lab_dir(name: str, lab_root: str = plan.LAB_ROOT) -> str:
-    return os.path.join(lab_root, plan.validate_name(name))
-
-
-def list_labs(lab_root: str = plan.LAB_ROOT) -> list[str]:
-    """Names of labs with a directory or a namespace on this host."""
-    names: set[str] = set()
-    if os.path.isdir(lab_root):
-        names.update(d for d in os.listdir(lab_root) if plan.NAME_PATTERN.fullmatch(d))
-    for ns in topology.list_netns():
-        parts = ns.split("-")
-        if len(parts) == 3 and parts[0] == "fpl" and plan.NAME_PATTERN.fullmatch(parts[1]):
-            names.add(parts[1])
-    return sorted(names)
-
-
-def used_networks(lab_root: str) -> list[IPv4Network]:
-    """What a new lab must not overlap: the host's routes and addresses, other labs' segments."""
-    used = topology.host_used_networks()
-    for name in list_labs(lab_root):
-        other = state_io.load(os.path.join(lab_root, name))
-        if other:
-            used.extend(IPv4Network(s.subnet) for s in other.segments)
-    return used
-
-
-def down(name: str, lab_root: str = plan.LAB_ROOT) -> None:
-    """Remove the lab ``name``: processes, namespaces, host link and routes, its directory.
-
-    Idempotent; works without a state file by sweeping the lab's names.
-    """
-    directory = lab_dir(name, lab_root)
-    state = None
-    with contextlib.suppress(LabError):  # unreadable state: sweep by name below
-        state = state_io.load(directory)
-    # Agents and anything else inside the lab's namespaces go first, while etcd
-    # still answers (an agent may talk to it on its way out); then etcd, whose
-    # members may have namespaces of their own.
-    refs = [r for r in (agents.agent_ref(n) for n in state.nodes) if r] if state else []
-    refs += kube_netpol.refs(state) if state else []
-    member_namespaces = {m.namespace for m in state.etcd_members} if state else set()
-    member_namespaces.update(
-        ns for ns in topology.lab_namespaces(name) if plan.is_etcd_member_namespace(name, ns)
-    )
-    namespaces = set(topology.lab_namespaces(name)) - member_namespaces
-    if state:
-        namespaces.update(n.namespace for n in state.nodes)
-    for ns in namespaces:
-        refs += _refs(procs.pids_in_netns(netns_path(ns)))
-    real_nodes.stop(state, name)  # before the sweep: pods run outside the node namespaces
-    procs.stop(set(refs))
-    if state:
-        prometheus.stop(state)
-    procs.stop(_refs([pid for _, pid in procs.pids_of_programs_under(["prometheus"], directory)]))
-    # The Kubernetes control plane, if any, from the state or by its command lines (its
-    # etcd is swept by its data dir below).
-    control_plane.stop(state, directory)
-    etcd_refs = _refs(procs.pids_with_files_under(directory))
-    for ns in member_namespaces:
-        etcd_refs += _refs(procs.pids_in_netns(netns_path(ns)))
-    if state and state.etcd_pid:
-        etcd_refs.append(procs.ProcessRef(state.etcd_pid, state.etcd_start_ticks or 0))
-    for member in state.etcd_members if state else []:
-        if member.pid:
-            etcd_refs.append(procs.ProcessRef(member.pid, member.start_ticks or 0))
-    procs.stop(set(etcd_refs))
-    topology.destroy(state, name)
-    shutil.rmtree(directory, ignore_errors=True)
-    if os.path.exists(directory):
-        raise LabError(f"cannot remove {directory}; remove it by hand")
-
-
-def down_all(lab_root: str = plan.LAB_ROOT) -> list[str]:
-    names = list_labs(lab_root)
-    for name in names:
-        down(name, lab_root)
-    return names
-
-
-def _refs(pids: list[int]) -> list[procs.ProcessRef]:
-    return [r for r in (procs.current_ref(p) for p in pids) if r]
 
 
 class Lab:
@@ -238,7 +156,7 @@ class Lab:
             control_plane.bin_dir(build=True)
         coredns_binary = cluster_dns_peer.binary() if cluster_dns else None
         say(f"[1/{UP_STEPS}] choosing underlay addresses")
-        state = _claim(
+        state = claim(
             name,
             nodes,
             backend,
@@ -275,7 +193,7 @@ class Lab:
             prometheus.record(state)
         lab = cls(state)
         try:
-            lab._build(start_agents, timeout, say)
+            build_lab(lab.state, start_agents, timeout, say, lab._save)
             if start_agents and pods_per_node and not kubelets:
                 lab._add_initial_pods(pods_per_node, cni_exec, say)
         except BaseException:
@@ -286,71 +204,6 @@ class Lab:
                 say(f"removing lab {name} failed too: {e}")
             raise
         return lab
-
-    def _build(self, start_agents: bool, timeout: float, say: Progress) -> None:
-        s = self.state
-        say(
-            f"[2/{UP_STEPS}] building {len(s.nodes)} node namespaces on "
-            f"{len(s.segments)} segment(s)"
-        )
-        for seg in s.segments:
-            topology.build_switch(seg)
-        if s.router_namespace:
-            topology.build_router(s)
-        for node in s.nodes:
-            topology.build_node(s, node)
-        say(f"[3/{UP_STEPS}] attaching the host at {s.host_address} ({s.host_link})")
-        topology.attach_host(s)
-        topology.add_host_routes(s)
-        if s.etcd_members:
-            say(
-                f"[4/{UP_STEPS}] starting {len(s.etcd_members)} etcd members at "
-                f"{', '.join(s.etcd_endpoints)}"
-            )
-            for member in s.etcd_members:
-                topology.build_etcd_member(s, member)
-            self._save()
-            # All at once: a member of a new static cluster waits for its peers.
-            for member in s.etcd_members:
-                etcd.start_member(s, member)
-                self._save()
-            for member in s.etcd_members:
-                etcd.wait_member_answering(s, member)
-        else:
-            say(f"[4/{UP_STEPS}] starting etcd at {s.etcd_endpoint}")
-            ref = etcd.start(s)
-            s.etcd_pid, s.etcd_start_ticks = ref.pid, ref.start_ticks
-            self._save()
-            etcd.wait_answering(s, ref)
-        say(f"[5/{UP_STEPS}] writing the network config to {s.etcd_prefix}/config")
-        etcd.put_config(
-            s,
-            plan.net_conf_json(
-                s.network, s.backend, s.direct_routing, s.extra.get("net_conf_extra")
-            ),
-        )
-        if control_plane.STATE_KEY in s.extra:
-            say(
-                f"[5/{UP_STEPS}] starting the Kubernetes control plane at "
-                f"{control_plane.api_url(s)}"
-            )
-            control_plane.start(s, self._save, say)
-        if real_nodes.enabled(s):  # the DaemonSet runs the agents
-            real_nodes.start(s, self._save, say)
-            return
-        if not start_agents:
-            return
-        for node in s.nodes:
-            agents.start(s, node)
-        self._save()
-        self._wait_all_ready(s.nodes, timeout, say)
-        if kube_netpol.enabled(s) and any(n.runs_flanneld for n in s.nodes):
-            say(f"[6/{UP_STEPS}] starting kube-network-policies beside flanneld")
-            kube_netpol.start_all(s, self._save)
-        if prometheus.STATE_KEY in s.extra:
-            say(f"[6/{UP_STEPS}] starting Prometheus at {prometheus.url(s)}")
-            prometheus.start(s)
-            self._save()
 
     def _add_initial_pods(self, per_node: int, cni_exec: str, say: Progress) -> None:
         form = self.install_cni(cni_exec)
@@ -399,35 +252,6 @@ class Lab:
 
     def pod(self, name: str) -> PodInfo:
         return self.state.pod(name)
-
-    def _wait_all_ready(self, nodes: list[NodeInfo], timeout: float, say: Progress) -> None:
-        pending = list(nodes)
-        deadline = time.monotonic() + timeout
-        total = len(nodes)
-        say(f"[6/{UP_STEPS}] starting agents 0/{total} ready")
-        while pending:
-            for node in list(pending):
-                env = agents.check_ready(node, self.state)
-                if env is not None:
-                    self._on_ready(node, env)
-                    pending.remove(node)
-                    say(f"[6/{UP_STEPS}] starting agents {total - len(pending)}/{total} ready")
-            if pending and time.monotonic() > deadline:
-                raise agents.not_ready_error(pending, timeout)
-            if pending:
-                time.sleep(0.1)
-
-    def _on_ready(self, node: NodeInfo, env: SubnetEnv) -> None:
-        # On a flanneld node cni0 is the bridge plugin's, made at the node's first pod.
-        if self.state.overlay_bridge and not node.runs_flanneld:
-            topology.ensure_overlay_bridge(
-                node.namespace,
-                env.subnet,
-                env.mtu,
-                env.ipv6_subnet,
-            )
-        node.overlay_address = env.subnet
-        self._save()
 
     @classmethod
     def load(cls, name: str, lab_root: str = plan.LAB_ROOT) -> Lab:
@@ -562,7 +386,7 @@ class Lab:
         for node in self.state.nodes:
             agents.start(self.state, node)
         self._save()
-        self._wait_all_ready(self.state.nodes, timeout, _quiet)
+        wait_all_ready(self.state, self.state.nodes, timeout, _quiet, self._save)
         if prometheus.STATE_KEY in self.state.extra and not procs.alive(prometheus.ref(self.state)):
             prometheus.start(self.state)  # a lab built with start_agents=False
             self._save()
@@ -668,7 +492,7 @@ class Lab:
         while True:
             env = agents.check_ready(info, self.state)
             if env is not None:
-                self._on_ready(info, env)
+                on_ready(self.state, info, env, self._save)
                 return info
             if time.monotonic() > deadline:
                 raise agents.not_ready_error([info], timeout)
@@ -718,47 +542,6 @@ class Lab:
 
 def _ip(address: str | None) -> str | None:
     return address.split("/")[0] if address else None
-
-
-def _claim(
-    name: str,
-    nodes: int,
-    backend: str,
-    direct_routing: bool,
-    segments: int,
-    network: str,
-    etcd_prefix: str,
-    overlay_bridge: bool,
-    lab_root: str,
-    flanneld_nodes: int = 0,
-    etcd_members: int = 1,
-) -> LabState:
-    """Pick free underlay subnets and record the plan, under the lock all labs share."""
-    with state_io.root_lock(lab_root):
-        directory = lab_dir(name, lab_root)
-        leftovers = topology.lab_namespaces(name)
-        if os.path.exists(directory) or leftovers or topology.link_exists(plan.host_link(name)):
-            raise LabError(
-                f"lab {name} exists already (or left pieces behind); "
-                f"run `flannelpy-lab down --name {name}` first"
-            )
-        subnets = plan.choose_subnets(used_networks(lab_root), segments)
-        state = plan.plan_lab(
-            name,
-            nodes,
-            backend,
-            direct_routing=direct_routing,
-            segments=segments,
-            network=network,
-            etcd_prefix=etcd_prefix,
-            subnets=subnets,
-            overlay_bridge=overlay_bridge,
-            lab_root=lab_root,
-            flanneld_nodes=flanneld_nodes,
-            etcd_members=etcd_members,
-        )
-        state_io.save(state)
-        return state
 
 
 def _run_checked(

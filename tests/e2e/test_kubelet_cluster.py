@@ -26,7 +26,7 @@ from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
 import pytest
-from flannelpy_lab import Lab, images, kubelet, procs
+from flannelpy_lab import Lab, cgroups, images, kubelet, procs
 from flannelpy_lab import kube as control_plane
 
 from flannelpy.rollout import cordon
@@ -459,7 +459,7 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
     refs = [r for r in (procs.ref_of(*v) for v in rec["processes"].values()) if procs.alive(r)]
     assert len(refs) >= 4  # n3's went with its machine
     parents = [kubelet.cgroup_parent(lab.state, n) for n in lab.nodes]
-    pod_pids = set().union(*(kubelet._cgroup_pids(p) for p in parents))
+    pod_pids = set().union(*(cgroups.cgroup_pids(p) for p in parents))
     assert pod_pids, "no pod process in the nodes' cgroups"
     # The kubelets mounted the pods' volumes in the nodes' mount namespaces only.
     containerd = {
@@ -481,7 +481,7 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
         timeout=5,
         what="every pod process gone",
     )
-    for hierarchy in kubelet._hierarchies():
+    for hierarchy in cgroups.hierarchies():
         assert not [d for d in os.listdir(hierarchy) if d.startswith(f"fpl-{lab.name}-")]
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         assert lab.state.lab_dir not in f.read()
