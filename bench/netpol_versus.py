@@ -48,10 +48,11 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flannelpy_lab import Lab, kube_netpol, procs
 from flannelpy_lab import kube as control_plane
@@ -66,6 +67,7 @@ from bench.propagation import LAB_TIMEOUT
 
 SIDES = ("ours", "kube-network-policies")
 NODES = {"ours": ("n1", "n2"), "kube-network-policies": ("n3", "n4")}  # (server, client)
+T = TypeVar("T")
 NS, PERF_NS, PERF0_NS = "bench", "perf", "perf0"
 POLICY_PATH = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
 PERF_POLICY_PATH = f"/apis/networking.k8s.io/v1/namespaces/{PERF_NS}/networkpolicies"
@@ -321,44 +323,37 @@ def connect_times(roles: dict[str, PodInfo], connects: int) -> tuple[list[float]
     return [t * 1000 for t in doc["times"]], int(doc["failed"])
 
 
+def at_once(selected: Callable[[], T], unselected: Callable[[], T]) -> tuple[T, T]:
+    """Both measurements started together on their own threads; their results (a failure
+    of either is raised here)."""
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.submit(selected), pool.submit(unselected)
+        return first.result(), second.result()
+
+
 def paired_connects(roles: dict[str, PodInfo], connects: int) -> tuple[float, float]:
     """Connect p50 and p99 of the perf pair over those of the perf0 pair, both loops at once."""
-    times: dict[str, list[float]] = {}
 
-    def loop(client: str, server: str) -> None:
-        times[client] = connect_times({"cli": roles[client], "srv": roles[server]}, connects)[0]
+    def loop(client: str, server: str) -> list[float]:
+        times = connect_times({"cli": roles[client], "srv": roles[server]}, connects)[0]
+        if not times:
+            raise SystemExit(f"no connection of {client} to {server} succeeded")
+        return times
 
-    pairs = (("cli", "srv"), ("cli0", "srv0"))
-    threads = [threading.Thread(target=loop, args=pair) for pair in pairs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if len(times) != 2 or not all(times.values()):
-        raise SystemExit("a paired connect loop failed")
-    a, b = times["cli"], times["cli0"]
+    a, b = at_once(lambda: loop("cli", "srv"), lambda: loop("cli0", "srv0"))
     return percentile(a, 50) / percentile(b, 50), percentile(a, 99) / percentile(b, 99)
 
 
 def paired_ratio(roles: dict[str, PodInfo], seconds: int) -> float:
     """Gbit/s of the perf pair over that of the perf0 pair, both streams at once."""
-    samples: dict[str, float] = {}
 
-    def stream(server: str, client: str) -> None:
+    def stream(server: str, client: str) -> float:
         srv, cli = roles[server], roles[client]
-        sample = throughput.iperf3_once(server, srv.namespace, cli.namespace, ip_of(srv),
-                                        seconds, [])  # fmt: skip
-        samples[server] = sample.gbit_per_s
+        return throughput.iperf3_once(server, srv.namespace, cli.namespace, ip_of(srv),
+                                      seconds, []).gbit_per_s  # fmt: skip
 
-    pairs = (("srv", "cli"), ("srv0", "cli0"))
-    threads = [threading.Thread(target=stream, args=pair) for pair in pairs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if len(samples) != 2:
-        raise SystemExit("a paired iperf3 stream failed")
-    return samples["srv"] / samples["srv0"]
+    selected, unselected = at_once(lambda: stream("srv", "cli"), lambda: stream("srv0", "cli0"))
+    return selected / unselected
 
 
 def run_packet_path(
