@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flannelpy_lab import flanneld, plan, procs
+from flannelpy_lab import flanneld, kube_files, plan, procs
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab.agents import SubnetEnv, read_subnet_env
 from flannelpy_lab.errors import LabError
@@ -204,7 +204,7 @@ def apply(state: LabState, net_conf: str) -> None:
         "--duration",
         control_plane.TOKEN_DURATION,
     ).stdout.strip()
-    control_plane._write_kubeconfig(
+    kube_files.write_token_kubeconfig(
         state, kubeconfig_path(state), control_plane.api_url(state), token
     )
     os.makedirs(os.path.dirname(net_conf_path(state)), exist_ok=True)

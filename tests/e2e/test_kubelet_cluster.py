@@ -26,7 +26,7 @@ from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
 import pytest
-from flannelpy_lab import Lab, cgroups, images, kubelet, procs
+from flannelpy_lab import Lab, cgroups, images, kube_api, kubelet, procs
 from flannelpy_lab import kube as control_plane
 
 from flannelpy.rollout import cordon
@@ -182,7 +182,7 @@ def start_pings(lab: Lab, pods: list[dict[str, Any]], count: int) -> list[subpro
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=control_plane._env(),
+            env=kube_api.proxyless_env(),
         )
         for a in pods
         for b in pods
