@@ -13,7 +13,11 @@ the set, the smallest transaction a pod change makes, timed to its return:
 * **ours**: the same script through one libnftables context kept for the run
   (``flannelpy.dataplane.libnft``), as the agent runs it now.
 
-Also timed: the read-back of the table as JSON (``nft -j list table``) both ways.
+Also timed: the read-back of the table as JSON (``nft -j list table``) both ways, and
+the ruleset generation (``NFT_MSG_GETGEN``) asked right after a change that deleted an
+element: over a socket made for the question (the reference, as the agent asked before)
+against one socket kept open (``flannelpy.dataplane.nfgen.RulesetGeneration``), both
+from a thread in the namespace.
 Reported: p50 and p99 in ms per way and ours / reference. The namespace is removed at the end.
 """
 
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from bench.common import lacks_root, load_average, percentile, say, table
 from flannelpy.dataplane.libnft import LibNftables
 from flannelpy.dataplane.netns import netns_path, run_in_netns
+from flannelpy.dataplane.nfgen import RulesetGeneration, ruleset_generation
 
 TABLE = "inet bench-policy"
 SETUP = f"""add table {TABLE}
@@ -59,6 +64,24 @@ def time_changes(run: Callable[[str], None], changes: int) -> list[float]:
         address = f"10.244.{(i // 2) // 250}.{(i // 2) % 250 + 1}"
         started = time.perf_counter()
         run(f"{verb} element {TABLE} peers {{ {address} }}\n")
+        times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
+def time_generation(
+    library: LibNftables, ask: Callable[[], int | None], path: str, changes: int
+) -> list[float]:
+    """Add and delete one element, then time one generation question (ms each)."""
+    times = []
+    for i in range(changes):
+        for verb in ("add", "delete"):
+            library(
+                ["nft", "-f", "-"],
+                input=f"{verb} element {TABLE} peers {{ 10.245.0.{i % 250 + 1} }}\n",
+            )
+        started = time.perf_counter()
+        if run_in_netns(path, ask) is None:
+            raise SystemExit("the kernel did not answer NFT_MSG_GETGEN")
         times.append((time.perf_counter() - started) * 1000)
     return times
 
@@ -94,7 +117,15 @@ def measure(rules: int, changes: int) -> dict[str, list[float]]:
         def enter_only(_: str) -> None:  # "ip netns exec" alone: a fork, an exec and a setns
             subprocess.run(["ip", "netns", "exec", ns, "true"], check=True)
 
+        kept = RulesetGeneration()
+        path = netns_path(ns)
         return {
+            "generation after a delete, a socket each": time_generation(
+                library, ruleset_generation, path, changes // 4
+            ),
+            "generation after a delete, kept socket": time_generation(
+                library, kept, path, changes // 4
+            ),
             "write one element, nft process": time_changes(command, changes),
             "write one element, libnftables": time_changes(in_process, changes),
             "read the table back, nft process": time_changes(list_by_command, changes // 4),
@@ -122,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
             ref50 = percentile(ref, 50) - base
             rows.append((rules, what, ref50, percentile(ref, 99) - base, percentile(ours, 50),
                          percentile(ours, 99), percentile(ours, 50) / ref50))  # fmt: skip
-    print("ms per transaction (the nft process's figures net of `ip netns exec true`'s p50)")
-    print(table(("foreign rules", "what", "nft p50", "nft p99", "libnft p50", "libnft p99",
-                 "p50 ours / nft"), rows))  # fmt: skip
+        ref = got["generation after a delete, a socket each"]
+        ours = got["generation after a delete, kept socket"]
+        rows.append((rules, "generation after a delete (socket each / kept)", percentile(ref, 50),
+                     percentile(ref, 99), percentile(ours, 50), percentile(ours, 99),
+                     percentile(ours, 50) / percentile(ref, 50)))  # fmt: skip
+    print("ms each; reference: the nft process (net of `ip netns exec true`'s p50) or a socket"
+          " per generation question; ours: libnftables or the kept socket")  # fmt: skip
+    print(table(("foreign rules", "what", "reference p50", "reference p99", "ours p50",
+                 "ours p99", "p50 ours / reference"), rows))  # fmt: skip
     print(f'{{"load_average": "{load_average()}"}}')
     return 0
 

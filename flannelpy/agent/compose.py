@@ -149,12 +149,12 @@ def _network_policy(
         store.close()
         raise ConfigError(f"--enable-network-policy {NETWORK_POLICY_NEEDS_KUBE}")
     from flannelpy.dataplane.libnft import LibNftables
-    from flannelpy.dataplane.nfgen import ruleset_generation
+    from flannelpy.dataplane.nfgen import RulesetGeneration
     from flannelpy.dataplane.policy_table import PolicyTable
 
     log.info("network policy on: table inet flannelpy-policy, kept as it is until synced")
     run = LibNftables.load() or subprocess.run
-    return source, PolicyTable(run=run, generation=ruleset_generation)
+    return source, PolicyTable(run=run, generation=RulesetGeneration())
 
 
 def _log_start(ctx: NodeContext, backend: Backend) -> None:
