@@ -217,7 +217,7 @@ class Planner:
         desired, stale_links = self._last
         desired = replace(desired, policy=self.state.policy)
         self._last = (desired, stale_links)
-        self.reconciler.set_desired(desired, stale_links)
+        self.reconciler.set_desired_policy(desired)
 
     def _with_lingering(self, desired: DesiredState) -> tuple[DesiredState, frozenset[str]]:
         """``desired`` with the devices that left the plan less than

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("flannelpy.reconciler")
 PLAN_CHANGED = "desired state changed"  # the pass's reason when only the plan changed
 PERIODIC = "periodic resync"  # the reason of a pass the timer made (nothing triggered it)
+POLICY_CHANGED = "policy table changed"  # a table written at once, outside a pass
 # A periodic pass reads the kernel back at most this often (seconds) while the kernel's
 # notifications reported nothing of ours: every deletion, device change and route of
 # another tool wakes a pass that dumps at once (``netlink_events``), so what is left for
@@ -175,6 +176,24 @@ class Reconciler:
             self._stale_links = stale_links
         if changed:
             self.trigger(PLAN_CHANGED)
+
+    def set_desired_policy(self, desired: DesiredState) -> None:
+        """Replace the desired state with one whose policy table alone is new (the caller
+        says so: the planner's last plan with a new table). When no pass is running and a
+        table is in place, the table is brought to it at once, on the caller's thread: a
+        pass would first compare every route and neighbour again to find nothing, and a
+        policy change waits for no thread to wake. Otherwise, or if the write fails, the
+        next pass does it (and reports a failure as for any pass)."""
+        with self._lock:
+            self._desired = desired
+        if self._policy_done is not None and self._pass_lock.acquire(blocking=False):
+            try:
+                failures = self._apply_policy(desired, POLICY_CHANGED)
+            finally:
+                self._pass_lock.release()
+            if not failures:
+                return
+        self.trigger(PLAN_CHANGED)
 
     def trigger(self, reason: str) -> None:
         with self._lock:

@@ -1,0 +1,100 @@
+"""``Reconciler.set_desired_policy``: a new policy table alone is written at once on the
+caller's thread while no pass runs and a table is in place; otherwise (the first table,
+a pass running, a failed write) it is left to the next pass, as any new plan is."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flannelpy.dataplane.reconciler import Reconciler
+from flannelpy.dataplane.state import DesiredState
+from flannelpy.errors import DataplaneError
+from tests.support.fakes import FakeKernel
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+
+    @property
+    def table(self) -> str:
+        return "inet test"
+
+    def script_from(self, old: Any) -> str:
+        return "" if old == self else f"to {self.name}\n"
+
+
+class RecordingTable:
+    """A policy adapter that records what it applied and on which thread."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, str]] = []
+        self.fail = False
+
+    def apply(self, desired: Any) -> str | None:
+        if self.fail:
+            raise DataplaneError("injected")
+        self.applied.append((desired.name, threading.current_thread().name))
+        return None
+
+    def counters(self, table: str) -> dict[str, int]:
+        return {}
+
+
+def make() -> tuple[Reconciler, RecordingTable, FakeKernel, DesiredState]:
+    kernel, table = FakeKernel(), RecordingTable()
+    reconciler = Reconciler(kernel, 10.0, policy=table)
+    desired = DesiredState(policy=Table("a"))
+    reconciler.set_desired(desired)
+    return reconciler, table, kernel, desired
+
+
+def test_the_first_table_waits_for_a_pass() -> None:
+    reconciler, table, _, desired = make()
+    reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+    assert table.applied == []
+    reconciler.reconcile_once("loop")
+    assert [name for name, _ in table.applied] == ["b"]
+
+
+def test_with_a_table_in_place_a_new_one_is_written_at_once_without_a_pass() -> None:
+    reconciler, table, kernel, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()  # as the loop does before its pass
+    passes, observed = reconciler.last_result, kernel.observe_calls
+    reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+    assert table.applied[-1] == ("b", threading.current_thread().name)
+    assert not reconciler._wake.is_set()
+    assert reconciler.last_result is passes and kernel.observe_calls == observed
+    assert reconciler.desired is not None and reconciler.desired.policy == Table("b")
+    reconciler.reconcile_once("desired state changed")  # a later pass finds it in place
+    assert len(table.applied) == 2
+
+
+def test_while_a_pass_runs_the_table_is_left_to_the_next_pass() -> None:
+    reconciler, table, _, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()
+    with reconciler._pass_lock:  # a pass of the loop's, running
+        reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+        assert [name for name, _ in table.applied] == ["a"]
+    assert reconciler._wake.is_set()  # the loop's next pass is asked for
+    reconciler.reconcile_once("loop")
+    assert [name for name, _ in table.applied] == ["a", "b"]
+
+
+def test_a_failed_write_is_retried_and_reported_by_the_next_pass() -> None:
+    reconciler, table, _, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()
+    table.fail = True
+    reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+    assert reconciler._wake.is_set()
+    result = reconciler.reconcile_once("loop")
+    assert result is not None and any("injected" in f for f in result.failures)
+    table.fail = False
+    result = reconciler.reconcile_once("loop")
+    assert result is not None and result.converged
+    assert [name for name, _ in table.applied] == ["a", "b"]
