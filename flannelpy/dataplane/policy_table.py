@@ -9,8 +9,9 @@ and compares it with the listing taken right after our last write, counters asid
   (nothing at all when the value is the same). When the namespace's nftables
   generation (:mod:`.nfgen`) still reads what it read right after that write, no one
   has written any nftables since and the read-back is skipped: a change then costs one
-  ``nft -f`` on its way to the kernel, and the listing taken after it (the reference
-  for the next comparison) runs once the change is in force;
+  ``nft -f`` on its way to the kernel. The listing taken after it (the reference for
+  the next comparison) runs once the change is in force, or later, off the change's
+  way (:meth:`PolicyTable.remember`, the reconciler's next pass);
 * missing, or changed by someone else, or not written by this process yet (a
   restart): the whole table is replaced by one transaction that deletes and re-creates
   it, so no packet ever sees it half-built or absent.
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 MISSING = "missing"  # the table is not in the kernel
 CHANGED = "changed"  # someone else changed it since our last write
 AT_START = "start"  # this process has not written it yet
+UNVERIFIED = "unverified"  # someone else wrote before our last write was read back
 
 
 class PolicyTable:
@@ -56,12 +58,16 @@ class PolicyTable:
         self._applied: NftTableSpec | None = None  # what our last write made the table
         self._listing: Any = None  # its listing right after that write, counters aside
         self._known_gen: int | None = None  # a generation at which it read as _listing
+        # (or, while a read-back is owed, the one right after our write)
+        self._owed: str | None = None  # the table whose read-back remember() owes
         self.transactions = 0  # nft -f runs that changed the table (tests read it)
         self.listings = 0  # whole-table read-backs (tests read it)
 
-    def apply(self, desired: NftTableSpec) -> str | None:
+    def apply(self, desired: NftTableSpec, read_back: bool = True) -> str | None:
         """Make the table ``desired``. Returns why it was rebuilt whole (MISSING, CHANGED,
-        AT_START), or None for an incremental change or none. Raises DataplaneError."""
+        AT_START, UNVERIFIED), or None for an incremental change or none. Raises
+        DataplaneError. ``read_back=False`` leaves the read-back of a write to
+        :meth:`remember`, when the generation shows that write was the only one."""
         reason = self._drift(desired.table)
         if reason is None:
             assert self._applied is not None
@@ -70,14 +76,34 @@ class PolicyTable:
             script = f"add table {desired.table}\ndelete table {desired.table}\n"
             script += desired.script_from(None)
         if script:
-            self._applied, self._known_gen = None, None  # unknown until read back
+            self._applied, self._known_gen, self._listing = None, None, None  # until read
+            self._owed = None
+            before = self._generation()
             self._nft(["-f", "-"], script, f"write the table {desired.table}")
             self.transactions += 1
-            self._remember(desired.table)
+            after = self._generation()
+            if not read_back and before is not None and after == before + 1:
+                self._known_gen = after  # our transaction and no other: the table is ours
+                self._owed = desired.table
+            else:
+                self._remember(desired.table)
         self._applied = desired
         if reason is not None:
             log.info("policy table rebuilt table=%r reason=%s", desired.table, reason)
         return reason
+
+    def remember(self) -> None:
+        """Take the read-back a write left owed: while the generation is still the one our
+        write left, the listing is exactly what that write made; once someone else has
+        written, it would not be, so none is taken and the next change that finds the
+        generation moved replaces the table whole (UNVERIFIED)."""
+        table, self._owed = self._owed, None
+        if table is None:
+            return
+        if self._generation() != self._known_gen:
+            self._known_gen = None
+            return
+        self._remember(table)
 
     def _drift(self, table: str) -> str | None:
         """None when the table is as our last write left it, else why it must be rebuilt."""
@@ -89,6 +115,8 @@ class PolicyTable:
             return MISSING
         if self._applied is None:
             return AT_START
+        if self._listing is None:
+            return UNVERIFIED
         if listing != self._listing:
             return CHANGED
         if before is not None and self._generation() == before:
@@ -98,6 +126,7 @@ class PolicyTable:
     def _remember(self, table: str) -> None:
         """Read the table back after our write: the reference for the next comparison,
         tied to the generation only when nothing else was written while it was read."""
+        self._owed = None
         before = self._generation()
         self._listing = self.listing(table)
         after = self._generation()

@@ -36,6 +36,7 @@ log = logging.getLogger("flannelpy.reconciler")
 PLAN_CHANGED = "desired state changed"  # the pass's reason when only the plan changed
 PERIODIC = "periodic resync"  # the reason of a pass the timer made (nothing triggered it)
 POLICY_CHANGED = "policy table changed"  # a table written at once, outside a pass
+READ_BACK = "policy table read back"  # the loop's step after such a write: no pass
 # A periodic pass reads the kernel back at most this often (seconds) while the kernel's
 # notifications reported nothing of ours: every deletion, device change and route of
 # another tool wakes a pass that dumps at once (``netlink_events``), so what is left for
@@ -105,9 +106,14 @@ class Firewall(Protocol):
 class PolicyRules(Protocol):
     """Where the planned NetworkPolicy table goes (:class:`~.policy_table.PolicyTable`)."""
 
-    def apply(self, desired: NftTableSpec) -> str | None:
+    def apply(self, desired: NftTableSpec, read_back: bool = True) -> str | None:
         """Make the table ``desired``; why it was rebuilt whole, if it was. Raises
-        DataplaneError."""
+        DataplaneError. ``read_back=False``: the read-back of a write may wait for
+        :meth:`remember`."""
+        ...
+
+    def remember(self) -> None:
+        """Take the read-back a write left owed, if any (off a change's way)."""
         ...
 
     def counters(self, table: str) -> dict[str, int]:
@@ -183,15 +189,17 @@ class Reconciler:
         table is in place, the table is brought to it at once, on the caller's thread: a
         pass would first compare every route and neighbour again to find nothing, and a
         policy change waits for no thread to wake. Otherwise, or if the write fails, the
-        next pass does it (and reports a failure as for any pass)."""
+        next pass does it (and reports a failure as for any pass). The write's read-back
+        (the reference for the next comparison) is left to the loop's thread."""
         with self._lock:
             self._desired = desired
         if self._policy_done is not None and self._pass_lock.acquire(blocking=False):
             try:
-                failures = self._apply_policy(desired, POLICY_CHANGED)
+                failures = self._apply_policy(desired, POLICY_CHANGED, read_back=False)
             finally:
                 self._pass_lock.release()
             if not failures:
+                self.trigger(READ_BACK)
                 return
         self.trigger(PLAN_CHANGED)
 
@@ -246,6 +254,8 @@ class Reconciler:
         self._view = (scope, view) if view is not None else None
         failures += self._apply_firewall(desired)  # after the routes, as at start
         failures += self._apply_policy(desired, reason)
+        if self._policy is not None:
+            self._remember_policy()
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
@@ -289,7 +299,9 @@ class Reconciler:
         self._firewall_done = ranges
         return ()
 
-    def _apply_policy(self, desired: DesiredState, reason: str) -> tuple[str, ...]:
+    def _apply_policy(
+        self, desired: DesiredState, reason: str, read_back: bool = True
+    ) -> tuple[str, ...]:
         """The NetworkPolicy table, checked and brought to the desired one; None desired
         (off, or not synced since start) leaves the kernel's table as it is. A pass only
         for a new plan whose table is the one last written leaves it too, as it leaves the
@@ -312,7 +324,7 @@ class Reconciler:
                     "of this node"
                 )
         try:
-            if self._policy.apply(desired.policy) is not None:
+            if self._policy.apply(desired.policy, read_back) is not None:
                 self.policy_rebuilds += 1
         except DataplaneError as e:
             failures.append(f"policy: {e}")
@@ -322,6 +334,13 @@ class Reconciler:
             log.warning("reconcile failure: %s", failure)
         self._policy_failure = failure
         return tuple(failures)
+
+    def _remember_policy(self) -> None:
+        assert self._policy is not None
+        try:
+            self._policy.remember()
+        except DataplaneError as e:  # the next change finds no reference and rebuilds
+            log.warning("reading the policy table back failed: %s", e)
 
     def resync_firewall(self) -> bool:
         """Check and repair the firewall's rules alone (its timer; a full pass would read
@@ -379,13 +398,17 @@ class Reconciler:
             # so that it costs one pass rather than one per event. A new plan alone goes
             # at once: the writer already made one plan of its burst of lease events.
             with self._lock:
-                kernel_news = bool(self._reasons - {PLAN_CHANGED})
+                kernel_news = bool(self._reasons - {PLAN_CHANGED, READ_BACK})
             if kernel_news:
                 stop.wait(KERNEL_EVENTS_WAIT)
             self._wake.clear()
             with self._lock:
                 reasons = sorted(self._reasons) or [PERIODIC]
                 self._reasons.clear()
+            if reasons == [READ_BACK] and self._policy is not None:
+                with self._pass_lock:  # a table written outside a pass: no pass for it
+                    self._remember_policy()
+                continue
             try:
                 self.reconcile_once(", ".join(reasons))
             except Exception:

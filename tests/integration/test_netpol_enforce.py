@@ -21,7 +21,7 @@ import pytest
 from flannelpy.dataplane.libnft import LibNftables
 from flannelpy.dataplane.netlink_host import set_sysctl
 from flannelpy.dataplane.netns import netns_path, run_in_netns
-from flannelpy.dataplane.nfgen import ruleset_generation
+from flannelpy.dataplane.nfgen import RulesetGeneration, ruleset_generation
 from flannelpy.dataplane.policy_table import PolicyTable
 from flannelpy.dataplane.reconciler import BRIDGE_NF_SYSCTLS, Reconciler
 from flannelpy.dataplane.state import DesiredState
@@ -195,3 +195,45 @@ def test_in_process_with_the_generation_a_change_skips_the_read_back_but_not_a_h
     reconciler.reconcile_once("periodic resync")
     assert reconciler.policy_rebuilds == 2
     assert not connects(web)
+
+
+def test_a_change_written_at_once_is_read_back_later_and_a_hand_edit_before_it_is_undone(
+    cluster: tuple[Netns, Netns, Netns],
+) -> None:
+    """The agent's way for a policy change: written on the writer's thread at once
+    (``set_desired_policy``), the read-back left to the reconciler's loop. A rule slipped
+    in by hand before that read-back cannot be told from ours: the next change replaces
+    the table whole, and the connection the hand opened is denied again."""
+    node, web, _ = cluster
+    nft = run_in_netns(netns_path(node.name), LibNftables.load)
+    asker = run_in_netns(netns_path(node.name), lambda: _opened(RulesetGeneration()))
+    assert nft is not None
+    adapter = PolicyTable(run=nft, generation=asker)
+    reconciler = Reconciler(NodeKernel(node), 10.0, policy=adapter)
+    reconciler.set_desired(DesiredState(policy=table("web")))
+    reconciler.reconcile_once("test")
+    assert not connects(web)
+
+    read = adapter.listings
+    reconciler.set_desired_policy(DesiredState(policy=table("api")))  # web relabelled
+    assert connects(web)  # in force before any read-back
+    assert adapter.listings == read
+    reconciler.set_desired_policy(DesiredState(policy=table("web")))  # and back
+    assert not connects(web) and adapter.listings == read
+
+    hand = ["nft", "insert", "rule", "inet", TABLE, "forward", "accept"]
+    sh(["ip", "netns", "exec", node.name, *hand])
+    assert connects(web)  # opened by the hand-made rule
+    adapter.remember()  # the loop's read-back: the generation moved, none is taken
+    assert adapter.listings == read
+    reconciler.set_desired_policy(DesiredState(policy=table("api")))
+    reconciler.set_desired_policy(DesiredState(policy=table("web")))
+    assert reconciler.policy_rebuilds == 2  # at start, and the unverified table
+    assert not connects(web)
+    asker.close()
+
+
+def _opened(asker: RulesetGeneration) -> RulesetGeneration:
+    """The asker with its socket made in the calling thread's namespace."""
+    assert asker() is not None
+    return asker

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flannelpy.dataplane.policy_table import AT_START, CHANGED, MISSING, PolicyTable
+from flannelpy.dataplane.policy_table import AT_START, CHANGED, MISSING, UNVERIFIED, PolicyTable
 from flannelpy.errors import DataplaneError
 from flannelpy.netpol.nft import TABLE
 from tests.support.fake_nft import FakeNft
@@ -116,3 +116,45 @@ def test_an_unknown_generation_reads_the_table_back_every_time() -> None:
     adapter.apply(FIRST)
     adapter.apply(FIRST)
     assert adapter.listings == read + 2
+
+
+THIRD = table([DB_POLICY], [*PODS, pod("api3", "api", "10.244.2.4", node="n2")])
+
+
+def test_a_read_back_left_owed_is_taken_later_once_and_only_then() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: nft.generation)
+    adapter.apply(FIRST)
+    read = adapter.listings
+    assert adapter.apply(SECOND, read_back=False) is None
+    assert adapter.apply(THIRD, read_back=False) is None  # no reference needed yet
+    assert adapter.listings == read and nft.scripts[2] == THIRD.script_from(SECOND)
+    adapter.remember()
+    adapter.remember()  # nothing owed any more
+    assert adapter.listings == read + 1
+    nft.elsewhere()
+    assert adapter.apply(THIRD) is None  # compared with that reference: found intact
+    assert len(nft.scripts) == 3
+
+
+def test_a_write_by_someone_else_before_the_read_back_means_a_rebuild_at_the_next_change() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: nft.generation)
+    adapter.apply(FIRST)
+    adapter.apply(SECOND, read_back=False)
+    nft.alter()  # a rule slipped into our table before we read it back
+    read = adapter.listings
+    adapter.remember()
+    assert adapter.listings == read  # what it would read is not only ours: not taken
+    assert adapter.apply(SECOND) == UNVERIFIED
+    assert nft.table == SECOND.script_from(None).splitlines()  # the hand's rule is gone
+    assert adapter.apply(SECOND) is None and len(nft.scripts) == 3
+
+
+def test_without_a_generation_the_read_back_is_never_left_owed() -> None:
+    nft = FakeNft()
+    adapter = PolicyTable(run=nft, generation=lambda: None)
+    adapter.apply(FIRST)
+    read = adapter.listings
+    adapter.apply(SECOND, read_back=False)
+    assert adapter.listings == read + 2  # the check before the write, the reference after

@@ -8,10 +8,11 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flannelpy.dataplane.reconciler import Reconciler
+from flannelpy.dataplane.reconciler import READ_BACK, Reconciler
 from flannelpy.dataplane.state import DesiredState
 from flannelpy.errors import DataplaneError
 from tests.support.fakes import FakeKernel
+from tests.support.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,19 @@ class RecordingTable:
 
     def __init__(self) -> None:
         self.applied: list[tuple[str, str]] = []
+        self.read_back: list[bool] = []
         self.fail = False
+        self.remembered = 0
 
-    def apply(self, desired: Any) -> str | None:
+    def apply(self, desired: Any, read_back: bool = True) -> str | None:
         if self.fail:
             raise DataplaneError("injected")
         self.applied.append((desired.name, threading.current_thread().name))
+        self.read_back.append(read_back)
         return None
+
+    def remember(self) -> None:
+        self.remembered += 1
 
     def counters(self, table: str) -> dict[str, int]:
         return {}
@@ -63,10 +70,12 @@ def test_with_a_table_in_place_a_new_one_is_written_at_once_without_a_pass() -> 
     reconciler, table, kernel, desired = make()
     reconciler.reconcile_once("loop")
     reconciler._wake.clear()  # as the loop does before its pass
+    reconciler._reasons.clear()
     passes, observed = reconciler.last_result, kernel.observe_calls
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
     assert table.applied[-1] == ("b", threading.current_thread().name)
-    assert not reconciler._wake.is_set()
+    assert table.read_back == [True, False]  # the read-back is the loop's, later
+    assert reconciler._reasons == {READ_BACK}
     assert reconciler.last_result is passes and kernel.observe_calls == observed
     assert reconciler.desired is not None and reconciler.desired.policy == Table("b")
     reconciler.reconcile_once("desired state changed")  # a later pass finds it in place
@@ -98,3 +107,23 @@ def test_a_failed_write_is_retried_and_reported_by_the_next_pass() -> None:
     result = reconciler.reconcile_once("loop")
     assert result is not None and result.converged
     assert [name for name, _ in table.applied] == ["a", "b"]
+
+
+def test_the_loop_takes_the_owed_read_back_without_a_pass() -> None:
+    reconciler, table, _, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()
+    reconciler._reasons.clear()
+    reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+    remembered, passes = table.remembered, reconciler.last_result
+    stop = threading.Event()
+    loop = threading.Thread(target=reconciler.run, args=(stop,))
+    loop.start()
+    try:
+        wait_until(lambda: table.remembered > remembered, 5.0, "the read-back")
+    finally:
+        stop.set()
+        reconciler.trigger("stop")
+        loop.join(5.0)
+    assert table.remembered == remembered + 1
+    assert reconciler.last_result is passes  # no pass ran for it
