@@ -36,6 +36,7 @@ compiles to an equal value.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -179,9 +180,11 @@ def _unread(
     return found
 
 
+@functools.lru_cache(maxsize=16384)
 def peer_set_name(peer: Peer, policy_namespace: str, family: int) -> str:
     """The stable name of the set of pods a peer selects: it depends on the selectors
-    (and, without a namespace selector, the policy's namespace) alone."""
+    (and, without a namespace selector, the policy's namespace) alone. Kept: every
+    compile asks again for every rule's peers."""
     key = repr(_peer_key(peer, policy_namespace))
     return f"np_{hashlib.sha256(key.encode()).hexdigest()[:12]}_{PODS}{family}"
 
@@ -205,6 +208,7 @@ def _selector_text(selector: LabelSelector) -> str:
     return " ".join(parts) or "all"
 
 
+@functools.lru_cache(maxsize=16384)
 def set_name(policy: str, direction: str, rule: int, kind: str, family: int) -> str:
     """The stable name of a rule's set: it depends on the policy's identity, nothing else."""
     digest = hashlib.sha256(policy.encode()).hexdigest()[:12]

@@ -30,6 +30,7 @@ never flushes the table.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -300,7 +301,9 @@ def _port_match(ports: tuple[PortMatch, ...]) -> list[str]:
     return [f"meta l4proto . th dport {{ {', '.join(items)} }}"]
 
 
+@functools.lru_cache(maxsize=16384)
 def _comment(text: str, also: str = "") -> str:
-    """Names are validated by the model; keep only their characters all the same."""
+    """Names are validated by the model; keep only their characters all the same. The
+    same few thousand comments come back at every compile: kept, not made again."""
     kept = "-./ " + also
     return "".join(c for c in text if c.isascii() and (c.isalnum() or c in kept))[:COMMENT_MAX]
