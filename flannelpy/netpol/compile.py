@@ -226,6 +226,23 @@ class _Cluster:
         for p in self.live:
             self.by_namespace.setdefault(p.namespace, []).append(p)
         self._found: dict[tuple[object, ...], list[Pod]] = {}
+        # Per namespace, its pods by each label they carry (made when first asked).
+        self._by_label: dict[str, dict[tuple[str, str], list[Pod]]] = {}
+
+    def candidates(self, namespace: str, selector: LabelSelector | None) -> Sequence[Pod]:
+        """The pods of ``namespace`` that may match ``selector`` (in order): those with
+        the rarest of its ``matchLabels`` pairs, or all of them when it has none. The
+        caller still checks the whole selector on each."""
+        pods = self.by_namespace.get(namespace, [])
+        if selector is None or not selector.match_labels:
+            return pods
+        index = self._by_label.get(namespace)
+        if index is None:
+            index = self._by_label[namespace] = {}
+            for pod in pods:
+                for pair in pod.label_map.items():
+                    index.setdefault(pair, []).append(pod)
+        return min((index.get(pair, []) for pair in selector.match_labels), key=len)
 
     def peer_pods(self, peer: Peer, policy_namespace: str) -> list[Pod]:
         """The live pods ``peer`` selects, looked at namespace by namespace (a selector's
@@ -242,7 +259,7 @@ class _Cluster:
             self._found[key] = [
                 p
                 for n in sorted(namespaces)
-                for p in self.by_namespace.get(n, ())
+                for p in self.candidates(n, pod_sel)
                 if pod_sel is None or pod_sel.matches(p.label_map)
             ]
         return self._found[key]

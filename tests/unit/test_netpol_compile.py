@@ -394,3 +394,47 @@ def test_a_named_egress_port_to_an_ip_block_resolves_on_the_pods_inside_it() -> 
         "10.244.2.2 . tcp . 9090",
     )
     assert elements(compiled, sname("web", EGRESS, 0, ADDR_PORTS, 6)) == ()
+
+
+LABEL_KEYS, LABEL_VALUES = ("app", "tier", "team"), ("a", "b", "c")
+labels_st = st.dictionaries(st.sampled_from(LABEL_KEYS), st.sampled_from(LABEL_VALUES))
+requirement_st = st.builds(
+    lambda key, op, values: {"key": key, "operator": op, "values": values},
+    st.sampled_from(LABEL_KEYS),
+    st.sampled_from(("In", "NotIn")),
+    st.lists(st.sampled_from(LABEL_VALUES), min_size=1, max_size=2, unique=True),
+) | st.builds(
+    lambda key, op: {"key": key, "operator": op},
+    st.sampled_from(LABEL_KEYS),
+    st.sampled_from(("Exists", "DoesNotExist")),
+)
+selector_st = st.builds(
+    lambda labels, expressions: {"matchLabels": labels, "matchExpressions": expressions},
+    labels_st,
+    st.lists(requirement_st, max_size=2),
+)
+
+
+@settings(max_examples=60)
+@given(st.lists(labels_st, min_size=1, max_size=30), st.lists(selector_st, min_size=1, max_size=4))
+def test_a_peer_set_holds_exactly_the_pods_its_selector_matches(
+    pod_labels: list[dict[str, str]], selectors: list[dict[str, Any]]
+) -> None:
+    """The pods a peer selects are found through a label index: the same as looking at
+    every pod of the namespace."""
+    members = [(labels, f"10.244.2.{i + 2}") for i, labels in enumerate(pod_labels)]
+    pods = [pod("shop", f"p{i}", labels, [ip], "n2") for i, (labels, ip) in enumerate(members)]
+    pods.append(pod("shop", "db", {"role": "db"}, ["10.244.1.2"]))  # the one local pod
+    members.append(({"role": "db"}, "10.244.1.2"))
+    spec = {
+        "podSelector": {"matchLabels": {"role": "db"}},
+        "ingress": [{"from": [{"podSelector": s}]} for s in selectors],
+    }
+    compiled = compile_node([policy("db", spec)], pods, [namespace("shop")], NODE)
+    for rule in policy("db", spec).ingress:
+        (peer,) = rule.peers
+        assert peer.pod_selector is not None
+        matched = [ip for labels, ip in members if peer.pod_selector.matches(labels)]
+        want = tuple(sorted(matched, key=lambda ip: tuple(int(b) for b in ip.split("."))))
+        (found,) = [s for s in compiled.sets if s.name == peer_set_name(peer, "shop", 4)]
+        assert found.elements == want
