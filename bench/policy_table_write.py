@@ -13,7 +13,7 @@ the set, the smallest transaction a pod change makes, timed to its return:
 * **ours**: the same script through one libnftables context kept for the run
   (``flannelpy.dataplane.libnft``), as the agent runs it now.
 
-Also timed: the read-back of the table as JSON (``nft -j list table``) both ways, and
+Also timed: the read-back of the table (``nft -s list table``, as the agent reads it) both ways, and
 the ruleset generation (``NFT_MSG_GETGEN``) asked right after a change that deleted an
 element: over a socket made for the question (the reference, as the agent asked before)
 against one socket kept open (``flannelpy.dataplane.nfgen.RulesetGeneration``), both
@@ -106,7 +106,7 @@ def measure(rules: int, changes: int) -> dict[str, list[float]]:
             if done.returncode != 0:
                 raise SystemExit(f"libnftables: {done.stderr.strip()}")
 
-        listing = ["nft", "-j", "list", "table", *TABLE.split()]
+        listing = ["nft", "-s", "list", "table", *TABLE.split()]
 
         def list_by_command(_: str) -> None:
             subprocess.run(["ip", "netns", "exec", ns, *listing], capture_output=True, check=True)

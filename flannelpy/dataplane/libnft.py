@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 LIBRARY = "libnftables.so.1"  # Debian's libnftables1, a dependency of the nftables package
 NFT_CTX_DEFAULT = 0
-NFT_CTX_OUTPUT_JSON = 1 << 4
+NFT_CTX_OUTPUT_STATELESS = 1 << 2  # nft -s: no counter values
+NFT_CTX_OUTPUT_JSON = 1 << 4  # nft -j
+OUTPUT_OPTIONS = {"-s": NFT_CTX_OUTPUT_STATELESS, "-j": NFT_CTX_OUTPUT_JSON}
 
 
 class UnsupportedCommand(ValueError):
@@ -72,10 +74,10 @@ class LibNftables:
     ) -> subprocess.CompletedProcess[str]:
         """What ``subprocess.run(argv, input=..., capture_output=True, text=True)`` of the
         ``nft`` command line ``argv`` would give (no namespace prefix: this process's)."""
-        command, as_json = translate(argv, input)
+        command, flags = translate(argv, input)
         lib = self._lib
         with self._lock:
-            lib.nft_ctx_output_set_flags(self._ctx, NFT_CTX_OUTPUT_JSON if as_json else 0)
+            lib.nft_ctx_output_set_flags(self._ctx, flags)
             rc = lib.nft_run_cmd_from_buffer(self._ctx, command.encode())
             out = lib.nft_ctx_get_output_buffer(self._ctx) or b""
             err = lib.nft_ctx_get_error_buffer(self._ctx) or b""
@@ -84,17 +86,18 @@ class LibNftables:
         )
 
 
-def translate(argv: Sequence[str], input: str | None) -> tuple[str, bool]:
-    """The command text and JSON flag of an ``nft`` command line: ``nft -f -`` runs
-    ``input``; ``nft [-j] WORDS...`` runs the words joined, as the command joins them."""
+def translate(argv: Sequence[str], input: str | None) -> tuple[str, int]:
+    """The command text and output flags of an ``nft`` command line: ``nft -f -`` runs
+    ``input``; ``nft [-s] [-j] WORDS...`` runs the words joined, as the command joins
+    them, stateless (``-s``) and as JSON (``-j``) as asked."""
     if not argv or argv[0] != "nft":
         raise UnsupportedCommand(f"not an nft command line: {list(argv)}")
     args = list(argv[1:])
-    as_json = bool(args) and args[0] == "-j"
-    if as_json:
-        args = args[1:]
+    flags = 0
+    while args and args[0] in OUTPUT_OPTIONS:
+        flags |= OUTPUT_OPTIONS[args.pop(0)]
     if args == ["-f", "-"]:
-        return input or "", as_json
+        return input or "", flags
     if not args or any(a.startswith("-") for a in args):
-        raise UnsupportedCommand(f"nft options other than -j and -f - : {list(argv)}")
-    return " ".join(args), as_json
+        raise UnsupportedCommand(f"nft options other than -s, -j and -f - : {list(argv)}")
+    return " ".join(args), flags

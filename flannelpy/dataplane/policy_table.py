@@ -1,7 +1,7 @@
 """The NetworkPolicy table in the kernel: the reconciler's thin adapter over ``nft``.
 
 The planner hands a whole table as a value (:class:`~flannelpy.dataplane.state.NftTableSpec`,
-NetworkPolicy's ``Ruleset``). Each pass reads the table back (``nft -j list table``)
+NetworkPolicy's ``Ruleset``). Each pass reads the table back (``nft -s list table``)
 and compares it with the listing taken right after our last write, counters aside:
 
 * unchanged since our last write: the one transaction from what we last applied to
@@ -26,7 +26,6 @@ import json
 import logging
 import subprocess
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from flannelpy.dataplane.nftables import Runner, first_line, run_nft
 from flannelpy.dataplane.state import NftTableSpec
@@ -56,7 +55,7 @@ class PolicyTable:
         self._timeout = timeout
         self._generation = generation  # the namespace's nftables generation; None: unknown
         self._applied: NftTableSpec | None = None  # what our last write made the table
-        self._listing: Any = None  # its listing right after that write, counters aside
+        self._listing: str | None = None  # its listing right after that write, stateless
         self._known_gen: int | None = None  # a generation at which it read as _listing
         # (or, while a read-back is owed, the one right after our write)
         self._owed: str | None = None  # the table whose read-back remember() owes
@@ -132,9 +131,11 @@ class PolicyTable:
         after = self._generation()
         self._known_gen = before if before is not None and before == after else None
 
-    def listing(self, table: str) -> Any:
-        """``nft -j list table`` with counter values dropped; None when it is absent."""
-        argv = [*self._prefix, "nft", "-j", "list", "table", *table.split()]
+    def listing(self, table: str) -> str | None:
+        """``nft -s list table``: the table as text without counter values (stateless);
+        None when it is absent. Text, not JSON: half the library's time for a large
+        table, and compared as one string."""
+        argv = [*self._prefix, "nft", "-s", "list", "table", *table.split()]
         self.listings += 1
         proc = run_nft(self._run, argv, None, self._timeout)
         if proc.returncode != 0:
@@ -144,11 +145,7 @@ class PolicyTable:
                 f"nft cannot list table {table}: {first_line(proc.stderr)}; "
                 "check that nftables works on this host"
             )
-        try:
-            doc = json.loads(proc.stdout)
-        except ValueError as e:
-            raise DataplaneError(f"nft listed table {table} as something not JSON ({e})") from e
-        return _without_counts(doc.get("nftables", []))
+        return proc.stdout
 
     def counters(self, table: str) -> dict[str, int]:
         """The packets each named counter of ``table`` counted (``nft -j list counters``:
@@ -181,21 +178,3 @@ class PolicyTable:
                 f"nft could not {what}: {first_line(proc.stderr)}; check that the kernel "
                 "has nftables with the inet family (nf_tables, nft_ct)"
             )
-
-
-def _without_counts(value: Any) -> Any:
-    """The listing with what packets change removed: counter values (of a rule's own
-    counter and of a named one, whose name and comment stay) and the metainfo."""
-    if isinstance(value, list):
-        return [_without_counts(v) for v in value if not (isinstance(v, dict) and "metainfo" in v)]
-    if isinstance(value, dict):
-        return {
-            k: (_uncounted(v) if k == "counter" else _without_counts(v)) for k, v in value.items()
-        }
-    return value
-
-
-def _uncounted(counter: Any) -> Any:
-    if isinstance(counter, dict):
-        return {k: v for k, v in counter.items() if k not in ("packets", "bytes")}
-    return counter  # a rule's reference to a named counter: its name

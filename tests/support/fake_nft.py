@@ -23,11 +23,10 @@ class FakeNft:
 
     def __call__(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         args = argv[argv.index("nft") + 1 :]
-        if args[:3] == ["-j", "list", "table"]:
+        if args[:3] == ["-s", "list", "table"]:
             if self.table is None:
                 return self._done(argv, 1, err="Error: No such file or directory")
-            items = [{"table": {"name": args[-1]}}, {"script": self.table}]
-            return self._done(argv, 0, out=json.dumps({"nftables": items}))
+            return self._done(argv, 0, out="\n".join([f"table {args[-1]}", *self.table]))
         if args[:3] == ["-j", "list", "counters"]:
             if self.table is None:
                 return self._done(argv, 1, err="Error: No such file or directory")

@@ -10,6 +10,7 @@ import pytest
 
 from flannelpy.dataplane.libnft import (
     NFT_CTX_OUTPUT_JSON,
+    NFT_CTX_OUTPUT_STATELESS,
     LibNftables,
     UnsupportedCommand,
     translate,
@@ -17,10 +18,14 @@ from flannelpy.dataplane.libnft import (
 
 
 def test_a_script_on_stdin_and_words_on_the_command_line() -> None:
-    assert translate(["nft", "-f", "-"], "add table inet t\n") == ("add table inet t\n", False)
+    assert translate(["nft", "-f", "-"], "add table inet t\n") == ("add table inet t\n", 0)
     assert translate(["nft", "-j", "list", "table", "inet", "t"], None) == (
         "list table inet t",
-        True,
+        NFT_CTX_OUTPUT_JSON,
+    )
+    assert translate(["nft", "-s", "list", "table", "inet", "t"], None) == (
+        "list table inet t",
+        NFT_CTX_OUTPUT_STATELESS,
     )
 
 
