@@ -409,6 +409,8 @@ class Reconciler:
                 with self._pass_lock:  # a table written outside a pass: no pass for it
                     self._remember_policy()
                 continue
+            # A pass takes an owed read-back anyway; as a reason it would cost a dump.
+            reasons = [r for r in reasons if r != READ_BACK] or [PLAN_CHANGED]
             try:
                 self.reconcile_once(", ".join(reasons))
             except Exception:

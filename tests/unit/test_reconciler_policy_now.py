@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flannelpy.dataplane.reconciler import READ_BACK, Reconciler
+from flannelpy.dataplane.reconciler import PLAN_CHANGED, READ_BACK, Reconciler
 from flannelpy.dataplane.state import DesiredState
 from flannelpy.errors import DataplaneError
 from tests.support.fakes import FakeKernel
@@ -127,3 +127,27 @@ def test_the_loop_takes_the_owed_read_back_without_a_pass() -> None:
         loop.join(5.0)
     assert table.remembered == remembered + 1
     assert reconciler.last_result is passes  # no pass ran for it
+
+
+def test_a_pass_that_also_owes_a_read_back_is_a_pass_for_the_plan() -> None:
+    """With a new plan waiting too, the pass takes the read-back; it reads no route back."""
+    reconciler, table, kernel, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()
+    reconciler._reasons.clear()
+    reconciler.set_desired_policy(replace(desired, policy=Table("b")))
+    reconciler.set_desired(replace(desired, policy=Table("c")))
+    observed, remembered = kernel.observe_calls, table.remembered
+    stop = threading.Event()
+    loop = threading.Thread(target=reconciler.run, args=(stop,))
+    loop.start()
+    try:
+        wait_until(lambda: table.remembered > remembered, 5.0, "the pass")
+    finally:
+        stop.set()
+        reconciler.trigger("stop")
+        loop.join(5.0)
+    result = reconciler.last_result
+    assert result is not None and result.reason == PLAN_CHANGED
+    assert kernel.observe_calls == observed  # the kernel known from the last pass
+    assert [name for name, _ in table.applied] == ["a", "b", "c"]
