@@ -69,10 +69,12 @@ out=$out_dir/$binary
 stamp=$out_dir/.stamp
 
 # Everything the binary depends on: the wrapper's files, this script and the toolchain.
+# By content and by path within the checkout, never by where the checkout is: a clone
+# elsewhere reuses the same build.
 inputs_hash=$( {
   find "$wrapper" -path "$wrapper/patched" -prune -o -type f ! -name README.md -print0 |
     sort -z | xargs -0 sha256sum
-  sha256sum "$self"
+  sha256sum <"$self"
   go version
 } | sha256sum | cut -c1-16)
 
