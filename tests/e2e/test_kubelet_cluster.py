@@ -461,6 +461,8 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
     parents = [kubelet.cgroup_parent(lab.state, n) for n in lab.nodes]
     pod_pids = set().union(*(cgroups.cgroup_pids(p) for p in parents))
     assert pod_pids, "no pod process in the nodes' cgroups"
+    # By pid and start time: on a busy machine a pid freed by down() may soon be another's.
+    pod_refs = [r for r in map(procs.current_ref, pod_pids) if r is not None]
     # The kubelets mounted the pods' volumes in the nodes' mount namespaces only.
     containerd = {
         k.split("/")[1]: r
@@ -476,11 +478,7 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
         with contextlib.suppress(OSError):  # gone, or not ours to look at
             assert os.stat(f"/proc/{pid}/ns/mnt").st_ino not in namespaces, pid
     assert not any(procs.alive(r) for r in refs)
-    wait_until(
-        lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pod_pids),
-        timeout=5,
-        what="every pod process gone",
-    )
+    assert procs.wait_gone(pod_refs, 15.0) == [], "pod processes outlived down()"
     for hierarchy in cgroups.hierarchies():
         assert not [d for d in os.listdir(hierarchy) if d.startswith(f"fpl-{lab.name}-")]
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
