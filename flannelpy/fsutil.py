@@ -20,7 +20,11 @@ import errno
 import os
 import tempfile
 import threading
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+
+_FAILURES_KEPT = 64  # a disk that fails this often fails the waiters' retries too
 
 
 def atomic_write(
@@ -74,23 +78,30 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-class GroupSync:
-    """The fsync of one directory, shared by the threads that renamed or unlinked in it.
+class GroupCommit:
+    """Changes made durable together (group commit): ``ticket()`` right after a change
+    (under the caller's lock, if any), ``wait(ticket)`` after leaving that lock. It returns
+    once a ``flush`` that began after the ticket was taken has completed. The first waiter
+    runs it; waiters that arrive meanwhile queue behind it and the next one runs a single
+    flush for all of them.
 
-    ``ticket()`` right after the change (under the caller's lock, if any), ``wait(ticket)``
-    after leaving that lock: it returns once a directory fsync that began after the
-    ticket was taken has completed. The first waiter runs it; waiters that arrive
-    meanwhile queue behind it and the next one runs a single fsync for all of them. A
-    failed fsync raises in the thread that ran it and covers nobody: the next waiter
-    tries again."""
+    A failed flush raises in the thread that ran it. With ``failures_cover`` false it
+    covers nobody and the next waiter tries again (a directory fsync: retrying is
+    harmless). With ``failures_cover`` true it fails every change ticketed before it
+    began, in every waiter: the flush has dropped those changes (a batch of writes whose
+    caller went back to what is on disk), so no later flush may report them durable."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = os.fspath(directory)
+    def __init__(self, flush: Callable[[], None], failures_cover: bool = False) -> None:
+        self._flush = flush
+        self._failures_cover = failures_cover
         self._cond = threading.Condition()
         self._taken = 0  # tickets handed out
         self._synced = 0  # every ticket up to this one is durable
+        # Failed flushes: (tickets after, up to, why), the newest last; a few kept, as a
+        # waiter reads its own once it wakes.
+        self._failed: deque[tuple[int, int, BaseException]] = deque(maxlen=_FAILURES_KEPT)
         self._running = False
-        self.fsyncs = 0  # directory fsyncs run (tests, benches)
+        self.flushes = 0  # flushes completed (tests, benches)
 
     def ticket(self) -> int:
         with self._cond:
@@ -99,24 +110,55 @@ class GroupSync:
 
     def wait(self, ticket: int) -> None:
         with self._cond:
-            while self._synced < ticket and self._running:
+            while True:
+                self._raise_if_failed(ticket)
+                if self._synced >= ticket:
+                    return
+                if not self._running:
+                    break
                 self._cond.wait()
-            if self._synced >= ticket:
-                return
             self._running = True
-            covers = self._taken  # every change ticketed so far is already renamed
-        done = False
+            after, covers = self._synced, self._taken  # every change ticketed so far is made
+        error: BaseException | None = None
         try:
-            fsync_dir(self.directory)
-            done = True
+            self._flush()
+        except BaseException as e:
+            error = e
+            raise
         finally:
             with self._cond:
                 self._running = False
-                if done:
+                if error is None:
                     self._synced = max(self._synced, covers)
-                    self.fsyncs += 1
+                    self.flushes += 1
+                elif self._failures_cover:
+                    self._failed.append((after, covers, error))
+                    self._synced = max(self._synced, covers)  # settled: never flushed again
                 self._cond.notify_all()
 
+    def _raise_if_failed(self, ticket: int) -> None:
+        for after, upto, why in self._failed:
+            if after < ticket <= upto:
+                raise why
+
     def sync(self) -> None:
-        """Make every change made in the directory before this call durable."""
+        """Make every change made before this call durable."""
         self.wait(self.ticket())
+
+
+class GroupSync(GroupCommit):
+    """The fsync of one directory, shared by the threads that renamed or unlinked in it
+    (a :class:`GroupCommit` whose flush is the directory's fsync; a failed one covers
+    nobody: the next waiter tries again)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+        super().__init__(self._fsync)
+
+    @property
+    def fsyncs(self) -> int:
+        """Directory fsyncs run (tests, benches)."""
+        return self.flushes
+
+    def _fsync(self) -> None:
+        fsync_dir(self.directory)
