@@ -3,8 +3,9 @@ and the result the runtime gets.
 
 ADD acquires in this order, each step registering its undo: the address (IPAM), the
 record, the bridge (shared, never undone), the veth pair. The record is known before the
-veth exists (its MACs are chosen first), so a thread of its own makes IPAM's change
-durable (its directory's fsync) and then writes the record (fsync'd) while the pod is
+veth exists (its MACs are chosen first), so a worker thread makes IPAM's change
+durable (the batch holding it: the pool file and its directory's fsync, shared with the
+ADDs and DELs of the moment) and then writes the record (fsync'd) while the pod is
 plumbed, and the result is returned only once both are durable: the disk's time and the
 netlink work overlap instead of adding up. A record whose
 veth was never made (a crash in between) is what the start-up GC removes, as one whose
@@ -48,6 +49,7 @@ from flannelpy.cni.spec import (
     render_result,
 )
 from flannelpy.cni.teardown import record_owner
+from flannelpy.cni.workers import Workers
 from flannelpy.dataplane.podnames import (
     IPInterface,
     IPNetwork,
@@ -173,8 +175,8 @@ class AddCommand(CommandContext):
             gateways=tuple(a.gateway for a in allocs),
             result=stored,
         )
-        # IPAM's directory fsync, then the record: durable in that order, beside the plumbing.
-        writing = Background(_commit_then_write, commit_ipam, self.records, record)
+        # IPAM's batch, then the record: durable in that order, beside the plumbing.
+        writing = Background(self.writers, _commit_then_write, commit_ipam, self.records, record)
         undo.push("delete record", lambda: _forget_record(writing, self.records, record))
         index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
         self.pods.add_pod(
@@ -224,22 +226,28 @@ class AddCommand(CommandContext):
 
 
 class Background:
-    """``fn(*args)`` in a thread of its own; ``result()`` waits for it and raises what it
-    raised. A plain thread, not a pool: a burst of ADDs writes all its records at once."""
+    """``fn(*args)`` at once on a thread of ``workers`` (no bound: a burst of ADDs writes
+    all its records at once, their fsyncs overlapping); ``result()`` waits for it and
+    raises what it raised. Without a thread to be had, it runs here and now."""
 
-    def __init__(self, fn: Callable[..., object], *args: object) -> None:
+    def __init__(self, workers: Workers, fn: Callable[..., object], *args: object) -> None:
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        try:
+            workers.submit(lambda: self._run(fn, args))
+        except RuntimeError:  # "can't start new thread"
+            self._run(fn, args)
 
     def _run(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         try:
             fn(*args)
         except BaseException as e:  # handed to result()
             self._error = e
+        finally:
+            self._done.set()
 
     def result(self) -> None:
-        self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
 
