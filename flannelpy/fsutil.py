@@ -42,8 +42,23 @@ def atomic_write(
     A missing directory is created with ``dir_mode`` (less the umask), as ``os.makedirs``
     does: only the last component gets it."""
     target = Path(path)
-    target.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
     payload = data.encode() if isinstance(data, str) else data
+    tmp = write_temp(target, payload, mode, durable, dir_mode)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if durable and sync_dir:
+        fsync_dir(target.parent)
+
+
+def write_temp(target: Path, payload: bytes, mode: int, durable: bool, dir_mode: int) -> str:
+    """The first half of :func:`atomic_write`: ``payload`` in a uniquely named temp file
+    beside ``target`` (fsync'd when ``durable``), whose name is returned for the caller
+    to rename over ``target`` (or unlink). Nothing is left behind when it raises."""
+    target.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -54,13 +69,11 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if durable and sync_dir:
-        fsync_dir(target.parent)
+    return tmp
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -85,13 +98,19 @@ class GroupCommit:
     runs it; waiters that arrive meanwhile queue behind it and the next one runs a single
     flush for all of them.
 
+    A flush that takes its batch under a lock the ticket-takers hold returns the ticket
+    count it took it at (``taken``, read under that lock): it covers those, not what was
+    ticketed between its start and its snapshot. A flush that returns None covers what
+    was ticketed when it began.
+
     A failed flush raises in the thread that ran it. With ``failures_cover`` false it
     covers nobody and the next waiter tries again (a directory fsync: retrying is
-    harmless). With ``failures_cover`` true it fails every change ticketed before it
-    began, in every waiter: the flush has dropped those changes (a batch of writes whose
-    caller went back to what is on disk), so no later flush may report them durable."""
+    harmless). With ``failures_cover`` true it fails every change it covered (an
+    exception's ``covers`` attribute, else what was ticketed when it began), in every
+    waiter: the flush has dropped those changes (a batch of writes whose caller went
+    back to what is on disk), so no later flush may report them durable."""
 
-    def __init__(self, flush: Callable[[], None], failures_cover: bool = False) -> None:
+    def __init__(self, flush: Callable[[], int | None], failures_cover: bool = False) -> None:
         self._flush = flush
         self._failures_cover = failures_cover
         self._cond = threading.Condition()
@@ -108,6 +127,12 @@ class GroupCommit:
             self._taken += 1
             return self._taken
 
+    @property
+    def taken(self) -> int:
+        """Tickets handed out so far."""
+        with self._cond:
+            return self._taken
+
     def wait(self, ticket: int) -> None:
         with self._cond:
             while True:
@@ -121,9 +146,10 @@ class GroupCommit:
             after, covers = self._synced, self._taken  # every change ticketed so far is made
         error: BaseException | None = None
         try:
-            self._flush()
+            covers = self._flush() or covers
         except BaseException as e:
             error = e
+            covers = getattr(e, "covers", None) or covers
             raise
         finally:
             with self._cond:

@@ -57,6 +57,15 @@ _POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|[0-9a-f-]{2,39})_
 IPNetwork = IPv4Network | IPv6Network
 
 
+class BatchLost(StoreError):
+    """A batch of writes failed: every change it held (tickets up to ``covers``) failed
+    with it, in each request that made one."""
+
+    def __init__(self, message: str, covers: int) -> None:
+        super().__init__(message)
+        self.covers = covers
+
+
 def pool_file_name(subnet: IPNetwork) -> str:
     # No ":" in file names: tools that copy state directories (tar, scp) treat it specially.
     return f"{str(subnet.network_address).replace(':', '-')}_{subnet.prefixlen}.json"
@@ -246,21 +255,23 @@ class IpamStore:
         every request it held, when their batch failed."""
         self._group.wait(ticket)
 
-    def _write_batch(self) -> None:
+    def _write_batch(self) -> int:
         """One batch: every pending pool written (the operations' lock held, so nothing
-        changes meanwhile), the file lock released, then the directory's fsync."""
+        changes meanwhile), the file lock released, then the directory's fsync. Returns
+        the tickets it covers (every change is ticketed under that lock)."""
         with self._op_lock:
             batch, self._pending = self._pending, {}
+            covers = self._group.taken
             self._held = True
             try:
                 for subnet, data in batch.items():
                     self._write(subnet, data)
-            except StoreError:
+            except StoreError as e:
                 for subnet in batch:
                     self._seen.pop(subnet, None)  # whatever is on disk, read again
                 if self._reload is not None:
                     self._reload(list(batch))
-                raise
+                raise BatchLost(str(e), covers) from e
             finally:
                 self._held = False
                 self._keep_or_unlock()
@@ -268,10 +279,12 @@ class IpamStore:
             try:
                 fsutil.fsync_dir(self.directory)
             except OSError as e:
-                raise StoreError(
+                raise BatchLost(
                     f"cannot make the IPAM state directory {self.directory} durable: "
-                    f"{e.strerror}; check the disk"
+                    f"{e.strerror}; check the disk",
+                    covers,
                 ) from e
+        return covers
 
     def _write(self, subnet: IPNetwork, data: bytes) -> None:
         path = self.path(subnet)
