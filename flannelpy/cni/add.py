@@ -31,12 +31,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from flannelpy.cni import netconf
 from flannelpy.cni.context import CommandContext
 from flannelpy.cni.failures import cni_errors
-from flannelpy.cni.records import Record, RecordStore
+from flannelpy.cni.records import Record, RecordStore, Staged
 from flannelpy.cni.spec import (
     CniError,
     Code,
@@ -61,7 +61,7 @@ from flannelpy.dataplane.podnames import (
     veth_owner,
 )
 from flannelpy.dataplane.podnet import PodLink
-from flannelpy.ipam import Allocation
+from flannelpy.ipam import Accounting, Allocation
 
 # The handler's logger: these lines are the CNI handler's, as before the split.
 log = logging.getLogger("flannelpy.cni.handler")
@@ -143,6 +143,9 @@ class AddCommand(CommandContext):
         if existing is not None:  # its veth is gone or it was for another namespace
             self.pods.delete_host_veth(existing.host_veth, record_owner(existing))
         had = self.ipam.find_all(cid, ifname)
+        # Before the allocation: once it is made, IPAM's lock is its batch's while that
+        # is written, and the pod's plumbing must not wait for the disk.
+        leases = self.ipam.accounting()
         allocs, commit_ipam = self.ipam.allocate_all_deferred(
             cid, ifname, cooldown=cooldown, wait=wait
         )
@@ -176,9 +179,11 @@ class AddCommand(CommandContext):
             result=stored,
         )
         # IPAM's batch, then the record: durable in that order, beside the plumbing.
-        writing = Background(self.writers, _commit_then_write, commit_ipam, self.records, record)
+        writing = Background(
+            self.writers, _commit_then_write, self.writers, commit_ipam, self.records, record
+        )
         undo.push("delete record", lambda: _forget_record(writing, self.records, record))
-        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
+        index = self.pods.ensure_bridge(_gateways(allocs, leases), mtu, bridge)
         self.pods.add_pod(
             req.netns,
             ifname,
@@ -205,16 +210,6 @@ class AddCommand(CommandContext):
             return False
         return self.pods.link(record.host_veth) is not None
 
-    def _gateways(self, allocs: Sequence[Allocation]) -> list[IPInterface]:
-        """The gateway of every lease that has or may get pods, these allocations' first
-        (the first one also names the bridge's MAC when the bridge is created)."""
-        gateways = [gateway_of(a.subnet) for a in allocs]
-        for acc in self.ipam.accounting():
-            gw = gateway_of(acc.subnet)
-            if gw not in gateways:
-                gateways.append(gw)
-        return gateways
-
     def _mtu(self) -> int:
         mtu = self.settings.mtu_provider()
         if not mtu:
@@ -232,6 +227,7 @@ class Background:
 
     def __init__(self, workers: Workers, fn: Callable[..., object], *args: object) -> None:
         self._error: BaseException | None = None
+        self._value: object = None
         self._done = threading.Event()
         try:
             workers.submit(lambda: self._run(fn, args))
@@ -240,23 +236,34 @@ class Background:
 
     def _run(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         try:
-            fn(*args)
+            self._value = fn(*args)
         except BaseException as e:  # handed to result()
             self._error = e
         finally:
             self._done.set()
 
-    def result(self) -> None:
+    def result(self) -> object:
+        """What ``fn`` returned, once it has; raises what it raised."""
         self._done.wait()
         if self._error is not None:
             raise self._error
+        return self._value
 
 
 def _commit_then_write(
-    commit_ipam: Callable[[], None], records: RecordStore, record: Record
+    workers: Workers, commit_ipam: Callable[[], None], records: RecordStore, record: Record
 ) -> None:
-    commit_ipam()
-    records.write(record)
+    """IPAM's change durable, then the record: staged (its content fsync'd) beside IPAM's
+    batch, published (renamed, its directory fsync'd) only once the batch is done, so a
+    record is never durable before the address it names."""
+    staging = Background(workers, records.stage, record)
+    try:
+        commit_ipam()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            records.discard(cast(Staged, staging.result()))
+        raise
+    records.publish(cast(Staged, staging.result()))
 
 
 def _forget_record(writing: Background, records: RecordStore, record: Record) -> None:
@@ -265,6 +272,18 @@ def _forget_record(writing: Background, records: RecordStore, record: Record) ->
     with contextlib.suppress(Exception):
         writing.result()
     records.delete(*record.key)
+
+
+def _gateways(allocs: Sequence[Allocation], leases: Sequence[Accounting]) -> list[IPInterface]:
+    """The gateway of every lease that has or may get pods (``leases``: IPAM's accounting),
+    these allocations' first (the first one also names the bridge's MAC when the bridge is
+    created)."""
+    gateways = [gateway_of(a.subnet) for a in allocs]
+    for acc in leases:
+        gw = gateway_of(acc.subnet)
+        if gw not in gateways:
+            gateways.append(gw)
+    return gateways
 
 
 def pod_routes(allocs: Sequence[Allocation], destinations: Sequence[IPNetwork]) -> list[PodRoute]:

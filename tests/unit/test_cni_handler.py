@@ -262,17 +262,53 @@ def test_a_failed_add_undoes_its_steps(env: Env, step: str, error: Exception, co
     assert attachments(env) == ([], [], {})
 
 
+@pytest.mark.parametrize("step", ["stage", "publish"])
 def test_a_record_that_cannot_be_written_undoes_the_veth_and_address(
-    env: Env, monkeypatch: pytest.MonkeyPatch
+    env: Env, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
-    def full(record: Record) -> None:
+    def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(env.records, "write", full)
+    monkeypatch.setattr(env.records, step, full)
     status, err = env.call("ADD")
     assert status == 1 and err["code"] == 5 and "No space left" in err["msg"]
     assert attachments(env) == ([], [], {})
     assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+
+
+def test_the_record_is_published_only_once_the_address_is_durable(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's content is written beside IPAM's batch, but it appears (is renamed
+    into place) only after the batch: never a durable record naming an address that a
+    power cut could take back. A batch that fails leaves no record and no temp file."""
+    from flannelpy.ipam import store as ipam_store
+
+    order: list[str] = []
+    real_commit, real_publish = ipam_store.IpamStore.commit, env.records.publish
+
+    def commit(store: ipam_store.IpamStore, ticket: int) -> None:
+        real_commit(store, ticket)
+        order.append("address durable")
+
+    def publish(staged: Any) -> None:
+        order.append("record published")
+        real_publish(staged)
+
+    monkeypatch.setattr(ipam_store.IpamStore, "commit", commit)
+    monkeypatch.setattr(env.records, "publish", publish)
+    assert env.call("ADD")[0] == 0
+    assert order == ["address durable", "record published"]
+
+    def failing(store: ipam_store.IpamStore, ticket: int) -> None:
+        raise StoreError("cannot write IPAM state file: No space left on device")
+
+    monkeypatch.setattr(ipam_store.IpamStore, "commit", failing)
+    status, err = env.call("ADD", cid="c2")
+    assert status == 1 and "No space left" in err["msg"]
+    assert not env.records.present(NETWORK, "c2", "eth0")
+    folder = os.path.dirname(env.records.path(NETWORK, "c2", "eth0"))
+    assert [n for n in os.listdir(folder) if n.endswith(".tmp")] == []
 
 
 def test_a_failed_retry_keeps_the_address_it_did_not_acquire(env: Env) -> None:
