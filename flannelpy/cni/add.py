@@ -149,6 +149,9 @@ class AddCommand(CommandContext):
         allocs, commit_ipam = self.ipam.allocate_all_deferred(
             cid, ifname, cooldown=cooldown, wait=wait
         )
+        # Whatever fails before the record's writer commits it, IPAM's batch must still be
+        # written: until then IPAM keeps its directory's file lock. Run last of the undos.
+        undo.push("write IPAM's batch", commit_ipam)
         if not had:
             undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
         host = host_veth_name(req.netns, cid, ifname)

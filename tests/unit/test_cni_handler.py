@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -309,6 +310,27 @@ def test_the_record_is_published_only_once_the_address_is_durable(
     assert not env.records.present(NETWORK, "c2", "eth0")
     folder = os.path.dirname(env.records.path(NETWORK, "c2", "eth0"))
     assert [n for n in os.listdir(folder) if n.endswith(".tmp")] == []
+
+
+def test_a_failure_before_the_record_writer_still_writes_ipams_batch(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ADD that fails after its allocation but before the worker that commits it has
+    started leaves IPAM's directory unlocked, its batch written (the release undone)."""
+    from flannelpy.cni import add as add_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("rendering broke")
+
+    monkeypatch.setattr(add_module, "build_result", broken)
+    status, err = env.call("ADD")
+    assert status == 1 and "rendering broke" in err["msg"]
+    assert env.ipam.find("c1", "eth0") is None
+    lock = os.open(os.path.join(env.ipam._store.directory, "lock"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if IPAM still held it
+    finally:
+        os.close(lock)
 
 
 def test_a_failed_retry_keeps_the_address_it_did_not_acquire(env: Env) -> None:
