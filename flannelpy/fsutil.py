@@ -20,7 +20,11 @@ import errno
 import os
 import tempfile
 import threading
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+
+_FAILURES_KEPT = 64  # a disk that fails this often fails the waiters' retries too
 
 
 def atomic_write(
@@ -38,8 +42,23 @@ def atomic_write(
     A missing directory is created with ``dir_mode`` (less the umask), as ``os.makedirs``
     does: only the last component gets it."""
     target = Path(path)
-    target.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
     payload = data.encode() if isinstance(data, str) else data
+    tmp = write_temp(target, payload, mode, durable, dir_mode)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if durable and sync_dir:
+        fsync_dir(target.parent)
+
+
+def write_temp(target: Path, payload: bytes, mode: int, durable: bool, dir_mode: int) -> str:
+    """The first half of :func:`atomic_write`: ``payload`` in a uniquely named temp file
+    beside ``target`` (fsync'd when ``durable``), whose name is returned for the caller
+    to rename over ``target`` (or unlink). Nothing is left behind when it raises."""
+    target.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -50,13 +69,11 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if durable and sync_dir:
-        fsync_dir(target.parent)
+    return tmp
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -74,49 +91,100 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-class GroupSync:
-    """The fsync of one directory, shared by the threads that renamed or unlinked in it.
+class GroupCommit:
+    """Changes made durable together (group commit): ``ticket()`` right after a change
+    (under the caller's lock, if any), ``wait(ticket)`` after leaving that lock. It returns
+    once a ``flush`` that began after the ticket was taken has completed. The first waiter
+    runs it; waiters that arrive meanwhile queue behind it and the next one runs a single
+    flush for all of them.
 
-    ``ticket()`` right after the change (under the caller's lock, if any), ``wait(ticket)``
-    after leaving that lock: it returns once a directory fsync that began after the
-    ticket was taken has completed. The first waiter runs it; waiters that arrive
-    meanwhile queue behind it and the next one runs a single fsync for all of them. A
-    failed fsync raises in the thread that ran it and covers nobody: the next waiter
-    tries again."""
+    A flush that takes its batch under a lock the ticket-takers hold returns the ticket
+    count it took it at (``taken``, read under that lock): it covers those, not what was
+    ticketed between its start and its snapshot. A flush that returns None covers what
+    was ticketed when it began.
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = os.fspath(directory)
+    A failed flush raises in the thread that ran it. With ``failures_cover`` false it
+    covers nobody and the next waiter tries again (a directory fsync: retrying is
+    harmless). With ``failures_cover`` true it fails every change it covered (an
+    exception's ``covers`` attribute, else what was ticketed when it began), in every
+    waiter: the flush has dropped those changes (a batch of writes whose caller went
+    back to what is on disk), so no later flush may report them durable."""
+
+    def __init__(self, flush: Callable[[], int | None], failures_cover: bool = False) -> None:
+        self._flush = flush
+        self._failures_cover = failures_cover
         self._cond = threading.Condition()
         self._taken = 0  # tickets handed out
         self._synced = 0  # every ticket up to this one is durable
+        # Failed flushes: (tickets after, up to, why), the newest last; a few kept, as a
+        # waiter reads its own once it wakes.
+        self._failed: deque[tuple[int, int, BaseException]] = deque(maxlen=_FAILURES_KEPT)
         self._running = False
-        self.fsyncs = 0  # directory fsyncs run (tests, benches)
+        self.flushes = 0  # flushes completed (tests, benches)
 
     def ticket(self) -> int:
         with self._cond:
             self._taken += 1
             return self._taken
 
+    @property
+    def taken(self) -> int:
+        """Tickets handed out so far."""
+        with self._cond:
+            return self._taken
+
     def wait(self, ticket: int) -> None:
         with self._cond:
-            while self._synced < ticket and self._running:
+            while True:
+                self._raise_if_failed(ticket)
+                if self._synced >= ticket:
+                    return
+                if not self._running:
+                    break
                 self._cond.wait()
-            if self._synced >= ticket:
-                return
             self._running = True
-            covers = self._taken  # every change ticketed so far is already renamed
-        done = False
+            after, covers = self._synced, self._taken  # every change ticketed so far is made
+        error: BaseException | None = None
         try:
-            fsync_dir(self.directory)
-            done = True
+            covers = self._flush() or covers
+        except BaseException as e:
+            error = e
+            covers = getattr(e, "covers", None) or covers
+            raise
         finally:
             with self._cond:
                 self._running = False
-                if done:
+                if error is None:
                     self._synced = max(self._synced, covers)
-                    self.fsyncs += 1
+                    self.flushes += 1
+                elif self._failures_cover:
+                    self._failed.append((after, covers, error))
+                    self._synced = max(self._synced, covers)  # settled: never flushed again
                 self._cond.notify_all()
 
+    def _raise_if_failed(self, ticket: int) -> None:
+        for after, upto, why in self._failed:
+            if after < ticket <= upto:
+                raise why
+
     def sync(self) -> None:
-        """Make every change made in the directory before this call durable."""
+        """Make every change made before this call durable."""
         self.wait(self.ticket())
+
+
+class GroupSync(GroupCommit):
+    """The fsync of one directory, shared by the threads that renamed or unlinked in it
+    (a :class:`GroupCommit` whose flush is the directory's fsync; a failed one covers
+    nobody: the next waiter tries again)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+        super().__init__(self._fsync)
+
+    @property
+    def fsyncs(self) -> int:
+        """Directory fsyncs run (tests, benches)."""
+        return self.flushes
+
+    def _fsync(self) -> None:
+        fsync_dir(self.directory)

@@ -3,8 +3,9 @@ and the result the runtime gets.
 
 ADD acquires in this order, each step registering its undo: the address (IPAM), the
 record, the bridge (shared, never undone), the veth pair. The record is known before the
-veth exists (its MACs are chosen first), so a thread of its own makes IPAM's change
-durable (its directory's fsync) and then writes the record (fsync'd) while the pod is
+veth exists (its MACs are chosen first), so a worker thread makes IPAM's change
+durable (the batch holding it: the pool file and its directory's fsync, shared with the
+ADDs and DELs of the moment) and then writes the record (fsync'd) while the pod is
 plumbed, and the result is returned only once both are durable: the disk's time and the
 netlink work overlap instead of adding up. A record whose
 veth was never made (a crash in between) is what the start-up GC removes, as one whose
@@ -30,12 +31,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from flannelpy.cni import netconf
 from flannelpy.cni.context import CommandContext
 from flannelpy.cni.failures import cni_errors
-from flannelpy.cni.records import Record, RecordStore
+from flannelpy.cni.records import Record, RecordStore, Staged
 from flannelpy.cni.spec import (
     CniError,
     Code,
@@ -48,6 +49,7 @@ from flannelpy.cni.spec import (
     render_result,
 )
 from flannelpy.cni.teardown import record_owner
+from flannelpy.cni.workers import Workers
 from flannelpy.dataplane.podnames import (
     IPInterface,
     IPNetwork,
@@ -59,7 +61,7 @@ from flannelpy.dataplane.podnames import (
     veth_owner,
 )
 from flannelpy.dataplane.podnet import PodLink
-from flannelpy.ipam import Allocation
+from flannelpy.ipam import Accounting, Allocation
 
 # The handler's logger: these lines are the CNI handler's, as before the split.
 log = logging.getLogger("flannelpy.cni.handler")
@@ -141,9 +143,15 @@ class AddCommand(CommandContext):
         if existing is not None:  # its veth is gone or it was for another namespace
             self.pods.delete_host_veth(existing.host_veth, record_owner(existing))
         had = self.ipam.find_all(cid, ifname)
+        # Before the allocation: once it is made, IPAM's lock is its batch's while that
+        # is written, and the pod's plumbing must not wait for the disk.
+        leases = self.ipam.accounting()
         allocs, commit_ipam = self.ipam.allocate_all_deferred(
             cid, ifname, cooldown=cooldown, wait=wait
         )
+        # Whatever fails before the record's writer commits it, IPAM's batch must still be
+        # written: until then IPAM keeps its directory's file lock. Run last of the undos.
+        undo.push("write IPAM's batch", commit_ipam)
         if not had:
             undo.push("release addresses", lambda: self.ipam.release(cid, ifname))
         host = host_veth_name(req.netns, cid, ifname)
@@ -173,10 +181,12 @@ class AddCommand(CommandContext):
             gateways=tuple(a.gateway for a in allocs),
             result=stored,
         )
-        # IPAM's directory fsync, then the record: durable in that order, beside the plumbing.
-        writing = Background(_commit_then_write, commit_ipam, self.records, record)
+        # IPAM's batch, then the record: durable in that order, beside the plumbing.
+        writing = Background(
+            self.writers, _commit_then_write, self.writers, commit_ipam, self.records, record
+        )
         undo.push("delete record", lambda: _forget_record(writing, self.records, record))
-        index = self.pods.ensure_bridge(self._gateways(allocs), mtu, bridge)
+        index = self.pods.ensure_bridge(_gateways(allocs, leases), mtu, bridge)
         self.pods.add_pod(
             req.netns,
             ifname,
@@ -203,16 +213,6 @@ class AddCommand(CommandContext):
             return False
         return self.pods.link(record.host_veth) is not None
 
-    def _gateways(self, allocs: Sequence[Allocation]) -> list[IPInterface]:
-        """The gateway of every lease that has or may get pods, these allocations' first
-        (the first one also names the bridge's MAC when the bridge is created)."""
-        gateways = [gateway_of(a.subnet) for a in allocs]
-        for acc in self.ipam.accounting():
-            gw = gateway_of(acc.subnet)
-            if gw not in gateways:
-                gateways.append(gw)
-        return gateways
-
     def _mtu(self) -> int:
         mtu = self.settings.mtu_provider()
         if not mtu:
@@ -224,31 +224,49 @@ class AddCommand(CommandContext):
 
 
 class Background:
-    """``fn(*args)`` in a thread of its own; ``result()`` waits for it and raises what it
-    raised. A plain thread, not a pool: a burst of ADDs writes all its records at once."""
+    """``fn(*args)`` at once on a thread of ``workers`` (no bound: a burst of ADDs writes
+    all its records at once, their fsyncs overlapping); ``result()`` waits for it and
+    raises what it raised. Without a thread to be had, it runs here and now."""
 
-    def __init__(self, fn: Callable[..., object], *args: object) -> None:
+    def __init__(self, workers: Workers, fn: Callable[..., object], *args: object) -> None:
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
+        self._value: object = None
+        self._done = threading.Event()
+        try:
+            workers.submit(lambda: self._run(fn, args))
+        except RuntimeError:  # "can't start new thread"
+            self._run(fn, args)
 
     def _run(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         try:
-            fn(*args)
+            self._value = fn(*args)
         except BaseException as e:  # handed to result()
             self._error = e
+        finally:
+            self._done.set()
 
-    def result(self) -> None:
-        self._thread.join()
+    def result(self) -> object:
+        """What ``fn`` returned, once it has; raises what it raised."""
+        self._done.wait()
         if self._error is not None:
             raise self._error
+        return self._value
 
 
 def _commit_then_write(
-    commit_ipam: Callable[[], None], records: RecordStore, record: Record
+    workers: Workers, commit_ipam: Callable[[], None], records: RecordStore, record: Record
 ) -> None:
-    commit_ipam()
-    records.write(record)
+    """IPAM's change durable, then the record: staged (its content fsync'd) beside IPAM's
+    batch, published (renamed, its directory fsync'd) only once the batch is done, so a
+    record is never durable before the address it names."""
+    staging = Background(workers, records.stage, record)
+    try:
+        commit_ipam()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            records.discard(cast(Staged, staging.result()))
+        raise
+    records.publish(cast(Staged, staging.result()))
 
 
 def _forget_record(writing: Background, records: RecordStore, record: Record) -> None:
@@ -257,6 +275,18 @@ def _forget_record(writing: Background, records: RecordStore, record: Record) ->
     with contextlib.suppress(Exception):
         writing.result()
     records.delete(*record.key)
+
+
+def _gateways(allocs: Sequence[Allocation], leases: Sequence[Accounting]) -> list[IPInterface]:
+    """The gateway of every lease that has or may get pods (``leases``: IPAM's accounting),
+    these allocations' first (the first one also names the bridge's MAC when the bridge is
+    created)."""
+    gateways = [gateway_of(a.subnet) for a in allocs]
+    for acc in leases:
+        gw = gateway_of(acc.subnet)
+        if gw not in gateways:
+            gateways.append(gw)
+    return gateways
 
 
 def pod_routes(allocs: Sequence[Allocation], destinations: Sequence[IPNetwork]) -> list[PodRoute]:

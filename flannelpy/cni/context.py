@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flannelpy.cni.records import RecordStore
+from flannelpy.cni.workers import Workers
 from flannelpy.dataplane.podnames import IPNetwork
 from flannelpy.dataplane.podnet import PodNetwork
 from flannelpy.ipam import NodeIpam
@@ -89,3 +90,4 @@ class CommandContext:
     records: RecordStore
     settings: CniSettings
     locks: KeyLocks
+    writers: Workers  # the threads that write ADD's record beside its plumbing

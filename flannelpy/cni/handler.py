@@ -33,6 +33,7 @@ from flannelpy.cni.context import CniSettings, Deferred, KeyLocks
 from flannelpy.cni.records import RecordStore
 from flannelpy.cni.spec import CniError, Code, Request, parse_request, reply_version, version_reply
 from flannelpy.cni.teardown import TeardownCommands
+from flannelpy.cni.workers import Workers
 from flannelpy.dataplane.netns import NotANetns, require_netns_fd
 from flannelpy.dataplane.podnet import PodNetwork
 from flannelpy.ipam import NodeIpam
@@ -65,6 +66,7 @@ class CniHandler(AddCommand, TeardownCommands, CheckCommand):
         self.open_netns = open_netns  # a path -> an fd the handler closes; raises OSError
         self.require_netns = require_netns  # raises NotANetns unless the fd is a netns
         self.locks = KeyLocks()
+        self.writers = Workers("cni-record")
 
     # -- entry point
 

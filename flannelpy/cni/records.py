@@ -28,9 +28,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Interface, IPv6Address, IPv6Interface, ip_interface
+from pathlib import Path
 from typing import Any
 
-from flannelpy.fsutil import GroupSync, atomic_write
+from flannelpy.fsutil import GroupSync, write_temp
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,15 @@ class Record:
         )
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A record written to its temp file (``RecordStore.stage``), to be published."""
+
+    network: str
+    final: str
+    temp: str
+
+
 def _address(text: str) -> IPAddress:
     return ip_interface(text).ip  # a plain address is an interface with a full prefix
 
@@ -150,14 +160,34 @@ class RecordStore:
 
     def write(self, record: Record) -> None:
         """Durably store ``record`` (replacing any earlier one for its key)."""
+        self.publish(self.stage(record))
+
+    def stage(self, record: Record) -> Staged:
+        """The first half of ``write``: the record in a temp file beside its place, its
+        content durable, not yet visible (ADD stages it while IPAM's change is being made
+        durable, and publishes it after)."""
         final = self.path(*record.key)
         data = json.dumps(record.to_doc(), sort_keys=True).encode()
-        atomic_write(final, data, mode=0o600, dir_mode=0o700, sync_dir=False)
+        temp = write_temp(Path(final), data, 0o600, durable=True, dir_mode=0o700)
+        return Staged(record.network, final, temp)
+
+    def publish(self, staged: Staged) -> None:
+        """The second half of ``write``: the staged record renamed into place, durably."""
+        try:
+            os.replace(staged.temp, staged.final)
+        except BaseException:
+            self.discard(staged)
+            raise
         with self._groups_lock:
-            group = self._groups.get(record.network)
+            group = self._groups.get(staged.network)
             if group is None:
-                group = self._groups[record.network] = GroupSync(os.path.dirname(final))
+                group = self._groups[staged.network] = GroupSync(os.path.dirname(staged.final))
         group.sync()
+
+    @staticmethod
+    def discard(staged: Staged) -> None:
+        """A staged record that will not be published."""
+        _unlink(staged.temp)
 
     def read(self, network: str, container_id: str, ifname: str) -> Record | None:
         """The record, or None when there is none or it is unreadable (logged): use

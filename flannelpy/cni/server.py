@@ -3,8 +3,9 @@
 A thread per connection, because DEL is kernel-bound (~20 ms to delete a veth,
 mostly waiting for RCU) and the runtime fires many at once: a single-threaded
 server took 6.7× the reference plugins' wall time for 50 concurrent DELs.
-Whatever the handler needs to serialise (IPAM, the bridge, one container) it
-locks itself.
+Threads are kept idle for the next connection (:class:`flannelpy.cni.workers.Workers`)
+rather than started for each. Whatever the handler needs to serialise (IPAM, the
+bridge, one container) it locks itself.
 
 Network namespace: every thread this server starts inherits the namespace of
 the thread that called :meth:`CniServer.start` (or enters ``netns`` when one is
@@ -53,6 +54,7 @@ from typing import Protocol
 
 from flannelpy.cni import wire
 from flannelpy.cni.spec import CniError, Code
+from flannelpy.cni.workers import Workers
 from flannelpy.dataplane.netns import enter_netns
 from flannelpy.errors import DataplaneError
 
@@ -101,8 +103,9 @@ class CniServer:
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._workers: set[threading.Thread] = set()
-        self._lock = threading.Lock()
+        self._workers = Workers("cni-conn")
+        self._inflight = 0  # connections being served
+        self._done = threading.Condition()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the bound socket
@@ -127,10 +130,8 @@ class CniServer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        with self._lock:
-            workers = list(self._workers)
-        for worker in workers:
-            worker.join(grace)
+        with self._done:
+            self._done.wait_for(lambda: self._inflight == 0, grace)
 
     def _run(self) -> None:
         try:
@@ -191,20 +192,17 @@ class CniServer:
                     conn.close()
 
     def _dispatch(self, conn: socket.socket) -> None:
-        worker = threading.Thread(target=self._serve, args=(conn,), name="cni-conn", daemon=True)
-        with self._lock:
-            self._workers.add(worker)
+        with self._done:
+            self._inflight += 1
         try:
-            worker.start()
+            self._workers.submit(lambda: self._serve(conn))
         except RuntimeError as e:  # "can't start new thread": serve it here, slower but served
-            with self._lock:
-                self._workers.discard(worker)
             log.warning("no thread for a CNI connection, serving it inline reason=%s", e)
-            self._serve(conn, inline=True)
+            self._serve(conn)
 
     # -- one connection
 
-    def _serve(self, conn: socket.socket, inline: bool = False) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
         after: Callable[[], None] | None = None
         try:
@@ -223,9 +221,9 @@ class CniServer:
                     after()
             finally:
                 _close_all(fds)
-            if not inline:
-                with self._lock:
-                    self._workers.discard(threading.current_thread())
+                with self._done:
+                    self._inflight -= 1
+                    self._done.notify_all()
 
     def _reply(
         self, conn: socket.socket, fds: list[int]

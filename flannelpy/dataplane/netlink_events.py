@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from flannelpy.dataplane import nlbatch as nl
-from flannelpy.dataplane import rtnl
+from flannelpy.dataplane import nlfilter, rtnl
 from flannelpy.dataplane.state import ROUTE_PROTOCOL
 
 # The adapter's logger: these lines are the kernel adapter's, as before the split.
@@ -92,6 +92,10 @@ def watch(
     """Call ``on_event`` with each kind of event until ``stop`` is set; "resync" when
     the kernel dropped notifications. ``buffer`` is the socket's receive buffer, bytes."""
     with nl.NetlinkSocket(groups=_GROUPS, rcvbuf=buffer) as sock:
+        try:  # the kernel drops what event_kinds would (every pod's links) before queueing
+            nlfilter.attach(sock.sock, nlfilter.watch_program())
+        except OSError as e:
+            log.warning("netlink watch filter refused, reading every notification error=%s", e)
         while not stop.is_set():
             ready, _, _ = select.select([sock], [], [], WATCH_POLL_SECONDS)
             if not ready:

@@ -66,6 +66,9 @@ from flannelpy.errors import DataplaneError
 log = logging.getLogger(__name__)
 
 BRIDGE_RECHECK_SECONDS = 5.0  # how stale ensure_bridge's knowledge of the addresses may get
+# How long a bridge found as wanted is used without asking the kernel again: a burst of
+# ADDs asks once, not once per pod (a GETLINK of a bridge with 100 ports, decoded).
+BRIDGE_TRUST_SECONDS = 1.0
 
 _GONE = {errno.ENODEV, errno.ENOENT, errno.ESRCH}
 
@@ -154,8 +157,9 @@ class PodNetwork:
 
     def __init__(self) -> None:
         self._bridge_lock = threading.Lock()
-        # bridge name -> (ifindex, gateways present, monotonic time of the next full check)
-        self._bridges: dict[str, tuple[int, frozenset[IPInterface], float]] = {}
+        # bridge name -> (ifindex, gateways present, monotonic time of the next full check,
+        # MTU, monotonic time until which it is used without asking the kernel)
+        self._bridges: dict[str, tuple[int, frozenset[IPInterface], float, int, float]] = {}
         # bridge ifindex -> its IPv6 gateways seen usable (not tentative) after an ADD
         self._settled: dict[int, set[IPAddress]] = {}
 
@@ -164,14 +168,20 @@ class PodNetwork:
     def ensure_bridge(self, gateways: Sequence[IPInterface], mtu: int, bridge: str = "cni0") -> int:
         """Make ``bridge`` exist, up, with ``mtu`` and every gateway address; return its index.
 
-        Every ADD calls this, so the common case is one GETLINK: the addresses are
-        re-read only when the link changed, a gateway is new, or the last full
-        check is older than BRIDGE_RECHECK_SECONDS (someone may have removed one).
+        Every ADD calls this, so the common case asks the kernel nothing: a bridge found
+        as wanted less than BRIDGE_TRUST_SECONDS ago is used as it was (a veth that
+        cannot be created ends that trust: the runtime's retry looks again). Else one
+        GETLINK: the addresses are re-read only when the link changed, a gateway is new,
+        or the last full check is older than BRIDGE_RECHECK_SECONDS (someone may have
+        removed one).
         """
         wanted = frozenset(gateways)
+        known = self._bridges.get(bridge)
+        now = time.monotonic()
+        if known is not None and wanted <= known[1] and known[3] == mtu and now < known[4]:
+            return known[0]
         with nl.NetlinkSocket() as sock:
             link = get_link(sock, bridge)
-            known = self._bridges.get(bridge)
             if (
                 link is not None
                 and known is not None
@@ -179,13 +189,15 @@ class PodNetwork:
                 and link.up
                 and link.mtu == mtu
                 and wanted <= known[1]
-                and time.monotonic() < known[2]
+                and now < known[2]
             ):
+                self._bridges[bridge] = (*known[:4], now + BRIDGE_TRUST_SECONDS)
                 return link.index
             with self._bridge_lock:
                 index = self._ensure_bridge(sock, bridge, gateways, mtu)
-                expires = time.monotonic() + BRIDGE_RECHECK_SECONDS
-                self._bridges[bridge] = (index, wanted, expires)
+                now = time.monotonic()
+                expires = now + BRIDGE_RECHECK_SECONDS
+                self._bridges[bridge] = (index, wanted, expires, mtu, now + BRIDGE_TRUST_SECONDS)
                 return index
 
     def remove_gateway(self, gateway: IPInterface, bridge: str = "cni0") -> None:
@@ -259,7 +271,11 @@ class PodNetwork:
         usable (not tentative). All or nothing: on failure nothing is left."""
         link = PodLink(host_veth, host_mac or random_mac(), ifname, pod_mac(addresses[0].ip))
         owner = owner or veth_owner(netns, "", ifname)
-        self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
+        try:
+            self._create_veth(netns, netns_fd, link, bridge_index, mtu, hairpin, owner)
+        except DataplaneError:
+            self._bridges.clear()  # the bridge may be gone: the next ADD asks the kernel
+            raise
         try:
             self._configure_pod_side(netns, netns_fd, ifname, addresses, routes)
             v6_gateways = {gw for _, gw in routes if gw.version == 6}

@@ -1,14 +1,13 @@
 """The node's IPAM: one PoolAllocator per lease, persisted before every answer.
 
 Each operation takes a thread lock, then the state directory's file lock,
-re-reads any pool file another process changed, applies the change and writes
-the pool's file before returning. So an answer given to a CNI request is on
-disk: a SIGKILLed agent restarts with every allocation it handed out and every
-cooldown it started (cooldowns are wall-clock times, so a restart does not
-free cooling addresses early). The directory's fsync, which makes the rename
-survive a power loss too, runs after both locks are left and is shared by the
-requests that wrote meanwhile (group commit): a burst of ADDs no longer queues
-behind one directory fsync per address.
+re-reads any pool file another process changed and applies the change in memory; the
+pool's file is written before the answer, in a batch shared with the requests that
+changed pools meanwhile (group commit, ``ipam.store``): a burst of ADDs writes and
+fsyncs each pool file a few times, not once per address. So an answer given to a CNI
+request is on disk: a SIGKILLed agent restarts with every allocation it handed out and
+every cooldown it started (cooldowns are wall-clock times, so a restart does not free
+cooling addresses early).
 
 Pools of leases the node no longer holds stay loaded and on disk, so their
 pods can still be found, released and garbage-collected; they get no new
@@ -31,6 +30,7 @@ IPv6SubnetLen of /120 runs dry as a /24 does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
-from flannelpy.errors import ConfigError
+from flannelpy.errors import ConfigError, StoreError
 from flannelpy.ipam.allocator import (
     Accounting,
     Allocation,
@@ -84,7 +84,7 @@ class NodeIpam:
         self._lock = threading.Lock()
         self._waiters: list[object] = []  # tickets of allocate() calls waiting, oldest first
         self._deferred = threading.local()  # .tickets: commits allocate_all_deferred left
-        self._store = IpamStore(state_dir, fsync=fsync)
+        self._store = IpamStore(state_dir, fsync=fsync, lock=self._lock, reload=self._reload)
         self._pools: dict[IPNetwork, PoolAllocator] = {}
         self._leases: list[IPNetwork] = []
         self._allocatable: list[IPNetwork] = []
@@ -108,14 +108,23 @@ class NodeIpam:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Both locks for one operation. What it wrote is durable when this returns: the
-        state directory's fsync runs after both locks are released, shared with the
-        requests that wrote meanwhile (``IpamStore.commit``)."""
-        with self._lock:
-            try:
-                with self._store.locked():
-                    yield
-            finally:
-                ticket = self._store.take_ticket()
+        pool files are written and the directory fsync'd after both locks are released,
+        in a batch shared with the requests that wrote meanwhile (``IpamStore.commit``).
+        An operation that fails still commits what it saved (it holds the file lock)."""
+        ticket: int | None = None
+        ok = False
+        try:
+            with self._lock:
+                try:
+                    with self._store.locked():
+                        yield
+                finally:
+                    ticket = self._store.take_ticket()
+            ok = True
+        finally:
+            if ticket is not None and not ok:
+                with contextlib.suppress(StoreError):
+                    self._store.commit(ticket)
         if ticket is None:
             return
         deferred: list[int] | None = getattr(self._deferred, "tickets", None)
@@ -397,17 +406,10 @@ class NodeIpam:
 
     def release(self, container_id: str, ifname: str) -> Allocation | None:
         """Put (container_id, ifname)'s addresses (every family) into cooldown; returns
-        the first family's, None when it has none. The pool file is replaced (and
-        fsync'd) before this returns, but its directory is not fsync'd for it: a release
-        lost to a power cut comes back as an assignment, which hands out nothing twice,
-        and the start-up GC releases it again (no record explains it, or its record's
-        veth is gone), its cooldown starting then. CNI records' deletions are not
-        fsync'd for the same reason, so a DEL does not wait for the disk's journal."""
+        the first family's, None when it has none. Durable when this returns, in a batch
+        shared with whatever else changed meanwhile (a DEL runs it after its reply)."""
         with self._locked():
-            try:
-                return self._release(container_id, ifname)
-            finally:
-                self._store.take_ticket()  # nothing for _locked to commit
+            return self._release(container_id, ifname)
 
     def _release(self, container_id: str, ifname: str) -> Allocation | None:
         """release's work, under both locks."""
@@ -558,8 +560,12 @@ class NodeIpam:
 
     def _refresh(self) -> None:
         # Another agent process on the same directory may have written a pool.
-        for subnet in list(self._pools):
-            if self._store.changed(subnet):
+        self._reload([s for s in self._pools if self._store.changed(s)])
+
+    def _reload(self, subnets: Sequence[IPNetwork]) -> None:
+        """These pools as on disk (also after a batch holding their changes failed)."""
+        for subnet in subnets:
+            if subnet in self._pools:
                 pool = self._pools[subnet] = self._load(subnet)
                 for entry in self._foreign:  # holds are not on disk
                     if entry.ip in subnet:

@@ -13,11 +13,18 @@ A write goes to a uniquely named temp file, which is renamed over the real one
 (``flannelpy.fsutil.atomic_write``): a reader (or an agent restarted after
 SIGKILL) sees the old or the new version, never a mix. That is all a process crash needs. ``fsync``
 (the file, then the directory) additionally makes the rename survive a power
-loss; it costs about 0.5 ms per write on this kind of disk. The file's fsync runs under
-the lock, before the rename; the directory's does not: every change takes a ticket
-of the directory's ``GroupSync`` and ``commit`` waits for it once the caller has left
-the lock, so concurrent requests share directory fsyncs (group commit) and each
-answer still waits until its own change is durable.
+loss; it costs about 0.5 ms per write on this kind of disk.
+
+Writes are group-committed: ``save`` only records the pool's new bytes and takes a
+ticket; ``commit(ticket)``, called once the caller has left its locks, returns when a
+batch holding that change is written, fsync'd, renamed and its directory fsync'd. The
+first committer writes the batch for everyone queued (one write per changed pool, however
+many requests changed it); the others wait for it, and their answers still wait until
+their own change is durable. While a change is pending, the file lock stays held (the
+batch's writer releases it): another process on the directory never reads a pool older
+than what this one has handed out, and this one need not re-read its pools meanwhile. A
+batch that fails is dropped whole: the pools are re-read from disk (``reload``) and every
+change it held fails in its own request.
 
 Every read and write happens under the lock, and the store remembers the bytes
 it last read or wrote per file, so a caller can tell cheaply whether another
@@ -31,13 +38,15 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 
+from flannelpy import fsutil
 from flannelpy.errors import StoreError
-from flannelpy.fsutil import GroupSync, atomic_write
+from flannelpy.fsutil import GroupCommit, atomic_write
 
 log = logging.getLogger("flannelpy.ipam")
 
@@ -48,18 +57,37 @@ _POOL_FILE = re.compile(r"^(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|[0-9a-f-]{2,39})_
 IPNetwork = IPv4Network | IPv6Network
 
 
+class BatchLost(StoreError):
+    """A batch of writes failed: every change it held (tickets up to ``covers``) failed
+    with it, in each request that made one."""
+
+    def __init__(self, message: str, covers: int) -> None:
+        super().__init__(message)
+        self.covers = covers
+
+
 def pool_file_name(subnet: IPNetwork) -> str:
     # No ":" in file names: tools that copy state directories (tar, scp) treat it specially.
     return f"{str(subnet.network_address).replace(':', '-')}_{subnet.prefixlen}.json"
 
 
 class IpamStore:
-    """The IPAM state directory; use every method inside ``with store.locked():``, and
-    after leaving it, ``commit`` what ``take_ticket`` returned (the directory's fsync)."""
+    """The IPAM state directory; use every method inside ``with store.locked():`` (holding
+    ``lock``, the caller's lock for one operation), and after leaving both, ``commit`` what
+    ``take_ticket`` returned. ``reload(subnets)`` is called with both held when a batch
+    holding changes of those pools could not be written: memory must go back to disk."""
 
-    def __init__(self, directory: str | os.PathLike[str], fsync: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        fsync: bool = True,
+        lock: threading.Lock | None = None,
+        reload: Callable[[list[IPNetwork]], None] | None = None,
+    ) -> None:
         self.directory = os.fspath(directory)
         self.fsync = fsync
+        self._op_lock = lock if lock is not None else threading.Lock()
+        self._reload = reload
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             self._lock_fd: int | None = os.open(
@@ -73,7 +101,10 @@ class IpamStore:
                 "check that it is a writable directory"
             ) from e
         self._held = False
-        self._group = GroupSync(self.directory)
+        self._kept = False  # the file lock stays held between operations: writes pending
+        self._continuous = False  # this operation began with the file lock already held
+        self._pending: dict[IPNetwork, bytes] = {}  # pools saved, not yet written
+        self._group = GroupCommit(self._write_batch, failures_cover=True)
         self._ticket: int | None = None  # the newest change not yet committed
         # Bytes last read or written per file (None: the file was absent).
         # A subnet missing here is unknown, so changed() reports True.
@@ -92,12 +123,20 @@ class IpamStore:
             raise RuntimeError("the IPAM store is closed")
         # flock locks belong to the open file description, so two stores in one
         # process exclude each other as two processes do.
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._continuous = self._kept
+        if not self._kept:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self._held = True
         try:
             yield
         finally:
             self._held = False
+            self._keep_or_unlock()
+
+    def _keep_or_unlock(self) -> None:
+        """Keep the file lock while writes are pending (their batch releases it)."""
+        self._kept = bool(self._pending)
+        if not self._kept and self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def path(self, subnet: IPNetwork) -> str:
@@ -134,32 +173,27 @@ class IpamStore:
         return doc
 
     def changed(self, subnet: IPNetwork) -> bool:
-        """Whether the file differs from what this store last read or wrote."""
+        """Whether the file differs from what this store last read or wrote. Not read
+        while the file lock has been held since: nobody else can have written it."""
         if subnet not in self._seen:
             return True
+        if self._continuous:
+            return False
         return self._read(subnet) != self._seen[subnet]
 
     def save(self, subnet: IPNetwork, data: bytes) -> None:
-        """Replace the subnet's file with ``data`` (a JSON document) atomically,
-        and durably when ``fsync``."""
+        """Replace the subnet's file with ``data`` (a JSON document) in the next batch,
+        atomically, and durably when ``fsync`` (see ``commit``)."""
         self._require_lock()
-        path = self.path(subnet)
-        try:
-            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700, sync_dir=False)
-        except OSError as e:
-            # Whether the rename happened is unknown: force a re-read next time.
-            self._seen.pop(subnet, None)
-            raise StoreError(
-                f"cannot write IPAM state file {path}: {e.strerror}; "
-                "check free space and permissions of the state directory"
-            ) from e
-        self._changed()
+        self._pending[subnet] = data
         self._seen[subnet] = data
+        self._ticket = self._group.ticket()  # written by a batch, with or without fsync
 
     def delete(self, subnet: IPNetwork) -> None:
         """Remove the subnet's file (a missing one is success), durably when ``fsync``."""
         self._require_lock()
         path = self.path(subnet)
+        self._pending.pop(subnet, None)
         try:
             os.unlink(path)
             self._changed()
@@ -216,15 +250,50 @@ class IpamStore:
         return ticket
 
     def commit(self, ticket: int) -> None:
-        """After leaving the lock: return once the directory's renames and unlinks up to
-        ``ticket`` are durable (one fsync of the directory, shared with concurrent
-        callers)."""
+        """After leaving the locks: return once the changes up to ``ticket`` are written
+        and durable (one batch, shared with concurrent callers). Raises StoreError, in
+        every request it held, when their batch failed."""
+        self._group.wait(ticket)
+
+    def _write_batch(self) -> int:
+        """One batch: every pending pool written (the operations' lock held, so nothing
+        changes meanwhile), the file lock released, then the directory's fsync. Returns
+        the tickets it covers (every change is ticketed under that lock)."""
+        with self._op_lock:
+            batch, self._pending = self._pending, {}
+            covers = self._group.taken
+            self._held = True
+            try:
+                for subnet, data in batch.items():
+                    self._write(subnet, data)
+            except StoreError as e:
+                for subnet in batch:
+                    self._seen.pop(subnet, None)  # whatever is on disk, read again
+                if self._reload is not None:
+                    self._reload(list(batch))
+                raise BatchLost(str(e), covers) from e
+            finally:
+                self._held = False
+                self._keep_or_unlock()
+        if self.fsync:
+            try:
+                fsutil.fsync_dir(self.directory)
+            except OSError as e:
+                raise BatchLost(
+                    f"cannot make the IPAM state directory {self.directory} durable: "
+                    f"{e.strerror}; check the disk",
+                    covers,
+                ) from e
+        return covers
+
+    def _write(self, subnet: IPNetwork, data: bytes) -> None:
+        path = self.path(subnet)
         try:
-            self._group.wait(ticket)
+            atomic_write(path, data, mode=0o600, durable=self.fsync, dir_mode=0o700, sync_dir=False)
         except OSError as e:
             raise StoreError(
-                f"cannot make the IPAM state directory {self.directory} durable: "
-                f"{e.strerror}; check the disk"
+                f"cannot write IPAM state file {path}: {e.strerror}; "
+                "check free space and permissions of the state directory"
             ) from e
 
     def corrupt(self, subnet: IPNetwork, why: str) -> StoreError:

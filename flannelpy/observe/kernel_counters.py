@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from flannelpy.dataplane.netns import run_in_netns
+from flannelpy.dataplane.netns import run_in_netns, visiting_netns
 
 log = logging.getLogger("flannelpy.observe.kernel_counters")
 
@@ -296,7 +296,11 @@ def _open_snmp() -> int:
 
 def open_snmp_in(netns: str | int) -> int:
     """A descriptor of ``snmp`` of the namespace at a path or an open descriptor, opened
-    from inside it."""
+    from inside it: a descriptor is visited by the calling thread (an ADD's, after its
+    reply), a path from a thread started for it."""
+    if isinstance(netns, int):
+        with visiting_netns(netns):
+            return _open_snmp()
     return run_in_netns(netns, _open_snmp)
 
 

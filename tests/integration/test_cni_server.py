@@ -392,7 +392,8 @@ def test_gc_dead_releases_pods_whose_namespace_is_gone(node: Node) -> None:
     [
         ("pods", "_configure_pod_side", 999),  # veth made, pod side fails
         ("pods", "_create_veth", 999),  # address allocated, veth fails
-        ("records", "write", 5),  # everything done, the record cannot be written
+        ("records", "stage", 5),  # everything done, the record cannot be written
+        ("records", "publish", 5),  # its content written, it cannot be put in place
     ],
 )
 def test_a_failure_half_way_undoes_every_step(

@@ -15,7 +15,7 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6
 
 import pytest
 
-from flannelpy.dataplane import netlink_events
+from flannelpy.dataplane import netlink_events, nlfilter, rtnl
 from flannelpy.dataplane import netns as netns_module
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
@@ -687,6 +687,30 @@ def test_watch_ignores_pod_links_and_reports_our_device(overlay: Netns) -> None:
     finally:
         stop.set()
         watcher.join(timeout=5)
+
+
+def test_the_watch_filter_keeps_pod_links_out_of_the_socket(overlay: Netns) -> None:
+    """The kernel itself drops a pod's link notifications (the watching thread does not
+    even wake for them) and still delivers our device's."""
+
+    def listen() -> list[str]:
+        with nl.NetlinkSocket(groups=netlink_events._GROUPS) as sock:
+            nlfilter.attach(sock.sock, nlfilter.watch_program())
+            overlay.ip("link add vethpod1 type veth peer name vethpod2")
+            overlay.ip("link set vethpod1 up")
+            overlay.ip("link del vethpod1")
+            overlay.ip(f"link set {DEV} mtu 1300")
+            names = []
+            while select.select([sock], [], [], 0.3)[0]:
+                buf = sock.recv()
+                for offset, length, msg_type, _f, _s in nl.messages(buf):
+                    if msg_type in (rtnl.RTM_NEWLINK, rtnl.RTM_DELLINK):
+                        names.append(rtnl.decode_link_stats(buf, offset, length).name)
+            return names
+
+    names = overlay.call(listen)
+    assert DEV in names
+    assert not [n for n in names if n.startswith("vethpod")], names
 
 
 def test_blackhole_route_sits_beneath_cni0_drops_the_rest_and_is_repaired(

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from ipaddress import IPv4Network
+from ipaddress import IPv4Interface, IPv4Network
 
 import pytest
 
 from flannelpy.cni.context import CniSettings
+from flannelpy.dataplane import podnet
 from flannelpy.dataplane.podnames import IFNAMSIZ, host_veth_name, veth_owner
 from tests.integration.test_cni_server import GATEWAY, MTU, NETWORK, Node, in_pod, make_node
 from tests.support.netns_util import is_root
@@ -114,3 +115,34 @@ def test_a_default_route_the_plugin_did_not_add_is_kept(node: Node) -> None:
     assert record is not None and json.dumps(record.result["routes"]) == json.dumps(
         [{"dst": str(CLUSTER), "gw": str(GATEWAY)}]
     )
+
+
+def test_a_burst_asks_for_the_bridge_once_and_a_bridge_gone_meanwhile_costs_one_retry(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bridge found as wanted is used without asking the kernel for BRIDGE_TRUST_SECONDS
+    (here made long, so the test does not race the clock). One deleted by hand within that
+    time fails the ADD that finds it gone, with the kernel's reason; the runtime's retry
+    asks again and re-creates it."""
+    monkeypatch.setattr(podnet, "BRIDGE_TRUST_SECONDS", 600.0)
+    assert node.add("c1", node.pod())[0] == 0
+    index = node.links()["cni0"]["ifindex"]
+
+    def no_socket(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ensure_bridge asked the kernel")
+
+    with monkeypatch.context() as m:
+        m.setattr(podnet.nl, "NetlinkSocket", no_socket)
+        assert node.ns.call(node.pods.ensure_bridge, [IPv4Interface(f"{GATEWAY}/24")], MTU) == index
+
+    node.ns.ip("link del cni0")
+    pod = node.pod()
+    code, err = node.add("c2", pod)
+    assert code == 1 and "create veth pair" in err["msg"], err
+    assert node.ipam.find("c2", "eth0") is None  # undone
+    code, result = node.add("c2", pod)
+    assert code == 0, result
+    links = node.links()
+    assert links["cni0"]["ifindex"] != index
+    assert links[result["interfaces"][0]["name"]]["master"] == "cni0"
+    assert f"{GATEWAY}/24" in node.ns.ip("-4 addr show dev cni0")

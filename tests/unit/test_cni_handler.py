@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -262,17 +263,74 @@ def test_a_failed_add_undoes_its_steps(env: Env, step: str, error: Exception, co
     assert attachments(env) == ([], [], {})
 
 
+@pytest.mark.parametrize("step", ["stage", "publish"])
 def test_a_record_that_cannot_be_written_undoes_the_veth_and_address(
-    env: Env, monkeypatch: pytest.MonkeyPatch
+    env: Env, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
-    def full(record: Record) -> None:
+    def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(env.records, "write", full)
+    monkeypatch.setattr(env.records, step, full)
     status, err = env.call("ADD")
     assert status == 1 and err["code"] == 5 and "No space left" in err["msg"]
     assert attachments(env) == ([], [], {})
     assert env.pods.calls[-1] == ("delete_host_veth", host_veth_name(POD_NS, "c1", "eth0"))
+
+
+def test_the_record_is_published_only_once_the_address_is_durable(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's content is written beside IPAM's batch, but it appears (is renamed
+    into place) only after the batch: never a durable record naming an address that a
+    power cut could take back. A batch that fails leaves no record and no temp file."""
+    from flannelpy.ipam import store as ipam_store
+
+    order: list[str] = []
+    real_commit, real_publish = ipam_store.IpamStore.commit, env.records.publish
+
+    def commit(store: ipam_store.IpamStore, ticket: int) -> None:
+        real_commit(store, ticket)
+        order.append("address durable")
+
+    def publish(staged: Any) -> None:
+        order.append("record published")
+        real_publish(staged)
+
+    monkeypatch.setattr(ipam_store.IpamStore, "commit", commit)
+    monkeypatch.setattr(env.records, "publish", publish)
+    assert env.call("ADD")[0] == 0
+    assert order == ["address durable", "record published"]
+
+    def failing(store: ipam_store.IpamStore, ticket: int) -> None:
+        raise StoreError("cannot write IPAM state file: No space left on device")
+
+    monkeypatch.setattr(ipam_store.IpamStore, "commit", failing)
+    status, err = env.call("ADD", cid="c2")
+    assert status == 1 and "No space left" in err["msg"]
+    assert not env.records.present(NETWORK, "c2", "eth0")
+    folder = os.path.dirname(env.records.path(NETWORK, "c2", "eth0"))
+    assert [n for n in os.listdir(folder) if n.endswith(".tmp")] == []
+
+
+def test_a_failure_before_the_record_writer_still_writes_ipams_batch(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ADD that fails after its allocation but before the worker that commits it has
+    started leaves IPAM's directory unlocked, its batch written (the release undone)."""
+    from flannelpy.cni import add as add_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("rendering broke")
+
+    monkeypatch.setattr(add_module, "build_result", broken)
+    status, err = env.call("ADD")
+    assert status == 1 and "rendering broke" in err["msg"]
+    assert env.ipam.find("c1", "eth0") is None
+    lock = os.open(os.path.join(env.ipam._store.directory, "lock"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if IPAM still held it
+    finally:
+        os.close(lock)
 
 
 def test_a_failed_retry_keeps_the_address_it_did_not_acquire(env: Env) -> None:

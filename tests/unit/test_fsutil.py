@@ -189,3 +189,32 @@ def test_sync_dir_false_leaves_the_directory_to_the_caller(
     monkeypatch.setattr(os, "fsync", calls.append)
     atomic_write(tmp_path / "a", b"x", sync_dir=False)
     assert len(calls) == 1  # the file only
+
+
+class Lost(Exception):
+    def __init__(self, covers: int) -> None:
+        super().__init__(f"batch up to {covers} lost")
+        self.covers = covers
+
+
+def test_a_flush_covers_what_its_batch_held_though_ticketed_after_it_began() -> None:
+    """A change ticketed after a flush began but before it took its batch is in that
+    batch: reported durable with it, or failed with it (never run again as if kept)."""
+    flushes: list[int] = []
+
+    def flush() -> int:
+        flushes.append(group.ticket())  # another request's change lands before the snapshot
+        if len(flushes) == 1:  # the first batch fails, the next ones are written
+            raise Lost(group.taken)
+        return group.taken
+
+    group = fsutil.GroupCommit(flush, failures_cover=True)
+    first = group.ticket()
+    with pytest.raises(Lost):
+        group.wait(first)
+    with pytest.raises(Lost):
+        group.wait(flushes[0])  # dropped with the batch that held it
+    third = group.ticket()
+    group.wait(third)
+    group.wait(flushes[1])  # in third's batch: durable, without a flush of its own
+    assert len(flushes) == 2 and group.flushes == 1

@@ -6,6 +6,7 @@ clock and sleep are fakes so cooldowns take no real time.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import math
@@ -15,7 +16,7 @@ import shutil
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
@@ -487,11 +488,7 @@ def test_threads_get_distinct_addresses(ipam: NodeIpam) -> None:
             with lock:
                 results.append(a)
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    side_by_side(worker, 8)
     assert len({a.ip for a in results}) == 200
     assert len(ipam.allocations()) == 200
 
@@ -516,32 +513,43 @@ def test_concurrent_allocations_share_directory_fsyncs_and_each_waits_for_its_ow
     with NodeIpam(str(tmp_path)) as node:
         node.set_leases([A])
         monkeypatch.setattr(fsutil, "fsync_dir", slow_fsync_dir)
-        start = threading.Barrier(30)
-        late: list[str] = []
-
-        def add(n: int) -> None:
-            start.wait()
-            ip = f'"{node.allocate(f"c{n}", "eth0").ip}"'
-            with lock:
-                if not any(ip in seen for seen in durable):
-                    late.append(ip)
-
-        threads = [threading.Thread(target=add, args=(n,)) for n in range(30)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert late == []
-        assert len(node.allocations()) == 30
+        assert thirty_at_once(node, durable, lock) == []
         assert 1 <= len(durable) < 30
+
+
+def thirty_at_once(node: NodeIpam, durable: list[str], lock: threading.Lock) -> list[str]:
+    """30 allocations at once; the addresses not in any of ``durable`` (the pool file's
+    versions made durable so far) when their allocation returned."""
+    start = threading.Barrier(30)
+    late: list[str] = []
+
+    def add(n: int) -> None:
+        start.wait()
+        ip = f'"{node.allocate(f"c{n}", "eth0").ip}"'
+        with lock:
+            if not any(ip in seen for seen in durable):
+                late.append(ip)
+
+    side_by_side(add, 30)
+    assert len(node.allocations()) == 30
+    return late
+
+
+def side_by_side(target: Callable[[int], None], count: int) -> None:
+    """``target(0)`` .. ``target(count - 1)``, each on a thread of its own; returns when all end."""
+    threads = [threading.Thread(target=target, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def test_a_deferred_allocation_is_on_disk_and_durable_once_its_commit_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ADD's form: the pool file is written when allocate_all_deferred returns, and the
-    directory's fsync (which makes the rename survive a power cut) runs when the caller
-    commits, beside its other work. A release never waits for the directory at all."""
+    """ADD's form: allocate_all_deferred hands the address out in memory, holding the file
+    lock; the caller's commit writes the pool file and fsyncs the directory (beside its
+    other work) and releases the lock. A release is durable when it returns."""
     from flannelpy import fsutil
 
     fsyncs: list[str] = []
@@ -549,17 +557,139 @@ def test_a_deferred_allocation_is_on_disk_and_durable_once_its_commit_returns(
         node.set_leases([A])
         monkeypatch.setattr(fsutil, "fsync_dir", lambda d: fsyncs.append(str(d)))
         allocations, commit = node.allocate_all_deferred("c1", "eth0")
-        assert '"c1"' in (tmp_path / pool_file_name(A)).read_text()
+        pool = tmp_path / pool_file_name(A)
+        assert not pool.exists()  # written by the commit
         assert fsyncs == []
+        assert flock_held_elsewhere(tmp_path)  # no other process reads the older pool
         commit()
+        assert '"c1"' in (tmp_path / pool_file_name(A)).read_text()
         assert fsyncs == [str(tmp_path)]
+        assert not flock_held_elsewhere(tmp_path)
         assert [a.container_id for a in allocations] == ["c1"]
         assert node.allocate_all_deferred("c1", "eth0")[0] == allocations  # nothing new
         assert node.release("c1", "eth0") == allocations[0]
         assert '"c1"' not in (tmp_path / pool_file_name(A)).read_text().split('"released"')[0]
-        assert fsyncs == [str(tmp_path)]  # the release is on disk, its directory unsynced
-        node.allocate("c2", "eth0")  # the next change's commit covers it too
         assert fsyncs == [str(tmp_path)] * 2
+
+
+def flock_held_elsewhere(directory: Path) -> bool:
+    """Whether another open of the IPAM directory's lock would block."""
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_burst_shares_pool_writes_and_each_answer_waits_for_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit of the pool file: 30 allocations at once write it a few times, not 30,
+    and each returns only once a written and fsync'd version holds its address."""
+    from flannelpy.ipam import store as ipam_store
+
+    durable: list[str] = []  # each write's content, once its fsync'd rename is done
+    lock = threading.Lock()
+    real_write = ipam_store.atomic_write
+
+    def slow_write(path: str, data: bytes, *args: Any, **kwargs: Any) -> None:
+        threading.Event().wait(0.01)
+        real_write(path, data, *args, **kwargs)
+        with lock:
+            durable.append(data.decode())
+
+    monkeypatch.setattr(ipam_store, "atomic_write", slow_write)
+    with NodeIpam(str(tmp_path)) as node:
+        node.set_leases([A])
+        durable.clear()
+        assert thirty_at_once(node, durable, lock) == []
+        assert 1 <= len(durable) < 30
+
+
+def test_a_failed_batch_fails_every_request_in_it_and_memory_is_disk_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No request whose change a failed batch dropped is told it succeeded, and what
+    follows the failure is served from what the disk holds."""
+    from flannelpy.ipam import store as ipam_store
+
+    real_write = ipam_store.atomic_write
+    entered, go = threading.Event(), threading.Event()
+    fail = True
+
+    def gated_write(path: str, data: bytes, *args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert go.wait(5)
+        if fail:
+            raise OSError(28, "No space left on device")
+        real_write(path, data, *args, **kwargs)
+
+    with NodeIpam(str(tmp_path)) as node:
+        node.set_leases([A])
+        node.allocate("c0", "eth0")
+        monkeypatch.setattr(ipam_store, "atomic_write", gated_write)
+        outcomes: dict[str, str] = {}
+
+        def add(name: str) -> None:
+            try:
+                outcomes[name] = str(node.allocate(name, "eth0").ip)
+            except StoreError as e:
+                outcomes[name] = str(e)
+
+        first = threading.Thread(target=add, args=("c1",))
+        first.start()
+        assert entered.wait(5)  # c1's batch is being written, IPAM's lock held
+        later = [threading.Thread(target=add, args=(f"c{n}",)) for n in (2, 3)]
+        for t in later:
+            t.start()
+        go.set()
+        for t in [first, *later]:
+            t.join()
+        assert "No space left" in outcomes["c1"]
+        assert node.find("c1", "eth0") is None
+        fail = False
+        for name in ("c2", "c3"):  # either in c1's batch (failed) or a later one (written)
+            if "No space left" in outcomes[name]:
+                assert node.find(name, "eth0") is None
+            else:
+                assert node.find(name, "eth0") is not None
+        monkeypatch.undo()
+    with NodeIpam(str(tmp_path)) as again:  # what the disk holds is what was answered
+        on_disk = {a.container_id for a in again.allocations()}
+        answered = {n for n, out in outcomes.items() if "No space" not in out}
+        assert on_disk == {"c0"} | answered
+
+
+def test_killed_between_the_batch_write_and_the_reply(tmp_path: Path, clock: FakeClock) -> None:
+    """An agent killed once the batch is on disk but before its ADDs answered: the
+    restart finds the addresses assigned (never handed out twice), and the start-up GC,
+    which finds no record for them, frees them."""
+    node = open_ipam(tmp_path, clock)
+    node.set_leases([A])
+    allocations, commit = node.allocate_all_deferred("c1", "eth0")
+    commit()  # the batch is written; the "reply" never happens
+    node.close()  # the kill: memory gone, the file lock released with the process
+    with open_ipam(tmp_path, clock) as restarted:
+        restarted.set_leases([A])
+        assert restarted.find("c1", "eth0") == allocations[0]
+        assert restarted.allocate("c2", "eth0").ip != allocations[0].ip
+        assert restarted.gc(lambda a: a.container_id != "c1") == allocations
+        assert restarted.find("c1", "eth0") is None
+
+
+def test_killed_before_the_batch_write_hands_out_nothing(tmp_path: Path, clock: FakeClock) -> None:
+    """Killed after allocating in memory, before the batch: nothing was answered and
+    nothing is on disk, so the restart has the address free and nothing to collect."""
+    node = open_ipam(tmp_path, clock)
+    node.set_leases([A])
+    node.allocate_all_deferred("c1", "eth0")  # never committed
+    node.close()
+    with open_ipam(tmp_path, clock) as restarted:
+        restarted.set_leases([A])
+        assert restarted.allocations() == []
 
 
 def test_two_instances_on_one_directory_never_interleave(tmp_path: Path, clock: FakeClock) -> None:
