@@ -44,10 +44,14 @@ def firewall_factory(
     firewall6 = None
     if firewall is None and nft is None:
         from flannelpy.dataplane.firewall import IptablesFirewall
+        from flannelpy.dataplane.nfgen import RulesetGeneration
         from flannelpy.dataplane.nftables import NftablesFirewall
 
-        firewall, nft = IptablesFirewall(), NftablesFirewall()
-        firewall6 = IptablesFirewall(ipv6=True)
+        # With iptables-nft, a resync while this namespace's nftables generation has not
+        # moved since the last check found every chain in place lists nothing.
+        generation = RulesetGeneration()
+        firewall, nft = IptablesFirewall(generation=generation), NftablesFirewall()
+        firewall6 = IptablesFirewall(ipv6=True, generation=generation)
     return FirewallSync(settings, metrics, firewall, firewall6, nft, nftables)
 
 

@@ -23,6 +23,17 @@ POSTROUTING and FORWARD on every resync. Our own chains are compared exactly
 reason to be in them. A chain that differs is rewritten with one
 ``iptables-restore --noflush`` transaction per table, which replaces only our
 chains and our jump rules: everything else on the host is untouched.
+
+Between changes the adapter only checks (``iptables -S`` of each chain, every
+``--iptables-resync``). With iptables-nft (``iptables --version`` says "nf_tables")
+every rule lives in nftables, and every committed change to any nftables table of the
+namespace, by anyone, moves one counter: the ruleset generation
+(:mod:`~flannelpy.dataplane.nfgen`; reads such as ``iptables -S`` leave it alone).
+A check that found every chain as desired remembers the generation read just before
+its listing; while the generation still reads that, nothing can have changed since,
+and the next check is skipped (:func:`needs_check`). A rule deleted by hand is a
+committed change, so it is found at the next resync as before. With iptables-legacy
+(no generation covers its tables) every resync lists the chains.
 """
 
 from __future__ import annotations
@@ -180,6 +191,30 @@ def without_random_fully(rules: Iterable[Rule]) -> list[Rule]:
     return [replace(r, spec=tuple(a for a in r.spec if a != RANDOM_FULLY)) for r in rules]
 
 
+# --- pure: whether to look at all ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A check that found ``rules`` exactly in place, and the ruleset generation read just
+    before its listing."""
+
+    rules: tuple[Rule, ...]
+    generation: int
+
+
+def needs_check(last: Checked | None, rules: Sequence[Rule], generation: int | None) -> bool:
+    """Whether ``rules`` must be listed again: always, unless the last check of these very
+    rules found them in place and the namespace's ruleset generation (None: not known,
+    e.g. iptables-legacy) still reads what it read before that check."""
+    return (
+        last is None
+        or generation is None
+        or generation != last.generation
+        or tuple(rules) != last.rules
+    )
+
+
 # --- pure: comparing a chain ------------------------------------------------------------
 
 
@@ -310,6 +345,10 @@ class IptablesFirewall:
 
     ``command_prefix`` (e.g. ``("ip", "netns", "exec", "ns1")``) runs every
     command inside a network namespace, whose iptables state is its own.
+    ``generation`` asks the nftables ruleset generation of the namespace the commands
+    run in (:class:`~flannelpy.dataplane.nfgen.RulesetGeneration`); with iptables-nft a
+    check is skipped while it has not moved since the last check found every chain in
+    place (module docstring). None: every sync lists the chains.
     """
 
     def __init__(
@@ -321,6 +360,7 @@ class IptablesFirewall:
         random_fully: bool | None = None,  # None: detect once, on first use
         timeout: float = 30.0,
         ipv6: bool = False,  # ip6tables (dual stack): the same chains in the IPv6 tables
+        generation: Callable[[], int | None] | None = None,
     ) -> None:
         self._iptables = "ip6tables" if ipv6 else "iptables"
         self._run = run
@@ -331,23 +371,48 @@ class IptablesFirewall:
         self._timeout = timeout
         # Builtin chains whose jumps were placed since start (see plan_jumps' bootstrap).
         self._placed: set[tuple[str, str]] = set()
+        self._generation = generation
+        self._version: str | None = None  # `iptables --version`, asked once
+        # The last check that found its chains in place, by the chains it covers.
+        self._checked: dict[frozenset[tuple[str, str]], Checked] = {}
 
     @property
     def random_fully(self) -> bool:
         if self._random_fully is None:
-            proc = self._exec([self._iptables, "--version"])
-            self._random_fully = proc.returncode == 0 and random_fully_supported(
-                proc.stdout + proc.stderr, platform.release()
-            )
+            self._random_fully = random_fully_supported(self.version, platform.release())
             if not self._random_fully:
                 log.warning("iptables lacks --random-fully, masquerading without it")
         return self._random_fully
+
+    @property
+    def version(self) -> str:
+        """``iptables --version`` (empty when it fails), asked once."""
+        if self._version is None:
+            proc = self._exec([self._iptables, "--version"])
+            self._version = (proc.stdout + proc.stderr) if proc.returncode == 0 else ""
+        return self._version
+
+    @property
+    def nf_tables(self) -> bool:
+        """iptables-nft: the rules live in nftables, under its ruleset generation."""
+        return "(nf_tables)" in self.version
+
+    def _generation_now(self) -> int | None:
+        if self._generation is None or not self.nf_tables:
+            return None
+        return self._generation()
 
     def sync(self, rules: Sequence[Rule]) -> SyncResult:
         """Make our chains exactly ``rules`` and our jumps present (placed at the end on
         the first sync); report whether a repair was needed."""
         if not self.random_fully:
             rules = without_random_fully(rules)
+        covered = frozenset((r.table, r.chain) for r in rules)
+        # Read before the listing: a change after it moves the generation past this one.
+        generation = self._generation_now()
+        if not needs_check(self._checked.get(covered), rules, generation):
+            return SyncResult(False)
+        self._checked.pop(covered, None)
         details: list[str] = []
         reasons: list[str] = []
         for table, chains in _by_table(rules).items():
@@ -369,12 +434,16 @@ class IptablesFirewall:
                 )
         reason = most_significant(reasons)
         if details:
+            # Our own repair moved the generation: the next resync checks once more.
             log.info("firewall repaired reason=%s details=%s", reason, "; ".join(details))
+        elif generation is not None:
+            self._checked[covered] = Checked(tuple(rules), generation)
         return SyncResult(bool(details), reason, tuple(details))
 
     def remove(self) -> None:
         """Delete our jumps and chains (the clean-up when nftables mode starts). Missing
         ones are fine."""
+        self._checked.clear()
         for table, chain in OUR_CHAINS:
             if not self._list(table, chain):
                 continue

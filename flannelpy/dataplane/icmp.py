@@ -27,6 +27,7 @@ from flannelpy.errors import DataplaneError
 
 log = logging.getLogger("flannelpy.prober")  # the prober's, as before the transport moved here
 
+MAX_KEPT_ADDRESSES = 16384  # sockaddrs kept per transport (two per peer and family at most)
 IP_ICMP_HEADERS = 28  # IPv4 header (no options) + ICMP echo header
 
 # Linux values; Python's socket module does not export them.
@@ -96,10 +97,17 @@ def _payload(payload_len: int) -> tuple[bytes, int]:
 
 def echo_request(ident: int, seq: int, payload_len: int) -> bytes:
     """An ICMP echo request (header + payload), checksum filled in."""
+    header, payload = echo_parts(ident, seq, payload_len)
+    return header + payload
+
+
+def echo_parts(ident: int, seq: int, payload_len: int) -> tuple[bytes, bytes]:
+    """An echo request's header (checksum filled in) and payload, sent as two buffers of
+    one packet: the payload, the same for every echo of that size, is not copied."""
     payload, payload_sum = _payload(payload_len)
     # The header is 8 bytes (even), so the payload's words keep their alignment.
     csum = _fold((ICMP_ECHO << 8) + ident + seq + payload_sum)
-    return struct.pack("!BBHHH", ICMP_ECHO, 0, csum, ident, seq) + payload
+    return struct.pack("!BBHHH", ICMP_ECHO, 0, csum, ident, seq), payload
 
 
 class Reply(NamedTuple):
@@ -130,6 +138,8 @@ class IcmpTransport:
         # seq -> (target, sent at)
         self._pending: dict[int, tuple[IPv4Address | IPv6Address, float]] = {}
         self._replies: list[Reply] = []
+        self._sockaddrs: dict[int, tuple[str, int]] = {}
+        self._source: tuple[IPv4Address | IPv6Address, bytes] | None = None
         self._closed = threading.Event()
         # close() writes here: the receive thread sleeps in select() until a packet or
         # this arrives, instead of waking every 0.2 s to look at ``_closed``.
@@ -183,11 +193,35 @@ class IcmpTransport:
         seq: int,
         payload_len: int,
     ) -> None:
-        packet = echo_request(self._ident, seq, payload_len)
-        pktinfo = struct.pack("=i4s4s", 0, source.packed, bytes(4))
+        header, payload = echo_parts(self._ident, seq, payload_len)
         self._sock.sendmsg(
-            [packet], [(socket.IPPROTO_IP, IP_PKTINFO, pktinfo)], 0, (str(target), 0)
+            [header, payload],
+            [(socket.IPPROTO_IP, IP_PKTINFO, self._pktinfo(source))],
+            0,
+            self._sockaddr(target),
         )
+
+    def _sockaddr(self, target: IPv4Address | IPv6Address) -> tuple[str, int]:
+        """``(str(target), 0)``, kept per address: the prober sends two echoes to every
+        peer, over and over. Keyed by the address's integer (one family per transport):
+        an address object's own hash formats it in hex."""
+        key = int(target)
+        to = self._sockaddrs.get(key)
+        if to is None:
+            if len(self._sockaddrs) >= MAX_KEPT_ADDRESSES:
+                self._sockaddrs.clear()
+            to = self._sockaddrs[key] = (str(target), 0)
+        return to
+
+    def _pktinfo(self, source: IPv4Address | IPv6Address) -> bytes:
+        """The IP_PKTINFO that sends from ``source``, kept for the last source."""
+        kept = self._source
+        if kept is None or kept[0] != source:
+            kept = self._source = (source, self._pack_pktinfo(source))
+        return kept[1]
+
+    def _pack_pktinfo(self, source: IPv4Address | IPv6Address) -> bytes:
+        return struct.pack("=i4s4s", 0, source.packed, bytes(4))
 
     def take_replies(self) -> list[Reply]:
         with self._lock:
@@ -326,10 +360,15 @@ class Icmp6Transport(IcmpTransport):
         payload_len: int,
     ) -> None:
         packet = echo6_request(self._ident, seq, payload_len)
-        pktinfo = struct.pack("=16si", source.packed, 0)
         self._sock.sendmsg(
-            [packet], [(socket.IPPROTO_IPV6, IPV6_PKTINFO, pktinfo)], 0, (str(target), 0)
+            [packet],
+            [(socket.IPPROTO_IPV6, IPV6_PKTINFO, self._pktinfo(source))],
+            0,
+            self._sockaddr(target),
         )
+
+    def _pack_pktinfo(self, source: IPv4Address | IPv6Address) -> bytes:
+        return struct.pack("=16si", source.packed, 0)
 
     def _match(self, packet: bytes, sender: IPv4Address | IPv6Address, now: float) -> Reply | None:
         """Raw ICMPv6 sockets deliver the ICMPv6 message without the IPv6 header; the

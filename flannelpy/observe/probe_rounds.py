@@ -112,7 +112,25 @@ def round_outcome(
     return RoundOutcome(small_ok, rnd.small.rtt, big, "; ".join(errors) or None)
 
 
+_TIMEOUT_TEXTS: dict[tuple[int, bool, int, int, float], str] = {}
+MAX_TIMEOUT_TEXTS = 16384  # two per peer and family
+
+
 def _timeout_text(
+    size: int, target: IPv4Address | IPv6Address, df: bool, timeout_seconds: float
+) -> str:
+    """Kept per echo kind and target: a silent peer's rounds say the same every time. The
+    key holds the address's integer (an address object's own hash formats it in hex)."""
+    key = (size, df, target.version, int(target), timeout_seconds)
+    text = _TIMEOUT_TEXTS.get(key)
+    if text is None:
+        if len(_TIMEOUT_TEXTS) >= MAX_TIMEOUT_TEXTS:
+            _TIMEOUT_TEXTS.clear()
+        text = _TIMEOUT_TEXTS[key] = _format_timeout(size, target, df, timeout_seconds)
+    return text
+
+
+def _format_timeout(
     size: int, target: IPv4Address | IPv6Address, df: bool, timeout_seconds: float
 ) -> str:
     kind = f"{size}-byte DF echo (the overlay MTU)" if df else f"{size}-byte echo"
