@@ -245,8 +245,12 @@ class IpamStore:
 
     def take_ticket(self) -> int | None:
         """Under the lock, at the end of an operation: what ``commit`` must wait for (None:
-        nothing to make durable)."""
+        nothing to make durable). An operation that changed nothing still waits for the
+        changes of others it saw pending: its answer (an exhaustion, an allocation found
+        again) rests on them, so it must not come before they are written."""
         ticket, self._ticket = self._ticket, None
+        if ticket is None and self._pending:
+            ticket = self._group.taken
         return ticket
 
     def commit(self, ticket: int) -> None:

@@ -1092,3 +1092,26 @@ class IpamMachine(RuleBasedStateMachine):
 
 TestIpamMachine = IpamMachine.TestCase
 TestIpamMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_an_operation_that_changed_nothing_waits_for_the_pending_changes_it_saw(
+    tmp_path: Path,
+) -> None:
+    """An exhaustion or a found allocation rests on what memory shows; it is answered
+    only once the changes of others it saw are on disk, never before."""
+    store = IpamStore(tmp_path)
+    subnet = IPv4Network("10.244.3.0/24")
+    try:
+        with store.locked():
+            store.save(subnet, b"{}")  # another request's allocation, its batch not written
+            theirs = store.take_ticket()
+        with store.locked():  # ours: it reads the pool and changes nothing
+            ours = store.take_ticket()
+        assert theirs is not None and ours == theirs
+        assert not (tmp_path / "10.244.3.0_24.json").exists()
+        store.commit(ours)  # what our answer waits for: their write
+        assert (tmp_path / "10.244.3.0_24.json").read_bytes() == b"{}"
+        with store.locked():  # nothing pending any more: nothing to wait for
+            assert store.take_ticket() is None
+    finally:
+        store.close()
