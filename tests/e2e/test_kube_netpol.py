@@ -249,24 +249,22 @@ def test_a_policy_edit_the_agent_refuses_leaves_the_enforced_table_intact(
     assert policy_table(lab, "n1") == before
     log = agent_log(lab, "n1")
     assert f"NetworkPolicy {NS}/db-from-web is refused" in log, log[-2000:]
-    doctor = subprocess.run(
-        lab_run_argv(lab.name, "doctor", "--json", node="n1"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    findings = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "netpol"]
-    warned = [f for f in findings if f["severity"] == "warning"]
-    assert any(f"{NS}/db-from-web" in f["message"] for f in warned), findings
-    apply(lab, DENY)  # accepted again: the refusal is gone from the doctor's findings
 
-    def refusal_cleared() -> bool:
+    def netpol_warnings() -> list[str]:
+        """The doctor's netpol warnings (it reads status.json, rewritten every 2 s)."""
         out = subprocess.run(lab_run_argv(lab.name, "doctor", "--json", node="n1"),
                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
         found = [f for f in json.loads(out)["findings"] if f["check"] == "netpol"]
-        return not any(f["severity"] == "warning" for f in found)
+        return [f["message"] for f in found if f["severity"] == "warning"]
 
-    wait_until(refusal_cleared, ENFORCE, "the refusal cleared once DENY is back")
+    wait_until(
+        lambda: any(f"{NS}/db-from-web" in m for m in netpol_warnings()),
+        ENFORCE,
+        "the doctor to warn of the refused edit",
+    )
+    assert policy_table(lab, "n1") == before
+    apply(lab, DENY)  # accepted again: the refusal is gone from the doctor's findings
+    wait_until(lambda: not netpol_warnings(), ENFORCE, "the refusal cleared once DENY is back")
 
 
 def agent_log(lab: Lab, node: str) -> str:
