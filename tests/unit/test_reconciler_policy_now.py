@@ -5,6 +5,7 @@ a pass running, a failed write) it is left to the next pass, as any new plan is.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,6 +59,29 @@ def make() -> tuple[Reconciler, RecordingTable, FakeKernel, DesiredState]:
     return reconciler, table, kernel, desired
 
 
+def in_place() -> tuple[Reconciler, RecordingTable, FakeKernel, DesiredState]:
+    """:func:`make`, with the first table written by a pass and the wake-up and reasons
+    that asked for it taken, as the loop takes them before its pass."""
+    reconciler, table, kernel, desired = make()
+    reconciler.reconcile_once("loop")
+    reconciler._wake.clear()
+    reconciler._reasons.clear()
+    return reconciler, table, kernel, desired
+
+
+def run_loop_until(reconciler: Reconciler, done: Callable[[], bool], what: str) -> None:
+    """Run the reconciler's loop on a thread of its own until ``done``, then stop it."""
+    stop = threading.Event()
+    loop = threading.Thread(target=reconciler.run, args=(stop,))
+    loop.start()
+    try:
+        wait_until(done, 5.0, what)
+    finally:
+        stop.set()
+        reconciler.trigger("stop")
+        loop.join(5.0)
+
+
 def test_the_first_table_waits_for_a_pass() -> None:
     reconciler, table, _, desired = make()
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
@@ -67,10 +91,7 @@ def test_the_first_table_waits_for_a_pass() -> None:
 
 
 def test_with_a_table_in_place_a_new_one_is_written_at_once_without_a_pass() -> None:
-    reconciler, table, kernel, desired = make()
-    reconciler.reconcile_once("loop")
-    reconciler._wake.clear()  # as the loop does before its pass
-    reconciler._reasons.clear()
+    reconciler, table, kernel, desired = in_place()
     passes, observed = reconciler.last_result, kernel.observe_calls
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
     assert table.applied[-1] == ("b", threading.current_thread().name)
@@ -83,9 +104,7 @@ def test_with_a_table_in_place_a_new_one_is_written_at_once_without_a_pass() -> 
 
 
 def test_while_a_pass_runs_the_table_is_left_to_the_next_pass() -> None:
-    reconciler, table, _, desired = make()
-    reconciler.reconcile_once("loop")
-    reconciler._wake.clear()
+    reconciler, table, _, desired = in_place()
     with reconciler._pass_lock:  # a pass of the loop's, running
         reconciler.set_desired_policy(replace(desired, policy=Table("b")))
         assert [name for name, _ in table.applied] == ["a"]
@@ -95,9 +114,7 @@ def test_while_a_pass_runs_the_table_is_left_to_the_next_pass() -> None:
 
 
 def test_a_failed_write_is_retried_and_reported_by_the_next_pass() -> None:
-    reconciler, table, _, desired = make()
-    reconciler.reconcile_once("loop")
-    reconciler._wake.clear()
+    reconciler, table, _, desired = in_place()
     table.fail = True
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
     assert reconciler._wake.is_set()
@@ -110,43 +127,21 @@ def test_a_failed_write_is_retried_and_reported_by_the_next_pass() -> None:
 
 
 def test_the_loop_takes_the_owed_read_back_without_a_pass() -> None:
-    reconciler, table, _, desired = make()
-    reconciler.reconcile_once("loop")
-    reconciler._wake.clear()
-    reconciler._reasons.clear()
+    reconciler, table, _, desired = in_place()
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
     remembered, passes = table.remembered, reconciler.last_result
-    stop = threading.Event()
-    loop = threading.Thread(target=reconciler.run, args=(stop,))
-    loop.start()
-    try:
-        wait_until(lambda: table.remembered > remembered, 5.0, "the read-back")
-    finally:
-        stop.set()
-        reconciler.trigger("stop")
-        loop.join(5.0)
+    run_loop_until(reconciler, lambda: table.remembered > remembered, "the read-back")
     assert table.remembered == remembered + 1
     assert reconciler.last_result is passes  # no pass ran for it
 
 
 def test_a_pass_that_also_owes_a_read_back_is_a_pass_for_the_plan() -> None:
     """With a new plan waiting too, the pass takes the read-back; it reads no route back."""
-    reconciler, table, kernel, desired = make()
-    reconciler.reconcile_once("loop")
-    reconciler._wake.clear()
-    reconciler._reasons.clear()
+    reconciler, table, kernel, desired = in_place()
     reconciler.set_desired_policy(replace(desired, policy=Table("b")))
     reconciler.set_desired(replace(desired, policy=Table("c")))
     observed, remembered = kernel.observe_calls, table.remembered
-    stop = threading.Event()
-    loop = threading.Thread(target=reconciler.run, args=(stop,))
-    loop.start()
-    try:
-        wait_until(lambda: table.remembered > remembered, 5.0, "the pass")
-    finally:
-        stop.set()
-        reconciler.trigger("stop")
-        loop.join(5.0)
+    run_loop_until(reconciler, lambda: table.remembered > remembered, "the pass")
     result = reconciler.last_result
     assert result is not None and result.reason == PLAN_CHANGED
     assert kernel.observe_calls == observed  # the kernel known from the last pass
