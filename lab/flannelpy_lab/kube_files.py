@@ -92,18 +92,6 @@ def make_pki(state: LabState) -> None:
         "-out",
         p("ca.crt"),
     )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=kube-apiserver",
-        "-keyout",
-        p("apiserver.key"),
-        "-out",
-        p("apiserver.csr"),
-    )
     with open(p("apiserver.ext"), "w", encoding="utf-8") as f:
         # As a cluster's: also the "kubernetes" Service's address and names, which pods
         # (CoreDNS, the e2e specs' clients) reach it by through kube-proxy.
@@ -112,23 +100,7 @@ def make_pki(state: LabState) -> None:
             f"subjectAltName=IP:{host_ip(state)},IP:127.0.0.1,IP:{SERVICE_IP},"
             f"DNS:localhost,{names}\n"
         )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        p("apiserver.csr"),
-        "-CA",
-        p("ca.crt"),
-        "-CAkey",
-        p("ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        p("apiserver.ext"),
-        "-out",
-        p("apiserver.crt"),
-    )
+    signed_cert(state, "apiserver", "/CN=kube-apiserver", p("apiserver.ext"))
     openssl("genrsa", "-out", p("sa.key"), "2048")
     openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
     admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
@@ -147,35 +119,22 @@ def make_pki(state: LabState) -> None:
 def client_cert(state: LabState, name: str, cn: str, org: str | None = None) -> tuple[str, str]:
     """A client certificate signed by the lab's CA (user ``cn``, group ``org``); returns
     the certificate's and the key's paths."""
+    return signed_cert(state, name, f"/CN={cn}" + (f"/O={org}" if org else ""))
+
+
+def signed_cert(
+    state: LabState, name: str, subject: str, extfile: str | None = None
+) -> tuple[str, str]:
+    """A key and a certificate for ``subject`` signed by the lab's CA, as
+    ``pki/<name>.key`` and ``.crt`` (``extfile``: its extensions); returns the
+    certificate's and the key's paths."""
     p = lambda ext: kube_path(state, "pki", f"{name}.{ext}")  # noqa: E731
-    subject = f"/CN={cn}" + (f"/O={org}" if org else "")
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        subject,
-        "-keyout",
-        p("key"),
-        "-out",
-        p("csr"),
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        p("csr"),
-        "-CA",
-        kube_path(state, "pki", "ca.crt"),
-        "-CAkey",
-        kube_path(state, "pki", "ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        p("crt"),
-    )
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", p("key"),
+            "-out", p("csr"))  # fmt: skip
+    extensions = ("-extfile", extfile) if extfile else ()
+    openssl("x509", "-req", "-in", p("csr"), "-CA", kube_path(state, "pki", "ca.crt"),
+            "-CAkey", kube_path(state, "pki", "ca.key"), "-CAcreateserial", "-days", "2",
+            *extensions, "-out", p("crt"))  # fmt: skip
     return p("crt"), p("key")
 
 
