@@ -63,6 +63,10 @@ class Capacity:
         self._low_free_watched: int | None = None  # the MinFreeAddresses IPAM watches for
         self._ipam_view: tuple[tuple[IPv4Network | IPv6Network, ...], ...] = ()
         self._v6_view: tuple[IPv6Network | None, ...] = ()
+        # What the pool metrics were last computed from: the config, the pools and the
+        # lease list objects (a new snapshot is a new dict), so a tick without a change
+        # does not walk every lease of the cluster again (9 ms at 1,000 peers).
+        self._pool_inputs: tuple[object, list[object], object] | None = None
 
     def serves(self, lease: Lease) -> bool:
         """May new pods get addresses here? Per the tags of the lease's pools, one per
@@ -179,6 +183,10 @@ class Capacity:
 
     def _pool_metrics(self) -> None:
         s = self.state
+        last = self._pool_inputs
+        if last is not None and last[0] is s.config and last[2] is s.leases and last[1] == s.pools:
+            return
+        self._pool_inputs = (s.config, list(s.pools), s.leases)
         self.metrics.pool_utilisation(
             {
                 c.pool.network: c.utilisation

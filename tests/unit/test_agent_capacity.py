@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from flannelpy.agent import capacity as capacity_module
 from flannelpy.agent.capacity import CAPACITY_TICK
 from flannelpy.agent.events import TICK_CAPACITY, TICK_STATUS
-from tests.support.agent_fakes import NODE_IP, AgentHarness, net_conf
+from flannelpy.subnet.keys import lease_key
+from tests.support.agent_fakes import NODE_IP, PREFIX, AgentHarness, net_conf
+from tests.support.fakes import lease
 
 # /28 leases: 14 addresses, of which the gateway takes one.
 CONFIG = net_conf(SubnetLen=28, MinFreeAddresses=4, MaxLeasesPerNode=2, LeaseHoldDownSeconds=60)
@@ -129,3 +133,40 @@ def test_a_node_low_on_ipv6_addresses_adds_a_lease(tmp_path: Path, config: str) 
         assert [x.ipv6_subnet for x in leases.values()] == [first.ipv6_subnet]
     finally:
         h.stop()
+
+
+def test_pool_utilisation_follows_the_lease_list_and_is_not_recomputed_without_a_change(
+    agent: AgentHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pools' utilisation walks every lease of the cluster: a capacity tick with the
+    same lease list, config and pools reuses the last figure; a new list is counted."""
+    walks: list[int] = []
+    real = capacity_module.pool_capacity
+
+    def counted(config: Any, pools: Any, leases: Any) -> Any:
+        walks.append(len(leases))
+        return real(config, pools, leases)
+
+    monkeypatch.setattr(capacity_module, "pool_capacity", counted)
+    registry = agent.writer.metrics.registry
+
+    def utilisation() -> float | None:
+        return registry.get_sample_value(
+            "flannelpy_pool_utilisation_ratio", {"pool": "10.244.0.0/16"}
+        )
+
+    before = utilisation()
+    assert before is not None and before > 0
+    for _ in range(3):
+        agent.tick(TICK_CAPACITY, advance=CAPACITY_TICK)
+    assert walks == [], "ticks without a change walked the leases again"
+
+    peer = lease("10.244.9.0/28", "192.0.2.9")
+    agent.store.put(lease_key(PREFIX, peer.subnet), peer.attrs.to_json().encode())
+    agent.deliver_leases()
+    agent.tick(TICK_CAPACITY, advance=CAPACITY_TICK)
+    assert walks == [2], "a new lease list is walked once"
+    after = utilisation()
+    assert after is not None and after == pytest.approx(2 * before)
+    agent.tick(TICK_CAPACITY, advance=CAPACITY_TICK)
+    assert walks == [2]
