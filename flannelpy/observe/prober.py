@@ -74,9 +74,16 @@ log = logging.getLogger("flannelpy.prober")
 BLOCKED_POLL_SECONDS = 0.02  # how soon to look again when max_in_flight holds a peer back
 # The loop's shortest sleep: the rounds due within it start together and the rounds
 # finished within it are reported together (one writer event), so an idle prober wakes
-# 4 times a second rather than at every round's slot and deadline (about 40 at the
-# default budget). RTTs are stamped by the transport as replies arrive, not here.
-TICK_SECONDS = 0.25
+# twice a second rather than at every round's slot and deadline (about 40 at the
+# default budget). A wake-up of the prober and one of the writer cost far more than the
+# rounds they carry (the interpreter starts cold each time), so the tick is what the
+# idle CPU follows; a round starts and is settled up to a tick late, which moves no
+# verdict (rounds are seconds apart). RTTs are stamped by the transport as replies
+# arrive, not here.
+TICK_SECONDS = 0.5
+# Echoes outstanding at most. At the default budget with every peer silent, rounds of
+# up to 25 a second each hold two echoes for a timeout plus up to a tick: about 75.
+MAX_IN_FLIGHT = 128
 # Rounds per interval (20 rounds/s at the 5 s default): a 100-node cluster is probed in
 # full every interval, a 1,000-node one every 50 s.
 DEFAULT_PEERS_PER_INTERVAL = 100
@@ -116,7 +123,7 @@ class Prober:
         interval_seconds: float = 5.0,
         window: int = 20,
         timeout_seconds: float = 1.0,
-        max_in_flight: int = 64,
+        max_in_flight: int = MAX_IN_FLIGHT,
         down_after: int = 3,
         mtu_strikes: int = 3,
         on_results: Callable[[list[tuple[str, ProbeResult]]], None] | None = None,
@@ -204,9 +211,13 @@ class Prober:
                 self._snapshot = dict(self._results)
             return self._snapshot
 
-    def run(self, stop: threading.Event, quantum: float = TICK_SECONDS) -> None:
-        """Probe until ``stop`` is set, sleeping at least ``quantum`` between ticks. Never
-        raises: a failing tick is logged and retried."""
+    def run(self, stop: threading.Event, quantum: float | None = None) -> None:
+        """Probe until ``stop`` is set, sleeping at least ``quantum`` between ticks
+        (default: ``TICK_SECONDS``, or a quarter of a shorter probe interval, so that a
+        short interval still gets its rounds). Never raises: a failing tick is logged and
+        retried."""
+        if quantum is None:
+            quantum = min(TICK_SECONDS, self.interval / 4)
         while not stop.is_set():
             try:
                 wake = self.tick()
