@@ -58,6 +58,8 @@ DEVICE = "flannel.1"
 READY_POLL = 0.002  # seconds between subnet.env checks: finer than the lab's 0.1 s
 READY_TIMEOUT = 120.0
 REF_UNDERLAY = "198.18.0.1/24"  # RFC 2544 benchmarking range, only inside the throwaway netns
+REF_GATEWAY = "198.18.0.254"  # the node's default route: an address nothing holds
+FAKE_PEERS_RANGE = "172.16.0.0/12"  # bench.common.FAKE_PUBLIC_BASE and the peers after it
 
 
 # --- the reference: ip -batch / bridge -batch --------------------------------------------
@@ -85,7 +87,8 @@ def _ip(*args: str) -> None:
 
 @contextmanager
 def reference_netns() -> Iterator[str]:
-    """A namespace with a veth underlay (both ends inside it); removed on exit."""
+    """A namespace with a veth underlay (both ends inside it) and a default route through
+    it; removed on exit."""
     ns = f"fpbref{os.getpid()}{secrets.token_hex(2)}"
     _ip("netns", "add", ns)
     try:
@@ -93,6 +96,11 @@ def reference_netns() -> Iterator[str]:
         _ip("-n", ns, "addr", "add", REF_UNDERLAY, "dev", "ul0")
         for dev in ("lo", "ul0", "ul1"):
             _ip("-n", ns, "link", "set", dev, "up")
+        # A node has a default route; the agent checks a new peer's route against the
+        # routing table with a lookup that finds it. The fake peers' addresses stay
+        # unrouted, as before (nothing is sent to them).
+        _ip("-n", ns, "route", "add", "default", "via", REF_GATEWAY, "dev", "ul0")
+        _ip("-n", ns, "route", "add", "unreachable", FAKE_PEERS_RANGE)
         yield ns
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)

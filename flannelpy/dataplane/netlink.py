@@ -40,8 +40,9 @@ from flannelpy.dataplane.state import ROUTE_PROTOCOL, Changes, ObservedState
 class NetlinkKernel:
     """Kernel adapter for the network namespace of the calling thread.
 
-    Stateless between calls but for ``adopt_routes``: safe to share between threads, and
-    callable from a thread that runs an asyncio loop (apply then hops to a helper thread).
+    Stateless between calls but for ``adopt_routes`` and the deletions the watch awaits
+    (kept under a lock): safe to share between threads, and callable from a thread that
+    runs an asyncio loop (apply then hops to a helper thread).
     Routes are tagged with ``route_protocol``; MACs are reported in lower case.
     """
 
@@ -51,6 +52,8 @@ class NetlinkKernel:
         self.protocol = route_protocol
         self.watch_buffer = watch_buffer  # bytes; small only in tests that provoke ENOBUFS
         self.adopt: FlannelRouteShape | None = None  # observe reports such routes too
+        # Our own deletions, which the watch does not report as news.
+        self.own_deletions = netlink_events.OwnDeletions()
 
     def adopt_routes(self, shape: FlannelRouteShape) -> None:
         self.adopt = shape
@@ -70,7 +73,7 @@ class NetlinkKernel:
     # -- writing
 
     def apply(self, changes: Changes) -> ApplyResult:
-        return netlink_apply.apply(changes, self.protocol, self.adopt)
+        return netlink_apply.apply(changes, self.protocol, self.adopt, self.own_deletions)
 
     set_sysctl = staticmethod(netlink_host.set_sysctl)
     set_tx_checksum = staticmethod(ethtool.set_tx_checksum)
@@ -78,4 +81,6 @@ class NetlinkKernel:
     # -- listening
 
     def watch(self, on_event: Callable[[str], None], stop: threading.Event) -> None:
-        netlink_events.watch(on_event, stop, self.protocol, self.watch_buffer)
+        netlink_events.watch(
+            on_event, stop, self.protocol, self.watch_buffer, self.own_deletions.consume
+        )

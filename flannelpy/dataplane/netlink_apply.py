@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 from collections import Counter
 from collections.abc import Sequence
 from ipaddress import IPv6Address, IPv6Network
@@ -20,6 +21,13 @@ from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
 from flannelpy.dataplane.adopt import FlannelRouteShape
 from flannelpy.dataplane.kernel import ApplyResult
+from flannelpy.dataplane.netlink_events import (
+    DeletionKey,
+    OwnDeletions,
+    fdb_key,
+    neighbour_key,
+    route_key,
+)
 from flannelpy.dataplane.netlink_observe import adoptable, vxlan_link
 from flannelpy.dataplane.rtnl_vxlan import link_mac_request, vxlan_request
 from flannelpy.dataplane.state import (
@@ -33,15 +41,25 @@ from flannelpy.dataplane.state import (
 )
 from flannelpy.errors import DataplaneError
 
+# At most this many routes to set are checked for a foreign route one lookup each; more
+# (a start, a burst of leases) are checked against one dump of the table.
+LOOKUPS_AT_MOST = 8
 # Errors that mean "already gone" for each kind of delete.
 _GONE_ON_DELETE = {errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EADDRNOTAVAIL}
 
 
-def apply(changes: Changes, protocol: int, adopt: FlannelRouteShape | None) -> ApplyResult:
+def apply(
+    changes: Changes,
+    protocol: int,
+    adopt: FlannelRouteShape | None,
+    own: OwnDeletions | None = None,
+) -> ApplyResult:
     """:meth:`~flannelpy.dataplane.kernel.Kernel.apply`: routes are written with
-    ``protocol``; those ``adopt`` matches are taken over, never refused as foreign."""
+    ``protocol``; those ``adopt`` matches are taken over, never refused as foreign. The
+    deletions of routes, neighbours and FDB entries are told to ``own`` first, for the
+    watch to recognise their notifications."""
     with nl.NetlinkSocket() as sock:
-        run = _Batch(sock, protocol, adopt)
+        run = _Batch(sock, protocol, adopt, own)
         run.links(changes)
         run.addresses("addresses_to_add", changes.addresses_to_add)
         run.addresses("addresses_to_delete", changes.addresses_to_delete)
@@ -68,16 +86,47 @@ def _reason(error: int, message: str = "") -> str:
     return f"{text} ({name})"
 
 
+class LinkIndex:
+    """Device name -> ifindex, asked of the kernel per name on first use (one ioctl)
+    rather than a dump of every link per call: a node's links are mostly its pods'
+    veths, and an apply names one or two devices. Built anew after links change."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, int | None] = {}
+
+    def get(self, name: str) -> int | None:
+        if name not in self._known:
+            try:
+                self._known[name] = socket.if_nametoindex(name)
+            except OSError:  # no such device (ENODEV), or a name the kernel cannot hold
+                self._known[name] = None
+        return self._known[name]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def __getitem__(self, name: str) -> int:
+        index = self.get(name)
+        if index is None:
+            raise KeyError(name)
+        return index
+
+
 class _Batch:
     """One ``apply`` call: its sockets, the device index, counts and failures."""
 
     def __init__(
-        self, sock: nl.NetlinkSocket, protocol: int, adopt: FlannelRouteShape | None = None
+        self,
+        sock: nl.NetlinkSocket,
+        protocol: int,
+        adopt: FlannelRouteShape | None = None,
+        own: OwnDeletions | None = None,
     ) -> None:
         self.sock = sock
         self.protocol = protocol
         self.adopt = adopt
-        self.index = {r.name: r.index for r in nl.dump_links(sock)}
+        self.own = own
+        self.index = LinkIndex()
         self.applied: Counter[str] = Counter()
         self.failures: list[str] = []
 
@@ -97,7 +146,7 @@ class _Batch:
         for link in changes.links_to_update:
             self._update(link)
         if changes.links_to_delete or changes.links_to_create:
-            self.index = {r.name: r.index for r in nl.dump_links(self.sock)}
+            self.index = LinkIndex()
 
     def _update(self, link: VxlanLink) -> None:
         row = nl.get_link(self.sock, link.name)
@@ -118,15 +167,12 @@ class _Batch:
         to take (a peer lease naming the underlay's subnet would cut the node off)."""
         if not routes:
             return []
-        names = {index: name for name, index in self.index.items()}
-        rows = nl.dump_routes(self.sock)
-        if any(route.dst.version == 6 for route in routes):
-            rows += nl.dump_routes(self.sock, family=rtnl.AF_INET6)
-        foreign = {
-            (r.dst.version, int(r.dst), r.dst_len): r.protocol
-            for r in rows
-            if r.protocol != self.protocol and not adoptable(self.adopt, r, names)
-        }
+        foreign = self._foreign_by_lookup(routes)
+        if foreign is None:
+            rows = nl.dump_routes(self.sock)
+            if any(route.dst.version == 6 for route in routes):
+                rows += nl.dump_routes(self.sock, family=rtnl.AF_INET6)
+            foreign = self._foreign(rows)
         kept = []
         for route in routes:
             if route.blackhole:  # its own metric: added beside a connected route, never over it
@@ -143,6 +189,39 @@ class _Batch:
                 f"protocol {proto}, not the agent's; remove it or the lease that asks for it"
             )
         return kept
+
+    def _foreign(self, rows: Sequence[rtnl.RouteRow]) -> dict[tuple[int, int, int], int]:
+        """(IP version, destination, prefix length) -> protocol of the routes in ``rows``
+        that are not ours and not another Flannel's to take over."""
+        others = [r for r in rows if r.protocol != self.protocol]
+        # Device names only to judge another Flannel's routes, which name theirs.
+        names = {r.index: r.name for r in nl.dump_links(self.sock)} if self.adopt and others else {}
+        return {
+            (r.dst.version, int(r.dst), r.dst_len): r.protocol
+            for r in others
+            if not adoptable(self.adopt, r, names)
+        }
+
+    def _foreign_by_lookup(self, routes: Sequence[Route]) -> dict[tuple[int, int, int], int] | None:
+        """:meth:`_foreign` for a few IPv4 routes, one route lookup each instead of a dump
+        of the table (a peer's new route, among thousands, cost a dump of all of them).
+        The lookup of a destination's first address finds the longest match in the main
+        table: a route of that very destination, if there is one, or a shorter one (the
+        default route) if there is none. None, for the dump to decide, when a lookup
+        cannot tell: no route at all, an error route, a longer match hiding the
+        destination, or an answer from another table (policy routing)."""
+        if len(routes) > LOOKUPS_AT_MOST or any(r.dst.version != 4 for r in routes):
+            return None
+        found: list[rtnl.RouteRow] = []
+        for route in routes:
+            if route.blackhole:
+                continue  # kept whatever is there (not_foreign)
+            row = nl.fib_match(self.sock, route.dst.network_address)  # type: ignore[arg-type]
+            if row is None or row.table != rtnl.RT_TABLE_MAIN or row.dst_len > route.dst.prefixlen:
+                return None
+            if row.dst_len == route.dst.prefixlen:
+                found.append(row)
+        return self._foreign(found)
 
     def addresses(self, key: str, entries: Sequence[Address]) -> None:
         delete = key == "addresses_to_delete"
@@ -182,6 +261,7 @@ class _Batch:
         verb = "delete" if delete else "set"
         requests: list[rtnl.Request] = []
         sent: list[Route | Neighbour | FdbEntry] = []
+        indexes: list[int] = []
         for entry in entries:
             ifindex = self.index.get(entry.ifname)
             # Our routes are deleted by destination alone, whatever their device.
@@ -193,11 +273,20 @@ class _Batch:
             protocol = entry.protocol if isinstance(entry, Route) and entry.protocol else None
             requests.append(_request(entry, delete, ifindex or 0, protocol or self.protocol))
             sent.append(entry)
+            indexes.append(ifindex or 0)
+        own = self.own if delete else None
+        keys = [_deletion_key(entry, ifindex) for entry, ifindex in zip(sent, indexes, strict=True)]
+        if own is not None:
+            own.expect(keys)
         try:
             replies = self.sock.batch(requests)
         except OSError as e:
+            if own is not None:
+                own.forget(keys)
             self.failures.append(f"could not {verb} {len(sent)} {key.split('_')[0]}: {e}")
             return
+        if own is not None:  # no notification follows a refused or needless deletion
+            own.forget(k for k, reply in zip(keys, replies, strict=True) if reply.error != 0)
         refused: list[Route] = []
         for entry, reply in zip(sent, replies, strict=True):
             if reply.error == 0 or (delete and reply.error in _GONE_ON_DELETE):
@@ -256,6 +345,16 @@ def _request(
     if isinstance(entry, Neighbour):
         return rtnl.neigh_request(delete, ifindex, entry.ip, entry.mac)
     return rtnl.fdb_request(delete, ifindex, entry.mac, entry.dst)
+
+
+def _deletion_key(entry: Route | Neighbour | FdbEntry, ifindex: int) -> DeletionKey:
+    """The entry as its deletion's notification will name it."""
+    if isinstance(entry, Route):
+        dst = entry.dst
+        return route_key(dst.version, int(dst.network_address), dst.prefixlen)
+    if isinstance(entry, Neighbour):
+        return neighbour_key(ifindex, entry.ip)
+    return fdb_key(ifindex, entry.mac, entry.dst)
 
 
 def _gateway_elsewhere(route: Route, error: int) -> bool:

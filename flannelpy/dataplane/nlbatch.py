@@ -357,6 +357,23 @@ def get_link(sock: NetlinkSocket, name: str) -> LinkRow | None:
     raise KernelRefused(reply)
 
 
+RTM_F_FIB_MATCH = 0x2000  # a route lookup answers with the entry it found, not a result
+
+
+def fib_match(sock: NetlinkSocket, address: IPv4Address) -> RouteRow | None:
+    """The route a lookup of ``address`` finds (``ip route get fibmatch``), as the table
+    holds it; None when the lookup finds none or ends in an error route (unreachable,
+    prohibit, blackhole)."""
+    body = RTMSG.pack(AF_INET, 32, 0, 0, 0, 0, 0, 0, RTM_F_FIB_MATCH) + attr(
+        RTA_DST, address.packed
+    )
+    _, messages = sock.request(Request(RTM_GETROUTE, 0, body))
+    for buf, offset, length, msg_type in messages:
+        if msg_type == RTM_NEWROUTE:
+            return decode_route(buf, offset, length)
+    return None
+
+
 def dump_routes(
     sock: NetlinkSocket, table: int = RT_TABLE_MAIN, protocol: int = 0, family: int = AF_INET
 ) -> list[RouteRow]:

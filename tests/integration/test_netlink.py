@@ -10,12 +10,14 @@ import select
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Network
+from typing import Any
 
 import pytest
 
-from flannelpy.dataplane import netlink_events, nlfilter, rtnl
+from flannelpy.dataplane import netlink_apply, netlink_events, nlfilter, rtnl
 from flannelpy.dataplane import netns as netns_module
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane.kernel import ApplyResult, ForeignRoute
@@ -430,11 +432,7 @@ def test_a_route_replaced_by_another_tool_is_watched(overlay: Netns, kernel: Net
     watch asks for a pass then, not at the next periodic resync. Our own writes, the
     kernel's own routes and other tables stay silent."""
     peers = [peer(i) for i in range(2)]
-    events: queue.Queue[str] = queue.Queue()
-    stop = threading.Event()
-    watcher = overlay.start(kernel.watch, events.put, stop)
-    try:
-        wait_subscribed(overlay)
+    with watching(overlay, kernel) as events:
         overlay.call(kernel.apply, add_peers(peers))
         overlay.ip("addr add 10.99.0.1/24 dev u0")  # a proto kernel route appears
         overlay.ip("route add 10.98.0.0/24 via 192.168.50.1 table 100 proto static")
@@ -444,15 +442,27 @@ def test_a_route_replaced_by_another_tool_is_watched(overlay: Netns, kernel: Net
         assert _next_event(events, {"route", "address"}) == "address", list(events.queue)
         overlay.ip("route replace 10.100.1.0/24 via 192.168.50.1 dev u0 proto static")
         assert _next_event(events, {"route"}) == "route"
-    finally:
-        stop.set()
-        watcher.join(timeout=5)
 
 
 def wait_subscribed(ns: Netns) -> None:
     """Wait until a watcher's netlink socket in ``ns`` listens to rtnetlink groups: only
     changes made after that reach it (a fresh namespace has no other listener)."""
     wait_until(ns.netlink_listeners, 5.0, f"a netlink watcher subscribed in {ns.name}")
+
+
+@contextmanager
+def watching(overlay: Netns, kernel: NetlinkKernel) -> Iterator[queue.Queue[str]]:
+    """The kernel's watch running in ``overlay``, subscribed: the kinds it reports."""
+    events: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+    watcher = overlay.start(kernel.watch, events.put, stop)
+    try:
+        wait_subscribed(overlay)
+        yield events
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    assert not watcher.is_alive()
 
 
 def _next_event(events: queue.Queue[str], wanted: set[str], timeout: float = 3.0) -> str:
@@ -508,8 +518,25 @@ def test_foreign_routes_are_never_observed_or_deleted(
     assert "10.200.0.0/24 via 10.200.0.0 dev flannel.1 proto 76 onlink" in overlay.ip("route show")
 
 
+@pytest.fixture(params=["one lookup per route", "a dump of the table"])
+def foreign_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The two ways a route to set is checked for another protocol's route at its
+    destination; yields the list the table's dumps are counted in."""
+    if request.param == "a dump of the table":
+        monkeypatch.setattr(netlink_apply, "LOOKUPS_AT_MOST", 0)
+    dumps: list[int] = []
+    real = nl.dump_routes
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        dumps.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nl, "dump_routes", counted)
+    return dumps
+
+
 def test_a_route_of_another_protocol_is_never_replaced(
-    overlay: Netns, kernel: NetlinkKernel
+    overlay: Netns, kernel: NetlinkKernel, foreign_check: list[int]
 ) -> None:
     # Before: NLM_F_REPLACE overwrote the underlay's connected route with a peer's
     # (a lease for the underlay's subnet) and the node lost its underlay.
@@ -519,12 +546,34 @@ def test_a_route_of_another_protocol_is_never_replaced(
     static = Route(IPv4Network("10.100.0.0/24"), IPv4Address("10.100.0.0"), DEV, True)
     _, _, good = peer(1)
     result = overlay.call(kernel.apply, Changes(routes_to_set=(hostile, static, good)))
+    dumps = len(foreign_check)
     assert len(result.failures) == 2
     assert all("not the agent's" in f for f in result.failures)
     routes = overlay.ip("route show")
     assert connected in routes
     assert "10.100.0.0/24 via 192.168.50.1 dev u0 proto static" in routes
     assert observe(overlay, kernel).routes == frozenset({good})
+    assert dumps == (0 if netlink_apply.LOOKUPS_AT_MOST else 1)
+
+
+def test_a_route_hidden_by_a_longer_one_is_still_found(
+    overlay: Netns, kernel: NetlinkKernel, foreign_check: list[int]
+) -> None:
+    """A lookup of a destination's first address that finds a longer route cannot see
+    what the destination itself holds: the table is dumped then, and a route without a
+    route of its own beside the longer one is set."""
+    overlay.ip("route add 10.100.0.0/24 via 192.168.50.1 proto static")
+    overlay.ip("route add 10.100.0.0/25 via 192.168.50.1 proto static")
+    overlay.ip("route add 10.100.1.0/25 via 192.168.50.1 proto static")
+    hidden = Route(IPv4Network("10.100.0.0/24"), IPv4Address("10.100.0.0"), DEV, True)
+    beside = Route(IPv4Network("10.100.1.0/24"), IPv4Address("10.100.1.0"), DEV, True)
+    result = overlay.call(kernel.apply, Changes(routes_to_set=(hidden, beside)))
+    dumps = len(foreign_check)
+    assert len(result.failures) == 1, result.failures
+    assert "a route to 10.100.0.0/24 of protocol 4, not the agent's" in result.failures[0]
+    assert observe(overlay, kernel).routes == frozenset({beside})
+    assert "10.100.0.0/24 via 192.168.50.1 dev u0 proto static" in overlay.ip("route show")
+    assert dumps == 1, "the longer route sent the check to a dump"
 
 
 def test_changed_fdb_dst_and_neighbour_mac(overlay: Netns, kernel: NetlinkKernel) -> None:
@@ -776,3 +825,45 @@ def test_an_ipv6_pair_moves_from_a_direct_route_to_the_vtep(
     routes = overlay.ip("-6 route show proto 75")
     assert f"{subnet6} via fc00:0:0:2:: dev {DEV}" in routes, routes
     assert not [r for r in routes.splitlines() if r.startswith("fc00:0:0:2:: ")], routes
+
+
+def test_our_own_deletions_wake_no_pass_and_the_same_deletions_by_hand_do(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    """A peer lease that goes deletes its route, neighbour and FDB entry; those
+    notifications are the adapter's own deletions and call for no pass (each once cost a
+    pass that read the whole kernel). The same deletions made by another tool still do."""
+    peers = [peer(i) for i in range(4)]
+    overlay.call(kernel.apply, add_peers(peers))
+    with watching(overlay, kernel) as events:
+        result = overlay.call(kernel.apply, remove_peers(peers[:2]))
+        assert result.failures == ()
+        assert result.applied == {
+            "routes_to_delete": 2,
+            "neighbours_to_delete": 2,
+            "fdb_to_delete": 2,
+        }
+        # Notifications arrive in order: once this later one of another tool is reported,
+        # the six of our deletions before it have been read, and none was reported.
+        overlay.ip("route add blackhole 10.98.0.0/24 proto static")
+        assert events.get(timeout=3) == "route", list(events.queue)
+        assert events.empty(), list(events.queue)
+        assert len(kernel.own_deletions) == 0, "every expected deletion was seen"
+
+        overlay.ip(f"route del {peers[2][2].dst}")
+        assert events.get(timeout=3) == "route"
+        overlay.ip(f"neigh del {peers[2][0].ip} dev {DEV}")
+        assert events.get(timeout=3) == "neighbour"
+        overlay.exec(f"bridge fdb del {peers[2][1].mac} dev {DEV} dst {peers[2][1].dst}")
+        assert events.get(timeout=3) == "fdb"
+
+
+def test_a_deletion_of_ours_that_finds_nothing_leaves_no_expectation(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    """Deleting what is gone already sends no notification: nothing may stay expected,
+    or a later deletion of the same entry by another tool would pass unnoticed."""
+    gone = [peer(7)]
+    result = overlay.call(kernel.apply, remove_peers(gone))
+    assert result.failures == () and sum(result.applied.values()) == 3
+    assert len(kernel.own_deletions) == 0

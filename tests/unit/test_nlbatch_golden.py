@@ -22,7 +22,14 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 from flannelpy.dataplane import nlbatch, podnames, rtnl
-from flannelpy.dataplane.netlink_events import event_kinds
+from flannelpy.dataplane.netlink_events import (
+    ECHO_SECONDS,
+    OwnDeletions,
+    event_kinds,
+    fdb_key,
+    neighbour_key,
+    route_key,
+)
 from flannelpy.dataplane.rtnl import Request
 
 MAC = "aa:bb:cc:dd:ee:01"
@@ -655,3 +662,66 @@ def test_blackhole_route_has_no_device_and_a_metric_below_the_connected_route() 
         [("RTA_DST", "10.244.3.0"), ("RTA_PRIORITY", 1024)],
         req,
     )
+
+
+def test_deletions_of_ours_are_dropped_and_the_same_of_anyone_else_are_not() -> None:
+    """The watch drops the notification of a deletion the adapter itself asked for
+    (OwnDeletions), once; an expected key is consumed by its first notification, so the
+    same entry deleted again later (by another tool) wakes the reconciler."""
+    route = whole(
+        rtmsg(),
+        {"family": socket.AF_INET, "dst_len": 24, "table": 254, "proto": OUR_PROTOCOL, "type": 1},
+        [("RTA_DST", "10.244.3.0"), ("RTA_OIF", 4)],
+        rtnl.RTM_DELROUTE,
+        0,
+        0,
+    )
+    neighbour = whole(
+        ndmsg(),
+        {"family": socket.AF_INET, "ifindex": 4, "state": 0x80},
+        [("NDA_DST", "10.244.3.0"), ("NDA_LLADDR", "02:aa:00:00:00:03")],
+        rtnl.RTM_DELNEIGH,
+        0,
+        0,
+    )
+    fdb = whole(
+        ndmsg(),
+        {"family": socket.AF_BRIDGE, "ifindex": 4, "state": 0x80},
+        [("NDA_LLADDR", "02:aa:00:00:00:03"), ("NDA_DST", "192.168.1.13")],
+        rtnl.RTM_DELNEIGH,
+        0,
+        0,
+    )
+    own = OwnDeletions()
+    own.expect(
+        [
+            route_key(4, int(IPv4Address("10.244.3.0")), 24),
+            neighbour_key(4, IPv4Address("10.244.3.0")),
+            fdb_key(4, "02:AA:00:00:00:03", IPv4Address("192.168.1.13")),  # any case
+        ]
+    )
+    assert len(own) == 3
+    for msg in (route, neighbour, fdb):
+        assert event_kinds(msg, OUR_PROTOCOL, own.consume) == []
+    assert len(own) == 0
+    kinds = event_kinds(route + neighbour + fdb, OUR_PROTOCOL, own.consume)
+    assert sorted(kinds) == ["fdb", "neighbour", "route"]
+    # Another device's entry, another prefix length: not the deletion that was expected.
+    own.expect([neighbour_key(5, IPv4Address("10.244.3.0")), route_key(4, 0x0AF40300, 23)])
+    assert sorted(event_kinds(route + neighbour, OUR_PROTOCOL, own.consume)) == [
+        "neighbour",
+        "route",
+    ]
+
+
+def test_an_expected_deletion_is_expected_for_a_while_and_can_be_withdrawn() -> None:
+    now = [100.0]
+    own = OwnDeletions(clock=lambda: now[0])
+    late, withdrawn, never = route_key(4, 1, 24), route_key(4, 2, 24), route_key(4, 4, 24)
+    own.expect([late, withdrawn, never])
+    own.forget([withdrawn])
+    assert not own.consume(withdrawn)
+    now[0] += ECHO_SECONDS + 0.1
+    assert not own.consume(late), "a notification that never came is not waited for forever"
+    own.expect([route_key(4, 3, 24)])
+    assert len(own) == 1, "expired expectations are dropped (never's notification never came)"
