@@ -8,7 +8,9 @@ and created again, and everything on it is then treated as missing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import replace
+from typing import TypeVar
 
 from flannelpy.dataplane.state import (
     Address,
@@ -20,6 +22,8 @@ from flannelpy.dataplane.state import (
     Route,
     VxlanLink,
 )
+
+E = TypeVar("E", Route, Neighbour)
 
 
 def _immutable(link: VxlanLink) -> tuple[object, ...]:
@@ -47,25 +51,14 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
     fresh = {link.name for link in to_create} | set(to_delete)
     observed = _without_devices(observed, fresh)
 
-    routes_by_dst = {route.dst: route for route in observed.routes}
-    desired_dsts = {route.dst for route in desired.routes}
-    routes_to_delete = sorted(
-        (r for r in observed.routes if r.dst not in desired_dsts), key=_route_key
+    routes_to_set, routes_to_delete = _by_identity(desired.routes, observed.routes, _route_id)
+    routes_to_set.sort(key=_route_key)
+    routes_to_delete.sort(key=_route_key)
+    neighbours_to_set, neighbours_to_delete = _by_identity(
+        desired.neighbours, observed.neighbours, _neigh_id
     )
-    routes_to_set = sorted(
-        (r for r in desired.routes if routes_by_dst.get(r.dst) != r), key=_route_key
-    )
-
-    neigh_by_key = {(n.ifname, n.ip): n for n in observed.neighbours}
-    desired_neigh_keys = {(n.ifname, n.ip) for n in desired.neighbours}
-    neighbours_to_delete = sorted(
-        (n for n in observed.neighbours if (n.ifname, n.ip) not in desired_neigh_keys),
-        key=_neigh_key,
-    )
-    neighbours_to_set = sorted(
-        (n for n in desired.neighbours if neigh_by_key.get((n.ifname, n.ip)) != n),
-        key=_neigh_key,
-    )
+    neighbours_to_set.sort(key=_neigh_key)
+    neighbours_to_delete.sort(key=_neigh_key)
 
     fdb_to_delete = sorted(observed.fdb - desired.fdb, key=_fdb_key)
     fdb_to_set = sorted(desired.fdb - observed.fdb, key=_fdb_key)
@@ -98,6 +91,48 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
         routes_to_set=tuple(routes_to_set),
         counts=counts,
     )
+
+
+def _by_identity(
+    desired: frozenset[E], observed: frozenset[E], identity: Callable[[E], Hashable]
+) -> tuple[list[E], list[E]]:
+    """(to set, to delete) of entries identified by ``identity`` (a route by its
+    destination, a neighbour by device and IP): a desired entry the kernel lacks or holds
+    otherwise is set; an observed one whose identity nothing desired has is deleted.
+
+    A plan shares its unchanged entries with the kernel's view the last pass left (the
+    same objects), so the two set differences, which compare the hashes the sets keep,
+    are all a pass for a new peer needs; identities (whose addresses hash in Python, a
+    few milliseconds per thousand peers) are computed for every observed entry only when
+    something observed is unwanted, and for every desired one only when two observed
+    entries share an identity."""
+    added = desired - observed
+    unwanted = observed - desired
+    if not unwanted:  # every observed entry is desired as it is
+        return list(added), []
+    by_identity = {identity(entry): entry for entry in observed}
+    if len(by_identity) == len(observed):
+        # Each observed entry is the only one of its identity: one that is also desired
+        # is left alone, and an unwanted one is replaced if an added entry has its
+        # identity, else deleted.
+        added_ids = {identity(entry) for entry in added}
+        return list(added), [entry for entry in unwanted if identity(entry) not in added_ids]
+    wanted = {identity(entry) for entry in desired}
+    to_delete = [entry for entry in unwanted if identity(entry) not in wanted]
+    to_set = [
+        entry
+        for entry in desired
+        if (have := by_identity.get(identity(entry))) is not entry and have != entry
+    ]
+    return to_set, to_delete
+
+
+def _route_id(route: Route) -> Hashable:
+    return route.dst
+
+
+def _neigh_id(neigh: Neighbour) -> Hashable:
+    return (neigh.ifname, neigh.ip)
 
 
 def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:

@@ -1,0 +1,83 @@
+"""The diff of routes and neighbours by identity against the plain definition, on
+entries shared with the last plan, changed, new, gone and duplicated in the kernel."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address, IPv4Network
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.state import DesiredState, Neighbour, ObservedState, Route
+
+DEV = "flannel.1"
+
+
+def route(i: int, gateway: int, onlink: bool = True) -> Route:
+    dst = IPv4Network((0x0AF40000 + (i << 8), 24))
+    return Route(dst, IPv4Address(0xC0A80000 + gateway), DEV, onlink=onlink)
+
+
+def neighbour(i: int, mac: int) -> Neighbour:
+    return Neighbour(DEV, IPv4Address(0x0AF40000 + (i << 8)), f"02:aa:00:00:00:{mac:02x}")
+
+
+def by_definition(
+    desired: frozenset[Route] | frozenset[Neighbour],
+    observed: frozenset[Route] | frozenset[Neighbour],
+    identity: object,
+) -> tuple[set[object], set[object]]:
+    """Set what the kernel lacks or holds otherwise; delete what nothing desired names."""
+    key = identity  # a function of an entry
+    have = {key(e): e for e in observed}  # type: ignore[operator]
+    wanted = {key(e) for e in desired}  # type: ignore[operator]
+    return (
+        {e for e in desired if have.get(key(e)) != e},  # type: ignore[operator]
+        {e for e in observed if key(e) not in wanted},  # type: ignore[operator]
+    )
+
+
+# A peer: index, then what its entry looks like in the kernel and in the plan.
+peer = st.tuples(
+    st.integers(0, 15),
+    st.sampled_from(["both", "kernel only", "plan only", "changed", "kernel twice"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(peer, max_size=12, unique_by=lambda p: p[0]))
+def test_the_diff_by_identity_is_the_plain_definition(peers: list[tuple[int, str]]) -> None:
+    kernel_routes: set[Route] = set()
+    plan_routes: set[Route] = set()
+    kernel_neigh: set[Neighbour] = set()
+    plan_neigh: set[Neighbour] = set()
+    for i, how in peers:
+        r, n = route(i, i), neighbour(i, i)  # the same objects in plan and kernel
+        if how in ("both", "kernel only", "changed", "kernel twice"):
+            kernel_routes.add(r)
+            kernel_neigh.add(n)
+        if how in ("both", "plan only", "kernel twice"):
+            plan_routes.add(r)
+            plan_neigh.add(n)
+        if how == "changed":  # the plan has it otherwise: a new gateway, a new MAC
+            plan_routes.add(route(i, i + 100))
+            plan_neigh.add(neighbour(i, i + 100))
+        if how == "kernel twice":  # a second route of the same destination (another metric)
+            kernel_routes.add(route(i, i + 200, onlink=False))
+    desired = DesiredState(routes=frozenset(plan_routes), neighbours=frozenset(plan_neigh))
+    observed = ObservedState(routes=frozenset(kernel_routes), neighbours=frozenset(kernel_neigh))
+
+    changes = diff(desired, observed)
+
+    to_set, to_delete = by_definition(desired.routes, observed.routes, lambda r: r.dst)
+    assert set(changes.routes_to_set) == to_set
+    assert set(changes.routes_to_delete) == to_delete
+    to_set, to_delete = by_definition(
+        desired.neighbours, observed.neighbours, lambda n: (n.ifname, n.ip)
+    )
+    assert set(changes.neighbours_to_set) == to_set
+    assert set(changes.neighbours_to_delete) == to_delete
+    assert list(changes.routes_to_set) == sorted(
+        changes.routes_to_set, key=lambda r: int(r.dst.network_address)
+    )
