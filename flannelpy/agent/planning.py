@@ -171,7 +171,14 @@ class Planner:
         if peers is None:
             peers = self.state.peers()
         ipv6 = ipv6_plan.enabled(self.state.ctx)
-        self.prober.set_peers(probe_peers(peers, ipv6=ipv6, memo=self._probes))
+        # By difference: the memo's delta is what changed since the prober was last told
+        # (it is told by no one else), so one lease among thousands costs that lease.
+        delta = self._probes.update(ipv6, peers, lambda p: probe_entries(p, ipv6))
+        if delta.added or delta.dropped:
+            self.prober.change_peers(
+                {key: value for entries in delta.added for key, value in entries},
+                [key for entries in delta.dropped for key, _ in entries],
+            )
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""
@@ -273,7 +280,7 @@ class Planner:
         Between nodes on different backends (a backend switch under way) the MTUs differ
         by design; that is said once at info level, not warned per peer."""
         s = self.state
-        report = mtu_mismatches(s.mtu, peers, self._mtus)
+        report = mtu_mismatches(s.mtu, peers, self._mtus, s.mtu_report)
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
             backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
             mixed = [

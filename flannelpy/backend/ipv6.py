@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from ipaddress import IPv4Network, IPv6Interface, IPv6Network
+from typing import TypeVar
 
 from flannelpy.backend.base import (
     NO_ENTRIES,
@@ -55,6 +56,8 @@ from flannelpy.dataplane.state import (
     blackhole_route,
 )
 from flannelpy.subnet.lease import Lease
+
+T = TypeVar("T")
 
 VXLAN6_ENCAP_OVERHEAD = 70  # outer Ethernet 14 + IPv6 40 + UDP 8 + VXLAN 8
 FLANNELD_VXLAN6_OVERHEAD = 50  # what flanneld subtracts over IPv6 (its gap: 20 bytes short)
@@ -194,11 +197,20 @@ def _peer_path6(
 def merge(a: DesiredState, b: DesiredState) -> DesiredState:
     """Both families' entries in one plan (their keys never collide: families differ)."""
     return DesiredState(
-        links=a.links | b.links,
-        addresses=a.addresses | b.addresses,
-        routes=a.routes | b.routes,
-        neighbours=a.neighbours | b.neighbours,
-        fdb=a.fdb | b.fdb,
-        owned_devices=a.owned_devices | b.owned_devices,
-        unreachable=a.unreachable | b.unreachable,
+        links=_union(a.links, b.links),
+        addresses=_union(a.addresses, b.addresses),
+        routes=_union(a.routes, b.routes),
+        neighbours=_union(a.neighbours, b.neighbours),
+        fdb=_union(a.fdb, b.fdb),
+        owned_devices=_union(a.owned_devices, b.owned_devices),
+        unreachable=_union(a.unreachable, b.unreachable),
     )
+
+
+def _union(a: frozenset[T], b: frozenset[T]) -> frozenset[T]:
+    """``a | b``, without copying thousands of entries when one family has none."""
+    if not b:
+        return a
+    if not a:
+        return b
+    return a | b

@@ -49,16 +49,24 @@ class MtuReport:
 
 
 def mtu_mismatches(
-    own_mtu: int, peers: Iterable[Lease], memo: LeaseMemo[PeerOrder | None] | None = None
+    own_mtu: int,
+    peers: Iterable[Lease],
+    memo: LeaseMemo[PeerOrder | None] | None = None,
+    last: MtuReport | None = None,
 ) -> MtuReport:
     """Compare our overlay MTU with what each peer lease advertises.
 
     Output is sorted by subnet so logs and metrics are stable between runs. ``memo``
-    keeps each lease's advertisement for the next call."""
+    keeps each lease's advertisement for the next call; ``last``, the report of the
+    memo's last call, is the answer again when no lease changed and our MTU is the same
+    (the report walks and sorts every peer)."""
     if memo is None:
         found = [peer_mtu(lease) for lease in peers]
     else:
-        found = memo.results(None, peers, peer_mtu)
+        delta = memo.update(None, peers, peer_mtu)
+        if last is not None and last.own_mtu == own_mtu and not delta.added and not delta.dropped:
+            return last
+        found = delta.results
     mismatched: list[PeerOrder] = []
     unknown: list[PeerOrder] = []
     for entry in found:

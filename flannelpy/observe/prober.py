@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
@@ -177,30 +177,51 @@ class Prober:
         peer whose address changes starts a fresh history. An IPv6 address is probed
         from ``own_address6_provider``'s address, and waits while that is None.
         """
-        now = self._clock()
         with self._lock:
-            for key in list(self._peers):
-                if key not in peers or self._peers[key].target != peers[key][0]:
-                    self._drop(key)
-            owner = self._phase_owner or ""
-            joining = bool(self._peers)  # the first set is spread over the cycle
-            added = []
-            for key, (target, label) in peers.items():
-                peer = self._peers.get(key)
-                if peer is not None:
-                    peer.label = label
-                    continue
-                peer = _Peer(key, ip_address(target), label, self.window)
-                self._peers[key] = peer
-                added.append(peer)
-            cycle = cycle_seconds(len(self._peers), self.interval, self.peers_per_interval)
-            if cycle != self.cycle:
-                self.cycle = cycle
-                self._reschedule_all(owner, now)
-            else:
-                for peer in added:
-                    self._set_hurry(peer, joining)
-                    self._schedule(peer, owner, now)
+            gone = [key for key in self._peers if key not in peers]
+            self._change(peers, gone)
+
+    def change_peers(
+        self,
+        added: Mapping[str, tuple[IPv4Address | IPv6Address, str]],
+        removed: Iterable[str],
+    ) -> None:
+        """:meth:`set_peers` by difference: ``added`` are new or changed peers (a new
+        address or label), ``removed`` the keys of peers that left (a key also in
+        ``added`` stays). A peer set of thousands changed by one lease costs that lease."""
+        with self._lock:
+            self._change(added, [key for key in removed if key not in added])
+
+    def _change(
+        self, changed: Mapping[str, tuple[IPv4Address | IPv6Address, str]], gone: Iterable[str]
+    ) -> None:
+        now = self._clock()
+        for key in gone:
+            if key in self._peers:
+                self._drop(key)
+        for key, (target, _) in changed.items():
+            peer = self._peers.get(key)
+            if peer is not None and peer.target != target:
+                self._drop(key)  # a new address: a fresh history
+        owner = self._phase_owner or ""
+        joining = bool(self._peers)  # the first set is spread over the cycle
+        added = []
+        for key, (target, label) in changed.items():
+            peer = self._peers.get(key)
+            if peer is not None:
+                peer.label = label
+                continue
+            peer = _Peer(key, ip_address(target), label, self.window)
+            self._peers[key] = peer
+            added.append(peer)
+        cycle = cycle_seconds(len(self._peers), self.interval, self.peers_per_interval)
+        if cycle != self.cycle:
+            self.cycle = cycle
+            self._reschedule_all(owner, now)
+        else:
+            for peer in added:
+                self._set_hurry(peer, joining)
+                self._schedule(peer, owner, now)
 
     def results(self) -> Mapping[str, ProbeResult]:
         """Latest result per peer key; a peer appears after its first completed round.

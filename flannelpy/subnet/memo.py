@@ -12,7 +12,8 @@ answer: with it or without it, the caller gets exactly what a fresh computation 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import repeat
+from itertools import compress, repeat
+from operator import is_
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from flannelpy.subnet.lease import Lease
@@ -46,26 +47,36 @@ class LeaseMemo(Generic[T]):
     ) -> Delta[T]:
         """:meth:`results`, and which results are new and which were dropped since the
         last call (a changed lease's old result is dropped, its new one is new)."""
-        previous = self._results
-        same = context == self._context
-        self._context = context
-        kept: dict[int, T] = previous if same else {}
+        if context != self._context:
+            dropped = list(self._results.values())
+            self.clear()
+            self._context = context
+        else:
+            dropped = []
+        kept, held = self._results, self._leases
         leases = list(leases)
         ids = list(map(id, leases))
-        by_id = dict(zip(ids, leases, strict=True))
-        found: dict[int, object] = dict(zip(ids, map(kept.get, ids, repeat(_MISSING)), strict=True))
+        found: list[object] = list(map(kept.get, ids, repeat(_MISSING)))
+        missing = list(compress(range(len(ids)), map(is_, found, repeat(_MISSING))))
         added: list[T] = []
-        for key in found.keys() - kept.keys():
-            result = compute(by_id[key])
-            found[key] = result
+        for index in missing:
+            lease, key = leases[index], ids[index]
+            if key in kept:  # the same lease twice in one call: computed once
+                found[index] = kept[key]
+                continue
+            result = compute(lease)
+            found[index] = kept[key] = result
+            held[key] = lease
             added.append(result)
-        new = cast("dict[int, T]", found)
-        if same:
-            dropped = list(map(previous.__getitem__, previous.keys() - new.keys()))
-        else:
-            dropped = list(previous.values())
-        self._leases, self._results = by_id, new
-        return Delta(list(map(new.__getitem__, ids)), added, dropped)
+        # Only the leases of this call are kept. The usual event adds or drops a lease or
+        # two of thousands: kept and held change in place by those, not rebuilt.
+        distinct = set(ids)
+        if len(kept) != len(distinct):
+            gone = kept.keys() - distinct
+            dropped += map(kept.pop, gone)
+            for key in gone:
+                del held[key]
+        return Delta(cast("list[T]", found), added, dropped)
 
     def clear(self) -> None:
         self._context = _UNSET

@@ -436,3 +436,25 @@ ADVERTISES = (
     "advertises no overlay MTU (flanneld or an older flannelpy), so only the prober's "
     "full-size DF probe can verify that path"
 )
+
+
+def test_the_memo_drops_what_a_call_lacks_even_with_a_lease_passed_twice() -> None:
+    """Kept and held change in place: a call lacking a lease drops it, whatever the
+    number of leases passed (the same lease twice is computed once)."""
+    ctx = context("vxlan")
+    rnd = random.Random(2)
+    a, b = (random_lease(rnd, n, False) for n in (2, 3))
+    memo: LeaseMemo[str] = LeaseMemo()
+    computed: list[Lease] = []
+
+    def compute(lease: Lease) -> str:
+        computed.append(lease)
+        return str(lease.ipv4_subnet)
+
+    memo.update(ctx, [a, b], compute)
+    delta = memo.update(ctx, [a, a], compute)
+    assert delta.results == [str(a.ipv4_subnet)] * 2
+    assert delta.dropped == [str(b.ipv4_subnet)] and delta.added == []
+    delta = memo.update(ctx, [b, b, a], compute)
+    assert computed == [a, b, b], "b again, once"
+    assert delta.added == [str(b.ipv4_subnet)] and delta.dropped == []

@@ -6,8 +6,9 @@ from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
-from flannelpy.observe.mtu import PeerMtu, mtu_mismatches
+from flannelpy.observe.mtu import PeerMtu, PeerOrder, mtu_mismatches
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.memo import LeaseMemo
 
 
 def lease(third_octet: int, mtu: int | None) -> Lease:
@@ -79,3 +80,23 @@ def test_advertised_mtu_round_trips_through_the_lease_json() -> None:
     )
     assert [p.advertised for p in report.mismatched] == [1400]
     assert [str(p.subnet) for p in report.unknown] == ["10.244.3.0/24"]
+
+
+def test_the_last_report_stands_while_no_lease_and_not_our_mtu_changed() -> None:
+    memo: LeaseMemo[PeerOrder | None] = LeaseMemo()
+    leases = [lease(2, 1450), lease(3, None), lease(4, 1400)]
+    first = mtu_mismatches(1450, leases, memo)
+    assert first == mtu_mismatches(1450, leases)
+    assert mtu_mismatches(1450, list(leases), memo, first) is first  # the same leases
+    changed = [*leases[:2], lease(4, 1450)]  # a new lease object for the third peer
+    second = mtu_mismatches(1450, changed, memo, first)
+    assert second is not first and second == mtu_mismatches(1450, changed)
+    assert second.mismatched == []
+    third = mtu_mismatches(1400, changed, memo, second)  # our MTU changed
+    assert third == mtu_mismatches(1400, changed)
+    assert [p.subnet for p in third.mismatched] == [
+        IPv4Network("10.244.2.0/24"),
+        IPv4Network("10.244.4.0/24"),
+    ]
+    fewer = changed[:1]
+    assert mtu_mismatches(1400, fewer, memo, third) == mtu_mismatches(1400, fewer)

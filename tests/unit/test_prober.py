@@ -12,6 +12,7 @@ import errno
 import itertools
 import json
 import math
+import random
 import struct
 import threading
 import time
@@ -24,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.agent.planning import probe_peers, probe_source6
+from flannelpy.agent.planning import ProbeEntries, probe_entries, probe_peers, probe_source6
 from flannelpy.backend.base import NodeContext
 from flannelpy.config.netconf import parse_network_config
 from flannelpy.dataplane.icmp import (
@@ -53,6 +54,7 @@ from flannelpy.observe.probe_verdict import (
 )
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.memo import LeaseMemo
 from tests.support.waiting import wait_until
 
 T0 = 1_700_000_000.0
@@ -877,3 +879,36 @@ def test_probe_peers_add_the_ipv6_side_where_the_peer_answers() -> None:
     assert probe_source6(_dual_ctx("host-gw"), own) == IPv6Address("fd10:244:0:1::1")
     assert probe_source6(_dual_ctx("vxlan"), _dual_peer(1, v6=False)) is None
     assert probe_source6(_dual_ctx("vxlan"), None) is None
+
+
+def test_peers_changed_by_difference_are_the_peers_set_whole() -> None:
+    """The planner tells the prober what changed (a lease memo's delta through
+    change_peers); after every step its peers, addresses, labels and schedule are those
+    of a prober given the whole set each time (set_peers)."""
+    rnd = random.Random(5)
+    whole, _, clock_a, _ = make(n_peers=0)
+    by_difference, _, clock_b, _ = make(n_peers=0)
+    memo: LeaseMemo[ProbeEntries] = LeaseMemo()
+    leases: dict[int, Lease] = {}
+    for _ in range(60):
+        for _ in range(rnd.randint(1, 4)):
+            n = rnd.randint(2, 40)
+            if n in leases and rnd.random() < 0.4:
+                del leases[n]
+            else:  # a new peer, or a new lease object (a new label or address) for one
+                lease = _dual_peer(n, v6=rnd.random() < 0.5)
+                name = f"n{n}-{rnd.randint(0, 2)}"
+                leases[n] = replace(lease, attrs=replace(lease.attrs, node_name=name))
+        peers = list(leases.values())
+        whole.set_peers(probe_peers(peers, ipv6=True))
+        delta = memo.update(True, peers, lambda p: probe_entries(p, True))
+        by_difference.change_peers(
+            {key: value for entries in delta.added for key, value in entries},
+            [key for entries in delta.dropped for key, _ in entries],
+        )
+        assert {k: (p.target, p.label, p.phase) for k, p in by_difference._peers.items()} == {
+            k: (p.target, p.label, p.phase) for k, p in whole._peers.items()
+        }
+        assert by_difference.cycle == whole.cycle
+        advance(whole, clock_a, 1.0)
+        advance(by_difference, clock_b, 1.0)
