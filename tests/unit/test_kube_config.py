@@ -371,3 +371,23 @@ def test_no_credential_file_is_left_behind(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ssl.SSLError):  # not a real certificate: loading it fails...
         ssl_context(Access(server="https://a"), ClientCert(b"CERT", b"KEY"))
     assert os.listdir(tmp_path) == []  # ...and still nothing stays on disk
+
+
+class Chunks:
+    """A response whose body comes in the given chunks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def stream(self, amt: Any = None, decode_content: Any = None) -> Any:
+        return iter(self.chunks)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 10_000])
+def test_watch_lines_are_the_same_however_the_body_is_cut(size: int) -> None:
+    from flannelpy.store.kube.client import Stream
+
+    body = b'{"type": "ADDED"}\n\n{"type": "MODIFIED", "x": "' + b"y" * 300 + b'"}\n{"tail": 1}'
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
+    lines = list(Stream(Chunks([b"", *chunks, b""])).lines())
+    assert lines == body.split(b"\n")

@@ -126,13 +126,26 @@ class Stream:
         return getattr(self._resp, "connection", None)
 
     def lines(self) -> Iterator[bytes]:
-        pending = b""
+        """The stream's lines, without their newline, as the chunks bring them (the API
+        server sends one event per chunk; a line cut across chunks is joined)."""
+        partial = bytearray()  # a line begun in an earlier chunk
         for chunk in self._resp.stream(amt=None, decode_content=False):
-            pending += chunk
-            *complete, pending = pending.split(b"\n")
-            yield from complete
-        if pending:
-            yield pending
+            start = 0
+            if partial:
+                end = chunk.find(b"\n")
+                if end == -1:
+                    partial += chunk
+                    continue
+                partial += chunk[:end]
+                yield bytes(partial)
+                partial.clear()
+                start = end + 1
+            while (end := chunk.find(b"\n", start)) != -1:
+                yield chunk[start:end]
+                start = end + 1
+            partial += chunk[start:]
+        if partial:
+            yield bytes(partial)
 
     def abort(self) -> None:
         sock = getattr(self.connection, "sock", None)
