@@ -17,8 +17,8 @@ our own Node is read directly, and the list is one consistent snapshot read in
 pages of raw JSON (no client models).
 
 Every API call the code makes is in :data:`flannelpy.store.kube.api.RBAC_RULES`;
-the manifest's ClusterRole is tested against it. The client and its error
-mapping are :mod:`.api`, the watch's helpers :mod:`.watch`.
+the manifest's ClusterRole is tested against it. The client is :mod:`.client`,
+its error mapping :mod:`.api`, the watch's helpers :mod:`.watch`.
 """
 
 from __future__ import annotations
