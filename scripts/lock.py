@@ -3,7 +3,7 @@
 Run by scripts/lock.sh with pip-tools' pip-compile on PATH. Three sections, in the order
 an installer can cut them:
 
-- runtime: pyproject.toml's dependencies and its kube extra, with everything they pull in
+- runtime: pyproject.toml's dependencies, with everything they pull in
   (what the image installs);
 - build: pip and the build backend of build-system.requires (the image and the bootstrap
   install the project itself with --no-build-isolation from these);
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORK_DIR = Path("build/lock")  # pip-compile's inputs and outputs, relative to REPO
 TOOLS_IN = WORK_DIR / "tools.in"
 LOCK = REPO / "requirements.lock"
-RUNTIME_EXTRAS = ("kube",)
+RUNTIME_EXTRAS: tuple[str, ...] = ()  # the runtime is the dependencies alone
 DEV_EXTRAS = ("test",)
 BUILD_TOOLS = ("pip",)  # beside build-system.requires
 SECTION_MARK = "# --- "  # a section's first line; the image cuts the file at "# --- dev"
@@ -37,7 +37,7 @@ HEADER = """\
 #   manifests/Dockerfile:  the runtime and build sections (the file up to "# --- dev")
 """
 SECTIONS = {
-    "runtime": "the agent's dependencies (pyproject.toml's dependencies and the kube extra)",
+    "runtime": "the agent's dependencies (pyproject.toml's dependencies)",
     "build": "pip and the build backend (build-system.requires), for --no-build-isolation",
     "dev": "the test extra's tools, for scripts/bootstrap.sh --dev and CI",
 }

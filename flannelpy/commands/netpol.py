@@ -75,7 +75,7 @@ def parse_port(text: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from flannelpy.config.settings import settings_from_args
     from flannelpy.netpol.explain import ExplainError, explain, find_endpoint
-    from flannelpy.store.kube.api import build_api_client
+    from flannelpy.store.kube.client import build_api_client
     from flannelpy.store.kube.policy_watch import list_policy_inputs
 
     try:

@@ -203,7 +203,7 @@ def open_rollout_store(
     """The rollout's store and how to close it: etcd's keys, or the Kubernetes
     ConfigMap (``namespace``/``config_map``) and Nodes."""
     if settings.kube_subnet_mgr:
-        from flannelpy.store.kube.api import build_api_client
+        from flannelpy.store.kube.client import build_api_client
         from flannelpy.store.rollout_kube import KubeRolloutStore
 
         client = build_api_client(settings)

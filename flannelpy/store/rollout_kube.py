@@ -24,13 +24,10 @@ so a look costs the API server nothing and a step costs it the same at 5 nodes o
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from kubernetes import client as kclient
 
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.control.records import NodeOverride, NodeStatus
@@ -40,7 +37,8 @@ from flannelpy.rollout.cordon import cordon_patch, uncordon_patch
 from flannelpy.rollout.record import RolloutRecord
 from flannelpy.rollout.storage import ConfigDoc, NodesSnapshot
 from flannelpy.store.kube import node as kn
-from flannelpy.store.kube.api import call, rv_number
+from flannelpy.store.kube.api import Conflict, NotFound, rv_number
+from flannelpy.store.kube.client import MERGE_PATCH, KubeClient, path
 from flannelpy.store.kube.kind_watch import Resource, list_and_watch
 from flannelpy.store.kube.manager import OVERRIDE_ANNOTATION
 from flannelpy.store.kube.mirror import Mirrored
@@ -56,7 +54,7 @@ CONFIG_MAP = "kube-flannelpy-cfg"  # the manifests' ConfigMap and key
 NET_CONF_KEY = "net-conf.json"
 RECORD_CONFIG_MAP = "flannelpy-rollout"
 RECORD_KEY = "rollout.json"
-MERGE_PATCH = "application/merge-patch+json"
+NODES = "api/v1/nodes"
 TIMEOUT = (5.0, 15.0)
 CONFIG_PROPAGATION = 180.0  # seconds for every agent to read the new net-conf.json
 CAS_RETRIES = 5
@@ -72,68 +70,34 @@ def _fresh_backend(summary: NodeSummary, backend: Mapping[str, Any]) -> bool:
     )
 
 
-def _read_or_none(what: str, get: Callable[[], Any]) -> dict[str, Any] | None:
-    """GET one object (``get`` passes ``_preload_content=False``) and decode it; None
-    when it does not exist, which every caller treats as its own answer (no record
-    yet, a node gone), unlike :func:`read_json` where a 404 is an error."""
-
-    def op() -> Any:
-        try:
-            return get()
-        except kclient.ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
-    resp = call(f"get {what}", op)
-    if resp is None:
-        return None
-    try:
-        doc: dict[str, Any] = json.loads(resp.data)
-    except ValueError as e:
-        raise StoreError(f"{what}: not JSON ({e})") from e
-    finally:
-        resp.release_conn()
-    return doc
-
-
-def _unless_conflict(send: Callable[[], Any]) -> dict[str, Any] | None:
+def _unless_conflict(send: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
     """Send one write and return the object as written; None when the server answers 409
     Conflict (the body named an older resourceVersion), so the caller re-reads and tries
     again."""
     try:
-        resp = send()
-    except kclient.ApiException as e:
-        if e.status == 409:
-            return None
-        raise
-    try:
-        doc = json.loads(resp.data)
-    except ValueError:
-        doc = None
-    finally:
-        resp.release_conn()
-    return doc if isinstance(doc, dict) else {}
+        return send()
+    except Conflict:
+        return None
 
 
-def kube_resources(api_client: kclient.ApiClient, namespace: str) -> tuple[Resource, Resource]:
+def kube_resources(client: KubeClient, namespace: str) -> tuple[Resource, Resource]:
     """The Nodes, and the status Leases in ``namespace``, over the real client."""
-    nodes = kclient.CoreV1Api(api_client).list_node
-    leases = functools.partial(
-        kclient.CoordinationV1Api(api_client).list_namespaced_lease,
-        namespace,
-        label_selector=f"{STATUS_LABEL}=true",
-    )
+    leases = path("apis/coordination.k8s.io/v1/namespaces", namespace, "leases")
     return (
-        Resource("nodes", *list_and_watch("nodes", nodes)),
-        Resource("leases", *list_and_watch(f"leases in {namespace}", leases)),
+        Resource("nodes", *list_and_watch(client, "nodes", path(NODES))),
+        Resource(
+            "leases",
+            *list_and_watch(
+                client, f"leases in {namespace}", leases, {"labelSelector": f"{STATUS_LABEL}=true"}
+            ),
+        ),
     )
 
 
 class KubeRolloutStore:
     def __init__(
         self,
-        api_client: kclient.ApiClient,
+        client: KubeClient,
         annotation_prefix: str,
         namespace: str = DEFAULT_NAMESPACE,
         config_map: str = CONFIG_MAP,
@@ -142,15 +106,15 @@ class KubeRolloutStore:
         resources: tuple[Resource, Resource] | None = None,
     ) -> None:
         """``resources``: how the Nodes and the status Leases are listed and watched
-        (default: over ``api_client``)."""
-        self._api = kclient.CoreV1Api(api_client)
+        (default: over ``client``)."""
+        self._client = client
         self._keys = kn.annotation_keys(annotation_prefix)
         self.namespace, self.config_map = namespace, config_map
         self.record_key = f"ConfigMap {namespace}/{RECORD_CONFIG_MAP}"
         self.config_key = f"ConfigMap {namespace}/{config_map} ({NET_CONF_KEY})"
         self._sleep, self._monotonic = sleep, monotonic
         self.summaries: dict[str, NodeSummary] = {}  # as last read
-        nodes, leases = resources or kube_resources(api_client, namespace)
+        nodes, leases = resources or kube_resources(client, namespace)
         self._nodes = Mirrored(nodes, FORBIDDEN_HINT)
         self._leases = Mirrored(leases, FORBIDDEN_HINT)
 
@@ -161,13 +125,19 @@ class KubeRolloutStore:
 
     # -- reading ------------------------------------------------------------------
 
+    def _config_maps(self, *name: str) -> str:
+        return path("api/v1/namespaces", self.namespace, "configmaps", *name)
+
+    def _read_or_none(self, what: str, url: str) -> dict[str, Any] | None:
+        """GET one object; None when it does not exist, which every caller treats as its
+        own answer (no record yet, a node gone)."""
+        try:
+            return self._client.get(f"get {what}", url, timeout=TIMEOUT)
+        except NotFound:
+            return None
+
     def _config_map(self, name: str) -> dict[str, Any] | None:
-        return _read_or_none(
-            f"configmap {self.namespace}/{name}",
-            lambda: self._api.read_namespaced_config_map(
-                name, self.namespace, _preload_content=False, _request_timeout=TIMEOUT
-            ),
-        )
+        return self._read_or_none(f"configmap {self.namespace}/{name}", self._config_maps(name))
 
     def read_config(self) -> ConfigDoc:
         cm = self._config_map(self.config_map)
@@ -258,53 +228,30 @@ class KubeRolloutStore:
         if mod_revision:
             body["metadata"]["resourceVersion"] = str(mod_revision)
 
-        def write() -> Any:
-            try:
-                if mod_revision:
-                    return self._api.replace_namespaced_config_map(
-                        RECORD_CONFIG_MAP,
-                        self.namespace,
-                        body,
-                        _preload_content=False,
-                        _request_timeout=TIMEOUT,
-                    )
-                return self._api.create_namespaced_config_map(
-                    self.namespace, body, _preload_content=False, _request_timeout=TIMEOUT
-                )
-            except kclient.ApiException as e:
-                if e.status in (409, 404):  # changed, created or removed meanwhile
-                    return None
-                raise
-
-        resp = call(f"write {self.record_key}", write)
-        if resp is None:
-            return None
+        what = f"write {self.record_key}"
         try:
-            return rv_number(kn.resource_version(json.loads(resp.data))) or 1
-        finally:
-            resp.release_conn()
+            if mod_revision:
+                url = self._config_maps(RECORD_CONFIG_MAP)
+                written = self._client.send(what, "PUT", url, body, timeout=TIMEOUT)
+            else:
+                written = self._client.send(
+                    what, "POST", self._config_maps(), body, timeout=TIMEOUT
+                )
+        except (Conflict, NotFound):  # changed, created or removed meanwhile
+            return None
+        return rv_number(kn.resource_version(written)) or 1
 
     def _node(self, name: str) -> dict[str, Any] | None:
-        return _read_or_none(
-            f"node {name}",
-            lambda: self._api.read_node(name, _preload_content=False, _request_timeout=TIMEOUT),
-        )
+        return self._read_or_none(f"node {name}", path(NODES, name))
 
     def _patch_node(self, name: str, patch: Mapping[str, Any]) -> bool:
         """Merge-patch a Node; False on a conflict (the patch named an older
         resourceVersion). The next look reads the Node as written."""
         body: Any = dict(patch)
-        written = call(
-            f"patch node {name}",
-            lambda: _unless_conflict(
-                lambda: self._api.patch_node(
-                    name,
-                    body,
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=TIMEOUT,
-                )
-            ),
+        written = _unless_conflict(
+            lambda: self._client.send(
+                f"patch node {name}", "PATCH", path(NODES, name), body, MERGE_PATCH, TIMEOUT
+            )
         )
         if written is None:
             return False
@@ -374,23 +321,23 @@ class KubeRolloutStore:
             }
             body: Any = patch
 
-            def op(body: Any = body) -> dict[str, Any] | None:
-                return _unless_conflict(
-                    lambda: self._api.patch_namespaced_config_map(
-                        self.config_map,
-                        self.namespace,
-                        body,
-                        _content_type=MERGE_PATCH,
-                        _preload_content=False,
-                        _request_timeout=TIMEOUT,
-                    )
-                )
-
-            if call(f"patch {self.config_key}", op) is not None:
+            if self._patch_config(body) is not None:
                 return config
         raise StoreError(
             f"{self.config_key} kept changing while the rollout wrote its "
             "Backend; run flannelpy rollout resume"
+        )
+
+    def _patch_config(self, body: Any) -> dict[str, Any] | None:
+        return _unless_conflict(
+            lambda: self._client.send(
+                f"patch {self.config_key}",
+                "PATCH",
+                self._config_maps(self.config_map),
+                body,
+                MERGE_PATCH,
+                TIMEOUT,
+            )
         )
 
     # -- the cordon ------------------------------------------------------------------

@@ -21,7 +21,8 @@ import pytest
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, StoreError
-from flannelpy.store.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES, build_api_client
+from flannelpy.store.kube.api import NAMESPACED_RBAC_RULES, RBAC_RULES
+from flannelpy.store.kube.client import build_api_client
 from flannelpy.store.kube.manager import KubeSubnetManager
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.kube_standin import STRATEGIC, KubeStandin, Request

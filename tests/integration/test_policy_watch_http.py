@@ -1,10 +1,11 @@
-"""The policy watches over the real Kubernetes client against a small HTTP server: the
+"""The policy watches over our Kubernetes client against a small HTTP server: the
 three kinds listed from every namespace's path, then watched from the list's
 resourceVersion with bookmarks, their events in the snapshot, and a stop that ends a
 watch blocked on an open stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -13,8 +14,9 @@ from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from kubernetes import client as kclient
 
+from flannelpy.store.kube.client import KubeClient
+from flannelpy.store.kube.kubeconfig import Access
 from flannelpy.store.kube.policy_watch import KubePolicySource, kube_resources
 from tests.support.waiting import wait_until
 
@@ -70,9 +72,10 @@ class Handler(BaseHTTPRequestHandler):
         threading.Event().wait(30)  # an open stream with nothing more to say
 
 
-@pytest.fixture
-def api() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` on a loopback port, in a thread; yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -83,10 +86,14 @@ def api() -> Iterator[str]:
         server.server_close()
 
 
+@pytest.fixture
+def api() -> Iterator[str]:
+    with serving(Handler) as url:
+        yield url
+
+
 def test_every_kind_is_listed_then_watched_and_stop_ends_an_open_watch(api: str) -> None:
-    config = kclient.Configuration()
-    config.host = api
-    client = kclient.ApiClient(config)
+    client = KubeClient(Access(server=api))
     source = KubePolicySource(kube_resources(client))
     stop = threading.Event()
     changes: list[int] = []

@@ -16,7 +16,7 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements.lock"
 SECTIONS = ("runtime", "build", "dev")
-RUNTIME_EXTRAS = ("kube",)
+RUNTIME_EXTRAS: tuple[str, ...] = ()  # the runtime is the dependencies alone
 IMAGE_CUT = "# --- dev:"  # where the image and `bootstrap --lab` stop reading the lock
 REFRESH = "run scripts/lock.sh and commit requirements.lock"
 

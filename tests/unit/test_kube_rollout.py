@@ -42,6 +42,7 @@ from flannelpy.store.kube.node_status import (
     parse_leases,
 )
 from flannelpy.store.rollout_etcd import RolloutStore
+from tests.support.kube_fake_client import FakeApi
 from tests.support.kube_standin import json_merge
 from tests.unit.test_rollout import Env
 
@@ -325,46 +326,36 @@ def test_no_cordon_is_kept_in_the_record() -> None:
     assert [s for s in log if s[0] in ("cordon", "uncordon")] == []
 
 
-class FakeLeases:
-    """CoordinationV1Api's two calls the publisher makes, with a Lease store."""
+class FakeLeases(FakeApi):
+    """The publisher's two calls on coordination.k8s.io Leases, with a Lease store."""
 
-    class Resp:
-        def read(self) -> bytes:
-            return b"{}"
-
-        def release_conn(self) -> None:
-            pass
+    PREFIX = "/apis/coordination.k8s.io/v1/namespaces/kube-flannelpy/leases"
 
     def __init__(self, status: int = 0) -> None:
+        super().__init__()
         self.leases: dict[str, dict[str, Any]] = {}
         self.status = status  # answer every call with this HTTP error
 
-    def _fail(self) -> None:
+    def handle(
+        self, method: str, path: str, query: dict[str, str], body: Any, content_type: str | None
+    ) -> tuple[int, Any]:
         if self.status:
-            from kubernetes.client.exceptions import ApiException
-
-            raise ApiException(status=self.status, reason="Forbidden")
-
-    def patch_namespaced_lease(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
-        self._fail()
-        if name not in self.leases:
-            from kubernetes.client.exceptions import ApiException
-
-            raise ApiException(status=404, reason="Not Found")
-        self.leases[name] = body
-        return self.Resp()
-
-    def create_namespaced_lease(self, namespace: str, body: Any, **_: Any) -> Resp:
-        self._fail()
+            return self.status, "leases is forbidden"
+        if method == "PATCH":
+            assert content_type == "application/merge-patch+json"
+            name = path.removeprefix(self.PREFIX + "/")
+            if name not in self.leases:
+                return 404, f"leases {name!r} not found"
+        else:
+            assert method == "POST" and path == self.PREFIX
         self.leases[body["metadata"]["name"]] = body
-        return self.Resp()
+        return 200, body
 
 
 def test_the_first_write_creates_the_lease_and_later_ones_patch_it() -> None:
     clock = [0.0]
-    pub = LeasePublisher(None, "kube-flannelpy", monotonic=lambda: clock[0])  # type: ignore[arg-type]
     fake = FakeLeases()
-    pub._api = fake  # type: ignore[assignment]
+    pub = LeasePublisher(fake, "kube-flannelpy", monotonic=lambda: clock[0])
     pub.publish("n1", status().to_json(), {"Type": "vxlan"})
     lease = fake.leases["n1"]
     assert lease["metadata"]["namespace"] == "kube-flannelpy"
@@ -382,9 +373,8 @@ def test_a_forbidden_write_names_the_permission_once_and_is_retried_slowly(
     from flannelpy.errors import StoreError
 
     clock = [0.0]
-    pub = LeasePublisher(None, "kube-flannelpy", monotonic=lambda: clock[0])  # type: ignore[arg-type]
     fake = FakeLeases(status=403)
-    pub._api = fake  # type: ignore[assignment]
+    pub = LeasePublisher(fake, "kube-flannelpy", monotonic=lambda: clock[0])
 
     def ticks(start: float, count: int) -> int:
         """A new record every 6 s; how many writes the API server refused."""

@@ -15,27 +15,19 @@ from flannelpy.control.records import NodeOverride
 from flannelpy.rollout.cordon import is_cordoned
 from flannelpy.rollout.steps import Fail, RollBack, Wait, next_action, record_after
 from flannelpy.store.kube.node_status import STATUS_ANNOTATION, encode_summary
+from tests.support.kube_fake_client import FakeApi
 from tests.support.kube_lists import FakeKind
 from tests.support.kube_standin import json_merge
 from tests.unit.test_kube_rollout import status
 from tests.unit.test_rollout import MONDAY_1AM, Env, first_write
 
 
-class FakeCore:
-    """The CoreV1Api calls KubeRolloutStore makes: ConfigMaps and Nodes with
-    resourceVersions, merge patches with a resourceVersion precondition."""
-
-    class Resp:
-        def __init__(self, doc: Any) -> None:
-            self.data = json.dumps(doc).encode()
-
-        def read(self) -> bytes:
-            return self.data
-
-        def release_conn(self) -> None:
-            pass
+class FakeCore(FakeApi):
+    """The API calls KubeRolloutStore makes: ConfigMaps and Nodes with resourceVersions,
+    merge patches with a resourceVersion precondition."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.rv = 10
         self.config_maps: dict[str, dict[str, Any]] = {}
         self.node_kind = FakeKind("nodes")
@@ -61,55 +53,55 @@ class FakeCore:
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
         return obj
 
-    @staticmethod
-    def _error(status: int) -> Exception:
-        from kubernetes.client.exceptions import ApiException
-
-        return ApiException(status=status, reason="fake")
-
-    def _patch(self, obj: dict[str, Any], patch: dict[str, Any]) -> None:
+    def _patch(self, obj: dict[str, Any], patch: dict[str, Any]) -> tuple[int, Any]:
         want = (patch.get("metadata") or {}).get("resourceVersion")
         if want is not None and want != obj["metadata"]["resourceVersion"]:
-            raise self._error(409)
+            return 409, "the object has been modified"
         patch = json.loads(json.dumps(patch))
         patch.get("metadata", {}).pop("resourceVersion", None)
         obj.update(json_merge(obj, patch))
         self._bump(obj)
+        return 200, obj
 
-    def read_namespaced_config_map(self, name: str, namespace: str, **_: Any) -> Resp:
+    def handle(
+        self, method: str, path: str, query: dict[str, str], body: Any, content_type: str | None
+    ) -> tuple[int, Any]:
+        parts = path.strip("/").split("/")
+        if parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "configmaps":
+            return self._config_map(method, parts[5] if len(parts) > 5 else None, body)
+        if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4:
+            name = parts[3]
+            if name not in self.nodes:
+                return 404, f"nodes {name!r} not found"
+            if method == "GET":
+                return 200, self.nodes[name]
+            assert method == "PATCH" and content_type == "application/merge-patch+json"
+            status, doc = self._patch(self.nodes[name], body)
+            if status == 200:
+                self.node_kind.commit("MODIFIED", self.nodes[name])
+            return status, doc
+        return 404, f"no fake for {method} {path}"
+
+    def _config_map(self, method: str, name: str | None, body: Any) -> tuple[int, Any]:
+        if method == "POST":
+            name = body["metadata"]["name"]
+            if name in self.config_maps:
+                return 409, "already exists"
+            self.config_maps[name] = self._bump(body)
+            return 201, self.config_maps[name]
+        assert name is not None
         if name not in self.config_maps:
-            raise self._error(404)
-        return self.Resp(self.config_maps[name])
-
-    def create_namespaced_config_map(self, namespace: str, body: Any, **_: Any) -> Resp:
-        name = body["metadata"]["name"]
-        if name in self.config_maps:
-            raise self._error(409)
-        self.config_maps[name] = self._bump(json.loads(json.dumps(body)))
-        return self.Resp(self.config_maps[name])
-
-    def replace_namespaced_config_map(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
-        if (
-            body["metadata"].get("resourceVersion")
-            != (self.config_maps[name]["metadata"]["resourceVersion"])
-        ):
-            raise self._error(409)
-        self.config_maps[name] = self._bump(json.loads(json.dumps(body)))
-        return self.Resp(self.config_maps[name])
-
-    def patch_namespaced_config_map(self, name: str, namespace: str, body: Any, **_: Any) -> Resp:
-        self._patch(self.config_maps[name], body)
-        return self.Resp(self.config_maps[name])
-
-    def read_node(self, name: str, **_: Any) -> Resp:
-        if name not in self.nodes:
-            raise self._error(404)
-        return self.Resp(self.nodes[name])
-
-    def patch_node(self, name: str, body: Any, **_: Any) -> Resp:
-        self._patch(self.nodes[name], body)
-        self.node_kind.commit("MODIFIED", self.nodes[name])
-        return self.Resp(self.nodes[name])
+            return 404, f"configmaps {name!r} not found"
+        cm = self.config_maps[name]
+        if method == "GET":
+            return 200, cm
+        if method == "PUT":
+            if body["metadata"].get("resourceVersion") != cm["metadata"]["resourceVersion"]:
+                return 409, "the object has been modified"
+            self.config_maps[name] = self._bump(body)
+            return 200, self.config_maps[name]
+        assert method == "PATCH"
+        return self._patch(cm, body)
 
 
 def kube_store(leases: dict[str, Any]) -> tuple[Any, FakeCore]:
@@ -129,13 +121,12 @@ def kube_store(leases: dict[str, Any]) -> tuple[Any, FakeCore]:
         core.set_lease(name, leases.get(name))
     clock = [0.0]
     store = ks.KubeRolloutStore(
-        None,  # type: ignore[arg-type]
+        core,
         "flannel.alpha.coreos.com",
         sleep=lambda s: clock.__setitem__(0, clock[0] + s),
         monotonic=lambda: clock[0],
         resources=(core.node_kind.resource, core.lease_kind.resource),
     )
-    store._api = core  # type: ignore[assignment]
     return store, core
 
 

@@ -1,25 +1,16 @@
-"""The Kubernetes API client of Kubernetes mode: built as Flannel builds it, errors mapped
-to ours, answers read as raw JSON (no client models: a list of thousands of Nodes
-decodes several times faster).
+"""Kubernetes mode's contract with the API server: the permissions every call needs, and
+how an answer that is no success becomes one of our errors. The client itself is
+:mod:`.client`; how it finds the server and its credentials, :mod:`.kubeconfig`.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Callable
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import urllib3
-from kubernetes import client as kclient
-from kubernetes import config as kconfig
-from kubernetes.client.exceptions import ApiException
 
-from flannelpy.config.settings import AgentSettings
-from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
-
-T = TypeVar("T")
+from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
 
 # (apiGroup, resource, verbs): exactly what Kubernetes mode calls (see manager.py), in two
 # scopes. "" is the core group.
@@ -40,9 +31,20 @@ NAMESPACED_RBAC_RULES: Rules = (
     ("coordination.k8s.io", "leases", ("create", "patch")),
 )
 
+# Raised by urllib3 and the socket layer when the API server cannot be reached.
+UNREACHABLE = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+
 
 class Forbidden(StoreError):
     """The API server refused a call (403): the ServiceAccount lacks a permission."""
+
+
+class NotFound(StoreError):
+    """The object does not exist (404)."""
+
+
+class Conflict(StoreError):
+    """A write named an older resourceVersion, or created what exists (409)."""
 
 
 def _rules_text(rules: Rules) -> str:
@@ -51,79 +53,19 @@ def _rules_text(rules: Rules) -> str:
     )
 
 
-def build_api_client(settings: AgentSettings) -> kclient.ApiClient:
-    """An ApiClient as Flannel builds one: ``--kubeconfig-file`` (with
-    ``--kube-api-url`` overriding its server), else ``--kube-api-url`` alone with no
-    credentials, else the in-cluster service account. Raises ConfigError."""
-    cfg = kclient.Configuration()
-    url = settings.kube_api_url
-    if url is not None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                f"--kube-api-url {url!r} is not a URL; write it like https://10.96.0.1:443"
-            )
-    if settings.kubeconfig_file:
-        try:
-            kconfig.load_kube_config(
-                config_file=settings.kubeconfig_file,
-                client_configuration=cfg,
-                persist_config=False,
-            )
-        except (kconfig.ConfigException, OSError, ValueError, TypeError) as e:
-            raise ConfigError(
-                f"--kubeconfig-file {settings.kubeconfig_file}: cannot load it ({e}); "
-                "point it at a valid kubeconfig"
-            ) from e
-        if url:
-            _override_host(cfg, url.rstrip("/"))
-    elif url:
-        cfg.host = url.rstrip("/")
-    else:
-        try:
-            kconfig.load_incluster_config(client_configuration=cfg)
-        except kconfig.ConfigException as e:
-            raise ConfigError(
-                f"not running in a pod with a service account ({e}); give "
-                "--kubeconfig-file or --kube-api-url"
-            ) from e
-    # TCP keepalive (client-go's timings): a watch on a silently dead connection
-    # would otherwise wait for its read timeout.
-    cfg.keep_alive = True
-    # One quick retry covers a pooled connection the server closed; longer outages
-    # are retried by our own backoff, which logs one line per attempt.
-    cfg.retries = 1
-    return kclient.ApiClient(cfg)
-
-
-def _override_host(cfg: kclient.Configuration, host: str) -> None:
-    """Set the server, also across the kubeconfig loader's token refresh hook, which
-    copies the kubeconfig's server back before every request."""
-    cfg.host = host
-    refresh = cfg.refresh_api_key_hook
-    if refresh is None:
-        return
-
-    def refresh_keeping_host(c: kclient.Configuration) -> None:
-        refresh(c)
-        c.host = host
-
-    cfg.refresh_api_key_hook = refresh_keeping_host
-
-
-def _status_message(e: ApiException) -> str:
+def status_message(status: int, reason: str, body: bytes) -> str:
+    """The Status object's message, else the HTTP reason."""
     try:
-        doc = json.loads(e.body or "")
+        doc = json.loads(body or b"")
     except (TypeError, ValueError):
         doc = None
     if isinstance(doc, dict) and doc.get("message"):
         return str(doc["message"])
-    return str(e.reason or "").strip() or f"HTTP {e.status}"
+    return reason.strip() or f"HTTP {status}"
 
 
-def api_error(what: str, e: ApiException) -> StoreError:
-    status = int(e.status or 0)
-    message = _status_message(e)
+def api_error(what: str, status: int, reason: str = "", body: bytes = b"") -> StoreError:
+    message = status_message(status, reason, body)
     if status == 410:
         return RevisionCompacted(f"kubernetes API {what}: {message} (410 Gone); re-list", 0)
     if status == 0 or status == 429 or status >= 500:
@@ -140,44 +82,10 @@ def api_error(what: str, e: ApiException) -> StoreError:
             f"{_rules_text(NAMESPACED_RBAC_RULES)}"
         )
     if status == 404:
-        return StoreError(f"kubernetes API {what}: not found ({message})")
+        return NotFound(f"kubernetes API {what}: not found ({message})")
+    if status == 409:
+        return Conflict(f"kubernetes API {what} failed: HTTP 409 ({message})")
     return StoreError(f"kubernetes API {what} failed: HTTP {status} ({message})")
-
-
-# Raised by urllib3 and the socket layer when the API server cannot be reached.
-UNREACHABLE = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
-
-
-def call(what: str, fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except ApiException as e:
-        raise api_error(what, e) from e
-    except UNREACHABLE as e:
-        raise StoreUnavailable(
-            f"kubernetes API {what}: cannot reach the API server ({e}); check "
-            "--kube-api-url / --kubeconfig-file and the network"
-        ) from e
-
-
-def read_json(what: str, fn: Callable[[], Any]) -> dict[str, Any]:
-    """Call an API method with ``_preload_content=False`` and decode its JSON body."""
-
-    def op() -> bytes:
-        resp = fn()
-        try:
-            return bytes(resp.data)
-        finally:
-            resp.release_conn()
-
-    raw = call(what, op)
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise StoreUnavailable(f"kubernetes API {what}: the answer is not JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise StoreUnavailable(f"kubernetes API {what}: the answer is not a JSON object")
-    return doc
 
 
 def rv_number(rv: str | None) -> int:

@@ -13,11 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client as kclient
-from kubernetes.client.exceptions import ApiException
-
 from flannelpy.errors import StoreError
-from flannelpy.store.kube.api import read_json
+from flannelpy.store.kube.api import NotFound
+from flannelpy.store.kube.client import MERGE_PATCH, KubeClient, path
 from flannelpy.store.kube.event_series import (
     NAMESPACE,
     EventSeries,
@@ -29,7 +27,7 @@ from flannelpy.store.kube.event_series import (
 
 log = logging.getLogger("flannelpy.store.kube.events")
 
-MERGE_PATCH = "application/merge-patch+json"
+EVENTS = f"apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events"
 TIMEOUT = (5.0, 15.0)  # seconds: connect, then the whole request
 
 
@@ -39,12 +37,12 @@ class NodeEvents:
 
     def __init__(
         self,
-        api_client: kclient.ApiClient,
+        client: KubeClient,
         node: Callable[[], str],
         clock: Callable[[], float] = time.time,
         series: EventSeries | None = None,
     ) -> None:
-        self._api = kclient.EventsV1Api(api_client)
+        self._client = client
         self._node = node
         self._clock = clock
         self._series = series if series is not None else EventSeries()
@@ -77,12 +75,7 @@ class NodeEvents:
             node = self._node()
             body: Any = create_body(node, f"flannelpy-{node}", write.spec, write.at)
             try:
-                doc = read_json(
-                    "create event",
-                    lambda: self._api.create_namespaced_event(
-                        NAMESPACE, body, _preload_content=False, _request_timeout=TIMEOUT
-                    ),
-                )
+                doc = self._client.send("create event", "POST", path(EVENTS), body, timeout=TIMEOUT)
             except StoreError:
                 self._series.gone(write.spec)
                 raise
@@ -92,25 +85,22 @@ class NodeEvents:
         assert write.name is not None
         name = write.name
         try:
-            read_json(
+            self._client.send(
                 "patch event",
-                lambda: self._api.patch_namespaced_event(
-                    name,
-                    NAMESPACE,
-                    series_patch(write),
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=TIMEOUT,
-                ),
+                "PATCH",
+                path(EVENTS, name),
+                series_patch(write),
+                MERGE_PATCH,
+                timeout=TIMEOUT,
             )
-        except StoreError as e:
-            if not (isinstance(e.__cause__, ApiException) and e.__cause__.status == 404):
-                self._series.failed(write, now)
-                raise
+        except NotFound:
             # Expired on the server (--event-ttl): this occurrence starts a new Event.
             self._series.gone(write.spec)
             again = self._series.observe(write.spec, now)
             if again is not None:
                 self._send(again, now)
             return
+        except StoreError:
+            self._series.failed(write, now)
+            raise
         self._series.patched(write, now)

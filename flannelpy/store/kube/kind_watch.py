@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
-from flannelpy.store.kube.api import Forbidden, call, read_json
+from flannelpy.store.kube.api import Forbidden
+from flannelpy.store.kube.client import KubeClient, Query, Stream
 from flannelpy.store.kube.watch import HEALTHY_WATCH, StreamCloser, decoded_events
 
 WATCH_TIMEOUT_SECONDS = 300
@@ -171,45 +172,39 @@ class KindWatch:
         return changed
 
 
-def list_and_watch(what: str, method: Callable[..., Any]) -> tuple[ListPage, OpenWatch]:
-    """The list and watch calls of one generated client method (``list_node``, or a
-    ``functools.partial`` naming a namespace and a label selector). The watch is
-    requested at once; its events come as the result is iterated."""
+def list_and_watch(
+    client: KubeClient, what: str, url: str, query: Query | None = None
+) -> tuple[ListPage, OpenWatch]:
+    """The list and watch calls of one collection (``/api/v1/nodes``, or a namespace's
+    Leases with a label selector in ``query``). The watch is requested at once; its
+    events come as the result is iterated."""
 
     def list_page(token: str | None) -> dict[str, Any]:
-        return read_json(
-            f"list {what}",
-            lambda: method(
-                limit=LIST_PAGE_SIZE,
-                _continue=token,
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT,
-            ),
-        )
+        page = {**(query or {}), "limit": LIST_PAGE_SIZE, "continue": token}
+        return client.get(f"list {what}", url, page, timeout=REQUEST_TIMEOUT)
 
     def open_watch(rv: str, stop: threading.Event) -> Iterator[Any]:
-        resp: Any = call(
+        stream = client.watch(
             f"watch {what}",
-            lambda: method(
-                watch=True,
-                resource_version=rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=WATCH_TIMEOUT_SECONDS,
-                _preload_content=False,
-                _request_timeout=(REQUEST_TIMEOUT[0], WATCH_TIMEOUT_SECONDS + WATCH_READ_SLACK),
-            ),
+            url,
+            {
+                **(query or {}),
+                "resourceVersion": rv,
+                "allowWatchBookmarks": True,
+                "timeoutSeconds": WATCH_TIMEOUT_SECONDS,
+            },
+            timeout=(REQUEST_TIMEOUT[0], WATCH_TIMEOUT_SECONDS + WATCH_READ_SLACK),
         )
-        return _events(resp, stop, what)
+        return _events(stream, stop, what)
 
     return list_page, open_watch
 
 
-def _events(resp: Any, stop: threading.Event, what: str) -> Iterator[Any]:
+def _events(stream: Stream, stop: threading.Event, what: str) -> Iterator[Any]:
     with StreamCloser(stop) as closer:
-        closer.attach(resp)
+        closer.attach(stream)
         try:
-            yield from decoded_events(resp, stop, f"{what} watch")
+            yield from decoded_events(stream, stop, f"{what} watch")
         finally:
             closer.detach()
-            resp.close()
-            resp.release_conn()
+            stream.close()

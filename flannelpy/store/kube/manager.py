@@ -17,8 +17,8 @@ our own Node is read directly, and the list is one consistent snapshot read in
 pages of raw JSON (no client models).
 
 Every API call the code makes is in :data:`flannelpy.store.kube.api.RBAC_RULES`;
-the manifest's ClusterRole is tested against it. The client and its error
-mapping are :mod:`.api`, the watch's helpers :mod:`.watch`.
+the manifest's ClusterRole is tested against it. The client is :mod:`.client`,
+its error mapping :mod:`.api`, the watch's helpers :mod:`.watch`.
 """
 
 from __future__ import annotations
@@ -33,14 +33,12 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client as kclient
-
 from flannelpy.config.netconf import NetworkConfig, parse_network_config
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, RevisionCompacted, StoreError, StoreUnavailable
 from flannelpy.retry import Backoff
 from flannelpy.store.kube import node as kn
-from flannelpy.store.kube.api import build_api_client, call, read_json
+from flannelpy.store.kube.client import STRATEGIC_MERGE, KubeClient, build_api_client, path
 from flannelpy.store.kube.node_status import override_rollout
 from flannelpy.store.kube.watch import LeaseMap, StreamCloser, decoded_events
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -59,7 +57,7 @@ WATCH_READ_SLACK = 30.0  # seconds past the server's timeout before the read giv
 LIST_PAGE_SIZE = 500  # client-go's default page size
 PODCIDR_POLL_MAX = 5.0  # seconds between reads of our Node while its podCIDR is missing
 PODCIDR_LOG_EVERY = 30.0  # seconds between "pod cidr not assigned" warnings
-STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+NODES = "api/v1/nodes"
 
 
 def _wait(stop: threading.Event, seconds: float) -> None:
@@ -78,7 +76,7 @@ class KubeSubnetManager:
     def __init__(
         self,
         settings: AgentSettings,
-        api_client: kclient.ApiClient | None = None,
+        api_client: KubeClient | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[threading.Event, float], None] = _wait,
         *,
@@ -94,7 +92,6 @@ class KubeSubnetManager:
         )
         self._owns_client = api_client is None
         self._api_client = api_client if api_client is not None else build_api_client(settings)
-        self._api = kclient.CoreV1Api(self._api_client)
         self._clock = clock
         self._sleep = sleep
         self._stop = stop
@@ -117,7 +114,7 @@ class KubeSubnetManager:
         self._warned: dict[str, str] = {}
 
     @property
-    def api_client(self) -> kclient.ApiClient:
+    def api_client(self) -> KubeClient:
         """The client this manager talks through (the status Lease shares it)."""
         return self._api_client
 
@@ -134,10 +131,11 @@ class KubeSubnetManager:
     def _node_of_pod(self) -> str:
         namespace, pod = self._identity.pod_namespace, self._identity.pod_name
         assert namespace and pod
+        what = f"get pod {namespace}/{pod}"
         doc = self._patiently(
-            f"get pod {namespace}/{pod}",
-            lambda: self._api.read_namespaced_pod(
-                pod, namespace, _preload_content=False, _request_timeout=self._timeout()
+            what,
+            lambda: self._api_client.get(
+                what, path("api/v1/namespaces", namespace, "pods", pod), timeout=self._timeout()
             ),
         )
         name = str((doc.get("spec") or {}).get("nodeName") or "")
@@ -186,13 +184,12 @@ class KubeSubnetManager:
     def _own_node(self, patient: bool) -> dict[str, Any]:
         name = self.node_name
 
-        def get() -> Any:
-            return self._api.read_node(
-                name, _preload_content=False, _request_timeout=self._timeout()
-            )
-
         what = f"get node {name}"
-        return self._patiently(what, get) if patient else read_json(what, get)
+
+        def get() -> dict[str, Any]:
+            return self._api_client.get(what, path(NODES, name), timeout=self._timeout())
+
+        return self._patiently(what, get) if patient else get()
 
     def _publish(self, node: Mapping[str, Any], attrs: LeaseAttrs) -> LeaseAttrs:
         """Patch our Node's annotations and condition where they differ from ``attrs``;
@@ -214,15 +211,13 @@ class KubeSubnetManager:
         if patch is None:
             return advertised
         name = kn.node_name(node)
-        read_json(
+        self._api_client.send(
             f"patch node {name} status",
-            lambda: self._api.patch_node_status(
-                name,
-                patch,
-                _content_type=STRATEGIC_MERGE,
-                _preload_content=False,
-                _request_timeout=self._timeout(),
-            ),
+            "PATCH",
+            path(NODES, name, "status"),
+            patch,
+            STRATEGIC_MERGE,
+            self._timeout(),
         )
         log.info("node updated node=%s wrote=%s", name, ",".join(kn.changed_keys(patch)))
         return advertised
@@ -392,14 +387,11 @@ class KubeSubnetManager:
         return by_node, rv
 
     def _list_page(self, token: str | None) -> dict[str, Any]:
-        return read_json(
+        return self._api_client.get(
             "list nodes",
-            lambda: self._api.list_node(
-                limit=self._page_size,
-                _continue=token,
-                _preload_content=False,
-                _request_timeout=self._timeout(),
-            ),
+            path(NODES),
+            {"limit": self._page_size, "continue": token},
+            timeout=self._timeout(),
         )
 
     def _watch(
@@ -411,16 +403,15 @@ class KubeSubnetManager:
         stop: threading.Event,
     ) -> int:
         """One watch request, applied event by event; returns how many events came."""
-        resp: Any = call(
+        resp = self._api_client.watch(
             "watch nodes",
-            lambda: self._api.list_node(
-                watch=True,
-                resource_version=state.rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=self._watch_timeout,
-                _preload_content=False,
-                _request_timeout=(CONNECT_TIMEOUT, self._watch_timeout + WATCH_READ_SLACK),
-            ),
+            path(NODES),
+            {
+                "resourceVersion": state.rv,
+                "allowWatchBookmarks": True,
+                "timeoutSeconds": self._watch_timeout,
+            },
+            timeout=(CONNECT_TIMEOUT, self._watch_timeout + WATCH_READ_SLACK),
         )
         closer.attach(resp)
         state.watch_opened(time.monotonic())
@@ -434,7 +425,6 @@ class KubeSubnetManager:
         finally:
             closer.detach()
             resp.close()  # a stream cut short leaves unread data: never reuse it
-            resp.release_conn()
         return count
 
     def _apply(self, event: Mapping[str, Any], state: LeaseMap, config: NetworkConfig) -> None:
@@ -501,13 +491,14 @@ class KubeSubnetManager:
             self._sleep(self._closed, min(left, 0.25))
         raise StoreError("the Kubernetes subnet manager was stopped while waiting")
 
-    def _patiently(self, what: str, fn: Callable[[], Any]) -> dict[str, Any]:
-        """``_read_json`` retrying an unreachable API for up to --startup-timeout seconds."""
+    def _patiently(self, what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``fn`` (a GET) retried while the API is unreachable, for up to --startup-timeout
+        seconds."""
         backoff = Backoff()
         deadline: float | None = None
         while True:
             try:
-                return read_json(what, fn)
+                return fn()
             except StoreUnavailable as e:
                 delay = backoff.next()
                 now = time.monotonic()

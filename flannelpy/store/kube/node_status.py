@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client as kclient
-
 from flannelpy.errors import StoreError
-from flannelpy.store.kube.api import Forbidden, call
+from flannelpy.store.kube.api import Forbidden, NotFound
+from flannelpy.store.kube.client import MERGE_PATCH, KubeClient, path
 
 log = logging.getLogger("flannelpy.kube.status")
 
@@ -50,7 +49,6 @@ HEARTBEAT_SECONDS = 300.0  # an unchanged record is rewritten this often, no mor
 LEASE_DURATION = int(HEARTBEAT_SECONDS * 2)  # a reader may call older records stale
 FORBIDDEN_RETRY_SECONDS = 60.0  # a refused write waits for an operator: retry this often
 LEASES = "leases.coordination.k8s.io"
-MERGE_PATCH = "application/merge-patch+json"
 
 
 # ---------------------------------------------------------------------------
@@ -272,12 +270,12 @@ class LeasePublisher:
 
     def __init__(
         self,
-        api_client: kclient.ApiClient,
+        client: KubeClient,
         namespace: str,
         monotonic: Callable[[], float] = time.monotonic,
         limiter: WriteLimiter | None = None,
     ) -> None:
-        self._api = kclient.CoordinationV1Api(api_client)
+        self._client = client
         self._namespace = namespace
         self._monotonic = monotonic
         self._limiter = limiter or WriteLimiter()
@@ -325,41 +323,16 @@ class LeasePublisher:
     def _write(self, node: str, text: str) -> None:
         body: Any = lease_body(node, self._namespace, text, datetime.now(UTC))
         timeout = (5.0, 10.0)
-
-        def patched() -> bool:
+        leases = f"apis/coordination.k8s.io/v1/namespaces/{self._namespace}/leases"
+        what = f"lease {self._namespace}/{node}"
+        verb = "patch"
+        try:
             try:
-                resp = self._api.patch_namespaced_lease(
-                    node,
-                    self._namespace,
-                    body,
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=timeout,
+                self._client.send(
+                    f"patch {what}", "PATCH", path(leases, node), body, MERGE_PATCH, timeout
                 )
-            except kclient.ApiException as e:
-                if e.status == 404:
-                    return False  # the first write on this node: create it
-                raise
-            _drain(resp)
-            return True
-
-        def created() -> bool:
-            _drain(
-                self._api.create_namespaced_lease(
-                    self._namespace, body, _preload_content=False, _request_timeout=timeout
-                )
-            )
-            return True
-
-        for verb, step in (("patch", patched), ("create", created)):
-            try:
-                if call(f"{verb} lease {self._namespace}/{node}", step):
-                    return
-            except Forbidden as e:
-                raise LeaseForbidden(str(e), verb) from e
-
-
-def _drain(resp: Any) -> None:
-    """Read and give back an urllib3 response (else its connection leaves the pool)."""
-    resp.read()
-    resp.release_conn()
+            except NotFound:  # the first write on this node: create it
+                verb = "create"
+                self._client.send(f"create {what}", "POST", path(leases), body, timeout=timeout)
+        except Forbidden as e:
+            raise LeaseForbidden(str(e), verb) from e

@@ -18,11 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
-
-from kubernetes import client as kclient
 
 from flannelpy.store.kube.api import Rules
+from flannelpy.store.kube.client import KubeClient
 from flannelpy.store.kube.kind_watch import KindWatch, Resource, list_and_watch
 from flannelpy.store.policy_inputs import (
     KINDS,
@@ -43,16 +41,17 @@ POLICY_RBAC_RULES: Rules = (
 FORBIDDEN_HINT = "apply manifests/network-policy for its ClusterRole"
 
 
-def kube_resources(api_client: kclient.ApiClient) -> list[Resource]:
+# Each kind's collection across every namespace.
+PATHS = {
+    POLICIES: "/apis/networking.k8s.io/v1/networkpolicies",
+    PODS: "/api/v1/pods",
+    NAMESPACES: "/api/v1/namespaces",
+}
+
+
+def kube_resources(client: KubeClient) -> list[Resource]:
     """The three kinds over the real client, every namespace."""
-    core = kclient.CoreV1Api(api_client)
-    networking = kclient.NetworkingV1Api(api_client)
-    methods: dict[str, Callable[..., Any]] = {
-        POLICIES: networking.list_network_policy_for_all_namespaces,
-        PODS: core.list_pod_for_all_namespaces,
-        NAMESPACES: core.list_namespace,
-    }
-    return [Resource(kind, *list_and_watch(kind, methods[kind])) for kind in KINDS]
+    return [Resource(kind, *list_and_watch(client, kind, PATHS[kind])) for kind in KINDS]
 
 
 class KubePolicySource:
@@ -95,9 +94,9 @@ class KubePolicySource:
             thread.join(2.0)
 
 
-def list_policy_inputs(api_client: kclient.ApiClient) -> PolicySnapshot:
+def list_policy_inputs(client: KubeClient) -> PolicySnapshot:
     """Every NetworkPolicy, Pod and Namespace, listed once (``flannelpy netpol explain``)."""
     cache = PolicyCache()
-    for resource in kube_resources(api_client):
+    for resource in kube_resources(client):
         KindWatch(resource, cache, lambda: None, log=log).list_all(threading.Event())
     return cache.snapshot()

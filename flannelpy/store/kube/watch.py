@@ -4,19 +4,16 @@ the watch keeps and delivers from.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from kubernetes.watch.watch import iter_resp_lines
-
 from flannelpy.errors import StoreUnavailable
 from flannelpy.store.kube import node as kn
 from flannelpy.store.kube.api import UNREACHABLE, rv_number
+from flannelpy.store.kube.client import Stream
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 
@@ -27,11 +24,11 @@ STOP_POLL = 0.1  # seconds: how often a blocked watch looks at its stop event
 HEALTHY_WATCH = 1.0  # seconds: a watch open this long (or bringing events) was healthy
 
 
-def decoded_events(resp: Any, stop: threading.Event, what: str) -> Iterator[Any]:
-    """A watch response's decoded events; transport failures become StoreUnavailable
-    (raised here, so that exceptions from the caller's loop body pass untouched)."""
+def decoded_events(stream: Stream, stop: threading.Event, what: str) -> Iterator[Any]:
+    """A watch's decoded events; transport failures become StoreUnavailable (raised
+    here, so that exceptions from the caller's loop body pass untouched)."""
     try:
-        for line in iter_resp_lines(resp):
+        for line in stream.lines():
             if stop.is_set():
                 return
             if line.strip():
@@ -51,7 +48,7 @@ class StreamCloser:
     def __init__(self, stop: threading.Event) -> None:
         self._stop = stop
         self._lock = threading.Lock()
-        self._resp: Any = None
+        self._stream: Stream | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kube-watch-stop", daemon=True)
 
@@ -69,23 +66,21 @@ class StreamCloser:
                 self.abort()
                 return
 
-    def attach(self, resp: Any) -> None:
+    def attach(self, stream: Stream) -> None:
         with self._lock:
-            self._resp = resp
+            self._stream = stream
         if self._stop.is_set():
             self.abort()
 
     def detach(self) -> None:
         with self._lock:
-            self._resp = None
+            self._stream = None
 
     def abort(self) -> None:
         with self._lock:
-            resp = self._resp
-        sock = getattr(getattr(resp, "connection", None), "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):  # already closed
-                sock.shutdown(socket.SHUT_RDWR)
+            stream = self._stream
+        if stream is not None:
+            stream.abort()
 
 
 class LeaseMap:
