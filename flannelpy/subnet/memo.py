@@ -12,7 +12,7 @@ answer: with it or without it, the caller gets exactly what a fresh computation 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from flannelpy.subnet.lease import Lease
@@ -30,8 +30,9 @@ class LeaseMemo(Generic[T]):
 
     def __init__(self) -> None:
         self._context: object = _UNSET
-        # id(lease) -> lease and -> result: holding the lease keeps its id from being reused.
-        self._leases: dict[int, Lease] = {}
+        # The leases of the last call (holding them keeps their ids from being reused),
+        # and id(lease) -> result.
+        self._leases: list[Lease] = []
         self._results: dict[int, T] = {}
 
     def results(
@@ -52,24 +53,27 @@ class LeaseMemo(Generic[T]):
         kept: dict[int, T] = previous if same else {}
         leases = list(leases)
         ids = list(map(id, leases))
-        by_id = dict(zip(ids, leases, strict=True))
         found: dict[int, object] = dict(zip(ids, map(kept.get, ids, repeat(_MISSING)), strict=True))
         added: list[T] = []
-        for key in found.keys() - kept.keys():
-            result = compute(by_id[key])
-            found[key] = result
-            added.append(result)
+        fresh = found.keys() - kept.keys()
+        if fresh:  # the new leases picked out in C (compress), computed once each
+            for lease in compress(leases, map(fresh.__contains__, ids)):
+                key = id(lease)
+                if found[key] is _MISSING:
+                    result = compute(lease)
+                    found[key] = result
+                    added.append(result)
         new = cast("dict[int, T]", found)
         if same:
             dropped = list(map(previous.__getitem__, previous.keys() - new.keys()))
         else:
             dropped = list(previous.values())
-        self._leases, self._results = by_id, new
+        self._leases, self._results = leases, new
         return Delta(list(map(new.__getitem__, ids)), added, dropped)
 
     def clear(self) -> None:
         self._context = _UNSET
-        self._leases, self._results = {}, {}
+        self._leases, self._results = [], {}
 
 
 class Delta(NamedTuple, Generic[T]):
