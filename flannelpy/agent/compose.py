@@ -40,6 +40,7 @@ from flannelpy.dataplane.kernel import ForeignRoute, Kernel
 from flannelpy.dataplane.reconciler import PolicyRules
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError, DataplaneError, FlannelpyError, StoreUnavailable
+from flannelpy.heap import release_free_memory
 from flannelpy.ipam.capacity import CapacitySettings, parse_capacity
 from flannelpy.observe.metrics import AgentMetrics, LinkProvider
 from flannelpy.store.open_store import ClusterStore, NodeIdentity, open_store
@@ -330,9 +331,11 @@ def settle_heap() -> None:
     """Once the agent is ready: what start-up built (imports, clients, the lease list, the
     first plan) lives as long as the process. Collect the garbage once, then keep the rest
     out of the collector's sight, so that its periodic full collections no longer walk
-    every object of the start (CPython's gc.freeze)."""
+    every object of the start (CPython's gc.freeze). What the collection freed goes back
+    to the kernel."""
     gc.collect()
     gc.freeze()
+    release_free_memory()
 
 
 def _icmp_transport() -> ProbeTransport:

@@ -35,6 +35,7 @@ from flannelpy.agent.writer import AgentParts, ProbeTransport, Writer
 from flannelpy.config.effective import write_effective
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.errors import DataplaneError
+from flannelpy.heap import release_free_memory
 from flannelpy.observe import kernel_counters
 from flannelpy.observe.health import HealthServer, Heartbeats
 from flannelpy.observe.prober import Prober
@@ -113,6 +114,9 @@ class NodeAgent:
         self._start_prober()
         w.pods.start()
         self.beats.add_check("cni-server", w.pods.serving)  # /healthz covers its accept loop
+        # What the start parsed and planned all at once (the lease list, the first plan's
+        # temporaries) is garbage now; its free pages go back before we say ready.
+        release_free_memory()
         w.become_ready(result)
         log.info(
             "agent ready subnet=%s mtu=%s program_seconds=%.3f",

@@ -37,6 +37,7 @@ from flannelpy.dataplane.state import (
 )
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.span import overlaps
 from flannelpy.subnet.validate import Bounds
 
 
@@ -218,9 +219,7 @@ def is_routable(
 ) -> bool:
     """One peer of :func:`routable_peers` (``own_nets``: our leases' subnets)."""
     return not is_own_address(ctx, peer) and not any(
-        mine.version == theirs.version and theirs.overlaps(mine)  # type: ignore[arg-type]
-        for theirs in peer.subnets
-        for mine in own_nets
+        overlaps(theirs, mine) for theirs in peer.subnets for mine in own_nets
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from flannelpy import heap
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.state import (
@@ -167,6 +168,7 @@ class Reconciler:
         # view of the pass before, would compare a thousand entries to find nothing again.
         self._last_diff: tuple[DesiredState, ObservedState, Changes] | None = None
         self.dumps = 0  # passes that read the kernel (the others knew it from the last)
+        self._dumped_entries = 0  # routes, neighbours and FDB entries the last dump found
 
     @property
     def desired(self) -> DesiredState | None:
@@ -212,7 +214,13 @@ class Reconciler:
         """One pass. Returns None while no desired state is known (never act blind:
         programming an empty peer set at start-up would delete live routes)."""
         with self._pass_lock:
-            return self._pass(reason)
+            dumps = self.dumps
+            result = self._pass(reason)
+            dumped = self._dumped_entries if self.dumps != dumps else 0
+        # The dump's entries, diffed, are garbage now: at thousands of peers they leave
+        # megabytes of free pages with the allocator unless handed back.
+        heap.after_bulk(dumped)
+        return result
 
     def _pass(self, reason: str) -> ReconcileResult | None:
         with self._lock:
@@ -232,6 +240,9 @@ class Reconciler:
         if observed is None:
             observed = self._kernel.observe(*scope)
             self.dumps += 1
+            self._dumped_entries = (
+                len(observed.routes) + len(observed.neighbours) + len(observed.fdb)
+            )
             self._dumped_at = self._monotonic()
         changes = self._diff(desired, observed)
         if not changes.empty:
@@ -252,6 +263,10 @@ class Reconciler:
         else:
             view = after_apply(desired, observed, changes, scope[1])
         self._view = (scope, view) if view is not None else None
+        if self._last_diff is not None and self._last_diff[1] is not view:
+            # Only the kept view can meet a plan again: a dump's own entries (three
+            # objects and their addresses per peer, beside the plan's equal ones) go now.
+            self._last_diff = None
         failures += self._apply_firewall(desired)  # after the routes, as at start
         failures += self._apply_policy(desired, reason)
         if self._policy is not None:

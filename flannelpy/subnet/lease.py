@@ -9,6 +9,7 @@ decoder ignores.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
@@ -39,9 +40,7 @@ class LeaseAttrs:
 
     @property
     def vtep_mac(self) -> str | None:
-        data = self.backend_data or {}
-        mac = data.get("VtepMAC")
-        return str(mac).lower() if mac else None
+        return _lower_mac(self.backend_data)
 
     def to_json(self) -> str:
         doc: dict[str, Any] = {
@@ -92,7 +91,7 @@ class LeaseAttrs:
         backend_type = doc.get("BackendType")
         return cls(
             public_ip=public_ip,
-            backend_type=backend_type if isinstance(backend_type, str) else "",
+            backend_type=sys.intern(backend_type) if isinstance(backend_type, str) else "",
             backend_data=_object_or_none(doc.get("BackendData")),
             public_ipv6=public_ipv6,
             backend_v6_data=_object_or_none(doc.get("BackendV6Data")),
@@ -104,8 +103,18 @@ class LeaseAttrs:
     @property
     def vtep_mac_v6(self) -> str | None:
         """The MAC of the node's IPv6 VTEP (``flannel-v6.<VNI>``), from BackendV6Data."""
-        mac = (self.backend_v6_data or {}).get("VtepMAC")
-        return str(mac).lower() if mac else None
+        return _lower_mac(self.backend_v6_data)
+
+
+def _lower_mac(data: Mapping[str, Any] | None) -> str | None:
+    """``VtepMAC`` in lower case: the lease's own string when it is (as Flannel writes
+    it), so the plan's neighbour and FDB entry share it instead of each holding a copy."""
+    mac = (data or {}).get("VtepMAC")
+    if not mac:
+        return None
+    text = str(mac)
+    lower = text.lower()
+    return text if lower == text else lower
 
 
 def _ipv6_or_none(value: Any) -> IPv6Address | None:
@@ -123,7 +132,11 @@ def _ipv6_or_none(value: Any) -> IPv6Address | None:
 
 
 def _object_or_none(value: Any) -> Mapping[str, Any] | None:
-    return value if isinstance(value, dict) else None
+    """A JSON object, its keys interned: JSON's decoder gives every lease its own
+    ``"VNI"`` and ``"VtepMAC"``, which thousands of leases can share."""
+    if not isinstance(value, dict):
+        return None
+    return {sys.intern(key): item for key, item in value.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,14 @@ class LeaseMemo(Generic[T]):
 
     Only the leases of the latest call are kept, so the memo never outgrows the
     cluster. Not thread-safe: one owner (the writer) calls it. A call over thousands of
-    unchanged leases stays in C (dict and map over their ids); Python runs only for the
-    leases that are new."""
+    unchanged leases stays in C (map, compress and set over their ids); Python runs only
+    for the leases that are new."""
 
     def __init__(self) -> None:
         self._context: object = _UNSET
-        # id(lease) -> lease and -> result: holding the lease keeps its id from being reused.
-        self._leases: dict[int, Lease] = {}
+        # The leases of the last call (holding them keeps their ids from being reused),
+        # and id(lease) -> result.
+        self._leases: list[Lease] = []
         self._results: dict[int, T] = {}
 
     def results(
@@ -53,34 +54,32 @@ class LeaseMemo(Generic[T]):
             self._context = context
         else:
             dropped = []
-        kept, held = self._results, self._leases
+        kept = self._results
         leases = list(leases)
         ids = list(map(id, leases))
         found: list[object] = list(map(kept.get, ids, repeat(_MISSING)))
         missing = list(compress(range(len(ids)), map(is_, found, repeat(_MISSING))))
         added: list[T] = []
         for index in missing:
-            lease, key = leases[index], ids[index]
+            key = ids[index]
             if key in kept:  # the same lease twice in one call: computed once
                 found[index] = kept[key]
                 continue
-            result = compute(lease)
+            result = compute(leases[index])
             found[index] = kept[key] = result
-            held[key] = lease
             added.append(result)
         # Only the leases of this call are kept. The usual event adds or drops a lease or
-        # two of thousands: kept and held change in place by those, not rebuilt.
+        # two of thousands: the results change in place by those, not rebuilt.
         distinct = set(ids)
         if len(kept) != len(distinct):
             gone = kept.keys() - distinct
             dropped += map(kept.pop, gone)
-            for key in gone:
-                del held[key]
+        self._leases = leases
         return Delta(cast("list[T]", found), added, dropped)
 
     def clear(self) -> None:
         self._context = _UNSET
-        self._leases, self._results = {}, {}
+        self._leases, self._results = [], {}
 
 
 class Delta(NamedTuple, Generic[T]):

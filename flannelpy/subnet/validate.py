@@ -19,6 +19,7 @@ from itertools import compress, repeat
 
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.span import overlaps, within
 
 # The reasons, a closed set (metric label values).
 OUTSIDE_NETWORK = "outside-network"
@@ -78,13 +79,13 @@ def check_peer(lease: Lease, bounds: Bounds) -> Rejection | None:
         # An IPv6-only lease, or an IPv6-only node: only the IPv6 half is programmed.
         problem = backend_data_problem(lease)
         return no(BACKEND_DATA, problem) if problem is not None else check_peer_v6(lease, bounds)
-    if not any(subnet.subnet_of(net) for net in bounds.networks):
+    if not any(within(subnet, net) for net in bounds.networks):
         nets = ", ".join(str(n) for n in bounds.networks)
         return no(OUTSIDE_NETWORK, f"subnet {subnet} lies outside the network and pools ({nets})")
-    mine = next((n for n in bounds.own if n.overlaps(subnet)), None)
+    mine = next((n for n in bounds.own if overlaps(n, subnet)), None)
     if mine is not None:
         return no(OVERLAPS_OWN, f"subnet {subnet} overlaps this node's own lease {mine}")
-    host = next((n for n in bounds.host if n.prefixlen > 0 and n.overlaps(subnet)), None)
+    host = next((n for n in bounds.host if n.prefixlen > 0 and overlaps(n, subnet)), None)
     if host is not None:
         return no(OVERLAPS_HOST, f"subnet {subnet} overlaps {host}, connected on this node")
     if any(a is not None and a in subnet for a in (bounds.public_ip, *bounds.host_ips)):
@@ -118,13 +119,13 @@ def check_peer_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
         return Rejection(lease.key, reason, detail)
 
     if subnet6 is not None:
-        if not any(subnet6.subnet_of(net) for net in bounds.ipv6_networks):
+        if not any(within(subnet6, net) for net in bounds.ipv6_networks):
             nets = ", ".join(str(n) for n in bounds.ipv6_networks)
             return no(OUTSIDE_NETWORK, f"IPv6 subnet {subnet6} lies outside IPv6Network ({nets})")
-        mine = next((n for n in bounds.own6 if n.overlaps(subnet6)), None)
+        mine = next((n for n in bounds.own6 if overlaps(n, subnet6)), None)
         if mine is not None:
             return no(OVERLAPS_OWN, f"IPv6 subnet {subnet6} overlaps this node's own {mine}")
-        host = next((n for n in bounds.host6 if n.prefixlen > 0 and n.overlaps(subnet6)), None)
+        host = next((n for n in bounds.host6 if n.prefixlen > 0 and overlaps(n, subnet6)), None)
         if host is not None:
             return no(OVERLAPS_HOST, f"IPv6 subnet {subnet6} overlaps {host}, connected here")
         if any(a in subnet6 for a in bounds.host_ips6):
@@ -202,11 +203,11 @@ def check_own(lease: Lease, bounds: Bounds) -> Rejection | None:
     subnet = lease.subnet
     if subnet is None or not bounds.networks:
         return _check_own_v6(lease, bounds)
-    if not any(subnet.subnet_of(net) for net in bounds.networks):
+    if not any(within(subnet, net) for net in bounds.networks):
         nets = ", ".join(str(n) for n in bounds.networks)
         detail = f"subnet {subnet} lies outside the network and pools ({nets})"
         return Rejection(lease.key, OUTSIDE_NETWORK, detail)
-    host = next((n for n in bounds.host if n.prefixlen > 0 and n.overlaps(subnet)), None)
+    host = next((n for n in bounds.host if n.prefixlen > 0 and overlaps(n, subnet)), None)
     if host is not None:
         detail = f"subnet {subnet} overlaps {host}, connected on this node"
         return Rejection(lease.key, OVERLAPS_HOST, detail)
@@ -219,7 +220,7 @@ def check_own(lease: Lease, bounds: Bounds) -> Rejection | None:
 def _check_own_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
     """:func:`check_own` for an IPv6-only lease: its IPv6 subnet inside IPv6Network."""
     subnet6 = lease.ipv6_subnet
-    if subnet6 is None or not any(subnet6.subnet_of(n) for n in bounds.ipv6_networks):
+    if subnet6 is None or not any(within(subnet6, n) for n in bounds.ipv6_networks):
         nets = ", ".join(str(n) for n in bounds.ipv6_networks) or "none"
         detail = f"IPv6 subnet {subnet6} lies outside IPv6Network ({nets})"
         return Rejection(lease.key, OUTSIDE_NETWORK, detail)
