@@ -163,7 +163,7 @@ def neigh_request(
 
 
 def fdb_request(delete: bool, ifindex: int, mac: str, dst: IPv4Address | IPv6Address) -> Request:
-    """A vxlan FDB remote, ``bridge fdb append|del <mac> dev <dev> dst <dst> self permanent``."""
+    """A vxlan FDB entry, ``bridge fdb replace|del <mac> dev <dev> dst <dst> self permanent``."""
     body = (
         NDMSG.pack(AF_BRIDGE, 0, 0, ifindex, NUD_PERMANENT, NTF_SELF, 0)
         + attr(NDA_LLADDR, mac_bytes(mac))
@@ -171,9 +171,12 @@ def fdb_request(delete: bool, ifindex: int, mac: str, dst: IPv4Address | IPv6Add
     )
     if delete:
         return Request(RTM_DELNEIGH, 0, body)
-    # APPEND adds this remote beside any other for the MAC, and is a no-op when
-    # it is already there: idempotent without touching other remotes.
-    return Request(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_APPEND, body)
+    # REPLACE, as flanneld's NeighSet: a unicast MAC has one remote, and a peer whose
+    # address changed (a node re-created with its VTEP MAC) must have it moved. APPEND
+    # adds remotes only to the all-zeros and multicast MACs and is a silent no-op for a
+    # unicast MAC already there, which left the old address and, once that stale entry
+    # was deleted, no entry at all.
+    return Request(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_REPLACE, body)
 
 
 def route_request(

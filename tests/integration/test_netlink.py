@@ -592,6 +592,24 @@ def test_changed_fdb_dst_and_neighbour_mac(overlay: Netns, kernel: NetlinkKernel
     assert seen.routes == {route}
 
 
+def test_a_peer_that_moves_with_its_vtep_mac_gets_its_fdb_entry_moved(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    """A node re-created at a new address keeps its VTEP MAC: the one plan sets the MAC's
+    new remote and deletes the old one. A unicast MAC has one remote (the kernel ignores
+    an append to it), so the entry is replaced, and the stale deletion finds nothing."""
+    neigh, fdb, route = peer(0)
+    overlay.call(kernel.apply, add_peers([(neigh, fdb, route)]))
+    moved = replace(fdb, dst=IPv4Address("192.168.50.99"))
+
+    result = overlay.call(kernel.apply, Changes(fdb_to_set=(moved,), fdb_to_delete=(fdb,)))
+
+    assert result.failures == ()
+    assert observe(overlay, kernel).fdb == {moved}
+    shown = overlay.exec(f"bridge fdb show dev {DEV}").stdout
+    assert f"{fdb.mac} dst 192.168.50.99 self permanent" in shown
+
+
 def test_failures_are_collected_per_entry(overlay: Netns, kernel: NetlinkKernel) -> None:
     good = [peer(i) for i in range(3)]
     # Not onlink, and the gateway is not on any connected network: the kernel refuses it.

@@ -86,9 +86,9 @@ def test_neighbour_delete_names_only_the_address() -> None:
 
 @pytest.mark.parametrize(
     ("delete", "msg_type", "flags"),
-    [(False, rtnl.RTM_NEWNEIGH, 0x400 | 0x800), (True, rtnl.RTM_DELNEIGH, 0)],
+    [(False, rtnl.RTM_NEWNEIGH, 0x400 | 0x100), (True, rtnl.RTM_DELNEIGH, 0)],
 )
-def test_fdb_entry_is_appended_or_deleted_on_the_device_itself(
+def test_fdb_entry_is_replaced_or_deleted_on_the_device_itself(
     delete: bool, msg_type: int, flags: int
 ) -> None:
     req = rtnl.fdb_request(delete, 7, MAC, IPv4Address("192.168.1.12"))
@@ -346,7 +346,7 @@ def test_a_batch_is_one_datagram_and_only_its_last_message_asks_for_an_ack() -> 
         {"family": rtnl.AF_BRIDGE, "ifindex": 3, "state": 0x80, "flags": 0x02},
         [("NDA_LLADDR", MAC), ("NDA_DST", "192.168.1.12")],
         rtnl.RTM_NEWNEIGH,
-        0x1 | 0x4 | 0x400 | 0x800,
+        0x1 | 0x4 | 0x400 | 0x100,
         2,
     )
 
