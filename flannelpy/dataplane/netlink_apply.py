@@ -207,9 +207,10 @@ class _Batch:
         of the table (a peer's new route, among thousands, cost a dump of all of them).
         The lookup of a destination's first address finds the longest match in the main
         table: a route of that very destination, if there is one, or a shorter one (the
-        default route) if there is none. None, for the dump to decide, when a lookup
-        cannot tell: no route at all, an error route, a longer match hiding the
-        destination, or an answer from another table (policy routing)."""
+        default route) if there is none, or no route at all (a node without a default
+        route; only a ``throw`` route there, which sends lookups on, would go unseen).
+        None, for the dump to decide, when a lookup cannot tell: an error route, a longer
+        match hiding the destination, or an answer from another table (policy routing)."""
         if len(routes) > LOOKUPS_AT_MOST or any(r.dst.version != 4 for r in routes):
             return None
         found: list[rtnl.RouteRow] = []
@@ -217,7 +218,13 @@ class _Batch:
             if route.blackhole:
                 continue  # kept whatever is there (not_foreign)
             row = nl.fib_match(self.sock, route.dst.network_address)  # type: ignore[arg-type]
-            if row is None or row.table != rtnl.RT_TABLE_MAIN or row.dst_len > route.dst.prefixlen:
+            if row == errno.ENETUNREACH:
+                continue  # no route matches the destination's address: none is there
+            if (
+                isinstance(row, int)
+                or row.table != rtnl.RT_TABLE_MAIN
+                or row.dst_len > route.dst.prefixlen
+            ):
                 return None
             if row.dst_len == route.dst.prefixlen:
                 found.append(row)

@@ -360,18 +360,20 @@ def get_link(sock: NetlinkSocket, name: str) -> LinkRow | None:
 RTM_F_FIB_MATCH = 0x2000  # a route lookup answers with the entry it found, not a result
 
 
-def fib_match(sock: NetlinkSocket, address: IPv4Address) -> RouteRow | None:
+def fib_match(sock: NetlinkSocket, address: IPv4Address) -> RouteRow | int:
     """The route a lookup of ``address`` finds (``ip route get fibmatch``), as the table
-    holds it; None when the lookup finds none or ends in an error route (unreachable,
-    prohibit, blackhole)."""
+    holds it; else the lookup's error: ENETUNREACH when no route matches at all, another
+    when it ends in an error route (unreachable, prohibit, blackhole)."""
     body = RTMSG.pack(AF_INET, 32, 0, 0, 0, 0, 0, 0, RTM_F_FIB_MATCH) + attr(
         RTA_DST, address.packed
     )
-    _, messages = sock.request(Request(RTM_GETROUTE, 0, body))
+    reply, messages = sock.request(Request(RTM_GETROUTE, 0, body))
     for buf, offset, length, msg_type in messages:
         if msg_type == RTM_NEWROUTE:
-            return decode_route(buf, offset, length)
-    return None
+            row = decode_route(buf, offset, length)
+            if row is not None:
+                return row
+    return reply.error or errno.ENOENT
 
 
 def dump_routes(

@@ -518,12 +518,17 @@ def test_foreign_routes_are_never_observed_or_deleted(
     assert "10.200.0.0/24 via 10.200.0.0 dev flannel.1 proto 76 onlink" in overlay.ip("route show")
 
 
-@pytest.fixture(params=["one lookup per route", "a dump of the table"])
-def foreign_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The two ways a route to set is checked for another protocol's route at its
-    destination; yields the list the table's dumps are counted in."""
+@pytest.fixture(params=["one lookup per route", "lookups, no default route", "a dump of the table"])
+def foreign_check(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, overlay: Netns
+) -> list[int]:
+    """The ways a route to set is checked for another protocol's route at its
+    destination (lookups find the default route, or no route at all, where nothing is at
+    the destination); yields the list the table's dumps are counted in."""
     if request.param == "a dump of the table":
         monkeypatch.setattr(netlink_apply, "LOOKUPS_AT_MOST", 0)
+    if request.param == "lookups, no default route":
+        overlay.ip("route del default")
     dumps: list[int] = []
     real = nl.dump_routes
 
