@@ -34,7 +34,7 @@ from flannelpy.observe.mtu import (
     PeerOrder,
     describe_mismatch,
     describe_unknown,
-    mtu_mismatches,
+    follow_mtu,
 )
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
@@ -280,7 +280,7 @@ class Planner:
         Between nodes on different backends (a backend switch under way) the MTUs differ
         by design; that is said once at info level, not warned per peer."""
         s = self.state
-        report = mtu_mismatches(s.mtu, peers, self._mtus, s.mtu_report)
+        report, fresh, gone = follow_mtu(s.mtu, peers, self._mtus, s.mtu_report)
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
             backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
             mixed = [
@@ -298,17 +298,10 @@ class Planner:
         # A flanneld peer advertises no MTU: normal in a mixed cluster, said once per peer,
         # or in one line for many at once (a start among thousands of flanneld nodes
         # would log a line for each).
-        before = s.mtu_report.unknown if s.mtu_report is not None else []
         s.mtu_report = report
-        if report.unknown == before:
+        if not fresh and not gone:
             return report
-        # Only what changed is looked at: the report of an unchanged lease is the same
-        # object from one plan to the next (the memo's).
-        was = dict(zip(map(id, before), before, strict=True))
-        now = dict(zip(map(id, report.unknown), report.unknown, strict=True))
-        arrived = now.keys() - was.keys()
-        fresh = [peer for peer in report.unknown if id(peer) in arrived] if arrived else []
-        gone = list(map(was.__getitem__, was.keys() - now.keys()))
+        # Only what changed is looked at (follow_mtu's leases that came and went).
         said = self._said_unknown_mtu
         new = [peer for peer in fresh if peer.subnet not in said]
         said.difference_update(peer.subnet for peer in gone)

@@ -48,25 +48,49 @@ class MtuReport:
         ]
 
 
-def mtu_mismatches(
-    own_mtu: int,
-    peers: Iterable[Lease],
-    memo: LeaseMemo[PeerOrder | None] | None = None,
-    last: MtuReport | None = None,
-) -> MtuReport:
+def mtu_mismatches(own_mtu: int, peers: Iterable[Lease]) -> MtuReport:
     """Compare our overlay MTU with what each peer lease advertises.
 
-    Output is sorted by subnet so logs and metrics are stable between runs. ``memo``
-    keeps each lease's advertisement for the next call; ``last``, the report of the
-    memo's last call, is the answer again when no lease changed and our MTU is the same
-    (the report walks and sorts every peer)."""
-    if memo is None:
-        found = [peer_mtu(lease) for lease in peers]
-    else:
-        delta = memo.update(None, peers, peer_mtu)
-        if last is not None and last.own_mtu == own_mtu and not delta.added and not delta.dropped:
-            return last
-        found = delta.results
+    Output is sorted by subnet so logs and metrics are stable between runs."""
+    return _report(own_mtu, [peer_mtu(lease) for lease in peers])
+
+
+class MtuChange(NamedTuple):
+    """:func:`follow_mtu`'s answer: the report, and the peers that came to advertise no
+    MTU and stopped doing so since the memo's last call (by subnet)."""
+
+    report: MtuReport
+    unknown_arrived: list[PeerMtu]
+    unknown_left: list[PeerMtu]
+
+
+def follow_mtu(
+    own_mtu: int,
+    peers: Iterable[Lease],
+    memo: LeaseMemo[PeerOrder | None],
+    last: MtuReport | None,
+) -> MtuChange:
+    """:func:`mtu_mismatches` for the writer's plans, which change a lease or two of
+    thousands: ``memo`` keeps each lease's advertisement, ``last`` (the report of the
+    memo's last call) stands while no lease changed and our MTU is the same, and what
+    changed among the peers without an MTU comes from the leases that changed, not from
+    comparing every peer's entry (the report walks and sorts every peer)."""
+    delta = memo.update(None, peers, peer_mtu)
+    if last is not None and not delta.added and not delta.dropped:
+        report = last if last.own_mtu == own_mtu else _report(own_mtu, delta.results)
+        return MtuChange(report, [], [])
+    return MtuChange(
+        _report(own_mtu, delta.results), _unknown(delta.added), _unknown(delta.dropped)
+    )
+
+
+def _unknown(entries: Iterable[PeerOrder | None]) -> list[PeerMtu]:
+    found = [e for e in entries if e is not None and e[1].advertised is None]
+    found.sort(key=_ORDER)
+    return [p for _, p in found]
+
+
+def _report(own_mtu: int, found: Iterable[PeerOrder | None]) -> MtuReport:
     mismatched: list[PeerOrder] = []
     unknown: list[PeerOrder] = []
     for entry in found:

@@ -32,7 +32,7 @@ from flannelpy.dataplane import reconciler as reconciler_module
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
 from flannelpy.dataplane.state import Changes, DesiredState, ObservedState
-from flannelpy.observe.mtu import mtu_mismatches
+from flannelpy.observe.mtu import MtuReport, follow_mtu, mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.memo import LeaseMemo
@@ -116,6 +116,7 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
     dual = ctx.public_ipv6 is not None
     backend = get_backend(ctx.config.backend.type)
     memo, verdicts, mtus = PlanMemo(), LeaseMemo(), LeaseMemo()  # type: ignore[var-annotated]
+    report: MtuReport | None = None
     own = [own_lease(1, dual, ctx)]
     for i, leases in enumerate(steps(rnd, dual, 40)):
         if i % 13 == 12:  # our lease moves now and then: everything is planned anew
@@ -130,7 +131,17 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
         want = backend.plan(ctx, own, peers, mac)
         got = backend.plan(ctx, own, peers, mac, memo)
         assert got == want, f"step {i}"
-        assert mtu_mismatches(1450, peers, mtus) == mtu_mismatches(1450, peers), f"step {i}"
+        before = report.unknown if report is not None else []
+        report, arrived, left = follow_mtu(1450, peers, mtus, report)
+        assert report == mtu_mismatches(1450, peers), f"step {i}"
+        # What came and went among the peers without an MTU, entry by entry (a changed
+        # lease's entry is a new one: it leaves and arrives).
+        assert sorted(map(id, arrived)) == sorted(
+            set(map(id, report.unknown)) - set(map(id, before))
+        ), f"step {i}"
+        assert sorted(map(id, left)) == sorted(
+            set(map(id, before)) - set(map(id, report.unknown))
+        ), f"step {i}"
 
 
 def test_the_memo_plans_only_the_leases_that_changed() -> None:

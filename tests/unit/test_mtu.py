@@ -6,7 +6,7 @@ from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
-from flannelpy.observe.mtu import PeerMtu, PeerOrder, mtu_mismatches
+from flannelpy.observe.mtu import PeerMtu, PeerOrder, follow_mtu, mtu_mismatches
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.memo import LeaseMemo
 
@@ -82,21 +82,27 @@ def test_advertised_mtu_round_trips_through_the_lease_json() -> None:
     assert [str(p.subnet) for p in report.unknown] == ["10.244.3.0/24"]
 
 
-def test_the_last_report_stands_while_no_lease_and_not_our_mtu_changed() -> None:
+def test_followed_the_last_report_stands_while_no_lease_and_not_our_mtu_changed() -> None:
     memo: LeaseMemo[PeerOrder | None] = LeaseMemo()
-    leases = [lease(2, 1450), lease(3, None), lease(4, 1400)]
-    first = mtu_mismatches(1450, leases, memo)
+    leases = [lease(2, 1450), lease(3, None), lease(4, 1400), lease(5, None)]
+    first, arrived, left = follow_mtu(1450, leases, memo, None)
     assert first == mtu_mismatches(1450, leases)
-    assert mtu_mismatches(1450, list(leases), memo, first) is first  # the same leases
-    changed = [*leases[:2], lease(4, 1450)]  # a new lease object for the third peer
-    second = mtu_mismatches(1450, changed, memo, first)
-    assert second is not first and second == mtu_mismatches(1450, changed)
-    assert second.mismatched == []
-    third = mtu_mismatches(1400, changed, memo, second)  # our MTU changed
+    assert [p.subnet for p in arrived] == [
+        IPv4Network("10.244.3.0/24"),
+        IPv4Network("10.244.5.0/24"),
+    ]
+    assert left == []
+    assert follow_mtu(1450, list(leases), memo, first) == (first, [], [])  # the same leases
+    assert follow_mtu(1450, list(leases), memo, first).report is first
+    # A new lease object for the third peer (now 1450), the fifth gone, a sixth without MTU.
+    changed = [*leases[:2], lease(4, 1450), lease(6, None)]
+    second, arrived, left = follow_mtu(1450, changed, memo, first)
+    assert second == mtu_mismatches(1450, changed) and second.mismatched == []
+    assert [p.subnet for p in arrived] == [IPv4Network("10.244.6.0/24")]
+    assert [p.subnet for p in left] == [IPv4Network("10.244.5.0/24")]
+    third = follow_mtu(1400, changed, memo, second).report  # our MTU changed
     assert third == mtu_mismatches(1400, changed)
     assert [p.subnet for p in third.mismatched] == [
         IPv4Network("10.244.2.0/24"),
         IPv4Network("10.244.4.0/24"),
     ]
-    fewer = changed[:1]
-    assert mtu_mismatches(1400, fewer, memo, third) == mtu_mismatches(1400, fewer)
