@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,14 +38,20 @@ from bench.common import (
     lab_etcd,
     load_average,
     median,
-    parse_route_events,
     percentile,
     put_peers,
-    route_event_socket,
     say,
     table,
 )
-from bench.versus_flanneld import IMPLS, PREFIX, bench_node, cpu_seconds, stop, time_start
+from bench.versus_flanneld import (
+    IMPLS,
+    PREFIX,
+    RouteAdds,
+    bench_node,
+    cpu_seconds,
+    stop,
+    time_start,
+)
 from flannelpy.subnet.keys import subnets_prefix
 
 SETTLE_SECONDS = 3.0  # after ready: the start's follow-ups (status, first probe rounds)
@@ -54,41 +59,14 @@ GAP_SECONDS = 0.05  # between one event's route and the next write
 GIVE_UP_SECONDS = 10.0
 
 
-class RouteChanges:
-    """Monotonic time of the first addition and the first removal per destination."""
-
-    def __init__(self) -> None:
-        self.sock = route_event_socket()
-        self.sock.settimeout(0.2)
-        self.added: dict[IPv4Network, float] = {}
-        self.removed: dict[IPv4Network, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(1 << 20)
-            except (TimeoutError, OSError):
-                continue
-            now = time.monotonic()
-            for event in parse_route_events(data):
-                seen = self.added if event.added else self.removed
-                seen.setdefault(event.dst, now)
-
-    def wait(self, seen: dict[IPv4Network, float], dst: IPv4Network) -> float:
-        deadline = time.monotonic() + GIVE_UP_SECONDS
-        while dst not in seen:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no route event for {dst} within {GIVE_UP_SECONDS:.0f} s")
-            time.sleep(0.0005)
-        return seen[dst]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+def wait_for(seen: dict[IPv4Network, float], dst: IPv4Network) -> float:
+    """When ``dst`` appeared in ``seen`` (a RouteAdds map), waiting for it."""
+    deadline = time.monotonic() + GIVE_UP_SECONDS
+    while dst not in seen:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no route event for {dst} within {GIVE_UP_SECONDS:.0f} s")
+        time.sleep(0.0005)
+    return seen[dst]
 
 
 @dataclass
@@ -130,7 +108,7 @@ def one_sequence(
     impl: str, peers: int, endpoint: str, extra: Sequence[FakePeer], pid: int, idle: float
 ) -> Run:
     base = subnets_prefix(PREFIX)
-    changes = RouteChanges()
+    changes = RouteAdds()
     adds, deletes = [], []
     try:
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
@@ -138,11 +116,11 @@ def one_sequence(
             for p in extra:
                 sent = time.monotonic()
                 c.put(base + p.key, p.lease_json())
-                adds.append((changes.wait(changes.added, p.subnet) - sent) * 1000)
+                adds.append((wait_for(changes.seen, p.subnet) - sent) * 1000)
                 time.sleep(GAP_SECONDS)
                 sent = time.monotonic()
                 c.delete(base + p.key)
-                deletes.append((changes.wait(changes.removed, p.subnet) - sent) * 1000)
+                deletes.append((wait_for(changes.removed, p.subnet) - sent) * 1000)
                 time.sleep(GAP_SECONDS)
         cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
     finally:

@@ -220,12 +220,14 @@ def stop(run: Running) -> None:
 
 
 class RouteAdds:
-    """Monotonic time of the first route addition per destination, in this namespace."""
+    """Monotonic time of the first route addition (``seen``) and the first removal
+    (``removed``) per destination, in this namespace."""
 
     def __init__(self) -> None:
         self.sock = route_event_socket()
         self.sock.settimeout(0.2)
         self.seen: dict[IPv4Network, float] = {}
+        self.removed: dict[IPv4Network, float] = {}
         self.overflows = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -242,8 +244,7 @@ class RouteAdds:
                 continue
             now = time.monotonic()
             for event in parse_route_events(data):
-                if event.added:
-                    self.seen.setdefault(event.dst, now)
+                (self.seen if event.added else self.removed).setdefault(event.dst, now)
 
     def close(self) -> None:
         self._stop.set()
