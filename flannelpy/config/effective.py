@@ -35,6 +35,7 @@ FIELDS: tuple[str, ...] = (
     "etcd_keyfile",
     "etcd_certfile",
     "etcd_cafile",
+    "etcd_transport",
     "kube_subnet_mgr",
     "kube_api_url",
     "kubeconfig_file",

@@ -34,6 +34,9 @@ class AgentSettings:
     etcd_cafile: str | None = None
     etcd_username: str | None = None
     etcd_password: str | None = None
+    # How etcd is reached: its JSON gateway over HTTP, or gRPC; "auto" takes gRPC only
+    # with a client certificate (etcd's gateway would present the server's own).
+    etcd_transport: str = "auto"
     kube_subnet_mgr: bool = False
     kube_api_url: str | None = None
     kubeconfig_file: str | None = None
@@ -101,6 +104,7 @@ NETWORK_POLICY_NEEDS_KUBE = (
     "add --kube-subnet-mgr or remove it"
 )
 
+ETCD_TRANSPORTS = ("auto", "gateway", "grpc")
 _Kind = Literal["str", "bool", "int", "float", "csv", "repeat"]
 
 _BOOL_WORDS = {"1": True, "t": True, "true": True, "0": False, "f": False, "false": False}
@@ -143,6 +147,12 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("etcd_cafile", "str", "CA bundle that signs etcd's server certificate"),
     _Flag("etcd_username", "str", "etcd user name"),
     _Flag("etcd_password", "str", "etcd password"),
+    _Flag(
+        "etcd_transport",
+        "str",
+        "how to reach etcd: gateway (JSON over HTTP), grpc, or auto (grpc only with "
+        "--etcd-certfile)",
+    ),
     _Flag("kube_subnet_mgr", "bool", "use the Kubernetes API (Node podCIDR) instead of etcd"),
     _Flag("kube_api_url", "str", "Kubernetes API server URL (default: in-cluster)"),
     _Flag("kubeconfig_file", "str", "kubeconfig to use outside a pod"),
@@ -564,6 +574,12 @@ def _check_together(settings: AgentSettings, sources: Mapping[str, str]) -> None
         )
     if (settings.etcd_keyfile is None) != (settings.etcd_certfile is None):
         raise ConfigError("--etcd-keyfile and --etcd-certfile go together; give both or neither")
+    if settings.etcd_transport not in ETCD_TRANSPORTS:
+        source = sources.get("etcd_transport", "--etcd-transport")
+        raise ConfigError(
+            f"{source} {settings.etcd_transport!r} is not a transport; give one of "
+            f"{', '.join(ETCD_TRANSPORTS)}"
+        )
     if settings.enable_network_policy and not settings.kube_subnet_mgr:
         source = sources.get("enable_network_policy", "--enable-network-policy")
         raise ConfigError(f"{source} {NETWORK_POLICY_NEEDS_KUBE}")

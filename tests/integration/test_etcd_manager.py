@@ -36,6 +36,7 @@ from flannelpy.store.etcd.client import EtcdStore, connect_etcd
 from flannelpy.store.etcd.config import put_network_config
 from flannelpy.store.etcd.kv import FakeStore, Store, WatchBatch, WatchStream
 from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.member import Member
 from flannelpy.store.etcd.watch import WATCH_POLL
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.etcd_server import EtcdServer, free_port, make_tls_files
@@ -69,8 +70,9 @@ class Kv:
     go_down: Callable[[], None]  # make the store unreachable
 
 
-@pytest.fixture(params=["fake", "etcd"])
+@pytest.fixture(params=["fake", "gateway", "grpc"])
 def kv(request: pytest.FixtureRequest, etcd_factory: Callable[..., EtcdServer]) -> Iterator[Kv]:
+    """The contract runs on the fake and on a real etcd over both transports."""
     if request.param == "fake":
         clock = ManualClock()
         fake = FakeStore(clock=clock)
@@ -81,7 +83,7 @@ def kv(request: pytest.FixtureRequest, etcd_factory: Callable[..., EtcdServer]) 
         yield Kv(fake, "/contract/", advance, lambda: fake.set_available(False))
         return
     server = etcd_factory()
-    store = EtcdStore([server.endpoint], timeout=2.0)
+    store = EtcdStore([server.endpoint], timeout=2.0, transport=request.param)
     try:
         yield Kv(store, "/contract/", time.sleep, server.kill)
     finally:
@@ -817,8 +819,11 @@ def test_tls_etcd_with_client_certificates(
         etcd_certfile=tls.client_cert,
         etcd_keyfile=tls.client_key,
     )
-    manager = EtcdSubnetManager(connect_etcd(settings), settings)
+    store = connect_etcd(settings)
+    assert store.transport == "grpc"  # the certificate's name reaches etcd only over gRPC
+    manager = EtcdSubnetManager(store, settings)
     without_cert = EtcdStore([server.endpoint], cafile=tls.ca, timeout=2.0)
+    assert without_cert.transport == "gateway"
     try:
         put_network_config(connect_etcd(settings), etcd_prefix, NETCONF)
         lease = manager.acquire_lease(attrs("192.168.64.1"), None)
@@ -833,16 +838,14 @@ def test_tls_etcd_with_client_certificates(
 
 
 def test_username_and_password(etcd_factory: Callable[..., EtcdServer], etcd_prefix: str) -> None:
-    from pyetcd import etcdrpc
-
     server = etcd_factory(extra_args=["--auth-token-ttl", "1"])  # tokens expire after 1 s
     admin = EtcdStore([server.endpoint])
     put_network_config(admin, etcd_prefix, NETCONF)
 
-    def enable_auth(c: Any) -> None:
-        c.authstub.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="s3cret"), 5)
-        c.authstub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), 5)
-        c.authstub.AuthEnable(etcdrpc.AuthEnableRequest(), 5)
+    def enable_auth(member: Member) -> None:
+        member.call("/auth/user/add", {"name": "root", "password": "s3cret"})
+        member.call("/auth/user/grant", {"user": "root", "role": "root"})
+        member.call("/auth/enable", {})
 
     admin._call("enable auth", enable_auth)
     admin.close()

@@ -1,6 +1,7 @@
-"""An idle etcd watch's thread wakes once a second, not ten times, and still sees a
-response at once: gRPC's blocking iterators wait on a condition that a response
-notifies, in slices that only bound how often an idle thread wakes."""
+"""Over gRPC (a node with a client certificate), an idle etcd watch's thread wakes once a
+second, not ten times, and still sees a response at once: gRPC's blocking iterators wait
+on a condition that a response notifies, in slices that only bound how often an idle
+thread wakes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import time
 
 from grpc import _common
 
-from flannelpy.store.etcd import watch
+from flannelpy.store.etcd import grpc_member
 
 
-def test_grpc_waits_in_one_second_slices_once_the_watch_module_loads() -> None:
-    assert _common.MAXIMUM_WAIT_TIMEOUT == watch.GRPC_WAIT_SLICE == 1.0
+def test_grpc_waits_in_one_second_slices_once_the_grpc_member_module_loads() -> None:
+    assert _common.MAXIMUM_WAIT_TIMEOUT == grpc_member.GRPC_WAIT_SLICE == 1.0
 
 
 def test_a_notified_wait_returns_at_once_and_an_idle_one_wakes_per_slice() -> None:

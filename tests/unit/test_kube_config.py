@@ -385,7 +385,7 @@ class Chunks:
 
 @pytest.mark.parametrize("size", [1, 3, 7, 64, 10_000])
 def test_watch_lines_are_the_same_however_the_body_is_cut(size: int) -> None:
-    from flannelpy.store.kube.client import Stream
+    from flannelpy.store.http import Stream
 
     body = b'{"type": "ADDED"}\n\n{"type": "MODIFIED", "x": "' + b"y" * 300 + b'"}\n{"tail": 1}'
     chunks = [body[i : i + size] for i in range(0, len(body), size)]

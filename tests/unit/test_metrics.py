@@ -11,7 +11,6 @@ from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from typing import Any
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,6 +35,7 @@ from flannelpy.observe.metrics import AgentMetrics, store_error_kind
 from flannelpy.observe.policy_metrics import PolicyReading
 from flannelpy.store.etcd.kv import FakeStore, WatchStream
 from flannelpy.store.etcd.manager import EtcdSubnetManager
+from flannelpy.store.etcd.member import CODES, MemberError
 from flannelpy.store.etcd.rpc_errors import error_kind
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from tests.support.waiting import wait_until
@@ -439,17 +439,11 @@ def test_store_error_kind_of_our_exceptions() -> None:
     assert store_error_kind(ValueError("x")) == "other"
 
 
-class _FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-
 def test_etcd_error_kind_is_the_grpc_status_in_snake_case() -> None:
     try:
-        raise StoreError("permission denied") from _FakeRpcError(grpc.StatusCode.PERMISSION_DENIED)
+        raise StoreError("permission denied") from MemberError(
+            CODES["PERMISSION_DENIED"], "etcdserver: permission denied"
+        )
     except StoreError as e:
         assert error_kind(e) == "permission_denied"
     assert error_kind(StoreError("no cause")) == "request"

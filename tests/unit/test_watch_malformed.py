@@ -4,14 +4,12 @@ and removed every peer)."""
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterator, Mapping
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-from pyetcd.events import DeleteEvent, Event, PutEvent
-from pyetcd.watch import WatchResponse
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import MalformedWatchEvent
@@ -27,48 +25,75 @@ PEER_A = "10.244.1.0-24"
 PEER_B = "10.244.2.0-24"
 
 
-def _raw(key: bytes, revision: int = 7, value: bytes = b"{}") -> SimpleNamespace:
-    """A gRPC mvccpb.Event's shape, as pyetcd's event classes read it."""
-    return SimpleNamespace(kv=SimpleNamespace(key=key, value=value, mod_revision=revision, lease=0))
+def _event(kind: str | None, key: bytes, revision: int = 7, value: bytes = b"{}") -> Any:
+    """One event as etcd's watch sends it (PUT is proto3's default: no "type" at all)."""
+    kv = {
+        "key": base64.b64encode(key).decode(),
+        "value": base64.b64encode(value).decode(),
+        "mod_revision": str(revision),
+    }
+    return {"kv": kv} if kind is None else {"type": kind, "kv": kv}
 
 
-def _watch() -> EtcdWatch:
-    return EtcdWatch(cast(Any, None), 1, cast(Any, None), SUBNETS, threading.Event())
+class _Stream:
+    """A member's watch stream that says what it is told, then ends."""
+
+    def __init__(self, *messages: dict[str, Any]) -> None:
+        self._messages = [{"result": {"created": True}}, *messages]
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        yield from self._messages
+
+    def without_read_timeout(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def _batch(*events: Event) -> WatchBatch | None:
-    return _watch()._batch(WatchResponse(None, list(events)))
+def _batch(*events: Any) -> WatchBatch | None:
+    stop = threading.Event()
+    watch = EtcdWatch(_Stream({"result": {"events": list(events)}}), SUBNETS, stop, ())
+    try:
+        return next(iter(watch))
+    finally:
+        stop.set()
 
 
 def test_an_event_of_neither_type_is_malformed_not_a_delete() -> None:
-    # Before: every event that was not a PutEvent became a delete of its key.
+    # Before: every event that was not a put became a delete of its key.
     with pytest.raises(MalformedWatchEvent, match="neither a put nor a delete"):
-        _batch(Event(_raw((SUBNETS + PEER_A).encode())))
+        _batch(_event("COMPACT", (SUBNETS + PEER_A).encode()))
 
 
 @pytest.mark.parametrize(
     "event",
     [
-        DeleteEvent(_raw(b"/elsewhere/10.244.1.0-24")),  # outside the watched prefix
-        DeleteEvent(_raw((SUBNETS + PEER_A).encode(), revision=0)),  # no revision
-        PutEvent(_raw(b"\xff\xfe" + SUBNETS.encode())),  # a key that is no UTF-8
+        _event("DELETE", b"/elsewhere/10.244.1.0-24"),  # outside the watched prefix
+        _event("DELETE", (SUBNETS + PEER_A).encode(), revision=0),  # no revision
+        _event(None, b"\xff\xfe" + SUBNETS.encode()),  # a key that is no UTF-8
+        {"type": "PUT", "kv": {"key": "not base64!", "mod_revision": "7"}},
+        {"type": "PUT"},  # no key-value at all
     ],
-    ids=["outside-prefix", "no-revision", "not-utf8"],
+    ids=["outside-prefix", "no-revision", "not-utf8", "not-base64", "no-kv"],
 )
-def test_an_event_that_does_not_fit_the_watch_is_malformed(event: Event) -> None:
+def test_an_event_that_does_not_fit_the_watch_is_malformed(event: Any) -> None:
     with pytest.raises(MalformedWatchEvent, match="re-listing"):
         _batch(event)
 
 
 def test_well_formed_events_still_decode() -> None:
     batch = _batch(
-        PutEvent(_raw((SUBNETS + PEER_A).encode(), revision=8, value=b'{"PublicIP":"1.2.3.4"}')),
-        DeleteEvent(_raw((SUBNETS + PEER_B).encode(), revision=9)),
+        _event(None, (SUBNETS + PEER_A).encode(), revision=8, value=b'{"PublicIP":"1.2.3.4"}'),
+        _event("DELETE", (SUBNETS + PEER_B).encode(), revision=9),
     )
     assert batch is not None and batch.revision == 9
-    assert [(e.kind, e.key[len(SUBNETS) :]) for e in batch.events] == [
-        ("put", PEER_A),
-        ("delete", PEER_B),
+    assert [(e.kind, e.key[len(SUBNETS) :], e.value) for e in batch.events] == [
+        ("put", PEER_A, b'{"PublicIP":"1.2.3.4"}'),
+        ("delete", PEER_B, b""),
     ]
 
 

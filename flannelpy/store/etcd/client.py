@@ -1,46 +1,38 @@
-"""etcd mode's store adapter: pyetcd behind the :class:`~flannelpy.store.etcd.kv.Store`
-protocol.
+"""etcd mode's store adapter: etcd v3 over its JSON gateway behind the
+:class:`~flannelpy.store.etcd.kv.Store` protocol.
 
-:class:`EtcdStore` adds failover between endpoints, TLS, auth and timeouts, and
-maps gRPC errors to ours. It and its helpers (:mod:`~flannelpy.store.etcd.connection`
-reaches a member, :mod:`~flannelpy.store.etcd.rpc_errors` reads its failures,
-:mod:`~flannelpy.store.etcd.watch` holds an open watch) are the only modules of etcd
-mode that import gRPC. The keys it is used with are :mod:`flannelpy.subnet.keys`'; the
+:class:`EtcdStore` adds failover between endpoints, TLS, auth and timeouts, and maps
+etcd's refusals to our errors. It and its helpers (:mod:`~flannelpy.store.etcd.gateway`
+speaks to one member, :mod:`~flannelpy.store.etcd.connection` reads the endpoints and
+TLS files, :mod:`~flannelpy.store.etcd.rpc_errors` reads a failure,
+:mod:`~flannelpy.store.etcd.watch` holds an open watch) are the only modules of etcd mode
+that reach etcd. The keys it is used with are :mod:`flannelpy.subnet.keys`'; the
 SubnetManager over it is :mod:`flannelpy.store.etcd.manager`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import grpc
-import pyetcd
-from pyetcd import exceptions as etcd_exc
-
-from flannelpy.config.settings import AgentSettings
+from flannelpy.config.settings import ETCD_TRANSPORTS, AgentSettings
 from flannelpy.errors import (
     ConfigError,
     KeyExists,
-    RevisionCompacted,
     StoreError,
     StoreUnavailable,
 )
 from flannelpy.store.etcd import connection
+from flannelpy.store.etcd.gateway import GatewayMember
 from flannelpy.store.etcd.kv import GrantedLease, KeyValue
-from flannelpy.store.etcd.rpc_errors import (
-    UNREACHABLE,
-    error_kind,
-    request_error,
-    rpc_code,
-    rpc_details,
-    unreachable,
-)
+from flannelpy.store.etcd.member import CODES, Member, MemberError, b64, number, prefix_end, unb64
+from flannelpy.store.etcd.rpc_errors import details, error_kind, request_error, unreachable
 from flannelpy.store.etcd.watch import EtcdWatch
+from flannelpy.store.http import UNREACHABLE
 
 log = logging.getLogger("flannelpy.store.etcd.client")
 
@@ -51,11 +43,11 @@ T = TypeVar("T")
 
 
 class EtcdStore:
-    """:class:`~flannelpy.store.etcd.kv.Store` over etcd v3 (pyetcd), with failover.
+    """:class:`~flannelpy.store.etcd.kv.Store` over etcd v3, with failover.
 
     Requests go to one endpoint until it fails to answer, then to the next;
-    only when every endpoint failed does a call raise StoreUnavailable. Clients
-    connect lazily, so constructing this never blocks.
+    only when every endpoint failed does a call raise StoreUnavailable. Members
+    are connected lazily, so constructing this never blocks.
     """
 
     def __init__(
@@ -69,10 +61,11 @@ class EtcdStore:
         password: str | None = None,
         timeout: float = REQUEST_TIMEOUT,
         on_error: Callable[[str], None] | None = None,
+        transport: str = "auto",
     ) -> None:
         self._endpoints = connection.parse_endpoints(endpoints)
         # Told the kind of every failed request, for metrics: "unavailable" (no
-        # endpoint answered) or the gRPC status in snake case ("permission_denied").
+        # endpoint answered) or etcd's gRPC status in snake case ("permission_denied").
         self._on_error = on_error
         if (certfile is None) != (keyfile is None):
             raise ConfigError(
@@ -97,18 +90,31 @@ class EtcdStore:
                 f"plain http:// ({', '.join(ep.url for ep in self._endpoints)}); write the "
                 "endpoints as https://, or drop the TLS flags"
             )
+        # A client certificate names the node to etcd, which only gRPC carries (the
+        # gateway presents the server's own certificate): such a node goes over gRPC.
+        if transport not in ETCD_TRANSPORTS:
+            raise ConfigError(
+                f"--etcd-transport {transport!r} is not a transport; give one of "
+                f"{', '.join(ETCD_TRANSPORTS)}"
+            )
+        if transport == "auto":
+            transport = "grpc" if certfile is not None else "gateway"
+        self.transport = transport
+        self._broken: tuple[type[BaseException], ...] = (
+            () if self.transport == "grpc" else UNREACHABLE
+        )
         self._tls_files = (cafile, keyfile, certfile)
         self._tls_seen: tuple[tuple[int, int] | None, ...] = ()
         self._tls_checked = 0.0
-        self._credentials: grpc.ChannelCredentials | None = None
+        self._tls: connection.TlsFiles | None = None
         if any(ep.secure for ep in self._endpoints):
             self._tls_seen = connection.stat_files(self._tls_files)
-            self._credentials = self._load_credentials()
+            self._tls = self._load_tls()
         self._username = username
         self._password = password
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._clients: dict[int, pyetcd.MultiEndpointEtcd3Client] = {}
+        self._members: dict[int, Member] = {}
         self._current = 0
         self._closed = False
 
@@ -116,13 +122,25 @@ class EtcdStore:
     def endpoints(self) -> list[str]:
         return [ep.url for ep in self._endpoints]
 
-    def _load_credentials(self) -> grpc.ChannelCredentials:
-        return connection.load_credentials(*self._tls_files)
+    def _load_tls(self) -> connection.TlsFiles:
+        """The TLS files, checked as far as they can be before a connection. Raises
+        ConfigError."""
+        files = connection.read_tls_files(*self._tls_files)
+        if files.ca is not None:
+            try:
+                ssl.create_default_context(cadata=files.ca.decode("ascii", "replace"))
+            except (ValueError, ssl.SSLError) as e:
+                raise ConfigError(
+                    f"--etcd-cafile: {self._tls_files[0]} holds no PEM certificate ({e}); "
+                    "give the CA that signed etcd's certificate"
+                ) from e
+        return files
 
     def _reload_tls(self) -> None:
-        """Rotation without restart: once the TLS files change, every channel is closed
-        (its watches end; their owners re-make them) and new ones use the new files."""
-        if self._credentials is None:
+        """Rotation without restart: once the TLS files change, every member's connections
+        are closed (its watches end; their owners re-make them) and new ones use the new
+        files."""
+        if self._tls is None:
             return
         now = time.monotonic()
         with self._lock:
@@ -133,42 +151,38 @@ class EtcdStore:
         if seen == self._tls_seen:
             return
         try:
-            credentials = self._load_credentials()
+            tls = self._load_tls()
         except ConfigError as e:
             log.warning("etcd TLS files changed but are unreadable; keeping the old error=%s", e)
             return  # mid-rotation, say: the next look reads them again
         with self._lock:
             self._tls_seen = seen
-            self._credentials = credentials
-            clients = list(self._clients.values())
-            self._clients.clear()
+            self._tls = tls
+            members = list(self._members.values())
+            self._members.clear()
         log.info("etcd TLS files changed; reconnecting with them")
-        for client in clients:
-            client.close()
+        for member in members:
+            member.close()
 
     # -- connection handling -------------------------------------------------
 
-    def _client(self, index: int) -> pyetcd.MultiEndpointEtcd3Client:
+    def _member(self, index: int) -> Member:
         with self._lock:
-            client = self._clients.get(index)
-        if client is not None:
-            return client
-        client = connection.open_client(
-            self._endpoints[index], self._credentials, self._timeout, self._username, self._password
-        )
-        with self._lock:
-            existing = self._clients.setdefault(index, client)
-        if existing is not client:
-            client.close()
-        return existing
+            member = self._members.get(index)
+            if member is None:
+                member = self._open(self._endpoints[index])
+                self._members[index] = member
+            return member
 
-    def _drop_client(self, index: int) -> None:
-        with self._lock:
-            client = self._clients.pop(index, None)
-        if client is not None:
-            client.close()
+    def _open(self, ep: connection.EtcdEndpoint) -> Member:
+        if self.transport == "grpc":
+            from flannelpy.store.etcd.grpc_member import GrpcMember
 
-    def _call(self, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
+            return GrpcMember(ep, self._tls, self._timeout, self._username, self._password)
+        ca = self._tls.ca if self._tls is not None else None
+        return GatewayMember(ep, ca, self._timeout, self._username, self._password)
+
+    def _call(self, what: str, fn: Callable[[Member], T]) -> T:
         """Run ``fn`` on the current endpoint, failing over to the others in turn."""
         if self._closed:
             raise StoreError(f"etcd {what}: the store is closed")
@@ -207,29 +221,20 @@ class EtcdStore:
         if self._on_error is not None:
             self._on_error(kind)
 
-    def _call_one(
-        self, index: int, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]
-    ) -> T:
+    def _call_one(self, index: int, what: str, fn: Callable[[Member], T]) -> T:
         for attempt in range(2):
+            member = self._member(index)
             try:
-                return fn(self._client(index))
-            except UNREACHABLE as e:
-                raise StoreUnavailable(rpc_details(e)) from e
-            except etcd_exc.RevisionCompactedError as e:
-                # A watch created from a compacted revision: the caller re-lists.
-                raise RevisionCompacted(
-                    f"etcd {what}: history before revision {e.compacted_revision} was "
-                    "compacted; re-list",
-                    int(e.compacted_revision),
-                ) from e
-            except grpc.RpcError as e:
+                return fn(member)
+            except self._broken as e:
+                raise StoreUnavailable(details(e)) from e
+            except MemberError as e:
                 if unreachable(e):
-                    raise StoreUnavailable(rpc_details(e)) from e
-                code = rpc_code(e)
-                if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
+                    raise StoreUnavailable(details(e)) from e
+                if e.code == CODES["UNAUTHENTICATED"] and attempt == 0:
                     # The auth token expired (etcd's simple tokens live --auth-token-ttl,
-                    # 5 min by default): reconnect, which authenticates again.
-                    self._drop_client(index)
+                    # 5 min by default), or etcd restarted and forgot it: take a new one.
+                    member.forget_token()
                     continue
                 raise request_error(what, e) from e
         raise AssertionError("unreachable")  # pragma: no cover
@@ -237,37 +242,38 @@ class EtcdStore:
     # -- Store ---------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> KeyValue | None:
-            resp = c.get_response(key)
-            return _kv(resp.kvs[0]) if resp.kvs else None
+        def op(m: Member) -> KeyValue | None:
+            kvs = m.call("/kv/range", {"key": b64(key)}).get("kvs") or []
+            return _kv(kvs[0]) if kvs else None
 
         return self._call(f"get {key}", op)
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[list[KeyValue], int]:
-            resp = c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
-            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+        def op(m: Member) -> tuple[list[KeyValue], int]:
+            raw = prefix.encode()
+            doc = m.call(
+                "/kv/range",
+                {
+                    "key": b64(raw),
+                    "range_end": b64(prefix_end(raw)),
+                    "sort_order": "ASCEND",
+                    "sort_target": "KEY",
+                },
+            )
+            return [_kv(kv) for kv in doc.get("kvs") or []], _revision(doc)
 
         return self._call(f"list {prefix}", op)
 
     def put(self, key: str, value: bytes, lease_id: int = 0) -> int:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int:
-            return int(c.put(key, value, lease=lease_id or None).header.revision)
-
-        return self._call(f"put {key}", op)
+        return self._call(
+            f"put {key}", lambda m: _revision(m.call("/kv/put", _put(key, value, lease_id)))
+        )
 
     def create(self, key: str, value: bytes, lease_id: int = 0) -> int:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int | None:
-            t = c.transactions
-            return _txn_revision(
-                c.transaction(
-                    compare=[t.create(key) == 0],
-                    success=[t.put(key, value, lease=lease_id or None)],
-                    failure=[],
-                )
-            )
-
-        revision = self._call(f"create {key}", op)
+        compare = {"target": "CREATE", "key": b64(key), "create_revision": 0, "result": "EQUAL"}
+        revision = self._call(
+            f"create {key}", lambda m: _txn_revision(m, compare, key, value, lease_id)
+        )
         if revision is None:
             raise KeyExists(f"key {key} exists already")
         return revision
@@ -275,39 +281,51 @@ class EtcdStore:
     def put_if_mod_revision(
         self, key: str, value: bytes, mod_revision: int, lease_id: int = 0
     ) -> int | None:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int | None:
-            t = c.transactions
-            return _txn_revision(
-                c.transaction(
-                    compare=[t.mod(key) == mod_revision],
-                    success=[t.put(key, value, lease=lease_id or None)],
-                    failure=[],
-                )
-            )
-
-        return self._call(f"update {key}", op)
+        compare = {
+            "target": "MOD",
+            "key": b64(key),
+            "mod_revision": str(mod_revision),
+            "result": "EQUAL",
+        }
+        return self._call(
+            f"update {key}", lambda m: _txn_revision(m, compare, key, value, lease_id)
+        )
 
     def delete_if_mod_revision(self, key: str, mod_revision: int) -> bool:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
-            t = c.transactions
-            ok, _ = c.transaction(
-                compare=[t.mod(key) == mod_revision], success=[t.delete(key)], failure=[]
+        def op(m: Member) -> bool:
+            doc = m.call(
+                "/kv/txn",
+                {
+                    "compare": [
+                        {
+                            "target": "MOD",
+                            "key": b64(key),
+                            "mod_revision": str(mod_revision),
+                            "result": "EQUAL",
+                        }
+                    ],
+                    "success": [{"request_delete_range": {"key": b64(key)}}],
+                },
             )
-            return bool(ok)
+            return bool(doc.get("succeeded"))
 
         return self._call(f"delete {key}", op)
 
     def grant_lease(self, ttl: int) -> GrantedLease:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> GrantedLease:
-            lease = c.lease(ttl)
-            return GrantedLease(int(lease.id), int(lease.ttl))
+        def op(m: Member) -> GrantedLease:
+            doc = m.call("/lease/grant", {"TTL": ttl})
+            if doc.get("error"):  # etcd 3.4 reports some refusals in the answer itself
+                raise MemberError(CODES["UNKNOWN"], str(doc["error"]))
+            return GrantedLease(number(doc, "ID"), number(doc, "TTL"))
 
         return self._call("grant lease", op)
 
     def refresh_lease(self, lease_id: int) -> int:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int:
-            responses = list(c.refresh_lease(lease_id))
-            return int(responses[0].TTL) if responses else 0
+        def op(m: Member) -> int:
+            # LeaseKeepAlive is a stream; the gateway sends one request and reads one answer.
+            doc = m.call("/lease/keepalive", {"ID": str(lease_id)})
+            result = doc.get("result")
+            return number(result, "TTL") if isinstance(result, dict) else 0
 
         ttl = self._call(f"refresh lease {lease_id:x}", op)
         if ttl <= 0:
@@ -315,62 +333,85 @@ class EtcdStore:
         return ttl
 
     def revoke_lease(self, lease_id: int) -> None:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> None:
+        def op(m: Member) -> None:
             try:
-                c.revoke_lease(lease_id)
-            except grpc.RpcError as e:
-                if rpc_code(e) != grpc.StatusCode.NOT_FOUND:
+                m.call("/lease/revoke", {"ID": str(lease_id)})
+            except MemberError as e:
+                if e.code != CODES["NOT_FOUND"]:
                     raise
 
         self._call(f"revoke lease {lease_id:x}", op)
 
     def lease_remaining(self, lease_id: int) -> int | None:
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> int | None:
-            ttl = int(c.get_lease_info(lease_id).TTL)
+        def op(m: Member) -> int | None:
+            ttl = number(m.call("/lease/timetolive", {"ID": str(lease_id)}), "TTL")
             return None if ttl < 0 else ttl  # etcd answers -1 for a lease it does not have
 
         return self._call(f"lease time-to-live {lease_id:x}", op)
 
     def watch_prefix(self, prefix: str, start_revision: int, stop: threading.Event) -> EtcdWatch:
-        responses: queue.Queue[Any] = queue.Queue()
-
-        def op(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[pyetcd.MultiEndpointEtcd3Client, int]:
-            watch_id = c.add_watch_prefix_callback(
-                prefix, responses.put, start_revision=start_revision
-            )
-            return c, int(watch_id)
-
-        client, watch_id = self._call(f"watch {prefix}", op)
-        return EtcdWatch(client, watch_id, responses, prefix, stop)
+        raw = prefix.encode()
+        request = {
+            "create_request": {
+                "key": b64(raw),
+                "range_end": b64(prefix_end(raw)),
+                "start_revision": str(start_revision),
+            }
+        }
+        return self._call(
+            f"watch {prefix}",
+            lambda m: EtcdWatch(m.stream("/watch", request), prefix, stop, self._broken),
+        )
 
     def compact(self, revision: int) -> None:
-        self._call(f"compact to {revision}", lambda c: c.compact(revision))
+        self._call(
+            f"compact to {revision}",
+            lambda m: m.call("/kv/compaction", {"revision": str(revision)}),
+        )
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            clients = list(self._clients.values())
-            self._clients.clear()
-        for client in clients:
-            client.close()
+            members = list(self._members.values())
+            self._members.clear()
+        for member in members:
+            member.close()
 
 
 def _kv(kv: Any) -> KeyValue:
     return KeyValue(
-        key=bytes(kv.key).decode("utf-8", "replace"),
-        value=bytes(kv.value),
-        mod_revision=int(kv.mod_revision),
-        create_revision=int(kv.create_revision),
-        lease_id=int(kv.lease),
+        key=unb64(kv.get("key")).decode("utf-8", "replace"),
+        value=unb64(kv.get("value")),
+        mod_revision=number(kv, "mod_revision"),
+        create_revision=number(kv, "create_revision"),
+        lease_id=number(kv, "lease"),
     )
 
 
-def _txn_revision(result: tuple[bool, list[Any]]) -> int | None:
-    """The revision a one-put transaction wrote, or None if its compare failed."""
-    succeeded, responses = result
-    if not succeeded:
+def _revision(doc: dict[str, Any]) -> int:
+    header = doc.get("header")
+    return number(header, "revision") if isinstance(header, dict) else 0
+
+
+def _put(key: str, value: bytes, lease_id: int) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease_id:
+        request["lease"] = str(lease_id)
+    return request
+
+
+def _txn_revision(
+    m: Member, compare: dict[str, Any], key: str, value: bytes, lease_id: int
+) -> int | None:
+    """One put behind one compare: the revision it wrote, or None if the compare failed."""
+    doc = m.call(
+        "/kv/txn", {"compare": [compare], "success": [{"request_put": _put(key, value, lease_id)}]}
+    )
+    if not doc.get("succeeded"):
         return None
-    return int(responses[0].response_put.header.revision)
+    responses = doc.get("responses") or [{}]
+    put = responses[0].get("response_put") if isinstance(responses[0], dict) else None
+    return _revision(put) if isinstance(put, dict) else _revision(doc)
 
 
 def connect_etcd(
@@ -388,4 +429,5 @@ def connect_etcd(
         password=settings.etcd_password,
         timeout=timeout,
         on_error=on_error,
+        transport=settings.etcd_transport,
     )

@@ -5,12 +5,10 @@ how an answer that is no success becomes one of our errors. The client itself is
 
 from __future__ import annotations
 
-import http.client
 import json
 
-import urllib3
-
 from flannelpy.errors import RevisionCompacted, StoreError, StoreUnavailable
+from flannelpy.store import http as http_layer
 
 # (apiGroup, resource, verbs): exactly what Kubernetes mode calls (see manager.py), in two
 # scopes. "" is the core group.
@@ -32,7 +30,7 @@ NAMESPACED_RBAC_RULES: Rules = (
 )
 
 # Raised by urllib3 and the socket layer when the API server cannot be reached.
-UNREACHABLE = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+UNREACHABLE = http_layer.UNREACHABLE
 
 
 class Forbidden(StoreError):

@@ -16,14 +16,12 @@ Answers map to our errors in :func:`flannelpy.store.kube.api.api_error`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import ssl
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -32,6 +30,7 @@ import urllib3
 
 from flannelpy.config.settings import AgentSettings
 from flannelpy.errors import ConfigError, StoreUnavailable
+from flannelpy.store.http import Stream, error_body, socket_options
 from flannelpy.store.kube.api import UNREACHABLE, api_error
 from flannelpy.store.kube.credentials import ClientCert, Credentials
 from flannelpy.store.kube.kubeconfig import Access, check_url, in_cluster, load_kubeconfig
@@ -65,17 +64,7 @@ def _query(query: Query | None) -> str:
 
 
 def _socket_options() -> list[tuple[int, int, int]]:
-    idle, interval, count = KEEPALIVE
-    options = [*urllib3.connection.HTTPConnection.default_socket_options]
-    options.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
-    for name, value in (
-        ("TCP_KEEPIDLE", idle),
-        ("TCP_KEEPINTVL", interval),
-        ("TCP_KEEPCNT", count),
-    ):
-        if hasattr(socket, name):
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    return options
+    return socket_options(*KEEPALIVE)
 
 
 def _load_pem(ctx: ssl.SSLContext, cert: ClientCert) -> None:
@@ -111,51 +100,6 @@ class Answer:
     status: int
     reason: str
     body: bytes
-
-
-class Stream:
-    """An open watch: its lines as they come. :meth:`abort` (from another thread) wakes a
-    read blocked on a quiet stream; :meth:`close` gives the connection up (a stream cut
-    short leaves unread data, so it is never reused)."""
-
-    def __init__(self, resp: Any) -> None:
-        self._resp = resp
-
-    @property
-    def connection(self) -> Any:
-        return getattr(self._resp, "connection", None)
-
-    def lines(self) -> Iterator[bytes]:
-        """The stream's lines, without their newline, as the chunks bring them (the API
-        server sends one event per chunk; a line cut across chunks is joined)."""
-        partial = bytearray()  # a line begun in an earlier chunk
-        for chunk in self._resp.stream(amt=None, decode_content=False):
-            start = 0
-            if partial:
-                end = chunk.find(b"\n")
-                if end == -1:
-                    partial += chunk
-                    continue
-                partial += chunk[:end]
-                yield bytes(partial)
-                partial.clear()
-                start = end + 1
-            while (end := chunk.find(b"\n", start)) != -1:
-                yield chunk[start:end]
-                start = end + 1
-            partial += chunk[start:]
-        if partial:
-            yield bytes(partial)
-
-    def abort(self) -> None:
-        sock = getattr(self.connection, "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):  # already closed
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._resp.close()
-        self._resp.release_conn()
 
 
 class KubeClient:
@@ -283,13 +227,7 @@ class KubeClient:
         except UNREACHABLE as e:
             raise _unreachable(what, e) from e
         if resp.status >= 300:
-            try:
-                data = resp.read()
-            except UNREACHABLE:
-                data = b""
-            finally:
-                resp.release_conn()
-            raise api_error(what, resp.status, str(resp.reason or ""), data)
+            raise api_error(what, resp.status, str(resp.reason or ""), error_body(resp))
         return Stream(resp)
 
     def close(self) -> None:

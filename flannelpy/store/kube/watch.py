@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from flannelpy.errors import StoreUnavailable
+from flannelpy.store.http import Stream
 from flannelpy.store.kube import node as kn
 from flannelpy.store.kube.api import UNREACHABLE, rv_number
-from flannelpy.store.kube.client import Stream
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import LeasesCallback
 
