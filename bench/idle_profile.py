@@ -47,7 +47,9 @@ KUBE_MODE_IMPORTS = (
 # What the agent imports, by group, each measured alone in a fresh interpreter.
 IMPORT_GROUPS: tuple[tuple[str, str], ...] = (
     ("python -c pass", "pass"),
-    ("grpc + etcd client", "import flannelpy.store.etcd.client"),
+    ("etcd client (the JSON gateway's, over urllib3)", "import flannelpy.store.etcd.client"),
+    # The gRPC transport, loaded only with an etcd client certificate.
+    ("etcd client's gRPC transport", "import flannelpy.store.etcd.grpc_member"),
     ("pyroute2", "import pyroute2"),
     ("prometheus_client", "import prometheus_client"),
     # The kubernetes package, which no flannelpy module imports any more (README,

@@ -189,6 +189,16 @@ def test_contract_write_with_an_unknown_lease_is_a_store_error_not_key_exists(kv
     assert not isinstance(err.value, KeyExists | StoreUnavailable)
 
 
+def test_contract_a_list_larger_than_grpcs_default_message_limit(kv: Kv) -> None:
+    """gRPC refuses answers over 4 MiB unless told otherwise: about 13,000 leases."""
+    value = b"v" * 5000
+    for i in range(1000):
+        kv.store.put(f"{kv.prefix}big/{i:04d}", value)
+    listed, _ = kv.store.get_prefix(kv.prefix + "big/")
+    assert [x.key for x in listed] == [f"{kv.prefix}big/{i:04d}" for i in range(1000)]
+    assert all(x.value == value for x in listed)
+
+
 def test_contract_watch_replays_from_a_past_revision_in_order(kv: Kv) -> None:
     s, p = kv.store, kv.prefix
     first = s.put(p + "a", b"1")

@@ -35,6 +35,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A list of every lease may pass gRPC's default 4 MiB (about 13,000 leases); etcd's
+    # own client takes answers of any size.
+    ("grpc.max_receive_message_length", 2**31 - 1),
 ]
 
 # gRPC's blocking stream iterators wait on their call's condition in slices of
