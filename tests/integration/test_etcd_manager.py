@@ -641,6 +641,57 @@ def test_watch_reports_all_leases_then_puts_and_deletes_within_a_second(
         assert time.monotonic() - started < 1.0
 
 
+class _ListCounter:
+    """A store that counts the lists of ``subnets/`` and, once, writes ``then_put``
+    right after a list (another node's write between our list and our own)."""
+
+    def __init__(self, store: EtcdStore, subnets: str) -> None:
+        self.store, self.subnets, self.lists = store, subnets, 0
+        self.then_put: tuple[str, bytes] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def get_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        listed = self.store.get_prefix(prefix)
+        if prefix == self.subnets:
+            self.lists += 1
+            if self.then_put is not None:
+                self.store.put(*self.then_put)
+                self.then_put = None
+        return listed
+
+
+@pytest.mark.parametrize("write_between", [False, True], ids=["alone", "a-write-between"])
+def test_the_lease_watch_starts_from_the_starts_list_when_it_is_the_store_then(
+    managers: Callable[..., EtcdSubnetManager],
+    etcd_server: EtcdServer,
+    raw_store: EtcdStore,
+    etcd_prefix: str,
+    write_between: bool,
+) -> None:
+    """At 5,000 leases a list is a tenth of a second of etcd's and our work: a starting
+    node lists once, unless another write came between its list and its lease."""
+    raw_store.put(f"{etcd_prefix}/subnets/10.244.200.0-24", FLANNELD_VALUE.encode())
+    store = _ListCounter(EtcdStore([etcd_server.endpoint]), f"{etcd_prefix}/subnets/")
+    if write_between:
+        store.then_put = (f"{etcd_prefix}/subnets/10.244.201.0-24", FLANNELD_VALUE.encode())
+    me = managers(store=cast(Store, store))
+    mine = me.acquire_lease(attrs("192.168.64.1"), None)
+    want = {mine.key, "10.244.200.0-24", *(["10.244.201.0-24"] if write_between else [])}
+    with watching(me) as seen:
+        first = seen.wait_for(lambda m: set(m) == want, 2.0)
+        assert store.lists == (2 if write_between else 1)
+        # Exactly what a list says now, revisions and lease ids included.
+        listed = me.list_leases()[0]
+        assert first == listed
+        assert {k: (v.revision, v.store_lease_id) for k, v in first.items()} == {
+            k: (v.revision, v.store_lease_id) for k, v in listed.items()
+        }
+        peer = managers().acquire_lease(attrs("192.168.64.2"), None)
+        seen.wait_for(lambda m: peer.key in m, 2.0)  # and the watch goes on from there
+
+
 def test_watch_ignores_keys_that_are_not_leases_and_warns_once(
     managers: Callable[..., EtcdSubnetManager],
     raw_store: EtcdStore,

@@ -13,6 +13,7 @@ allows client authentication, accept the gateway at all).
 from __future__ import annotations
 
 import base64
+import binascii
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -63,7 +64,7 @@ def unb64(field: Any) -> bytes:
     omits empty fields) is b""."""
     if isinstance(field, bytes):
         return field
-    return base64.b64decode(field, validate=True) if field else b""
+    return binascii.a2b_base64(field, strict_mode=True) if field else b""
 
 
 def number(doc: dict[str, Any], field: str) -> int:
