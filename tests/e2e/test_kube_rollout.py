@@ -30,7 +30,7 @@ from flannelpy.store.kube.node_status import (
     STATUS_ANNOTATION,
 )
 from tests.support.kube_rollout import rollout
-from tests.support.lab_util import running_lab
+from tests.support.lab_util import running_lab, wait_until
 from tests.support.traffic import PodTraffic
 
 pytestmark = [pytest.mark.lab]
@@ -159,6 +159,9 @@ def test_rollouts_cordon_one_node_at_a_time_and_lose_no_echo(lab: Lab) -> None:
     thread = threading.Thread(target=poller.run, daemon=True)
     try:
         thread.start()
+        # The first rollout's first node is cordoned for a few seconds only: the poller
+        # must be reading before it starts (its first list can take seconds under load).
+        wait_until(lambda: poller.samples, 60, "the poller's first sample")
         with PodTraffic(lab, rate=RATE, streams=2) as traffic:
             for backend, route_dev in (("host-gw", "eth0"), ("vxlan", "flannel.1")):
                 proc = rollout(lab, "start", "--backend", backend)

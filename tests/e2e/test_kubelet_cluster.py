@@ -283,6 +283,50 @@ def cordon_spans(
     return spans
 
 
+class Bindings:
+    """The probe pods' bindings as a watch reports them: pod -> (node, when first seen
+    bound). A kubectl process per look (two pods, each waited for in turn) took longer
+    than a node's cordon on a loaded machine, so the loop missed the next node."""
+
+    def __init__(self, lab: Lab) -> None:
+        binary = os.path.join(control_plane.record(lab.state)["bin_dir"], "kubectl")
+        self.seen: dict[str, tuple[str, float]] = {}
+        self._proc = subprocess.Popen(
+            [
+                binary,
+                "--kubeconfig",
+                control_plane.admin_kubeconfig(lab.state),
+                "get",
+                "pods",
+                "-l",
+                "app=sched-probe",
+                "--watch",
+                "-o",
+                'jsonpath={.metadata.name} {.spec.nodeName}{"\\n"}',
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=kube_api.proxyless_env(),
+        )
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            name, _, node = line.strip().partition(" ")
+            if node and name not in self.seen:
+                self.seen[name] = (node, time.monotonic())
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._thread.join(timeout=5)
+        assert self._proc.stdout is not None
+        self._proc.stdout.close()
+
+
 def probe_pod(name: str) -> dict[str, Any]:
     """A bare pod (no nodeName): where it runs is the scheduler's choice."""
     return {
@@ -312,6 +356,7 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
     stop = threading.Event()
     poller = threading.Thread(target=node_samples, args=(lab, stop, samples), daemon=True)
     bound: list[tuple[str, str, float, float]] = []  # pod, node, created, seen bound
+    bindings = Bindings(lab)  # when each probe pod was seen bound: a watch, not polls
     t0 = time.monotonic()
     pingers = start_pings(lab, pods, count=100000)  # stopped by SIGINT once it is over
     rollout: subprocess.Popen[str] | None = None
@@ -320,28 +365,25 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
         time.sleep(2)  # traffic flows before the first node changes
         rollout = start_rollout(lab, "start", "--backend", "host-gw")
         probed: set[str] = set()
+        made: dict[str, float] = {}  # probe pod -> when it was created
         deadline = time.monotonic() + 150
         while rollout.poll() is None and time.monotonic() < deadline:
-            cordoned = [
-                n for n, c in (samples[-1][1] if samples else {}).items() if c and n not in probed
-            ]
-            for node in cordoned:  # while it is cordoned: two new pods for the scheduler
-                probed.add(node)
-                for i in range(2):
-                    name = f"sched-probe-{node}-{i}"
-                    created = time.monotonic()
-                    lab.kubectl("create", "-f", "-", stdin=json.dumps(probe_pod(name)))
-
-                    def placed(name: str = name) -> str | None:
-                        return items_one(lab, name)["spec"].get("nodeName") or None
-
-                    wait_until(
-                        lambda: placed() is not None,
-                        timeout=10,
-                        what=f"the scheduler binding {name}",
-                    )
-                    bound.append((name, placed() or "", created, time.monotonic()))
+            latest = samples[-1][1] if samples else {}
+            fresh = [n for n, c in latest.items() if c and n not in probed]
+            if fresh:  # while they are cordoned: two new pods each for the scheduler
+                probed.update(fresh)
+                docs = [probe_pod(f"sched-probe-{n}-{i}") for n in fresh for i in range(2)]
+                created = time.monotonic()
+                lab.kubectl(
+                    "create",
+                    "-f",
+                    "-",
+                    stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+                )
+                made.update((d["metadata"]["name"], created) for d in docs)
             time.sleep(0.05)
+        wait_until(lambda: set(bindings.seen) >= set(made), 30, "the probe pods bound")
+        bound = [(p, node, made[p], seen) for p, (node, seen) in bindings.seen.items() if p in made]
         out = rollout.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
         print(f"--- rollout to host-gw ({time.monotonic() - t0:.1f} s)\n{out}")
         assert rollout.returncode == 0, out
@@ -354,6 +396,7 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
     finally:
         stop.set()
         poller.join(timeout=10)
+        bindings.close()
         for proc in [*pingers, *([rollout] if rollout else [])]:
             if proc.poll() is None:
                 proc.kill()
