@@ -529,9 +529,24 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
     with open(f"/proc/{containerd['n1'].pid}/mountinfo", encoding="utf-8") as f:
         assert os.path.join(kubelet.node_base(lab.node("n1")), "kubelet", "pods") in f.read()
     lab.down()
-    for pid in filter(str.isdigit, os.listdir("/proc")):  # the namespaces went with them
-        with contextlib.suppress(OSError):  # gone, or not ours to look at
-            assert os.stat(f"/proc/{pid}/ns/mnt").st_ino not in namespaces, pid
+
+    def holders() -> list[str]:
+        """Processes still in the nodes' mount namespaces, with their command lines."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):  # gone, or not ours to look at
+                if os.stat(f"/proc/{pid}/ns/mnt").st_ino in namespaces:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        argv = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    found.append(f"{pid}: {argv[:200]}")
+        return found
+
+    # The namespaces went with them: a process being killed may take a moment to go,
+    # as the pods' processes may below.
+    deadline = time.monotonic() + 15.0
+    while (left := holders()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"still in the nodes' mount namespaces 15 s after down(): {left}"
     assert not any(procs.alive(r) for r in refs)
     assert procs.wait_gone(pod_refs, 15.0) == [], "pod processes outlived down()"
     for hierarchy in cgroups.hierarchies():
