@@ -898,6 +898,45 @@ def test_tls_etcd_with_client_certificates(
         without_cert.close()
 
 
+class _ServerAuthOnly(EtcdServer):
+    """etcd over TLS that asks no client certificate: neither --client-cert-auth nor
+    --trusted-ca-file, which turns it on by itself."""
+
+    def _argv(self) -> list[str]:
+        argv = super()._argv()
+        at = argv.index("--trusted-ca-file")
+        del argv[at : at + 2]
+        return [arg for arg in argv if arg != "--client-cert-auth"]
+
+
+def test_tls_without_a_client_certificate_goes_through_the_gateway(
+    etcd_prefix: str, tmp_path: Any
+) -> None:
+    tls = make_tls_files(str(tmp_path))
+    (tmp_path / "other").mkdir()
+    other = make_tls_files(str(tmp_path / "other"))
+    server = _ServerAuthOnly(tls=tls).start()
+    store = EtcdStore([server.endpoint], cafile=tls.ca, timeout=2.0)
+    stranger = EtcdStore([server.endpoint], cafile=other.ca, timeout=2.0)
+    stop = threading.Event()
+    try:
+        assert store.transport == "gateway"
+        revision = store.put(f"{etcd_prefix}/k", b"1")
+        kv = store.get(f"{etcd_prefix}/k")
+        assert kv is not None and kv.value == b"1"
+        watch = store.watch_prefix(f"{etcd_prefix}/", revision + 1, stop)
+        store.put(f"{etcd_prefix}/k", b"2")
+        batch = next(iter(watch))
+        assert [(e.key, e.value) for e in batch.events] == [(f"{etcd_prefix}/k", b"2")]
+        with pytest.raises(StoreUnavailable):  # a CA that did not sign etcd's certificate
+            stranger.get(f"{etcd_prefix}/k")
+    finally:
+        stop.set()
+        store.close()
+        stranger.close()
+        server.stop()
+
+
 def test_username_and_password(etcd_factory: Callable[..., EtcdServer], etcd_prefix: str) -> None:
     server = etcd_factory(extra_args=["--auth-token-ttl", "1"])  # tokens expire after 1 s
     admin = EtcdStore([server.endpoint])
