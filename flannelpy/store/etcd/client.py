@@ -106,7 +106,8 @@ class EtcdStore:
         self._tls_files = (cafile, keyfile, certfile)
         self._tls_seen: tuple[tuple[int, int] | None, ...] = ()
         self._tls_checked = 0.0
-        self._tls: connection.TlsFiles | None = None
+        # The files as read, and the gateway's SSL context made of them (its CA only).
+        self._tls: tuple[connection.TlsFiles, ssl.SSLContext] | None = None
         if any(ep.secure for ep in self._endpoints):
             self._tls_seen = connection.stat_files(self._tls_files)
             self._tls = self._load_tls()
@@ -122,19 +123,18 @@ class EtcdStore:
     def endpoints(self) -> list[str]:
         return [ep.url for ep in self._endpoints]
 
-    def _load_tls(self) -> connection.TlsFiles:
-        """The TLS files, checked as far as they can be before a connection. Raises
-        ConfigError."""
+    def _load_tls(self) -> tuple[connection.TlsFiles, ssl.SSLContext]:
+        """The TLS files, and the CA read into an SSL context, which checks it as far as
+        it can be before a connection. Raises ConfigError."""
         files = connection.read_tls_files(*self._tls_files)
-        if files.ca is not None:
-            try:
-                ssl.create_default_context(cadata=files.ca.decode("ascii", "replace"))
-            except (ValueError, ssl.SSLError) as e:
-                raise ConfigError(
-                    f"--etcd-cafile: {self._tls_files[0]} holds no PEM certificate ({e}); "
-                    "give the CA that signed etcd's certificate"
-                ) from e
-        return files
+        cadata = files.ca.decode("ascii", "replace") if files.ca is not None else None
+        try:
+            return files, ssl.create_default_context(cadata=cadata)
+        except (ValueError, ssl.SSLError) as e:
+            raise ConfigError(
+                f"--etcd-cafile: {self._tls_files[0]} holds no PEM certificate ({e}); "
+                "give the CA that signed etcd's certificate"
+            ) from e
 
     def _reload_tls(self) -> None:
         """Rotation without restart: once the TLS files change, every member's connections
@@ -178,9 +178,10 @@ class EtcdStore:
         if self.transport == "grpc":
             from flannelpy.store.etcd.grpc_member import GrpcMember
 
-            return GrpcMember(ep, self._tls, self._timeout, self._username, self._password)
-        ca = self._tls.ca if self._tls is not None else None
-        return GatewayMember(ep, ca, self._timeout, self._username, self._password)
+            files = self._tls[0] if self._tls is not None else None
+            return GrpcMember(ep, files, self._timeout, self._username, self._password)
+        context = self._tls[1] if self._tls is not None else None
+        return GatewayMember(ep, context, self._timeout, self._username, self._password)
 
     def _call(self, what: str, fn: Callable[[Member], T]) -> T:
         """Run ``fn`` on the current endpoint, failing over to the others in turn."""

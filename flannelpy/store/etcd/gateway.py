@@ -136,7 +136,7 @@ class GatewayMember:
     def __init__(
         self,
         ep: EtcdEndpoint,
-        cafile_data: bytes | None,
+        context: ssl.SSLContext | None,
         timeout: float,
         username: str | None = None,
         password: str | None = None,
@@ -145,13 +145,9 @@ class GatewayMember:
         self._timeout = urllib3.Timeout(connect=timeout, read=timeout)
         # One quick retry of a connection that failed to open; never of a sent request.
         retries = urllib3.Retry(total=1, read=0, redirect=False, raise_on_status=False)
-        context = None
-        if ep.secure:
-            cadata = cafile_data.decode("ascii", "replace") if cafile_data else None
-            context = ssl.create_default_context(cadata=cadata)
         self._pool = _pool(ep, context, retries)
         self.token = AuthToken(
-            username, password, lambda body: self._post("authenticate", "/auth/authenticate", body)
+            username, password, lambda body: self._post("/auth/authenticate", body)
         )
 
     def _headers(self) -> dict[str, str]:
@@ -173,7 +169,7 @@ class GatewayMember:
         self.token.forget()
 
     def _post(
-        self, what: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> dict[str, Any]:
         resp = self._pool.urlopen(
             "POST",
@@ -188,15 +184,15 @@ class GatewayMember:
         try:
             doc = json.loads(data)
         except ValueError as e:
-            raise MemberError(CODES["INTERNAL"], f"{what}: the answer is not JSON ({e})") from e
+            raise MemberError(CODES["INTERNAL"], f"{path}: the answer is not JSON ({e})") from e
         if not isinstance(doc, dict):
-            raise MemberError(CODES["INTERNAL"], f"{what}: the answer is not a JSON object")
+            raise MemberError(CODES["INTERNAL"], f"{path}: the answer is not a JSON object")
         return doc
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3<path>``; the answer's object. Raises MemberError, or
         one of UNREACHABLE when the member does not answer."""
-        return self._post(path, path, body, self._headers())
+        return self._post(path, body, self._headers())
 
     def stream(self, path: str, body: dict[str, Any]) -> _Messages:
         """Open a streaming call (a watch); its messages are the stream's lines. The

@@ -48,7 +48,7 @@ GRPC_OPTIONS = [
 # left alone when a gRPC version lacks it.)
 GRPC_WAIT_SLICE = 1.0
 
-# Unary calls: path → (stub, method, request message).
+# Unary calls: path → (stub, method, request message); what the store calls.
 _UNARY = {
     "/kv/range": ("kv", "Range", etcdrpc.RangeRequest),
     "/kv/put": ("kv", "Put", etcdrpc.PutRequest),
@@ -58,10 +58,6 @@ _UNARY = {
     "/lease/revoke": ("lease", "LeaseRevoke", etcdrpc.LeaseRevokeRequest),
     "/lease/timetolive": ("lease", "LeaseTimeToLive", etcdrpc.LeaseTimeToLiveRequest),
     "/auth/authenticate": ("auth", "Authenticate", etcdrpc.AuthenticateRequest),
-    "/auth/user/add": ("auth", "UserAdd", etcdrpc.AuthUserAddRequest),
-    "/auth/user/grant": ("auth", "UserGrantRole", etcdrpc.AuthUserGrantRoleRequest),
-    "/auth/enable": ("auth", "AuthEnable", etcdrpc.AuthEnableRequest),
-    "/maintenance/status": ("maintenance", "Status", etcdrpc.StatusRequest),
 }
 
 
@@ -173,7 +169,6 @@ class GrpcMember:
             "lease": etcdrpc.LeaseStub(self._channel),
             "watch": etcdrpc.WatchStub(self._channel),
             "auth": etcdrpc.AuthStub(self._channel),
-            "maintenance": etcdrpc.MaintenanceStub(self._channel),
         }
         self.token = AuthToken(
             username, password, lambda body: self._unary("/auth/authenticate", body, ())
