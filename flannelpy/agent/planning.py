@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from ipaddress import IPv4Address, IPv6Address
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flannelpy.agent.firewall import pod_ranges
@@ -142,8 +142,6 @@ class Planner:
         self.prober: Prober | None = None  # set once it runs
         # Lease values the manager could not parse (it logs them): counted and shown here.
         self.undecodable: Callable[[], Mapping[str, Rejection]] = dict
-        # Peers logged as MTU unknown.
-        self._said_unknown_mtu: set[IPv4Network | IPv6Network] = set()
         self.monotonic = monotonic
         # Devices that left the plan, kept a few seconds in their last planned form.
         self._links: Lingering[VxlanLink] = Lingering(LINGER_SECONDS)
@@ -301,11 +299,11 @@ class Planner:
         s.mtu_report = report
         if not fresh and not gone:
             return report
-        # Only what changed is looked at (follow_mtu's leases that came and went).
-        said = self._said_unknown_mtu
-        new = [peer for peer in fresh if peer.subnet not in said]
-        said.difference_update(peer.subnet for peer in gone)
-        said.update(peer.subnet for peer in fresh)
+        # Only what changed is looked at (follow_mtu's leases that came and went): a peer
+        # whose lease changed but still advertises no MTU went and came in one plan, and
+        # was said when it first came.
+        went = {peer.subnet for peer in gone}
+        new = [peer for peer in fresh if peer.subnet not in went]
         if len(new) > UNKNOWN_MTU_LINES:
             log.info(
                 "MTU unknown for %d peers (%s, ...): %s",

@@ -59,9 +59,16 @@ class Kernel(Protocol):
         """Routes (main table, not ours, not default) and addresses not on ``ignore_devices``."""
         ...
 
-    def observe(self, link_names: Iterable[str], owned_devices: Iterable[str]) -> ObservedState:
+    def observe(
+        self,
+        link_names: Iterable[str],
+        owned_devices: Iterable[str],
+        expected: ObservedState | None = None,
+    ) -> ObservedState:
         """Dump links named ``link_names`` (vxlan ones), their addresses, routes with our
-        protocol, and permanent neighbours/FDB entries on ``owned_devices``."""
+        protocol, and permanent neighbours/FDB entries on ``owned_devices``. ``expected``:
+        what the kernel should hold of the last three; a kind found exactly as expected is
+        reported as that very set (the same answer, without a dump's own objects)."""
         ...
 
     def apply(self, changes: Changes) -> ApplyResult:

@@ -67,8 +67,15 @@ class NetlinkKernel:
     def survey(self, ignore_devices: Iterable[str]) -> list[ForeignRoute]:
         return netlink_host.survey(self.protocol, ignore_devices)
 
-    def observe(self, link_names: Iterable[str], owned_devices: Iterable[str]) -> ObservedState:
-        return netlink_observe.observe(link_names, owned_devices, self.protocol, self.adopt)
+    def observe(
+        self,
+        link_names: Iterable[str],
+        owned_devices: Iterable[str],
+        expected: ObservedState | None = None,
+    ) -> ObservedState:
+        return netlink_observe.observe(
+            link_names, owned_devices, self.protocol, self.adopt, expected
+        )
 
     # -- writing
 

@@ -304,7 +304,7 @@ def messages(buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
 DUMP_RETRIES = 5
 
 
-def _retrying(fn: Callable[[], T]) -> T:
+def retrying(fn: Callable[[], T]) -> T:
     """Run a dump again when the kernel says the table changed under it."""
     for _ in range(DUMP_RETRIES - 1):
         try:
@@ -324,7 +324,7 @@ def dump_links(sock: NetlinkSocket) -> list[LinkRow]:
             decode_link(b, o, n) for b, o, n, t in sock.dump(RTM_GETLINK, body) if t == RTM_NEWLINK
         ]
 
-    return _retrying(once)
+    return retrying(once)
 
 
 def dump_link_stats(sock: NetlinkSocket) -> list[LinkStatsRow]:
@@ -338,7 +338,7 @@ def dump_link_stats(sock: NetlinkSocket) -> list[LinkStatsRow]:
             if t == RTM_NEWLINK
         ]
 
-    return _retrying(once)
+    return retrying(once)
 
 
 def get_link(sock: NetlinkSocket, name: str) -> LinkRow | None:
@@ -382,44 +382,46 @@ def dump_routes(
     """Routes of ``family`` (IPv4 by default) in ``table`` (and ``protocol`` if non-zero),
     filtered by the kernel when the socket is strict, and again here for kernels that
     ignore the filter."""
+    return retrying(lambda: list(route_rows(sock, table, protocol, family)))
+
+
+def route_rows(
+    sock: NetlinkSocket, table: int = RT_TABLE_MAIN, protocol: int = 0, family: int = AF_INET
+) -> Iterator[RouteRow]:
+    """:func:`dump_routes`' rows one at a time, as the dump reads them (a reader that keeps
+    few of them keeps no list of thousands); once, raising DumpInterrupted at its end when
+    the kernel says the table changed under it (the caller reads again: :func:`retrying`)."""
     body = RTMSG.pack(family, 0, 0, 0, table & 0xFF, protocol, 0, 0, 0)
     if table > 0xFF:
         body += attr(RTA_TABLE, U32.pack(table))
-
-    def once() -> list[RouteRow]:
-        rows = []
-        for buf, offset, length, msg_type in sock.dump(RTM_GETROUTE, body):
-            if msg_type != RTM_NEWROUTE:
-                continue
-            row = decode_route(buf, offset, length)
-            if row is None or row.table != table or (protocol and row.protocol != protocol):
-                continue
-            if (row.dst.version == 6) != (family == AF_INET6):
-                continue
-            rows.append(row)
-        return rows
-
-    return _retrying(once)
+    for buf, offset, length, msg_type in sock.dump(RTM_GETROUTE, body):
+        if msg_type != RTM_NEWROUTE:
+            continue
+        row = decode_route(buf, offset, length)
+        if row is None or row.table != table or (protocol and row.protocol != protocol):
+            continue
+        if (row.dst.version == 6) != (family == AF_INET6):
+            continue
+        yield row
 
 
 def dump_neighbours(sock: NetlinkSocket, family: int, ifindex: int = 0) -> list[NeighRow]:
     """Neighbours (AF_INET) or FDB entries (AF_BRIDGE), of one device when ``ifindex``."""
+    return retrying(lambda: list(neighbour_rows(sock, family, ifindex)))
+
+
+def neighbour_rows(sock: NetlinkSocket, family: int, ifindex: int = 0) -> Iterator[NeighRow]:
+    """:func:`dump_neighbours`' rows one at a time, once (as :func:`route_rows`)."""
     # Strict dumps take the device as an attribute (the header's ifindex must be 0).
     body = NDMSG.pack(family, 0, 0, 0, 0, 0, 0)
     if ifindex:
         body += attr(NDA_IFINDEX, U32.pack(ifindex))
-
-    def once() -> list[NeighRow]:
-        rows = []
-        for buf, offset, length, msg_type in sock.dump(RTM_GETNEIGH, body):
-            if msg_type != RTM_NEWNEIGH:
-                continue
-            row = decode_neigh(buf, offset, length)
-            if row.family == family and (not ifindex or row.ifindex == ifindex):
-                rows.append(row)
-        return rows
-
-    return _retrying(once)
+    for buf, offset, length, msg_type in sock.dump(RTM_GETNEIGH, body):
+        if msg_type != RTM_NEWNEIGH:
+            continue
+        row = decode_neigh(buf, offset, length)
+        if row.family == family and (not ifindex or row.ifindex == ifindex):
+            yield row
 
 
 def dump_addresses(sock: NetlinkSocket) -> list[AddrRow]:
@@ -457,7 +459,7 @@ def _dump_addresses(
                     rows.append(row)
         return rows
 
-    return _retrying(once)
+    return retrying(once)
 
 
 def route_get(sock: NetlinkSocket, dst: IPv4Address) -> RouteRow | None:

@@ -67,6 +67,18 @@ def after_apply(
     )
 
 
+def _as_planned(desired: DesiredState, owned: frozenset[str]) -> ObservedState:
+    """What a dump finds of routes, neighbours and FDB entries when the kernel holds
+    ``desired``: a dump that finds them so reports these sets (:meth:`Kernel.observe`)."""
+    return ObservedState(
+        links=frozenset(),
+        addresses=frozenset(),
+        routes=desired.routes,
+        neighbours=_on(desired.neighbours, owned),
+        fdb=_on(desired.fdb, owned),
+    )
+
+
 E = TypeVar("E", Address, Neighbour, FdbEntry)
 
 
@@ -238,7 +250,7 @@ class Reconciler:
         known = observed = self._known(reason, scope)
         self._view = None  # until this pass has applied all it found to do
         if observed is None:
-            observed = self._kernel.observe(*scope)
+            observed = self._kernel.observe(*scope, expected=_as_planned(desired, scope[1]))
             self.dumps += 1
             self._dumped_entries = (
                 len(observed.routes) + len(observed.neighbours) + len(observed.fdb)

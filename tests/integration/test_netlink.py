@@ -427,6 +427,39 @@ def test_route_deleted_by_hand_is_observed_and_watched(
     assert not watcher.is_alive() and time.monotonic() - stopped < 1.5
 
 
+def test_a_dump_that_finds_the_kernel_as_expected_reports_the_expected_sets(
+    overlay: Netns, kernel: NetlinkKernel
+) -> None:
+    """Told what to expect, observe answers with those very sets when the kernel holds
+    them (no entry of the dump's own is kept), and with the dump's truth otherwise: a
+    route deleted by hand, a changed neighbour, a foreign entry of our protocol."""
+    peers = [peer(i) for i in range(300)]
+    overlay.call(kernel.apply, add_peers(peers))
+    planned = expected(overlay, peers)
+
+    def observed() -> ObservedState:
+        return overlay.call(kernel.observe, [DEV], [DEV], planned)
+
+    found = observed()
+    assert found.routes is planned.routes
+    assert found.neighbours is planned.neighbours
+    assert found.fdb is planned.fdb
+    assert found == planned
+
+    overlay.ip("route del 10.100.7.0/24")
+    overlay.ip(f"neigh replace 10.100.9.0 dev {DEV} lladdr 02:bb:00:00:00:09 nud permanent")
+    overlay.ip(f"route add 10.250.0.0/24 via 10.250.0.0 dev {DEV} proto 75 onlink")
+    found = observed()
+    assert found.routes == planned.routes - {peers[7][2]} | {
+        Route(IPv4Network("10.250.0.0/24"), IPv4Address("10.250.0.0"), DEV, onlink=True)
+    }
+    assert found.neighbours == planned.neighbours - {peers[9][0]} | {
+        Neighbour(DEV, IPv4Address("10.100.9.0"), "02:bb:00:00:00:09")
+    }
+    assert found.fdb is planned.fdb
+    assert found == observe(overlay, kernel)  # the same as a dump told nothing
+
+
 def test_a_route_replaced_by_another_tool_is_watched(overlay: Netns, kernel: NetlinkKernel) -> None:
     """``ip route replace`` over one of ours reports only the new route (no deletion): the
     watch asks for a pass then, not at the next periodic resync. Our own writes, the

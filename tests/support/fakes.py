@@ -20,6 +20,7 @@ class FakeKernel:
         self.state = ObservedState()
         self.applied: list[Changes] = []
         self.observe_calls = 0
+        self.expected: ObservedState | None = None  # what the last observe was told
         self.fail_next_routes = False
         self.tx_checksum_writes: list[tuple[str, bool]] = []
         self.sysctls: dict[str, str] = {}
@@ -33,8 +34,14 @@ class FakeKernel:
     def adopt_routes(self, shape: object) -> None:
         self.adopted = shape  # a fake kernel holds no routes a Flannel left
 
-    def observe(self, link_names: Iterable[str], owned_devices: Iterable[str]) -> ObservedState:
+    def observe(
+        self,
+        link_names: Iterable[str],
+        owned_devices: Iterable[str],
+        expected: ObservedState | None = None,
+    ) -> ObservedState:
         self.observe_calls += 1
+        self.expected = expected
         names = set(link_names)
         owned = set(owned_devices)
         s = self.state

@@ -115,3 +115,18 @@ def test_deleted_blackhole_route_is_set_again_and_kept_when_converged() -> None:
     assert diff(want, gone).routes_to_set == (hole,)
     # Without the flag, a blackhole of ours left from an earlier run is removed.
     assert diff(desired(), have).routes_to_delete == (hole,)
+
+
+def test_a_dump_is_told_the_plan_s_entries_on_the_devices_it_reads() -> None:
+    """What a pass that reads the kernel expects to find: the plan's routes, neighbours and
+    FDB entries (of the owned devices), the sets a dump of a kernel as planned reports."""
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10)
+    want = desired()
+    reconciler.set_desired(want)
+    assert reconciler.reconcile_once().converged  # type: ignore[union-attr]
+    told = kernel.expected
+    assert told is not None
+    assert told.routes is want.routes
+    assert told.neighbours == want.neighbours and told.fdb == want.fdb
+    assert want.neighbours and want.fdb

@@ -76,7 +76,7 @@ class RecordingKernel(FakeKernel):
         super().__init__()
         self.dumps: list[weakref.ref[ObservedState]] = []
 
-    def observe(self, link_names, owned_devices):  # type: ignore[no-untyped-def]
+    def observe(self, link_names, owned_devices, expected=None):  # type: ignore[no-untyped-def]
         # Entries of its own (equal to the plan's, other objects), as a netlink dump has.
         found = super().observe(link_names, owned_devices)
         copied = ObservedState(
