@@ -54,6 +54,30 @@ def atomic_write(
         fsync_dir(target.parent)
 
 
+def rewrite(path: str | os.PathLike[str], data: str, mode: int = 0o644) -> None:
+    """Replace ``path`` whole with ``data``, not durably (no fsync): a file that describes
+    only the running process and is rewritten often (status.json, after every reconcile
+    pass). The temp name is fixed per process, so the caller serialises its writes; the
+    directory is created only when missing. Five system calls, where :func:`atomic_write`
+    also makes a unique name and asks for the directory each time."""
+    target = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, mode)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd = os.open(tmp, flags, mode)
+    try:
+        view = memoryview(data.encode())
+        while view:  # a short write is not an error from write(2); finish it
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)  # as created, less the umask; the file's mode is ``mode``
+    os.replace(tmp, target)
+
+
 def write_temp(target: Path, payload: bytes, mode: int, durable: bool, dir_mode: int) -> str:
     """The first half of :func:`atomic_write`: ``payload`` in a uniquely named temp file
     beside ``target`` (fsync'd when ``durable``), whose name is returned for the caller

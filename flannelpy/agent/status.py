@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from ipaddress import IPv4Interface, IPv6Interface
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flannelpy.agent.events import EventCounts
@@ -38,7 +38,7 @@ from flannelpy.control.records import (
 )
 from flannelpy.dataplane.reconciler import Reconciler, ReconcileResult
 from flannelpy.errors import StoreError
-from flannelpy.fsutil import atomic_write
+from flannelpy.fsutil import rewrite
 from flannelpy.observe.health import readiness
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.observe.prober import Prober
@@ -162,7 +162,7 @@ class StatusReporter:
             text = self._probes.splice(json.dumps(doc, separators=(",", ":")), self.prober)
             if text == self._file_text:
                 return  # the file holds it already
-            atomic_write(Path(self.settings.run_dir) / STATUS_FILE, text, durable=False)
+            rewrite(os.path.join(self.settings.run_dir, STATUS_FILE), text)
             self._file_text = text
 
     # -- the writer only ------------------------------------------------------------------

@@ -185,7 +185,7 @@ def watch(
     ``own`` recognises our own deletions (:class:`OwnDeletions`)."""
     with nl.NetlinkSocket(groups=_GROUPS, rcvbuf=buffer) as sock:
         try:  # the kernel drops what event_kinds would (every pod's links) before queueing
-            nlfilter.attach(sock.sock, nlfilter.watch_program())
+            nlfilter.attach(sock.sock, nlfilter.watch_program(protocol))
         except OSError as e:
             log.warning("netlink watch filter refused, reading every notification error=%s", e)
         while not stop.is_set():

@@ -14,7 +14,8 @@ by fixed offsets only:
   kernel puts it first) with a name not starting with ``flan`` (our devices are
   ``flannel.<VNI>`` and ``flannel-v6.<VNI>``);
 - ``RTM_DELADDR`` of link scope (a veth's IPv6 link-local address);
-- routes of the kernel's own protocol or of the local table.
+- routes of the kernel's own protocol or of the local table;
+- ``RTM_NEWROUTE`` of our protocol (each route we add would wake the thread once).
 
 Anything else, and any message it cannot read at those offsets, passes: the filter
 only spares work, ``event_kinds`` still decides. A message shorter than an offset read
@@ -29,6 +30,7 @@ import struct
 from collections.abc import Sequence
 
 from flannelpy.dataplane import rtnl
+from flannelpy.dataplane.state import ROUTE_PROTOCOL
 
 SO_ATTACH_FILTER = 26  # asm-generic/socket.h
 
@@ -64,14 +66,14 @@ def _if(value: int, size: int, then: str, otherwise: str | None = None) -> _Step
     return (JEQ_K, then, otherwise, _host(value, size))
 
 
-def watch_program() -> list[Insn]:
-    """The filter, as (code, jt, jf, k) instructions."""
+def watch_program(protocol: int = ROUTE_PROTOCOL) -> list[Insn]:
+    """The filter, as (code, jt, jf, k) instructions; ``protocol``: our routes'."""
     steps: list[_Step] = [
         (LD_H_ABS, None, None, _TYPE),
         _if(rtnl.RTM_NEWLINK, 2, "link"),
         _if(rtnl.RTM_DELLINK, 2, "link"),
         _if(rtnl.RTM_DELADDR, 2, "addr"),
-        _if(rtnl.RTM_NEWROUTE, 2, "route"),
+        _if(rtnl.RTM_NEWROUTE, 2, "newroute"),
         _if(rtnl.RTM_DELROUTE, 2, "route"),
         _if(rtnl.RTM_NEWADDR, 2, "drop"),
         _if(rtnl.RTM_NEWNEIGH, 2, "drop", "accept"),
@@ -88,6 +90,11 @@ def watch_program() -> list[Insn]:
         (JGE_K, None, "accept", _IFA_SCOPE + 1),
         (LD_B_ABS, None, None, _IFA_SCOPE),
         _if(rtnl.RT_SCOPE_LINK, 1, "drop", "accept"),
+        "newroute",  # a new route of ours: our own write (event_kinds drops it too)
+        (LD_W_LEN, None, None, 0),
+        (JGE_K, None, "accept", _RTM_PROTOCOL + 1),
+        (LD_B_ABS, None, None, _RTM_PROTOCOL),
+        _if(protocol, 1, "drop", "route"),
         "route",
         (LD_W_LEN, None, None, 0),
         (JGE_K, None, "accept", _RTM_PROTOCOL + 1),

@@ -218,3 +218,19 @@ def test_a_flush_covers_what_its_batch_held_though_ticketed_after_it_began() -> 
     group.wait(third)
     group.wait(flushes[1])  # in third's batch: durable, without a flush of its own
     assert len(flushes) == 2 and group.flushes == 1
+
+
+def test_rewrite_replaces_the_file_whole_with_its_mode_and_leaves_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "run" / "status.json"  # the directory made on the first write
+    fsync_calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", fsync_calls.append)
+    fsutil.rewrite(target, '{"a": 1}', mode=0o640)
+    before = target.stat().st_ino
+    fsutil.rewrite(target, '{"b": 2}' * 10_000, mode=0o640)
+    assert target.read_text() == '{"b": 2}' * 10_000
+    assert target.stat().st_ino != before  # a rename, not an overwrite in place
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(p.name for p in target.parent.iterdir()) == ["status.json"]
+    assert fsync_calls == []

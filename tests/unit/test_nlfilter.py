@@ -83,6 +83,8 @@ PROGRAM = nlfilter.watch_program()
         (route(rtnl.RTM_NEWROUTE, nlfilter.RT_TABLE_LOCAL, rtnl.RTPROT_BOOT), False),
         (route(rtnl.RTM_DELROUTE, rtnl.RT_TABLE_MAIN, ROUTE_PROTOCOL), True),
         (route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, rtnl.RTPROT_BOOT), True),
+        (route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, ROUTE_PROTOCOL), False),  # our own
+        (route(rtnl.RTM_NEWROUTE, nlfilter.RT_TABLE_LOCAL, ROUTE_PROTOCOL), False),
         (message(rtnl.RTM_NEWNEIGH, b"\0" * 12), False),
         (message(rtnl.RTM_DELNEIGH, b"\0" * 12), True),
         (message(rtnl.RTM_NEWLINK, b""), True),  # too short to read: passes
@@ -103,6 +105,7 @@ def test_the_filter_drops_what_the_reconciler_ignores(packet: bytes, passes: boo
         route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, nlfilter.RTPROT_KERNEL),
         route(rtnl.RTM_DELROUTE, rtnl.RT_TABLE_MAIN, nlfilter.RTPROT_KERNEL),
         route(rtnl.RTM_NEWROUTE, nlfilter.RT_TABLE_LOCAL, rtnl.RTPROT_BOOT),
+        route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, ROUTE_PROTOCOL),
     ],
 )
 def test_whatever_it_drops_event_kinds_would_drop_too(packet: bytes) -> None:
@@ -118,3 +121,10 @@ def test_jumps_are_forward_and_in_reach() -> None:
     assert PROGRAM[-1][0] == PROGRAM[-2][0] == nlfilter.RET_K  # no path falls off the end
     with pytest.raises(KeyError):
         nlfilter.assemble([(nlfilter.JEQ_K, "nowhere", None, 0)])
+
+
+def test_the_route_protocol_is_the_watch_s() -> None:
+    """Another protocol given (a test's kernel): its new routes are dropped, ours pass."""
+    other = nlfilter.watch_program(200)
+    assert run(other, route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, 200)) == 0
+    assert run(other, route(rtnl.RTM_NEWROUTE, rtnl.RT_TABLE_MAIN, ROUTE_PROTOCOL)) != 0
