@@ -31,6 +31,7 @@ from flannelpy.dataplane.state import DesiredState, VxlanLink
 from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import (
     MtuReport,
+    MtuTally,
     PeerOrder,
     describe_mismatch,
     describe_unknown,
@@ -158,6 +159,7 @@ class Planner:
         self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
         self._plans = PlanMemo()
         self._mtus: LeaseMemo[PeerOrder | None] = LeaseMemo()
+        self._mtu_tally = MtuTally()  # the MTU report's lists, kept with self._mtus
         self._probes: LeaseMemo[ProbeEntries] = LeaseMemo()
 
     def follow_peers(self, peers: Sequence[Lease] | None = None) -> None:
@@ -278,7 +280,7 @@ class Planner:
         Between nodes on different backends (a backend switch under way) the MTUs differ
         by design; that is said once at info level, not warned per peer."""
         s = self.state
-        report, fresh, gone = follow_mtu(s.mtu, peers, self._mtus, s.mtu_report)
+        report, fresh, gone = follow_mtu(s.mtu, peers, self._mtus, s.mtu_report, self._mtu_tally)
         if s.mtu_report is None or report.mismatched != s.mtu_report.mismatched:
             backend_of = {p.primary_subnet: p.attrs.backend_type for p in peers}
             mixed = [

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import re
 import threading
 import time
@@ -86,12 +85,11 @@ def _label(value: str, allowed: Sequence[str] | None = None) -> str:
     return folded if _SAFE_LABEL.fullmatch(folded) else "other"
 
 
-_backend_type = operator.attrgetter("attrs.backend_type")  # of a Lease, in C
-
-
-def _probe_names(lease: Lease) -> tuple[str, ...]:
-    """The probe series' peer labels a lease keeps: its subnets as text."""
-    return tuple(str(net) for net in (lease.subnet, lease.ipv6_subnet) if net)
+def _peer_facts(lease: Lease) -> tuple[str, ...]:
+    """What the peer metrics keep of a lease, in one tuple: its backend's label, then the
+    probe series' peer labels it keeps (its subnets as text)."""
+    label = _label(lease.attrs.backend_type or "unknown")
+    return (label, *(str(net) for net in (lease.subnet, lease.ipv6_subnet) if net))
 
 
 def _family(peer_subnet: str) -> str:
@@ -144,8 +142,12 @@ class AgentMetrics:
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
         self._probed: set[str] = set()
-        # Per peer lease, kept between calls of peers() (the writer's only).
-        self._names_of: LeaseMemo[tuple[str, ...]] = LeaseMemo()
+        # Per peer lease, kept between calls of peers() (the writer's only): its backend
+        # and probe names, the count of each backend, and of the names.
+        self._peer_facts: LeaseMemo[tuple[str, ...]] = LeaseMemo()
+        self._backend_counts: Counter[str] = Counter()
+        self._peer_names: set[str] = set()  # every peer's probe names (strings shared)
+        self._probed_fresh: set[str] = set()  # probed since peers() last looked
         self._leases: set[str] = set()
         self._pools: set[str] = set()
         r = self.registry
@@ -241,22 +243,28 @@ class AgentMetrics:
     def peers(self, leases: Iterable[Lease], mtu: MtuReport | None = None) -> None:
         """The current peer leases (other nodes only, never ours): counts by backend,
         MTU mismatches against the overlay MTU (``mtu``: the caller's report of these
-        peers, else computed); drops probe series of peers gone."""
+        peers, else computed); drops probe series of peers gone. The counts and the
+        series to drop follow the leases that came and went since the last call."""
         peers = list(leases)
-        counts: dict[str, int] = {}
-        for backend_type, count in Counter(map(_backend_type, peers)).items():
-            backend = _label(backend_type or "unknown")
-            counts[backend] = counts.get(backend, 0) + count
+        delta = self._peer_facts.update(None, peers, _peer_facts)
+        counts = self._backend_counts
+        counts.subtract(facts[0] for facts in delta.dropped)
+        counts.update(facts[0] for facts in delta.added)
+        counts = self._backend_counts = +counts  # without the backends no peer has now
+        names = self._peer_names
+        left = {name for facts in delta.dropped for name in facts[1:]}
+        left.difference_update(name for facts in delta.added for name in facts[1:])
+        names.difference_update(left)
+        names.update(name for facts in delta.added for name in facts[1:])
         with self._lock:
             self._peer_leases = peers
-            probed = set(self._probed)
+            # A series of a peer that left, and a new one of a peer that is not (or no
+            # longer: the prober reported a round begun before the peer left).
+            gone = self._probed & left
+            gone.update(name for name in self._probed_fresh if name not in names)
+            self._probed_fresh.clear()
             vanished = self._backends - counts.keys()
             self._backends = set(counts)
-        if probed:
-            names = self._names_of.results(None, peers, _probe_names)
-            gone = probed.difference(*names)
-        else:
-            gone = set()
         for backend, count in counts.items():
             self._lease.peers.labels(backend).set(count)
         for backend in vanished:
@@ -347,7 +355,9 @@ class AgentMetrics:
         None means "not known yet" and is exported as NaN."""
         peer = str(peer_subnet)
         with self._lock:
-            self._probed.add(peer)
+            if peer not in self._probed:
+                self._probed.add(peer)
+                self._probed_fresh.add(peer)
         values = (
             1.0 if reachable else 0.0,
             _gauge_value(rtt_seconds),

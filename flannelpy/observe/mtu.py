@@ -11,13 +11,14 @@ prober's DF probe is what verifies those paths.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import NamedTuple
 
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.memo import Delta, LeaseMemo
 
 
 class PeerMtu(NamedTuple):
@@ -69,19 +70,74 @@ def follow_mtu(
     peers: Iterable[Lease],
     memo: LeaseMemo[PeerOrder | None],
     last: MtuReport | None,
+    tally: MtuTally | None = None,
 ) -> MtuChange:
     """:func:`mtu_mismatches` for the writer's plans, which change a lease or two of
     thousands: ``memo`` keeps each lease's advertisement, ``last`` (the report of the
     memo's last call) stands while no lease changed and our MTU is the same, and what
     changed among the peers without an MTU comes from the leases that changed, not from
-    comparing every peer's entry (the report walks and sorts every peer)."""
+    comparing every peer's entry. ``tally`` (kept with ``memo``, given to every call or
+    to none) holds the report's two sorted lists between calls, changed in place by
+    those leases too: without it, a change walks and sorts every peer."""
     delta = memo.update(None, peers, peer_mtu)
-    if last is not None and not delta.added and not delta.dropped:
-        report = last if last.own_mtu == own_mtu else _report(own_mtu, delta.results)
-        return MtuChange(report, [], [])
-    return MtuChange(
-        _report(own_mtu, delta.results), _unknown(delta.added), _unknown(delta.dropped)
-    )
+    if last is not None and not delta.added and not delta.dropped and last.own_mtu == own_mtu:
+        return MtuChange(last, [], [])
+    report = _report(own_mtu, delta.results) if tally is None else tally.follow(own_mtu, delta)
+    return MtuChange(report, _unknown(delta.added), _unknown(delta.dropped))
+
+
+Sorted = tuple[list[tuple[int, int, int, int]], list[PeerMtu]]  # sort keys, entries
+
+
+class MtuTally:
+    """The mismatched and the unknown peers of the last report, each as two lists in
+    report order (sort keys, entries), changed by the advertisements that came and went:
+    a binary search and a move of pointers each, in C."""
+
+    def __init__(self) -> None:
+        self._own_mtu: int | None = None
+        self._mismatched: Sorted = ([], [])
+        self._unknown: Sorted = ([], [])
+
+    def follow(self, own_mtu: int, delta: Delta[PeerOrder | None]) -> MtuReport:
+        """The report after ``delta`` (the memo's answer for the same leases)."""
+        if own_mtu != self._own_mtu or not all(map(self._remove, delta.dropped)):
+            # Every peer judged again: our MTU changed, or (never seen) the tally is out of
+            # step with the memo.
+            self._own_mtu = own_mtu
+            self._mismatched, self._unknown = ([], []), ([], [])
+            added = delta.results
+        else:
+            added = delta.added
+        for entry in added:
+            target = self._list_of(entry)
+            if target is not None and entry is not None:
+                keys, items = target
+                at = bisect_right(keys, entry[0])
+                keys.insert(at, entry[0])
+                items.insert(at, entry[1])
+        return MtuReport(own_mtu, list(self._mismatched[1]), list(self._unknown[1]))
+
+    def _remove(self, entry: PeerOrder | None) -> bool:
+        target = self._list_of(entry)
+        if target is None or entry is None:
+            return True
+        keys, items = target
+        at = bisect_left(keys, entry[0])
+        while at < len(keys) and keys[at] == entry[0]:
+            if items[at] == entry[1]:
+                del keys[at], items[at]
+                return True
+            at += 1
+        return False
+
+    def _list_of(self, entry: PeerOrder | None) -> Sorted | None:
+        if entry is None:
+            return None
+        advertised = entry[1].advertised
+        if advertised is None:
+            return self._unknown
+        return self._mismatched if advertised != self._own_mtu else None
 
 
 def _unknown(entries: Iterable[PeerOrder | None]) -> list[PeerMtu]:

@@ -32,7 +32,7 @@ from flannelpy.dataplane import reconciler as reconciler_module
 from flannelpy.dataplane.diff import diff
 from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
 from flannelpy.dataplane.state import Changes, DesiredState, ObservedState
-from flannelpy.observe.mtu import MtuReport, follow_mtu, mtu_mismatches
+from flannelpy.observe.mtu import MtuReport, MtuTally, follow_mtu, mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.memo import LeaseMemo
@@ -116,6 +116,7 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
     dual = ctx.public_ipv6 is not None
     backend = get_backend(ctx.config.backend.type)
     memo, verdicts, mtus = PlanMemo(), LeaseMemo(), LeaseMemo()  # type: ignore[var-annotated]
+    tally = MtuTally()
     report: MtuReport | None = None
     own = [own_lease(1, dual, ctx)]
     for i, leases in enumerate(steps(rnd, dual, 40)):
@@ -132,7 +133,7 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
         got = backend.plan(ctx, own, peers, mac, memo)
         assert got == want, f"step {i}"
         before = report.unknown if report is not None else []
-        report, arrived, left = follow_mtu(1450, peers, mtus, report)
+        report, arrived, left = follow_mtu(1450, peers, mtus, report, tally)
         assert report == mtu_mismatches(1450, peers), f"step {i}"
         # What came and went among the peers without an MTU, entry by entry (a changed
         # lease's entry is a new one: it leaves and arrives).

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import random
 from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
-from flannelpy.observe.mtu import PeerMtu, PeerOrder, follow_mtu, mtu_mismatches
+from flannelpy.observe.mtu import (
+    MtuReport,
+    MtuTally,
+    PeerMtu,
+    PeerOrder,
+    follow_mtu,
+    mtu_mismatches,
+)
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.memo import Delta, LeaseMemo
 
 
 def lease(third_octet: int, mtu: int | None) -> Lease:
@@ -106,3 +114,37 @@ def test_followed_the_last_report_stands_while_no_lease_and_not_our_mtu_changed(
         IPv4Network("10.244.2.0/24"),
         IPv4Network("10.244.4.0/24"),
     ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_tally_gives_the_report_of_every_peer_over_random_changes(seed: int) -> None:
+    """Leases come, go and change their MTU, and our own MTU changes now and then: the
+    report kept by difference is the one computed from every peer, every step."""
+    rnd = random.Random(seed)
+    memo: LeaseMemo[PeerOrder | None] = LeaseMemo()
+    tally = MtuTally()
+    current: dict[int, Lease] = {}
+    report = None
+    own = 1450
+    for step in range(60):
+        for _ in range(rnd.randint(0, 4)):
+            octet = rnd.randint(2, 30)
+            if octet in current and rnd.random() < 0.4:
+                del current[octet]
+            else:
+                current[octet] = lease(octet, rnd.choice([None, 1450, 1400, 9000]))
+        if step % 17 == 16:
+            own = rnd.choice([1450, 1400])
+        peers = list(current.values())
+        rnd.shuffle(peers)
+        report = follow_mtu(own, peers, memo, report, tally).report
+        assert report == mtu_mismatches(own, peers), f"step {step}"
+
+
+def test_a_tally_out_of_step_with_its_memo_judges_every_peer_again() -> None:
+    tally = MtuTally()
+    known: PeerOrder = (lease(2, None).order, peer(2, None))
+    tally.follow(1450, Delta([known], [known], []))
+    stray: PeerOrder = (lease(3, None).order, peer(3, None))  # dropped, never counted
+    report = tally.follow(1450, Delta([known], [], [stray]))
+    assert report == MtuReport(1450, [], [peer(2, None)])
