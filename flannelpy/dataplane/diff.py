@@ -8,7 +8,8 @@ and created again, and everything on it is then treated as missing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import operator
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -51,11 +52,11 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
     fresh = {link.name for link in to_create} | set(to_delete)
     observed = _without_devices(observed, fresh)
 
-    routes_to_set, routes_to_delete = _by_identity(desired.routes, observed.routes, _route_id)
+    routes_to_set, routes_to_delete = _by_identity(desired.routes, observed.routes, _route_ids)
     routes_to_set.sort(key=_route_key)
     routes_to_delete.sort(key=_route_key)
     neighbours_to_set, neighbours_to_delete = _by_identity(
-        desired.neighbours, observed.neighbours, _neigh_id
+        desired.neighbours, observed.neighbours, _neigh_ids
     )
     neighbours_to_set.sort(key=_neigh_key)
     neighbours_to_delete.sort(key=_neigh_key)
@@ -94,45 +95,60 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
 
 
 def _by_identity(
-    desired: frozenset[E], observed: frozenset[E], identity: Callable[[E], Hashable]
+    desired: frozenset[E], observed: frozenset[E], ids: Callable[[Iterable[E]], list[Hashable]]
 ) -> tuple[list[E], list[E]]:
-    """(to set, to delete) of entries identified by ``identity`` (a route by its
-    destination, a neighbour by device and IP): a desired entry the kernel lacks or holds
-    otherwise is set; an observed one whose identity nothing desired has is deleted.
+    """(to set, to delete) of entries identified by ``ids`` (a route by its destination,
+    a neighbour by device and IP; ``ids`` maps entries to theirs in order): a desired
+    entry the kernel lacks or holds otherwise is set; an observed one whose identity
+    nothing desired has is deleted.
 
     A plan shares its unchanged entries with the kernel's view the last pass left (the
     same objects), so the two set differences, which compare the hashes the sets keep,
-    are all a pass for a new peer needs; identities (whose addresses hash in Python, a
-    few milliseconds per thousand peers) are computed for every observed entry only when
-    something observed is unwanted, and for every desired one only when two observed
-    entries share an identity."""
+    are all a pass for a new peer needs; identities are computed for every observed entry
+    only when something observed is unwanted, and for every desired one only when two
+    observed entries share an identity."""
     added = desired - observed
     unwanted = observed - desired
     if not unwanted:  # every observed entry is desired as it is
         return list(added), []
-    by_identity = {identity(entry): entry for entry in observed}
+    by_identity = dict(zip(ids(observed), observed, strict=True))
     if len(by_identity) == len(observed):
         # Each observed entry is the only one of its identity: one that is also desired
         # is left alone, and an unwanted one is replaced if an added entry has its
         # identity, else deleted.
-        added_ids = {identity(entry) for entry in added}
-        return list(added), [entry for entry in unwanted if identity(entry) not in added_ids]
-    wanted = {identity(entry) for entry in desired}
-    to_delete = [entry for entry in unwanted if identity(entry) not in wanted]
+        added_ids = set(ids(added))
+        return list(added), [
+            entry
+            for entry, key in zip(unwanted, ids(unwanted), strict=True)
+            if key not in added_ids
+        ]
+    wanted = set(ids(desired))
+    to_delete = [
+        entry for entry, key in zip(unwanted, ids(unwanted), strict=True) if key not in wanted
+    ]
     to_set = [
         entry
-        for entry in desired
-        if (have := by_identity.get(identity(entry))) is not entry and have != entry
+        for entry, key in zip(desired, ids(desired), strict=True)
+        if (have := by_identity.get(key)) is not entry and have != entry
     ]
     return to_set, to_delete
 
 
-def _route_id(route: Route) -> Hashable:
-    return route.dst
+# Identities as ipaddress compares addresses and networks (family, integer, prefix
+# length), read from its slots in C: an address's own __hash__ runs Python (a few
+# milliseconds per thousand entries), and a deletion needs every observed entry's.
+_IP = operator.attrgetter("_ip")
+_PREFIXLEN = operator.attrgetter("_prefixlen")
 
 
-def _neigh_id(neigh: Neighbour) -> Hashable:
-    return (neigh.ifname, neigh.ip)
+def _route_ids(routes: Iterable[Route]) -> list[Hashable]:
+    """Each route's identity: its destination."""
+    return [(type(dst := r.dst), _IP(dst.network_address), _PREFIXLEN(dst)) for r in routes]
+
+
+def _neigh_ids(neighbours: Iterable[Neighbour]) -> list[Hashable]:
+    """Each neighbour's identity: its device and IP."""
+    return [(n.ifname, type(ip := n.ip), _IP(ip)) for n in neighbours]
 
 
 def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:

@@ -3,7 +3,7 @@ entries shared with the last plan, changed, new, gone and duplicated in the kern
 
 from __future__ import annotations
 
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +81,17 @@ def test_the_diff_by_identity_is_the_plain_definition(peers: list[tuple[int, str
     assert list(changes.routes_to_set) == sorted(
         changes.routes_to_set, key=lambda r: int(r.dst.network_address)
     )
+
+
+def test_identities_of_the_two_families_never_meet() -> None:
+    """0.0.0.0/8 and ::/8 have the same number and length; the IPv4 route added does not
+    replace the unwanted IPv6 one, which is deleted (so with neighbours of one number)."""
+    v4 = Route(IPv4Network("0.0.0.0/8"), IPv4Address("192.168.0.1"), DEV, onlink=True)
+    v6 = Route(IPv6Network("::/8"), IPv6Address("fe80::1"), DEV)
+    n4 = Neighbour(DEV, IPv4Address(1), "02:aa:00:00:00:01")
+    n6 = Neighbour(DEV, IPv6Address(1), "02:aa:00:00:00:01")
+    kernel = ObservedState(routes=frozenset({v6}), neighbours=frozenset({n6}))
+    plan = DesiredState(routes=frozenset({v4}), neighbours=frozenset({n4}))
+    changes = diff(plan, kernel)
+    assert changes.routes_to_set == (v4,) and changes.routes_to_delete == (v6,)
+    assert changes.neighbours_to_set == (n4,) and changes.neighbours_to_delete == (n6,)
