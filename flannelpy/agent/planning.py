@@ -32,7 +32,7 @@ from flannelpy.observe.metrics import AgentMetrics
 from flannelpy.observe.mtu import (
     MtuReport,
     MtuTally,
-    PeerOrder,
+    PeerMtu,
     describe_mismatch,
     describe_unknown,
     follow_mtu,
@@ -158,7 +158,7 @@ class Planner:
         gives the same plan; tests compare the two)."""
         self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
         self._plans = PlanMemo()
-        self._mtus: LeaseMemo[PeerOrder | None] = LeaseMemo()
+        self._mtus: LeaseMemo[PeerMtu | None] = LeaseMemo()
         self._mtu_tally = MtuTally()  # the MTU report's lists, kept with self._mtus
         self._probes: LeaseMemo[ProbeEntries] = LeaseMemo()
 

@@ -25,7 +25,7 @@ def check_mtu(facts: NodeFacts, plan: Plan) -> list[Finding]:
         *_flanneld_ipv6_mtus(plan),
     ]
     if not findings:
-        unknown = len(report.unknown)
+        unknown = report.unknown
         also = f"; {unknown} advertise none (flanneld), probes verify those" if unknown else ""
         findings.append(
             Finding(

@@ -292,7 +292,7 @@ class AgentMetrics:
         if report is None or report.own_mtu != own:
             report = mtu_mismatches(own, peers)
         self._mtu.mismatch.set(len(report.mismatched))
-        self._mtu.unknown.set(len(report.unknown))
+        self._mtu.unknown.set(report.unknown)
 
     # -- reconciler -------------------------------------------------------------------
 

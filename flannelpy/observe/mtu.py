@@ -10,8 +10,6 @@ prober's DF probe is what verifies those paths.
 
 from __future__ import annotations
 
-import operator
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
@@ -31,11 +29,11 @@ class PeerMtu(NamedTuple):
 
 @dataclass(frozen=True)
 class MtuReport:
-    """Peers whose advertised overlay MTU differs from ours, and peers that advertise none."""
+    """Peers whose advertised overlay MTU differs from ours, and how many advertise none."""
 
     own_mtu: int
     mismatched: list[PeerMtu] = field(default_factory=list)
-    unknown: list[PeerMtu] = field(default_factory=list)
+    unknown: int = 0
 
     @property
     def consistent(self) -> bool:
@@ -43,17 +41,15 @@ class MtuReport:
         return not self.mismatched
 
     def sentences(self) -> list[str]:
-        """One sentence per mismatched, then per unknown peer, for logs and ``doctor``."""
-        return [describe_mismatch(self.own_mtu, p) for p in self.mismatched] + [
-            describe_unknown(p) for p in self.unknown
-        ]
+        """One sentence per mismatched peer, for logs and ``doctor``."""
+        return [describe_mismatch(self.own_mtu, p) for p in self.mismatched]
 
 
 def mtu_mismatches(own_mtu: int, peers: Iterable[Lease]) -> MtuReport:
     """Compare our overlay MTU with what each peer lease advertises.
 
     Output is sorted by subnet so logs and metrics are stable between runs."""
-    return _report(own_mtu, [peer_mtu(lease) for lease in peers])
+    return _report(own_mtu, [peer_mtu(lease, own_mtu) for lease in peers])
 
 
 class MtuChange(NamedTuple):
@@ -68,113 +64,96 @@ class MtuChange(NamedTuple):
 def follow_mtu(
     own_mtu: int,
     peers: Iterable[Lease],
-    memo: LeaseMemo[PeerOrder | None],
+    memo: LeaseMemo[PeerMtu | None],
     last: MtuReport | None,
     tally: MtuTally | None = None,
 ) -> MtuChange:
     """:func:`mtu_mismatches` for the writer's plans, which change a lease or two of
-    thousands: ``memo`` keeps each lease's advertisement, ``last`` (the report of the
-    memo's last call) stands while no lease changed and our MTU is the same, and what
-    changed among the peers without an MTU comes from the leases that changed, not from
-    comparing every peer's entry. ``tally`` (kept with ``memo``, given to every call or
-    to none) holds the report's two sorted lists between calls, changed in place by
-    those leases too: without it, a change walks and sorts every peer."""
-    delta = memo.update(None, peers, peer_mtu)
+    thousands: ``memo`` keeps what each lease advertises unlike us (nothing for a peer of
+    our MTU), ``last`` (the report of the memo's last call) stands while no lease changed
+    and our MTU is the same, and what changed among the peers without an MTU comes from
+    the leases that changed, not from comparing every peer's entry. ``tally`` (kept with
+    ``memo``, given to every call or to none) holds the report between calls, changed by
+    those leases too: without it, a change walks every peer."""
+    delta = memo.update(own_mtu, peers, lambda lease: peer_mtu(lease, own_mtu))
     if last is not None and not delta.added and not delta.dropped and last.own_mtu == own_mtu:
         return MtuChange(last, [], [])
     report = _report(own_mtu, delta.results) if tally is None else tally.follow(own_mtu, delta)
     return MtuChange(report, _unknown(delta.added), _unknown(delta.dropped))
 
 
-Sorted = tuple[list[tuple[int, int, int, int]], list[PeerMtu]]  # sort keys, entries
-
-
 class MtuTally:
-    """The mismatched and the unknown peers of the last report, each as two lists in
-    report order (sort keys, entries), changed by the advertisements that came and went:
-    a binary search and a move of pointers each, in C."""
+    """The last report's mismatched peers and its count of peers of unknown MTU, changed
+    by the advertisements that came and went."""
 
     def __init__(self) -> None:
         self._own_mtu: int | None = None
-        self._mismatched: Sorted = ([], [])
-        self._unknown: Sorted = ([], [])
+        self._mismatched: set[PeerMtu] = set()
+        self._unknown = 0
 
-    def follow(self, own_mtu: int, delta: Delta[PeerOrder | None]) -> MtuReport:
+    def follow(self, own_mtu: int, delta: Delta[PeerMtu | None]) -> MtuReport:
         """The report after ``delta`` (the memo's answer for the same leases)."""
         if own_mtu != self._own_mtu or not all(map(self._remove, delta.dropped)):
             # Every peer judged again: our MTU changed, or (never seen) the tally is out of
             # step with the memo.
             self._own_mtu = own_mtu
-            self._mismatched, self._unknown = ([], []), ([], [])
+            self._mismatched, self._unknown = set(), 0
             added = delta.results
         else:
             added = delta.added
         for entry in added:
-            target = self._list_of(entry)
-            if target is not None and entry is not None:
-                keys, items = target
-                at = bisect_right(keys, entry[0])
-                keys.insert(at, entry[0])
-                items.insert(at, entry[1])
-        return MtuReport(own_mtu, list(self._mismatched[1]), list(self._unknown[1]))
+            if entry is None:
+                continue
+            if entry.advertised is None:
+                self._unknown += 1
+            else:
+                self._mismatched.add(entry)
+        return MtuReport(own_mtu, sorted(self._mismatched, key=_sort_key), self._unknown)
 
-    def _remove(self, entry: PeerOrder | None) -> bool:
-        target = self._list_of(entry)
-        if target is None or entry is None:
+    def _remove(self, entry: PeerMtu | None) -> bool:
+        if entry is None:
             return True
-        keys, items = target
-        at = bisect_left(keys, entry[0])
-        while at < len(keys) and keys[at] == entry[0]:
-            if items[at] == entry[1]:
-                del keys[at], items[at]
-                return True
-            at += 1
+        if entry.advertised is None:
+            self._unknown -= 1
+            return self._unknown >= 0
+        if entry in self._mismatched:
+            self._mismatched.discard(entry)
+            return True
         return False
 
-    def _list_of(self, entry: PeerOrder | None) -> Sorted | None:
-        if entry is None:
-            return None
-        advertised = entry[1].advertised
-        if advertised is None:
-            return self._unknown
-        return self._mismatched if advertised != self._own_mtu else None
+
+def _unknown(entries: Iterable[PeerMtu | None]) -> list[PeerMtu]:
+    return sorted((e for e in entries if e is not None and e.advertised is None), key=_sort_key)
 
 
-def _unknown(entries: Iterable[PeerOrder | None]) -> list[PeerMtu]:
-    found = [e for e in entries if e is not None and e[1].advertised is None]
-    found.sort(key=_ORDER)
-    return [p for _, p in found]
-
-
-def _report(own_mtu: int, found: Iterable[PeerOrder | None]) -> MtuReport:
-    mismatched: list[PeerOrder] = []
-    unknown: list[PeerOrder] = []
+def _report(own_mtu: int, found: Iterable[PeerMtu | None]) -> MtuReport:
+    mismatched: list[PeerMtu] = []
+    unknown = 0
     for entry in found:
         if entry is None:
             continue
-        advertised = entry[1].advertised
-        if advertised is None:
-            unknown.append(entry)
-        elif advertised != own_mtu:
+        if entry.advertised is None:
+            unknown += 1
+        elif entry.advertised != own_mtu:
             mismatched.append(entry)
-    mismatched.sort(key=_ORDER)
-    unknown.sort(key=_ORDER)
-    return MtuReport(own_mtu, [p for _, p in mismatched], [p for _, p in unknown])
+    mismatched.sort(key=_sort_key)
+    return MtuReport(own_mtu, mismatched, unknown)
 
 
-# A peer's advertisement and where it sorts (Lease.order).
-PeerOrder = tuple[tuple[int, int, int, int], PeerMtu]
-
-
-def peer_mtu(lease: Lease) -> PeerOrder | None:
-    """What one lease advertises (None: it has no address to name it by)."""
+def peer_mtu(lease: Lease, own_mtu: int | None = None) -> PeerMtu | None:
+    """What one lease advertises; None when it has no address to name it by or, given
+    ``own_mtu``, advertises that (nothing to report: most peers, kept as nothing)."""
     ip = lease.attrs.public_ip or lease.attrs.public_ipv6
-    if ip is None:
+    if ip is None or (own_mtu is not None and lease.attrs.mtu == own_mtu):
         return None
-    return (lease.order, PeerMtu(lease.subnets[0], ip, lease.attrs.mtu))
+    return PeerMtu(lease.subnets[0], ip, lease.attrs.mtu)
 
 
-_ORDER = operator.itemgetter(0)  # a PeerOrder's sort key, in C
+def _sort_key(peer: PeerMtu) -> tuple[bool, int, int]:
+    """Lease.order for the subnet an entry names: IPv6-only leases first, then by IPv4
+    subnet (no two leases share their first subnet)."""
+    subnet = peer.subnet
+    return (subnet.version == 4, int(subnet.network_address), subnet.prefixlen)
 
 
 def describe_mismatch(own_mtu: int, peer: PeerMtu) -> str:

@@ -11,7 +11,7 @@ from flannelpy.observe.mtu import (
     MtuReport,
     MtuTally,
     PeerMtu,
-    PeerOrder,
+    describe_unknown,
     follow_mtu,
     mtu_mismatches,
 )
@@ -53,9 +53,9 @@ def test_mtu_mismatches(
     report = mtu_mismatches(own, [lease(o, m) for o, m in peers])
     assert report.own_mtu == own
     assert report.mismatched == [peer(o, m) for o, m in mismatched]
-    assert report.unknown == [peer(o, m) for o, m in unknown]
+    assert report.unknown == len(unknown)
     assert report.consistent is (not mismatched)
-    assert len(report.sentences()) == len(mismatched) + len(unknown)
+    assert len(report.sentences()) == len(mismatched)
 
 
 def test_peer_mtu_unpacks_as_a_triple() -> None:
@@ -65,10 +65,11 @@ def test_peer_mtu_unpacks_as_a_triple() -> None:
 
 def test_sentences_say_what_is_wrong_and_what_to_do() -> None:
     report = mtu_mismatches(1450, [lease(2, 1400), lease(3, None)])
-    mismatch, unknown = report.sentences()
+    (mismatch,) = report.sentences()
     assert mismatch.startswith("peer 10.244.2.0/24 (192.168.50.2) advertises overlay MTU 1400")
     assert "this node uses 1450" in mismatch and "over 1400 bytes" in mismatch
     assert "same underlay MTU" in mismatch
+    unknown = describe_unknown(peer(3, None))
     assert unknown.startswith("peer 10.244.3.0/24 (192.168.50.3) advertises no overlay MTU")
     assert "\n" not in mismatch + unknown
 
@@ -87,11 +88,11 @@ def test_advertised_mtu_round_trips_through_the_lease_json() -> None:
         ],
     )
     assert [p.advertised for p in report.mismatched] == [1400]
-    assert [str(p.subnet) for p in report.unknown] == ["10.244.3.0/24"]
+    assert report.unknown == 1
 
 
 def test_followed_the_last_report_stands_while_no_lease_and_not_our_mtu_changed() -> None:
-    memo: LeaseMemo[PeerOrder | None] = LeaseMemo()
+    memo: LeaseMemo[PeerMtu | None] = LeaseMemo()
     leases = [lease(2, 1450), lease(3, None), lease(4, 1400), lease(5, None)]
     first, arrived, left = follow_mtu(1450, leases, memo, None)
     assert first == mtu_mismatches(1450, leases)
@@ -121,7 +122,7 @@ def test_the_tally_gives_the_report_of_every_peer_over_random_changes(seed: int)
     """Leases come, go and change their MTU, and our own MTU changes now and then: the
     report kept by difference is the one computed from every peer, every step."""
     rnd = random.Random(seed)
-    memo: LeaseMemo[PeerOrder | None] = LeaseMemo()
+    memo: LeaseMemo[PeerMtu | None] = LeaseMemo()
     tally = MtuTally()
     current: dict[int, Lease] = {}
     report = None
@@ -143,8 +144,12 @@ def test_the_tally_gives_the_report_of_every_peer_over_random_changes(seed: int)
 
 def test_a_tally_out_of_step_with_its_memo_judges_every_peer_again() -> None:
     tally = MtuTally()
-    known: PeerOrder = (lease(2, None).order, peer(2, None))
+    known = peer(2, 1400)
     tally.follow(1450, Delta([known], [known], []))
-    stray: PeerOrder = (lease(3, None).order, peer(3, None))  # dropped, never counted
+    stray = peer(3, 9000)  # dropped, never counted
     report = tally.follow(1450, Delta([known], [], [stray]))
-    assert report == MtuReport(1450, [], [peer(2, None)])
+    assert report == MtuReport(1450, [known], 0)
+    unknown = peer(4, None)
+    tally.follow(1450, Delta([known, unknown], [unknown], []))
+    report = tally.follow(1450, Delta([known], [], [unknown, peer(5, None)]))  # one too many
+    assert report == MtuReport(1450, [known], 0)
