@@ -16,6 +16,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from flannelpy.subnet.bounded_json import loads_bounded
+from flannelpy.subnet.json_object import JsonObject
 from flannelpy.subnet.keys import subnet_to_key
 
 EXTENSION_KEY = "Flannelpy"
@@ -132,11 +133,12 @@ def _ipv6_or_none(value: Any) -> IPv6Address | None:
 
 
 def _object_or_none(value: Any) -> Mapping[str, Any] | None:
-    """A JSON object, its keys interned: JSON's decoder gives every lease its own
-    ``"VNI"`` and ``"VtepMAC"``, which thousands of leases can share."""
+    """A JSON object as a :class:`JsonObject`: JSON's decoder gives every lease a dict
+    of its own, with its own ``"VNI"`` and ``"VtepMAC"``, where thousands of leases can
+    share the names and keep their values in a tuple."""
     if not isinstance(value, dict):
         return None
-    return {sys.intern(key): item for key, item in value.items()}
+    return JsonObject(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from typing import Any
 from flannelpy.config.netconf import NetworkConfig
 from flannelpy.errors import ConfigError
 from flannelpy.subnet.bounded_json import loads_bounded
+from flannelpy.subnet.json_object import JsonObject
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 
 Node = Mapping[str, Any]  # a Node object as JSON
@@ -344,7 +345,7 @@ def _backend_data(text: Any, key: str) -> Mapping[str, Any] | None:
     value = _json_object(text)
     if value is None:
         raise NotALease(f"annotation {key} is not a JSON object: {str(text)[:60]!r}")
-    return value
+    return JsonObject(value)  # a thousand Nodes' share their names
 
 
 def leases_by_key(by_node: Mapping[str, Lease], own_node: str | None) -> dict[str, Lease]:
