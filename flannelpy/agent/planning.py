@@ -175,10 +175,10 @@ class Planner:
         # (it is told by no one else), so one lease among thousands costs that lease.
         delta = self._probes.update(ipv6, peers, lambda p: probe_entries(p, ipv6))
         if delta.added or delta.dropped:
-            self.prober.change_peers(
-                {key: value for entries in delta.added for key, value in entries},
-                [key for entries in delta.dropped for key, _ in entries],
-            )
+            added = {key: value for entries in delta.added for key, value in entries}
+            left = [key for entries in delta.dropped for key, _ in entries if key not in added]
+            self.prober.change_peers(added, left)
+            self.metrics.forget_probes(left)  # a late round's result is not reported
 
     def replan(self) -> None:
         """Plan from the whole current state and hand the plan to the reconciler."""

@@ -258,9 +258,13 @@ class Writer:
         elif isinstance(event, ControlChanged):
             self.live.take(event.snapshot)
         elif isinstance(event, ProbeReported):
+            prober = self.planner.prober
             for key, r in event.results:
                 self.status.probe_seen(key)
-                self.metrics.probe(key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
+                # A round that began before its peer left is not reported: the peer's
+                # series went when it left (Planner.follow_peers).
+                if prober is None or prober.follows(key):
+                    self.metrics.probe(key, r.reachable, r.rtt_seconds, r.loss_ratio, r.mtu_ok)
         elif isinstance(event, CapacityLow):
             s.capacity_due = True
         elif isinstance(event, WireguardConfirmed):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import re
 import threading
 import time
@@ -65,7 +66,6 @@ from flannelpy.observe.mtu import MtuReport, mtu_mismatches
 from flannelpy.observe.policy_metrics import PolicyCollector, PolicyReading
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.memo import LeaseMemo
 
 log = logging.getLogger("flannelpy.observe.metrics")
 
@@ -85,11 +85,7 @@ def _label(value: str, allowed: Sequence[str] | None = None) -> str:
     return folded if _SAFE_LABEL.fullmatch(folded) else "other"
 
 
-def _peer_facts(lease: Lease) -> tuple[str, ...]:
-    """What the peer metrics keep of a lease, in one tuple: its backend's label, then the
-    probe series' peer labels it keeps (its subnets as text)."""
-    label = _label(lease.attrs.backend_type or "unknown")
-    return (label, *(str(net) for net in (lease.subnet, lease.ipv6_subnet) if net))
+_backend_type = operator.attrgetter("attrs.backend_type")  # of a Lease, in C
 
 
 def _family(peer_subnet: str) -> str:
@@ -141,13 +137,6 @@ class AgentMetrics:
         self._overlay_mtu: int | None = None
         self._peer_leases: list[Lease] = []
         self._backends: set[str] = set()
-        self._probed: set[str] = set()
-        # Per peer lease, kept between calls of peers() (the writer's only): its backend
-        # and probe names, the count of each backend, and of the names.
-        self._peer_facts: LeaseMemo[tuple[str, ...]] = LeaseMemo()
-        self._backend_counts: Counter[str] = Counter()
-        self._peer_names: set[str] = set()  # every peer's probe names (strings shared)
-        self._probed_fresh: set[str] = set()  # probed since peers() last looked
         self._leases: set[str] = set()
         self._pools: set[str] = set()
         r = self.registry
@@ -243,35 +232,28 @@ class AgentMetrics:
     def peers(self, leases: Iterable[Lease], mtu: MtuReport | None = None) -> None:
         """The current peer leases (other nodes only, never ours): counts by backend,
         MTU mismatches against the overlay MTU (``mtu``: the caller's report of these
-        peers, else computed); drops probe series of peers gone. The counts and the
-        series to drop follow the leases that came and went since the last call."""
+        peers, else computed). The probe series of peers that left go by
+        :meth:`forget_probes` (the planner knows which left)."""
         peers = list(leases)
-        delta = self._peer_facts.update(None, peers, _peer_facts)
-        counts = self._backend_counts
-        counts.subtract(facts[0] for facts in delta.dropped)
-        counts.update(facts[0] for facts in delta.added)
-        counts = self._backend_counts = +counts  # without the backends no peer has now
-        names = self._peer_names
-        left = {name for facts in delta.dropped for name in facts[1:]}
-        left.difference_update(name for facts in delta.added for name in facts[1:])
-        names.difference_update(left)
-        names.update(name for facts in delta.added for name in facts[1:])
+        counts: dict[str, int] = {}
+        for backend_type, count in Counter(map(_backend_type, peers)).items():  # in C
+            backend = _label(backend_type or "unknown")
+            counts[backend] = counts.get(backend, 0) + count
         with self._lock:
             self._peer_leases = peers
-            # A series of a peer that left, and a new one of a peer that is not (or no
-            # longer: the prober reported a round begun before the peer left).
-            gone = self._probed & left
-            gone.update(name for name in self._probed_fresh if name not in names)
-            self._probed_fresh.clear()
             vanished = self._backends - counts.keys()
             self._backends = set(counts)
         for backend, count in counts.items():
             self._lease.peers.labels(backend).set(count)
         for backend in vanished:
             self._lease.peers.remove(backend)
-        for peer in gone:
-            self.forget_probe(peer)
         self._update_mtu_consistency(mtu)
+
+    def forget_probes(self, peer_subnets: Iterable[str]) -> None:
+        """Remove the probe series of these peers' subnets (the prober no longer follows
+        them); those of no series are ignored."""
+        for peer in peer_subnets:
+            self._probe.remove(peer, _family(peer))
 
     def peers_without_path(self, count: int) -> None:
         """How many peers the latest plan found no path to (not a readiness matter)."""
@@ -354,10 +336,6 @@ class AgentMetrics:
         of that family and the family ("ipv4", "ipv6": at most two series per peer).
         None means "not known yet" and is exported as NaN."""
         peer = str(peer_subnet)
-        with self._lock:
-            if peer not in self._probed:
-                self._probed.add(peer)
-                self._probed_fresh.add(peer)
         values = (
             1.0 if reachable else 0.0,
             _gauge_value(rtt_seconds),
@@ -368,10 +346,7 @@ class AgentMetrics:
 
     def forget_probe(self, peer_subnet: IPv4Network | IPv6Network | str) -> None:
         """Remove a peer's probe series of that subnet's family (it left the cluster)."""
-        peer = str(peer_subnet)
-        with self._lock:
-            self._probed.discard(peer)
-        self._probe.remove(peer, _family(peer))
+        self.forget_probes([str(peer_subnet)])
 
     def agent_event(self, kind: str) -> None:
         """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""

@@ -184,6 +184,11 @@ class Prober:
             gone = [key for key in self._peers if key not in peers]
             self._change(peers, gone)
 
+    def follows(self, key: str) -> bool:
+        """Whether ``key`` is one of the peers probed now."""
+        with self._lock:
+            return key in self._peers
+
     def change_peers(
         self,
         added: Mapping[str, tuple[IPv4Address | IPv6Address, str]],

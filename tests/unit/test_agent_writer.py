@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,10 @@ from flannelpy.agent.events import (
 )
 from flannelpy.agent.node import THREAD_GRACE_SECONDS
 from flannelpy.observe.probe_verdict import ProbeResult
-from tests.support.agent_fakes import AgentHarness
+from flannelpy.observe.prober import Prober
+from flannelpy.subnet.keys import lease_key
+from flannelpy.subnet.lease import LeaseAttrs
+from tests.support.agent_fakes import PREFIX, AgentHarness
 
 PROBE = ProbeResult(
     reachable=True, rtt_seconds=0.001, loss_ratio=0.0, mtu_ok=True, last_error=None, probes=1
@@ -96,3 +100,58 @@ def test_a_dying_task_stops_the_agent(agent: AgentHarness) -> None:
     assert time.monotonic() - started < THREAD_GRACE_SECONDS
     assert not agent.pods or not agent.pods.started
     assert all(not t.is_alive() for t in agent.agent._threads)
+
+
+class _NoTransport:
+    """The prober is never run here: only its peer set is followed."""
+
+    def send(self, *_: object) -> int:
+        raise AssertionError("no probe is sent")
+
+
+def test_a_peer_that_leaves_takes_its_probe_series_and_a_late_round_adds_none(
+    agent: AgentHarness,
+) -> None:
+    """The planner tells the metrics which peers the prober stopped following; a round
+    that began before its peer left reports after, and is not shown."""
+    prober = Prober(
+        _NoTransport(),  # type: ignore[arg-type]
+        mtu_provider=lambda: 1450,
+        own_address_provider=lambda: None,
+    )
+    agent.writer.planner.prober = prober
+    for third in (7, 8):
+        attrs = LeaseAttrs(public_ip=IPv4Address(f"192.168.1.{third}"), backend_type="host-gw")
+        agent.store.put(
+            lease_key(PREFIX, IPv4Network(f"10.244.{third}.0/24")), attrs.to_json().encode()
+        )
+    agent.deliver_leases()
+    assert prober.follows("10.244.7.0/24") and prober.follows("10.244.8.0/24")
+    agent.put(ProbeReported((("10.244.7.0/24", PROBE), ("10.244.8.0/24", PROBE))))
+    agent.drain()
+
+    def probed() -> set[str]:
+        return {
+            dict(labels)["peer"]
+            for name, labels in _series(agent)
+            if name == "flannelpy_peer_reachable"
+        }
+
+    assert probed() == {"10.244.7.0/24", "10.244.8.0/24"}
+    gone = agent.store.get(lease_key(PREFIX, IPv4Network("10.244.7.0/24")))
+    assert gone is not None
+    assert agent.store.delete_if_mod_revision(gone.key, gone.mod_revision)
+    agent.deliver_leases()
+    assert not prober.follows("10.244.7.0/24")
+    assert probed() == {"10.244.8.0/24"}
+    agent.put(ProbeReported((("10.244.7.0/24", PROBE),)))  # the late round
+    agent.drain()
+    assert probed() == {"10.244.8.0/24"}
+
+
+def _series(agent: AgentHarness) -> list[tuple[str, frozenset[tuple[str, str]]]]:
+    return [
+        (sample.name, frozenset(sample.labels.items()))
+        for family in agent.agent.metrics.registry.collect()
+        for sample in family.samples
+    ]
