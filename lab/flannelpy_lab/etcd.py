@@ -275,7 +275,7 @@ def _lease_doc(key: str, value: bytes) -> dict[str, Any]:
         public_ip=str(attrs.public_ip) if attrs.public_ip is not None else None,
         backend=attrs.backend_type,
         node_name=attrs.node_name,
-        backend_data=json.loads(json.dumps(attrs.backend_data)) if attrs.backend_data else None,
+        backend_data=dict(attrs.backend_data) if attrs.backend_data else None,
         public_ipv6=str(attrs.public_ipv6) if attrs.public_ipv6 is not None else None,
     )
     return doc

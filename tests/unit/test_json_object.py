@@ -54,3 +54,17 @@ def test_a_lease_value_round_trips_through_it() -> None:
     assert attrs.vtep_mac == "02:aa:00:00:00:01"
     assert json.loads(attrs.to_json()) == json.loads(raw)
     assert LeaseAttrs.from_json(attrs.to_json()) == attrs
+
+
+def test_the_lab_reads_a_lease_with_its_backend_data_as_json() -> None:
+    """The lab's lease listing (what `flannelpy-lab leases` prints and the lab's
+    readiness of a flanneld node reads) serialises BackendData."""
+    from flannelpy_lab.etcd import _lease_doc
+
+    value = (
+        b'{"PublicIP":"100.64.0.2","BackendType":"vxlan",'
+        b'"BackendData":{"VNI":1,"VtepMAC":"02:aa:00:00:00:01"}}'
+    )
+    doc = _lease_doc("10.244.5.0-24", value)
+    assert doc["error"] is None and doc["public_ip"] == "100.64.0.2"
+    assert json.loads(json.dumps(doc))["backend_data"] == {"VNI": 1, "VtepMAC": "02:aa:00:00:00:01"}
