@@ -11,7 +11,6 @@ carry lab traffic out of the machine.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
