@@ -344,10 +344,6 @@ class AgentMetrics:
         )
         self._probe.set(peer, _family(peer), values)
 
-    def forget_probe(self, peer_subnet: IPv4Network | IPv6Network | str) -> None:
-        """Remove a peer's probe series of that subnet's family (it left the cluster)."""
-        self.forget_probes([str(peer_subnet)])
-
     def agent_event(self, kind: str) -> None:
         """The agent's writer handled one event (kind: one of AGENT_EVENT_KINDS)."""
         self._agent_events.labels(_label(kind, AGENT_EVENT_KINDS)).inc()

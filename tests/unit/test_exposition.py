@@ -144,7 +144,7 @@ def test_agent_metrics_render_as_the_library_does() -> None:
         m.probe(lease.subnet, i != 1, 0.0004 * (i + 1), None, i == 0)
     m.cni_request("ADD", 0, 0.004)
     assert m.exposition() == generate_latest(m.registry)
-    m.forget_probe(leases[0].subnet)
+    m.forget_probes([str(leases[0].subnet)])
     assert m.exposition() == generate_latest(m.registry)
 
 

@@ -536,7 +536,7 @@ def test_probe_series_of_departed_peers_are_removed(metrics: AgentMetrics) -> No
         if name.startswith("flannelpy_peer_")
     }
     assert peers == {"10.244.3.0/24"}
-    metrics.forget_probe("10.244.3.0/24")
+    metrics.forget_probes(["10.244.3.0/24"])
     assert not [n for (n, _) in scrape(metrics) if n.startswith("flannelpy_peer_")]
     # A peer that comes back has its series again (none kept from before it left).
     metrics.probe("10.244.3.0/24", False, None, 1.0, None)
