@@ -525,17 +525,37 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
         if k.startswith("containerd/") and r and procs.alive(r)
     }
     assert set(containerd) == {"n1", "n2"}
-    namespaces = {os.stat(f"/proc/{r.pid}/ns/mnt").st_ino for r in containerd.values()}
-    with open(f"/proc/{containerd['n1'].pid}/mountinfo", encoding="utf-8") as f:
-        assert os.path.join(kubelet.node_base(lab.node("n1")), "kubelet", "pods") in f.read()
-    lab.down()
+    # Held open until the end: a freed namespace's inode number is soon another's (a
+    # parallel lab's `ip netns exec` took one), and a held namespace is not freed.
+    held = [os.open(f"/proc/{r.pid}/ns/mnt", os.O_RDONLY) for r in containerd.values()]
+    try:
+        namespaces = {(s.st_dev, s.st_ino) for s in map(os.fstat, held)}
+        with open(f"/proc/{containerd['n1'].pid}/mountinfo", encoding="utf-8") as f:
+            assert os.path.join(kubelet.node_base(lab.node("n1")), "kubelet", "pods") in f.read()
+        lab.down()
+        _assert_namespaces_emptied(namespaces)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert not any(procs.alive(r) for r in refs)
+    assert procs.wait_gone(pod_refs, 15.0) == [], "pod processes outlived down()"
+    for hierarchy in cgroups.hierarchies():
+        assert not [d for d in os.listdir(hierarchy) if d.startswith(f"fpl-{lab.name}-")]
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        assert lab.state.lab_dir not in f.read()
+    assert not os.path.exists(lab.state.lab_dir)
+
+
+def _assert_namespaces_emptied(namespaces: set[tuple[int, int]]) -> None:
+    """Every process in the given mount namespaces goes within 15 s."""
 
     def holders() -> list[str]:
         """Processes still in the nodes' mount namespaces, with their command lines."""
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):  # gone, or not ours to look at
-                if os.stat(f"/proc/{pid}/ns/mnt").st_ino in namespaces:
+                st = os.stat(f"/proc/{pid}/ns/mnt")
+                if (st.st_dev, st.st_ino) in namespaces:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         argv = f.read().replace(b"\0", b" ").decode(errors="replace")
                     found.append(f"{pid}: {argv[:200]}")
@@ -547,10 +567,3 @@ def test_down_stops_every_kubelet_containerd_and_pod(lab: Lab) -> None:
     while (left := holders()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], f"still in the nodes' mount namespaces 15 s after down(): {left}"
-    assert not any(procs.alive(r) for r in refs)
-    assert procs.wait_gone(pod_refs, 15.0) == [], "pod processes outlived down()"
-    for hierarchy in cgroups.hierarchies():
-        assert not [d for d in os.listdir(hierarchy) if d.startswith(f"fpl-{lab.name}-")]
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        assert lab.state.lab_dir not in f.read()
-    assert not os.path.exists(lab.state.lab_dir)
