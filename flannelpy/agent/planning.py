@@ -39,8 +39,8 @@ from flannelpy.observe.mtu import (
 )
 from flannelpy.observe.prober import Prober
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.memo import LeaseMemo
-from flannelpy.subnet.validate import Bounds, Rejection, split_peers
+from flannelpy.subnet.memo import LeaseList, LeaseMemo
+from flannelpy.subnet.validate import Bounds, PeerSplit, Rejection
 
 if TYPE_CHECKING:
     from flannelpy.dataplane.wgspec import WgDeviceSpec
@@ -156,7 +156,7 @@ class Planner:
     def forget(self) -> None:
         """Drop what earlier plans found: the next plan computes every lease anew (it
         gives the same plan; tests compare the two)."""
-        self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
+        self._split = PeerSplit()  # the verdicts, and each plan's peers made after the last's
         self._plans = PlanMemo()
         self._mtus: LeaseMemo[PeerMtu | None] = LeaseMemo()
         self._mtu_tally = MtuTally()  # the MTU report's lists, kept with self._mtus
@@ -185,8 +185,7 @@ class Planner:
         s = self.state
         if not s.own:
             return
-        self.check_peers()
-        peers = s.peers()
+        peers = self.check_peers()
         self.metrics.peers(peers, self.check_mtu(peers))
         self.follow_peers(peers)
         vtep_mac = self.vtep.if_needed(s.backend, s.ctx, peers)
@@ -258,11 +257,13 @@ class Planner:
         s = self.state
         return node_bounds(s.ctx, s.own, [p.network for p in s.pools])
 
-    def check_peers(self) -> None:
+    def check_peers(self) -> LeaseList:
         """Set aside the peer leases that must never reach the kernel; each new rejection
-        is logged once and counted (with the values the store could not even parse)."""
+        is logged once and counted (with the values the store could not even parse).
+        The others are the peers to plan (:meth:`NodeState.peers`), as a list made after
+        the last plan's, which the plan's memos follow."""
         s = self.state
-        _, rejected = split_peers(s.leases, (x.key for x in s.own), self.bounds(), self._verdicts)
+        peers, rejected = self._split.split(s.leases, (x.key for x in s.own), self.bounds())
         for key, why in self.undecodable().items():
             rejected.setdefault(key, why)
         for key, why in sorted(rejected.items()):
@@ -273,6 +274,7 @@ class Planner:
                 )
                 self.metrics.rejected_lease(why.reason)
         s.rejected = rejected
+        return peers
 
     def check_mtu(self, peers: Sequence[Lease]) -> MtuReport:
         """Peers must agree on the overlay MTU, or large packets vanish silently between them.

@@ -117,8 +117,10 @@ class NodeState:
         return list(others.values())
 
     def peer_count(self) -> int:
-        own_keys = {lease.key for lease in self.own}
-        return len(self.leases.keys() - own_keys - self.rejected.keys())
+        """``len(self.peers())``, in what ours and the rejected number, not the leases."""
+        leases = self.leases
+        set_aside = {lease.key for lease in self.own} | self.rejected.keys()
+        return len(leases) - sum(key in leases for key in set_aside)
 
     def own_subnets(self) -> list[IPv4Network]:
         return [lease.subnet for lease in self.own if lease.subnet is not None]

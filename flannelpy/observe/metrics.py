@@ -66,6 +66,7 @@ from flannelpy.observe.mtu import MtuReport, mtu_mismatches
 from flannelpy.observe.policy_metrics import PolicyCollector, PolicyReading
 from flannelpy.observe.scrape import IpamProvider, LinkProvider, ScrapeCollector
 from flannelpy.subnet.lease import Lease
+from flannelpy.subnet.memo import LeaseList
 
 log = logging.getLogger("flannelpy.observe.metrics")
 
@@ -136,6 +137,7 @@ class AgentMetrics:
         self._policy_provider: Callable[[], PolicyReading | None] | None = None
         self._overlay_mtu: int | None = None
         self._peer_leases: list[Lease] = []
+        self._peer_types: Counter[str | None] = Counter()  # of _peer_leases, by backend
         self._backends: set[str] = set()
         self._leases: set[str] = set()
         self._pools: set[str] = set()
@@ -234,9 +236,25 @@ class AgentMetrics:
         MTU mismatches against the overlay MTU (``mtu``: the caller's report of these
         peers, else computed). The probe series of peers that left go by
         :meth:`forget_probes` (the planner knows which left)."""
-        peers = list(leases)
+        last = self._peer_leases
+        if (
+            isinstance(leases, LeaseList)
+            and isinstance(last, LeaseList)
+            and (leases.follows is last.token)
+        ):
+            peers: list[Lease] = leases  # counted by the leases that came and went
+            by_type = self._peer_types
+            by_type.update(map(_backend_type, leases.added))
+            gone = list(map(_backend_type, leases.dropped))
+            by_type.subtract(gone)
+            for backend_type in gone:  # no key outlives its last peer
+                if not by_type.get(backend_type, 1):
+                    del by_type[backend_type]
+        else:
+            peers = leases if isinstance(leases, LeaseList) else list(leases)
+            by_type = self._peer_types = Counter(map(_backend_type, peers))  # in C
         counts: dict[str, int] = {}
-        for backend_type, count in Counter(map(_backend_type, peers)).items():  # in C
+        for backend_type, count in by_type.items():
             backend = _label(backend_type or "unknown")
             counts[backend] = counts.get(backend, 0) + count
         with self._lock:

@@ -14,20 +14,52 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import compress, repeat
 from operator import is_
-from typing import Generic, NamedTuple, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 from flannelpy.subnet.lease import Lease
 
 T = TypeVar("T")
 
 
+class LeaseList(list[Lease]):
+    """Leases in order, and which of them came (``added``) and went (``dropped``) since
+    the list this one was made after: a memo whose last call had that list applies only
+    those, whatever the cluster's size. The planner makes one per plan, so the memos of a
+    plan share one walk of the leases (three passes in C) instead of each walking them.
+
+    A lease object is immutable and the lease watches keep the objects of unchanged
+    leases, so "the same lease" is "the same object"; the dropped leases are held with
+    the list, so their ids are not reused while a memo may still look them up."""
+
+    __slots__ = ("added", "by_id", "dropped", "follows", "token")
+
+    def __init__(self, leases: Iterable[Lease], previous: LeaseList | None = None) -> None:
+        super().__init__(leases)
+        self.token = object()  # what the next list follows; a list's own id may be reused
+        self.by_id: dict[int, Lease] = dict(zip(map(id, self), self, strict=True))
+        if previous is None:
+            self.follows: object = None
+            self.added: list[Lease] = list(self.by_id.values())
+            self.dropped: list[Lease] = []
+        else:
+            now, before = self.by_id, previous.by_id
+            self.follows = previous.token
+            self.added = [now[i] for i in now.keys() - before.keys()]
+            self.dropped = [before[i] for i in before.keys() - now.keys()]
+
+    def after(self, leases: Iterable[Lease]) -> LeaseList:
+        """The list of ``leases``, made after this one."""
+        return LeaseList(leases, self)
+
+
 class LeaseMemo(Generic[T]):
     """``compute(lease)`` per lease object, remembered while the context holds.
 
     Only the leases of the latest call are kept, so the memo never outgrows the
-    cluster. Not thread-safe: one owner (the writer) calls it. A call over thousands of
-    unchanged leases stays in C (map, compress and set over their ids); Python runs only
-    for the leases that are new."""
+    cluster. Not thread-safe: one owner (the writer) calls it. Given a
+    :class:`LeaseList` made after the one of its last call, a call costs the leases that
+    came and went; given anything else, it walks the leases in C (map, compress and set
+    over their ids), and Python runs only for the leases that are new."""
 
     def __init__(self) -> None:
         self._context: object = _UNSET
@@ -48,6 +80,23 @@ class LeaseMemo(Generic[T]):
     ) -> Delta[T]:
         """:meth:`results`, and which results are new and which were dropped since the
         last call (a changed lease's old result is dropped, its new one is new)."""
+        try:
+            return self._update(context, leases, compute)
+        except BaseException:
+            self.clear()  # a compute that raised: no half-updated memo meets the next call
+            raise
+
+    def _update(
+        self, context: object, leases: Iterable[Lease], compute: Callable[[Lease], T]
+    ) -> Delta[T]:
+        last = self._leases
+        if (
+            isinstance(leases, LeaseList)
+            and isinstance(last, LeaseList)
+            and leases.follows is last.token
+            and context == self._context
+        ):
+            return self._follow(leases, compute)
         if context != self._context:
             dropped = list(self._results.values())
             self.clear()
@@ -55,7 +104,7 @@ class LeaseMemo(Generic[T]):
         else:
             dropped = []
         kept = self._results
-        leases = list(leases)
+        leases = leases if isinstance(leases, list) else list(leases)
         ids = list(map(id, leases))
         found: list[object] = list(map(kept.get, ids, repeat(_MISSING)))
         missing = list(compress(range(len(ids)), map(is_, found, repeat(_MISSING))))
@@ -77,17 +126,53 @@ class LeaseMemo(Generic[T]):
         self._leases = leases
         return Delta(cast("list[T]", found), added, dropped)
 
+    def _follow(self, leases: LeaseList, compute: Callable[[Lease], T]) -> Delta[T]:
+        """:meth:`update` by the leases that came and went since the last call's list:
+        the results then line up with ``leases.added`` and ``leases.dropped``."""
+        kept = self._results
+        dropped = [kept.pop(id(lease)) for lease in leases.dropped]
+        added = [compute(lease) for lease in leases.added]
+        kept.update(zip(map(id, leases.added), added, strict=True))
+        self._leases = leases
+        return Delta(None, added, dropped, leases, kept)
+
     def clear(self) -> None:
         self._context = _UNSET
         self._leases, self._results = [], {}
 
 
-class Delta(NamedTuple, Generic[T]):
-    """What :meth:`LeaseMemo.update` found."""
+class Delta(Generic[T]):
+    """What :meth:`LeaseMemo.update` found: the results computed in this call (``added``)
+    and those of leases no longer passed (``dropped``), in no particular order, unless
+    ``follows``: then in the order of the list's own ``added`` and ``dropped``. A changed
+    lease's old result is dropped and its new one added."""
 
-    results: list[T]
-    added: list[T]  # computed in this call (in no particular order)
-    dropped: list[T]  # kept before, of leases no longer passed (in no particular order)
+    __slots__ = ("_kept", "_leases", "_results", "added", "dropped")
+
+    def __init__(
+        self,
+        results: list[T] | None,
+        added: list[T],
+        dropped: list[T],
+        leases: LeaseList | None = None,
+        kept: dict[int, T] | None = None,
+    ) -> None:
+        self.added, self.dropped = added, dropped
+        self._results, self._leases, self._kept = results, leases, kept
+
+    @property
+    def follows(self) -> bool:
+        """The call applied a :class:`LeaseList`'s changes alone."""
+        return self._results is None
+
+    @property
+    def results(self) -> list[T]:
+        """Every lease's result, in the call's order; read before the memo's next call
+        (a call that followed a list gathers them only when asked)."""
+        if self._results is None:
+            assert self._leases is not None and self._kept is not None
+            self._results = list(map(self._kept.__getitem__, map(id, self._leases)))
+        return self._results
 
 
 class _Unset:

@@ -18,7 +18,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from itertools import compress, repeat
 
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.memo import LeaseMemo
+from flannelpy.subnet.memo import LeaseList, LeaseMemo
 from flannelpy.subnet.span import overlaps, within
 
 # The reasons, a closed set (metric label values).
@@ -226,3 +226,57 @@ def _check_own_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
         return Rejection(lease.key, OUTSIDE_NETWORK, detail)
     problem = _vxlan_data_problem(lease.attrs.backend_v6_data, "BackendV6Data")
     return Rejection(lease.key, BACKEND_DATA, problem) if problem is not None else None
+
+
+_KEY = operator.attrgetter("key")
+
+
+class PeerSplit:
+    """:func:`split_peers` for one owner's successive lease maps, as
+    :class:`~flannelpy.subnet.memo.LeaseList` s: the peers of each call are made after
+    those of the last, so the memos fed with them apply what changed, and a verdict is
+    reached once per lease object. What a call costs follows what changed, but for a
+    copy of the map and its ids in C. It answers exactly what :func:`split_peers` does
+    (the unit tests compare the two over random sequences)."""
+
+    def __init__(self) -> None:
+        self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
+        self._others: LeaseList | None = None  # the leases but ours, of the last call
+        self._peers: LeaseList | None = None  # the last call's answer
+        self._rejected: dict[str, Rejection] = {}
+
+    def split(
+        self, leases: Mapping[str, Lease], own_keys: Iterable[str], bounds: Bounds
+    ) -> tuple[LeaseList, dict[str, Rejection]]:
+        """The peers that may be programmed, in the map's order, and the rejected (a new
+        dict the caller may change)."""
+        others_map = dict(leases)  # in C: thousands of leases, our one or two to drop
+        for key in own_keys:
+            others_map.pop(key, None)
+        last_others, self._others = self._others, None
+        others = self._others = LeaseList(others_map.values(), last_others)
+        delta = self._verdicts.update(bounds, others, lambda lease: check_peer(lease, bounds))
+        if delta.follows:  # verdicts line up with the leases that came and went
+            rejected = self._rejected
+            for lease in others.dropped:
+                rejected.pop(lease.key, None)
+            for lease, why in zip(others.added, delta.added, strict=True):
+                if why is not None:
+                    rejected[lease.key] = why
+        else:
+            verdicts = delta.results
+            rejected = (
+                {k.key: why for k, why in zip(others, verdicts, strict=True) if why is not None}
+                if any(map(operator.is_not, verdicts, repeat(None)))
+                else {}
+            )
+        self._rejected = rejected
+        if rejected:  # in C: each lease's key looked up among the few rejected
+            unwanted = map(rejected.__contains__, map(_KEY, others))
+            peers = LeaseList(compress(others, map(operator.not_, unwanted)), self._peers)
+        elif self._peers is None or self._peers is last_others:
+            peers = others  # no lease rejected now or last time: the same list
+        else:
+            peers = LeaseList(others, self._peers)
+        self._peers = peers
+        return peers, dict(rejected)

@@ -39,6 +39,7 @@ from flannelpy.store.etcd.manager import EtcdSubnetManager
 from flannelpy.store.etcd.member import CODES, MemberError
 from flannelpy.store.etcd.rpc_errors import error_kind
 from flannelpy.subnet.lease import Lease, LeaseAttrs
+from flannelpy.subnet.memo import LeaseList
 from tests.support.waiting import wait_until
 
 Key = tuple[str, frozenset[tuple[str, str]]]
@@ -562,14 +563,18 @@ def test_probe_series_per_family_and_departed_ipv6_sides_removed(metrics: AgentM
     assert sides == {("10.244.2.0/24", "ipv4"), ("fd10:244:0:2::/64", "ipv6")}
 
 
+@pytest.mark.parametrize("lists", [False, True], ids=["plain", "lease-lists"])
 @pytest.mark.parametrize("seed", range(5))
-def test_peer_counts_follow_random_changes(seed: int) -> None:
+def test_peer_counts_follow_random_changes(seed: int, lists: bool) -> None:
     """Peers come, go and change backend: after every change the counts by backend are
-    the current peers', and a backend no peer has any more has no series."""
+    the current peers', and a backend no peer has any more has no series. With lists
+    made one after another (the planner's), counted by what came and went; now and then
+    a plain list comes between, and the next is counted whole."""
     rnd = random.Random(seed)
     metrics = AgentMetrics()
     current: dict[int, Lease] = {}
-    for _ in range(30):
+    listed: LeaseList | None = None
+    for step in range(30):
         for _ in range(rnd.randint(1, 3)):
             n = rnd.randint(2, 12)
             if n in current and rnd.random() < 0.4:
@@ -577,7 +582,11 @@ def test_peer_counts_follow_random_changes(seed: int) -> None:
             else:
                 backend = rnd.choice(["vxlan", "host-gw", "wireguard", "Weird!"])
                 current[n] = peer(f"10.244.{n}.0/24", f"192.168.1.{n}", backend)
-        metrics.peers(list(current.values()))
+        if lists and step % 11 != 10:
+            listed = LeaseList(current.values(), listed)
+            metrics.peers(listed)
+        else:
+            metrics.peers(list(current.values()))
         counts = Counter(
             "other" if p.attrs.backend_type == "Weird!" else p.attrs.backend_type
             for p in current.values()
