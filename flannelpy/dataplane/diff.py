@@ -9,8 +9,10 @@ and created again, and everything on it is then treated as missing.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import replace
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import TypeVar
 
 from flannelpy.dataplane.state import (
@@ -31,7 +33,13 @@ def _immutable(link: VxlanLink) -> tuple[object, ...]:
     return (link.vni, link.local_ip, link.underlay, link.port, link.gbp, link.learning)
 
 
-def diff(desired: DesiredState, observed: ObservedState) -> Changes:
+def diff(
+    desired: DesiredState, observed: ObservedState, identities: Identities | None = None
+) -> Changes:
+    """What to do so that the kernel's ``observed`` becomes ``desired``. ``identities``,
+    when it counts ``observed``'s entries, saves walking them to learn that no identity
+    is held twice (the answer is the same)."""
+    distinct = identities.distinct(observed) if identities is not None else (False, False)
     observed_links = {link.name: link for link in observed.links}
     desired_links = {link.name: link for link in desired.links}
 
@@ -50,13 +58,16 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
 
     # A created (or re-created) device starts empty, whatever the dump said.
     fresh = {link.name for link in to_create} | set(to_delete)
-    observed = _without_devices(observed, fresh)
+    if fresh:
+        observed, distinct = _without_devices(observed, fresh), (False, False)
 
-    routes_to_set, routes_to_delete = _by_identity(desired.routes, observed.routes, _route_ids)
+    routes_to_set, routes_to_delete = _by_identity(
+        desired.routes, observed.routes, _route_ids, distinct[0]
+    )
     routes_to_set.sort(key=_route_key)
     routes_to_delete.sort(key=_route_key)
     neighbours_to_set, neighbours_to_delete = _by_identity(
-        desired.neighbours, observed.neighbours, _neigh_ids
+        desired.neighbours, observed.neighbours, _neigh_ids, distinct[1]
     )
     neighbours_to_set.sort(key=_neigh_key)
     neighbours_to_delete.sort(key=_neigh_key)
@@ -95,7 +106,10 @@ def diff(desired: DesiredState, observed: ObservedState) -> Changes:
 
 
 def _by_identity(
-    desired: frozenset[E], observed: frozenset[E], ids: Callable[[Iterable[E]], list[Hashable]]
+    desired: frozenset[E],
+    observed: frozenset[E],
+    ids: Callable[[Iterable[E]], list[Hashable]],
+    distinct: bool = False,
 ) -> tuple[list[E], list[E]]:
     """(to set, to delete) of entries identified by ``ids`` (a route by its destination,
     a neighbour by device and IP; ``ids`` maps entries to theirs in order): a desired
@@ -105,14 +119,18 @@ def _by_identity(
     A plan shares its unchanged entries with the kernel's view the last pass left (the
     same objects), so the two set differences, which compare the hashes the sets keep,
     are all a pass for a new peer needs; identities are computed for every observed entry
-    only when something observed is unwanted, and for every desired one only when two
-    observed entries share an identity."""
+    only when something observed is unwanted and ``distinct`` (no two observed entries
+    share an identity, as :class:`Identities` knows) is not known, and for every desired
+    one only when two observed entries share an identity."""
     added = desired - observed
     unwanted = observed - desired
     if not unwanted:  # every observed entry is desired as it is
         return list(added), []
-    by_identity = dict(zip(ids(observed), observed, strict=True))
-    if len(by_identity) == len(observed):
+    by_identity: dict[Hashable, E] = {}
+    if not distinct:
+        by_identity = dict(zip(ids(observed), observed, strict=True))
+        distinct = len(by_identity) == len(observed)
+    if distinct:
         # Each observed entry is the only one of its identity: one that is also desired
         # is left alone, and an unwanted one is replaced if an added entry has its
         # identity, else deleted.
@@ -149,6 +167,53 @@ def _route_ids(routes: Iterable[Route]) -> list[Hashable]:
 def _neigh_ids(neighbours: Iterable[Neighbour]) -> list[Hashable]:
     """Each neighbour's identity: its device and IP."""
     return [(n.ifname, type(ip := n.ip), _IP(ip)) for n in neighbours]
+
+
+_DST = operator.attrgetter("dst")
+
+
+class Identities:
+    """How many of a kernel view's routes share each destination, and its neighbours
+    each device and address: a pass that deletes must know that no identity is held
+    twice (deleting by identity would take the other), and learning it from the entries
+    walks them all, in Python. The reconciler keeps one from pass to pass, changed by
+    the entries that came and went (a plan's sets hash their entries once, and the
+    destinations and addresses are the entries' own objects, so it holds no new ones)."""
+
+    def __init__(self, observed: ObservedState) -> None:
+        self.routes, self.neighbours = observed.routes, observed.neighbours
+        self._dsts: Counter[IPv4Network | IPv6Network] = Counter(map(_DST, observed.routes))
+        self._ips: dict[str, Counter[IPv4Address | IPv6Address]] = {}
+        self._count(observed.neighbours, 1)
+
+    def distinct(self, observed: ObservedState) -> tuple[bool, bool]:
+        """Whether no two of ``observed``'s routes, and no two of its neighbours, share
+        an identity; (False, False) for a view this does not count."""
+        if observed.routes is not self.routes or observed.neighbours is not self.neighbours:
+            return False, False
+        ips = sum(map(len, self._ips.values()))
+        return len(self._dsts) == len(self.routes), ips == len(self.neighbours)
+
+    def follow(self, view: ObservedState) -> None:
+        """Count ``view`` (the kernel after a pass over the view this counts) instead."""
+        dsts = self._dsts
+        for route in self.routes - view.routes:
+            dsts[route.dst] -= 1
+            if not dsts[route.dst]:
+                del dsts[route.dst]
+        dsts.update(map(_DST, view.routes - self.routes))
+        self._count(self.neighbours - view.neighbours, -1)
+        self._count(view.neighbours - self.neighbours, 1)
+        self.routes, self.neighbours = view.routes, view.neighbours
+
+    def _count(self, neighbours: Iterable[Neighbour], step: int) -> None:
+        for n in neighbours:
+            on = self._ips.setdefault(n.ifname, Counter())
+            on[n.ip] += step
+            if not on[n.ip]:
+                del on[n.ip]
+                if not on:
+                    del self._ips[n.ifname]
 
 
 def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:

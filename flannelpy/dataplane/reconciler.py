@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from flannelpy import heap
-from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.diff import Identities, diff
 from flannelpy.dataplane.kernel import Kernel
 from flannelpy.dataplane.state import (
     Address,
@@ -181,6 +181,8 @@ class Reconciler:
         # The last diff and its inputs: a timer's pass between dumps, with the plan and the
         # view of the pass before, would compare a thousand entries to find nothing again.
         self._last_diff: tuple[DesiredState, ObservedState, Changes] | None = None
+        # The identities of the view in _view, once a pass deleted (diff.Identities).
+        self._identities: Identities | None = None
         self.dumps = 0  # passes that read the kernel (the others knew it from the last)
         self._dumped_entries = 0  # routes, neighbours and FDB entries the last dump found
 
@@ -258,6 +260,7 @@ class Reconciler:
                 len(observed.routes) + len(observed.neighbours) + len(observed.fdb)
             )
             self._dumped_at = self._monotonic()
+            self._identities = None  # counted again below, if this pass deletes
         changes = self._diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
@@ -277,6 +280,7 @@ class Reconciler:
         else:
             view = after_apply(desired, observed, changes, scope[1])
         self._view = (scope, view) if view is not None else None
+        self._follow_identities(observed, view, changes)
         if self._last_diff is not None and self._last_diff[1] is not view:
             # Only the kept view can meet a plan again: a dump's own entries (three
             # objects and their addresses per peer, beside the plan's equal ones) go now.
@@ -298,9 +302,30 @@ class Reconciler:
         last = self._last_diff
         if last is not None and last[0] is desired and last[1] is observed:
             return last[2]
-        changes = diff(desired, observed)
+        changes = diff(desired, observed, self._identities)
         self._last_diff = (desired, observed, changes)
         return changes
+
+    def _follow_identities(
+        self, observed: ObservedState, view: ObservedState | None, changes: Changes
+    ) -> None:
+        """Keep :class:`Identities` of the view the next pass starts from: changed by what
+        this pass changed, or counted anew from a dump once a pass deletes something (the
+        next deletion then walks none of the entries)."""
+        counted = self._identities
+        if view is None:
+            self._identities = None
+        elif (
+            counted is not None
+            and counted.routes is observed.routes
+            and (counted.neighbours is observed.neighbours)
+        ):
+            if view is not observed:
+                counted.follow(view)
+        elif changes.routes_to_delete or changes.neighbours_to_delete:
+            self._identities = Identities(view)
+        else:
+            self._identities = None
 
     def _known(self, reason: str, scope: Scope) -> ObservedState | None:
         """What the kernel holds of ours without a dump, when a pass is only for a new

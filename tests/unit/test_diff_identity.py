@@ -3,12 +3,13 @@ entries shared with the last plan, changed, new, gone and duplicated in the kern
 
 from __future__ import annotations
 
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.diff import Identities, diff
 from flannelpy.dataplane.state import DesiredState, Neighbour, ObservedState, Route
 
 DEV = "flannel.1"
@@ -69,6 +70,8 @@ def test_the_diff_by_identity_is_the_plain_definition(peers: list[tuple[int, str
     observed = ObservedState(routes=frozenset(kernel_routes), neighbours=frozenset(kernel_neigh))
 
     changes = diff(desired, observed)
+    # Told by Identities that no identity is held twice, when none is: the same answer.
+    assert diff(desired, observed, Identities(observed)) == changes
 
     to_set, to_delete = by_definition(desired.routes, observed.routes, lambda r: r.dst)
     assert set(changes.routes_to_set) == to_set
@@ -92,6 +95,52 @@ def test_identities_of_the_two_families_never_meet() -> None:
     n6 = Neighbour(DEV, IPv6Address(1), "02:aa:00:00:00:01")
     kernel = ObservedState(routes=frozenset({v6}), neighbours=frozenset({n6}))
     plan = DesiredState(routes=frozenset({v4}), neighbours=frozenset({n4}))
-    changes = diff(plan, kernel)
-    assert changes.routes_to_set == (v4,) and changes.routes_to_delete == (v6,)
-    assert changes.neighbours_to_set == (n4,) and changes.neighbours_to_delete == (n6,)
+    for counted in (None, Identities(kernel)):
+        changes = diff(plan, kernel, counted)
+        assert changes.routes_to_set == (v4,) and changes.routes_to_delete == (v6,)
+        assert changes.neighbours_to_set == (n4,) and changes.neighbours_to_delete == (n6,)
+
+
+def _distinct_by_definition(view: ObservedState) -> tuple[bool, bool]:
+    routes = [r.dst for r in view.routes]
+    neighbours = [(n.ifname, n.ip) for n in view.neighbours]
+    return len(set(routes)) == len(routes), len(set(neighbours)) == len(neighbours)
+
+
+# A view: each of 10 peers absent, once, or twice (a second route or neighbour of the same
+# identity), on one of two devices.
+view_entries = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 2), st.booleans()), max_size=10)
+
+
+def _view(entries: list[tuple[int, int, bool]], shared: dict[object, object]) -> ObservedState:
+    """The view of ``entries``; entries equal to earlier ones are the same objects, as
+    a plan's unchanged entries are."""
+    routes: set[Route] = set()
+    neighbours: set[Neighbour] = set()
+    for i, times, other_device in entries:
+        for copy in range(times):
+            r = route(i, i + 100 * copy, onlink=copy == 0)
+            n = replace(neighbour(i, i + copy), ifname="flannel-v6.1" if other_device else DEV)
+            routes.add(shared.setdefault(r, r))  # type: ignore[arg-type]
+            neighbours.add(shared.setdefault(n, n))  # type: ignore[arg-type]
+    return ObservedState(routes=frozenset(routes), neighbours=frozenset(neighbours))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(view_entries, min_size=1, max_size=8))
+def test_identities_followed_from_view_to_view_are_counted_as_anew(
+    views: list[list[tuple[int, int, bool]]],
+) -> None:
+    """The reconciler's Identities, changed by what came and went from one view to the
+    next, say what counting each view anew says (and what the definition says), and
+    nothing for a view they do not count."""
+    shared: dict[object, object] = {}
+    first = _view(views[0], shared)
+    counted = Identities(first)
+    assert counted.distinct(first) == _distinct_by_definition(first)
+    for entries in views[1:]:
+        view = _view(entries, shared)
+        counted.follow(view)
+        assert counted.distinct(view) == Identities(view).distinct(view)
+        assert counted.distinct(view) == _distinct_by_definition(view)
+    assert counted.distinct(_view([(0, 1, False)], {})) == (False, False)  # not the view counted

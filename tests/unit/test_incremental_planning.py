@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections.abc import Hashable, Iterable
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
@@ -28,15 +29,16 @@ from flannelpy.agent.events import Event, LeasesChanged, Tick
 from flannelpy.agent.status import ProbesJson
 from flannelpy.backend.base import NodeContext, PlanMemo, node_bounds
 from flannelpy.backend.registry import get_backend
+from flannelpy.dataplane import diff as diff_module
 from flannelpy.dataplane import reconciler as reconciler_module
-from flannelpy.dataplane.diff import diff
+from flannelpy.dataplane.diff import Identities, diff
 from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
-from flannelpy.dataplane.state import Changes, DesiredState, ObservedState
+from flannelpy.dataplane.state import Changes, DesiredState, ObservedState, Route
 from flannelpy.observe.mtu import MtuReport, MtuTally, follow_mtu, mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
-from flannelpy.subnet.memo import LeaseMemo
-from flannelpy.subnet.validate import split_peers
+from flannelpy.subnet.memo import LeaseList, LeaseMemo
+from flannelpy.subnet.validate import PeerSplit, split_peers
 from tests.support.agent_fakes import AgentHarness
 from tests.support.fakes import FakeKernel, context, lease
 from tests.unit.test_dual_stack_node import ctx as dual_ctx
@@ -123,6 +125,12 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
     memo, verdicts, mtus = PlanMemo(), LeaseMemo(), LeaseMemo()  # type: ignore[var-annotated]
     tally = MtuTally()
     report: MtuReport | None = None
+    # The planner's way: the peers as lists made one after another (PeerSplit), which
+    # the memos follow by what came and went; now and then one memo misses a list.
+    split, followed, followed_mtus = PeerSplit(), PlanMemo(), LeaseMemo()  # type: ignore[var-annotated]
+    followed_tally = MtuTally()
+    followed_report: MtuReport | None = None
+    follows = 0
     last_peers: list[Lease] = []
     own = [own_lease(1, dual, ctx)]
     for i, leases in enumerate(steps(rnd, dual, 40)):
@@ -134,10 +142,20 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
         fresh = split_peers(by_key, own_keys, bounds)
         assert split_peers(by_key, own_keys, bounds, verdicts) == fresh, f"step {i}"
         peers = list(fresh[0].values())
+        listed, rejected = split.split(by_key, own_keys, bounds)
+        assert (listed, rejected) == (peers, fresh[1]), f"step {i}"
+        follows += listed.follows is not None
         mac = rnd.choice([MACS[0], MACS[0], MACS[1]])
         want = backend.plan(ctx, own, peers, mac)
         got = backend.plan(ctx, own, peers, mac, memo)
         assert got == want, f"step {i}"
+        if i % 9 != 4:
+            assert backend.plan(ctx, own, listed, mac, followed) == want, f"step {i}"
+        if i % 7 != 3:
+            followed_report, _, _ = follow_mtu(
+                1450, listed, followed_mtus, followed_report, followed_tally
+            )
+            assert followed_report == mtu_mismatches(1450, peers), f"step {i}"
         before_ids = set(map(id, last_peers))
         report, arrived, left = follow_mtu(1450, peers, mtus, report, tally)
         assert report == mtu_mismatches(1450, peers), f"step {i}"
@@ -153,6 +171,7 @@ def test_a_memo_plan_equals_a_plan_from_scratch(name: str, seed: int) -> None:
             (p.subnets[0] for p in was_unknown if id(p) not in now_ids), key=_subnet_order
         ), f"step {i}"
         last_peers = peers
+    assert follows == 40  # every list but the first was made after the last
 
 
 def test_the_memo_plans_only_the_leases_that_changed() -> None:
@@ -178,6 +197,49 @@ def test_the_memo_plans_only_the_leases_that_changed() -> None:
     planned.clear()
     memo.results(context("host-gw"), leases, compute)  # another context: all again
     assert sorted(map(id, planned)) == sorted(map(id, leases))
+
+
+def test_a_memo_fed_lists_made_one_after_another_computes_what_came_and_went() -> None:
+    ctx = context("vxlan")
+    rnd = random.Random(3)
+    leases = [random_lease(rnd, n, False) for n in range(2, 30)]
+    computed: list[Lease] = []
+
+    def compute(lease: Lease) -> int:
+        computed.append(lease)
+        return int(lease.ipv4_subnet.network_address)
+
+    memo: LeaseMemo[int] = LeaseMemo()
+    first = LeaseList(leases)
+    assert memo.results(ctx, first, compute) == list(map(compute, leases))
+    computed.clear()
+    changed = replace(leases[3], attrs=replace(leases[3].attrs, mtu=1400))
+    second = first.after([*leases[:3], changed, *leases[4:-1]])
+    assert second.added == [changed]
+    assert sorted(map(id, second.dropped)) == sorted(map(id, [leases[3], leases[-1]]))
+    delta = memo.update(ctx, second, compute)
+    assert delta.follows and computed == [changed]  # nothing else walked in Python
+    # The results line up with the list's leases that came and went.
+    assert delta.added == [compute(changed)]
+    assert delta.dropped == [compute(x) for x in second.dropped]
+    assert delta.results == list(map(compute, second))
+    # A list made after one the memo never saw: every lease looked at again, same answer.
+    third = LeaseList(leases).after(leases[:5])
+    delta = memo.update(ctx, third, compute)
+    assert not delta.follows and delta.results == list(map(compute, leases[:5]))
+    assert sorted(delta.dropped) == sorted(map(compute, [changed, *second[5:]]))
+    # A compute that raises leaves nothing half-done for the next list to follow.
+    fourth = third.after([*leases[:5], *leases[10:12]])
+
+    def failing(lease: Lease) -> int:
+        if lease is leases[11]:
+            raise ValueError("bad lease")
+        return compute(lease)
+
+    with pytest.raises(ValueError):
+        memo.update(ctx, fourth, failing)
+    delta = memo.update(ctx, fourth.after(leases[:6]), compute)
+    assert not delta.follows and delta.results == list(map(compute, leases[:6]))
 
 
 def peer_json(rnd: random.Random, n: int) -> bytes:
@@ -270,6 +332,50 @@ def test_a_pass_for_a_new_plan_leaves_the_kernel_as_a_pass_that_dumps_would() ->
     assert 1 < reconciler.dumps < 40
 
 
+def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """To delete a route by its destination, a pass must know no other route has it. The
+    first deletion after a dump learns it from every entry; the passes after it keep
+    that count by what they change, and a deletion then walks the deleted entries alone,
+    until a dump (another tool's change) is counted anew."""
+    ctx = context("vxlan")
+    own = [own_lease(1, False, ctx)]
+    peers = [lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n]) for n in range(2, 30)]
+    kernel = FakeKernel()
+    reconciler = Reconciler(kernel, 10.0)
+    walked: list[int] = []
+    real_ids = diff_module._route_ids
+
+    def counting(routes: Iterable[Route]) -> list[Hashable]:
+        found = real_ids(routes)
+        walked.append(len(found))
+        return found
+
+    monkeypatch.setattr(diff_module, "_route_ids", counting)
+
+    def plan(peers: list[Lease]) -> None:
+        reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers, MACS[0]))
+        reconciler.reconcile_once(PLAN_CHANGED)
+        assert {r.dst for r in kernel.state.routes} == {p.subnet for p in peers}
+
+    plan(peers)
+    plan(peers)  # the device's MAC read back: the view is known from now on
+    plan(peers[:-1])
+    assert max(walked) == len(peers)  # the first deletion: every route's identity
+    for n in range(2, 6):
+        walked.clear()
+        plan(peers[: -n - 1] + peers[-n:])  # one in, one out
+        assert walked and max(walked) <= 1, walked
+    kernel.state = replace(kernel.state, routes=frozenset(list(kernel.state.routes)[1:]))
+    reconciler.reconcile_once("route")  # another tool deleted one: dumped, repaired
+    walked.clear()
+    held = len(kernel.state.routes)
+    plan(peers[:-8])
+    assert max(walked) == held  # counted anew after the dump
+    assert reconciler.dumps == 3
+
+
 def test_a_change_by_another_tool_or_a_failed_pass_is_read_back_from_the_kernel() -> None:
     ctx = context("vxlan")
     own = [own_lease(1, False, ctx)]
@@ -343,9 +449,11 @@ def test_a_timers_pass_between_dumps_does_not_compare_the_same_plan_again(
     compared: list[int] = []
     real_diff = reconciler_module.diff
 
-    def counting(desired: DesiredState, observed: ObservedState) -> Changes:
+    def counting(
+        desired: DesiredState, observed: ObservedState, identities: Identities | None = None
+    ) -> Changes:
         compared.append(len(desired.routes))
-        return real_diff(desired, observed)
+        return real_diff(desired, observed, identities)
 
     monkeypatch.setattr(reconciler_module, "diff", counting)
     for _ in range(5):
