@@ -95,8 +95,9 @@ class OwnLeases:
         return lease
 
     def take_snapshot(self, leases: Mapping[str, Lease]) -> bool:
-        """Store the lease list; True if a lease of ours is missing or taken over."""
-        self.state.leases = dict(leases)
+        """Store the lease list (a dict is taken as it is: the writer's events own theirs);
+        True if a lease of ours is missing or taken over."""
+        self.state.leases = leases if isinstance(leases, dict) else dict(leases)
         lost = False
         for lease in self.state.own:
             current = leases.get(lease.key)
