@@ -19,8 +19,26 @@ def phase_seconds(own: str, peer: str, interval: float) -> float:
     Not Python's hash(): that one is salted per process, and the spread must be the
     same on every node and across restarts.
     """
+    return phase_unit(own, peer) * interval
+
+
+def phase_unit(own: str, peer: str) -> float:
+    """:func:`phase_seconds` of an interval of one second: kept per peer, a phase over a
+    new cycle is a multiplication, not a hash (the same float as hashing again)."""
     digest = hashlib.blake2b(f"{own}\0{peer}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 * interval
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def cycle_after(cycle: float, n_peers: int, interval: float, peers_per_interval: int) -> float:
+    """The cycle for ``n_peers``, from ``cycle``: longer as soon as the peers outgrow its
+    budget, shorter only once a tenth of an interval's budget is free below the shorter
+    one, so that a peer coming and going at the edge does not re-plan every peer's slot
+    each time (at most a tenth fewer probes per interval than the budget, meanwhile)."""
+    needed = cycle_seconds(n_peers, interval, peers_per_interval)
+    if needed >= cycle:
+        return needed
+    margin = max(1, peers_per_interval // 10)
+    return min(cycle, cycle_seconds(n_peers + margin, interval, peers_per_interval))
 
 
 def first_slot(now: float, phase: float, interval: float) -> float:

@@ -60,7 +60,7 @@ from flannelpy.observe.probe_rounds import (
     round_outcome,
     start_round,
 )
-from flannelpy.observe.probe_schedule import cycle_seconds, first_slot, next_slot, phase_seconds
+from flannelpy.observe.probe_schedule import cycle_after, first_slot, next_slot, phase_unit
 from flannelpy.observe.probe_verdict import (
     ProbeResult,
     RoundOutcome,
@@ -93,7 +93,9 @@ class _Peer:
     key: str
     target: IPv4Address | IPv6Address
     label: str
-    phase: float = 0.0
+    # Where in the cycle it is probed, over a cycle of one second (probe_schedule's
+    # phase_unit, hashed once for the own address of the prober's phases).
+    phase_unit: float = 0.0
     next_due: float = 0.0
     # The last ``window`` outcomes, oldest first: a tuple (one pointer per round; a
     # peer's empty deque alone took 600 bytes, a fifth of what a peer cost at ready).
@@ -219,17 +221,17 @@ class Prober:
             if peer is not None:
                 peer.label = label
                 continue
-            peer = _Peer(key, _address(target), label)
+            peer = _Peer(key, _address(target), label, phase_unit(owner, key))
             self._peers[key] = peer
             added.append(peer)
-        cycle = cycle_seconds(len(self._peers), self.interval, self.peers_per_interval)
+        cycle = cycle_after(self.cycle, len(self._peers), self.interval, self.peers_per_interval)
         if cycle != self.cycle:
             self.cycle = cycle
-            self._reschedule_all(owner, now)
+            self._reschedule_all(None, now)
         else:
             for peer in added:
                 self._set_hurry(peer, joining)
-                self._schedule(peer, owner, now)
+                self._schedule(peer, None, now)
 
     def results(self) -> Mapping[str, ProbeResult]:
         """Latest result per peer key; a peer appears after its first completed round.
@@ -270,16 +272,27 @@ class Prober:
 
     # --- internals (called with the lock held) ---------------------------------
 
-    def _schedule(self, peer: _Peer, owner: str, now: float) -> None:
-        peer.phase = phase_seconds(owner, peer.key, self.cycle)
-        period = self.interval if peer.hurry else self.cycle
-        peer.next_due = first_slot(now, peer.phase % period, period)
-        self._push(peer)
+    def _phase(self, peer: _Peer) -> float:
+        """The peer's phase over the current cycle."""
+        return peer.phase_unit * self.cycle
 
-    def _reschedule_all(self, owner: str, now: float) -> None:
-        self._due = []
+    def _schedule(self, peer: _Peer, owner: str | None, now: float, push: bool = True) -> None:
+        """Put the peer at its first slot from ``now``; ``owner``: the own address to hash
+        its phase for (None: the one it has)."""
+        if owner is not None:
+            peer.phase_unit = phase_unit(owner, peer.key)
+        period = self.interval if peer.hurry else self.cycle
+        peer.next_due = first_slot(now, self._phase(peer) % period, period)
+        if push:
+            self._push(peer)
+
+    def _reschedule_all(self, owner: str | None, now: float) -> None:
+        """Every peer at its first slot from ``now`` (a new cycle, a clock that jumped
+        back), hashed again for ``owner`` (a new own address) unless None."""
         for peer in self._peers.values():
-            self._schedule(peer, owner, now)
+            self._schedule(peer, owner, now, push=False)
+        self._due = [(peer.next_due, next(self._seq), peer.key) for peer in self._peers.values()]
+        heapq.heapify(self._due)  # one heap of all, not a push per peer
 
     def _push(self, peer: _Peer) -> None:
         heapq.heappush(self._due, (peer.next_due, next(self._seq), peer.key))
@@ -308,7 +321,7 @@ class Prober:
     def _advance(self, peer: _Peer, now: float) -> None:
         """Its next slot after ``now``: an interval on (hurry) or a cycle on, at its phase."""
         period = self.interval if peer.hurry else self.cycle
-        peer.next_due = next_slot(peer.next_due, now, peer.phase % period, period)
+        peer.next_due = next_slot(peer.next_due, now, self._phase(peer) % period, period)
         self._push(peer)
 
     def _drop(self, key: str) -> None:
@@ -367,7 +380,7 @@ class Prober:
             if self._set_hurry(peer, needs_confirmation(outcome, result)):
                 # its next slot after now, at the other period
                 period = self.interval if peer.hurry else self.cycle
-                peer.next_due = next_slot(now, now, peer.phase % period, period)
+                peer.next_due = next_slot(now, now, self._phase(peer) % period, period)
                 self._push(peer)
             self._log_change(peer, self._results.get(peer.key), result)
             self._results[peer.key] = result
@@ -381,9 +394,11 @@ class Prober:
         owner = str(source) if source is not None else ""
         jumped_back = self._last_now is not None and now < self._last_now - self.interval
         self._last_now = now
-        if owner != (self._phase_owner or "") or jumped_back:
+        if owner != (self._phase_owner or ""):
             self._phase_owner = owner
-            self._reschedule_all(owner, now)
+            self._reschedule_all(owner, now)  # every phase hashed for the new address
+        elif jumped_back:
+            self._reschedule_all(None, now)
         sources: dict[int, IPv4Address | IPv6Address | None] = {4: source, 6: self._own6()}
         mtu = self._mtu()
         due = self._due

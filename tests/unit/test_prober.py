@@ -37,8 +37,10 @@ from flannelpy.dataplane.icmp import (
 )
 from flannelpy.dataplane.state import UnderlayInterface
 from flannelpy.errors import ConfigError
+from flannelpy.observe import prober as prober_module
 from flannelpy.observe.probe_rounds import SMALL_PROBE_BYTES, SMALL_PROBE_BYTES6
 from flannelpy.observe.probe_schedule import (
+    cycle_after,
     cycle_seconds,
     first_slot,
     next_slot,
@@ -606,6 +608,57 @@ def test_cycle_covers_every_peer_within_the_budget(n: int, per_interval: int, cy
 
 
 @pytest.mark.parametrize(
+    ("cycle", "n", "expected"),
+    [
+        (5.0, 101, 10.0),  # outgrown: longer at once
+        (10.0, 100, 10.0),  # back within the shorter budget, but at its edge: kept
+        (10.0, 91, 10.0),
+        (10.0, 90, 5.0),  # a tenth of the budget free below it: shorter
+        (50.0, 10, 5.0),
+        (50.0, 1000, 50.0),
+    ],
+)
+def test_the_cycle_grows_at_once_and_shrinks_with_a_margin(
+    cycle: float, n: int, expected: float
+) -> None:
+    assert cycle_after(cycle, n, 5.0, 100) == expected
+
+
+def test_a_peer_coming_and_going_at_the_budget_s_edge_costs_that_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 100 peers and 100 per interval, a 101st peer lengthens the cycle (every peer's
+    slot moves, by a multiplication: no phase is hashed again); its lease coming and
+    going after that leaves the cycle and the others' slots alone, and hashes its own
+    phase only. Each phase is the pair's hash over the current cycle."""
+    prober, _, clock, _ = make(n_peers=100, peers_per_interval=100)
+    advance(prober, clock, 10.0)
+    hashed: list[str] = []
+    real = prober_module.phase_unit
+
+    def counting(own: str, peer: str) -> float:
+        hashed.append(peer)
+        return real(own, peer)
+
+    monkeypatch.setattr(prober_module, "phase_unit", counting)
+    edge = ("p100", (peer_ip(100), "node100"))
+    prober.change_peers(dict([edge]), [])
+    assert prober.cycle == 10.0 and hashed == ["p100"]
+    slots = {key: peer.next_due for key, peer in prober._peers.items()}
+    for _ in range(3):
+        prober.change_peers({}, ["p100"])
+        prober.change_peers(dict([edge]), [])
+    assert prober.cycle == 10.0 and hashed == ["p100"] * 4
+    assert {k: p.next_due for k, p in prober._peers.items() if k != "p100"} == {
+        k: due for k, due in slots.items() if k != "p100"
+    }
+    for key, peer in prober._peers.items():
+        assert peer.phase_unit * prober.cycle == phase_seconds(str(OWN), key, 10.0)
+    prober.change_peers({}, [f"p{i}" for i in range(90, 101)])
+    assert prober.cycle == 5.0 and len(hashed) == 4
+
+
+@pytest.mark.parametrize(
     ("due", "now", "phase", "period", "expected"),
     [
         (10.0, 10.0, 0.0, 5.0, 15.0),
@@ -906,8 +959,8 @@ def test_peers_changed_by_difference_are_the_peers_set_whole() -> None:
             {key: value for entries in delta.added for key, value in entries},
             [key for entries in delta.dropped for key, _ in entries],
         )
-        assert {k: (p.target, p.label, p.phase) for k, p in by_difference._peers.items()} == {
-            k: (p.target, p.label, p.phase) for k, p in whole._peers.items()
+        assert {k: (p.target, p.label, p.phase_unit) for k, p in by_difference._peers.items()} == {
+            k: (p.target, p.label, p.phase_unit) for k, p in whole._peers.items()
         }
         assert by_difference.cycle == whole.cycle
         advance(whole, clock_a, 1.0)
