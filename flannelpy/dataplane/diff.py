@@ -18,6 +18,7 @@ from typing import TypeVar
 from flannelpy.dataplane.state import (
     Address,
     Changes,
+    Compared,
     DesiredState,
     FdbEntry,
     Neighbour,
@@ -40,40 +41,38 @@ def diff(
     when it counts ``observed``'s entries, saves walking them to learn that no identity
     is held twice (the answer is the same)."""
     distinct = identities.distinct(observed) if identities is not None else (False, False)
-    observed_links = {link.name: link for link in observed.links}
-    desired_links = {link.name: link for link in desired.links}
-
-    to_delete: list[str] = [name for name in observed_links if name not in desired_links]
-    to_create: list[VxlanLink] = []
-    to_update: list[VxlanLink] = []
-    for name, want in sorted(desired_links.items()):
-        have = observed_links.get(name)
-        if have is None:
-            to_create.append(want)
-        elif _immutable(have) != _immutable(want):
-            to_delete.append(name)
-            to_create.append(want)
-        elif have.mtu != want.mtu or (want.mac is not None and have.mac != want.mac):
-            to_update.append(want)
+    to_delete, to_create, to_update = _links(desired, observed)
 
     # A created (or re-created) device starts empty, whatever the dump said.
     fresh = {link.name for link in to_create} | set(to_delete)
     if fresh:
         observed, distinct = _without_devices(observed, fresh), (False, False)
 
+    routes_added, routes_unwanted = (
+        desired.routes - observed.routes,
+        observed.routes - desired.routes,
+    )
     routes_to_set, routes_to_delete = _by_identity(
-        desired.routes, observed.routes, _route_ids, distinct[0]
+        desired.routes, observed.routes, routes_added, routes_unwanted, _route_ids, distinct[0]
     )
     routes_to_set.sort(key=_route_key)
     routes_to_delete.sort(key=_route_key)
+    neighbours_added = desired.neighbours - observed.neighbours
+    neighbours_unwanted = observed.neighbours - desired.neighbours
     neighbours_to_set, neighbours_to_delete = _by_identity(
-        desired.neighbours, observed.neighbours, _neigh_ids, distinct[1]
+        desired.neighbours,
+        observed.neighbours,
+        neighbours_added,
+        neighbours_unwanted,
+        _neigh_ids,
+        distinct[1],
     )
     neighbours_to_set.sort(key=_neigh_key)
     neighbours_to_delete.sort(key=_neigh_key)
 
+    fdb_added = desired.fdb - observed.fdb
     fdb_to_delete = sorted(observed.fdb - desired.fdb, key=_fdb_key)
-    fdb_to_set = sorted(desired.fdb - observed.fdb, key=_fdb_key)
+    fdb_to_set = sorted(fdb_added, key=_fdb_key)
 
     addresses_to_add = sorted(desired.addresses - observed.addresses, key=_addr_key)
     addresses_to_delete = sorted(observed.addresses - desired.addresses, key=_addr_key)
@@ -102,12 +101,42 @@ def diff(
         fdb_to_set=tuple(fdb_to_set),
         routes_to_set=tuple(routes_to_set),
         counts=counts,
+        compared=Compared(
+            not fresh,
+            (routes_added, routes_unwanted),
+            (neighbours_added, neighbours_unwanted),
+            fdb_added,
+        ),
     )
+
+
+def _links(
+    desired: DesiredState, observed: ObservedState
+) -> tuple[list[str], list[VxlanLink], list[VxlanLink]]:
+    """(to delete, to create, to update): a device whose immutable attributes differ is
+    deleted and created again."""
+    observed_links = {link.name: link for link in observed.links}
+    desired_links = {link.name: link for link in desired.links}
+    to_delete: list[str] = [name for name in observed_links if name not in desired_links]
+    to_create: list[VxlanLink] = []
+    to_update: list[VxlanLink] = []
+    for name, want in sorted(desired_links.items()):
+        have = observed_links.get(name)
+        if have is None:
+            to_create.append(want)
+        elif _immutable(have) != _immutable(want):
+            to_delete.append(name)
+            to_create.append(want)
+        elif have.mtu != want.mtu or (want.mac is not None and have.mac != want.mac):
+            to_update.append(want)
+    return to_delete, to_create, to_update
 
 
 def _by_identity(
     desired: frozenset[E],
     observed: frozenset[E],
+    added: frozenset[E],
+    unwanted: frozenset[E],
     ids: Callable[[Iterable[E]], list[Hashable]],
     distinct: bool = False,
 ) -> tuple[list[E], list[E]]:
@@ -117,13 +146,12 @@ def _by_identity(
     nothing desired has is deleted.
 
     A plan shares its unchanged entries with the kernel's view the last pass left (the
-    same objects), so the two set differences, which compare the hashes the sets keep,
+    same objects), so the two set differences (which compare the hashes the sets keep),
     are all a pass for a new peer needs; identities are computed for every observed entry
     only when something observed is unwanted and ``distinct`` (no two observed entries
     share an identity, as :class:`Identities` knows) is not known, and for every desired
-    one only when two observed entries share an identity."""
-    added = desired - observed
-    unwanted = observed - desired
+    one only when two observed entries share an identity. ``added`` and ``unwanted`` are
+    ``desired - observed`` and ``observed - desired``."""
     if not unwanted:  # every observed entry is desired as it is
         return list(added), []
     by_identity: dict[Hashable, E] = {}
@@ -194,16 +222,22 @@ class Identities:
         ips = sum(map(len, self._ips.values()))
         return len(self._dsts) == len(self.routes), ips == len(self.neighbours)
 
-    def follow(self, view: ObservedState) -> None:
-        """Count ``view`` (the kernel after a pass over the view this counts) instead."""
+    def follow(self, view: ObservedState, compared: Compared | None = None) -> None:
+        """Count ``view`` (the kernel after a pass over the view this counts) instead.
+        ``compared``: what the pass's diff found, when it compared this view with the
+        plan that ``view`` holds (its differences are then the view's, not computed)."""
+        routes = _differences(self.routes, view.routes, compared.routes if compared else None)
         dsts = self._dsts
-        for route in self.routes - view.routes:
+        for route in routes[1]:
             dsts[route.dst] -= 1
             if not dsts[route.dst]:
                 del dsts[route.dst]
-        dsts.update(map(_DST, view.routes - self.routes))
-        self._count(self.neighbours - view.neighbours, -1)
-        self._count(view.neighbours - self.neighbours, 1)
+        dsts.update(map(_DST, routes[0]))
+        neighbours = _differences(
+            self.neighbours, view.neighbours, compared.neighbours if compared else None
+        )
+        self._count(neighbours[1], -1)
+        self._count(neighbours[0], 1)
         self.routes, self.neighbours = view.routes, view.neighbours
 
     def _count(self, neighbours: Iterable[Neighbour], step: int) -> None:
@@ -214,6 +248,14 @@ class Identities:
                 del on[n.ip]
                 if not on:
                     del self._ips[n.ifname]
+
+
+def _differences(
+    before: frozenset[E], after: frozenset[E], compared: tuple[frozenset[E], frozenset[E]] | None
+) -> tuple[frozenset[E], frozenset[E]]:
+    """(came, gone) from ``before`` to ``after``: the diff's (added, unwanted) when it
+    compared ``before`` with ``after``, else computed."""
+    return compared if compared is not None else (after - before, before - after)
 
 
 def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:

@@ -59,12 +59,15 @@ def after_apply(
     if changes.links_to_create or changes.links_to_delete or changes.links_to_update:
         return None
     names = frozenset(link.name for link in observed.links)
+    # The observed entries are on owned devices (a dump reads those only, a view keeps
+    # those only): the plan is all on them when what it added is.
+    compared = changes.compared if changes.compared and changes.compared.whole else None
     return ObservedState(
         links=observed.links,
         addresses=_on(desired.addresses, names),
         routes=desired.routes,
-        neighbours=_on(desired.neighbours, owned),
-        fdb=_on(desired.fdb, owned),
+        neighbours=_on(desired.neighbours, owned, compared.neighbours[0] if compared else None),
+        fdb=_on(desired.fdb, owned, compared.fdb_added if compared else None),
     )
 
 
@@ -84,9 +87,12 @@ E = TypeVar("E", Address, Neighbour, FdbEntry)
 _IFNAME = operator.attrgetter("ifname")
 
 
-def _on(entries: frozenset[E], devices: frozenset[str]) -> frozenset[E]:
-    """``entries`` on ``devices`` (all of them, as a plan has it, without a copy)."""
-    if set(map(_IFNAME, entries)) <= devices:  # in C: every pass walks every entry
+def _on(
+    entries: frozenset[E], devices: frozenset[str], added: frozenset[E] | None = None
+) -> frozenset[E]:
+    """``entries`` on ``devices`` (all of them, as a plan has it, without a copy).
+    ``added``: the entries not known to be on ``devices`` (the others are), if known."""
+    if set(map(_IFNAME, entries if added is None else added)) <= devices:  # in C
         return entries
     return frozenset(entry for entry in entries if entry.ifname in devices)
 
@@ -280,7 +286,7 @@ class Reconciler:
         else:
             view = after_apply(desired, observed, changes, scope[1])
         self._view = (scope, view) if view is not None else None
-        self._follow_identities(observed, view, changes)
+        self._follow_identities(desired, observed, view, changes)
         if self._last_diff is not None and self._last_diff[1] is not view:
             # Only the kept view can meet a plan again: a dump's own entries (three
             # objects and their addresses per peer, beside the plan's equal ones) go now.
@@ -307,7 +313,11 @@ class Reconciler:
         return changes
 
     def _follow_identities(
-        self, observed: ObservedState, view: ObservedState | None, changes: Changes
+        self,
+        desired: DesiredState,
+        observed: ObservedState,
+        view: ObservedState | None,
+        changes: Changes,
     ) -> None:
         """Keep :class:`Identities` of the view the next pass starts from: changed by what
         this pass changed, or counted anew from a dump once a pass deletes something (the
@@ -321,7 +331,11 @@ class Reconciler:
             and (counted.neighbours is observed.neighbours)
         ):
             if view is not observed:
-                counted.follow(view)
+                # The diff's differences are the view's when the view is the plan.
+                compared = changes.compared
+                planned = compared is not None and compared.whole
+                as_planned = planned and view.neighbours is desired.neighbours
+                counted.follow(view, compared if as_planned else None)
         elif changes.routes_to_delete or changes.neighbours_to_delete:
             self._identities = Identities(view)
         else:

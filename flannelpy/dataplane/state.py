@@ -16,7 +16,7 @@ from ipaddress import (
     IPv6Interface,
     IPv6Network,
 )
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:  # a type only: the planner's values stay free of the device code
     from flannelpy.dataplane.wgspec import WgDeviceSpec
@@ -172,6 +172,17 @@ class ObservedState:
     fdb: frozenset[FdbEntry] = frozenset()  # only permanent ones with a dst on owned devices
 
 
+class Compared(NamedTuple):
+    """The set differences a diff computed: kept with its Changes so that what follows
+    the kernel's view from pass to pass (the reconciler's view and identity counts)
+    changes by them, not by comparing thousands of entries again."""
+
+    whole: bool  # the plan was compared with the observed state given (no device re-created)
+    routes: tuple[frozenset[Route], frozenset[Route]]  # (desired - observed, observed - desired)
+    neighbours: tuple[frozenset[Neighbour], frozenset[Neighbour]]
+    fdb_added: frozenset[FdbEntry]  # desired - observed
+
+
 @dataclass(frozen=True)
 class Changes:
     """What to do to turn observed into desired.
@@ -196,6 +207,7 @@ class Changes:
     fdb_to_set: tuple[FdbEntry, ...] = ()
     routes_to_set: tuple[Route, ...] = ()
     counts: dict[str, int] = field(default_factory=dict, compare=False)
+    compared: Compared | None = field(default=None, compare=False, repr=False)
 
     @property
     def empty(self) -> bool:

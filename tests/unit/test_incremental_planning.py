@@ -319,6 +319,7 @@ def test_a_pass_for_a_new_plan_leaves_the_kernel_as_a_pass_that_dumps_would() ->
     kernel = FakeKernel()
     reconciler = Reconciler(kernel, 10.0)
     memo = PlanMemo()
+    kept_views = counted_views = 0
     for i, leases in enumerate(steps(rnd, False, 60)):
         bounds = node_bounds(ctx, own, [])
         peers = list(split_peers({x.key: x for x in leases.values()}, [], bounds)[0].values())
@@ -327,9 +328,25 @@ def test_a_pass_for_a_new_plan_leaves_the_kernel_as_a_pass_that_dumps_would() ->
         reconciler.reconcile_once(PLAN_CHANGED)
         # What a dump finds now is exactly the plan: nothing left to do.
         scope = ({link.name for link in want.links}, want.owned_devices)
-        assert diff(want, kernel.observe(*scope)).empty, f"step {i}"
+        dumped = kernel.observe(*scope)
+        assert diff(want, dumped).empty, f"step {i}"
+        # The view the pass keeps for the next one is what that dump reads, and the
+        # identities it counts are that view's.
+        kept = reconciler._view[1] if reconciler._view else None
+        if kept is not None:
+            assert (kept.routes, kept.neighbours, kept.fdb) == (
+                dumped.routes,
+                dumped.neighbours,
+                dumped.fdb,
+            ), f"step {i}"
+            kept_views += 1
+        counted = reconciler._identities
+        if counted is not None:
+            assert kept is not None and counted.distinct(kept) == Identities(kept).distinct(kept)
+            counted_views += 1
     # Only a new VTEP MAC (a device change) made a pass read the kernel again.
     assert 1 < reconciler.dumps < 40
+    assert kept_views >= 20 and counted_views >= 5  # both were compared, many times
 
 
 def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
