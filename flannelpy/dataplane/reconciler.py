@@ -12,7 +12,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from flannelpy import heap
@@ -295,6 +295,8 @@ class Reconciler:
         failures += self._apply_policy(desired, reason)
         if self._policy is not None:
             self._remember_policy()
+        if changes.compared is not None:  # used: its sets (a start's: every entry) go now
+            changes = replace(changes, compared=None)
         outcome = ReconcileResult(reason, changes, failures, time.monotonic() - started)
         self.last_result = outcome
         if self._on_result is not None:
@@ -309,7 +311,7 @@ class Reconciler:
         if last is not None and last[0] is desired and last[1] is observed:
             return last[2]
         changes = diff(desired, observed, self._identities)
-        self._last_diff = (desired, observed, changes)
+        self._last_diff = (desired, observed, replace(changes, compared=None))
         return changes
 
     def _follow_identities(
