@@ -48,17 +48,13 @@ def diff(
     if fresh:
         observed, distinct = _without_devices(observed, fresh), (False, False)
 
-    routes_added, routes_unwanted = (
-        desired.routes - observed.routes,
-        observed.routes - desired.routes,
-    )
+    routes_added, routes_unwanted = _differences_of(desired.routes, observed.routes)
     routes_to_set, routes_to_delete = _by_identity(
         desired.routes, observed.routes, routes_added, routes_unwanted, _route_ids, distinct[0]
     )
     routes_to_set.sort(key=_route_key)
     routes_to_delete.sort(key=_route_key)
-    neighbours_added = desired.neighbours - observed.neighbours
-    neighbours_unwanted = observed.neighbours - desired.neighbours
+    neighbours_added, neighbours_unwanted = _differences_of(desired.neighbours, observed.neighbours)
     neighbours_to_set, neighbours_to_delete = _by_identity(
         desired.neighbours,
         observed.neighbours,
@@ -70,8 +66,8 @@ def diff(
     neighbours_to_set.sort(key=_neigh_key)
     neighbours_to_delete.sort(key=_neigh_key)
 
-    fdb_added = desired.fdb - observed.fdb
-    fdb_to_delete = sorted(observed.fdb - desired.fdb, key=_fdb_key)
+    fdb_added, fdb_unwanted = _differences_of(desired.fdb, observed.fdb)
+    fdb_to_delete = sorted(fdb_unwanted, key=_fdb_key)
     fdb_to_set = sorted(fdb_added, key=_fdb_key)
 
     addresses_to_add = sorted(desired.addresses - observed.addresses, key=_addr_key)
@@ -108,6 +104,26 @@ def diff(
             fdb_added,
         ),
     )
+
+
+S = TypeVar("S", Route, Neighbour, FdbEntry)
+
+
+def _differences_of(
+    desired: frozenset[S], observed: frozenset[S]
+) -> tuple[frozenset[S], frozenset[S]]:
+    """(desired - observed, observed - desired), the second from the first's size when it
+    must be empty: a pass adds or deletes a peer's entries among thousands, and then one
+    of the two is (each walks one whole set, in C)."""
+    if len(desired) >= len(observed):
+        added = desired - observed
+        if len(desired) - len(added) == len(observed):  # every observed entry is desired
+            return added, frozenset()
+        return added, observed - desired
+    unwanted = observed - desired
+    if len(observed) - len(unwanted) == len(desired):  # every desired entry is observed
+        return frozenset(), unwanted
+    return desired - observed, unwanted
 
 
 def _links(

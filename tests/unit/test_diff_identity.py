@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flannelpy.dataplane.diff import Identities, diff
-from flannelpy.dataplane.state import DesiredState, Neighbour, ObservedState, Route
+from flannelpy.dataplane.state import DesiredState, FdbEntry, Neighbour, ObservedState, Route
 
 DEV = "flannel.1"
 
@@ -144,3 +144,25 @@ def test_identities_followed_from_view_to_view_are_counted_as_anew(
         assert counted.distinct(view) == Identities(view).distinct(view)
         assert counted.distinct(view) == _distinct_by_definition(view)
     assert counted.distinct(_view([(0, 1, False)], {})) == (False, False)  # not the view counted
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 30)), st.sets(st.integers(0, 30)))
+@example({1, 2, 3}, {1, 2})  # a peer added
+@example({1, 2}, {1, 2, 3})  # a peer deleted
+@example({1, 2, 4}, {1, 2, 3})  # one of each: as many planned as held
+def test_fdb_entries_set_and_deleted_are_the_set_differences(
+    planned: set[int], held: set[int]
+) -> None:
+    """Whichever side is larger, and whether one side holds the other (a peer added or
+    deleted, as most passes) or not: what is set is planned and not held, what is
+    deleted is held and not planned."""
+
+    def entry(i: int) -> FdbEntry:
+        return FdbEntry(DEV, f"02:aa:00:00:00:{i:02x}", IPv4Address(0xC0A80000 + i))
+
+    desired = DesiredState(fdb=frozenset(map(entry, planned)))
+    observed = ObservedState(fdb=frozenset(map(entry, held)))
+    changes = diff(desired, observed)
+    assert set(changes.fdb_to_set) == set(map(entry, planned - held))
+    assert set(changes.fdb_to_delete) == set(map(entry, held - planned))
