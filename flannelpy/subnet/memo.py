@@ -11,10 +11,10 @@ answer: with it or without it, the caller gets exactly what a fresh computation 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from itertools import compress, filterfalse, repeat
-from operator import is_
-from typing import Generic, TypeVar, cast
+from collections.abc import Callable, Iterable, Mapping
+from itertools import compress, repeat
+from operator import is_, is_not
+from typing import Any, Generic, TypeVar, cast
 
 from flannelpy.subnet.lease import Lease
 
@@ -25,30 +25,43 @@ class LeaseList(list[Lease]):
     """Leases in order, and which of them came (``added``) and went (``dropped``) since
     the list this one was made after: a memo whose last call had that list applies only
     those, whatever the cluster's size. The planner makes one per plan, so the memos of a
-    plan share one walk of the leases (three passes in C) instead of each walking them.
+    plan share one walk of the leases (two passes in C) instead of each walking them.
 
-    A lease object is immutable and the lease watches keep the objects of unchanged
-    leases, so "the same lease" is "the same object"; the dropped leases are held with
-    the list, so their ids are not reused while a memo may still look them up."""
+    Made of a map of store keys to leases (the list is its values; of other leases, each
+    is its own key), a lease is new when its key is or holds another object: a lease
+    object is immutable and the lease watches keep the objects of unchanged leases. The
+    dropped leases are held with the list, so their ids are not reused while a memo may
+    still look them up."""
 
-    __slots__ = ("added", "by_id", "dropped", "follows", "token")
+    __slots__ = ("added", "by_key", "dropped", "follows", "token")
 
-    def __init__(self, leases: Iterable[Lease], previous: LeaseList | None = None) -> None:
-        super().__init__(leases)
+    def __init__(
+        self, leases: Mapping[str, Lease] | Iterable[Lease], previous: LeaseList | None = None
+    ) -> None:
+        if isinstance(leases, Mapping):
+            super().__init__(leases.values())
+            by_key: Mapping[Any, Lease] = leases  # store keys, or ids below
+        else:  # keyed by object: a list made of a map follows this one as if all were new
+            super().__init__(leases)
+            by_key = dict(zip(map(id, self), self, strict=True))
+        self.by_key = by_key
         self.token = object()  # what the next list follows; a list's own id may be reused
-        self.by_id: dict[int, Lease] = dict(zip(map(id, self), self, strict=True))
+        self.follows: object = None
+        self.added: list[Lease] = list(self)
+        self.dropped: list[Lease] = []
         if previous is None:
-            self.follows: object = None
-            self.added: list[Lease] = list(self.by_id.values())
-            self.dropped: list[Lease] = []
-        else:
-            now, before = self.by_id, previous.by_id
-            self.follows = previous.token
-            # In C, with no set made of either: each id looked up in the other dict.
-            self.added = list(map(now.__getitem__, filterfalse(before.__contains__, now)))
-            self.dropped = list(map(before.__getitem__, filterfalse(now.__contains__, before)))
+            return
+        now, before = by_key, previous.by_key
+        # In C: each key looked up in the other map, its lease compared by identity.
+        added = list(compress(now.values(), map(is_not, now.values(), map(before.get, now))))
+        dropped = list(
+            compress(before.values(), map(is_not, before.values(), map(now.get, before)))
+        )
+        if len(set(map(id, added + dropped))) == len(added) + len(dropped):
+            self.follows, self.added, self.dropped = previous.token, added, dropped
+        # else one lease object under two keys moved: no memo follows this list.
 
-    def after(self, leases: Iterable[Lease]) -> LeaseList:
+    def after(self, leases: Mapping[str, Lease] | Iterable[Lease]) -> LeaseList:
         """The list of ``leases``, made after this one."""
         return LeaseList(leases, self)
 

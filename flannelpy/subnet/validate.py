@@ -228,9 +228,6 @@ def _check_own_v6(lease: Lease, bounds: Bounds) -> Rejection | None:
     return Rejection(lease.key, BACKEND_DATA, problem) if problem is not None else None
 
 
-_KEY = operator.attrgetter("key")
-
-
 class PeerSplit:
     """:func:`split_peers` for one owner's successive lease maps, as
     :class:`~flannelpy.subnet.memo.LeaseList` s: the peers of each call are made after
@@ -254,7 +251,7 @@ class PeerSplit:
         for key in own_keys:
             others_map.pop(key, None)
         last_others, self._others = self._others, None
-        others = self._others = LeaseList(others_map.values(), last_others)
+        others = self._others = LeaseList(others_map, last_others)
         delta = self._verdicts.update(bounds, others, lambda lease: check_peer(lease, bounds))
         if delta.follows:  # verdicts line up with the leases that came and went
             rejected = self._rejected
@@ -272,8 +269,9 @@ class PeerSplit:
             )
         self._rejected = rejected
         if rejected:  # in C: each lease's key looked up among the few rejected
-            unwanted = map(rejected.__contains__, map(_KEY, others))
-            peers = LeaseList(compress(others, map(operator.not_, unwanted)), self._peers)
+            unwanted = map(rejected.__contains__, others_map)
+            kept = compress(others_map.items(), map(operator.not_, unwanted))
+            peers = LeaseList(dict(kept), self._peers)
         elif self._peers is None or self._peers is last_others:
             peers = others  # no lease rejected now or last time: the same list
         else:

@@ -242,6 +242,21 @@ def test_a_memo_fed_lists_made_one_after_another_computes_what_came_and_went() -
     assert not delta.follows and delta.results == list(map(compute, leases[:6]))
 
 
+def test_a_list_made_of_a_lease_map_finds_what_came_and_went_by_key() -> None:
+    rnd = random.Random(4)
+    a, b, c, d = (random_lease(rnd, n, False) for n in (2, 3, 4, 5))
+    changed = replace(b, attrs=replace(b.attrs, mtu=1400))
+    first = LeaseList({"a": a, "b": b, "c": c})
+    second = first.after({"a": a, "b": changed, "d": d})  # b changed, c gone, d new
+    assert second == [a, changed, d] and second.follows is first.token
+    assert second.added == [changed, d] and second.dropped == [b, c]
+    # One lease object under another key: not a change a memo can follow by objects.
+    moved = second.after({"a": a, "b": changed, "e": d})
+    assert moved.follows is None and moved == [a, changed, d]
+    # A map after a list of objects: every lease came and went, so none is followed.
+    assert LeaseList([a, b]).after({"a": a, "b": b}).follows is None
+
+
 def peer_json(rnd: random.Random, n: int) -> bytes:
     lease = random_lease(rnd, n, False)
     return lease.attrs.to_json().encode()
