@@ -322,8 +322,9 @@ class Reconciler:
         changes: Changes,
     ) -> None:
         """Keep :class:`Identities` of the view the next pass starts from: changed by what
-        this pass changed, or counted anew from a dump once a pass deletes something (the
-        next deletion then walks none of the entries)."""
+        this pass changed, or counted anew from a dump once a pass deletes or replaces
+        something (a peer gone, a new VTEP MAC: the next such pass walks none of the
+        entries)."""
         counted = self._identities
         if view is None:
             self._identities = None
@@ -338,7 +339,9 @@ class Reconciler:
                 planned = compared is not None and compared.whole
                 as_planned = planned and view.neighbours is desired.neighbours
                 counted.follow(view, compared if as_planned else None)
-        elif changes.routes_to_delete or changes.neighbours_to_delete:
+        elif changes.compared is not None and (
+            changes.compared.routes[1] or changes.compared.neighbours[1]
+        ):  # this pass replaced or deleted entries: the next such pass needs counts
             self._identities = Identities(view)
         else:
             self._identities = None

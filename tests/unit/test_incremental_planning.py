@@ -33,7 +33,7 @@ from flannelpy.dataplane import diff as diff_module
 from flannelpy.dataplane import reconciler as reconciler_module
 from flannelpy.dataplane.diff import Identities, diff
 from flannelpy.dataplane.reconciler import FULL_DUMP_SECONDS, PERIODIC, PLAN_CHANGED, Reconciler
-from flannelpy.dataplane.state import Changes, DesiredState, ObservedState, Route
+from flannelpy.dataplane.state import Changes, DesiredState, Neighbour, ObservedState, Route
 from flannelpy.observe.mtu import MtuReport, MtuTally, follow_mtu, mtu_mismatches
 from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.subnet.lease import Lease, LeaseAttrs
@@ -406,6 +406,26 @@ def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
     plan(peers[:-8])
     assert max(walked) == held  # counted anew after the dump
     assert reconciler.dumps == 3
+    # A peer's new VTEP MAC replaces its neighbour (the same identity): after a dump, the
+    # first such pass looks at every neighbour, the next ones at the replaced alone.
+    neighbours_walked: list[int] = []
+    real_neigh_ids = diff_module._neigh_ids
+
+    def counting_neighbours(neighbours: Iterable[Neighbour]) -> list[Hashable]:
+        found = real_neigh_ids(neighbours)
+        neighbours_walked.append(len(found))
+        return found
+
+    monkeypatch.setattr(diff_module, "_neigh_ids", counting_neighbours)
+    kernel.state = replace(kernel.state, routes=frozenset(list(kernel.state.routes)[1:]))
+    reconciler.reconcile_once("route")  # dumped again
+    current = peers[:-8]
+    for step, mac in enumerate(MACS[30:34]):
+        neighbours_walked.clear()
+        current = [lease(str(current[0].subnet), "192.168.1.22", mac=mac), *current[1:]]
+        plan(current)
+        assert any(n.mac == mac for n in kernel.state.neighbours)
+        assert max(neighbours_walked) == (len(current) if step == 0 else 1), neighbours_walked
 
 
 def test_a_change_by_another_tool_or_a_failed_pass_is_read_back_from_the_kernel() -> None:
