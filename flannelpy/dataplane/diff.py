@@ -218,9 +218,9 @@ _DST = operator.attrgetter("dst")
 
 class Identities:
     """How many of a kernel view's routes share each destination, and its neighbours
-    each device and address: a pass that deletes must know that no identity is held
-    twice (deleting by identity would take the other), and learning it from the entries
-    walks them all, in Python. The reconciler keeps one from pass to pass, changed by
+    each device and address: a pass that deletes or replaces must know that no identity
+    is held twice (deleting by identity would take the other), and learning it from the
+    entries walks them all, in Python. The reconciler keeps one from pass to pass, changed by
     the entries that came and went (a plan's sets hash their entries once, and the
     destinations and addresses are the entries' own objects, so it holds no new ones)."""
 

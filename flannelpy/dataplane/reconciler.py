@@ -187,7 +187,8 @@ class Reconciler:
         # The last diff and its inputs: a timer's pass between dumps, with the plan and the
         # view of the pass before, would compare a thousand entries to find nothing again.
         self._last_diff: tuple[DesiredState, ObservedState, Changes] | None = None
-        # The identities of the view in _view, once a pass deleted (diff.Identities).
+        # The identities of the view in _view, once a pass deleted or replaced entries
+        # (diff.Identities).
         self._identities: Identities | None = None
         self.dumps = 0  # passes that read the kernel (the others knew it from the last)
         self._dumped_entries = 0  # routes, neighbours and FDB entries the last dump found
@@ -266,7 +267,7 @@ class Reconciler:
                 len(observed.routes) + len(observed.neighbours) + len(observed.fdb)
             )
             self._dumped_at = self._monotonic()
-            self._identities = None  # counted again below, if this pass deletes
+            self._identities = None  # counted again below, if this pass deletes or replaces
         changes = self._diff(desired, observed)
         if not changes.empty:
             result = self._kernel.apply(changes)
