@@ -270,8 +270,8 @@ def _differences(
     before: frozenset[E], after: frozenset[E], compared: tuple[frozenset[E], frozenset[E]] | None
 ) -> tuple[frozenset[E], frozenset[E]]:
     """(came, gone) from ``before`` to ``after``: the diff's (added, unwanted) when it
-    compared ``before`` with ``after``, else computed."""
-    return compared if compared is not None else (after - before, before - after)
+    compared ``before`` with ``after``, else computed as the diff computes them."""
+    return compared if compared is not None else _differences_of(after, before)
 
 
 def _without_devices(observed: ObservedState, devices: set[str]) -> ObservedState:

@@ -233,7 +233,7 @@ class PeerSplit:
     :class:`~flannelpy.subnet.memo.LeaseList` s: the peers of each call are made after
     those of the last, so the memos fed with them apply what changed, and a verdict is
     reached once per lease object. What a call costs follows what changed, but for a
-    copy of the map and its ids in C. It answers exactly what :func:`split_peers` does
+    copy of the map and two passes over it in C. It answers exactly what :func:`split_peers` does
     (the unit tests compare the two over random sequences)."""
 
     def __init__(self) -> None:
@@ -250,7 +250,7 @@ class PeerSplit:
         others_map = dict(leases)  # in C: thousands of leases, our one or two to drop
         for key in own_keys:
             others_map.pop(key, None)
-        last_others, self._others = self._others, None
+        last_others = self._others
         others = self._others = LeaseList(others_map, last_others)
         delta = self._verdicts.update(bounds, others, lambda lease: check_peer(lease, bounds))
         if delta.follows:  # verdicts line up with the leases that came and went
@@ -275,6 +275,6 @@ class PeerSplit:
         elif self._peers is None or self._peers is last_others:
             peers = others  # no lease rejected now or last time: the same list
         else:
-            peers = LeaseList(others, self._peers)
+            peers = LeaseList(others_map, self._peers)
         self._peers = peers
         return peers, dict(rejected)
