@@ -364,6 +364,21 @@ def test_a_pass_for_a_new_plan_leaves_the_kernel_as_a_pass_that_dumps_would() ->
     assert kept_views >= 20 and counted_views >= 5  # both were compared, many times
 
 
+def _count_identities(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """How many entries each call of the diff's identity function ``name`` is given, as
+    the calls come."""
+    walked: list[int] = []
+    real = getattr(diff_module, name)
+
+    def counting(entries: Iterable[Route | Neighbour]) -> list[Hashable]:
+        found: list[Hashable] = real(entries)
+        walked.append(len(found))
+        return found
+
+    monkeypatch.setattr(diff_module, name, counting)
+    return walked
+
+
 def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -376,15 +391,7 @@ def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
     peers = [lease(f"10.244.{n}.0/24", f"192.168.1.{n + 20}", mac=MACS[n]) for n in range(2, 30)]
     kernel = FakeKernel()
     reconciler = Reconciler(kernel, 10.0)
-    walked: list[int] = []
-    real_ids = diff_module._route_ids
-
-    def counting(routes: Iterable[Route]) -> list[Hashable]:
-        found = real_ids(routes)
-        walked.append(len(found))
-        return found
-
-    monkeypatch.setattr(diff_module, "_route_ids", counting)
+    walked = _count_identities(monkeypatch, "_route_ids")
 
     def plan(peers: list[Lease]) -> None:
         reconciler.set_desired(get_backend("vxlan").plan(ctx, own, peers, MACS[0]))
@@ -408,15 +415,7 @@ def test_a_pass_that_deletes_walks_the_entries_only_after_a_dump(
     assert reconciler.dumps == 3
     # A peer's new VTEP MAC replaces its neighbour (the same identity): after a dump, the
     # first such pass looks at every neighbour, the next ones at the replaced alone.
-    neighbours_walked: list[int] = []
-    real_neigh_ids = diff_module._neigh_ids
-
-    def counting_neighbours(neighbours: Iterable[Neighbour]) -> list[Hashable]:
-        found = real_neigh_ids(neighbours)
-        neighbours_walked.append(len(found))
-        return found
-
-    monkeypatch.setattr(diff_module, "_neigh_ids", counting_neighbours)
+    neighbours_walked = _count_identities(monkeypatch, "_neigh_ids")
     kernel.state = replace(kernel.state, routes=frozenset(list(kernel.state.routes)[1:]))
     reconciler.reconcile_once("route")  # dumped again
     current = peers[:-8]
