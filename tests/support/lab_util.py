@@ -87,6 +87,17 @@ def segment_ip(lab: Lab, host: int, segment: int = 1) -> str:
     return str(subnet.network_address + host)
 
 
+def backlog_drops() -> int:
+    """Packets the kernel has dropped, machine-wide, for a full per-CPU input backlog
+    (``/proc/net/softnet_stat``, second column, summed over CPUs). A veth's packet waits
+    there for a softirq; with four labs on two cores the softirq waits for CPU, and past
+    ``net.core.netdev_max_backlog`` packets arriving are dropped, whoever sent them. A
+    loss test reports the count taken over its traffic, so a failure tells the machine's
+    drops from the data plane's."""
+    with open("/proc/net/softnet_stat") as f:
+        return sum(int(line.split()[1], 16) for line in f if line.strip())
+
+
 def unique_lab_name(prefix: str | None = None) -> str:
     """A lab name (``[a-z0-9]{1,6}``) unlikely to clash with a parallel run: ``prefix``,
     else ``$FLANNELPY_LAB_PREFIX`` (people sharing a machine tell their labs apart by it),

@@ -33,6 +33,8 @@ from typing import IO, Any
 from flannelpy_lab import Lab
 from flannelpy_lab.state import PodInfo
 
+from tests.support.lab_util import backlog_drops
+
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traffic_probe.py")
 TCP_PORT = 7407
 KILL_WAIT_S = 5.0  # after SIGKILL, for a probe to be reaped
@@ -93,6 +95,7 @@ class TrafficReport:
     cpu_s: float  # CPU time of all probe processes, whole lifetime
     wall_s: float  # the longest probe lifetime
     notes: tuple[str, ...] = ()
+    backlog_drops: int = 0  # machine-wide, start to stop (lab_util.backlog_drops)
 
     @property
     def sent(self) -> int:
@@ -153,6 +156,11 @@ class TrafficReport:
             f". Probe CPU {self.cpu_s:.2f} s over {self.wall_s:.1f} s"
             f" ({100 * self.cpu_share:.1f}% of one core)."
         )
+        if self.backlog_drops:
+            text += (
+                f" Meanwhile the kernel dropped {self.backlog_drops} packets machine-wide"
+                " for a full input backlog (not the data plane: the machine's CPU)."
+            )
         if self.notes:
             text += " Notes: " + "; ".join(self.notes) + "."
         return text
@@ -325,6 +333,7 @@ class PodTraffic:
         self._servers: list[_Probe] = []
         self._started_at = 0.0
         self._measuring_at = 0.0
+        self._drops_at_start = 0
         self.report: TrafficReport | None = None
 
     # -- life cycle ---------------------------------------------------------------
@@ -346,6 +355,7 @@ class PodTraffic:
     def start(self) -> PodTraffic:
         """Start every probe, wait out the warm-up, then start counting."""
         self._started_at = time.monotonic()
+        self._drops_at_start = backlog_drops()
         deadline = self._started_at + self.warmup_timeout
         try:
             for server in {s.name: s for _, s in self.streams}.values():
@@ -545,4 +555,5 @@ class PodTraffic:
             cpu_s=sum(float(d["cpu_s"]) for d in every),
             wall_s=max(float(d["wall_s"]) for d in every),
             notes=tuple(notes),
+            backlog_drops=backlog_drops() - self._drops_at_start,
         )

@@ -216,3 +216,11 @@ def test_report_totals_lost_pairs_broken_streams_and_a_summary_naming_them() -> 
         "Notes: x.",
     ):
         assert part in text, text
+    assert "backlog" not in text  # none dropped: nothing said
+
+
+def test_a_summary_tells_the_machines_backlog_drops_from_the_data_planes() -> None:
+    pairs = pair_counts("a", _icmp_doc({"10.0.2.1": (100, 99)}), {"10.0.2.1": "b", "1": "a"})
+    report = TrafficReport(tuple(pairs), (), 20.0, 50.0, 5.0, 0.5, 1.0, 5.0, backlog_drops=812)
+    text = report.summary()
+    assert "1 lost" in text and "the kernel dropped 812 packets machine-wide" in text, text
