@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Network
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from flannelpy.backend.paths import (
     Capabilities,
@@ -30,6 +30,7 @@ from flannelpy.dataplane.state import (
     FdbEntry,
     Neighbour,
     Route,
+    SetDelta,
     UnderlayInterface,
     Unreachable,
     VxlanLink,
@@ -238,32 +239,64 @@ NO_ENTRIES = PeerEntries()
 class EntriesMemo:
     """The peers' entries of the last plan of one family, and their union, kept up to
     date by what changed: the union of thousands of entries is then copied, never
-    hashed again (a set built from a dict or a set reuses the hashes they hold)."""
+    hashed again (a set built from a dict or a set reuses the hashes they hold), and
+    kept as it was when nothing in it changed. Each set comes with its
+    :class:`~flannelpy.dataplane.state.SetDelta` from the last plan's."""
 
     def __init__(self) -> None:
         self._memo: LeaseMemo[PeerEntries] = LeaseMemo()
+        self._forget()
+
+    def _forget(self) -> None:
         # Per field of PeerEntries: entry -> how many peers plan it (two leases may).
         self._counts: tuple[dict[object, int], ...] = ({}, {}, {}, {})
+        self._last: tuple[frozenset[Any], ...] = (frozenset(),) * 4  # the last union
 
     def union(
         self, context: object, peers: Sequence[Lease], one: Callable[[Lease], PeerEntries]
-    ) -> PeerEntries:
-        """Every peer's entries of :func:`one` in ``context``, as one union per field
-        (frozensets in a PeerEntries)."""
-        delta = self._memo.update(context, peers, one)
+    ) -> tuple[tuple[frozenset[Any], ...], tuple[SetDelta, ...]]:
+        """Every peer's entries of :func:`one` in ``context``, as one frozenset per field
+        of PeerEntries, and how each was made from the last call's."""
+        try:
+            delta = self._memo.update(context, peers, one)
+        except BaseException:  # the memo forgot every lease: so do the counts
+            self._forget()
+            raise
+        gone: tuple[set[object], ...] = (set(), set(), set(), set())
+        came: tuple[set[object], ...] = (set(), set(), set(), set())
         for entries in delta.dropped:
-            for field, counts in zip(entries, self._counts, strict=True):
+            for field, counts, removed in zip(entries, self._counts, gone, strict=True):
                 for entry in field:
                     left = counts[entry] - 1
                     if left:
                         counts[entry] = left
                     else:
                         del counts[entry]
+                        removed.add(entry)
         for entries in delta.added:
-            for field, counts in zip(entries, self._counts, strict=True):
+            for field, counts, added, removed in zip(
+                entries, self._counts, came, gone, strict=True
+            ):
                 for entry in field:
-                    counts[entry] = counts.get(entry, 0) + 1
-        return PeerEntries(*(frozenset(counts) for counts in self._counts))  # type: ignore[arg-type]
+                    had = counts.get(entry, 0)
+                    counts[entry] = had + 1
+                    if not had:
+                        if entry in removed:  # planned again (a changed lease): no change
+                            removed.discard(entry)
+                        else:
+                            added.add(entry)
+        sets = tuple(
+            last if not (added or removed) else frozenset(counts)
+            for last, counts, added, removed in zip(
+                self._last, self._counts, came, gone, strict=True
+            )
+        )
+        deltas = tuple(
+            SetDelta(last, now, frozenset(added), frozenset(removed))
+            for last, now, added, removed in zip(self._last, sets, came, gone, strict=True)
+        )
+        self._last = sets
+        return sets, deltas
 
 
 class PlanMemo:
@@ -292,12 +325,9 @@ def peer_entries(
             fdb=frozenset(f for e in entries for f in e.fdb),
             unreachable=frozenset(u for e in entries for u in e.unreachable),
         )
-    union = memo.union(context, peers, one)
+    (routes, neighbours, fdb, unreachable), deltas = memo.union(context, peers, one)
     return DesiredState(
-        routes=frozenset(union.routes),
-        neighbours=frozenset(union.neighbours),
-        fdb=frozenset(union.fdb),
-        unreachable=frozenset(union.unreachable),
+        routes=routes, neighbours=neighbours, fdb=fdb, unreachable=unreachable, deltas=deltas
     )
 
 

@@ -204,6 +204,7 @@ def merge(a: DesiredState, b: DesiredState) -> DesiredState:
         fdb=_union(a.fdb, b.fdb),
         owned_devices=_union(a.owned_devices, b.owned_devices),
         unreachable=_union(a.unreachable, b.unreachable),
+        deltas=a.deltas + b.deltas,  # those of a family alone still name their sets
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import replace
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import TypeVar
@@ -24,6 +24,7 @@ from flannelpy.dataplane.state import (
     Neighbour,
     ObservedState,
     Route,
+    SetDelta,
     VxlanLink,
 )
 
@@ -48,13 +49,16 @@ def diff(
     if fresh:
         observed, distinct = _without_devices(observed, fresh), (False, False)
 
-    routes_added, routes_unwanted = _differences_of(desired.routes, observed.routes)
+    deltas = desired.deltas
+    routes_added, routes_unwanted = _differences_of(desired.routes, observed.routes, deltas)
     routes_to_set, routes_to_delete = _by_identity(
         desired.routes, observed.routes, routes_added, routes_unwanted, _route_ids, distinct[0]
     )
     routes_to_set.sort(key=_route_key)
     routes_to_delete.sort(key=_route_key)
-    neighbours_added, neighbours_unwanted = _differences_of(desired.neighbours, observed.neighbours)
+    neighbours_added, neighbours_unwanted = _differences_of(
+        desired.neighbours, observed.neighbours, deltas
+    )
     neighbours_to_set, neighbours_to_delete = _by_identity(
         desired.neighbours,
         observed.neighbours,
@@ -66,7 +70,7 @@ def diff(
     neighbours_to_set.sort(key=_neigh_key)
     neighbours_to_delete.sort(key=_neigh_key)
 
-    fdb_added, fdb_unwanted = _differences_of(desired.fdb, observed.fdb)
+    fdb_added, fdb_unwanted = _differences_of(desired.fdb, observed.fdb, deltas)
     fdb_to_delete = sorted(fdb_unwanted, key=_fdb_key)
     fdb_to_set = sorted(fdb_added, key=_fdb_key)
 
@@ -110,11 +114,15 @@ S = TypeVar("S", Route, Neighbour, FdbEntry)
 
 
 def _differences_of(
-    desired: frozenset[S], observed: frozenset[S]
+    desired: frozenset[S], observed: frozenset[S], deltas: Sequence[SetDelta] = ()
 ) -> tuple[frozenset[S], frozenset[S]]:
-    """(desired - observed, observed - desired), the second from the first's size when it
-    must be empty: a pass adds or deletes a peer's entries among thousands, and then one
-    of the two is (each walks one whole set, in C)."""
+    """(desired - observed, observed - desired): a delta's own when ``desired`` was made
+    from ``observed`` itself (the plan after the one the view holds); else the second
+    from the first's size when it must be empty: a pass adds or deletes a peer's entries
+    among thousands, and then one of the two is (each walks one whole set, in C)."""
+    for delta in deltas:
+        if delta.result is desired and delta.base is observed:
+            return delta.added, delta.removed
     if len(desired) >= len(observed):
         added = desired - observed
         if len(desired) - len(added) == len(observed):  # every observed entry is desired

@@ -28,6 +28,7 @@ from flannelpy.dataplane.state import (
     ObservedState,
     PodRanges,
     VxlanLink,
+    same_plan,
 )
 from flannelpy.errors import DataplaneError, FlannelpyError
 
@@ -202,7 +203,7 @@ class Reconciler:
         """Replace the desired state. ``stale_links`` are devices of ours to remove if present
         (e.g. the vxlan device after switching to host-gw)."""
         with self._lock:
-            changed = desired != self._desired or stale_links != self._stale_links
+            changed = not same_plan(desired, self._desired) or stale_links != self._stale_links
             self._desired = desired
             self._stale_links = stale_links
         if changed:

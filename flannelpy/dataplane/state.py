@@ -7,7 +7,7 @@ changes when a device is re-created, a name does not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from ipaddress import (
     IPv4Address,
     IPv4Interface,
@@ -137,6 +137,20 @@ class NftTableSpec(Protocol):
         ...
 
 
+@dataclass(frozen=True, eq=False)
+class SetDelta:
+    """How one set of a plan was made from the last plan's: ``result`` is ``base`` less
+    ``removed`` plus ``added`` (``added`` disjoint from ``base``, ``removed`` within it).
+    A diff whose observed set is ``base`` itself, as the reconciler's view is after a
+    pass that applied the last plan, takes its differences from here instead of
+    comparing thousands of entries; any other observed set is compared in full."""
+
+    base: frozenset[Any]
+    result: frozenset[Any]
+    added: frozenset[Any]
+    removed: frozenset[Any]
+
+
 @dataclass(frozen=True)
 class DesiredState:
     """Everything the agent owns in the kernel. Anything of ours not listed here is stale.
@@ -159,6 +173,29 @@ class DesiredState:
     # The NetworkPolicy table; None: policy is off, or not synced since start (whatever
     # table the kernel holds is kept, so a restart opens no window).
     policy: NftTableSpec | None = None
+    # How some of the sets above were made from the last plan's; never compared. Each
+    # names its result set, so one whose set was since replaced is simply not found.
+    deltas: tuple[SetDelta, ...] = field(default=(), compare=False, repr=False)
+
+
+def same_plan(new: DesiredState, old: DesiredState | None) -> bool:
+    """``new == old``, where ``new``'s deltas from ``old``'s own sets answer for those
+    sets without comparing their entries (a rewritten MAC leaves a set's size alone)."""
+    if old is None:
+        return False
+    for f in fields(DesiredState):
+        if not f.compare:
+            continue
+        a, b = getattr(new, f.name), getattr(old, f.name)
+        if a is b:
+            continue
+        delta = next((d for d in new.deltas if d.result is a and d.base is b), None)
+        if delta is not None:
+            if delta.added or delta.removed:
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
