@@ -18,10 +18,11 @@ import pytest
 from flannelpy.backend.base import EntriesMemo, PeerEntries, PlanMemo, node_bounds
 from flannelpy.backend.registry import get_backend
 from flannelpy.dataplane.diff import diff
-from flannelpy.dataplane.state import DesiredState, ObservedState, Route, same_plan
+from flannelpy.dataplane.state import DesiredState, Route, same_plan
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.validate import split_peers
 from tests.support.fakes import lease
+from tests.unit.test_diff_reconciler import observed_from
 from tests.unit.test_incremental_planning import CONTEXTS, MACS, own_lease, steps
 
 
@@ -34,17 +35,6 @@ def _check_exact(plan: DesiredState) -> None:
 
 def _delta_for(plan: DesiredState, entries: frozenset[object]) -> object | None:
     return next((d for d in plan.deltas if d.result is entries), None)
-
-
-def _held(plan: DesiredState) -> ObservedState:
-    """The view after a pass that applied ``plan``: its own sets."""
-    return ObservedState(
-        links=plan.links,
-        addresses=plan.addresses,
-        routes=plan.routes,
-        neighbours=plan.neighbours,
-        fdb=plan.fdb,
-    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -68,7 +58,7 @@ def test_a_plans_deltas_are_exact_and_its_diff_against_the_last_plan_is_the_comp
         assert same_plan(plan, last) == (plan == last) == same_plan(replace(plan, deltas=()), last)
         if last is not None:
             assert same_plan(plan, plan) and same_plan(replace(plan, deltas=()), plan)
-            held = _held(last)
+            held = observed_from(last)  # the view after a pass that applied it
             with_deltas = diff(plan, held)
             assert with_deltas == diff(replace(plan, deltas=()), held), f"step {i}"
             delta = _delta_for(plan, plan.fdb)
