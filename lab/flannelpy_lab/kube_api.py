@@ -25,23 +25,28 @@ _PROXY_VARS = re.compile(r"(?i)^(https?|all|no)_proxy$")
 ANNOTATION_PREFIX = "flannel.alpha.coreos.com/"
 
 
-def api_json(state: LabState, path: str, timeout: float = 5.0) -> Any:
-    """GET ``path`` from kube-apiserver as cluster admin (no kubectl process: cheap enough
-    to poll); LabError when it does not answer."""
+def api_json(state: LabState, path: str, timeout: float = 5.0, body: Any = None) -> Any:
+    """GET ``path`` from kube-apiserver as cluster admin, or POST ``body`` (JSON) there when
+    given (no kubectl process: cheap enough to poll, and no process start in the way of
+    a test's timing); LabError when it does not answer or refuses."""
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({}),
         urllib.request.HTTPSHandler(
             context=ssl.create_default_context(cafile=kube_path(state, "pki", "ca.crt"))
         ),
     )
-    request = urllib.request.Request(api_url(state) + path)
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(api_url(state) + path, data=data)
     request.add_header("Authorization", f"Bearer {admin_token(state)}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     try:
         with opener.open(request, timeout=timeout) as resp:
             return json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as e:
+        verb = "GET" if data is None else "POST"
         raise LabError(
-            f"kube-apiserver GET {path} failed ({e}); is the control plane "
+            f"kube-apiserver {verb} {path} failed ({e}); is the control plane "
             "running (`flannelpy-lab status`)?"
         ) from e
 

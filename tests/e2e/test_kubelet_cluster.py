@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from flannelpy_lab import Lab, cgroups, images, kube_api, kubelet, procs
 from flannelpy_lab import kube as control_plane
+from flannelpy_lab.errors import LabError
 
 from flannelpy.rollout import cordon
 from tests.support.kube_rollout import start_rollout
@@ -256,12 +257,12 @@ _REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms")
 
 
 def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]) -> None:
-    """Every 0.1 s: each Node's spec.unschedulable, with the time it was read."""
+    """Every 0.1 s: each Node's spec.unschedulable, with the time it was read (by HTTP: a
+    kubectl process per look took seconds on a loaded machine, longer than some cordons)."""
     while not stop.is_set():
         before = time.monotonic()
-        proc = lab.kubectl("get", "nodes", "-o", "json", check=False)
-        if proc.returncode == 0:
-            nodes = json.loads(proc.stdout)["items"]
+        with contextlib.suppress(LabError):
+            nodes = kube_api.api_json(lab.state, "/api/v1/nodes")["items"]
             out.append(
                 (
                     (before + time.monotonic()) / 2,
@@ -393,15 +394,10 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
             fresh = [n for n, c in latest.items() if c and n not in probed]
             if fresh:  # while they are cordoned: two new pods each for the scheduler
                 probed.update(fresh)
-                docs = [probe_pod(f"sched-probe-{n}-{i}") for n in fresh for i in range(2)]
-                created = time.monotonic()
-                lab.kubectl(
-                    "create",
-                    "-f",
-                    "-",
-                    stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
-                )
-                made.update((d["metadata"]["name"], created) for d in docs)
+                for doc in (probe_pod(f"sched-probe-{n}-{i}") for n in fresh for i in range(2)):
+                    created = time.monotonic()  # by HTTP: no process start before it
+                    kube_api.api_json(lab.state, "/api/v1/namespaces/default/pods", body=doc)
+                    made[doc["metadata"]["name"]] = created
             time.sleep(0.05)
         wait_until(lambda: set(bindings.seen) >= set(made), 30, "the probe pods bound")
         bound = [(p, node, made[p], seen) for p, (node, seen) in bindings.seen.items() if p in made]
