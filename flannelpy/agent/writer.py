@@ -211,7 +211,7 @@ class Writer:
     # -- producers: any thread --------------------------------------------------------
 
     def on_leases(self, leases: Mapping[str, Lease], revision: int) -> None:
-        self.queue.put(LeasesChanged(dict(leases), revision))
+        self.queue.put(LeasesChanged(leases, revision))  # the store's own snapshot: no copy
 
     def on_control(self, snapshot: ControlSnapshot) -> None:
         self.queue.put(ControlChanged(snapshot))

@@ -19,7 +19,9 @@ from flannelpy.subnet.validate import Rejection
 
 # Called with every lease in the store (our own included), keyed by lease key,
 # and the store revision that snapshot reflects. Called once after the initial
-# list and again after every batch of watch events.
+# list and again after every batch of watch events. The mapping is a snapshot made for
+# the call: the watch never changes it afterwards, so the callee keeps it uncopied (a
+# copy of thousands of leases touches every one), and must not change it either.
 LeasesCallback = Callable[[Mapping[str, Lease], int], None]
 
 

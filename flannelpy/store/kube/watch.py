@@ -185,5 +185,6 @@ class LeaseMap:
                 )
         leases = self._by_key
         if always or leases != self._delivered:
-            self._delivered = dict(leases)
-            on_leases(dict(leases), rv_number(self.rv))
+            # One snapshot, kept and delivered: neither side changes it.
+            self._delivered = delivered = dict(leases)
+            on_leases(delivered, rv_number(self.rv))
