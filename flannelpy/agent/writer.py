@@ -62,6 +62,7 @@ from flannelpy.observe.probe_verdict import ProbeResult
 from flannelpy.store.open_store import StoreTraits
 from flannelpy.subnet.lease import Lease
 from flannelpy.subnet.manager import SubnetManager
+from flannelpy.subnet.memo import LeaseSnapshot
 from flannelpy.subnet.pools import Pool, primary_pools
 from flannelpy.subnet.subnet_env import read_previous_subnets
 
@@ -437,10 +438,16 @@ class Writer:
                 events.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        newest = max(
-            (i for i, e in enumerate(events) if isinstance(e, LeasesChanged)), default=None
-        )
-        kept = [e for i, e in enumerate(events) if not isinstance(e, LeasesChanged) or i == newest]
+        lists = [e for e in events if isinstance(e, LeasesChanged)]
+        newest = lists[-1] if lists else None
+        if newest is not None and isinstance(newest.leases, LeaseSnapshot):
+            # The newest follows what the skipped ones followed (their keys changed too).
+            for earlier in reversed(lists[:-1]):
+                if isinstance(earlier.leases, LeaseSnapshot):
+                    newest.leases.absorb(earlier.leases)
+                else:
+                    newest.leases.changed = None
+        kept = [e for e in events if not isinstance(e, LeasesChanged) or e is newest]
         for _ in range(len(events) - len(kept)):
             self.counts.handled("leases")
             self.metrics.agent_event("leases")

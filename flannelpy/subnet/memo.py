@@ -11,7 +11,7 @@ answer: with it or without it, the caller gets exactly what a fresh computation 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from itertools import compress, repeat
 from operator import is_, is_not
 from typing import Any, Generic, TypeVar, cast
@@ -19,6 +19,39 @@ from typing import Any, Generic, TypeVar, cast
 from flannelpy.subnet.lease import Lease
 
 T = TypeVar("T")
+
+
+class LeaseSnapshot(dict[str, Lease]):
+    """Every lease of one moment, keyed by store key, as a lease watch delivers it, and the
+    keys that changed since the snapshot it delivered before (``changed``; None: unknown,
+    as after a list). ``follows`` is that snapshot's ``token``. The watch never changes a
+    snapshot it delivered; the writer, skipping some, widens the next one's ``changed``
+    over them (:meth:`absorb`)."""
+
+    __slots__ = ("changed", "follows", "token")
+    changed: frozenset[str] | None
+    follows: object
+    token: object
+
+    def __init__(
+        self,
+        leases: Mapping[str, Lease],
+        changed: frozenset[str] | None = None,
+        previous: LeaseSnapshot | None = None,
+    ) -> None:
+        super().__init__(leases)
+        self.changed = changed if previous is not None else None
+        self.follows = previous.token if previous is not None else None
+        self.token = object()
+
+    def absorb(self, earlier: LeaseSnapshot) -> None:
+        """Follow what ``earlier`` followed: ``earlier`` was delivered just before this one
+        and is skipped, so the keys it changed count as changed here too."""
+        if self.changed is None or earlier.changed is None or self.follows is not earlier.token:
+            self.changed = None
+            return
+        self.changed = self.changed | earlier.changed
+        self.follows = earlier.follows
 
 
 class LeaseList(list[Lease]):
@@ -36,8 +69,13 @@ class LeaseList(list[Lease]):
     __slots__ = ("added", "by_key", "dropped", "follows", "token")
 
     def __init__(
-        self, leases: Mapping[str, Lease] | Iterable[Lease], previous: LeaseList | None = None
+        self,
+        leases: Mapping[str, Lease] | Iterable[Lease],
+        previous: LeaseList | None = None,
+        changed: Collection[str] | None = None,
     ) -> None:
+        """``changed``: the only keys of ``leases`` (a map) whose lease may differ from
+        ``previous``'s, when known: then only those are looked at."""
         if isinstance(leases, Mapping):
             super().__init__(leases.values())
             by_key: Mapping[Any, Lease] = leases  # store keys, or ids below
@@ -52,11 +90,15 @@ class LeaseList(list[Lease]):
         if previous is None:
             return
         now, before = by_key, previous.by_key
-        # In C: each key looked up in the other map, its lease compared by identity.
-        added = list(compress(now.values(), map(is_not, now.values(), map(before.get, now))))
-        dropped = list(
-            compress(before.values(), map(is_not, before.values(), map(now.get, before)))
-        )
+        if changed is not None:
+            keys = sorted(changed)  # one order, whatever the set's
+            added = [now[k] for k in keys if k in now and before.get(k) is not now[k]]
+            dropped = [before[k] for k in keys if k in before and now.get(k) is not before[k]]
+        else:  # in C: each key looked up in the other map, its lease compared by identity
+            added = list(compress(now.values(), map(is_not, now.values(), map(before.get, now))))
+            dropped = list(
+                compress(before.values(), map(is_not, before.values(), map(now.get, before)))
+            )
         if len(set(map(id, added + dropped))) == len(added) + len(dropped):
             self.follows, self.added, self.dropped = previous.token, added, dropped
         # else one lease object under two keys moved: no memo follows this list.

@@ -18,7 +18,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from itertools import compress, repeat
 
 from flannelpy.subnet.lease import Lease
-from flannelpy.subnet.memo import LeaseList, LeaseMemo
+from flannelpy.subnet.memo import LeaseList, LeaseMemo, LeaseSnapshot
 from flannelpy.subnet.span import overlaps, within
 
 # The reasons, a closed set (metric label values).
@@ -241,6 +241,7 @@ class PeerSplit:
         self._others: LeaseList | None = None  # the leases but ours, of the last call
         self._peers: LeaseList | None = None  # the last call's answer
         self._rejected: dict[str, Rejection] = {}
+        self._seen: tuple[object, frozenset[str]] | None = None  # last snapshot's token, own keys
 
     def split(
         self, leases: Mapping[str, Lease], own_keys: Iterable[str], bounds: Bounds
@@ -248,10 +249,19 @@ class PeerSplit:
         """The peers that may be programmed, in the map's order, and the rejected (a new
         dict the caller may change)."""
         others_map = dict(leases)  # in C: thousands of leases, our one or two to drop
-        for key in own_keys:
+        own = frozenset(own_keys)
+        for key in own:
             others_map.pop(key, None)
         last_others = self._others
-        others = self._others = LeaseList(others_map, last_others)
+        # A snapshot made after the last one, with the same own keys: only its changed
+        # keys can hold other leases than the last list's.
+        seen, self._seen = self._seen, None
+        changed = None
+        if isinstance(leases, LeaseSnapshot):
+            self._seen = (leases.token, own)
+            if seen == (leases.follows, own):
+                changed = leases.changed
+        others = self._others = LeaseList(others_map, last_others, changed)
         delta = self._verdicts.update(bounds, others, lambda lease: check_peer(lease, bounds))
         if delta.follows:  # verdicts line up with the leases that came and went
             rejected = self._rejected

@@ -42,6 +42,7 @@ from flannelpy.subnet.keys import (
 )
 from flannelpy.subnet.lease import Lease, LeaseAttrs
 from flannelpy.subnet.manager import CallbackFailed, LeasesCallback, guarded
+from flannelpy.subnet.memo import LeaseSnapshot
 from flannelpy.subnet.pools import Pool
 from flannelpy.subnet.validate import UNDECODABLE, Rejection
 
@@ -508,7 +509,7 @@ class EtcdSubnetManager:
         deliver = guarded(on_leases)
         backoff = self._backoff()
         leases: dict[str, Lease] | None = None
-        delivered: dict[str, Lease] | None = None  # what on_leases saw last
+        delivered: LeaseSnapshot | None = None  # what on_leases saw last
         revision = 0
         while not stop.is_set():
             try:
@@ -516,7 +517,7 @@ class EtcdSubnetManager:
                     leases, revision = self._first_list()
                     if leases != delivered:
                         backoff.reset()  # news reached us: the store works again
-                    delivered = dict(leases)
+                    delivered = LeaseSnapshot(leases)  # a list: what changed is unknown
                     deliver(delivered, revision)
                 stream = self._store.watch_prefix(self._subnets, revision + 1, stop)
                 for batch in stream:
@@ -525,7 +526,8 @@ class EtcdSubnetManager:
                     for event in batch.events:
                         self._apply(leases, event)
                     revision = batch.revision
-                    delivered = dict(leases)
+                    keys = frozenset(e.key[len(self._subnets) :] for e in batch.events)
+                    delivered = LeaseSnapshot(leases, keys, delivered)
                     deliver(delivered, revision)
                     # Only delivered news proves the store healthy: a watch created and
                     # cancelled at once (no leader), over an unchanged list, backs off.
