@@ -159,7 +159,10 @@ SCALED_CHURN = 40
 # The incident's pressure is churn per cooldown period: 200 per cooldown. Then up to
 # 110 + 200 = 310 > 253 would be needed: the pool does run dry until cooling ends.
 INCIDENT_CHURN = 200
-WAIT = 3.0  # ipWaitSeconds in the surviving configuration
+# ipWaitSeconds in the surviving configuration: one cooldown, the wait that holds whatever
+# the churn's pacing (every cooling address is free within it). Half a cooldown held on a
+# quiet machine, but under four labs an ADD once waited 2.9 s and was told "next free in 1 s".
+WAIT = COOLDOWN
 
 
 def test_field_notes_incident_reproduced_every_failure_honest_and_bounded_wait_survives() -> None:
@@ -207,7 +210,14 @@ def test_field_notes_incident_reproduced_every_failure_honest_and_bounded_wait_s
             watcher.join()
         scaled_calls = list(fleet.calls)
         assert [c for c in scaled_calls if c.returncode != 0] == []
-        assert STEADY_PODS < peak[0] <= STEADY_PODS + SCALED_CHURN + 3
+        # Cooling at any moment: the addresses released less than a cooldown before, at
+        # most the DELs that ran in one cooldown window: SCALED_CHURN when the churn keeps
+        # its pace (a loaded machine bunches it: counted from the DELs' own times).
+        dels = pu.calls_of(scaled_calls, "DEL")
+        bunched = max(
+            sum(1 for e in dels if e.started <= d.started < e.ended + 0.5 + COOLDOWN) for d in dels
+        )
+        assert STEADY_PODS < peak[0] <= STEADY_PODS + max(SCALED_CHURN, bunched) + 3
 
         # (2) The incident's pressure for 1.5 periods, no wait: the pool runs dry, and
         # every failure says exactly that (all addresses assigned or cooling).
