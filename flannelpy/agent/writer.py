@@ -443,10 +443,7 @@ class Writer:
         if newest is not None and isinstance(newest.leases, LeaseSnapshot):
             # The newest follows what the skipped ones followed (their keys changed too).
             for earlier in reversed(lists[:-1]):
-                if isinstance(earlier.leases, LeaseSnapshot):
-                    newest.leases.absorb(earlier.leases)
-                else:
-                    newest.leases.changed = None
+                newest.leases.absorb(earlier.leases)
         kept = [e for e in events if not isinstance(e, LeasesChanged) or e is newest]
         for _ in range(len(events) - len(kept)):
             self.counts.handled("leases")

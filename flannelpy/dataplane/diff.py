@@ -26,6 +26,7 @@ from flannelpy.dataplane.state import (
     Route,
     SetDelta,
     VxlanLink,
+    delta_between,
 )
 
 E = TypeVar("E", Route, Neighbour)
@@ -120,9 +121,9 @@ def _differences_of(
     from ``observed`` itself (the plan after the one the view holds); else the second
     from the first's size when it must be empty: a pass adds or deletes a peer's entries
     among thousands, and then one of the two is (each walks one whole set, in C)."""
-    for delta in deltas:
-        if delta.result is desired and delta.base is observed:
-            return delta.added, delta.removed
+    delta = delta_between(deltas, desired, observed)
+    if delta is not None:
+        return delta.added, delta.removed
     if len(desired) >= len(observed):
         added = desired - observed
         if len(desired) - len(added) == len(observed):  # every observed entry is desired

@@ -7,6 +7,7 @@ changes when a device is re-created, a name does not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from ipaddress import (
     IPv4Address,
@@ -151,6 +152,16 @@ class SetDelta:
     removed: frozenset[Any]
 
 
+def delta_between(
+    deltas: Sequence[SetDelta], result: frozenset[Any], base: frozenset[Any]
+) -> SetDelta | None:
+    """The delta that made ``result`` from ``base`` itself, if one of ``deltas`` did."""
+    for delta in deltas:
+        if delta.result is result and delta.base is base:
+            return delta
+    return None
+
+
 @dataclass(frozen=True)
 class DesiredState:
     """Everything the agent owns in the kernel. Anything of ours not listed here is stale.
@@ -178,18 +189,19 @@ class DesiredState:
     deltas: tuple[SetDelta, ...] = field(default=(), compare=False, repr=False)
 
 
+_COMPARED_FIELDS = tuple(f.name for f in fields(DesiredState) if f.compare)
+
+
 def same_plan(new: DesiredState, old: DesiredState | None) -> bool:
     """``new == old``, where ``new``'s deltas from ``old``'s own sets answer for those
     sets without comparing their entries (a rewritten MAC leaves a set's size alone)."""
     if old is None:
         return False
-    for f in fields(DesiredState):
-        if not f.compare:
-            continue
-        a, b = getattr(new, f.name), getattr(old, f.name)
+    for name in _COMPARED_FIELDS:
+        a, b = getattr(new, name), getattr(old, name)
         if a is b:
             continue
-        delta = next((d for d in new.deltas if d.result is a and d.base is b), None)
+        delta = delta_between(new.deltas, a, b)
         if delta is not None:
             if delta.added or delta.removed:
                 return False

@@ -44,10 +44,16 @@ class LeaseSnapshot(dict[str, Lease]):
         self.follows = previous.token if previous is not None else None
         self.token = object()
 
-    def absorb(self, earlier: LeaseSnapshot) -> None:
+    def absorb(self, earlier: Mapping[str, Lease]) -> None:
         """Follow what ``earlier`` followed: ``earlier`` was delivered just before this one
-        and is skipped, so the keys it changed count as changed here too."""
-        if self.changed is None or earlier.changed is None or self.follows is not earlier.token:
+        and is skipped, so the keys it changed count as changed here too (a map that is
+        no snapshot: what changed is unknown)."""
+        if (
+            self.changed is None
+            or not isinstance(earlier, LeaseSnapshot)
+            or earlier.changed is None
+            or self.follows is not earlier.token
+        ):
             self.changed = None
             return
         self.changed = self.changed | earlier.changed

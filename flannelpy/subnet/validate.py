@@ -233,8 +233,10 @@ class PeerSplit:
     :class:`~flannelpy.subnet.memo.LeaseList` s: the peers of each call are made after
     those of the last, so the memos fed with them apply what changed, and a verdict is
     reached once per lease object. What a call costs follows what changed, but for a
-    copy of the map and two passes over it in C. It answers exactly what :func:`split_peers` does
-    (the unit tests compare the two over random sequences)."""
+    copy of the map, and two passes over it in C unless the map is a
+    :class:`~flannelpy.subnet.memo.LeaseSnapshot` made after the last one, whose changed
+    keys are looked at alone. It answers exactly what :func:`split_peers` does (the unit
+    tests compare the two over random sequences)."""
 
     def __init__(self) -> None:
         self._verdicts: LeaseMemo[Rejection | None] = LeaseMemo()
