@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import subprocess
 import threading
 import time
@@ -34,6 +33,16 @@ from flannelpy_lab.errors import LabError
 from flannelpy.rollout import cordon
 from tests.support.kube_rollout import start_rollout
 from tests.support.lab_util import backlog_drops, unique_lab_name, wait_until
+from tests.support.pod_echoes import (
+    ECHO_INTERVAL,
+    REPLY,
+    STATS,
+    echo_counts,
+    judged_losses,
+    pairs,
+    start_pings,
+    unanswered_in_network,
+)
 
 pytestmark = [pytest.mark.lab]
 
@@ -155,63 +164,7 @@ def test_every_pod_pair_reaches_through_kubectl_exec(lab: Lab) -> None:
     assert unreachable_pairs(lab, pods) == []
 
 
-ECHO_INTERVAL = 0.1  # seconds between echoes of one pair
-_STATS = re.compile(r"(\d+) packets transmitted, (\d+) packets received")
-
-
 JUDGED = 600  # echoes of each pair judged in the rollout restart: 60 s
-
-
-def pairs(pods: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Every ordered pod pair, in the order start_pings runs them."""
-    return [(a, b) for a in pods for b in pods if a is not b]
-
-
-def judged_losses(out: str, judged: int) -> list[int]:
-    """The echoes below ``judged`` that ping's output shows no reply for, unless ping's own
-    count says each of them was answered (its unanswered are the unjudged tail's): a reply
-    line lost on its way through the exec stream is no lost packet. Printed then."""
-    match = _STATS.search(out)
-    assert match, out[-300:]
-    transmitted, received = int(match.group(1)), int(match.group(2))
-    replied = {int(seq) for seq, _ in _REPLY.findall(out)}
-    missing = sorted(set(range(judged)) - replied)  # busybox counts from 0
-    unanswered_tail = len(set(range(judged, transmitted)) - replied)
-    if missing and transmitted - received <= unanswered_tail:
-        print(f"ping counted {received} of {transmitted} answered; no reply line for {missing}")
-        return []
-    return missing
-
-
-def start_pings(lab: Lab, pods: list[dict[str, Any]], count: int) -> list[subprocess.Popen[str]]:
-    """Every ordered pod pair: one ``ping`` of ``count`` echoes, run through kubectl exec."""
-    binary = os.path.join(control_plane.record(lab.state)["bin_dir"], "kubectl")
-    kubeconfig = control_plane.admin_kubeconfig(lab.state)
-    return [
-        subprocess.Popen(
-            [
-                binary,
-                "--kubeconfig",
-                kubeconfig,
-                "exec",
-                a["metadata"]["name"],
-                "--",
-                "ping",
-                "-c",
-                str(count),
-                "-i",
-                str(ECHO_INTERVAL),
-                "-W",
-                "1",
-                b["status"]["podIP"],
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,  # apart: a kubectl warning must not split a reply line
-            text=True,
-            env=kube_api.proxyless_env(),
-        )
-        for a, b in pairs(pods)
-    ]
 
 
 def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
@@ -223,6 +176,7 @@ def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
     # 60 s judged; 10 echoes more, so the last judged one has a second to come back
     # whatever ping's own wait after its last echo.
     drops_before = backlog_drops()
+    counts_before = echo_counts(lab, pods)
     pingers = start_pings(lab, pods, count=JUDGED + 10)
     try:
         time.sleep(2)  # traffic flows before the first agent goes
@@ -251,24 +205,36 @@ def test_rollout_restart_of_the_agent_loses_no_echo(lab: Lab) -> None:
                 p.kill()
                 p.wait()
     drops = backlog_drops() - drops_before
-    lost = {}
+    unanswered = unanswered_in_network(lab, pods, counts_before)
+    missed = {}
     for (a, b), (out, err) in zip(pairs(pods), results, strict=True):
-        match = _STATS.search(out)
+        match = STATS.search(out)
         assert match, (out[-300:], err[-300:])
         assert int(match.group(1)) == JUDGED + 10, out[-300:]
+        assert "DUP!" not in out, out[-300:]  # a duplicate would hide a loss in the counts
         missing = judged_losses(out, JUDGED)
         if missing:
-            lost[f"{a['metadata']['name']}->{b['status']['podIP']}"] = (missing, err[-300:])
-    # Which echoes, by sequence number (one every ECHO_INTERVAL from the start); ping
-    # counts a late reply too, up to its exit a second after its last echo.
-    assert lost == {}, (
-        f"echoes lost during the rollout, by pair: {lost}; meanwhile the kernel dropped"
+            missed[f"{a['metadata']['name']}->{b['status']['podIP']}"] = (missing, err[-300:])
+    # The network's account: every echo request a pod sent had its reply reach the pod
+    # (its namespace's ICMP counters), the unjudged tail's too.
+    assert unanswered == {}, (
+        f"echo replies that never reached their pod during the rollout, by pod: {unanswered};"
+        f" echoes ping's output shows unanswered (sequence numbers, one every"
+        f" {ECHO_INTERVAL} s from the start), by pair: {missed}; meanwhile the kernel dropped"
         f" {drops} packets machine-wide for a full input backlog"
     )
+    report_socket_misses(missed)
+
+
+def report_socket_misses(missed: dict[str, Any]) -> None:
+    if missed:
+        print(
+            f"ping's output lacks replies {missed}, yet every reply reached its pod (the pod's"
+            " ICMP counters): dropped at ping's socket, not in the network"
+        )
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms")
 
 
 def node_samples(lab: Lab, stop: threading.Event, out: list[tuple[float, dict[str, bool]]]) -> None:
@@ -395,6 +361,7 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
     bindings = Bindings(lab)  # when each probe pod was seen bound: a watch, not polls
     t0 = time.monotonic()
     drops_before = backlog_drops()
+    counts_before = echo_counts(lab, pods)
     pingers = start_pings(lab, pods, count=100000)  # stopped by SIGINT once it is over
     rollout: subprocess.Popen[str] | None = None
     try:
@@ -438,21 +405,27 @@ def test_backend_rollout_under_cordon_loses_no_echo_and_the_scheduler_avoids_the
 
     last = [ln for ln in out.splitlines() if ln.startswith("rollout ")][-1]
     assert f" done: {len(NODES)} of {len(NODES)} nodes switched to host-gw " in last, last
-    # Zero lost echoes: every sequence number answered (the one in flight when the
-    # SIGINT came, sent after the rollout was over, aside).
-    total, worst_rtt = 0, 0.0
-    for pinger_out, pinger_err in results:
-        match = _STATS.search(pinger_out)
+    # Zero lost echoes: every request a pod sent had its reply reach the pod (its ICMP
+    # counters); ping's output, every sequence number but the one in flight at the SIGINT.
+    unanswered = unanswered_in_network(lab, pods, counts_before)
+    total, worst_rtt, missed = 0, 0.0, {}
+    for (a, b), (pinger_out, pinger_err) in zip(pairs(pods), results, strict=True):
+        match = STATS.search(pinger_out)
         assert match, (pinger_out[-300:], pinger_err[-300:])
+        assert "DUP!" not in pinger_out, pinger_out[-300:]
         sent = int(match.group(1))
-        replies = {int(s): float(t) for s, t in _REPLY.findall(pinger_out)}
+        replies = {int(s): float(t) for s, t in REPLY.findall(pinger_out)}
         missing = judged_losses(pinger_out, sent - 1)
-        assert missing == [], (
-            f"echoes {missing[:20]} lost of {sent}: {pinger_out[-300:]}; meanwhile the kernel"
-            f" dropped {drops} packets machine-wide for a full input backlog"
-        )
+        if missing:
+            missed[f"{a['metadata']['name']}->{b['status']['podIP']}"] = missing[:20]
         total += sent
         worst_rtt = max(worst_rtt, *replies.values())
+    assert unanswered == {}, (
+        f"echo replies that never reached their pod, by pod: {unanswered}; ping's output"
+        f" lacks, by pair: {missed}; meanwhile the kernel dropped {drops} packets"
+        " machine-wide for a full input backlog"
+    )
+    report_socket_misses(missed)
     took = time.monotonic() - t0
     print(
         f"echoes: {total} sent over {len(results)} pairs in {took:.0f} s, 0 lost, "
