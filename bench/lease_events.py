@@ -80,7 +80,7 @@ class Run:
     wall_seconds: float
 
 
-def events_inside(peers: int, events: int, rounds: int) -> list[Run]:
+def events_inside(peers: int, events: int, rounds: int, floor: bool) -> list[Run]:
     subnets = list(_peer_subnets())
     base = fake_peers(peers, subnets)
     extra = fake_peers(events, subnets[peers:], first_index=peers + 1000)
@@ -89,7 +89,8 @@ def events_inside(peers: int, events: int, rounds: int) -> list[Run]:
     with bench_node([]) as node:
         put_peers(node.endpoint, PREFIX, base)
         for r in range(rounds):
-            for impl in IMPLS if r % 2 == 0 else IMPLS[::-1]:
+            impls = (*IMPLS, "floor") if floor else IMPLS
+            for impl in impls if r % 2 == 0 else impls[::-1]:
                 _, running = time_start(impl, node, base, keys)
                 try:
                     time.sleep(SETTLE_SECONDS)
@@ -134,6 +135,7 @@ def idle_share(run: Run) -> float:
 
 
 def report(runs: Sequence[Run]) -> str:
+    floor = any(r.impl == "floor" for r in runs)
     rows = []
     for what, pick in (
         ("new lease -> route, p50 (ms)", lambda r: median(r.add_ms)),
@@ -142,12 +144,21 @@ def report(runs: Sequence[Run]) -> str:
         ("deleted lease -> no route, p95 (ms)", lambda r: percentile(r.delete_ms, 95)),
         ("CPU per event (ms)", lambda r: r.cpu_ms_per_event),
         ("of it the idle rate's share (ms)", idle_share),
+        ("CPU per event above idle (ms)", lambda r: r.cpu_ms_per_event - idle_share(r)),
     ):
-        ours = median([pick(r) for r in runs if r.impl == "ours"])
-        theirs = median([pick(r) for r in runs if r.impl == "flanneld"])
-        ratio = f"{ours / theirs:.2f}" if theirs else "-"
-        rows.append([what, f"{ours:.2f}", f"{theirs:.2f}", ratio])
-    return table(["ratio = ours / flanneld", "ours", "flanneld", "ratio"], rows)
+        figure = {
+            impl: median([pick(r) for r in runs if r.impl == impl])
+            for impl in ("ours", "flanneld", "floor")
+            if any(r.impl == impl for r in runs)
+        }
+        ours, theirs = figure["ours"], figure["flanneld"]
+        row = [what, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}" if theirs else "-"]
+        if floor:
+            least = figure["floor"]
+            row += [f"{least:.2f}", f"{least / theirs:.2f}" if theirs else "-"]
+        rows.append(row)
+    head = ["ratio = ours / flanneld", "ours", "flanneld", "ratio"]
+    return table(head + (["floor", "floor / flanneld"] if floor else []), rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=1050)
     parser.add_argument("--events", type=int, default=60, help="leases added and deleted")
     parser.add_argument("--rounds", type=int, default=1, help="starts per implementation")
+    parser.add_argument(
+        "--floor", action="store_true", help="bench.event_floor too: the least a Python agent does"
+    )
     parser.add_argument("--inside-netns", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("bench.lease_events needs root (network namespaces)", file=sys.stderr)
         return 2
     if args.inside_netns:
-        print(json.dumps([asdict(r) for r in events_inside(args.peers, args.events, args.rounds)]))
+        runs = events_inside(args.peers, args.events, args.rounds, args.floor)
+        print(json.dumps([asdict(r) for r in runs]))
         return 0
     compile_agent()
     load = load_average()
@@ -173,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         child = [
             sys.executable, "-m", "bench.lease_events", "--inside-netns",
             "--peers", str(args.peers), "--events", str(args.events), "--rounds", str(args.rounds),
+            *(["--floor"] if args.floor else []),
         ]  # fmt: skip
         proc = subprocess.run(
             ["ip", "netns", "exec", ns, *child], stdout=subprocess.PIPE, text=True, check=False

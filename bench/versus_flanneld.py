@@ -54,7 +54,7 @@ from ipaddress import IPv4Network
 from flannelpy_lab import Lab, agents, flanneld
 from flannelpy_lab import etcd as lab_etcd
 
-from bench.agent_start import NET_CONF, _peer_subnets, reference_netns
+from bench.agent_start import NET_CONF, REF_UNDERLAY, _peer_subnets, reference_netns
 from bench.common import (
     ETCD_TXN_OPS,
     FakePeer,
@@ -193,6 +193,10 @@ def argv_of(impl: str, node: BenchNode) -> tuple[list[str], dict[str, str]]:
             *node.agent_args,
         ]
         return argv, env
+    if impl == "floor":  # bench.event_floor: the least a Python agent does per event
+        floor = [sys.executable, "-m", "bench.event_floor", "--etcd-endpoint", node.endpoint]
+        floor += ["--prefix", subnets_prefix(PREFIX), "--subnet-file", node.subnet_env]
+        return [*floor, "--local", REF_UNDERLAY.split("/")[0]], dict(os.environ)
     return [flanneld.binary(), *store, *common, "--healthz-port", "0"], dict(os.environ)
 
 
