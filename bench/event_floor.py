@@ -17,7 +17,6 @@ subnet file (the benchmark's sign of ready).
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import subprocess
 import sys
@@ -27,17 +26,11 @@ import urllib3
 
 from flannelpy.dataplane import nlbatch as nl
 from flannelpy.dataplane import rtnl
+from flannelpy.store.etcd.member import b64, prefix_end, unb64
+from flannelpy.store.http import Stream
 
 DEVICE = "flannel.1"
 PROTOCOL = 3  # RTPROT_BOOT, as `ip route` writes
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _prefix_end(prefix: str) -> str:
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 class Floor:
@@ -91,14 +84,16 @@ class Floor:
         link = nl.get_link(self.sock, DEVICE)
         assert link is not None
         self.ifindex = link.index
-        body = {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix))}
-        doc = self._post("/v3/kv/range", body)
+        doc = self._post("/v3/kv/range", self._range())
         batch = []
         for kv in doc.get("kvs", []):
-            key = base64.b64decode(kv["key"]).decode()
-            batch += self.requests(key, base64.b64decode(kv["value"]))
+            batch += self.requests(unb64(kv["key"]).decode(), unb64(kv["value"]))
         self.sock.batch(batch)
         return int(doc["header"]["revision"])
+
+    def _range(self) -> dict[str, str]:
+        """The prefix as etcd's JSON gateway takes a key range."""
+        return {"key": b64(self.prefix), "range_end": b64(prefix_end(self.prefix.encode()))}
 
     def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
         resp = self.http.request("POST", self.endpoint + path, body=json.dumps(body).encode())
@@ -106,13 +101,7 @@ class Floor:
         return doc
 
     def watch(self, revision: int) -> None:
-        body = {
-            "create_request": {
-                "key": _b64(self.prefix),
-                "range_end": _b64(_prefix_end(self.prefix)),
-                "start_revision": revision + 1,
-            }
-        }
+        body = {"create_request": {**self._range(), "start_revision": revision + 1}}
         resp = self.http.request(
             "POST",
             self.endpoint + "/v3/watch",
@@ -120,13 +109,9 @@ class Floor:
             preload_content=False,
             timeout=urllib3.Timeout(connect=5, read=None),
         )
-        partial = b""
-        for chunk in resp.stream(amt=None, decode_content=False):
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()
-            for line in lines:
-                if line.strip():
-                    self.on_message(json.loads(line))
+        for line in Stream(resp).lines():  # the agent's own line splitting
+            if line.strip():
+                self.on_message(json.loads(line))
 
     def on_message(self, message: dict[str, object]) -> None:
         result = message.get("result")
@@ -135,9 +120,8 @@ class Floor:
         batch = []
         for event in result.get("events", ()):
             kv = event["kv"]
-            key = base64.b64decode(kv["key"]).decode()
-            value = None if event.get("type") == "DELETE" else base64.b64decode(kv["value"])
-            batch += self.requests(key, value)
+            value = None if event.get("type") == "DELETE" else unb64(kv["value"])
+            batch += self.requests(unb64(kv["key"]).decode(), value)
         if batch:
             self.sock.batch(batch)
 

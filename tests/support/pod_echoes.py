@@ -39,9 +39,11 @@ def pairs(pods: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, An
 def judged_losses(out: str, judged: int) -> list[int]:
     """The echoes below ``judged`` that ping's output shows no reply for, unless ping's own
     count says each of them was answered (its unanswered are the unjudged tail's): a reply
-    line lost on its way through the exec stream is no lost packet. Printed then."""
+    line lost on its way through the exec stream is no lost packet. Printed then. A
+    duplicate reply fails here: it would hide a loss in the pod's counts."""
     match = STATS.search(out)
     assert match, out[-300:]
+    assert "DUP!" not in out, out[-300:]
     transmitted, received = int(match.group(1)), int(match.group(2))
     replied = {int(seq) for seq, _ in REPLY.findall(out)}
     missing = sorted(set(range(judged)) - replied)  # busybox counts from 0
@@ -123,3 +125,12 @@ def unanswered_in_network(
         if not any(short.values()) or time.monotonic() >= deadline:
             return {name: n for name, n in short.items() if n}
         time.sleep(0.5)
+
+
+def report_socket_misses(missed: dict[str, Any]) -> None:
+    """Echoes ping's output lacks while the pods' counters show every reply arrived."""
+    if missed:
+        print(
+            f"ping's output lacks replies {missed}, yet every reply reached its pod (the pod's"
+            " ICMP counters): dropped at ping's socket, not in the network"
+        )
