@@ -141,3 +141,14 @@ def test_the_image_and_the_bootstrap_install_only_from_the_lock() -> None:
     # CI runs the test command, which runs the bootstrap that installs the lock.
     assert "scripts/test.sh" in commands(".ci/run")
     assert "scripts/bootstrap.sh" in commands("scripts/test.sh")
+
+
+def test_the_installer_is_pinned_with_hashes_and_installs_the_lock() -> None:
+    """uv, which the bootstrap installs the lock with, is itself pinned by hash."""
+    text = (REPO / "requirements-installer.lock").read_text(encoding="utf-8")
+    (pin,) = re.findall(r"^uv==(\S+) ", text, re.M)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pin), pin
+    assert len(re.findall(r"--hash=sha256:[0-9a-f]{64}", text)) >= 1
+    installs = pip_installs(commands("scripts/bootstrap.sh"))
+    assert any("--require-hashes -r requirements-installer.lock" in i for i in installs)
+    assert any("--require-hashes -r requirements.lock" in i for i in installs), installs
