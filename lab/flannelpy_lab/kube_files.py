@@ -65,6 +65,11 @@ def admin_token(state: LabState) -> str:
         return token
 
 
+# P-256 keys, which every component takes (ES256 ServiceAccount tokens too): an RSA-2048
+# key took 0.36 s of CPU here, a P-256 one 0.01 s, and a kubelet lab makes about ten.
+EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+
 def openssl(*args: str) -> None:
     proc = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -80,9 +85,7 @@ def make_pki(state: LabState) -> None:
     openssl(
         "req",
         "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
+        *EC_KEY,
         "-days",
         "2",
         "-subj",
@@ -101,8 +104,8 @@ def make_pki(state: LabState) -> None:
             f"DNS:localhost,{names}\n"
         )
     signed_cert(state, "apiserver", "/CN=kube-apiserver", p("apiserver.ext"))
-    openssl("genrsa", "-out", p("sa.key"), "2048")
-    openssl("rsa", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
+    openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout", "-out", p("sa.key"))
+    openssl("ec", "-in", p("sa.key"), "-pubout", "-out", p("sa.pub"))
     admin, kcm = secrets.token_hex(16), secrets.token_hex(16)
     with open(p("tokens.csv"), "w", encoding="utf-8") as f:
         f.write(
@@ -129,8 +132,7 @@ def signed_cert(
     ``pki/<name>.key`` and ``.crt`` (``extfile``: its extensions); returns the
     certificate's and the key's paths."""
     p = lambda ext: kube_path(state, "pki", f"{name}.{ext}")  # noqa: E731
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", p("key"),
-            "-out", p("csr"))  # fmt: skip
+    openssl("req", *EC_KEY, "-subj", subject, "-keyout", p("key"), "-out", p("csr"))
     extensions = ("-extfile", extfile) if extfile else ()
     openssl("x509", "-req", "-in", p("csr"), "-CA", kube_path(state, "pki", "ca.crt"),
             "-CAkey", kube_path(state, "pki", "ca.key"), "-CAcreateserial", "-days", "2",
