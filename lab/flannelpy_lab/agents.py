@@ -227,6 +227,26 @@ def check_ready(node: NodeInfo, state: LabState | None = None) -> SubnetEnv | No
     return None
 
 
+# flanneld (v0.28.9, etcd mode) picks a random free subnet and exits when another agent
+# created the same one between its read and its write ("failed to acquire lease: subnet
+# already exists"): agents started together hit it about once in a few hundred starts.
+# Flannel's DaemonSet restarts the pod; the lab does what it would.
+FLANNELD_LEASE_RACE = "failed to acquire lease: subnet already exists"
+FLANNELD_RESTARTS = 3
+
+
+def lost_lease_race(node: NodeInfo) -> bool:
+    """Did the node's flanneld exit on the lease race, in its latest start's log?"""
+    if not node.runs_flanneld:
+        return False
+    try:
+        with open(node.agent_log, encoding="utf-8", errors="replace") as f:
+            latest = f.read().rsplit("--- lab: ", 1)[-1]
+    except FileNotFoundError:
+        return False
+    return FLANNELD_LEASE_RACE in latest
+
+
 def not_ready_error(nodes: list[NodeInfo], timeout: float) -> LabError:
     first = nodes[0]
     names = ", ".join(n.name for n in nodes)

@@ -15,6 +15,7 @@ from flannelpy_lab import agents, etcd, kube_netpol, plan, prometheus, topology
 from flannelpy_lab import kube as control_plane
 from flannelpy_lab import kubelet as real_nodes
 from flannelpy_lab.agents import SubnetEnv
+from flannelpy_lab.errors import LabError
 from flannelpy_lab.state import LabState, NodeInfo
 
 Progress = Callable[[str], None]
@@ -90,9 +91,21 @@ def wait_all_ready(
     deadline = time.monotonic() + timeout
     total = len(nodes)
     say(f"[6/{UP_STEPS}] starting agents 0/{total} ready")
+    restarts = dict.fromkeys((n.name for n in nodes), 0)
     while pending:
         for node in list(pending):
-            env = agents.check_ready(node, state)
+            try:
+                env = agents.check_ready(node, state)
+            except LabError:
+                if restarts[node.name] == agents.FLANNELD_RESTARTS or not agents.lost_lease_race(
+                    node
+                ):
+                    raise
+                restarts[node.name] += 1
+                say(f"      flanneld on {node.name} lost a lease race; restarting it")
+                agents.start(state, node)
+                save()
+                continue
             if env is not None:
                 on_ready(state, node, env, save)
                 pending.remove(node)

@@ -24,10 +24,10 @@ from flannelpy.errors import ConfigError
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flannelpy.__file__)))
 
 
-def make_lab(tmp_path: Path) -> Lab:
-    state = plan.plan_lab(
+def planned(tmp_path: Path, nodes: int = 3, flanneld_nodes: int = 0) -> state_io.LabState:
+    return plan.plan_lab(
         "unit",
-        3,
+        nodes,
         "vxlan",
         direct_routing=False,
         segments=1,
@@ -36,7 +36,12 @@ def make_lab(tmp_path: Path) -> Lab:
         subnets=[IPv4Network("100.64.9.0/24")],
         overlay_bridge=False,
         lab_root=str(tmp_path),
+        flanneld_nodes=flanneld_nodes,
     )
+
+
+def make_lab(tmp_path: Path) -> Lab:
+    state = planned(tmp_path)
     state_io.save(state)
     return Lab(state)
 
@@ -184,3 +189,22 @@ def test_run_hands_the_command_the_labs_store_and_nothing_of_ours(
     )
     assert lab_cli.main(["env", "unit", "--node", "n9"]) == 1
     assert "lab unit has no node 'n9'" in capfd.readouterr().err
+
+
+def test_a_flanneld_that_lost_the_lease_race_is_told_from_other_exits(tmp_path: Path) -> None:
+    ours, theirs = planned(tmp_path, nodes=2, flanneld_nodes=1).nodes
+    assert theirs.runs_flanneld and not ours.runs_flanneld
+    log = Path(theirs.agent_log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    assert not agents.lost_lease_race(theirs)  # no log yet
+    race = f"E1207 main.go:384] Error registering network: {agents.FLANNELD_LEASE_RACE}\n"
+    log.write_text(f"--- lab: flanneld starting at T\n{race}")
+    assert agents.lost_lease_race(theirs)
+    # Only the latest start counts: a restart that failed otherwise is not the race.
+    log.write_text(f"--- lab: flanneld starting at T\n{race}--- lab: flanneld starting at U\n"
+                   "E1207 main.go:384] failed to find interface\n")  # fmt: skip
+    assert not agents.lost_lease_race(theirs)
+    # Our agent never is.
+    Path(ours.agent_log).parent.mkdir(parents=True, exist_ok=True)
+    Path(ours.agent_log).write_text(f"--- lab: flannelpy starting at T\n{race}")
+    assert not agents.lost_lease_race(ours)
