@@ -221,10 +221,15 @@ def test_field_notes_incident_reproduced_every_failure_honest_and_bounded_wait_s
 
         # (2) The incident's pressure for 1.5 periods, no wait: the pool runs dry, and
         # every failure says exactly that (all addresses assigned or cooling).
-        fleet.churn(STEADY_PODS, int(1.5 * INCIDENT_CHURN), 1.5 * COOLDOWN)
-        incident = fleet.calls[len(scaled_calls) :]
-        failed = [c for c in pu.calls_of(incident, "ADD") if c.returncode != 0]
-        assert failed, "the incident's churn should have drained the pool for a while"
+        # A machine loaded by other labs runs the churn slower than asked (each step's DEL
+        # and ADD take longer, so fewer addresses cool at once): up to three rounds of it.
+        for _ in range(3):
+            fleet.churn(STEADY_PODS, int(1.5 * INCIDENT_CHURN), 1.5 * COOLDOWN)
+            incident = fleet.calls[len(scaled_calls) :]
+            failed = [c for c in pu.calls_of(incident, "ADD") if c.returncode != 0]
+            if failed:
+                break
+        assert failed, "three rounds of the incident's churn never drained the pool"
         for call in failed:
             assert call.error_code == 100, call
             claim = pu.parse_exhaustion(call.error_msg)
