@@ -83,20 +83,20 @@ apt_packages() {
 # by that pin (once per machine: about 15 s). A stamp per extent ("full" serves every scope)
 # skips it next time.
 venv() {
-  local python=${PYTHON:-python3} key uv_home
+  local python=${PYTHON:-python3} key uv_home uv
   uv_home=/var/cache/flannelpy/uv-$(sha1sum <requirements-installer.lock | cut -c1-12)
-  if [ ! -x "$uv_home/bin/uv" ]; then
+  uv=$uv_home/bin/uv
+  if [ ! -x "$uv" ]; then
     rm -rf "$uv_home"
     "$python" -m venv "$uv_home"
     "$uv_home"/bin/pip install -q --require-hashes -r requirements-installer.lock
   fi
   # uv's cache beside the Go peers'; the system's CA store, as pip uses it.
   export UV_CACHE_DIR=${UV_CACHE_DIR:-/var/cache/flannelpy/uv-cache} UV_NATIVE_TLS=1
-  [ -x .venv/bin/python ] || "$uv_home/bin/uv" venv -q --python "$python" .venv
+  [ -x .venv/bin/python ] || "$uv" venv -q --python "$python" .venv
   key=.venv/.installed-$(cat pyproject.toml lab/pyproject.toml requirements.lock | sha1sum | cut -c1-12)
   [ -f "$key-full" ] && return 0
   [[ $1 == lab && -f "$key-lab" ]] && return 0
-  local uv=$uv_home/bin/uv
   extent=full
   if [[ $1 == lab ]]; then
     extent=lab

@@ -131,8 +131,7 @@ def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
         env["FLANNELD_HOST_LOCAL_DIR"] = flanneld.host_local_network_dir(node)
     env["NODE_NAME"] = node.name  # the downward API's job in a DaemonSet
     started_at = time.time()
-    with open(node.agent_log, "a", encoding="utf-8") as log:
-        log.write(f"--- lab: {node.agent_kind} starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    procs.mark_start(node.agent_log, node.agent_kind)
     ref = procs.spawn_detached(topology.exec_argv(node.namespace, argv), node.agent_log, env)
     node.agent_pid, node.agent_start_ticks = ref.pid, ref.start_ticks
     node.agent_started_at = started_at
@@ -237,14 +236,7 @@ FLANNELD_RESTARTS = 3
 
 def lost_lease_race(node: NodeInfo) -> bool:
     """Did the node's flanneld exit on the lease race, in its latest start's log?"""
-    if not node.runs_flanneld:
-        return False
-    try:
-        with open(node.agent_log, encoding="utf-8", errors="replace") as f:
-            latest = f.read().rsplit("--- lab: ", 1)[-1]
-    except FileNotFoundError:
-        return False
-    return FLANNELD_LEASE_RACE in latest
+    return node.runs_flanneld and FLANNELD_LEASE_RACE in procs.latest_run(node.agent_log)
 
 
 def not_ready_error(nodes: list[NodeInfo], timeout: float) -> LabError:

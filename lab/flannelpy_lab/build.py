@@ -97,9 +97,8 @@ def wait_all_ready(
             try:
                 env = agents.check_ready(node, state)
             except LabError:
-                if restarts[node.name] == agents.FLANNELD_RESTARTS or not agents.lost_lease_race(
-                    node
-                ):
+                retries_left = restarts[node.name] < agents.FLANNELD_RESTARTS
+                if not (retries_left and agents.lost_lease_race(node)):
                     raise
                 restarts[node.name] += 1
                 say(f"      flanneld on {node.name} lost a lease race; restarting it")

@@ -161,8 +161,7 @@ def environ(state: LabState, node: NodeInfo) -> dict[str, str]:
 
 
 def start(state: LabState, node: NodeInfo) -> procs.ProcessRef:
-    with open(log_path(node), "a", encoding="utf-8") as log:
-        log.write(f"--- lab: {PEER} starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    procs.mark_start(log_path(node), PEER)
     ref = procs.spawn_detached(argv(state, node), log_path(node), environ(state, node))
     state.extra.setdefault(STATE_KEY, {})[node.name] = [ref.pid, ref.start_ticks]
     return ref

@@ -238,8 +238,7 @@ def start(
     binary = state.extra.get("flanneld_binary") or flanneld.binary()
     started_at = time.time()
     os.makedirs(os.path.dirname(node.agent_log), exist_ok=True)
-    with open(node.agent_log, "a", encoding="utf-8") as log:
-        log.write(f"--- lab: flanneld starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    procs.mark_start(node.agent_log, "flanneld")
     ref = procs.spawn_detached(
         argv(state, node, runtime_pid, binary), node.agent_log, environ(node)
     )

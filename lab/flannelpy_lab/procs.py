@@ -196,6 +196,25 @@ def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
 
 
+# The line a process's log gets before each start: what follows the last one is its run.
+START_MARK = "--- lab: "
+
+
+def mark_start(path: str, what: str) -> None:
+    """Append the start line of ``what`` to its log."""
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(f"{START_MARK}{what} starting at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+
+
+def latest_run(path: str) -> str:
+    """The log of the latest start (the whole log if it has no start line); "" if none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(START_MARK, 1)[-1]
+    except FileNotFoundError:
+        return ""
+
+
 def log_tail(path: str, lines: int = 10) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:

@@ -25,7 +25,7 @@ from ipaddress import IPv4Interface, IPv4Network
 from typing import Any
 
 import pytest
-from flannelpy_lab import Lab
+from flannelpy_lab import Lab, procs
 from flannelpy_lab.pods import pod_matrix
 from flannelpy_lab.state import PodInfo
 
@@ -159,9 +159,7 @@ def addresses(lab: Lab, node: str) -> dict[str, set[IPv4Interface]]:
 
 def log_since_start(lab: Lab, node: str) -> str:
     """The node's agent log since its last start (the lab marks each start)."""
-    with open(lab.node(node).agent_log, encoding="utf-8") as f:
-        text = f.read()
-    return text.rsplit("--- lab: agent starting at", 1)[-1]
+    return procs.latest_run(lab.node(node).agent_log)
 
 
 def net_of(pod: PodInfo) -> IPv4Network:
